@@ -1,0 +1,1 @@
+"""Operator scripts; each is also installed as a console command."""
