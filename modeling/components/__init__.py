@@ -1,0 +1,11 @@
+"""Built-in registry entries; importing this package registers them all."""
+
+from modeling.components import (  # noqa: F401
+    embedding,
+    hooks,
+    kernels,
+    loss,
+    mlp,
+    norms,
+    positional,
+)

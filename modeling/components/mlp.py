@@ -1,0 +1,61 @@
+"""Nested (MatFormer) feed-forward blocks, registered as mlp/<activation>.
+
+``forward(x, width)`` uses only the first ``width`` FFN neurons: rows [:width] of
+gate_proj/up_proj and columns [:, :width] of down_proj, taken with ``narrow`` so they are
+views of the universal weights. Gradients reach the shared prefix; the tail gets exactly 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from modeling.components.init import linear
+from modeling.registry import registry
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) · up(x)); subclasses choose the activation."""
+
+    def __init__(self, config: Any, **_: Any) -> None:
+        super().__init__()
+        hidden, inner = config.hidden_size, config.intermediate_size
+        self.gate_proj = linear(config, hidden, inner)
+        self.up_proj = linear(config, hidden, inner)
+        self.down_proj = linear(config, inner, hidden)
+
+    def activation(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, width: int) -> Tensor:
+        gate = F.linear(x, self.gate_proj.weight.narrow(0, 0, width))  # (B, T, width)
+        up = F.linear(x, self.up_proj.weight.narrow(0, 0, width))
+        return F.linear(self.activation(gate) * up, self.down_proj.weight.narrow(1, 0, width))
+
+
+@registry.register("mlp", "swiglu", "torch")
+class SwiGLU(GatedMLP):
+    def activation(self, x: Tensor) -> Tensor:
+        return F.silu(x)
+
+
+@registry.register("mlp", "geglu", "torch")
+class GeGLU(GatedMLP):
+    def activation(self, x: Tensor) -> Tensor:
+        return F.gelu(x)
+
+
+@registry.register("mlp", "gelu", "torch")
+class GeluMLP(nn.Module):
+    """down(gelu(up(x))): the classic two-matrix FFN."""
+
+    def __init__(self, config: Any, **_: Any) -> None:
+        super().__init__()
+        self.up_proj = linear(config, config.hidden_size, config.intermediate_size)
+        self.down_proj = linear(config, config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: Tensor, width: int) -> Tensor:
+        hidden = F.gelu(F.linear(x, self.up_proj.weight.narrow(0, 0, width)))  # (B, T, width)
+        return F.linear(hidden, self.down_proj.weight.narrow(1, 0, width))

@@ -1,0 +1,21 @@
+"""Error types of the modeling package: each names what is wrong and how to fix it."""
+
+
+class MatformerError(Exception):
+    """Base class of every error Matformer raises on purpose."""
+
+
+class ConfigError(MatformerError, ValueError):
+    """A model or layer config is malformed (unknown key, impossible shape, bad value)."""
+
+
+class RegistryError(MatformerError, LookupError):
+    """A registry lookup named a component that does not exist or cannot run here."""
+
+
+class TierError(MatformerError, ValueError):
+    """A MatFormer tier or Mix'n'Match tier list cannot be realised on this model."""
+
+
+class HookPositionError(ConfigError):
+    """A hook was attached at a position the transformer block does not expose."""

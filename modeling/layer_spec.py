@@ -1,0 +1,67 @@
+"""From config to specs: the one place where component names are resolved in the registry.
+
+Everything is resolved before any module is built, so a config that names something
+unknown fails before a single tensor is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from modeling.attention import AttentionSubmodules, SelfAttention
+from modeling.block import BlockSubmodules
+from modeling.config import LayerConfig, ModelConfig
+from modeling.registry import Registry
+from modeling.registry import registry as default_registry
+from modeling.spec import Identity, ModuleSpec
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """Every module of a model, as specs."""
+
+    embedding: ModuleSpec
+    positional: ModuleSpec
+    layers: list[ModuleSpec]
+    final_norm: ModuleSpec | type
+    loss: ModuleSpec
+
+
+def layer_spec(layer: LayerConfig, registry: Registry) -> ModuleSpec:
+    """The spec of one transformer block."""
+    norm = ModuleSpec(registry.get("norm", layer.normalization))
+    hooks = {
+        position: ModuleSpec(registry.get("hook", name), params=params)
+        for position, (name, params) in layer.hook_specs().items()
+    }
+    attention = ModuleSpec(
+        SelfAttention,
+        submodules=AttentionSubmodules(
+            kernel=ModuleSpec(registry.get("attention", "kernel", layer.attn_impl))
+        ),
+    )
+    return ModuleSpec(
+        registry.get("block", layer.normalization_position),
+        submodules=BlockSubmodules(
+            input_layernorm=norm,
+            self_attn=attention,
+            post_attention_layernorm=norm,
+            mlp=ModuleSpec(registry.get("mlp", layer.ffn_activation)),
+            hooks=hooks,
+        ),
+    )
+
+
+def model_spec(config: ModelConfig, registry: Registry = default_registry) -> ModelSpec:
+    """Resolve a whole model config; loads the config's external modules first."""
+    registry.load_modules(config.external_modules_path)
+    layers = [layer_spec(layer, registry) for layer in config.layer_configs()]
+    last = config.layer_configs()[-1]
+    norm = ModuleSpec(registry.get("norm", last.normalization))
+    return ModelSpec(
+        embedding=ModuleSpec(registry.get("embedding", "token")),
+        positional=ModuleSpec(registry.get("positional", config.default_layer.positional_encoding)),
+        layers=layers,
+        final_norm=norm if layers[-1].module.needs_final_norm else Identity,
+        loss=ModuleSpec(registry.get("loss", "cross_entropy")),
+    )

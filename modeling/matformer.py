@@ -1,0 +1,67 @@
+"""MatFormer tiers: which FFN width each layer uses.
+
+Tier ``t`` uses the first ``base / 2**t`` FFN neurons, where ``base`` is the universal
+width (``matformer_base_intermediate_size``). Tiers are absolute: a checkpoint sliced at
+tier 1 can run tiers 1, 2, ... but not tier 0, whose neurons it does not hold.
+Mix'n'Match gives one tier per layer; width may shrink with depth but never grow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from modeling.errors import TierError
+
+Tier = int | Sequence[int]  # one tier for every layer, or one per layer (Mix'n'Match)
+
+
+def tier_width(config: Any, tier: int) -> int:
+    """FFN width of ``tier``; raises TierError when it is not a whole number ≥ 1."""
+    base = config.matformer_base_intermediate_size
+    if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
+        raise TierError(f"a tier is an integer >= 0, got {tier!r}.")
+    width = base >> tier
+    if width < 1 or width << tier != base:
+        raise TierError(
+            f"tier {tier} would use {base}/2**{tier} = {base / 2**tier:g} FFN neurons, which is "
+            f"not a whole number >= 1; with base width {base} the deepest tier is "
+            f"{_deepest_tier(base)}."
+        )
+    if tier < config.matformer_tier:
+        raise TierError(
+            f"tier {tier} needs {width} FFN neurons but this checkpoint is the tier "
+            f"{config.matformer_tier} slice ({config.intermediate_size} neurons); load the "
+            "universal checkpoint to run a larger tier."
+        )
+    return width
+
+
+def layer_widths(config: Any, tier: Tier | None = None) -> list[int]:
+    """The FFN width of every layer at ``tier`` (default: the checkpoint's own tier)."""
+    layers = config.num_hidden_layers
+    if tier is None:
+        tier = config.matformer_tier
+    if isinstance(tier, int):
+        return [tier_width(config, tier)] * layers
+    tiers = list(tier)
+    if len(tiers) != layers:
+        raise TierError(
+            f"a Mix'n'Match tier list needs one tier per layer ({layers}), got {len(tiers)}."
+        )
+    for depth in range(1, layers):
+        if tiers[depth] < tiers[depth - 1]:
+            raise TierError(
+                f"Mix'n'Match tiers {tiers} grow wider with depth at layer {depth} "
+                f"(tier {tiers[depth - 1]} then {tiers[depth]}); a deeper layer must use the "
+                "same or a higher tier."
+            )
+    return [tier_width(config, t) for t in tiers]
+
+
+def _deepest_tier(base: int) -> int:
+    tier = 0
+    while base % 2 == 0 and base > 1:
+        base //= 2
+        tier += 1
+    return tier

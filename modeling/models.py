@@ -1,0 +1,173 @@
+"""Transformer models, from a bare stack of blocks to complete training objectives.
+
+NakedTransformer            blocks + final norm on hidden states (no vocabulary)
+TransformerWithEmbeddingHead  + token embeddings: ids in, hidden states out
+TransformerWithLMHead       + output projection: ids in, logits out
+AutoregressiveModel         causal language modelling loss
+BERTModel                   masked language modelling loss
+
+Module names follow Hugging Face Llama (``model.layers.3.mlp.up_proj.weight``), so a
+Llama-shaped model's state dict is already in canonical names.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from modeling.attention import AttentionContext
+from modeling.components.init import linear
+from modeling.components.loss import IGNORE_INDEX
+from modeling.config import ModelConfig
+from modeling.errors import ConfigError
+from modeling.layer_spec import ModelSpec, model_spec
+from modeling.matformer import Tier, layer_widths
+from modeling.spec import build_module
+
+
+class NakedTransformer(nn.Module):
+    """The block stack with positional encoding and final norm: (B, T, C) → (B, T, C)."""
+
+    def __init__(self, config: ModelConfig, spec: ModelSpec | None = None) -> None:
+        config.validate()
+        spec = spec or model_spec(config)  # resolves every name before allocating
+        super().__init__()
+        self.config = config
+        self.embed_positions = build_module(spec.positional, config=config)
+        self.layers = nn.ModuleList(build_module(layer, config=config) for layer in spec.layers)
+        self.norm = build_module(spec.final_norm, config=config)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        tier: Tier | None = None,
+    ) -> Tensor:
+        """``attention_mask`` (B, T) is 1 for real tokens; ``tier`` picks the FFN widths."""
+        widths = layer_widths(self.config, tier)
+        batch, length, _ = hidden.shape
+        if length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {length} exceeds max_position_embeddings="
+                f"{self.config.max_position_embeddings}; shorten the input or raise the limit."
+            )
+        if position_ids is None:
+            position_ids = torch.arange(length, device=hidden.device).expand(batch, length)
+        padding = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            padding = attention_mask.to(torch.bool)
+        hidden = self.embed_positions.embed(hidden, position_ids)
+        context = AttentionContext(
+            positional=self.embed_positions,
+            positional_state=self.embed_positions.prepare(position_ids, hidden.dtype),
+            causal=self.config.is_causal,
+            key_padding_mask=padding,
+        )
+        for layer, width in zip(self.layers, widths, strict=True):
+            hidden = layer(hidden, context, width)
+        return self.norm(hidden)
+
+
+class TransformerWithEmbeddingHead(NakedTransformer):
+    """Token ids (B, T) → hidden states (B, T, C)."""
+
+    def __init__(self, config: ModelConfig, spec: ModelSpec | None = None) -> None:
+        spec = spec or model_spec(config)
+        super().__init__(config, spec)
+        self.embed_tokens = build_module(spec.embedding, config=config)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        tier: Tier | None = None,
+    ) -> Tensor:
+        return super().forward(self.embed_tokens(input_ids), attention_mask, position_ids, tier)
+
+
+class TransformerWithLMHead(nn.Module):
+    """Token ids (B, T) → logits (B, T, V); ``lm_head`` may share the embedding weight."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        config.validate()
+        spec = model_spec(config)
+        super().__init__()
+        self.config = config
+        self.model = TransformerWithEmbeddingHead(config, spec)
+        self.lm_head = linear(config, config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.loss_fn = build_module(spec.loss, config=config)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        tier: Tier | None = None,
+    ) -> Tensor:
+        return self.lm_head(self.model(input_ids, attention_mask, position_ids, tier))
+
+
+class AutoregressiveModel(TransformerWithLMHead):
+    """GPT-style: predict token t+1 from tokens ≤ t."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        if not config.is_causal:
+            raise ConfigError("AutoregressiveModel needs is_causal=true (a causal mask).")
+        super().__init__(config)
+
+    def loss(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, tier: Tier | None = None
+    ) -> Tensor:
+        """Mean next-token cross-entropy; padded positions carry no loss."""
+        logits = self(input_ids, attention_mask, tier=tier)[:, :-1]  # (B, T-1, V)
+        labels = input_ids[:, 1:].clone()
+        if attention_mask is not None:
+            labels[attention_mask[:, 1:] == 0] = IGNORE_INDEX
+        return self.loss_fn(logits, labels)
+
+
+class BERTModel(TransformerWithLMHead):
+    """BERT-style: replace a fraction of tokens with the mask token and predict them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        if config.is_causal:
+            raise ConfigError("BERTModel needs is_causal=false (bidirectional attention).")
+        if config.mask_token_id is None or not 0 <= config.mask_token_id < config.vocab_size:
+            raise ConfigError(
+                "BERTModel needs a mask_token_id inside the vocabulary "
+                f"(0..{config.vocab_size - 1}), got {config.mask_token_id!r}."
+            )
+        super().__init__(config)
+
+    def mask_tokens(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """(masked ids, labels): each real token is masked with ``masked_substitution_rate``."""
+        draw = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
+        masked = draw < self.config.masked_substitution_rate
+        if attention_mask is not None:
+            masked &= attention_mask.to(torch.bool)
+        labels = torch.where(masked, input_ids, IGNORE_INDEX)
+        return input_ids.masked_fill(masked, self.config.mask_token_id), labels
+
+    def loss(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        tier: Tier | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        masked_ids, labels = self.mask_tokens(input_ids, attention_mask, generator)
+        return self.loss_fn(self(masked_ids, attention_mask, tier=tier), labels)
+
+
+def build_model(config: ModelConfig) -> AutoregressiveModel | BERTModel:
+    """The model a config's objective calls for: causal → Autoregressive, else BERT."""
+    return AutoregressiveModel(config) if config.is_causal else BERTModel(config)
