@@ -135,6 +135,13 @@ class ModelConfig:
             )
         if self.hidden_size // self.num_attention_heads % 2 and self._uses("rope"):
             raise ConfigError("RoPE needs an even head dimension (hidden_size / heads).")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "mask_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ConfigError(
+                    f"{name}={value} lies outside the vocabulary (0..{self.vocab_size - 1}); "
+                    "set it to an id inside it or to null."
+                )
         if not 0.0 <= self.masked_substitution_rate <= 1.0:
             raise ConfigError("masked_substitution_rate must lie in [0, 1].")
         if self.matformer_tier < 0:

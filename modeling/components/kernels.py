@@ -91,10 +91,29 @@ class SdpaAttention(AttentionKernel):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+class DelegatingKernel(AttentionKernel):
+    """A specialised kernel that hands inputs it cannot take to SDPA, saying so once."""
+
+    def __init__(self, config: Any = None, **_: Any) -> None:
+        super().__init__()
+        self.sdpa = SdpaAttention()
+        self._reported = False
+
+    def delegate(self, reason: str, q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
+        if not self._reported:
+            log.warning("matformer: %s attention %s; using sdpa for such inputs",
+                        type(self).matformer_implementation.name, reason)
+            self._reported = True
+        return self.sdpa(q, k, v, **kwargs)
+
+
 @registry.register("attention", "kernel", "flex", priority=5,
                    metadata={"doc": "torch flex_attention (compile it for speed)"})
-class FlexAttention(AttentionKernel):
-    """torch's flex_attention with the mask as a block mask and the bias as a score_mod."""
+class FlexAttention(DelegatingKernel):
+    """torch's flex_attention with the mask as a block mask and the bias as a score_mod.
+
+    torch has no flex_attention backward on CPU, so CPU training steps go to SDPA.
+    """
 
     @classmethod
     def is_available(cls) -> bool:
@@ -107,6 +126,11 @@ class FlexAttention(AttentionKernel):
     def forward(self, q, k, v, *, causal, key_padding_mask=None, bias=None):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        args = dict(causal=causal, key_padding_mask=key_padding_mask, bias=bias)
+        if not q.is_cuda:
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+                return self.delegate("has no backward on CPU", q, k, v, **args)
+            q, k, v = q.detach(), k.detach(), v.detach()  # flex refuses grad-tracking CPU input
         batch, length = q.shape[0], q.shape[2]
         block_mask = None
         if causal or key_padding_mask is not None:
@@ -135,7 +159,7 @@ class FlexAttention(AttentionKernel):
 
 @registry.register("attention", "kernel", "flash", priority=10, requires=["flash_attn"],
                    metadata={"doc": "flash-attn 2 (CUDA, fp16/bf16)"})
-class FlashAttention(AttentionKernel):
+class FlashAttention(DelegatingKernel):
     """flash-attn's fused kernel for causal or full attention on unpadded fp16/bf16 batches.
 
     Padding masks and additive biases (ALiBi) go to SDPA instead, which handles them exactly.
@@ -145,22 +169,14 @@ class FlashAttention(AttentionKernel):
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
 
-    def __init__(self, config: Any = None, **_: Any) -> None:
-        super().__init__()
-        self.fallback = SdpaAttention()
-        self._reported = False
-
     def forward(self, q, k, v, *, causal, key_padding_mask=None, bias=None):
         from flash_attn import flash_attn_func
 
-        unsupported = bias is not None or key_padding_mask is not None
-        if unsupported or q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
-            if not self._reported:
-                log.warning("matformer: flash attention cannot take this input "
-                            "(mask, bias, dtype or device); using sdpa for it")
-                self._reported = True
-            return self.fallback(q, k, v, causal=causal,
-                                 key_padding_mask=key_padding_mask, bias=bias)
+        args = dict(causal=causal, key_padding_mask=key_padding_mask, bias=bias)
+        if bias is not None or key_padding_mask is not None:
+            return self.delegate("takes no padding mask or bias", q, k, v, **args)
+        if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
+            return self.delegate("needs fp16/bf16 CUDA tensors", q, k, v, **args)
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                               causal=causal)  # (B, T, H, D) layout in and out
         return out.transpose(1, 2)

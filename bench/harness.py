@@ -1,0 +1,193 @@
+"""What both training-step benchmarks share: shape options, the timed step, step memory.
+
+A *step* is zero_grad → forward → loss → backward → optimizer update, the unit a training
+loop repeats. Timings interleave the contenders in blocks (A B, then B A, ...) so that
+machine noise (other processes, clock boosts, thermal limits) hits each of them alike.
+
+Step memory is the peak of tensor memory during one step above what was held just before
+it (weights and optimizer state): activations saved for backward, gradients and
+temporaries. On CUDA it is ``torch.cuda.max_memory_allocated`` after a reset. On CPU, torch
+keeps no allocation statistics, and a process's peak RSS only ever grows, so a later step
+could never show a smaller peak; instead the step runs once under ``torch.profiler`` with
+``profile_memory=True``, which records every allocation and free made by torch's CPU
+allocator, and the running total of those records gives the peak. It counts tensor storage
+only (no allocator slack, no oneDNN scratch space), like ``max_memory_allocated`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from modeling import ModelConfig
+from modeling.optim import LocalOptimizer
+
+Step = Callable[[], None]
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def add_shape_args(parser: argparse.ArgumentParser) -> None:
+    """Model shape, batch, device and timing options shared by every benchmark."""
+    shape = parser.add_argument_group("model and batch")
+    shape.add_argument("--vocab-size", type=int, default=32000)
+    shape.add_argument("--hidden-size", type=int, default=512)
+    shape.add_argument("--layers", type=int, default=8)
+    shape.add_argument("--heads", type=int, default=8)
+    shape.add_argument("--kv-heads", type=int, default=4)
+    shape.add_argument("--intermediate-size", type=int, default=2048)
+    shape.add_argument("--seq-len", type=int, default=256)
+    shape.add_argument("--batch-size", type=int, default=4)
+    run = parser.add_argument_group("run")
+    run.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                     help="dtype of weights, activations and optimizer state")
+    run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    run.add_argument("--threads", type=int, default=None,
+                     help="CPU threads for torch (default: every core this process may use)")
+    run.add_argument("--steps", type=int, default=6,
+                     help="timed steps per contender, split over --repeats blocks")
+    run.add_argument("--repeats", type=int, default=3,
+                     help="interleaved blocks per contender; each yields one paired ratio")
+    run.add_argument("--warmup", type=int, default=1,
+                     help="untimed steps per contender before timing")
+    run.add_argument("--lr", type=float, default=1e-4)
+    run.add_argument("--seed", type=int, default=0)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=max(args.seq_len, 1024),
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+        mask_token_id=None,
+    )
+
+
+def setup(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """Seed, thread count, and the device and dtype the run asked for."""
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda asked for, but torch sees no CUDA device; use --device cpu.")
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    return device, DTYPES[args.dtype]
+
+
+def random_batch(args: argparse.Namespace, device: torch.device) -> Tensor:
+    """Token ids (B, T) drawn uniformly from the vocabulary."""
+    return torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len), device=device)
+
+
+def describe(args: argparse.Namespace, device: torch.device) -> str:
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"cpu, {torch.get_num_threads()} threads"
+    )
+    return (
+        f"torch {torch.__version__} | {where} | {args.dtype} | batch {args.batch_size} x "
+        f"seq {args.seq_len} | hidden {args.hidden_size}, {args.layers} layers, heads "
+        f"{args.heads}/{args.kv_heads} kv, ffn {args.intermediate_size}, vocab {args.vocab_size}"
+    )
+
+
+def train_step(loss: Callable[[], Tensor], optimizer: LocalOptimizer) -> Step:
+    """One training step; gradients are freed at its end so steps start from the same state."""
+
+    def step() -> None:
+        loss().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(slots=True)
+class Timing:
+    """Seconds per step of one contender, grouped by interleaved block."""
+
+    blocks: list[list[float]]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(t for block in self.blocks for t in block)
+
+    def block_medians(self) -> list[float]:
+        return [statistics.median(block) for block in self.blocks]
+
+
+def time_interleaved(
+    steps: dict[str, Step], device: torch.device, *, timed: int, repeats: int, warmup: int
+) -> dict[str, Timing]:
+    """Per-step wall times of each contender, run in alternating blocks after warmup."""
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    _sync(device)
+    per_block = math.ceil(timed / repeats)
+    timings = {name: Timing([]) for name in steps}
+    order = list(steps)
+    for repeat in range(repeats):
+        # Reverse the order every other block so neither contender always runs first.
+        for name in order if repeat % 2 == 0 else order[::-1]:
+            block = []
+            for _ in range(per_block):
+                start = time.perf_counter()
+                steps[name]()
+                _sync(device)
+                block.append(time.perf_counter() - start)
+            timings[name].blocks.append(block)
+    return timings
+
+
+def step_peak_bytes(step: Step, device: torch.device) -> int:
+    """Peak tensor bytes allocated during one step above those held before it."""
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        step()
+    # Each "[memory]" record is one allocation (+bytes) or free (-bytes), in time order.
+    records = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    held = peak = 0
+    for event in sorted(records, key=lambda e: e.start_ns()):
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "  ".join(f"{{:>{w}}}" for w in widths)
+    print(line.format(*headers))
+    print(line.format(*("-" * w for w in widths)))
+    for row in rows:
+        print(line.format(*row))
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.0f}"

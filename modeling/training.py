@@ -1,0 +1,88 @@
+"""One local training step over one or several MatFormer tiers.
+
+Two recipes: ``all`` trains every listed tier on the same batch and sums their losses with
+weights (the MatFormer paper's public code); ``sample`` draws one tier per step with given
+probabilities (the paper's own recipe). Each tier's loss is backpropagated as soon as it is
+computed, which frees its graph and gives the same gradient as backpropagating the sum.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from modeling.errors import ConfigError
+from modeling.matformer import Tier, layer_widths
+
+MODES = ("all", "sample")
+
+
+def tier_label(tier: Tier) -> str:
+    """A stable name for a tier or Mix'n'Match list, for logs and metrics."""
+    return str(tier) if isinstance(tier, int) else "mix:" + ",".join(map(str, tier))
+
+
+@dataclass(kw_only=True, slots=True)
+class TierSchedule:
+    """Which tiers each training step trains, and how their losses combine."""
+
+    tiers: list[Tier] = field(default_factory=lambda: [0])  # tiers or Mix'n'Match lists
+    mode: str = "all"  # "all": every tier each step | "sample": one tier per step
+    weights: list[float] | None = None  # "all": loss weight per tier (default 1 each)
+    probabilities: list[float] | None = None  # "sample": draw probability per tier (uniform)
+    seed: int = 0  # makes the "sample" draws reproducible
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"tier schedule mode {self.mode!r} is not one of {MODES}.")
+        if not self.tiers:
+            raise ConfigError("a tier schedule needs at least one tier.")
+        for name in ("weights", "probabilities"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != len(self.tiers):
+                raise ConfigError(
+                    f"{name} has {len(values)} entries for {len(self.tiers)} tiers; give one each."
+                )
+            if any(v < 0 for v in values) or sum(values) <= 0:
+                raise ConfigError(f"{name} must be non-negative and not all zero, got {values}.")
+
+    def check(self, config: Any) -> None:
+        """Raise TierError if some tier cannot run on a model with ``config``."""
+        for tier in self.tiers:
+            layer_widths(config, tier)
+
+    def step_tiers(self, step: int) -> list[tuple[Tier, float]]:
+        """(tier, loss weight) pairs to train at ``step``."""
+        if self.mode == "all":
+            weights = self.weights or [1.0] * len(self.tiers)
+            return [(t, w) for t, w in zip(self.tiers, weights, strict=True) if w > 0]
+        draw = random.Random(f"{self.seed}:{step}")
+        return [(draw.choices(self.tiers, weights=self.probabilities)[0], 1.0)]
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: Any,
+    input_ids: Tensor,
+    attention_mask: Tensor | None,
+    schedule: TierSchedule,
+    step: int,
+    max_grad_norm: float | None = None,
+) -> dict[str, float]:
+    """Forward/backward at the step's tiers, then one optimizer step; returns loss per tier."""
+    optimizer.zero_grad()
+    losses = {}
+    for tier, weight in schedule.step_tiers(step):
+        loss = model.loss(input_ids, attention_mask, tier=tier)
+        (weight * loss).backward()
+        losses[tier_label(tier)] = loss.item()
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return losses
