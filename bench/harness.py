@@ -83,7 +83,7 @@ def setup(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda asked for, but torch sees no CUDA device; use --device cpu.")
+        raise SystemExit("--device cuda asked for, but torch sees no CUDA device; use cpu.")
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     return device, DTYPES[args.dtype]

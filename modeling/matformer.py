@@ -42,7 +42,7 @@ def layer_widths(config: Any, tier: Tier | None = None) -> list[int]:
     layers = config.num_hidden_layers
     if tier is None:
         tier = config.matformer_tier
-    if isinstance(tier, int):
+    if not isinstance(tier, Sequence):
         return [tier_width(config, tier)] * layers
     tiers = list(tier)
     if len(tiers) != layers:

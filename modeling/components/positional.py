@@ -66,6 +66,9 @@ class SinusoidalPositions(PositionalEncoding):
         table = torch.zeros(length, dim)
         table[:, 0::2] = torch.sin(position * freq)
         table[:, 1::2] = torch.cos(position * freq[: dim // 2])
+        # sin/cos have RMS 1/√2; rescale to the token embeddings' init scale so that
+        # positions do not drown the tokens (the original scaled tokens up by √C instead).
+        table *= config.initializer_range * math.sqrt(2)
         self.register_buffer("table", table, persistent=False)
 
     def embed(self, x, positions):
