@@ -52,11 +52,11 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     run.add_argument("--threads", type=int, default=None,
                      help="CPU threads for torch (default: every core this process may use)")
-    run.add_argument("--steps", type=int, default=6,
+    run.add_argument("--steps", type=int, default=8,
                      help="timed steps per contender, split over --repeats blocks")
-    run.add_argument("--repeats", type=int, default=3,
+    run.add_argument("--repeats", type=int, default=4,
                      help="interleaved blocks per contender; each yields one paired ratio")
-    run.add_argument("--warmup", type=int, default=1,
+    run.add_argument("--warmup", type=int, default=2,
                      help="untimed steps per contender before timing")
     run.add_argument("--lr", type=float, default=1e-4)
     run.add_argument("--seed", type=int, default=0)
@@ -95,14 +95,22 @@ def random_batch(args: argparse.Namespace, device: torch.device) -> Tensor:
 
 
 def describe(args: argparse.Namespace, device: torch.device) -> str:
+    """One header line naming the run; on CPU, a warning when other processes compete."""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
         f"cpu, {torch.get_num_threads()} threads"
     )
-    return (
+    text = (
         f"torch {torch.__version__} | {where} | {args.dtype} | batch {args.batch_size} x "
         f"seq {args.seq_len} | hidden {args.hidden_size}, {args.layers} layers, heads "
         f"{args.heads}/{args.kv_heads} kv, ffn {args.intermediate_size}, vocab {args.vocab_size}"
     )
+    load = os.getloadavg()[0]
+    if device.type == "cpu" and load > 0.5:
+        text += (
+            f"\nwarning: load average {load:.1f} before this run; other processes compete for "
+            "the cores, so absolute figures are slow and noisy (ratios suffer less)"
+        )
+    return text
 
 
 def train_step(loss: Callable[[], Tensor], optimizer: LocalOptimizer) -> Step:
@@ -126,6 +134,7 @@ class Timing:
     """Seconds per step of one contender, grouped by interleaved block."""
 
     blocks: list[list[float]]
+    cpu_seconds: float = 0.0  # CPU time this process used during the timed steps
 
     @property
     def median(self) -> float:
@@ -133,6 +142,11 @@ class Timing:
 
     def block_medians(self) -> list[float]:
         return [statistics.median(block) for block in self.blocks]
+
+    def cpu_share(self) -> float:
+        """CPU time used / (wall time x torch threads): well below 1 when others took cores."""
+        wall = sum(t for block in self.blocks for t in block)
+        return self.cpu_seconds / (wall * torch.get_num_threads())
 
 
 def time_interleaved(
@@ -150,12 +164,14 @@ def time_interleaved(
         # Reverse the order every other block so neither contender always runs first.
         for name in order if repeat % 2 == 0 else order[::-1]:
             block = []
+            cpu_start = time.process_time()
             for _ in range(per_block):
                 start = time.perf_counter()
                 steps[name]()
                 _sync(device)
                 block.append(time.perf_counter() - start)
             timings[name].blocks.append(block)
+            timings[name].cpu_seconds += time.process_time() - cpu_start
     return timings
 
 

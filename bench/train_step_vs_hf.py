@@ -104,11 +104,14 @@ def main() -> None:
             f"{tokens / timing.median:,.0f}",
             f"{min(timing.block_medians()) * 1e3:,.0f}-{max(timing.block_medians()) * 1e3:,.0f}",
             mib(peaks[name]),
+            f"{timing.cpu_share():.0%}",
         ]
         for name, timing in timings.items()
     ]
     print()
-    print_table(["model", "ms/step", "tokens/s", "block medians (ms)", "step peak (MiB)"], rows)
+    print_table(
+        ["model", "ms/step", "tokens/s", "block medians (ms)", "step peak (MiB)", "cpu use"], rows
+    )
     # Ratio within each repetition: both blocks ran back to back, so drift cancels.
     paired = [
         hf_block / ours_block

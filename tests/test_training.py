@@ -1,0 +1,83 @@
+"""Multi-tier training steps and the standalone training command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config
+from safetensors.torch import load_file
+
+from modeling import AutoregressiveModel, ConfigError, TierError
+from modeling.naming import load_canonical_state_dict
+from modeling.training import TierSchedule, train_step
+from scripts.train_standalone import main
+
+
+def test_all_tiers_step_equals_the_weighted_sum_of_losses():
+    torch.manual_seed(0)
+    model = AutoregressiveModel(tiny_config())
+    twin = AutoregressiveModel(tiny_config())
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 90, (2, 12))
+    schedule = TierSchedule(tiers=[0, 2, [0, 1]], weights=[1.0, 0.5, 0.25])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = train_step(model, sgd, ids, None, schedule, step=0)
+    assert set(losses) == {"0", "2", "mix:0,1"}
+
+    total = (twin.loss(ids, tier=0) + 0.5 * twin.loss(ids, tier=2)
+             + 0.25 * twin.loss(ids, tier=[0, 1]))
+    total.backward()
+    with torch.no_grad():
+        for param in twin.parameters():
+            param -= 0.1 * param.grad
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_sampled_tiers_follow_probabilities_and_seed():
+    schedule = TierSchedule(tiers=[0, 1, 2], mode="sample", probabilities=[0.6, 0.3, 0.1], seed=3)
+    draws = [schedule.step_tiers(step)[0][0] for step in range(3000)]
+    assert draws == [schedule.step_tiers(step)[0][0] for step in range(3000)]
+    shares = [draws.count(t) / len(draws) for t in (0, 1, 2)]
+    assert shares == pytest.approx([0.6, 0.3, 0.1], abs=0.03)
+    other = TierSchedule(tiers=[0, 1, 2], mode="sample", probabilities=[0.6, 0.3, 0.1], seed=4)
+    assert draws != [other.step_tiers(step)[0][0] for step in range(3000)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(mode="every"), "mode 'every'"),
+        (dict(tiers=[0, 1], weights=[1.0]), "1 entries for 2 tiers"),
+        (dict(tiers=[0, 1], mode="sample", probabilities=[0.0, 0.0]), "not all zero"),
+        (dict(tiers=[]), "at least one tier"),
+    ],
+)
+def test_bad_schedules_are_named_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        TierSchedule(**kwargs)
+
+
+def test_schedule_checks_tiers_against_the_model():
+    with pytest.raises(TierError):
+        TierSchedule(tiers=[0, 9]).check(tiny_config())
+
+
+def test_standalone_training_learns_and_writes_a_loadable_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    main(["--steps", "30", "--warmup-steps", "3", "--batch-size", "4", "--seq-len", "64",
+          "--max-tokens", "60000", "--log-every", "10", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "held-out loss tier 2" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    for tier in ("0", "1", "2"):
+        assert metrics["final"][tier] < metrics["initial"][tier] - 1.0
+    assert len(metrics["history"]) == 30
+
+    from modeling import ModelConfig
+    config = ModelConfig.from_json(out / "config.json")
+    model = AutoregressiveModel(config)
+    load_canonical_state_dict(model, load_file(out / "model.safetensors"))
+    assert torch.isfinite(model.loss(torch.randint(0, 256, (1, 16)), tier=2))
