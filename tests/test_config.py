@@ -106,5 +106,5 @@ def test_per_layer_overrides_build_different_components():
 def test_invalid_json_names_the_file(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text("{not json")
-    with pytest.raises(ConfigError, match="broken.json is not valid JSON"):
+    with pytest.raises(ConfigError, match=r"broken\.json is not valid JSON"):
         ModelConfig.from_json(path)

@@ -91,7 +91,7 @@ def test_external_folder_from_environment(tmp_path, monkeypatch):
 
 
 def test_missing_external_folder_is_a_clear_error(tmp_path):
-    with pytest.raises(RegistryError, match="external modules folder .* does not exist"):
+    with pytest.raises(RegistryError, match=r"external modules folder .* does not exist"):
         AutoregressiveModel(tiny_config(external_modules_path=str(tmp_path / "nowhere")))
 
 

@@ -123,7 +123,8 @@ def test_non_integer_width_names_the_deepest_tier():
 
 
 def test_sliced_checkpoint_cannot_run_a_larger_tier():
-    config = tiny_config(intermediate_size=16, matformer_tier=2, matformer_base_intermediate_size=64)
+    config = tiny_config(intermediate_size=16, matformer_tier=2,
+                         matformer_base_intermediate_size=64)
     model = AutoregressiveModel(config)
     assert layer_widths(config) == [16, 16]
     assert layer_widths(config, 3) == [8, 8]
