@@ -19,3 +19,27 @@ class TierError(MatformerError, ValueError):
 
 class HookPositionError(ConfigError):
     """A hook was attached at a position the transformer block does not expose."""
+
+
+class CheckpointError(MatformerError):
+    """A checkpoint directory is missing something, or holds something inconsistent."""
+
+
+class ShapeMismatch(CheckpointError):
+    """A stored tensor's shape disagrees with what config.json describes."""
+
+
+class MissingShard(CheckpointError):
+    """A sharded checkpoint's index names a weights file that is not there."""
+
+
+class ManifestError(CheckpointError):
+    """matformer_manifest.json is missing, malformed, or does not list what was asked for."""
+
+
+class IntegrityError(CheckpointError):
+    """A file's sha256 differs from the one the manifest records."""
+
+
+class AlreadySliced(CheckpointError):
+    """A tier-sliced checkpoint was given where the universal one is needed."""

@@ -1,0 +1,169 @@
+"""Checkpoint directories on disk: config.json + safetensors, single file or sharded.
+
+The layout is Hugging Face's: ``model.safetensors``, or ``model-00001-of-0000N.safetensors``
+shards with ``model.safetensors.index.json``. Tensors carry canonical names only. A
+directory is written into a temporary sibling and renamed into place, so it appears whole or
+not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from modeling.errors import CheckpointError, MissingShard
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def tensor_bytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def write_weights(
+    state: dict[str, Tensor], directory: Path, max_shard_bytes: int | None = None
+) -> list[str]:
+    """Write ``state`` as one file, or as shards + index above ``max_shard_bytes``."""
+    state = {name: tensor.detach().contiguous() for name, tensor in state.items()}
+    total = sum(tensor_bytes(t) for t in state.values())
+    if max_shard_bytes is None or total <= max_shard_bytes:
+        save_file(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
+        return [WEIGHTS_NAME]
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        if shards[-1] and size + tensor_bytes(tensor) > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor_bytes(tensor)
+    files, weight_map = [], {}
+    for number, shard in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / file, metadata={"format": "pt"})
+        files.append(file)
+        weight_map.update(dict.fromkeys(shard, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    write_json(directory / INDEX_NAME, index)
+    return [INDEX_NAME, *files]
+
+
+def weight_files(directory: Path) -> list[str]:
+    """The weights files of a checkpoint directory (index first when sharded)."""
+    index = directory / INDEX_NAME
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map'; re-export the checkpoint.")
+        return [INDEX_NAME, *sorted(set(weight_map.values()))]
+    if (directory / WEIGHTS_NAME).is_file():
+        return [WEIGHTS_NAME]
+    raise CheckpointError(
+        f"{directory} holds no weights: expected {WEIGHTS_NAME} or {INDEX_NAME}."
+    )
+
+
+def read_weights(directory: Path) -> dict[str, Tensor]:
+    """All tensors of a checkpoint directory, single-file or sharded."""
+    files = weight_files(directory)
+    if files == [WEIGHTS_NAME]:
+        return load_file(directory / WEIGHTS_NAME)
+    weight_map = read_json(directory / INDEX_NAME)["weight_map"]
+    missing = [f for f in files[1:] if not (directory / f).is_file()]
+    if missing:
+        raise MissingShard(
+            f"{directory / INDEX_NAME} names shard(s) that are not there: {', '.join(missing)}. "
+            "Copy the complete checkpoint or export it again."
+        )
+    state: dict[str, Tensor] = {}
+    for file in files[1:]:
+        state.update(load_file(directory / file))
+    if set(state) != set(weight_map):
+        lost = sorted(set(weight_map) ^ set(state))[:5]
+        raise CheckpointError(
+            f"the shards of {directory} disagree with its index about {', '.join(lost)}; "
+            "the checkpoint is corrupt, export it again."
+        )
+    return state
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{path} is missing.") from err
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}).") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object.")
+    return data
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def _fsync_tree(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_directory(target: Path) -> Iterator[Path]:
+    """Yield a temporary directory that replaces ``target`` only if the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        yield staging
+        _fsync_tree(staging)
+        if target.exists():
+            retired = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+            target.rename(retired)
+            staging.rename(target)
+            shutil.rmtree(retired)
+        else:
+            staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+
+
+def copy_files(names: list[str], source: Path, destination: Path,
+               copy: Callable[[Path, Path], Any] = shutil.copy2) -> None:
+    """Copy files by relative name, creating folders as needed."""
+    for name in names:
+        (destination / name).parent.mkdir(parents=True, exist_ok=True)
+        copy(source / name, destination / name)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON through a temporary file, fsync and rename: never a half-written file."""
+    staging = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with staging.open("w") as handle:
+            handle.write(json.dumps(data, indent=2) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        staging.replace(path)
+    finally:
+        staging.unlink(missing_ok=True)

@@ -1,0 +1,75 @@
+"""Save a model as a Hugging Face style directory, and load one back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from modeling.checkpoint.files import (
+    CONFIG_NAME,
+    atomic_directory,
+    read_json,
+    read_weights,
+    write_json,
+    write_weights,
+)
+from modeling.checkpoint.hf_config import from_config_dict, to_config_dict
+from modeling.config import ModelConfig
+from modeling.errors import ShapeMismatch
+from modeling.models import build_model
+from modeling.naming import canonical_names, canonical_state_dict, load_canonical_state_dict
+
+TIED_HEAD = "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def save_pretrained(
+    model: nn.Module, directory: str | Path, *, max_shard_bytes: int | None = None
+) -> Path:
+    """Write ``config.json`` and the weights (canonical names) atomically to ``directory``."""
+    directory = Path(directory)
+    config: ModelConfig = model.config
+    state = canonical_state_dict(model)
+    if config.tie_word_embeddings:
+        state.pop(TIED_HEAD, None)  # stored once, as the embedding (as Hugging Face does)
+    with atomic_directory(directory) as staging:
+        write_json(staging / CONFIG_NAME, to_config_dict(config))
+        write_weights(state, staging, max_shard_bytes)
+    return directory
+
+
+def read_config(directory: str | Path) -> ModelConfig:
+    return from_config_dict(read_json(Path(directory) / CONFIG_NAME))
+
+
+def check_shapes(model: nn.Module, state: dict[str, Tensor], source: Path) -> None:
+    """Raise ShapeMismatch naming the first tensor whose shape the model does not expect."""
+    own = model.state_dict()
+    for own_name, canonical in canonical_names(model).items():
+        if canonical in state and state[canonical].shape != own[own_name].shape:
+            raise ShapeMismatch(
+                f"{canonical} in {source} has shape {tuple(state[canonical].shape)} but "
+                f"config.json describes {tuple(own[own_name].shape)}; the weights and config "
+                "come from different models, or the checkpoint was sliced without updating "
+                "config.json. Export the checkpoint again."
+            )
+
+
+def load_state_into(model: nn.Module, state: dict[str, Tensor], source: Path) -> None:
+    """Check shapes, restore a tied head, and load canonical tensors (all or nothing)."""
+    if model.config.tie_word_embeddings and TIED_HEAD not in state and EMBEDDING in state:
+        state = {**state, TIED_HEAD: state[EMBEDDING]}
+    check_shapes(model, state, source)
+    load_canonical_state_dict(model, state)
+
+
+def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
+    """Build the model ``config.json`` describes and load its weights."""
+    directory = Path(directory)
+    config = read_config(directory)
+    state = read_weights(directory)
+    model = build_model(config)
+    load_state_into(model, state, directory)
+    return model if dtype is None else model.to(dtype)

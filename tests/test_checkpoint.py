@@ -1,0 +1,193 @@
+"""Checkpoint directories: Hugging Face interop, sharding, exact reload, tier export."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import tiny_config
+from safetensors.torch import load_file, save_file
+
+from modeling import AutoregressiveModel, BERTModel, TierError
+from modeling.checkpoint import load_pretrained, save_pretrained
+from modeling.checkpoint.export import export_tiers, read_manifest
+from modeling.checkpoint.files import INDEX_NAME, WEIGHTS_NAME
+from modeling.checkpoint.hf_config import from_config_dict, to_config_dict
+from modeling.checkpoint.manifest import sha256_of
+from modeling.errors import AlreadySliced, CheckpointError, ConfigError, MissingShard, ShapeMismatch
+from scripts.export_matformer_tiers import main as export_main
+
+transformers = pytest.importorskip("transformers")
+
+
+def llama(**overrides) -> AutoregressiveModel:
+    torch.manual_seed(0)
+    return AutoregressiveModel(tiny_config(**overrides)).eval()
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 90, (2, 12))
+
+
+@pytest.mark.parametrize("shard", [None, 8_000], ids=["single", "sharded"])
+def test_universal_and_two_tier_slices_open_in_transformers_with_equal_logits(
+        tmp_path, ids, shard):
+    model = llama()
+    source = save_pretrained(model, tmp_path / "tiny", max_shard_bytes=shard)
+    assert (source / (INDEX_NAME if shard else WEIGHTS_NAME)).is_file()
+    export_tiers(source, [1, 2])
+    for tier in (0, 1, 2):
+        directory = source if tier == 0 else tmp_path / f"tiny-tier{tier}"
+        hf = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
+        assert hf.config.intermediate_size == 64 >> tier
+        with torch.no_grad():
+            assert max_diff(hf(ids).logits, model(ids, tier=tier)) <= 1e-4
+            assert max_diff(load_pretrained(directory)(ids), model(ids, tier=tier)) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cls"),
+    [
+        (dict(default_layer={"positional_encoding": "learnable", "normalization": "layernorm",
+                             "ffn_activation": "gelu",
+                             "hooks": {"post_mlp": {"name": "layer_scale", "init": 0.3}}}),
+         AutoregressiveModel),
+        (dict(is_causal=False, tie_word_embeddings=True,
+              default_layer={"positional_encoding": "alibi", "normalization_position": "post"},
+              layer_overrides={1: {"ffn_activation": "geglu"}}), BERTModel),
+    ],
+)
+def test_other_shapes_save_their_layer_spec_and_reload_exactly(tmp_path, ids, overrides, cls):
+    torch.manual_seed(0)
+    model = cls(tiny_config(**overrides)).eval()
+    save_pretrained(model, tmp_path / "m")
+    saved = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert saved["model_type"] == "matformer"
+    assert saved["default_layer"] == json.loads(json.dumps(model.config.to_dict()))[
+        "default_layer"]
+    loaded = load_pretrained(tmp_path / "m")
+    assert type(loaded) is cls and loaded.config == model.config
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
+def test_tied_head_is_stored_once_and_restored(tmp_path):
+    model = llama(tie_word_embeddings=True)
+    save_pretrained(model, tmp_path / "tied")
+    assert "lm_head.weight" not in load_file(tmp_path / "tied" / WEIGHTS_NAME)
+    loaded = load_pretrained(tmp_path / "tied")
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_plain_hugging_face_llama_checkpoint_loads(tmp_path, ids):
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf")
+    assert ours.config.norm_eps == config.rms_norm_eps
+    with torch.no_grad():
+        assert max_diff(ours(ids), hf(ids).logits) <= 1e-4
+
+
+def test_config_json_round_trip_and_errors():
+    config = tiny_config()
+    assert from_config_dict(to_config_dict(config)) == config
+    data = to_config_dict(config) | {"transformers_version": "9.9", "use_cache": True}
+    assert from_config_dict(data) == config
+    with pytest.raises(ConfigError, match="did you mean 'hidden_size'"):
+        from_config_dict(to_config_dict(config) | {"hiden_size": 3})
+    with pytest.raises(ConfigError, match="'gpt2' model"):
+        from_config_dict(to_config_dict(config) | {"model_type": "gpt2"})
+    with pytest.raises(ConfigError, match="rope_scaling"):
+        from_config_dict(to_config_dict(config) | {"rope_scaling": {"type": "linear"}})
+
+
+def test_shape_disagreeing_with_config_is_named(tmp_path):
+    save_pretrained(llama(), tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["num_key_value_heads"] = 4
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ShapeMismatch, match=r"k_proj.weight .* shape \(16, 32\).*\(32, 32\)"):
+        load_pretrained(tmp_path / "m")
+
+
+def test_index_naming_a_missing_shard_is_named(tmp_path):
+    save_pretrained(llama(), tmp_path / "m", max_shard_bytes=8_000)
+    index = json.loads((tmp_path / "m" / INDEX_NAME).read_text())
+    shard = sorted(set(index["weight_map"].values()))[1]
+    (tmp_path / "m" / shard).unlink()
+    with pytest.raises(MissingShard, match=shard):
+        load_pretrained(tmp_path / "m")
+
+
+def test_no_weights_is_named(tmp_path):
+    save_pretrained(llama(), tmp_path / "m")
+    (tmp_path / "m" / WEIGHTS_NAME).unlink()
+    with pytest.raises(CheckpointError, match="holds no weights"):
+        load_pretrained(tmp_path / "m")
+
+
+def test_export_writes_manifest_with_hashes_and_common_files(tmp_path):
+    source = save_pretrained(llama(), tmp_path / "tiny", max_shard_bytes=8_000)
+    (source / "tokenizer.json").write_text("{}")
+    (source / "custom").mkdir()
+    (source / "custom" / "modeling_extra.py").write_text("# user code\n")
+    export_main(["--src", str(source), "--tiers", "1", "2"])
+    manifest = read_manifest(source)
+    assert manifest.base_intermediate_size == 64
+    assert manifest.common_files == ["custom/modeling_extra.py", "tokenizer.json"]
+    assert manifest.available_tiers() == [0, 1, 2]
+    tier1 = manifest.entry(1)
+    assert tier1.intermediate_size == 32
+    assert tier1.files[:2] == ["../tiny-tier1/config.json", "../tiny-tier1/" + INDEX_NAME]
+    listed = [f for e in manifest.tiers for f in e.files] + manifest.common_files
+    assert sorted(manifest.sha256) == sorted(listed)
+    for name, digest in manifest.sha256.items():
+        assert sha256_of((source / name).resolve()) == digest
+    assert (tmp_path / "tiny-tier2" / "custom" / "modeling_extra.py").is_file()
+    config = json.loads((tmp_path / "tiny-tier2" / "config.json").read_text())
+    assert (config["matformer_tier"], config["matformer_base_intermediate_size"],
+            config["intermediate_size"]) == (2, 64, 16)
+
+
+def test_export_refuses_a_slice_and_bad_tiers_leaving_nothing(tmp_path, capsys):
+    source = save_pretrained(llama(intermediate_size=96), tmp_path / "tiny")
+    export_tiers(source, [1])
+    with pytest.raises(AlreadySliced, match="already the tier 1 slice"):
+        export_tiers(tmp_path / "tiny-tier1", [1])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(TierError, match=r"96/2\*\*6 = 1\.5"):
+        export_tiers(source, [2, 6])
+    with pytest.raises(SystemExit) as exit_info:
+        export_main(["--src", str(source), "--tiers", "6"])
+    assert exit_info.value.code == 2 and "not a whole number" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_failed_export_leaves_no_half_written_tier(tmp_path, monkeypatch):
+    source = save_pretrained(llama(), tmp_path / "tiny")
+    calls = []
+
+    def failing_save(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        save_file(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr("modeling.checkpoint.files.save_file", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        export_tiers(source, [1, 2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+    assert read_manifest(source) is None
