@@ -43,3 +43,7 @@ class IntegrityError(CheckpointError):
 
 class AlreadySliced(CheckpointError):
     """A tier-sliced checkpoint was given where the universal one is needed."""
+
+
+class PathEscapesRepository(ManifestError):
+    """A manifest path is absolute, empty, or leads outside the repository."""

@@ -7,22 +7,11 @@ import torch
 from conftest import tiny_config
 
 from modeling import AutoregressiveModel, TierError, canonical_state_dict, layer_widths
+from modeling.checkpoint.slicing import slice_state
 from modeling.matformer import tier_width
 from modeling.naming import load_canonical_state_dict
 
 TIERS = [1, 2, 3]
-
-
-def slice_state(state: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
-    """The tier slice of a canonical state dict: FFN rows/columns [:width], the rest as is."""
-    sliced = {}
-    for name, tensor in state.items():
-        if name.endswith(("gate_proj.weight", "up_proj.weight")):
-            tensor = tensor[:width]
-        elif name.endswith("down_proj.weight"):
-            tensor = tensor[:, :width]
-        sliced[name] = tensor.clone()
-    return sliced
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu"])
@@ -51,7 +40,7 @@ def test_tier_equals_standalone_model_built_from_its_slice(tier, activation):
         default_layer=layer, intermediate_size=width, matformer_tier=tier,
         matformer_base_intermediate_size=64,
     )).eval()
-    load_canonical_state_dict(sliced, slice_state(canonical_state_dict(universal), width))
+    load_canonical_state_dict(sliced, slice_state(canonical_state_dict(universal), [width] * 2))
     ids = torch.randint(0, 90, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(sliced(ids), universal(ids, tier=tier), atol=1e-6, rtol=1e-6)
@@ -73,7 +62,7 @@ def test_tier_slice_matches_hugging_face_llama(tier):
         tie_word_embeddings=False, attn_implementation="eager",
     )
     hf = transformers.LlamaForCausalLM(hf_config).eval()
-    hf.load_state_dict(slice_state(canonical_state_dict(universal), width), strict=True)
+    hf.load_state_dict(slice_state(canonical_state_dict(universal), [width] * 2), strict=True)
     ids = torch.randint(0, 90, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 9:] = 0
