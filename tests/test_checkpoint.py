@@ -191,3 +191,32 @@ def test_failed_export_leaves_no_half_written_tier(tmp_path, monkeypatch):
         export_tiers(source, [1, 2])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
     assert read_manifest(source) is None
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_optimizer_state_round_trips_without_pickle(tmp_path, name):
+    from modeling.checkpoint.training_state import load_training_state, save_training_state
+    from modeling.optim import OptimizerConfig
+
+    def run(model, optimizer, steps):
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model.loss(torch.arange(3, 15)[None]).backward()
+            optimizer.step()
+
+    model = llama()
+    optimizer = OptimizerConfig(name=name, lr=1e-2, total_steps=10).build(model)
+    run(model, optimizer, 3)
+    save_pretrained(model, tmp_path / "ck")
+    save_training_state(tmp_path / "ck", {"step": 3, "optimizer": optimizer.state_dict()})
+    assert not list((tmp_path / "ck").glob("*.pt")) and not list((tmp_path / "ck").glob("*.bin"))
+
+    resumed = load_pretrained(tmp_path / "ck")
+    state = load_training_state(tmp_path / "ck")
+    resumed_opt = OptimizerConfig(name=name, lr=1e-2, total_steps=10).build(resumed)
+    resumed_opt.load_state_dict(state["optimizer"])
+    assert state["step"] == 3
+    run(model, optimizer, 2)
+    run(resumed, resumed_opt, 2)
+    for a, b in zip(model.state_dict().values(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b)
