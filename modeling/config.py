@@ -95,6 +95,8 @@ class ModelConfig:
     masked_substitution_rate: float = 0.15  # fraction of tokens masked by BERTModel
     matformer_tier: int = 0  # tier this checkpoint was sliced at (0 = universal)
     matformer_base_intermediate_size: int | None = None  # universal FFN width; None = same
+    # a Mix'n'Match slice: the tier each layer was sliced at (None: all at matformer_tier)
+    matformer_layer_tiers: list[int] | None = None
     default_layer: LayerConfig = field(default_factory=LayerConfig)
     # layer index (int or str, as JSON has it) → partial LayerConfig applied on top
     layer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -152,6 +154,18 @@ class ModelConfig:
                 f"matformer_base_intermediate_size={self.matformer_base_intermediate_size} / "
                 f"2**matformer_tier ({self.matformer_tier}); fix one of the three fields."
             )
+        if self.matformer_layer_tiers is not None:
+            tiers = list(self.matformer_layer_tiers)
+            if len(tiers) != self.num_hidden_layers or tiers != sorted(tiers):
+                raise ConfigError(
+                    f"matformer_layer_tiers {tiers} needs one tier per layer "
+                    f"({self.num_hidden_layers}), never decreasing with depth."
+                )
+            if tiers[0] != self.matformer_tier:
+                raise ConfigError(
+                    f"matformer_tier ({self.matformer_tier}) must equal the first layer's tier "
+                    f"in matformer_layer_tiers ({tiers[0]}): it names the widest layer."
+                )
         for index, override in self.layer_overrides.items():
             if not 0 <= index < self.num_hidden_layers:
                 raise ConfigError(
@@ -165,6 +179,12 @@ class ModelConfig:
                 )
         for layer in self.layer_configs():
             layer.hook_specs()
+
+    def stored_tiers(self) -> list[int]:
+        """The tier each layer's FFN weights were sliced at."""
+        if self.matformer_layer_tiers is not None:
+            return list(self.matformer_layer_tiers)
+        return [self.matformer_tier] * self.num_hidden_layers
 
     def _uses(self, positional: str) -> bool:
         return self.default_layer.positional_encoding == positional

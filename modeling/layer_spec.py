@@ -27,8 +27,8 @@ class ModelSpec:
     loss: ModuleSpec
 
 
-def layer_spec(layer: LayerConfig, registry: Registry) -> ModuleSpec:
-    """The spec of one transformer block."""
+def layer_spec(layer: LayerConfig, registry: Registry, ffn_width: int) -> ModuleSpec:
+    """The spec of one transformer block whose stored FFN has ``ffn_width`` neurons."""
     norm = ModuleSpec(registry.get("norm", layer.normalization))
     hooks = {
         position: ModuleSpec(registry.get("hook", name), params=params)
@@ -46,7 +46,8 @@ def layer_spec(layer: LayerConfig, registry: Registry) -> ModuleSpec:
             input_layernorm=norm,
             self_attn=attention,
             post_attention_layernorm=norm,
-            mlp=ModuleSpec(registry.get("mlp", layer.ffn_activation)),
+            mlp=ModuleSpec(registry.get("mlp", layer.ffn_activation),
+                           params={"intermediate_size": ffn_width}),
             hooks=hooks,
         ),
     )
@@ -55,7 +56,11 @@ def layer_spec(layer: LayerConfig, registry: Registry) -> ModuleSpec:
 def model_spec(config: ModelConfig, registry: Registry = default_registry) -> ModelSpec:
     """Resolve a whole model config; loads the config's external modules first."""
     registry.load_modules(config.external_modules_path)
-    layers = [layer_spec(layer, registry) for layer in config.layer_configs()]
+    widths = [config.matformer_base_intermediate_size >> t for t in config.stored_tiers()]
+    layers = [
+        layer_spec(layer, registry, width)
+        for layer, width in zip(config.layer_configs(), widths, strict=True)
+    ]
     last = config.layer_configs()[-1]
     norm = ModuleSpec(registry.get("norm", last.normalization))
     return ModelSpec(

@@ -16,8 +16,9 @@ from modeling.errors import TierError
 Tier = int | Sequence[int]  # one tier for every layer, or one per layer (Mix'n'Match)
 
 
-def tier_width(config: Any, tier: int) -> int:
-    """FFN width of ``tier``; raises TierError when it is not a whole number ≥ 1."""
+def tier_width(config: Any, tier: int, stored_tier: int | None = None) -> int:
+    """FFN width of ``tier``; raises TierError when it is not a whole number ≥ 1, or when
+    the weights at hand (sliced at ``stored_tier``, default the checkpoint's) lack it."""
     base = config.matformer_base_intermediate_size
     if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
         raise TierError(f"a tier is an integer >= 0, got {tier!r}.")
@@ -28,11 +29,12 @@ def tier_width(config: Any, tier: int) -> int:
             f"not a whole number >= 1; with base width {base} the deepest tier is "
             f"{_deepest_tier(base)}."
         )
-    if tier < config.matformer_tier:
+    stored = config.matformer_tier if stored_tier is None else stored_tier
+    if tier < stored:
         raise TierError(
             f"tier {tier} needs {width} FFN neurons but this checkpoint is the tier "
-            f"{config.matformer_tier} slice ({config.intermediate_size} neurons); load the "
-            "universal checkpoint to run a larger tier."
+            f"{stored} slice ({base >> stored} neurons); load the universal checkpoint to run "
+            "a larger tier."
         )
     return width
 
@@ -40,11 +42,11 @@ def tier_width(config: Any, tier: int) -> int:
 def layer_widths(config: Any, tier: Tier | None = None) -> list[int]:
     """The FFN width of every layer at ``tier`` (default: the checkpoint's own tier)."""
     layers = config.num_hidden_layers
-    if tier is None:
-        tier = config.matformer_tier
-    if not isinstance(tier, Sequence):
-        return [tier_width(config, tier)] * layers
-    tiers = list(tier)
+    stored = config.stored_tiers()
+    tiers = stored if tier is None else tier
+    if not isinstance(tiers, Sequence):
+        return [tier_width(config, tiers, s) for s in stored]
+    tiers = list(tiers)
     if len(tiers) != layers:
         raise TierError(
             f"a Mix'n'Match tier list needs one tier per layer ({layers}), got {len(tiers)}."
@@ -56,7 +58,12 @@ def layer_widths(config: Any, tier: Tier | None = None) -> list[int]:
                 f"(tier {tiers[depth - 1]} then {tiers[depth]}); a deeper layer must use the "
                 "same or a higher tier."
             )
-    return [tier_width(config, t) for t in tiers]
+    return [tier_width(config, t, s) for t, s in zip(tiers, stored, strict=True)]
+
+
+def tier_label(tier: Tier) -> str:
+    """A stable name for a tier or Mix'n'Match list: "2", "mix:0,0,1,2"."""
+    return str(tier) if isinstance(tier, int) else "mix:" + ",".join(map(str, tier))
 
 
 def _deepest_tier(base: int) -> int:

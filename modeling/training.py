@@ -16,14 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from modeling.errors import ConfigError
-from modeling.matformer import Tier, layer_widths
+from modeling.matformer import Tier, layer_widths, tier_label
 
 MODES = ("all", "sample")
-
-
-def tier_label(tier: Tier) -> str:
-    """A stable name for a tier or Mix'n'Match list, for logs and metrics."""
-    return str(tier) if isinstance(tier, int) else "mix:" + ",".join(map(str, tier))
 
 
 @dataclass(kw_only=True, slots=True)

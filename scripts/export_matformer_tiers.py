@@ -12,10 +12,18 @@ from modeling.errors import MatformerError
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="matformer-export-tiers", description=__doc__)
     parser.add_argument("--src", type=Path, required=True, help="universal checkpoint directory")
-    parser.add_argument("--tiers", type=int, nargs="+", required=True, help="tiers to export")
+    parser.add_argument("--tiers", type=int, nargs="*", default=[], help="tiers to export")
+    parser.add_argument("--mix-n-match", nargs="*", default=[], metavar="T0,T1,...",
+                        help="per-layer tier lists, e.g. 0,0,1,2 (width never grows with depth)")
     args = parser.parse_args(argv)
+    if not args.tiers and not args.mix_n_match:
+        parser.error("give --tiers and/or --mix-n-match")
     try:
-        manifest = export_tiers(args.src, args.tiers)
+        mixes = [[int(t) for t in spec.split(",")] for spec in args.mix_n_match]
+    except ValueError:
+        parser.error(f"--mix-n-match takes comma-separated integers, got {args.mix_n_match}")
+    try:
+        manifest = export_tiers(args.src, args.tiers, mixes)
     except MatformerError as err:
         parser.exit(2, f"matformer-export-tiers: error: {err}\n")
     for entry in manifest.tiers:

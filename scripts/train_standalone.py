@@ -18,9 +18,10 @@ from safetensors.torch import save_file
 
 from modeling import ModelConfig, build_model, canonical_state_dict
 from modeling.corpus import python_docs_tokens
+from modeling.matformer import tier_label
 from modeling.optim import OptimizerConfig
 from modeling.tokenizer import ByteTokenizer
-from modeling.training import TierSchedule, tier_label, train_step
+from modeling.training import TierSchedule, train_step
 
 # A model that learns visibly in a minute on two CPU cores.
 TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

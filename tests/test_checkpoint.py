@@ -148,7 +148,7 @@ def test_export_writes_manifest_with_hashes_and_common_files(tmp_path):
     manifest = read_manifest(source)
     assert manifest.base_intermediate_size == 64
     assert manifest.common_files == ["custom/modeling_extra.py", "tokenizer.json"]
-    assert manifest.available_tiers() == [0, 1, 2]
+    assert manifest.available_tiers() == ["0", "1", "2"]
     tier1 = manifest.entry(1)
     assert tier1.intermediate_size == 32
     assert tier1.files[:2] == ["../tiny-tier1/config.json", "../tiny-tier1/" + INDEX_NAME]

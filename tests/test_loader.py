@@ -238,3 +238,36 @@ def test_canonical_hash_is_shared_by_slices_only(exported, universal):
     assert canonical_schema_hash(other.config, canonical_names(other).values()) != hashes[0][1]
     gelu = AutoregressiveModel(tiny_config(default_layer={"ffn_activation": "gelu"}))
     assert canonical_schema_hash(gelu.config, canonical_names(gelu).values()) != hashes[0][1]
+
+
+def test_mix_n_match_export_and_load(tmp_path, universal):
+    source = save_pretrained(universal, tmp_path / "tiny")
+    export_tiers(source, [1], mix_n_match=[[0, 1], [1, 2]])
+    manifest = json.loads((source / MANIFEST_NAME).read_text())
+    mix = next(e for e in manifest["tiers"] if e["tier"] == "mix:0,1")
+    assert mix["layer_tiers"] == [0, 1] and mix["intermediate_size"] == 64
+    assert mix["files"][0] == "../tiny-mix-0-1/config.json"
+    config = json.loads((tmp_path / "tiny-mix-0-1" / "config.json").read_text())
+    assert config["model_type"] == "matformer" and config["matformer_layer_tiers"] == [0, 1]
+
+    for tiers in ([0, 1], [1, 2]):
+        model, resolved = load_for_tier(source, tiers, "sliced")
+        assert resolved.used == "sliced"
+        shapes = [layer.mlp.up_proj.weight.shape[0] for layer in model.model.layers]
+        assert shapes == [64 >> t for t in tiers]
+        torch.testing.assert_close(logits(model), logits(universal, tiers))
+    # a list the manifest lacks: auto slices the universal checkpoint per layer
+    model, resolved = load_for_tier(source, [0, 2], "auto")
+    assert resolved.used == "universal" and model.config.matformer_layer_tiers == [0, 2]
+    torch.testing.assert_close(logits(model), logits(universal, [0, 2]))
+    with pytest.raises(ManifestError, match="no tier mix:0,2; available tiers: 0, 1, mix:0,1"):
+        resolve(source, [0, 2], "sliced")
+
+
+def test_mix_n_match_export_refuses_widening_lists(tmp_path, universal):
+    from modeling import TierError
+
+    source = save_pretrained(universal, tmp_path / "tiny")
+    with pytest.raises(TierError, match="grow wider with depth"):
+        export_tiers(source, [], mix_n_match=[[1, 0]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]

@@ -30,7 +30,7 @@ from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, TierEntry, sha
 from modeling.checkpoint.pretrained import read_config
 from modeling.checkpoint.slicing import slice_state
 from modeling.errors import AlreadySliced, TierError
-from modeling.matformer import tier_width
+from modeling.matformer import layer_widths, tier_label
 
 
 def common_files(source: Path, weights: Sequence[str]) -> list[str]:
@@ -45,8 +45,11 @@ def common_files(source: Path, weights: Sequence[str]) -> list[str]:
     )
 
 
-def export_tiers(source: str | Path, tiers: Sequence[int]) -> Manifest:
-    """Write ``<source>-tier<t>/`` for every tier and ``source/matformer_manifest.json``."""
+def export_tiers(
+    source: str | Path, tiers: Sequence[int], mix_n_match: Sequence[Sequence[int]] = ()
+) -> Manifest:
+    """Write ``<source>-tier<t>/`` for every tier, ``<source>-mix-0-0-1-2/`` for every
+    Mix'n'Match list of per-layer tiers, and ``source/matformer_manifest.json``."""
     source = Path(source).resolve()
     config = read_config(source)
     if config.matformer_tier != 0:
@@ -55,11 +58,15 @@ def export_tiers(source: str | Path, tiers: Sequence[int]) -> Manifest:
             f"{config.matformer_base_intermediate_size}-wide model; export from the universal "
             "checkpoint instead (slicing a slice would cut the wrong neurons)."
         )
-    widths = {}
+    slices: dict[str, tuple[list[int], list[int]]] = {}  # dir suffix → (layer tiers, widths)
     for tier in sorted(set(tiers)):
         if tier < 1:
             raise TierError(f"tier {tier}: export tiers >= 1; tier 0 is {source} itself.")
-        widths[tier] = tier_width(config, tier)
+        slices[f"tier{tier}"] = ([tier] * config.num_hidden_layers, layer_widths(config, tier))
+    for layer_tiers in mix_n_match:
+        layer_tiers = list(layer_tiers)
+        name = "mix-" + "-".join(map(str, layer_tiers))
+        slices[name] = (layer_tiers, layer_widths(config, layer_tiers))
 
     weights = weight_files(source)
     shard_bytes = None
@@ -67,7 +74,6 @@ def export_tiers(source: str | Path, tiers: Sequence[int]) -> Manifest:
         shard_bytes = max((source / f).stat().st_size for f in weights[1:])
     state = read_weights(source)
     common = common_files(source, weights)
-    layers = config.num_hidden_layers
     manifest = Manifest(base_intermediate_size=config.matformer_base_intermediate_size,
                         common_files=common)
     manifest.tiers.append(TierEntry(tier=0, intermediate_size=config.intermediate_size,
@@ -76,16 +82,24 @@ def export_tiers(source: str | Path, tiers: Sequence[int]) -> Manifest:
         manifest.sha256[name] = sha256_of(source / name)
 
     with ExitStack() as stack:
-        for tier, width in widths.items():
-            target = source.parent / f"{source.name}-tier{tier}"
+        for suffix, (layer_tiers, widths) in slices.items():
+            target = source.parent / f"{source.name}-{suffix}"
             staging = stack.enter_context(atomic_directory(target))
-            tier_config = dataclasses.replace(config, intermediate_size=width, matformer_tier=tier)
+            mixed = len(set(layer_tiers)) > 1 or suffix.startswith("mix")
+            tier_config = dataclasses.replace(
+                config, intermediate_size=widths[0], matformer_tier=layer_tiers[0],
+                matformer_layer_tiers=layer_tiers if mixed else None,
+            )
             write_json(staging / CONFIG_NAME, to_config_dict(tier_config))
-            files = write_weights(slice_state(state, [width] * layers), staging, shard_bytes)
+            files = write_weights(slice_state(state, widths), staging, shard_bytes)
             copy_files(common, source, staging)
             listed = [CONFIG_NAME, *files]
             relative = [f"../{target.name}/{name}" for name in listed]
-            manifest.tiers.append(TierEntry(tier=tier, intermediate_size=width, files=relative))
+            manifest.tiers.append(TierEntry(
+                tier=tier_label(layer_tiers) if mixed else layer_tiers[0],
+                intermediate_size=widths[0], files=relative,
+                layer_tiers=layer_tiers if mixed else None,
+            ))
             for name, path in zip(listed, relative, strict=True):
                 manifest.sha256[path] = sha256_of(staging / name)
     write_json_atomic(source / MANIFEST_NAME, manifest.to_dict())

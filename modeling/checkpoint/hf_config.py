@@ -26,7 +26,11 @@ LLAMA_LAYER = LayerConfig()  # the default layer is Llama's
 
 def is_llama_shaped(config: ModelConfig) -> bool:
     """True when ``transformers.LlamaForCausalLM`` computes exactly what this model does."""
-    return config.is_causal and all(layer == LLAMA_LAYER for layer in config.layer_configs())
+    return (
+        config.is_causal
+        and config.matformer_layer_tiers is None  # Llama has one FFN width for all layers
+        and all(layer == LLAMA_LAYER for layer in config.layer_configs())
+    )
 
 
 def to_config_dict(config: ModelConfig) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from modeling.errors import (
     IntegrityError,
     ManifestError,
 )
-from modeling.matformer import tier_width
+from modeling.matformer import Tier, layer_widths, tier_label
 from modeling.models import build_model
 
 STRATEGIES = ("auto", "sliced", "universal")
@@ -47,7 +47,7 @@ class ResolvedCheckpoint:
     """What ``resolve`` decided, and the verified local files to load."""
 
     source: str
-    tier: int  # the tier the caller will train
+    tier: Tier  # the tier (or Mix'n'Match list) the caller will train
     strategy: str  # the strategy asked for
     used: str  # "sliced" or "universal": what is actually loaded
     config: ModelConfig  # of the files loaded, metadata filled in
@@ -134,7 +134,7 @@ def infer_metadata(data: dict[str, Any], *, tier: int | None, base: int | None
 
 def resolve(
     source: str | Path,
-    tier: int = 0,
+    tier: Tier = 0,
     strategy: str = "auto",
     *,
     revision: str | None = None,
@@ -157,6 +157,8 @@ def resolve(
     own_tier = int(own.get("matformer_tier", 0))
 
     entry = manifest.entry(tier) if manifest else None
+    label = tier_label(tier)
+    wants_slice = tier != 0 if isinstance(tier, int) else any(t > 0 for t in tier)
     if own_tier > 0:
         if strategy == "universal":
             raise AlreadySliced(
@@ -166,7 +168,7 @@ def resolve(
             )
         used, reason = "sliced", f"the source is already the tier {own_tier} slice"
         paths = _universal_files(repository, folder, None)
-    elif tier > 0 and strategy in ("sliced", "auto"):
+    elif wants_slice and strategy in ("sliced", "auto"):
         if manifest is None and strategy == "sliced":
             raise ManifestError(
                 f"{source} has no {MANIFEST_NAME}, so no tier slices are known; export them "
@@ -174,26 +176,26 @@ def resolve(
             )
         if entry is None and strategy == "sliced":
             raise ManifestError(
-                f"{MANIFEST_NAME} of {source} lists no tier {tier}; available tiers: "
-                f"{', '.join(map(str, manifest.available_tiers()))}."
+                f"{MANIFEST_NAME} of {source} lists no tier {label}; available tiers: "
+                f"{', '.join(manifest.available_tiers())}."
             )
         paths = [normalize(f, folder) for f in entry.files] if entry else []
-        used, reason = "sliced", f"tier {tier} slice listed in the manifest"
+        used, reason = "sliced", f"tier {label} slice listed in the manifest"
     else:
         used, paths = "universal", []
-        reason = "tier 0 is the universal checkpoint" if tier == 0 else "universal requested"
+        reason = "universal requested" if wants_slice else "tier 0 is the universal checkpoint"
 
     found: dict[str, Path] = {}
     if used == "sliced":
         found, missing = fetcher.all(paths + common)
         if missing and strategy == "sliced":
             raise ManifestError(
-                f"tier {tier} of {source} is incomplete; missing: {', '.join(missing)}. "
+                f"tier {label} of {source} is incomplete; missing: {', '.join(missing)}. "
                 "Fetch or re-export them, or use --load-strategy auto."
             )
         if missing or not paths:
             why = f"missing {', '.join(missing)}" if missing else "not in a manifest"
-            used, reason = "universal", f"tier {tier} slice unusable ({why}); slicing at load"
+            used, reason = "universal", f"tier {label} slice unusable ({why}); slicing at load"
             found = {}
     if used == "universal":
         paths = _universal_files(repository, folder, manifest)
@@ -204,8 +206,8 @@ def resolve(
     config_path = next(local for path, local in found.items() if path.endswith(CONFIG_NAME)
                        and path in paths)
     entry_used = entry if used == "sliced" and own_tier == 0 else None
-    data = infer_metadata(read_json(config_path),
-                          tier=entry_used.tier if entry_used else None, base=base)
+    entry_tier = entry_used.tier if entry_used and entry_used.layer_tiers is None else None
+    data = infer_metadata(read_json(config_path), tier=entry_tier, base=base)
     return ResolvedCheckpoint(
         source=str(source), tier=tier, strategy=strategy, used=used,
         config=from_config_dict(data), directory=config_path.parent, files=list(found),
@@ -221,19 +223,21 @@ def load(resolved: ResolvedCheckpoint) -> nn.Module:
     """
     config = resolved.config
     state = read_weights(resolved.directory)
-    slice_now = (resolved.used == "universal" and resolved.strategy == "auto"
-                 and resolved.tier > config.matformer_tier)
-    if slice_now:
-        width = tier_width(config, resolved.tier)
-        config = dataclasses.replace(config, intermediate_size=width,
-                                     matformer_tier=resolved.tier)
-        state = slice_state(state, [width] * config.num_hidden_layers)
+    tier = resolved.tier
+    tiers = [tier] * config.num_hidden_layers if isinstance(tier, int) else list(tier)
+    if resolved.used == "universal" and resolved.strategy == "auto" and any(tiers):
+        widths = layer_widths(config, tier)
+        config = dataclasses.replace(
+            config, intermediate_size=widths[0], matformer_tier=tiers[0],
+            matformer_layer_tiers=None if isinstance(tier, int) else tiers,
+        )
+        state = slice_state(state, widths)
     model = build_model(config)
     load_state_into(model, state, resolved.directory)
     return model
 
 
-def load_for_tier(source: str | Path, tier: int = 0, strategy: str = "auto",
+def load_for_tier(source: str | Path, tier: Tier = 0, strategy: str = "auto",
                   **kwargs: Any) -> tuple[nn.Module, ResolvedCheckpoint]:
     """``resolve`` then ``load``: the model for ``tier`` and how it was found."""
     resolved = resolve(source, tier, strategy, **kwargs)

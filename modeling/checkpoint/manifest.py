@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from modeling.errors import ManifestError
+from modeling.matformer import Tier, tier_label
 
 MANIFEST_NAME = "matformer_manifest.json"
 SCHEMA_VERSION = 1
@@ -19,15 +20,23 @@ SCHEMA_VERSION = 1
 
 @dataclass(kw_only=True, slots=True)
 class TierEntry:
-    """The files of one tier (tier 0: the universal checkpoint)."""
+    """The files of one tier (tier 0: the universal checkpoint) or Mix'n'Match slice.
 
-    tier: int
+    A Mix'n'Match entry has ``layer_tiers`` and, as its ``tier``, the label "mix:0,0,1,2";
+    its ``intermediate_size`` is the widest (first) layer's.
+    """
+
+    tier: int | str
     intermediate_size: int
     files: list[str]
+    layer_tiers: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tier": self.tier, "intermediate_size": self.intermediate_size,
-                "files": list(self.files)}
+        data: dict[str, Any] = {"tier": self.tier, "intermediate_size": self.intermediate_size,
+                                "files": list(self.files)}
+        if self.layer_tiers is not None:
+            data["layer_tiers"] = list(self.layer_tiers)
+        return data
 
 
 @dataclass(kw_only=True, slots=True)
@@ -37,18 +46,22 @@ class Manifest:
     tiers: list[TierEntry] = field(default_factory=list)
     sha256: dict[str, str] = field(default_factory=dict)  # path → hex digest
 
-    def entry(self, tier: int) -> TierEntry | None:
-        return next((e for e in self.tiers if e.tier == tier), None)
+    def entry(self, tier: Tier) -> TierEntry | None:
+        """The entry for a tier, or for a Mix'n'Match list of per-layer tiers."""
+        wanted = tier if isinstance(tier, int) else tier_label(tier)
+        return next((e for e in self.tiers if e.tier == wanted), None)
 
-    def available_tiers(self) -> list[int]:
-        return sorted(e.tier for e in self.tiers)
+    def available_tiers(self) -> list[str]:
+        ints = sorted(e.tier for e in self.tiers if isinstance(e.tier, int))
+        mixes = sorted(e.tier for e in self.tiers if isinstance(e.tier, str))
+        return [str(t) for t in ints] + mixes
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
             "matformer_base_intermediate_size": self.base_intermediate_size,
             "common_files": list(self.common_files),
-            "tiers": [e.to_dict() for e in sorted(self.tiers, key=lambda e: e.tier)],
+            "tiers": [e.to_dict() for e in sorted(self.tiers, key=lambda e: str(e.tier))],
             "sha256": dict(sorted(self.sha256.items())),
         }
 
@@ -62,8 +75,12 @@ class Manifest:
             )
         try:
             tiers = [
-                TierEntry(tier=int(e["tier"]), intermediate_size=int(e["intermediate_size"]),
-                          files=[str(f) for f in e["files"]])
+                TierEntry(
+                    tier=str(e["tier"]) if "layer_tiers" in e else int(e["tier"]),
+                    intermediate_size=int(e["intermediate_size"]),
+                    files=[str(f) for f in e["files"]],
+                    layer_tiers=[int(t) for t in e["layer_tiers"]] if "layer_tiers" in e else None,
+                )
                 for e in data["tiers"]
             ]
             return cls(

@@ -3,6 +3,7 @@
 ``forward(x, width)`` uses only the first ``width`` FFN neurons: rows [:width] of
 gate_proj/up_proj and columns [:, :width] of down_proj, taken with ``narrow`` so they are
 views of the universal weights. Gradients reach the shared prefix; the tail gets exactly 0.
+``intermediate_size`` overrides the config's for one layer (Mix'n'Match slices).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from modeling.registry import registry
 class GatedMLP(nn.Module):
     """down(act(gate(x)) · up(x)); subclasses choose the activation."""
 
-    def __init__(self, config: Any, **_: Any) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None, **_: Any) -> None:
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden, inner = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = linear(config, hidden, inner)
         self.up_proj = linear(config, hidden, inner)
         self.down_proj = linear(config, inner, hidden)
@@ -51,10 +52,11 @@ class GeGLU(GatedMLP):
 class GeluMLP(nn.Module):
     """down(gelu(up(x))): the classic two-matrix FFN."""
 
-    def __init__(self, config: Any, **_: Any) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None, **_: Any) -> None:
         super().__init__()
-        self.up_proj = linear(config, config.hidden_size, config.intermediate_size)
-        self.down_proj = linear(config, config.intermediate_size, config.hidden_size)
+        inner = intermediate_size or config.intermediate_size
+        self.up_proj = linear(config, config.hidden_size, inner)
+        self.down_proj = linear(config, inner, config.hidden_size)
 
     def forward(self, x: Tensor, width: int) -> Tensor:
         hidden = F.gelu(F.linear(x, self.up_proj.weight.narrow(0, 0, width)))  # (B, T, width)
