@@ -271,3 +271,13 @@ def test_mix_n_match_export_refuses_widening_lists(tmp_path, universal):
     with pytest.raises(TierError, match="grow wider with depth"):
         export_tiers(source, [], mix_n_match=[[1, 0]])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+
+
+def test_a_mix_n_match_slice_is_not_taken_for_universal(tmp_path, universal):
+    source = save_pretrained(universal, tmp_path / "tiny")
+    export_tiers(source, [], mix_n_match=[[0, 1]])
+    with pytest.raises(AlreadySliced, match="tier mix:0,1 slice"):
+        resolve(tmp_path / "tiny-mix-0-1", 0, "universal")
+    model, resolved = load_for_tier(tmp_path / "tiny-mix-0-1", [0, 1], "auto")
+    assert resolved.used == "sliced"
+    torch.testing.assert_close(logits(model), logits(universal, [0, 1]))

@@ -155,18 +155,20 @@ def resolve(
     own_config = fetcher.one(posixpath.join(folder, CONFIG_NAME))
     own = read_json(own_config) if own_config else {}
     own_tier = int(own.get("matformer_tier", 0))
+    own_sliced = own_tier > 0 or any(own.get("matformer_layer_tiers") or [])
 
     entry = manifest.entry(tier) if manifest else None
     label = tier_label(tier)
     wants_slice = tier != 0 if isinstance(tier, int) else any(t > 0 for t in tier)
-    if own_tier > 0:
+    if own_sliced:
+        own_label = tier_label(own.get("matformer_layer_tiers") or own_tier)
         if strategy == "universal":
             raise AlreadySliced(
-                f"{source} is the tier {own_tier} slice, not a universal checkpoint; point "
+                f"{source} is the tier {own_label} slice, not a universal checkpoint; point "
                 "at the universal checkpoint for 'universal', or use 'auto'/'sliced' to load "
                 "this slice as it is."
             )
-        used, reason = "sliced", f"the source is already the tier {own_tier} slice"
+        used, reason = "sliced", f"the source is already the tier {own_label} slice"
         paths = _universal_files(repository, folder, None)
     elif wants_slice and strategy in ("sliced", "auto"):
         if manifest is None and strategy == "sliced":
@@ -205,7 +207,7 @@ def resolve(
 
     config_path = next(local for path, local in found.items() if path.endswith(CONFIG_NAME)
                        and path in paths)
-    entry_used = entry if used == "sliced" and own_tier == 0 else None
+    entry_used = entry if used == "sliced" and not own_sliced else None
     entry_tier = entry_used.tier if entry_used and entry_used.layer_tiers is None else None
     data = infer_metadata(read_json(config_path), tier=entry_tier, base=base)
     return ResolvedCheckpoint(

@@ -1,0 +1,101 @@
+"""Checkpoint I/O: what a client downloads and how fast checkpoints save and load.
+
+1. Save/load throughput (MB/s) of ``save_pretrained`` / ``load_pretrained`` against plain
+   ``safetensors.torch.save_file`` / ``load_file`` of the same tensors, as ratios. Our save
+   adds config.json, fsyncs and an atomic rename; our load adds building the model, shape
+   checks and copying into its parameters.
+2. Per tier, ``sliced`` against ``universal``: bytes the loader fetches and time to a ready
+   model (sha256 checks included). Files come from a local folder, so "bytes" is exactly
+   what a hub client would download.
+
+    python bench/checkpoint_io.py                 # 64M-parameter Llama shape
+    python bench/checkpoint_io.py --hidden-size 1024 --layers 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from modeling import AutoregressiveModel, ModelConfig, canonical_state_dict
+from modeling.checkpoint import load_pretrained, save_pretrained
+from modeling.checkpoint.export import export_tiers
+from modeling.checkpoint.loader import load_for_tier
+
+MB = 1e6
+
+
+def timed(action: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` runs."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--hidden-size", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--intermediate-size", type=int, default=2048)
+    parser.add_argument("--tiers", default="1,2,3")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    config = ModelConfig(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate_size,
+    )
+    model = AutoregressiveModel(config)
+    state = {k: v.contiguous() for k, v in canonical_state_dict(model).items()}
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {params / 1e6:.1f}M parameters, {size / MB:.0f} MB fp32")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        plain = root / "plain.safetensors"
+        ours = root / "universal"
+        save_plain = timed(lambda: save_file(state, plain), args.repeats)
+        save_ours = timed(lambda: save_pretrained(model, ours), args.repeats)
+        load_plain = timed(lambda: load_file(plain), args.repeats)
+        load_ours = timed(lambda: load_pretrained(ours), args.repeats)
+        print(f"\n{'operation':<10}{'plain MB/s':>12}{'ours MB/s':>11}{'ours/plain':>12}")
+        for name, a, b in (("save", save_plain, save_ours), ("load", load_plain, load_ours)):
+            print(f"{name:<10}{size / MB / a:>12,.0f}{size / MB / b:>11,.0f}{a / b:>12.2f}")
+
+        tiers = [int(t) for t in args.tiers.split(",")]
+        export_tiers(ours, tiers)
+        print(f"\n{'tier':<6}{'strategy':<11}{'fetched MB':>11}{'of universal':>14}"
+              f"{'load s':>9}{'sliced/universal time':>23}")
+        for tier in tiers:
+            row = {}
+            for strategy in ("universal", "sliced"):
+                seconds = timed(lambda s=strategy, t=tier: load_for_tier(ours, t, s),
+                                args.repeats)
+                _, resolved = load_for_tier(ours, tier, strategy)
+                fetched = sum((ours.parent / f).stat().st_size for f in resolved.files)
+                row[strategy] = (fetched, seconds)
+            full_bytes, full_s = row["universal"]
+            for strategy, (fetched, seconds) in row.items():
+                ratio = f"{seconds / full_s:.2f}" if strategy == "sliced" else ""
+                print(f"{tier:<6}{strategy:<11}{fetched / MB:>11.1f}"
+                      f"{fetched / full_bytes:>13.0%} {seconds:>9.2f}{ratio:>23}")
+    print(f"\n(torch {torch.__version__}, {torch.get_num_threads()} threads; files on local disk)")
+
+
+if __name__ == "__main__":
+    main()
