@@ -1,8 +1,10 @@
 """What both training-step benchmarks share: shape options, the timed step, step memory.
 
-A *step* is zero_grad → forward → loss → backward → optimizer update, the unit a training
-loop repeats. Timings interleave the contenders in blocks (A B, then B A, ...) so that
-machine noise (other processes, clock boosts, thermal limits) hits each of them alike.
+A *step* is forward → loss → backward → optimizer update → gradients freed, the unit a
+training loop repeats. Timings interleave the contenders in blocks (A B, then B A, ...) so
+that machine noise (other processes, clock boosts, thermal limits) hits each of them alike.
+On CPU each block's share of CPU time per thread is recorded too: far below 100%, other
+processes took cores during that block, and the run warns.
 
 Step memory is the peak of tensor memory during one step above what was held just before
 it (weights and optimizer state): activations saved for backward, gradients and
@@ -22,7 +24,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -31,6 +33,9 @@ from modeling import ModelConfig
 from modeling.optim import LocalOptimizer
 
 Step = Callable[[], None]
+
+# Below this share of CPU time per thread, other processes were running during the timing.
+CPU_SHARE_FLOOR = 0.85
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -52,9 +57,9 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     run.add_argument("--threads", type=int, default=None,
                      help="CPU threads for torch (default: every core this process may use)")
-    run.add_argument("--steps", type=int, default=8,
+    run.add_argument("--steps", type=int, default=12,
                      help="timed steps per contender, split over --repeats blocks")
-    run.add_argument("--repeats", type=int, default=4,
+    run.add_argument("--repeats", type=int, default=6,
                      help="interleaved blocks per contender; each yields one paired ratio")
     run.add_argument("--warmup", type=int, default=2,
                      help="untimed steps per contender before timing")
@@ -70,7 +75,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         intermediate_size=args.intermediate_size,
-        max_position_embeddings=max(args.seq_len, 1024),
+        max_position_embeddings=args.seq_len,
         pad_token_id=None,
         bos_token_id=None,
         eos_token_id=None,
@@ -95,22 +100,14 @@ def random_batch(args: argparse.Namespace, device: torch.device) -> Tensor:
 
 
 def describe(args: argparse.Namespace, device: torch.device) -> str:
-    """One header line naming the run; on CPU, a warning when other processes compete."""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else (
         f"cpu, {torch.get_num_threads()} threads"
     )
-    text = (
+    return (
         f"torch {torch.__version__} | {where} | {args.dtype} | batch {args.batch_size} x "
         f"seq {args.seq_len} | hidden {args.hidden_size}, {args.layers} layers, heads "
         f"{args.heads}/{args.kv_heads} kv, ffn {args.intermediate_size}, vocab {args.vocab_size}"
     )
-    load = os.getloadavg()[0]
-    if device.type == "cpu" and load > 0.5:
-        text += (
-            f"\nwarning: load average {load:.1f} before this run; other processes compete for "
-            "the cores, so absolute figures are slow and noisy (ratios suffer less)"
-        )
-    return text
 
 
 def train_step(loss: Callable[[], Tensor], optimizer: LocalOptimizer) -> Step:
@@ -133,8 +130,9 @@ def _sync(device: torch.device) -> None:
 class Timing:
     """Seconds per step of one contender, grouped by interleaved block."""
 
-    blocks: list[list[float]]
-    cpu_seconds: float = 0.0  # CPU time this process used during the timed steps
+    blocks: list[list[float]] = field(default_factory=list)
+    # Per block: CPU time used / (wall time x torch threads); well below 1 when others ran.
+    cpu_shares: list[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -143,10 +141,9 @@ class Timing:
     def block_medians(self) -> list[float]:
         return [statistics.median(block) for block in self.blocks]
 
-    def cpu_share(self) -> float:
-        """CPU time used / (wall time x torch threads): well below 1 when others took cores."""
-        wall = sum(t for block in self.blocks for t in block)
-        return self.cpu_seconds / (wall * torch.get_num_threads())
+    def cpu_use(self, device: torch.device) -> str:
+        """The lowest block's CPU share as a table cell; on CUDA the host mostly waits."""
+        return f"{min(self.cpu_shares):.0%}" if device.type == "cpu" else "-"
 
 
 def time_interleaved(
@@ -158,7 +155,7 @@ def time_interleaved(
             step()
     _sync(device)
     per_block = math.ceil(timed / repeats)
-    timings = {name: Timing([]) for name in steps}
+    timings = {name: Timing() for name in steps}
     order = list(steps)
     for repeat in range(repeats):
         # Reverse the order every other block so neither contender always runs first.
@@ -170,9 +167,23 @@ def time_interleaved(
                 steps[name]()
                 _sync(device)
                 block.append(time.perf_counter() - start)
+            cpu = time.process_time() - cpu_start
             timings[name].blocks.append(block)
-            timings[name].cpu_seconds += time.process_time() - cpu_start
+            timings[name].cpu_shares.append(cpu / (sum(block) * torch.get_num_threads()))
     return timings
+
+
+def contention_warning(timings: dict[str, Timing], device: torch.device) -> str | None:
+    """A warning when other processes took CPU time from timed blocks, else None."""
+    shares = [share for timing in timings.values() for share in timing.cpu_shares]
+    hit = sum(share < CPU_SHARE_FLOOR for share in shares)
+    if device.type != "cpu" or not hit:
+        return None
+    return (
+        f"warning: in {hit} of {len(shares)} timed blocks other processes took CPU time "
+        f"(cpu use down to {min(shares):.0%}); medians absorb a few such blocks, but if many "
+        "are hit, rerun on an idle machine or with --threads below the free cores."
+    )
 
 
 def step_peak_bytes(step: Step, device: torch.device) -> int:

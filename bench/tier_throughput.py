@@ -21,6 +21,7 @@ import statistics
 
 from harness import (
     add_shape_args,
+    contention_warning,
     describe,
     mib,
     model_config,
@@ -32,7 +33,7 @@ from harness import (
     train_step,
 )
 
-from modeling import AutoregressiveModel, ModelConfig, tier_width
+from modeling import AutoregressiveModel, ModelConfig, TierError, tier_width
 from modeling.optim import OptimizerConfig
 
 
@@ -49,13 +50,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_args(parser)
     parser.add_argument("--tiers", default="0,1,2,3", help="comma-separated tiers to compare")
-    parser.set_defaults(steps=6, repeats=3, warmup=1)
+    parser.set_defaults(steps=8, repeats=4, warmup=1)
     args = parser.parse_args()
     tiers = [int(t) for t in args.tiers.split(",")]
     device, dtype = setup(args)
 
     config = model_config(args)
-    widths = {tier: tier_width(config, tier) for tier in tiers}  # TierError names bad tiers
+    try:
+        widths = {tier: tier_width(config, tier) for tier in tiers}
+    except TierError as err:
+        raise SystemExit(f"--tiers {args.tiers}: {err}") from err
     model = AutoregressiveModel(config).to(device, dtype).train()
     optimizer = OptimizerConfig(
         name="adamw", lr=args.lr, total_steps=10**6, schedule="constant"
@@ -91,7 +95,7 @@ def main() -> None:
             f"{base_flops / flops:.2f}x",
             mib(peaks[tier]),
             f"{peaks[tier] / peaks[base]:.2f}",
-            f"{timing.cpu_share():.0%}",
+            timing.cpu_use(device),
         ])
     print()
     print_table(
@@ -99,6 +103,9 @@ def main() -> None:
          "step peak (MiB)", f"mem vs t{base}", "cpu use"],
         rows,
     )
+    warning = contention_warning(timings, device)
+    if warning:
+        print(f"\n{warning}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import statistics
 import torch
 from harness import (
     add_shape_args,
+    contention_warning,
     describe,
     mib,
     model_config,
@@ -104,7 +105,7 @@ def main() -> None:
             f"{tokens / timing.median:,.0f}",
             f"{min(timing.block_medians()) * 1e3:,.0f}-{max(timing.block_medians()) * 1e3:,.0f}",
             mib(peaks[name]),
-            f"{timing.cpu_share():.0%}",
+            timing.cpu_use(device),
         ]
         for name, timing in timings.items()
     ]
@@ -124,6 +125,9 @@ def main() -> None:
         f"(per repetition: {', '.join(f'{r:.3f}' for r in paired)}; > 1 means ours is faster)"
     )
     print(f"step peak ours/hf: {peaks['ours'] / peaks['hf']:.3f} (< 1 means ours uses less)")
+    warning = contention_warning(timings, device)
+    if warning:
+        print(f"\n{warning}")
 
 
 if __name__ == "__main__":

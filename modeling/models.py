@@ -13,6 +13,7 @@ Llama-shaped model's state dict is already in canonical names.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modeling.attention import AttentionContext
@@ -123,10 +124,12 @@ class AutoregressiveModel(TransformerWithLMHead):
         self, input_ids: Tensor, attention_mask: Tensor | None = None, tier: Tier | None = None
     ) -> Tensor:
         """Mean next-token cross-entropy; padded positions carry no loss."""
-        logits = self(input_ids, attention_mask, tier=tier)[:, :-1]  # (B, T-1, V)
-        labels = input_ids[:, 1:].clone()
+        logits = self(input_ids, attention_mask, tier=tier)  # (B, T, V)
+        # Shift the labels, not the logits: slicing logits would copy (B, T-1, V) forward and
+        # zero-fill a (B, T, V) gradient backward. The last position predicts nothing.
+        labels = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
         if attention_mask is not None:
-            labels[attention_mask[:, 1:] == 0] = IGNORE_INDEX
+            labels = labels.masked_fill(F.pad(attention_mask[:, 1:], (0, 1)) == 0, IGNORE_INDEX)
         return self.loss_fn(logits, labels)
 
 

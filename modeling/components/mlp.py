@@ -17,6 +17,15 @@ from modeling.components.init import linear
 from modeling.registry import registry
 
 
+def prefix(weight: Tensor, dim: int, width: int) -> Tensor:
+    """The first ``width`` entries of ``weight`` along ``dim``, as a view.
+
+    At full width the weight itself is used: a narrow view would cost a zero-fill and copy of
+    the gradient in backward for nothing.
+    """
+    return weight if width == weight.shape[dim] else weight.narrow(dim, 0, width)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) · up(x)); subclasses choose the activation."""
 
@@ -31,9 +40,9 @@ class GatedMLP(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: Tensor, width: int) -> Tensor:
-        gate = F.linear(x, self.gate_proj.weight.narrow(0, 0, width))  # (B, T, width)
-        up = F.linear(x, self.up_proj.weight.narrow(0, 0, width))
-        return F.linear(self.activation(gate) * up, self.down_proj.weight.narrow(1, 0, width))
+        gate = F.linear(x, prefix(self.gate_proj.weight, 0, width))  # (B, T, width)
+        up = F.linear(x, prefix(self.up_proj.weight, 0, width))
+        return F.linear(self.activation(gate) * up, prefix(self.down_proj.weight, 1, width))
 
 
 @registry.register("mlp", "swiglu", "torch")
@@ -59,5 +68,5 @@ class GeluMLP(nn.Module):
         self.down_proj = linear(config, inner, config.hidden_size)
 
     def forward(self, x: Tensor, width: int) -> Tensor:
-        hidden = F.gelu(F.linear(x, self.up_proj.weight.narrow(0, 0, width)))  # (B, T, width)
-        return F.linear(hidden, self.down_proj.weight.narrow(1, 0, width))
+        hidden = F.gelu(F.linear(x, prefix(self.up_proj.weight, 0, width)))  # (B, T, width)
+        return F.linear(hidden, prefix(self.down_proj.weight, 1, width))

@@ -81,12 +81,15 @@ class RotaryPositions(PositionalEncoding):
 
     def __init__(self, config: Any, **_: Any) -> None:
         super().__init__(config)
-        dim = config.head_dim
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim = config.head_dim
+        self.theta = config.rope_theta
 
     def prepare(self, positions, dtype):
-        angles = positions[..., None].float() * self.inv_freq  # (B, T, D/2)
+        # Frequencies are computed in fp32 each forward (head_dim/2 values): a buffer would be
+        # rounded by model.to(bf16), shifting far angles by tenths of a radian.
+        exponents = torch.arange(0, self.head_dim, 2, device=positions.device) / self.head_dim
+        inv_freq = 1.0 / self.theta ** exponents.float()
+        angles = positions[..., None].float() * inv_freq  # (B, T, D/2)
         angles = torch.cat((angles, angles), dim=-1)  # (B, T, D)
         return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]  # (B, 1, T, D)
 
