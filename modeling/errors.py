@@ -47,3 +47,19 @@ class AlreadySliced(CheckpointError):
 
 class PathEscapesRepository(ManifestError):
     """A manifest path is absolute, empty, or leads outside the repository."""
+
+
+class ManifestMissing(ManifestError):
+    """The ``sliced`` strategy was asked for, but the checkpoint has no manifest."""
+
+
+class ManifestVersionError(ManifestError):
+    """The manifest uses a schema version this Matformer does not read."""
+
+
+class TierNotInManifest(ManifestError):
+    """The manifest lists no slice for the requested tier."""
+
+
+class IncompleteTier(ManifestError):
+    """Files the manifest lists for a tier are missing."""

@@ -20,9 +20,12 @@ from modeling.errors import (
     AlreadySliced,
     CheckpointError,
     ConfigError,
+    IncompleteTier,
     IntegrityError,
-    ManifestError,
+    ManifestMissing,
+    ManifestVersionError,
     PathEscapesRepository,
+    TierNotInManifest,
 )
 from modeling.naming import canonical_names
 
@@ -86,7 +89,7 @@ def test_auto_falls_back_to_universal_sliced_at_load(exported, universal):
 
 def test_sliced_names_missing_files(exported):
     (exported.parent / "tiny-tier2" / "config.json").unlink()
-    with pytest.raises(ManifestError, match=r"missing: tiny-tier2/config\.json"):
+    with pytest.raises(IncompleteTier, match=r"missing: tiny-tier2/config\.json"):
         resolve(exported, 2, "sliced")
 
 
@@ -96,12 +99,12 @@ def test_without_manifest(tmp_path, universal):
     assert resolved.used == "universal" and model.config.intermediate_size == 16
     torch.testing.assert_close(logits(model), logits(universal, 2))
     assert load_for_tier(source, 2, "universal")[0].config.intermediate_size == 64
-    with pytest.raises(ManifestError, match=r"no matformer_manifest\.json"):
+    with pytest.raises(ManifestMissing, match=r"no matformer_manifest\.json"):
         resolve(source, 1, "sliced")
 
 
 def test_tier_not_in_manifest_lists_available(exported):
-    with pytest.raises(ManifestError, match="lists no tier 3; available tiers: 0, 1, 2"):
+    with pytest.raises(TierNotInManifest, match="lists no tier 3; available tiers: 0, 1, 2"):
         resolve(exported, 3, "sliced")
     assert resolve(exported, 3, "auto").used == "universal"
 
@@ -123,7 +126,7 @@ def test_tampered_file_is_refused_under_every_strategy(exported, strategy, victi
 
 def test_manifest_of_another_schema_version(exported):
     edit_manifest(exported, lambda d: d.update(schema_version=2))
-    with pytest.raises(ManifestError, match=r"schema_version 2.*reads version 1"):
+    with pytest.raises(ManifestVersionError, match=r"schema_version 2.*reads version 1"):
         resolve(exported, 1, "auto")
 
 
@@ -260,7 +263,7 @@ def test_mix_n_match_export_and_load(tmp_path, universal):
     model, resolved = load_for_tier(source, [0, 2], "auto")
     assert resolved.used == "universal" and model.config.matformer_layer_tiers == [0, 2]
     torch.testing.assert_close(logits(model), logits(universal, [0, 2]))
-    with pytest.raises(ManifestError, match="no tier mix:0,2; available tiers: 0, 1, mix:0,1"):
+    with pytest.raises(TierNotInManifest, match="no tier mix:0,2; available tiers: 0, 1, mix:0,1"):
         resolve(source, [0, 2], "sliced")
 
 

@@ -33,8 +33,10 @@ from modeling.errors import (
     AlreadySliced,
     CheckpointError,
     ConfigError,
+    IncompleteTier,
     IntegrityError,
-    ManifestError,
+    ManifestMissing,
+    TierNotInManifest,
 )
 from modeling.matformer import Tier, layer_widths, tier_label
 from modeling.models import build_model
@@ -172,12 +174,12 @@ def resolve(
         paths = _universal_files(repository, folder, None)
     elif wants_slice and strategy in ("sliced", "auto"):
         if manifest is None and strategy == "sliced":
-            raise ManifestError(
+            raise ManifestMissing(
                 f"{source} has no {MANIFEST_NAME}, so no tier slices are known; export them "
                 "with matformer-export-tiers or use --load-strategy auto/universal."
             )
         if entry is None and strategy == "sliced":
-            raise ManifestError(
+            raise TierNotInManifest(
                 f"{MANIFEST_NAME} of {source} lists no tier {label}; available tiers: "
                 f"{', '.join(manifest.available_tiers())}."
             )
@@ -191,7 +193,7 @@ def resolve(
     if used == "sliced":
         found, missing = fetcher.all(paths + common)
         if missing and strategy == "sliced":
-            raise ManifestError(
+            raise IncompleteTier(
                 f"tier {label} of {source} is incomplete; missing: {', '.join(missing)}. "
                 "Fetch or re-export them, or use --load-strategy auto."
             )

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import ManifestError
+from modeling.errors import ManifestError, ManifestVersionError
 from modeling.matformer import Tier, tier_label
 
 MANIFEST_NAME = "matformer_manifest.json"
@@ -69,7 +69,7 @@ class Manifest:
     def from_dict(cls, data: dict[str, Any], source: str = MANIFEST_NAME) -> Manifest:
         version = data.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise ManifestError(
+            raise ManifestVersionError(
                 f"{source} has schema_version {version!r}; this Matformer reads version "
                 f"{SCHEMA_VERSION}. Re-export the tiers with this version, or upgrade Matformer."
             )
