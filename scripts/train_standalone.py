@@ -2,8 +2,8 @@
 
 It trains every requested tier of one set of weights on the Python standard library's
 docstrings (present on any machine, no download), prints loss per tier as it goes, then
-evaluates each tier on held-out text and writes the weights (canonical names, safetensors),
-the config and the metrics to ``--out``.
+evaluates each tier on held-out text and writes a Hugging Face style checkpoint (config.json,
+model.safetensors) and the metrics to ``--out``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from modeling import ModelConfig, build_model, canonical_state_dict
+from modeling import ModelConfig, build_model
+from modeling.checkpoint import save_pretrained
 from modeling.corpus import python_docs_tokens
 from modeling.matformer import tier_label
 from modeling.optim import OptimizerConfig
@@ -105,12 +105,7 @@ def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     for tier in initial:
         print(f"held-out loss tier {tier}: {initial[tier]:.3f} -> {final[tier]:.3f}")
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    config.to_json(args.out / "config.json")
-    state = canonical_state_dict(model)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight")  # stored once, as the embedding
-    save_file({k: v.contiguous() for k, v in state.items()}, args.out / "model.safetensors")
+    save_pretrained(model, args.out)
     metrics = {"initial": initial, "final": final, "history": history}
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print(f"wrote {args.out}/config.json, model.safetensors, metrics.json")

@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 from conftest import tiny_config
-from safetensors.torch import load_file
 
 from modeling import AutoregressiveModel, ConfigError, TierError
-from modeling.naming import load_canonical_state_dict
+from modeling.checkpoint import load_pretrained
 from modeling.training import TierSchedule, train_step
 from scripts.train_standalone import main
 
@@ -76,8 +75,7 @@ def test_standalone_training_learns_and_writes_a_loadable_checkpoint(tmp_path, c
         assert metrics["final"][tier] < metrics["initial"][tier] - 1.0
     assert len(metrics["history"]) == 30
 
-    from modeling import ModelConfig
-    config = ModelConfig.from_json(out / "config.json")
-    model = AutoregressiveModel(config)
-    load_canonical_state_dict(model, load_file(out / "model.safetensors"))
+    model = load_pretrained(out)
     assert torch.isfinite(model.loss(torch.randint(0, 256, (1, 16)), tier=2))
+    trained = json.loads((out / "config.json").read_text())
+    assert trained["model_type"] == "llama" and trained["intermediate_size"] == 512
