@@ -24,7 +24,7 @@ from torch import nn
 
 from modeling.checkpoint.files import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, read_json, read_weights
 from modeling.checkpoint.hf_config import from_config_dict
-from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
+from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, TierEntry, sha256_of
 from modeling.checkpoint.pretrained import load_state_into
 from modeling.checkpoint.repository import HubRepository, LocalRepository, normalize
 from modeling.checkpoint.slicing import slice_state
@@ -134,6 +134,49 @@ def infer_metadata(data: dict[str, Any], *, tier: int | None, base: int | None
     return data
 
 
+@dataclass(slots=True)
+class _Choice:
+    used: str  # "sliced" or "universal"
+    reason: str
+    paths: list[str]  # repository paths of config + weights to fetch
+    entry: TierEntry | None  # the manifest entry used for a slice, for metadata
+
+
+def _choose(source: str | Path, tier: Tier, strategy: str, own: dict[str, Any],
+            manifest: Manifest | None, repository: Any, folder: str) -> _Choice:
+    """Which files to try first, before anything but the manifest and config is fetched."""
+    label = tier_label(tier)
+    own_tiers = own.get("matformer_layer_tiers") or int(own.get("matformer_tier", 0))
+    own_sliced = any(own_tiers) if isinstance(own_tiers, list) else own_tiers > 0
+    if own_sliced:
+        own_label = tier_label(own_tiers)
+        if strategy == "universal":
+            raise AlreadySliced(
+                f"{source} is the tier {own_label} slice, not a universal checkpoint; point "
+                "at the universal checkpoint for 'universal', or use 'auto'/'sliced' to load "
+                "this slice as it is."
+            )
+        return _Choice("sliced", f"the source is already the tier {own_label} slice",
+                       _universal_files(repository, folder, None), None)
+    wants_slice = tier != 0 if isinstance(tier, int) else any(t > 0 for t in tier)
+    if not wants_slice or strategy == "universal":
+        reason = "universal requested" if wants_slice else "tier 0 is the universal checkpoint"
+        return _Choice("universal", reason, [], None)
+    entry = manifest.entry(tier) if manifest else None
+    if strategy == "sliced" and manifest is None:
+        raise ManifestMissing(
+            f"{source} has no {MANIFEST_NAME}, so no tier slices are known; export them "
+            "with matformer-export-tiers or use --load-strategy auto/universal."
+        )
+    if strategy == "sliced" and entry is None:
+        raise TierNotInManifest(
+            f"{MANIFEST_NAME} of {source} lists no tier {label}; available tiers: "
+            f"{', '.join(manifest.available_tiers())}."
+        )
+    paths = [normalize(f, folder) for f in entry.files] if entry else []
+    return _Choice("sliced", f"tier {label} slice listed in the manifest", paths, entry)
+
+
 def resolve(
     source: str | Path,
     tier: Tier = 0,
@@ -151,71 +194,37 @@ def resolve(
     if manifest_path is not None:
         manifest = Manifest.from_dict(read_json(manifest_path), f"{source}/{MANIFEST_NAME}")
     common = [normalize(f, folder) for f in manifest.common_files] if manifest else []
-    base = manifest.base_intermediate_size if manifest else None
     fetcher = _Fetcher(repository, manifest, folder)
-
     own_config = fetcher.one(posixpath.join(folder, CONFIG_NAME))
     own = read_json(own_config) if own_config else {}
-    own_tier = int(own.get("matformer_tier", 0))
-    own_sliced = own_tier > 0 or any(own.get("matformer_layer_tiers") or [])
 
-    entry = manifest.entry(tier) if manifest else None
-    label = tier_label(tier)
-    wants_slice = tier != 0 if isinstance(tier, int) else any(t > 0 for t in tier)
-    if own_sliced:
-        own_label = tier_label(own.get("matformer_layer_tiers") or own_tier)
-        if strategy == "universal":
-            raise AlreadySliced(
-                f"{source} is the tier {own_label} slice, not a universal checkpoint; point "
-                "at the universal checkpoint for 'universal', or use 'auto'/'sliced' to load "
-                "this slice as it is."
-            )
-        used, reason = "sliced", f"the source is already the tier {own_label} slice"
-        paths = _universal_files(repository, folder, None)
-    elif wants_slice and strategy in ("sliced", "auto"):
-        if manifest is None and strategy == "sliced":
-            raise ManifestMissing(
-                f"{source} has no {MANIFEST_NAME}, so no tier slices are known; export them "
-                "with matformer-export-tiers or use --load-strategy auto/universal."
-            )
-        if entry is None and strategy == "sliced":
-            raise TierNotInManifest(
-                f"{MANIFEST_NAME} of {source} lists no tier {label}; available tiers: "
-                f"{', '.join(manifest.available_tiers())}."
-            )
-        paths = [normalize(f, folder) for f in entry.files] if entry else []
-        used, reason = "sliced", f"tier {label} slice listed in the manifest"
-    else:
-        used, paths = "universal", []
-        reason = "universal requested" if wants_slice else "tier 0 is the universal checkpoint"
-
+    choice = _choose(source, tier, strategy, own, manifest, repository, folder)
     found: dict[str, Path] = {}
-    if used == "sliced":
-        found, missing = fetcher.all(paths + common)
+    if choice.used == "sliced":
+        found, missing = fetcher.all(choice.paths + common)
         if missing and strategy == "sliced":
             raise IncompleteTier(
-                f"tier {label} of {source} is incomplete; missing: {', '.join(missing)}. "
-                "Fetch or re-export them, or use --load-strategy auto."
+                f"tier {tier_label(tier)} of {source} is incomplete; missing: "
+                f"{', '.join(missing)}. Fetch or re-export them, or use --load-strategy auto."
             )
-        if missing or not paths:
+        if missing or not choice.paths:
             why = f"missing {', '.join(missing)}" if missing else "not in a manifest"
-            used, reason = "universal", f"tier {label} slice unusable ({why}); slicing at load"
-            found = {}
-    if used == "universal":
-        paths = _universal_files(repository, folder, manifest)
-        found, missing = fetcher.all(paths + common)
+            reason = f"tier {tier_label(tier)} slice unusable ({why}); slicing at load"
+            choice = _Choice("universal", reason, [], None)
+    if choice.used == "universal":
+        choice.paths = _universal_files(repository, folder, manifest)
+        found, missing = fetcher.all(choice.paths + common)
         if missing:
             raise CheckpointError(f"{source} is missing {', '.join(missing)}.")
 
-    config_path = next(local for path, local in found.items() if path.endswith(CONFIG_NAME)
-                       and path in paths)
-    entry_used = entry if used == "sliced" and not own_sliced else None
-    entry_tier = entry_used.tier if entry_used and entry_used.layer_tiers is None else None
+    config_path = found[next(p for p in choice.paths if p.endswith(CONFIG_NAME))]
+    entry_tier = choice.entry.tier if choice.entry and choice.entry.layer_tiers is None else None
+    base = manifest.base_intermediate_size if manifest else None
     data = infer_metadata(read_json(config_path), tier=entry_tier, base=base)
     return ResolvedCheckpoint(
-        source=str(source), tier=tier, strategy=strategy, used=used,
+        source=str(source), tier=tier, strategy=strategy, used=choice.used,
         config=from_config_dict(data), directory=config_path.parent, files=list(found),
-        manifest=manifest, reason=reason,
+        manifest=manifest, reason=choice.reason,
     )
 
 
