@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -148,12 +148,11 @@ def atomic_directory(target: Path) -> Iterator[Path]:
             shutil.rmtree(staging)
 
 
-def copy_files(names: list[str], source: Path, destination: Path,
-               copy: Callable[[Path, Path], Any] = shutil.copy2) -> None:
+def copy_files(names: list[str], source: Path, destination: Path) -> None:
     """Copy files by relative name, creating folders as needed."""
     for name in names:
         (destination / name).parent.mkdir(parents=True, exist_ok=True)
-        copy(source / name, destination / name)
+        shutil.copy2(source / name, destination / name)
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -27,8 +27,3 @@ def slice_state(state: dict[str, Tensor], widths: Sequence[int]) -> dict[str, Te
         sliced[name] = tensor
     return sliced
 
-
-def ffn_width(state: dict[str, Tensor], layer: int = 0) -> int | None:
-    """The FFN width stored for ``layer``, or None if the state has no FFN."""
-    up = state.get(f"model.layers.{layer}.mlp.up_proj.weight")
-    return None if up is None else up.shape[0]
