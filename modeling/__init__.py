@@ -4,8 +4,17 @@ Importing the package registers the built-in components.
 """
 
 from modeling import components  # noqa: F401  (registers built-ins)
+from modeling.batch import MaskedBatch, PackedBatch
 from modeling.config import HOOK_POSITIONS, LayerConfig, ModelConfig
-from modeling.errors import ConfigError, HookPositionError, MatformerError, RegistryError, TierError
+from modeling.equivalence import assert_batch_equivalent
+from modeling.errors import (
+    BatchError,
+    ConfigError,
+    HookPositionError,
+    MatformerError,
+    RegistryError,
+    TierError,
+)
 from modeling.matformer import layer_widths, tier_width
 from modeling.models import (
     AutoregressiveModel,
@@ -23,19 +32,23 @@ __all__ = [
     "HOOK_POSITIONS",
     "AutoregressiveModel",
     "BERTModel",
+    "BatchError",
     "ConfigError",
     "HookPositionError",
     "Identity",
     "LayerConfig",
+    "MaskedBatch",
     "MatformerError",
     "ModelConfig",
     "ModuleSpec",
     "NakedTransformer",
+    "PackedBatch",
     "Registry",
     "RegistryError",
     "TierError",
     "TransformerWithEmbeddingHead",
     "TransformerWithLMHead",
+    "assert_batch_equivalent",
     "build_model",
     "build_module",
     "canonical_names",

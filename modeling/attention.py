@@ -20,7 +20,7 @@ class AttentionContext:
     positional: PositionalEncoding
     positional_state: Any  # from positional.prepare (RoPE cos/sin, ALiBi bias...)
     causal: bool
-    key_padding_mask: Tensor | None  # (B, T) bool, True = real token
+    segment_ids: Tensor | None  # (B, T) int: attend within a segment; 0 = padding
 
 
 @dataclass(slots=True)
@@ -51,7 +51,7 @@ class SelfAttention(nn.Module):
         # q (B, H, T, D); k, v (B, Hkv, T, D)
         q, k = context.positional.rotate(q, k, context.positional_state)
         out = self.kernel(
-            q, k, v, causal=context.causal, key_padding_mask=context.key_padding_mask,
+            q, k, v, causal=context.causal, segment_ids=context.segment_ids,
             bias=context.positional.score_bias(context.positional_state),
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))  # (B, T, C)

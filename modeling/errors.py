@@ -21,6 +21,10 @@ class HookPositionError(ConfigError):
     """A hook was attached at a position the transformer block does not expose."""
 
 
+class BatchError(MatformerError, ValueError):
+    """Examples cannot form the requested batch (empty, ragged static dims, too long)."""
+
+
 class CheckpointError(MatformerError):
     """A checkpoint directory is missing something, or holds something inconsistent."""
 

@@ -12,11 +12,13 @@ Llama-shaped model's state dict is already in canonical names.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modeling.attention import AttentionContext
+from modeling.batch import Batch, TokenLayout, layout, next_token_targets
 from modeling.components.init import linear
 from modeling.components.loss import IGNORE_INDEX
 from modeling.config import ModelConfig
@@ -40,34 +42,36 @@ class NakedTransformer(nn.Module):
 
     def forward(
         self,
-        hidden: Tensor,
+        inputs: Tensor | Batch | TokenLayout,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         tier: Tier | None = None,
     ) -> Tensor:
-        """``attention_mask`` (B, T) is 1 for real tokens; ``tier`` picks the FFN widths."""
+        """``inputs``: a tensor, with an optional (B, T) ``attention_mask`` (1 = real token),
+        or a MaskedBatch / PackedBatch; ``tier`` picks the FFN widths."""
+        tokens = layout(inputs, attention_mask, position_ids)
         widths = layer_widths(self.config, tier)
-        batch, length, _ = hidden.shape
+        hidden = self.input_embeddings(tokens.data)  # (B, T, C)
+        length = hidden.shape[1]
         if length > self.config.max_position_embeddings:
             raise ValueError(
                 f"sequence length {length} exceeds max_position_embeddings="
                 f"{self.config.max_position_embeddings}; shorten the input or raise the limit."
             )
-        if position_ids is None:
-            position_ids = torch.arange(length, device=hidden.device).expand(batch, length)
-        padding = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            padding = attention_mask.to(torch.bool)
-        hidden = self.embed_positions.embed(hidden, position_ids)
+        hidden = self.embed_positions.embed(hidden, tokens.position_ids)
         context = AttentionContext(
             positional=self.embed_positions,
-            positional_state=self.embed_positions.prepare(position_ids, hidden.dtype),
+            positional_state=self.embed_positions.prepare(tokens.position_ids, hidden.dtype),
             causal=self.config.is_causal,
-            key_padding_mask=padding,
+            segment_ids=tokens.segment_ids,
         )
         for layer, width in zip(self.layers, widths, strict=True):
             hidden = layer(hidden, context, width)
         return self.norm(hidden)
+
+    def input_embeddings(self, data: Tensor) -> Tensor:
+        """The hidden states the blocks start from; the bare stack takes them as given."""
+        return data
 
 
 class TransformerWithEmbeddingHead(NakedTransformer):
@@ -78,14 +82,8 @@ class TransformerWithEmbeddingHead(NakedTransformer):
         super().__init__(config, spec)
         self.embed_tokens = build_module(spec.embedding, config=config)
 
-    def forward(
-        self,
-        input_ids: Tensor,
-        attention_mask: Tensor | None = None,
-        position_ids: Tensor | None = None,
-        tier: Tier | None = None,
-    ) -> Tensor:
-        return super().forward(self.embed_tokens(input_ids), attention_mask, position_ids, tier)
+    def input_embeddings(self, data: Tensor) -> Tensor:
+        return self.embed_tokens(data)
 
 
 class TransformerWithLMHead(nn.Module):
@@ -104,12 +102,12 @@ class TransformerWithLMHead(nn.Module):
 
     def forward(
         self,
-        input_ids: Tensor,
+        inputs: Tensor | Batch | TokenLayout,
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         tier: Tier | None = None,
     ) -> Tensor:
-        return self.lm_head(self.model(input_ids, attention_mask, position_ids, tier))
+        return self.lm_head(self.model(inputs, attention_mask, position_ids, tier))
 
 
 class AutoregressiveModel(TransformerWithLMHead):
@@ -121,16 +119,26 @@ class AutoregressiveModel(TransformerWithLMHead):
         super().__init__(config)
 
     def loss(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, tier: Tier | None = None
+        self,
+        inputs: Tensor | Batch,
+        attention_mask: Tensor | None = None,
+        tier: Tier | None = None,
+        reduction: str = "mean",
     ) -> Tensor:
-        """Mean next-token cross-entropy; padded positions carry no loss."""
-        logits = self(input_ids, attention_mask, tier=tier)  # (B, T, V)
+        """Next-token cross-entropy over the positions ``num_targets`` counts: padding and
+        the last token of each document predict nothing. ``reduction``: "mean" or "sum"."""
+        tokens = layout(inputs, attention_mask)
+        logits = self(tokens, tier=tier)  # (B, T, V)
         # Shift the labels, not the logits: slicing logits would copy (B, T-1, V) forward and
-        # zero-fill a (B, T, V) gradient backward. The last position predicts nothing.
-        labels = F.pad(input_ids[:, 1:], (0, 1), value=IGNORE_INDEX)  # (B, T)
-        if attention_mask is not None:
-            labels = labels.masked_fill(F.pad(attention_mask[:, 1:], (0, 1)) == 0, IGNORE_INDEX)
-        return self.loss_fn(logits, labels)
+        # zero-fill a (B, T, V) gradient backward.
+        labels = next_token_targets(tokens.data, tokens.segment_ids, IGNORE_INDEX)
+        return self.loss_fn(logits, labels, reduction=reduction)
+
+    def num_targets(self, inputs: Tensor | Batch, attention_mask: Tensor | None = None) -> int:
+        """How many positions of ``inputs`` carry a loss (the divisor of the mean)."""
+        tokens = layout(inputs, attention_mask)
+        labels = next_token_targets(tokens.data, tokens.segment_ids, IGNORE_INDEX)
+        return int((labels != IGNORE_INDEX).sum())
 
 
 class BERTModel(TransformerWithLMHead):
@@ -162,13 +170,17 @@ class BERTModel(TransformerWithLMHead):
 
     def loss(
         self,
-        input_ids: Tensor,
+        inputs: Tensor | Batch,
         attention_mask: Tensor | None = None,
         tier: Tier | None = None,
         generator: torch.Generator | None = None,
+        reduction: str = "mean",
     ) -> Tensor:
-        masked_ids, labels = self.mask_tokens(input_ids, attention_mask, generator)
-        return self.loss_fn(self(masked_ids, attention_mask, tier=tier), labels)
+        tokens = layout(inputs, attention_mask)
+        real = None if tokens.segment_ids is None else tokens.segment_ids > 0
+        masked_ids, labels = self.mask_tokens(tokens.data, real, generator)
+        masked = replace(tokens, data=masked_ids)
+        return self.loss_fn(self(masked, tier=tier), labels, reduction=reduction)
 
 
 def build_model(config: ModelConfig) -> AutoregressiveModel | BERTModel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -14,17 +16,23 @@ RUNNABLE = [name for name in KERNELS if name != "torch"
             and registry.select("attention", "kernel", name).name == name]
 
 
-def padding(kind: str, batch: int, length: int) -> torch.Tensor | None:
+def segments(kind: str, batch: int, length: int) -> torch.Tensor | None:
+    """Segment ids (B, T): padding on one side (0/1), or several documents per row."""
     if kind == "none":
         return None
-    mask = torch.ones(batch, length, dtype=torch.bool)
+    ids = torch.ones(batch, length, dtype=torch.int32)
     for row in range(batch):
         pad = 1 + 2 * row
         if kind == "left":
-            mask[row, :pad] = False
-        else:
-            mask[row, length - pad:] = False
-    return mask
+            ids[row, :pad] = 0
+        elif kind == "right":
+            ids[row, length - pad:] = 0
+        else:  # packed: documents of 2 + row, 5 and the rest, then padding
+            cuts = [0, 2 + row, 7 + row, length - row]
+            for number, (start, end) in enumerate(pairwise(cuts), start=1):
+                ids[row, start:end] = number
+            ids[row, length - row:] = 0
+    return ids
 
 
 def test_every_registered_kernel_is_checked_or_unavailable_here():
@@ -34,7 +42,7 @@ def test_every_registered_kernel_is_checked_or_unavailable_here():
 
 @pytest.mark.parametrize("name", RUNNABLE)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
-@pytest.mark.parametrize("pad", ["none", "left", "right"])
+@pytest.mark.parametrize("pad", ["none", "left", "right", "packed"])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
 def test_kernel_matches_reference(name, causal, pad, kv_heads, alibi):
@@ -42,7 +50,7 @@ def test_kernel_matches_reference(name, causal, pad, kv_heads, alibi):
     q = torch.randn(batch, heads, length, dim, requires_grad=True)
     k = torch.randn(batch, kv_heads, length, dim, requires_grad=True)
     v = torch.randn(batch, kv_heads, length, dim, requires_grad=True)
-    mask = padding(pad, batch, length)
+    seg = segments(pad, batch, length)
     bias = None
     if alibi:
         positional = AlibiPositions(tiny_config(num_attention_heads=heads))
@@ -50,8 +58,8 @@ def test_kernel_matches_reference(name, causal, pad, kv_heads, alibi):
         bias = positional.score_bias(positional.prepare(positions, torch.float32))
     kernel = registry.get("attention", "kernel", name)()
     reference = registry.get("attention", "kernel", "torch")()
-    args = dict(causal=causal, key_padding_mask=mask, bias=bias)
-    real = mask if mask is not None else torch.ones(batch, length, dtype=torch.bool)
+    args = dict(causal=causal, segment_ids=seg, bias=bias)
+    real = seg > 0 if seg is not None else torch.ones(batch, length, dtype=torch.bool)
     expected = reference(q, k, v, **args)
     with torch.no_grad():  # inference: flex runs its own kernel even on CPU
         out = kernel(q, k, v, **args)

@@ -1,0 +1,220 @@
+"""Variable-length batches the models consume: padded (MaskedBatch) and packed (PackedBatch).
+
+Both describe their tokens the same way, so the model needs no branch per batch type:
+``data`` (B, T, ...) holds the examples, ``segment_ids`` (B, T) says which document each
+position belongs to (0 = padding, documents numbered from 1 within a row) and
+``position_ids`` (B, T) gives each token's position inside its own document. Attention only
+connects positions of the same segment, positional encodings read ``position_ids`` and the
+loss never predicts across a segment boundary, so padding and neighbouring documents never
+leak into an example's result.
+
+``unbatch`` turns a (B, T, ...) output back into one tensor per example, in input order, which
+is what the equivalence check in ``modeling.equivalence`` compares against a per-example loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from modeling.errors import BatchError
+
+
+def _check_examples(examples: Sequence[Tensor]) -> None:
+    if not examples:
+        raise BatchError("a batch needs at least one example; got an empty list.")
+    for index, example in enumerate(examples):
+        if example.dim() == 0 or example.shape[0] == 0:
+            raise BatchError(
+                f"example {index} is empty (shape {tuple(example.shape)}); drop empty "
+                "documents before batching."
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class MaskedBatch:
+    """Examples padded to a common size in their dynamic dimensions.
+
+    ``dims`` has one flag per non-batch dimension of ``data``: True if examples may differ in
+    size there (dynamic), False if they all share it (static). ``mask`` is (B, *sizes) with the
+    full size in dynamic dimensions and 1 in static ones: True marks real data. The models read
+    dimension 1 as the sequence, so for them ``dims`` starts with True and the rest is static.
+    """
+
+    data: Tensor
+    mask: Tensor
+    dims: tuple[bool, ...]
+
+    @classmethod
+    def from_list(
+        cls, examples: Sequence[Tensor], dims: Sequence[bool] | None = None, pad_value: float = 0
+    ) -> MaskedBatch:
+        """Pad ``examples`` (each without a batch dimension) on the right of dynamic dims.
+
+        ``dims`` defaults to: the first dimension dynamic, the others static.
+        """
+        _check_examples(examples)
+        rank = examples[0].dim()
+        dims = tuple(dims) if dims is not None else (True,) + (False,) * (rank - 1)
+        if len(dims) != rank:
+            raise BatchError(f"dims has {len(dims)} flags for examples of rank {rank}.")
+        for index, example in enumerate(examples):
+            if example.dim() != rank:
+                raise BatchError(f"example {index} has rank {example.dim()}, expected {rank}.")
+            for axis, dynamic in enumerate(dims):
+                if not dynamic and example.shape[axis] != examples[0].shape[axis]:
+                    raise BatchError(
+                        f"example {index} has size {example.shape[axis]} in static dimension "
+                        f"{axis}, others have {examples[0].shape[axis]}; mark it dynamic."
+                    )
+        sizes = [max(e.shape[axis] for e in examples) for axis in range(rank)]
+        data = examples[0].new_full((len(examples), *sizes), pad_value)
+        mask_sizes = [size if dynamic else 1 for size, dynamic in zip(sizes, dims, strict=True)]
+        mask = torch.zeros(len(examples), *mask_sizes, dtype=torch.bool, device=data.device)
+        for row, example in enumerate(examples):
+            data[(row, *(slice(0, n) for n in example.shape))] = example
+            mask[(row, *(slice(0, n) if d else slice(None) for n, d in
+                         zip(example.shape, dims, strict=True)))] = True
+        return cls(data, mask, dims)
+
+    @property
+    def tokens(self) -> Tensor:
+        """(B, T) bool: which sequence positions are real (the mask along dimension 1)."""
+        mask = self.mask
+        return mask.reshape(mask.shape[0], mask.shape[1], -1).all(dim=-1)
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) number of real sequence positions per example."""
+        return self.tokens.sum(dim=1)
+
+    @property
+    def segment_ids(self) -> Tensor:
+        return self.tokens.to(torch.int32)  # one document per row: 1 real, 0 padding
+
+    @property
+    def position_ids(self) -> Tensor:
+        return (self.tokens.cumsum(dim=1) - 1).clamp(min=0)
+
+    def unbatch(self, output: Tensor) -> list[Tensor]:
+        """Per-example slices of a (B, T, ...) ``output`` aligned with this batch."""
+        return [output[row, :length] for row, length in enumerate(self.lengths.tolist())]
+
+    def to(self, device: torch.device | str) -> MaskedBatch:
+        return MaskedBatch(self.data.to(device), self.mask.to(device), self.dims)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedBatch:
+    """Several documents laid end to end in each row, with per-document positions.
+
+    ``spans`` (N, 3) records, for each input example in order, its (row, start, length).
+    """
+
+    data: Tensor
+    segment_ids: Tensor
+    position_ids: Tensor
+    spans: Tensor
+
+    @classmethod
+    def pack(
+        cls, examples: Sequence[Tensor], row_length: int, pad_value: float = 0
+    ) -> PackedBatch:
+        """Place examples first-fit into rows of ``row_length`` (no example is split).
+
+        First fit keeps the input order within each row and fills earlier rows before opening
+        new ones; rows are padded on the right.
+        """
+        _check_examples(examples)
+        longest = max(e.shape[0] for e in examples)
+        if longest > row_length:
+            raise BatchError(
+                f"an example has {longest} tokens but rows hold {row_length}; raise row_length "
+                "or cut the example into chunks first."
+            )
+        free: list[int] = []  # room left in each row
+        spans = []
+        for example in examples:
+            size = example.shape[0]
+            row = next((r for r, room in enumerate(free) if room >= size), len(free))
+            if row == len(free):
+                free.append(row_length)
+            spans.append((row, row_length - free[row], size))
+            free[row] -= size
+        first = examples[0]
+        data = first.new_full((len(free), row_length, *first.shape[1:]), pad_value)
+        segments = torch.zeros(len(free), row_length, dtype=torch.int32, device=first.device)
+        positions = torch.zeros(len(free), row_length, dtype=torch.long, device=first.device)
+        documents = [0] * len(free)
+        for example, (row, start, size) in zip(examples, spans, strict=True):
+            documents[row] += 1
+            data[row, start:start + size] = example
+            segments[row, start:start + size] = documents[row]
+            positions[row, start:start + size] = torch.arange(size, device=first.device)
+        return cls(data, segments, positions, torch.tensor(spans, dtype=torch.long))
+
+    @property
+    def tokens(self) -> Tensor:
+        return self.segment_ids > 0
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.spans[:, 2]
+
+    def unbatch(self, output: Tensor) -> list[Tensor]:
+        return [output[row, start:start + size] for row, start, size in self.spans.tolist()]
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(self.data.to(device), self.segment_ids.to(device),
+                           self.position_ids.to(device), self.spans)
+
+
+Batch = MaskedBatch | PackedBatch
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLayout:
+    """What the model reads from any input: data plus where segments and positions lie."""
+
+    data: Tensor  # (B, T) ids or (B, T, C) hidden states
+    segment_ids: Tensor | None  # (B, T) int, 0 = padding; None: every position real, one doc
+    position_ids: Tensor  # (B, T)
+
+
+def layout(
+    inputs: Tensor | Batch | TokenLayout,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+) -> TokenLayout:
+    """Normalise the model's accepted inputs: a batch object, or a tensor with an optional
+    (B, T) ``attention_mask`` (1 = real token, Hugging Face style) and ``position_ids``."""
+    if isinstance(inputs, TokenLayout):
+        return inputs
+    if isinstance(inputs, MaskedBatch | PackedBatch):
+        if attention_mask is not None or position_ids is not None:
+            raise BatchError("a MaskedBatch/PackedBatch carries its own mask and positions; "
+                             "do not pass attention_mask or position_ids with it.")
+        segments = inputs.segment_ids
+        full = isinstance(inputs, MaskedBatch) and bool(inputs.tokens.all())
+        return TokenLayout(inputs.data, None if full else segments, inputs.position_ids)
+    batch, length = inputs.shape[:2]
+    segments = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        segments = attention_mask.to(torch.int32)
+    if position_ids is None:
+        position_ids = torch.arange(length, device=inputs.device).expand(batch, length)
+    return TokenLayout(inputs, segments, position_ids)
+
+
+def next_token_targets(ids: Tensor, segment_ids: Tensor | None, ignore_index: int) -> Tensor:
+    """(B, T) labels: the next token of the same document, else ``ignore_index``."""
+    labels = F.pad(ids[:, 1:], (0, 1), value=ignore_index)
+    if segment_ids is not None:
+        same = segment_ids[:, 1:] == segment_ids[:, :-1]
+        keep = F.pad(same & (segment_ids[:, 1:] > 0), (0, 1), value=False)
+        labels = labels.masked_fill(~keep, ignore_index)
+    return labels
