@@ -67,3 +67,99 @@ class TierNotInManifest(ManifestError):
 
 class IncompleteTier(ManifestError):
     """Files the manifest lists for a tier are missing."""
+
+
+class MdatError(MatformerError):
+    """An MDAT dataset container is missing something, or cannot do what was asked."""
+
+
+class MdatNotFound(MdatError, FileNotFoundError):
+    """A path holds no MDAT container (no ``mdat.db`` catalogue)."""
+
+
+class MdatExists(MdatError, FileExistsError):
+    """``Mdat.create`` was pointed at a folder that already holds files."""
+
+
+class InvalidName(MdatError, ValueError):
+    """A submdat, strategy or view name is not a plain folder name, or is reserved."""
+
+
+class UnknownName(MdatError, LookupError):
+    """A submdat, strategy, view or shuffle name that the catalogue does not hold."""
+
+
+class NameTaken(MdatError):
+    """A submdat, strategy or view of that name exists already, with different contents."""
+
+
+class SubmdatLimit(MdatError):
+    """The container holds as many submdats as its id width allows (255, or 65,535 extended)."""
+
+
+class SubmdatIncomplete(MdatError):
+    """A submdat's import was interrupted; ``add`` with the same source resumes it."""
+
+
+class ResumeMismatch(MdatError):
+    """An interrupted import was resumed from a different source or with other settings."""
+
+
+class BadRecord(MdatError, ValueError):
+    """An input record is not a JSON object with a text field (file and line are named)."""
+
+
+class NotUtf8(MdatError, ValueError):
+    """Input text is not valid UTF-8 (file and line, or file, are named)."""
+
+
+class StrategyError(MdatError, ValueError):
+    """A pretokenization strategy is malformed: unknown field, wrong type, impossible value."""
+
+
+class TokenizerNotFound(StrategyError):
+    """A strategy's tokenizer file does not exist."""
+
+
+class UnknownSplitter(StrategyError):
+    """A strategy names a splitter that no built-in nor ``functions/`` file registers."""
+
+
+class SplitterError(MdatError):
+    """A splitter failed on a document, or returned tokens and chunks that disagree."""
+
+
+class PretokIncomplete(MdatError):
+    """A strategy has not been pretokenized over every submdat a reader needs."""
+
+
+class SequenceLengthError(MdatError, ValueError):
+    """``max_seq_len`` is not a positive multiple of the strategy's ``chunk_size``."""
+
+
+class QuotaError(MdatError, ValueError):
+    """A view quota is not a count, a fraction in (0, 1] or a size string like ``"500M"``."""
+
+
+class QuotaTooLarge(QuotaError):
+    """A view quota asks for more documents or bytes than its submdat holds."""
+
+
+class ShardError(MdatError, ValueError):
+    """Shard shares are empty, negative or name a client twice."""
+
+
+class SaettaError(MdatError):
+    """A saetta folder is missing a file, or its files disagree with each other."""
+
+
+class MdatCorrupt(MdatError):
+    """A file of the container is truncated or damaged; the message names it and the fix."""
+
+
+class SequenceTooLong(BatchError):
+    """One sequence alone exceeds a token budget: raise the budget or shorten the sequence."""
+
+
+class BatchDoesNotFit(MatformerError, RuntimeError):
+    """Out of memory even at the smallest microbatch limits for these sequence lengths."""
