@@ -4,17 +4,23 @@ Two recipes: ``all`` trains every listed tier on the same batch and sums their l
 weights (the MatFormer paper's public code); ``sample`` draws one tier per step with given
 probabilities (the paper's own recipe). Each tier's loss is backpropagated as soon as it is
 computed, which frees its graph and gives the same gradient as backpropagating the sum.
+
+``train_step`` takes one ready batch; ``train_step_on_examples`` takes the sequences of a
+token-budget batch and runs them in microbatches that adapt to out-of-memory errors.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from modeling.batch import Batch
+from modeling.batching import MicrobatchRunner, accumulate_gradients
 from modeling.errors import ConfigError
 from modeling.matformer import Tier, layer_widths, tier_label
 
@@ -64,7 +70,7 @@ class TierSchedule:
 def train_step(
     model: nn.Module,
     optimizer: Any,
-    input_ids: Tensor,
+    inputs: Tensor | Batch,
     attention_mask: Tensor | None,
     schedule: TierSchedule,
     step: int,
@@ -74,10 +80,40 @@ def train_step(
     optimizer.zero_grad()
     losses = {}
     for tier, weight in schedule.step_tiers(step):
-        loss = model.loss(input_ids, attention_mask, tier=tier)
+        loss = model.loss(inputs, attention_mask, tier=tier)
         (weight * loss).backward()
         losses[tier_label(tier)] = loss.item()
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return losses
+
+
+def train_step_on_examples(
+    runner: MicrobatchRunner,
+    optimizer: Any,
+    examples: Sequence[Tensor],
+    schedule: TierSchedule,
+    step: int,
+    max_grad_norm: float | None = None,
+) -> dict[str, float]:
+    """One optimizer step over ``examples`` (1-D token ids of any lengths) at the step's tiers.
+
+    Each tier's gradient is accumulated over microbatches sized by the runner's limits and
+    equals that of the whole batch at once; after an out-of-memory error the runner clears
+    the gradients and retries every tier with smaller microbatches.
+    """
+    tiers = schedule.step_tiers(step)
+
+    def attempt(plan: list[list[int]]) -> dict[str, float]:
+        return {
+            tier_label(tier): accumulate_gradients(
+                runner.model, examples, plan, tier=tier, weight=weight).loss
+            for tier, weight in tiers
+        }
+
+    losses = runner.run([len(example) for example in examples], attempt)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(runner.model.parameters(), max_grad_norm)
     optimizer.step()
     return losses

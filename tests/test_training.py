@@ -79,3 +79,26 @@ def test_standalone_training_learns_and_writes_a_loadable_checkpoint(tmp_path, c
     assert torch.isfinite(model.loss(torch.randint(0, 256, (1, 16)), tier=2))
     trained = json.loads((out / "config.json").read_text())
     assert trained["model_type"] == "llama" and trained["intermediate_size"] == 512
+
+
+def test_token_budget_step_equals_the_whole_batch_step_at_every_tier():
+    from modeling import MaskedBatch
+    from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+    from modeling.training import train_step_on_examples
+
+    torch.manual_seed(0)
+    model = AutoregressiveModel(tiny_config())
+    twin = AutoregressiveModel(tiny_config())
+    twin.load_state_dict(model.state_dict())
+    examples = [torch.randint(3, 90, (n,)) for n in (17, 4, 9, 30, 2, 11)]
+    schedule = TierSchedule(tiers=[0, 1], weights=[1.0, 0.5])
+    runner = MicrobatchRunner(model, AdaptiveLimitsConfig(max_tokens=40, max_examples=2).build())
+    losses = train_step_on_examples(runner, torch.optim.SGD(model.parameters(), lr=0.5),
+                                    examples, schedule, step=0)
+    expected = train_step(twin, torch.optim.SGD(twin.parameters(), lr=0.5),
+                          MaskedBatch.from_list(examples), None, schedule, step=0)
+    assert losses.keys() == expected.keys()
+    for tier in losses:
+        assert losses[tier] == pytest.approx(expected[tier], rel=1e-5)
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
