@@ -1,0 +1,41 @@
+"""The embedded default dataset: the standard library's docstrings as an MDAT container.
+
+It needs no download (`modeling.corpus.python_docs`), so examples, tests and a local testnet
+always have real English text to train on. Building is resumable: running it again on the
+same path finishes an interrupted build and otherwise does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from modeling.corpus import python_docs
+from modeling.mdat.catalogue import CATALOGUE_NAME
+from modeling.mdat.container import Mdat
+
+DEFAULT_SUBMDAT = "python_docs"
+# Bytes, cut every 128: any max_seq_len of 128, 256, 512, ... reads from it unchanged.
+DEFAULT_STRATEGY = {
+    "strategy_name": "bytes128",
+    "tokenizer_type": "bytes",
+    "splitter_class": "fixed_chunks",
+    "chunk_size": 128,
+}
+
+
+def build_default_mdat(
+    path: str | os.PathLike[str], limit: int | None = None, *, processes: int = 1,
+    progress: bool = False,
+) -> Mdat:
+    """Create (or finish) ``path`` with submdat "python_docs", pretokenized as "bytes128"."""
+    path = Path(path)
+    mdat = Mdat.open(path) if (path / CATALOGUE_NAME).is_file() else Mdat.create(path)
+    done = {info.name: info.complete for info in mdat.submdats()}
+    if not done.get(DEFAULT_SUBMDAT):
+        documents = ({"text": text} for text in python_docs(limit))
+        mdat.add_records(DEFAULT_SUBMDAT, documents, source=f"modeling.corpus.python_docs({limit})",
+                         progress=progress)
+    mdat.add_strategy(DEFAULT_STRATEGY)
+    mdat.pretokenize(DEFAULT_STRATEGY["strategy_name"], processes=processes, progress=progress)
+    return mdat

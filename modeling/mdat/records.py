@@ -1,0 +1,96 @@
+"""Input records: JSONL lines, text files, or Python dicts, turned into storable documents.
+
+Each source yields, per input record, either a `Document` or the `BadRecord` / `NotUtf8`
+error describing what is wrong with it (file and line named), so the importer decides
+whether to raise or to skip and count. The sequence of yielded items is deterministic for a
+given input, which is what lets an interrupted import skip the records it already consumed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from modeling.errors import BadRecord, NotUtf8
+
+_SKIP_HINT = "or pass skip_bad=True (--skip-bad) to skip and count such records"
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """One document ready to store: its UTF-8 text and its metadata as JSON (or None)."""
+
+    text: bytes
+    metadata: bytes | None
+
+
+Record = Document | BadRecord | NotUtf8
+
+
+def document_from_dict(value: Mapping[str, Any], text_field: str, where: str) -> Record:
+    """``value[text_field]`` becomes the text; every other field becomes metadata."""
+    text = value.get(text_field)
+    if not isinstance(text, str | bytes):
+        return BadRecord(
+            f"{where}: no text field {text_field!r} holding a string (fields: "
+            f"{', '.join(map(str, value)) or 'none'}); choose the field with text_field= "
+            f"(--text-field), {_SKIP_HINT}."
+        )
+    try:
+        raw = text.encode("utf-8") if isinstance(text, str) else text
+        if isinstance(text, bytes):
+            raw.decode("utf-8")
+    except UnicodeError as err:
+        return NotUtf8(
+            f"{where}: text is not valid UTF-8 ({err.reason}); fix the input {_SKIP_HINT}."
+        )
+    extra = {key: field for key, field in value.items() if key != text_field}
+    try:
+        metadata = json.dumps(extra, ensure_ascii=False).encode("utf-8") if extra else None
+    except (TypeError, ValueError, UnicodeError) as err:
+        return BadRecord(f"{where}: metadata cannot be stored as JSON ({err}); {_SKIP_HINT}.")
+    return Document(raw, metadata)
+
+
+def dict_records(records: Iterable[Mapping[str, Any]], text_field: str) -> Iterator[Record]:
+    for number, value in enumerate(records):
+        where = f"record {number}"
+        if not isinstance(value, Mapping):
+            yield BadRecord(f"{where} is a {type(value).__name__}, not a dict; {_SKIP_HINT}.")
+            continue
+        yield document_from_dict(value, text_field, where)
+
+
+def jsonl_records(file: Path, text_field: str) -> Iterator[Record]:
+    """One record per non-blank line of a JSON Lines file (blank lines are not records)."""
+    with open(file, "rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{file}:{number}"
+            try:
+                value = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                yield NotUtf8(
+                    f"{where}: line is not valid UTF-8 ({err.reason} at byte {err.start}); "
+                    f"fix the file {_SKIP_HINT}."
+                )
+                continue
+            except json.JSONDecodeError as err:
+                yield BadRecord(f"{where}: not JSON ({err.msg}); fix the line {_SKIP_HINT}.")
+                continue
+            if not isinstance(value, dict):
+                kind = type(value).__name__
+                yield BadRecord(f"{where}: a JSON {kind}, not an object; {_SKIP_HINT}.")
+                continue
+            yield document_from_dict(value, text_field, where)
+
+
+def folder_records(folder: Path, pattern: str) -> Iterator[Record]:
+    """One document per file matching ``pattern``, in sorted path order; metadata: its path."""
+    for file in sorted(path for path in folder.glob(pattern) if path.is_file()):
+        relative = file.relative_to(folder).as_posix()
+        yield document_from_dict({"text": file.read_bytes(), "path": relative}, "text", str(file))

@@ -1,0 +1,102 @@
+"""Mdat-saetta: a shuffled view's sequences laid out flat, to be read sequentially.
+
+A saetta folder holds ``tokens.npy`` (every sequence's tokens, one after another, in the
+order given), ``offsets.npy`` (uint64, ``offsets[i]:offsets[i + 1]`` is sequence ``i``) and
+``saetta.json`` (counts and provenance). Reading sequence ``i`` is one slice of a memory map,
+which is as fast as reading the same tokens from any flat array. The folder is written
+aside and renamed into place, so it appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from modeling.errors import MdatCorrupt, SaettaError
+from modeling.mdat.npy_files import AppendableNpy, load_npy, save_npy
+from modeling.mdat.sequences import SequenceReader
+
+TOKENS = "tokens.npy"
+OFFSETS = "offsets.npy"
+MANIFEST = "saetta.json"
+_ITER_BLOCK = 1 << 16  # offsets turned into Python ints at a time while iterating
+
+
+def export_saetta(
+    sequences: SequenceReader,
+    order: Sequence[int] | np.ndarray,
+    out: str | Path,
+    *,
+    progress: bool = False,
+) -> Path:
+    """Write ``sequences[order[0]], sequences[order[1]], ...`` as a saetta folder ``out``."""
+    out = Path(out)
+    if out.exists():
+        raise SaettaError(f"{out} exists already; remove it or export to another path.")
+    building = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.building")
+    building.mkdir(parents=True)
+    try:
+        tokens = AppendableNpy(building / TOKENS, sequences.strategy.token_dtype)
+        offsets = np.zeros(len(order) + 1, dtype=np.uint64)
+        for position, index in enumerate(tqdm(order, desc="export saetta", unit="seq",
+                                              file=sys.stderr, disable=not progress)):
+            sequence = sequences[int(index)]
+            tokens.append(sequence)
+            offsets[position + 1] = offsets[position] + len(sequence)
+        tokens.commit()
+        tokens.close()
+        save_npy(building / OFFSETS, offsets)
+        manifest = {
+            "sequences": len(order), "tokens": int(offsets[-1]),
+            "max_seq_len": sequences.max_seq_len, "strategy": sequences.strategy.to_dict(),
+        }
+        (building / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        building.rename(out)
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return out
+
+
+class SaettaReader:
+    """Sequences of a saetta folder: ``len``, ``reader[i]`` (a 1-D token array), iteration."""
+
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        try:
+            self.manifest = json.loads((folder / MANIFEST).read_text())
+            count = self.manifest["sequences"]
+            self._offsets = np.asarray(load_npy(folder / OFFSETS, count + 1))  # (count + 1,)
+            self._tokens = np.asarray(load_npy(folder / TOKENS, self.manifest["tokens"]))
+        except (OSError, ValueError, KeyError, MdatCorrupt) as err:
+            raise SaettaError(
+                f"{folder} is not a complete saetta folder ({err}); export it again with "
+                "`matformer-mdat export-saetta`."
+            ) from err
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(f"sequence {index} outside 0..{self._count - 1}")
+        offsets = self._offsets
+        return self._tokens[offsets[index]:offsets[index + 1]]  # (<= max_seq_len,)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        tokens = self._tokens
+        for block in range(0, self._count, _ITER_BLOCK):
+            offsets = self._offsets[block:block + _ITER_BLOCK + 1].tolist()  # Python ints
+            for start, stop in itertools.pairwise(offsets):
+                yield tokens[start:stop]

@@ -1,0 +1,73 @@
+"""Tokenizers a strategy can name (``tokenizer_type``), as registry entries of ``mdat_tokenizer``.
+
+A splitter needs token ids and, to align chunks with sentences, the character at which each
+token starts. Both implementations give the two from one call. A new tokenizer type is a new
+``@registry.register("mdat_tokenizer", <type>, <name>)`` class, in this package or in the
+container's ``functions/`` folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from modeling.errors import TokenizerNotFound
+from modeling.registry import registry
+from modeling.tokenizer import ByteTokenizer
+
+
+class TextTokenizer(Protocol):
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    mask_token_id: int | None
+
+    def encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids, and the index of the character each token starts at (both (n,))."""
+        ...
+
+
+@registry.register("mdat_tokenizer", "bytes", "default")
+class BytesTokenizer:
+    """`modeling.tokenizer.ByteTokenizer`'s ids: one token per UTF-8 byte, needs no file."""
+
+    vocab_size = ByteTokenizer.vocab_size
+    bos_token_id = ByteTokenizer.bos_token_id
+    eos_token_id = ByteTokenizer.eos_token_id
+    mask_token_id = ByteTokenizer.mask_token_id
+
+    def __init__(self, tokenizer_file: Path | None = None) -> None:
+        del tokenizer_file  # the byte vocabulary needs none
+
+    def encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        # Every byte but a UTF-8 continuation byte (0b10xxxxxx) starts a new character.
+        starts = np.cumsum((ids & 0xC0) != 0x80) - 1
+        return ids, starts
+
+
+@registry.register("mdat_tokenizer", "huggingface", "default", requires=["tokenizers"])
+class HuggingFaceTokenizer:
+    """A ``tokenizers`` ``tokenizer.json`` read from a local file; special tokens not added."""
+
+    bos_token_id = None
+    eos_token_id = None
+    mask_token_id = None
+
+    def __init__(self, tokenizer_file: Path | None = None) -> None:
+        from tokenizers import Tokenizer
+
+        if tokenizer_file is None or not Path(tokenizer_file).is_file():
+            raise TokenizerNotFound(
+                f"tokenizer file {tokenizer_file} does not exist; set tokenizer_name to the "
+                "path of a local tokenizer.json (train one with `matformer-mdat train-tokenizer`)."
+            )
+        self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.vocab_size = self._tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
+        return np.array(encoding.ids, dtype=np.int64), starts

@@ -1,0 +1,200 @@
+"""`matformer-mdat`: create, fill, pretokenize, view, shuffle and export MDAT containers.
+
+Every subcommand takes the container's folder first. Errors print one line and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from modeling.errors import MatformerError
+from modeling.mdat import (
+    Mdat,
+    SubmdatInfo,
+    build_default_mdat,
+    export_saetta,
+    train_tokenizer,
+)
+from modeling.mdat.tokenizer_training import DEFAULT_SPECIAL_TOKENS
+from modeling.mdat.views import Quota
+
+Command = Callable[[argparse.Namespace], None]
+
+
+def _create(args: argparse.Namespace) -> None:
+    with Mdat.create(args.path, extended=args.extended) as mdat:
+        print(f"created {mdat.path} (up to {mdat.max_submdats} submdats)")
+
+
+def _add(args: argparse.Namespace) -> None:
+    options = dict(compress=args.compress, skip_bad=args.skip_bad, progress=True)
+    with Mdat.open(args.path) as mdat:
+        if args.jsonl:
+            info = mdat.add_jsonl(args.name, args.jsonl, text_field=args.text_field, **options)
+        else:
+            info = mdat.add_folder(args.name, args.folder, pattern=args.pattern, **options)
+    print(f"{info.name}: {info.documents} documents, {info.raw_bytes:,} bytes of text "
+          f"({info.stored_bytes:,} stored); skipped {_skipped(info)}")
+
+
+def _skipped(info: SubmdatInfo) -> str:
+    return (f"{info.skipped_empty} empty, {info.skipped_invalid} invalid, "
+            f"{info.skipped_not_utf8} not UTF-8")
+
+
+def _info(args: argparse.Namespace) -> None:
+    with Mdat.open(args.path) as mdat:
+        print(f"{mdat.path} (up to {mdat.max_submdats} submdats)")
+        print("submdats:")
+        for info in mdat.submdats():
+            status = "complete" if info.complete else f"importing ({info.records_read} read)"
+            print(f"  {info.id:>3} {info.name}: {info.documents} documents, "
+                  f"{info.raw_bytes:,} bytes of text, {info.stored_bytes:,} stored "
+                  f"({info.compression}), {status}; skipped {_skipped(info)}")
+        print("strategies:")
+        for strategy in mdat.strategies():
+            print(f"  {strategy.name}: {strategy.tokenizer_type} tokenizer (vocab "
+                  f"{strategy.vocab_size}), {strategy.splitter_class}, chunk_size "
+                  f"{strategy.chunk_size}")
+            names = {info.id: info.name for info in mdat.submdats()}
+            for progress in mdat.pretok_status(strategy.name):
+                state = "complete" if progress.complete else "not complete"
+                print(f"    {names[progress.submdat_id]}: {state}, {progress.documents} "
+                      f"documents, {progress.tokens:,} tokens, {progress.chunks} chunks")
+        print("views:")
+        for view in mdat.views():
+            print(f"  {view.name} (seed {view.seed}): {json.dumps(view.quotas)} → "
+                  f"{json.dumps(view.documents)} documents")
+        print("shuffles:")
+        for shuffle in mdat.shuffles():
+            print(f"  {shuffle.name}: {shuffle.sequences} sequences")
+
+
+def _strategy(args: argparse.Namespace) -> None:
+    with Mdat.open(args.path) as mdat:
+        strategy = mdat.add_strategy(args.file)
+    print(f"strategy {strategy.name}: {json.dumps(strategy.to_dict())}")
+
+
+def _pretokenize(args: argparse.Namespace) -> None:
+    with Mdat.open(args.path) as mdat:
+        status = mdat.pretokenize(args.strategy, submdats=args.submdat,
+                                  processes=args.processes, progress=True)
+        tokens = sum(progress.tokens for progress in status)
+    print(f"{args.strategy}: {tokens:,} tokens")
+
+
+def _quota(text: str) -> tuple[str, Quota]:
+    submdat, _, value = text.partition("=")
+    for kind in (int, float):
+        try:
+            return submdat, kind(value)
+        except ValueError:
+            pass
+    return submdat, value
+
+
+def _view(args: argparse.Namespace) -> None:
+    with Mdat.open(args.path) as mdat:
+        view = mdat.create_view(args.name, dict(args.quotas), seed=args.seed)
+    print(f"view {view.name}: {json.dumps(view.documents)} documents")
+
+
+def _shuffle(args: argparse.Namespace) -> None:
+    with Mdat.open(args.path) as mdat:
+        order = mdat.shuffle(args.view, args.strategy, args.max_seq_len, args.seed)
+    print(f"shuffled {len(order)} sequences")
+
+
+def _export_saetta(args: argparse.Namespace) -> None:
+    with Mdat.open(args.path) as mdat:
+        order = mdat.shuffle(args.view, args.strategy, args.max_seq_len, args.seed)
+        reader = mdat.sequences(args.strategy, args.max_seq_len, args.view)
+        out = export_saetta(reader, order, args.out, progress=True)
+    print(f"wrote {out} ({len(order)} sequences)")
+
+
+def _train_tokenizer(args: argparse.Namespace) -> None:
+    with Mdat.open(args.path) as mdat:
+        out = train_tokenizer(mdat.submdat(args.submdat), args.out, vocab_size=args.vocab_size,
+                              special_tokens=args.special_tokens)
+    print(f"wrote {out}")
+
+
+def _default(args: argparse.Namespace) -> None:
+    with build_default_mdat(args.path, args.limit, processes=args.processes,
+                            progress=True) as mdat:
+        info = mdat.submdats()[0]
+    print(f"{mdat.path}: {info.documents} documents of stdlib docstrings, pretokenized")
+
+
+def _sequence_options(sub: argparse.ArgumentParser) -> None:
+    sub.add_argument("--strategy", required=True)
+    sub.add_argument("--max-seq-len", type=int, required=True)
+    sub.add_argument("--view", default=None, help="default: every document")
+    sub.add_argument("--seed", type=int, default=0, help="the shuffle's seed")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="matformer-mdat", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        sub.add_argument("path", type=Path, help="the container folder")
+        sub.set_defaults(run=run)
+        return sub
+
+    sub = command("create", _create, "create an empty container")
+    sub.add_argument("--extended", action="store_true", help="allow 65,535 submdats, not 255")
+    sub = command("add", _add, "import a JSONL file or a folder of text files as a submdat")
+    sub.add_argument("name", help="the new submdat's name")
+    source = sub.add_mutually_exclusive_group(required=True)
+    source.add_argument("--jsonl", type=Path, help="one JSON object per line")
+    source.add_argument("--folder", type=Path, help="one document per text file")
+    sub.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    sub.add_argument("--pattern", default="**/*.txt", help="files of --folder to import")
+    sub.add_argument("--compress", action="store_true", help="zstd-compress the texts")
+    sub.add_argument("--skip-bad", action="store_true",
+                     help="skip and count invalid or non-UTF-8 records instead of stopping")
+    command("info", _info, "list submdats, strategies, pretokenization, views and shuffles")
+    sub = command("strategy", _strategy, "check and add a pretokenization strategy")
+    sub.add_argument("file", type=Path, help="the strategy's JSON file")
+    sub = command("pretokenize", _pretokenize, "pretokenize submdats with a strategy (resumes)")
+    sub.add_argument("strategy")
+    sub.add_argument("--processes", type=int, default=1)
+    sub.add_argument("--submdat", action="append", help="only these submdats (repeatable)")
+    sub = command("view", _view, "create a named view from per-submdat quotas")
+    sub.add_argument("name")
+    sub.add_argument("quotas", nargs="+", type=_quota, metavar="SUBMDAT=QUOTA",
+                     help="a document count (1000), a fraction (0.1) or a size (500M, 2G)")
+    sub.add_argument("--seed", type=int, default=0)
+    _sequence_options(command("shuffle", _shuffle, "write a permutation of a view's sequence ids"))
+    sub = command("export-saetta", _export_saetta, "write a shuffled view as a flat saetta folder")
+    sub.add_argument("out", type=Path, help="the saetta folder to write")
+    _sequence_options(sub)
+    sub = command("train-tokenizer", _train_tokenizer, "train a byte-level BPE tokenizer.json")
+    sub.add_argument("submdat")
+    sub.add_argument("out", type=Path)
+    sub.add_argument("--vocab-size", type=int, required=True)
+    sub.add_argument("--special-tokens", nargs="*", default=list(DEFAULT_SPECIAL_TOKENS))
+    sub = command("default", _default, "build the stdlib-docstrings container (bytes128)")
+    sub.add_argument("--limit", type=int, default=None, help="at most this many documents")
+    sub.add_argument("--processes", type=int, default=1)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except (MatformerError, OSError) as err:
+        parser.exit(2, f"matformer-mdat: error: {err}\n")
+
+
+if __name__ == "__main__":
+    main()

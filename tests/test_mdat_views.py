@@ -1,0 +1,134 @@
+"""Views, shuffles and shards: deterministic, and shards disjoint and covering."""
+
+import json
+
+import numpy as np
+import pytest
+
+from modeling.corpus import python_docs
+from modeling.errors import (
+    InvalidName,
+    NameTaken,
+    QuotaError,
+    QuotaTooLarge,
+    ShardError,
+    UnknownName,
+)
+from modeling.mdat import Mdat, assign, round_ids
+
+DOCS = list(python_docs(limit=50))
+
+
+@pytest.fixture(scope="module")
+def mdat(tmp_path_factory):
+    with Mdat.create(tmp_path_factory.mktemp("views") / "c") as mdat:
+        mdat.add_records("a", ({"text": t} for t in DOCS[:30]))
+        mdat.add_records("b", ({"text": t} for t in DOCS[30:]))
+        mdat.add_strategy({"strategy_name": "s", "chunk_size": 64})
+        mdat.pretokenize("s")
+        yield mdat
+
+
+def test_count_fraction_and_size_quotas(mdat) -> None:
+    view = mdat.create_view("mixed", {"a": 10, "b": "2K"}, seed=3)
+    chosen_a = np.load(mdat.path / "views" / "mixed" / "a.npy")
+    chosen_b = np.load(mdat.path / "views" / "mixed" / "b.npy")
+    assert len(chosen_a) == 10 and np.all(np.diff(chosen_a) > 0)
+    sizes_b = mdat.submdat("b").sizes
+    assert sizes_b[chosen_b].sum() >= 2048
+    assert view.documents == {"a": 10, "b": len(chosen_b)}
+    on_disk = json.loads((mdat.path / "views" / "mixed" / "view.json").read_text())
+    assert on_disk == {"seed": 3, "quotas": {"a": 10, "b": "2K"}, "documents": view.documents}
+    half = mdat.create_view("half", {"a": 0.5})
+    assert half.documents == {"a": 15}
+    assert [v.name for v in mdat.views()] == ["half", "mixed"]
+
+
+def test_view_selection_is_deterministic_by_seed(mdat) -> None:
+    mdat.create_view("s1", {"a": 12}, seed=7)
+    mdat.create_view("s1_again", {"a": 12}, seed=7)
+    mdat.create_view("s2", {"a": 12}, seed=8)
+    folder = mdat.path / "views"
+    same = np.load(folder / "s1" / "a.npy"), np.load(folder / "s1_again" / "a.npy")
+    assert np.array_equal(*same)
+    assert not np.array_equal(same[0], np.load(folder / "s2" / "a.npy"))
+
+
+def test_view_sequences_come_from_chosen_documents(mdat) -> None:
+    mdat.create_view("only_a", {"a": 5}, seed=1)
+    chosen = set(np.load(mdat.path / "views" / "only_a" / "a.npy").tolist())
+    reader = mdat.sequences("s", 128, view="only_a")
+    places = [reader.locate(i) for i in range(len(reader))]
+    assert {p.submdat for p in places} == {"a"}
+    assert {p.document for p in places} == chosen
+    full = mdat.submdat("a")
+    expected = b"".join(full.raw(d) for d in sorted(chosen))
+    assert b"".join(bytes(s.tolist()) for s in reader) == expected
+
+
+@pytest.mark.parametrize(("quota", "error", "message"), [
+    (31, QuotaTooLarge, "exceeds submdat 'a''s 30 documents"),
+    ("1G", QuotaTooLarge, "bytes of text"),
+    (0, QuotaError, "not a document count"),
+    (1.5, QuotaError, "fraction"),
+    ("lots", QuotaError, "size of text"),
+    (True, QuotaError, "document count"),
+])
+def test_bad_quotas(mdat, quota, error, message) -> None:
+    with pytest.raises(error, match=message):
+        mdat.create_view("bad", {"a": quota})
+    assert "bad" not in [v.name for v in mdat.views()]
+
+
+def test_view_names(mdat) -> None:
+    with pytest.raises(InvalidName, match=r"view of everything"):
+        mdat.create_view("default", {"a": 1})
+    mdat.create_view("taken", {"a": 1})
+    with pytest.raises(NameTaken, match=r"exists already"):
+        mdat.create_view("taken", {"a": 2})
+    with pytest.raises(UnknownName, match=r"'nope'.*default"):
+        mdat.sequences("s", 64, view="nope")
+    with pytest.raises(UnknownName, match=r"submdat 'zzz'"):
+        mdat.create_view("other", {"zzz": 1})
+
+
+def test_shuffle_is_a_deterministic_permutation_file(mdat) -> None:
+    order = mdat.shuffle(None, "s", 128, seed=5)
+    count = len(mdat.sequences("s", 128))
+    assert order.dtype == np.uint32 and sorted(order.tolist()) == list(range(count))
+    assert np.array_equal(np.load(mdat.path / "shuffling" / "default.s.128.seed5.npy"), order)
+    assert np.array_equal(mdat.shuffle(None, "s", 128, seed=5), order)
+    assert not np.array_equal(mdat.shuffle(None, "s", 128, seed=6), order)
+    assert {s.name for s in mdat.shuffles()} >= {"default.s.128.seed5", "default.s.128.seed6"}
+
+
+def test_shards_are_disjoint_covering_and_proportional() -> None:
+    ids = np.random.default_rng(0).permutation(1000)
+    shards = assign(ids, [("big", 3.0), ("small", 1.0), ("mid", 2.0)])
+    assert {k: len(v) for k, v in shards.items()} == {"big": 500, "small": 167, "mid": 333}
+    assert np.array_equal(np.sort(np.concatenate(list(shards.values()))), np.arange(1000))
+    again = assign(ids, [("big", 3.0), ("small", 1.0), ("mid", 2.0)])
+    assert all(np.array_equal(shards[k], again[k]) for k in shards)
+
+
+def test_rounds_and_requeue() -> None:
+    order = np.arange(100, 200)
+    assert round_ids(order, 1, 30).tolist() == list(range(130, 160))
+    assert round_ids(order, 3, 30).tolist() == list(range(190, 200))
+    first = assign(round_ids(order, 0, 30), [("a", 1.0), ("b", 1.0), ("c", 1.0)])
+    requeued = assign(first["b"], [("a", 1.0), ("c", 1.0)])  # b dropped out
+    assert sorted(np.concatenate([first["a"], first["c"], *requeued.values()]).tolist()) == list(
+        range(100, 130))
+    assert assign([], [("a", 1.0)])["a"].tolist() == []
+
+
+@pytest.mark.parametrize("shares", [[], [("a", 1.0), ("a", 2.0)], [("a", -1.0)], [("a", 0.0)],
+                                    [("a", float("nan"))]])
+def test_bad_shares(shares) -> None:
+    with pytest.raises(ShardError):
+        assign([1, 2, 3], shares)
+
+
+def test_bad_round() -> None:
+    with pytest.raises(ShardError, match=r"size >= 1"):
+        round_ids(np.arange(10), 0, 0)
