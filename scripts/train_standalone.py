@@ -1,9 +1,10 @@
 """`matformer-train`: a short standalone training of a small nested model on real text.
 
-It trains every requested tier of one set of weights on the Python standard library's
-docstrings (present on any machine, no download), prints loss per tier as it goes, then
-evaluates each tier on held-out text and writes a Hugging Face style checkpoint (config.json,
-model.safetensors) and the metrics to ``--out``.
+It reads its sequences from an MDAT container (by default the Python standard library's
+docstrings, built on first use with no download), in token-budget batches split into
+microbatches. It trains every requested tier of one set of weights, prints loss per tier as it
+goes, then evaluates each tier on held-out sequences and writes a Hugging Face style checkpoint
+(config.json, model.safetensors) and the metrics to ``--out``.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from modeling import ModelConfig, build_model
+from modeling import MaskedBatch, ModelConfig, build_model
+from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 from modeling.checkpoint import save_pretrained
-from modeling.corpus import python_docs_tokens
 from modeling.matformer import tier_label
+from modeling.mdat import DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
 from modeling.optim import OptimizerConfig
-from modeling.tokenizer import ByteTokenizer
-from modeling.training import TierSchedule, train_step
+from modeling.training import TierSchedule, train_step_on_examples
 
+DEFAULT_DATA = Path("runs/python_docs.mdat")
 # A model that learns visibly in a minute on two CPU cores.
 TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=512, max_position_embeddings=512)
@@ -31,35 +34,53 @@ TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="matformer-train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", type=Path, help="model config JSON (default: a tiny model)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help=f"MDAT container (default: {DEFAULT_DATA}, built from the stdlib "
+                             "docstrings on first use)")
+    parser.add_argument("--documents", type=int, default=None,
+                        help="how many docstrings the default container holds (default: all)")
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY["strategy_name"],
+                        help="pretokenization strategy of the container")
+    parser.add_argument("--view", default=None, help="view of the container (default: all)")
+    parser.add_argument("--seq-len", type=int, default=256,
+                        help="max_seq_len, a multiple of the strategy's chunk_size")
+    parser.add_argument("--batch-tokens", type=int, default=1024,
+                        help="token budget of one optimizer step (padded tokens)")
+    parser.add_argument("--microbatch-tokens", type=int, default=512,
+                        help="padded tokens per forward/backward pass (shrinks on OOM)")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--tiers", default="0,1,2", help="comma-separated tiers to train")
     parser.add_argument("--tier-mode", choices=["all", "sample"], default="all",
                         help="all: every tier each step (summed losses); sample: one per step")
     parser.add_argument("--optimizer", choices=["adam", "adamw", "muon"], default="adamw")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--max-tokens", type=int, default=600_000, help="corpus size in tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/standalone"))
     return parser.parse_args(argv)
 
 
-def windows(tokens: torch.Tensor, count: int, length: int, generator: torch.Generator
-            ) -> torch.Tensor:
-    """``count`` random windows of ``length`` tokens: (count, length)."""
-    starts = torch.randint(0, len(tokens) - length, (count,), generator=generator)
-    return torch.stack([tokens[s:s + length] for s in starts.tolist()])
+def open_data(args: argparse.Namespace) -> Mdat:
+    """The container ``--data`` names, or the default one, built (or finished) on first use."""
+    if args.data is not None:
+        return Mdat.open(args.data)
+    print(f"matformer-train: preparing the stdlib docstrings MDAT at {DEFAULT_DATA}")
+    return build_default_mdat(DEFAULT_DATA, limit=args.documents)
+
+
+def sequences(reader: SequenceReader, ids: np.ndarray) -> list[torch.Tensor]:
+    return [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in ids]
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], tiers: list[int]
+def evaluate(model: torch.nn.Module, batches: list[MaskedBatch], tiers: list[int]
              ) -> dict[str, float]:
+    """Mean loss per target token over ``batches``, per tier."""
     model.eval()
-    losses = {tier_label(t): sum(model.loss(b, tier=t).item() for b in batches) / len(batches)
-              for t in tiers}
+    targets = sum(model.num_targets(b) for b in batches)
+    losses = {tier_label(t): sum(model.loss(b, tier=t, reduction="sum").item()
+                                 for b in batches) / targets for t in tiers}
     model.train()
     return losses
 
@@ -81,26 +102,35 @@ def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         warmup_steps=args.warmup_steps, total_steps=args.steps,
     ).build(model)
 
-    tokens = python_docs_tokens(ByteTokenizer(), max_tokens=args.max_tokens)
-    split = int(len(tokens) * 0.95)
-    train, held_out = tokens[:split], tokens[split:]
-    generator = torch.Generator().manual_seed(args.seed)
-    eval_batches = [windows(held_out, args.batch_size, args.seq_len, generator) for _ in range(4)]
-    print(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters, "
-          f"{len(tokens):,} tokens of Python docs, tiers {tiers} ({args.tier_mode})")
-
-    initial = evaluate(model, eval_batches, tiers)
-    history = []
-    started, tokens_seen = time.perf_counter(), 0
-    for step in range(args.steps):
-        batch = windows(train, args.batch_size, args.seq_len, generator)
-        losses = train_step(model, optimizer, batch, None, schedule, step, max_grad_norm=1.0)
-        tokens_seen += batch.numel() * len(losses)
-        history.append({"step": step, "lr": optimizer.lr, "loss": losses})
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-            rate = tokens_seen / (time.perf_counter() - started)
-            shown = "  ".join(f"tier {t}: {loss:.3f}" for t, loss in losses.items())
-            print(f"step {step + 1:>5}  {shown}  lr {optimizer.lr:.2e}  {rate:,.0f} tok/s")
+    with open_data(args) as mdat:
+        reader = mdat.sequences(args.strategy, args.seq_len, args.view)
+        order = mdat.shuffle(args.view, args.strategy, args.seq_len, args.seed)
+        held_out = max(1, len(order) // 20)  # the shuffle's last 5% are never trained on
+        train_ids = order[:-held_out]
+        lengths = [len(reader[int(i)]) for i in train_ids]
+        plan = plan_batches(lengths, args.batch_tokens, sort_window=16)
+        eval_batches = [MaskedBatch.from_list(sequences(reader, order[-held_out:][i]))
+                        for i in plan_batches([len(reader[int(i)]) for i in order[-held_out:]],
+                                              args.batch_tokens)]
+        print(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters; "
+              f"{len(train_ids):,} training sequences of up to {args.seq_len} tokens in "
+              f"{len(plan)} batches of <= {args.batch_tokens} tokens; tiers {tiers} "
+              f"({args.tier_mode})")
+        runner = MicrobatchRunner(model, AdaptiveLimitsConfig(
+            max_tokens=args.microbatch_tokens).build())
+        initial = evaluate(model, eval_batches, tiers)
+        history = []
+        started, tokens_seen = time.perf_counter(), 0
+        for step in range(args.steps):
+            examples = sequences(reader, train_ids[plan[step % len(plan)]])
+            losses = train_step_on_examples(runner, optimizer, examples, schedule, step,
+                                            max_grad_norm=1.0)
+            tokens_seen += sum(len(e) for e in examples) * len(losses)
+            history.append({"step": step, "lr": optimizer.lr, "loss": losses})
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                rate = tokens_seen / (time.perf_counter() - started)
+                shown = "  ".join(f"tier {t}: {loss:.3f}" for t, loss in losses.items())
+                print(f"step {step + 1:>5}  {shown}  lr {optimizer.lr:.2e}  {rate:,.0f} tok/s")
     final = evaluate(model, eval_batches, tiers)
     for tier in initial:
         print(f"held-out loss tier {tier}: {initial[tier]:.3f} -> {final[tier]:.3f}")

@@ -10,6 +10,7 @@ from conftest import tiny_config
 
 from modeling import AutoregressiveModel, ConfigError, TierError
 from modeling.checkpoint import load_pretrained
+from modeling.mdat import build_default_mdat
 from modeling.training import TierSchedule, train_step
 from scripts.train_standalone import main
 
@@ -66,8 +67,9 @@ def test_schedule_checks_tiers_against_the_model():
 
 def test_standalone_training_learns_and_writes_a_loadable_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
-    main(["--steps", "30", "--warmup-steps", "3", "--batch-size", "4", "--seq-len", "64",
-          "--max-tokens", "60000", "--log-every", "10", "--out", str(out)])
+    build_default_mdat(tmp_path / "docs.mdat", limit=300).close()
+    main(["--data", str(tmp_path / "docs.mdat"), "--steps", "30", "--warmup-steps", "3",
+          "--batch-tokens", "512", "--seq-len", "128", "--log-every", "10", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "held-out loss tier 2" in printed
     metrics = json.loads((out / "metrics.json").read_text())
