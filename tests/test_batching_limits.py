@@ -45,6 +45,17 @@ def test_tokens_shrink_when_rows_did_not_bind_down_to_one_longest_sequence():
     assert limits.limits(1000) == MicrobatchLimits(max_examples=64, max_tokens=1024)
 
 
+def test_rows_shrink_below_the_limit_when_tokens_are_at_their_floor():
+    limits = _limits()
+    # longest 600 (floor 1024 tokens); the plan [[600], [400, 300]] ran out of memory.
+    assert limits.shrink(600, rows=2, tokens=1200).max_tokens == 1024
+    assert limits.shrink(600, rows=2, tokens=800) == MicrobatchLimits(
+        max_examples=1, max_tokens=1024
+    )
+    with pytest.raises(BatchDoesNotFit):
+        limits.shrink(600, rows=1, tokens=600)
+
+
 def test_tokens_shrink_once_examples_reach_their_floor():
     limits = _limits(min_examples=8)
     assert limits.shrink(50, rows=64, tokens=3200) == MicrobatchLimits(

@@ -7,11 +7,14 @@ An out-of-memory error on long sequences never shrinks the limits of short ones.
 On out-of-memory, a regime shrinks the limit that bound the failed plan, examples first:
 if its largest microbatch had ``max_examples`` rows and that is above ``min_examples``,
 ``max_examples`` halves; otherwise ``max_tokens`` halves from the failed plan's largest
-padded microbatch, down to one sequence of the regime's longest length (2**k). Either way
-the next plan's largest microbatch is strictly smaller, so retries end. With both limits
-at their floor, BatchDoesNotFit is raised. After ``stable_steps`` successes in a row, a
-regime's limits grow by ``growth`` toward the configured ones: memory may have been freed,
-and if not, one more out-of-memory error costs one retried batch.
+padded microbatch, down to one sequence of the regime's longest length (2**k); with tokens at
+that floor, ``max_examples`` drops below the failed microbatch's rows. Each time the next
+plan's largest microbatch is strictly smaller, so retries end. When the failed microbatch
+had ``min_examples`` rows or fewer at the token floor, BatchDoesNotFit is raised.
+
+After ``stable_steps`` successes in a row, a regime's limits grow by ``growth`` toward the
+configured ones: memory may have been freed, and if not, one more out-of-memory error costs
+one retried batch.
 
 This module is plain Python; ``runner.py`` connects it to torch's out-of-memory errors.
 """
@@ -93,6 +96,9 @@ class AdaptiveLimits:
             limits.max_examples = max(floor.max_examples, limits.max_examples // 2)
         elif tokens > floor.max_tokens:
             limits.max_tokens = max(floor.max_tokens, min(limits.max_tokens, tokens) // 2)
+        elif rows > floor.max_examples:
+            # Several short rows under the token floor: fewer rows is all that is left.
+            limits.max_examples = max(floor.max_examples, rows // 2)
         else:
             raise BatchDoesNotFit(
                 f"a microbatch of {rows} row(s), {tokens} padded tokens, ran out of memory at "
