@@ -102,7 +102,7 @@ class SubmdatIncomplete(MdatError):
 
 
 class ResumeMismatch(MdatError):
-    """An interrupted import was resumed from a different source or with other settings."""
+    """An interrupted import was resumed with other records, another source or other settings."""
 
 
 class BadRecord(MdatError, ValueError):
@@ -157,9 +157,71 @@ class MdatCorrupt(MdatError):
     """A file of the container is truncated or damaged; the message names it and the fix."""
 
 
+class MdatFormatError(MdatError):
+    """A container was written in another MDAT format version than this code reads."""
+
+
+class SourceNotFound(MdatError, FileNotFoundError):
+    """The JSONL file or the folder to import does not exist."""
+
+
+class EmptyDocument(MdatError, ValueError):
+    """An input record's text is empty or whitespace only (file and line, or record, named)."""
+
+
+class TokenizerChanged(NameTaken):
+    """A strategy name is taken by a strategy whose tokenizer file had other contents."""
+
+
+class SubmdatInUse(MdatError):
+    """A submdat cannot be removed while named views select documents from it."""
+
+
+class StaleShuffle(MdatError):
+    """A stored shuffle was made for other data than the view now holds (the changes named)."""
+
+
 class SequenceTooLong(BatchError):
     """One sequence alone exceeds a token budget: raise the budget or shorten the sequence."""
 
 
 class BatchDoesNotFit(MatformerError, RuntimeError):
     """Out of memory even at the smallest microbatch limits for these sequence lengths."""
+
+
+class CompressionError(MatformerError, ValueError):
+    """A sparse result or compression setting is malformed (the coordinator answers
+    INVALID_ARGUMENT); the subclass and message name the field at fault."""
+
+
+class CompressionConfigError(CompressionError, ConfigError):
+    """A compression or update-rule config holds an impossible value."""
+
+
+class UnknownEncoding(CompressionError):
+    """A config or sparse result names an encoding that is not registered."""
+
+
+class RegionError(CompressionError):
+    """A region is empty, reaches outside the universal shape, or starts off the chunk grid."""
+
+
+class ChunkIdError(CompressionError):
+    """A chunk id is out of range, repeated, or outside the result's region."""
+
+
+class ChunkIndexError(CompressionError):
+    """A position inside a chunk is out of range or repeated within its chunk."""
+
+
+class NonFiniteValues(CompressionError):
+    """A sparse result carries NaN or infinite values."""
+
+
+class ResultShapeMismatch(CompressionError):
+    """A result's tensors disagree with its shape, region or chunk, or results for one
+    parameter disagree with each other."""
+
+
+class BadTokenCount(CompressionError):
+    """A sparse result's token count is not a positive integer."""

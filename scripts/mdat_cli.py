@@ -1,4 +1,4 @@
-"""`matformer-mdat`: create, fill, pretokenize, view, shuffle and export MDAT containers.
+"""`matformer-mdat`: create, fill, pretokenize, view, shuffle, export and prune MDAT containers.
 
 Every subcommand takes the container's folder first. Errors print one line and exit with 2.
 """
@@ -70,7 +70,8 @@ def _info(args: argparse.Namespace) -> None:
                   f"{json.dumps(view.documents)} documents")
         print("shuffles:")
         for shuffle in mdat.shuffles():
-            print(f"  {shuffle.name}: {shuffle.sequences} sequences")
+            print(f"  {shuffle.name}: {shuffle.sequences} sequences, fingerprint "
+                  f"{shuffle.fingerprint}")
 
 
 def _strategy(args: argparse.Namespace) -> None:
@@ -106,15 +107,25 @@ def _view(args: argparse.Namespace) -> None:
 def _shuffle(args: argparse.Namespace) -> None:
     with Mdat.open(args.path) as mdat:
         order = mdat.shuffle(args.view, args.strategy, args.max_seq_len, args.seed)
-    print(f"shuffled {len(order)} sequences")
+        fingerprint = mdat.fingerprint(args.strategy, args.max_seq_len, args.view)
+    print(f"shuffled {len(order)} sequences (fingerprint {fingerprint})")
 
 
 def _export_saetta(args: argparse.Namespace) -> None:
     with Mdat.open(args.path) as mdat:
         order = mdat.shuffle(args.view, args.strategy, args.max_seq_len, args.seed)
         reader = mdat.sequences(args.strategy, args.max_seq_len, args.view)
-        out = export_saetta(reader, order, args.out, progress=True)
+        out = export_saetta(reader, order, args.out, seed=args.seed, progress=True)
     print(f"wrote {out} ({len(order)} sequences)")
+
+
+def _remove(args: argparse.Namespace) -> None:
+    with Mdat.open(args.path) as mdat:
+        if args.kind == "submdat":
+            mdat.remove_submdat(args.name)
+        else:
+            mdat.remove_view(args.name)
+    print(f"removed {args.kind} {args.name}")
 
 
 def _train_tokenizer(args: argparse.Namespace) -> None:
@@ -159,7 +170,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--pattern", default="**/*.txt", help="files of --folder to import")
     sub.add_argument("--compress", action="store_true", help="zstd-compress the texts")
     sub.add_argument("--skip-bad", action="store_true",
-                     help="skip and count invalid or non-UTF-8 records instead of stopping")
+                     help="skip and count invalid, empty or non-UTF-8 records instead of "
+                     "stopping")
     command("info", _info, "list submdats, strategies, pretokenization, views and shuffles")
     sub = command("strategy", _strategy, "check and add a pretokenization strategy")
     sub.add_argument("file", type=Path, help="the strategy's JSON file")
@@ -176,6 +188,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = command("export-saetta", _export_saetta, "write a shuffled view as a flat saetta folder")
     sub.add_argument("out", type=Path, help="the saetta folder to write")
     _sequence_options(sub)
+    sub = command("remove", _remove, "remove a submdat (complete or interrupted) or a view, "
+                  "with what was derived from it")
+    sub.add_argument("kind", choices=["submdat", "view"])
+    sub.add_argument("name")
     sub = command("train-tokenizer", _train_tokenizer, "train a byte-level BPE tokenizer.json")
     sub.add_argument("submdat")
     sub.add_argument("out", type=Path)
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.run(args)
     except (MatformerError, OSError) as err:
-        parser.exit(2, f"matformer-mdat: error: {err}\n")
+        parser.exit(2, f"matformer-mdat: error: {' '.join(str(err).split())}\n")
 
 
 if __name__ == "__main__":

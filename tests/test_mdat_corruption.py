@@ -1,5 +1,6 @@
 """Damaged files raise MdatCorrupt naming the file and the fix, never crash the process."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -51,6 +52,29 @@ def test_truncated_lmdb_file(mdat) -> None:
     still_consistent(mdat)
 
 
+def test_a_file_refused_on_opening_stays_closed(mdat) -> None:
+    path = data_file(mdat, "plain")
+    intact = path.read_bytes()
+    os.truncate(path, path.stat().st_size // 2)
+    gc.collect()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(MdatCorrupt, match=r"LMDB uses"):
+            mdat.submdat("plain")
+    assert len(os.listdir("/proc/self/fd")) == before
+    path.write_bytes(intact)  # put back: read through a fresh environment, not a stale one
+    assert mdat.submdat("plain").text(399) == TEXTS[399]
+
+
+def test_damaged_catalogue(tmp_path) -> None:
+    Mdat.create(tmp_path / "c").close()
+    catalogue = tmp_path / "c" / "mdat.db"
+    catalogue.write_bytes(b"not a database" * 500)
+    with pytest.raises(MdatCorrupt, match=rf"{catalogue} cannot be read as an MDAT catalogue "
+                                          r".*backup"):
+        Mdat.open(tmp_path / "c")
+
+
 def test_file_cut_below_lmdb_meta_pages(mdat) -> None:
     path = data_file(mdat, "plain", "meta.db")
     os.truncate(path, 100)
@@ -92,27 +116,27 @@ CHECK_IN_FRESH_PROCESS = """
 import sys
 from modeling.errors import MdatCorrupt
 from modeling.mdat import Mdat
-try:
-    Mdat.open(sys.argv[1]).submdat("plain").text(399)
-except MdatCorrupt as err:
-    print("MdatCorrupt:", err)
+for name in ("plain", "packed"):
+    try:
+        Mdat.open(sys.argv[1]).submdat(name).text(4)
+    except MdatCorrupt as err:
+        print("MdatCorrupt:", err)
 """
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage"])
-def test_a_fresh_process_gets_an_error_not_a_crash(mdat, damage) -> None:
-    path = data_file(mdat, "plain")
-    if damage == "truncate":
-        os.truncate(path, path.stat().st_size - 4096)
-    else:
-        with open(path, "r+b") as file:
-            file.write(os.urandom(8192))
+def test_a_fresh_process_gets_an_error_not_a_crash(mdat) -> None:
+    truncated, garbled = data_file(mdat, "plain"), data_file(mdat, "packed")
+    os.truncate(truncated, truncated.stat().st_size - 4096)
+    with open(garbled, "r+b") as file:
+        file.write(os.urandom(8192))
     result = subprocess.run(
         [sys.executable, "-c", CHECK_IN_FRESH_PROCESS, str(mdat.path)], cwd=REPO,
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("MdatCorrupt:") and str(path) in result.stdout
+    lines = result.stdout.splitlines()
+    assert [line.split(" ")[0] for line in lines] == ["MdatCorrupt:"] * 2
+    assert str(truncated) in lines[0] and str(garbled) in lines[1]
 
 
 def test_truncated_pretok_file_is_reported_then_rebuilt(mdat) -> None:

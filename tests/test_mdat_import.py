@@ -1,5 +1,6 @@
 """Importing JSONL, folders and dicts: data and metadata apart, bad input, resume."""
 
+import gc
 import json
 import os
 import signal
@@ -14,9 +15,19 @@ import lmdb
 import numpy as np
 import pytest
 
-from modeling.errors import BadRecord, NameTaken, NotUtf8, ResumeMismatch, SubmdatIncomplete
+from modeling.errors import (
+    BadRecord,
+    EmptyDocument,
+    MdatCorrupt,
+    NameTaken,
+    NotUtf8,
+    ResumeMismatch,
+    SourceNotFound,
+    SubmdatIncomplete,
+)
 from modeling.mdat import Mdat
 from modeling.mdat.lmdb_files import document_key
+from modeling.mdat.npy_files import AppendableNpy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,11 +141,26 @@ def test_missing_text_field_is_a_bad_record(tmp_path) -> None:
             mdat.add_records("e", ["just a string"])
 
 
-def test_empty_documents_are_skipped_and_counted(tmp_path) -> None:
+def test_empty_documents_stop_the_import_or_are_skipped_and_counted(tmp_path) -> None:
+    file = write_jsonl(tmp_path / "in.jsonl", [b'{"text": "ok"}', b'{"text": "  "}'])
     with Mdat.create(tmp_path / "c") as mdat:
-        info = mdat.add_records("d", [{"text": ""}, {"text": "real"}, {"text": " \n\t"}])
+        with pytest.raises(EmptyDocument, match=r"record 2: the text is empty.*skip_bad=True"):
+            mdat.add_records("d", [{"text": "real"}, {"text": "more"}, {"text": ""}])
+        with pytest.raises(EmptyDocument, match=rf"{file}:2: the text is empty"):
+            mdat.add_jsonl("j", file)
+        info = mdat.add_records("e", [{"text": ""}, {"text": "real"}, {"text": " \n\t"}],
+                                skip_bad=True)
         assert (info.documents, info.skipped_empty, info.records_read) == (1, 2, 3)
-        assert mdat.submdat("d").sizes.tolist() == [4]
+        assert mdat.submdat("e").sizes.tolist() == [4]
+
+
+def test_missing_sources_are_named_errors(tmp_path) -> None:
+    with Mdat.create(tmp_path / "c") as mdat:
+        with pytest.raises(SourceNotFound, match=r"nowhere.jsonl does not exist"):
+            mdat.add_jsonl("j", tmp_path / "nowhere.jsonl")
+        with pytest.raises(SourceNotFound, match=r"folder .*nowhere does not exist"):
+            mdat.add_folder("f", tmp_path / "nowhere")
+        assert mdat.submdats() == []
 
 
 def test_complete_submdat_is_not_imported_twice(tmp_path) -> None:
@@ -177,6 +203,78 @@ def test_interrupted_import_is_readable_and_resumes_identically(tmp_path) -> Non
     with Mdat.create(tmp_path / "fresh") as fresh:
         fresh.add_records("d", records, batch_size=7)
         assert contents(fresh, "d") == resumed
+
+
+def test_resume_refuses_other_records(tmp_path) -> None:
+    records = numbered(57)
+    with Mdat.create(tmp_path / "c") as mdat:
+        with pytest.raises(RuntimeError, match=r"went away"):
+            mdat.add_records("d", interrupted(records, 25), batch_size=10)
+        others = [*records[:5], {"text": "not what was imported"}, *records[6:]]
+        with pytest.raises(ResumeMismatch, match=r"after 20 records.*does not start with the "
+                                                 r"same records.*remove"):
+            mdat.add_records("d", others, batch_size=10)
+        with pytest.raises(ResumeMismatch, match=r"same records"):
+            mdat.add_records("d", records[:15], batch_size=10)  # shorter than what was read
+        assert mdat.add_records("d", records, batch_size=10).documents == 57
+
+
+def test_folder_resume_refuses_a_changed_folder(tmp_path) -> None:
+    source = tmp_path / "texts"
+    source.mkdir()
+    for i in range(6):
+        (source / f"{i}.txt").write_text(f"file {i}")
+    (source / "3.txt").write_bytes(b"\xff")  # stops the first import after file 2
+    with Mdat.create(tmp_path / "c") as mdat:
+        with pytest.raises(NotUtf8):
+            mdat.add_folder("f", source, batch_size=1)
+        assert mdat.submdats()[0].records_read == 3
+        (source / "1.txt").unlink()  # a file count alone would not notice
+        (source / "3.txt").write_text("file 3")
+        with pytest.raises(ResumeMismatch, match=r"after 3 records"):
+            mdat.add_folder("f", source, batch_size=1)
+
+
+def test_sizes_longer_than_the_catalogue_after_a_crash(tmp_path) -> None:
+    records = numbered(57)
+    with Mdat.create(tmp_path / "c") as mdat, pytest.raises(RuntimeError, match=r"went away"):
+        mdat.add_records("d", interrupted(records, 25), batch_size=10)
+    # The crash window: sizes.npy of the next batch committed, its catalogue row not yet.
+    sizes = AppendableNpy(tmp_path / "c" / "datasets" / "d" / "sizes.npy", np.uint64, 20)
+    sizes.append(np.full(10, 99, dtype=np.uint64))
+    sizes.commit()
+    sizes.close()
+    with Mdat.open(tmp_path / "c") as mdat:
+        d = mdat.submdat("d")
+        assert len(d.sizes) == 20 and d.text(19) == records[19]["text"]
+        d.close()
+        mdat.add_records("d", records, batch_size=10)
+        resumed = contents(mdat, "d")
+    with Mdat.create(tmp_path / "fresh") as fresh:
+        fresh.add_records("d", records)
+        assert contents(fresh, "d") == resumed
+
+
+def open_descriptors() -> int:
+    gc.collect()
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("damage", ["meta.db", "sizes.npy"])
+def test_a_writer_that_cannot_open_a_file_leaks_none(tmp_path, damage) -> None:
+    with Mdat.create(tmp_path / "c") as mdat:
+        with pytest.raises(RuntimeError, match=r"went away"):
+            mdat.add_records("d", interrupted(numbered(30), 25), batch_size=10)
+        path = tmp_path / "c" / "datasets" / "d" / damage
+        if damage == "meta.db":
+            path.write_bytes(b"x" * 8192)
+        else:
+            os.truncate(path, 128 + 8 * 5)
+        before = open_descriptors()
+        for _ in range(3):
+            with pytest.raises(MdatCorrupt, match=damage):
+                mdat.add_records("d", numbered(30), batch_size=10)
+        assert open_descriptors() == before
 
 
 SLOW_IMPORT = """

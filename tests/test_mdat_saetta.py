@@ -22,7 +22,7 @@ def mdat(tmp_path_factory):
 def test_export_equals_the_shuffled_view(mdat, tmp_path) -> None:
     reader = mdat.sequences("s", 128)
     order = mdat.shuffle(None, "s", 128, seed=1)
-    out = export_saetta(reader, order, tmp_path / "flat")
+    out = export_saetta(reader, order, tmp_path / "flat", seed=1)
     assert sorted(p.name for p in out.iterdir()) == ["offsets.npy", "saetta.json", "tokens.npy"]
     saetta = SaettaReader(out)
     assert len(saetta) == len(reader)
@@ -33,6 +33,8 @@ def test_export_equals_the_shuffled_view(mdat, tmp_path) -> None:
     assert tokens.dtype == np.uint16 and len(tokens) == sum(len(s) for s in reader)
     manifest = json.loads((out / "saetta.json").read_text())
     assert (manifest["sequences"], manifest["max_seq_len"]) == (len(reader), 128)
+    assert (manifest["view"], manifest["seed"]) == ("default", 1)
+    assert manifest["fingerprint"] == mdat.fingerprint("s", 128)
     with pytest.raises(IndexError):
         saetta[len(saetta)]
 

@@ -1,5 +1,7 @@
 """Sequences rebuilt from stored chunks equal direct tokenization cut the same way."""
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -61,6 +63,29 @@ def test_length_from_histogram_matches(mdat) -> None:
             histogram = np.load(mdat.path / "pretok" / "fixed" / sub / "histogram.npy")
             total += sum(int(n) * -(-c // k) for c, n in enumerate(histogram))
         assert len(mdat.sequences("fixed", k * CHUNK)) == total
+
+
+def test_length_needs_no_pass_over_the_chunks(tmp_path) -> None:
+    texts = ["x" * (2000 + i) for i in range(20)]  # 40,190 one-token chunks
+    with Mdat.create(tmp_path / "c") as mdat:
+        mdat.add_records("a", ({"text": t} for t in texts))
+        mdat.add_strategy({"strategy_name": "one", "chunk_size": 1})
+        mdat.pretokenize("one")
+        mdat.create_view("v", {"a": 5})
+        chosen = np.load(mdat.path / "views" / "v" / "a.npy")
+        tracemalloc.start()
+        try:
+            lengths = [len(mdat.sequences("one", k)) for k in (1, 7)]
+            view_length = len(mdat.sequences("one", 7, "v"))
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 100_000  # an int64 per chunk alone would be 321,520 bytes
+        assert lengths == [sum(len(t) for t in texts), sum(-(-len(t) // 7) for t in texts)]
+        assert view_length == sum(-(-len(texts[d]) // 7) for d in chosen)
+        reader = mdat.sequences("one", 7, "v")
+        assert b"".join(bytes(s.tolist()) for s in reader) == b"".join(
+            texts[d].encode() for d in chosen)
 
 
 def test_locate_names_submdat_document_and_end(mdat) -> None:

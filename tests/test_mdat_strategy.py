@@ -81,6 +81,7 @@ def test_typo_names_the_field_and_lists_valid_ones() -> None:
     ({"required_databases": ["tokens"]}, "required_databases must be"),
     ({"returns": ["tokens"]}, "must include every required database"),
     ({"returns": "tokens"}, "'returns' must be list or tuple"),
+    ({"tokenizer_sha256": 5}, "'tokenizer_sha256' must be str or null"),
 ])
 def test_bad_values_are_named(change, message) -> None:
     with pytest.raises(StrategyError, match=message):
@@ -107,6 +108,15 @@ def test_missing_tokenizer_file(mdat, tmp_path) -> None:
     with pytest.raises(TokenizerNotFound, match=r"missing.json does not exist"):
         mdat.add_strategy({"strategy_name": "hf", "chunk_size": 8, "tokenizer_type": "huggingface",
                            "tokenizer_name": str(tmp_path / "missing.json")})
+
+
+def test_special_ids_must_be_in_the_vocabulary(mdat) -> None:
+    with pytest.raises(StrategyError, match=r"bos_token_id 260 is outside the vocabulary 0\.\.259"):
+        mdat.add_strategy({"strategy_name": "s", "chunk_size": 8, "bos_token_id": 260})
+    with pytest.raises(StrategyError, match=r"mask_token_id -1 is outside"):
+        mdat.add_strategy({"strategy_name": "s", "chunk_size": 8, "mask_token_id": -1})
+    assert mdat.add_strategy({"strategy_name": "s", "chunk_size": 8}).special_tokens() == {
+        "bos_token_id": 257, "eos_token_id": 258, "mask_token_id": 259}
 
 
 def test_unknown_tokenizer_type_and_small_vocab(mdat) -> None:
@@ -243,6 +253,8 @@ class ReturnsGiven:
     ({"tokens": [1, 300], "chunks": [2]}, r"outside the vocabulary 0\.\.259"),
     ({"tokens": [1] * 9, "chunks": [9]}, r"chunk length is outside 1\.\.8"),
     ({"tokens": [1, 2], "chunks": [0, 2]}, r"chunk length is outside 1\.\.8"),
+    ({"tokens": [1], "chunks": [1], "lang": "en"},
+     r"has \['lang'\], which the strategy's returns \['tokens', 'chunks'\] does not list"),
 ])
 def test_invalid_splitter_results_are_named(tmp_path, result, message) -> None:
     strategy = Strategy.from_dict({"strategy_name": "s", "chunk_size": 8, "vocab_size": 260,

@@ -1,11 +1,13 @@
 """A BPE tokenizer trained on a submdat serves a "huggingface" strategy."""
 
+import hashlib
+
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
 from modeling.corpus import python_docs
-from modeling.errors import StrategyError
+from modeling.errors import StrategyError, TokenizerChanged
 from modeling.mdat import Mdat, train_tokenizer
 
 DOCS = list(python_docs(limit=80))
@@ -29,7 +31,7 @@ def test_training_writes_a_byte_level_bpe(trained) -> None:
     text = "Return the naïve café's value."
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
     assert len(tokenizer.encode(DOCS[0]).ids) < len(DOCS[0].encode()) * 0.8  # it learned merges
-    assert not list(path.parent.glob("*.tmp"))
+    assert [p.name for p in path.parent.iterdir()] == ["tokenizer.json"]
 
 
 @pytest.mark.parametrize("splitter", ["fixed_chunks", "sentence_chunks"])
@@ -40,7 +42,7 @@ def test_huggingface_strategy_pretokenizes_with_it(trained, splitter) -> None:
         "strategy_name": name, "tokenizer_type": "huggingface", "tokenizer_name": str(path),
         "chunk_size": 16, "splitter_class": splitter, "bos_token_id": 1, "eos_token_id": 2,
     })
-    assert strategy.vocab_size == 400 and strategy.mask_token_id is None
+    assert strategy.vocab_size == 400 and strategy.mask_token_id == 3  # from the file
     assert (mdat.path / "pretok" / name / "tokenizer.json").read_bytes() == path.read_bytes()
     mdat.pretokenize(name)
     reader = mdat.sequences(name, 64)
@@ -60,3 +62,42 @@ def test_vocabulary_too_small(trained, tmp_path) -> None:
     mdat, _ = trained
     with pytest.raises(StrategyError, match=r"cannot hold the 256 byte symbols"):
         train_tokenizer(mdat.submdat("docs"), tmp_path / "t.json", vocab_size=100)
+
+
+def test_special_ids_come_from_the_tokenizer_file(trained) -> None:
+    mdat, path = trained
+    strategy = mdat.add_strategy({"strategy_name": "bpe_specials", "chunk_size": 16,
+                                  "tokenizer_type": "huggingface", "tokenizer_name": str(path)})
+    assert strategy.special_tokens() == {"bos_token_id": 1, "eos_token_id": 2,
+                                         "mask_token_id": 3}
+    mdat.pretokenize("bpe_specials")
+    assert mdat.sequences("bpe_specials", 16).strategy.eos_token_id == 2
+    with pytest.raises(StrategyError, match=r"eos_token_id 400 is outside the vocabulary "
+                                            r"0\.\.399"):
+        mdat.add_strategy({"strategy_name": "bpe_bad_eos", "chunk_size": 16, "eos_token_id": 400,
+                           "tokenizer_type": "huggingface", "tokenizer_name": str(path)})
+
+
+def test_a_changed_tokenizer_file_needs_a_new_strategy_name(trained, tmp_path) -> None:
+    mdat, _ = trained
+    path = tmp_path / "tokenizer.json"
+    train_tokenizer(mdat.submdat("docs"), path, vocab_size=400)
+    definition = {"strategy_name": "bpe_changing", "chunk_size": 16,
+                  "tokenizer_type": "huggingface", "tokenizer_name": str(path)}
+    sha256 = mdat.add_strategy(definition).tokenizer_sha256
+    assert mdat.add_strategy(definition).tokenizer_sha256 == sha256  # unchanged: fine
+    train_tokenizer(mdat.submdat("docs"), path, vocab_size=400,
+                    special_tokens=("<pad>", "<eos>", "<bos>", "<mask>"))
+    with pytest.raises(TokenizerChanged, match=rf"sha256 {sha256}.*new strategy_name"):
+        mdat.add_strategy(definition)
+    stored = mdat.path / "pretok" / "bpe_changing" / "tokenizer.json"
+    assert hashlib.sha256(stored.read_bytes()).hexdigest() == sha256
+
+
+def test_an_invalid_tokenizer_file_is_named(trained, tmp_path) -> None:
+    mdat, _ = trained
+    (tmp_path / "broken.json").write_text('{"model": 1}')
+    with pytest.raises(StrategyError, match=r"broken.json is not a tokenizer.json"):
+        mdat.add_strategy({"strategy_name": "broken", "chunk_size": 16,
+                           "tokenizer_type": "huggingface",
+                           "tokenizer_name": str(tmp_path / "broken.json")})

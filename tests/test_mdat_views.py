@@ -102,13 +102,27 @@ def test_shuffle_is_a_deterministic_permutation_file(mdat) -> None:
     assert {s.name for s in mdat.shuffles()} >= {"default.s.128.seed5", "default.s.128.seed6"}
 
 
-def test_shards_are_disjoint_covering_and_proportional() -> None:
-    ids = np.random.default_rng(0).permutation(1000)
-    shards = assign(ids, [("big", 3.0), ("small", 1.0), ("mid", 2.0)])
+def test_shards_of_a_view_shuffle_are_disjoint_covering_and_proportional(mdat) -> None:
+    mdat.create_view("sharded", {"a": 0.5, "b": 8}, seed=4)
+    count = len(mdat.sequences("s", 64, view="sharded"))
+    order = mdat.shuffle("sharded", "s", 64, seed=2)
+    shares = [("big", 3.0), ("small", 1.0), ("mid", 2.0)]
+    handed_out = []
+    for round_index in range(-(-count // 40)):
+        ids = round_ids(order, round_index, 40)
+        shards = assign(ids, shares)
+        for client, share in shares:
+            assert abs(len(shards[client]) - len(ids) * share / 6) < 1
+            assert np.array_equal(shards[client], assign(ids, shares)[client])
+        handed_out.extend(np.concatenate(list(shards.values())).tolist())
+    assert len(handed_out) == count  # disjoint: no id twice ...
+    assert sorted(handed_out) == list(range(count))  # ... and covering every sequence id
+
+
+def test_shard_sizes_follow_the_shares() -> None:
+    shards = assign(np.random.default_rng(0).permutation(1000),
+                    [("big", 3.0), ("small", 1.0), ("mid", 2.0)])
     assert {k: len(v) for k, v in shards.items()} == {"big": 500, "small": 167, "mid": 333}
-    assert np.array_equal(np.sort(np.concatenate(list(shards.values()))), np.arange(1000))
-    again = assign(ids, [("big", 3.0), ("small", 1.0), ("mid", 2.0)])
-    assert all(np.array_equal(shards[k], again[k]) for k in shards)
 
 
 def test_rounds_and_requeue() -> None:

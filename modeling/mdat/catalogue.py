@@ -2,31 +2,34 @@
 
 One SQLite file, written only inside transactions. A row's counters are the committed
 progress of the step that owns it: readers trust them, and an interrupted step resumes from
-them. Rows are mirrored by small dataclasses whose field names are the column names.
+them. Rows are mirrored by small dataclasses whose field names are the column names. Any
+SQLite failure to read the file surfaces as `MdatCorrupt` naming it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import MdatNotFound, SubmdatLimit, UnknownName
+from modeling.errors import MdatCorrupt, MdatFormatError, MdatNotFound, SubmdatLimit, UnknownName
 
 CATALOGUE_NAME = "mdat.db"
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 # Ids are 1 byte (or 2 in extended mode), so a (submdat, document) pair packs tightly.
 MAX_SUBMDATS = {False: 255, True: 65_535}
+NOTHING_READ = hashlib.sha256().hexdigest()  # the records_sha256 of an import that read nothing
 
 _SCHEMA = """
 CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE submdats (
     id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL, source TEXT NOT NULL,
     text_field TEXT NOT NULL, compression TEXT NOT NULL, complete INTEGER NOT NULL,
-    records_read INTEGER NOT NULL, documents INTEGER NOT NULL, raw_bytes INTEGER NOT NULL,
-    stored_bytes INTEGER NOT NULL, skipped_empty INTEGER NOT NULL,
+    records_read INTEGER NOT NULL, records_sha256 TEXT NOT NULL, documents INTEGER NOT NULL,
+    raw_bytes INTEGER NOT NULL, stored_bytes INTEGER NOT NULL, skipped_empty INTEGER NOT NULL,
     skipped_invalid INTEGER NOT NULL, skipped_not_utf8 INTEGER NOT NULL);
 CREATE TABLE strategies (name TEXT PRIMARY KEY, definition TEXT NOT NULL);
 CREATE TABLE pretok (
@@ -36,7 +39,8 @@ CREATE TABLE pretok (
 CREATE TABLE views (name TEXT PRIMARY KEY, definition TEXT NOT NULL);
 CREATE TABLE shuffles (
     name TEXT PRIMARY KEY, view TEXT NOT NULL, strategy TEXT NOT NULL,
-    max_seq_len INTEGER NOT NULL, seed INTEGER NOT NULL, sequences INTEGER NOT NULL);
+    max_seq_len INTEGER NOT NULL, seed INTEGER NOT NULL, sequences INTEGER NOT NULL,
+    fingerprint TEXT NOT NULL, dataset TEXT NOT NULL);
 """
 
 
@@ -51,6 +55,7 @@ class SubmdatInfo:
     compression: str  # "zstd" or "none"
     complete: bool = False
     records_read: int = 0  # input records consumed, skipped ones included (the resume point)
+    records_sha256: str = NOTHING_READ  # of those records: a resume must read the same ones
     documents: int = 0
     raw_bytes: int = 0  # UTF-8 bytes of the stored texts
     stored_bytes: int = 0  # the same texts as stored (after compression)
@@ -79,6 +84,8 @@ class ShuffleInfo:
     max_seq_len: int
     seed: int
     sequences: int
+    fingerprint: str  # of the data it permutes (`Mdat.fingerprint`)
+    dataset: str  # JSON of what the fingerprint hashes, to name what changed since
 
 
 def _columns(row_type: type) -> str:
@@ -97,21 +104,26 @@ def _row(row_type: type, values: tuple[Any, ...]) -> Any:
     ))
 
 
+Statement = tuple[str, tuple[Any, ...]]
+
+
 class Catalogue:
     """The open ``mdat.db`` of one container."""
 
-    def __init__(self, connection: sqlite3.Connection) -> None:
+    def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
         self._db = connection
+        self._path = path
 
     @classmethod
     def create(cls, folder: Path, *, extended: bool) -> Catalogue:
-        db = sqlite3.connect(folder / CATALOGUE_NAME)
-        with db:
-            db.executescript(_SCHEMA)
-            db.executemany("INSERT INTO settings VALUES (?, ?)", [
-                ("format_version", FORMAT_VERSION), ("extended", json.dumps(extended)),
-            ])
-        return cls(db)
+        path = folder / CATALOGUE_NAME
+        catalogue = cls(sqlite3.connect(path), path)
+        with catalogue._db:
+            catalogue._db.executescript(_SCHEMA)
+        catalogue._write(*(("INSERT INTO settings VALUES (?, ?)", setting) for setting in [
+            ("format_version", FORMAT_VERSION), ("extended", json.dumps(extended)),
+        ]))
+        return catalogue
 
     @classmethod
     def open(cls, folder: Path) -> Catalogue:
@@ -121,20 +133,59 @@ class Catalogue:
                 f"{folder} is not an MDAT container (no {CATALOGUE_NAME}); create one with "
                 "`matformer-mdat create` or Mdat.create()."
             )
-        return cls(sqlite3.connect(path))
+        catalogue = cls(sqlite3.connect(path), path)
+        try:
+            version = catalogue._setting("format_version")
+        except MdatCorrupt:
+            catalogue.close()
+            raise
+        if version != FORMAT_VERSION:
+            catalogue.close()
+            raise MdatFormatError(
+                f"{folder} was written in MDAT format {version}; this code reads format "
+                f"{FORMAT_VERSION}. Build the container again from its sources (the default "
+                "container: delete the folder, it is built again on first use)."
+            )
+        return catalogue
 
     def close(self) -> None:
         self._db.close()
 
+    def _rows(self, sql: str, values: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        try:
+            return self._db.execute(sql, values).fetchall()
+        except sqlite3.DatabaseError as err:
+            raise self._damaged(err) from err
+
+    def _write(self, *statements: Statement) -> None:
+        """Run ``statements`` in one transaction: all of them take effect, or none."""
+        try:
+            with self._db:
+                for sql, values in statements:
+                    self._db.execute(sql, values)
+        except sqlite3.DatabaseError as err:
+            raise self._damaged(err) from err
+
+    def _damaged(self, err: sqlite3.DatabaseError) -> MdatCorrupt:
+        return MdatCorrupt(
+            f"{self._path} cannot be read as an MDAT catalogue ({err}); copy it back from a "
+            "backup, or build the container again from its sources."
+        )
+
+    def _setting(self, key: str) -> str:
+        rows = self._rows("SELECT value FROM settings WHERE key = ?", (key,))
+        if not rows:
+            raise self._damaged(sqlite3.DatabaseError(f"no setting {key!r}"))
+        return rows[0][0]
+
     @property
     def extended(self) -> bool:
-        row = self._db.execute("SELECT value FROM settings WHERE key = 'extended'").fetchone()
-        return bool(json.loads(row[0]))
+        return bool(json.loads(self._setting("extended")))
 
     # Submdats.
 
     def submdats(self) -> list[SubmdatInfo]:
-        rows = self._db.execute(f"SELECT {_columns(SubmdatInfo)} FROM submdats ORDER BY id")
+        rows = self._rows(f"SELECT {_columns(SubmdatInfo)} FROM submdats ORDER BY id")
         return [_row(SubmdatInfo, row) for row in rows]
 
     def submdat(self, name: str) -> SubmdatInfo:
@@ -144,69 +195,73 @@ class Catalogue:
         return by_name[name]
 
     def new_submdat(self, name: str, source: str, text_field: str, compression: str) -> SubmdatInfo:
-        """Insert the row of a submdat whose import starts now, with the next free id."""
+        """Insert the row of a submdat whose import starts now, with the lowest free id."""
         limit = MAX_SUBMDATS[self.extended]
-        (last,) = self._db.execute("SELECT COALESCE(MAX(id), 0) FROM submdats").fetchone()
-        if last >= limit:
+        taken = {info.id for info in self.submdats()}
+        free = next((i for i in range(1, limit + 1) if i not in taken), None)
+        if free is None:
             raise SubmdatLimit(
-                f"the container holds {limit} submdats, its maximum; create the container "
-                "with extended=True (`matformer-mdat create --extended`) for up to 65,535."
+                f"the container holds {limit} submdats, its maximum; remove one, or create "
+                "the container with extended=True (`matformer-mdat create --extended`) for up "
+                "to 65,535."
             )
-        info = SubmdatInfo(last + 1, name, source, text_field, compression)
+        info = SubmdatInfo(free, name, source, text_field, compression)
         self.save_submdat(info)
         return info
 
     def save_submdat(self, info: SubmdatInfo) -> None:
-        with self._db:
-            self._db.execute(
-                f"INSERT OR REPLACE INTO submdats ({_columns(SubmdatInfo)}) "
-                f"VALUES ({_placeholders(SubmdatInfo)})", astuple(info),
-            )
+        self._write((f"INSERT OR REPLACE INTO submdats ({_columns(SubmdatInfo)}) "
+                     f"VALUES ({_placeholders(SubmdatInfo)})", astuple(info)))
+
+    def remove_submdat(self, info: SubmdatInfo, shuffles: list[str]) -> None:
+        """Forget a submdat, its pretokenization progress and ``shuffles``, at once."""
+        self._write(
+            ("DELETE FROM submdats WHERE id = ?", (info.id,)),
+            ("DELETE FROM pretok WHERE submdat_id = ?", (info.id,)),
+            *(("DELETE FROM shuffles WHERE name = ?", (name,)) for name in shuffles),
+        )
 
     # Strategies and their pretokenization progress.
 
     def strategies(self) -> dict[str, dict[str, Any]]:
-        rows = self._db.execute("SELECT name, definition FROM strategies ORDER BY name")
+        rows = self._rows("SELECT name, definition FROM strategies ORDER BY name")
         return {name: json.loads(definition) for name, definition in rows}
 
     def add_strategy(self, name: str, definition: dict[str, Any]) -> None:
-        with self._db:
-            self._db.execute("INSERT INTO strategies VALUES (?, ?)", (name, json.dumps(definition)))
+        self._write(("INSERT INTO strategies VALUES (?, ?)", (name, json.dumps(definition))))
 
     def pretok(self, strategy: str, submdat_id: int) -> PretokProgress:
-        row = self._db.execute(
+        rows = self._rows(
             f"SELECT {_columns(PretokProgress)} FROM pretok WHERE strategy = ? AND submdat_id = ?",
             (strategy, submdat_id),
-        ).fetchone()
-        return _row(PretokProgress, row) if row else PretokProgress(strategy, submdat_id)
+        )
+        return _row(PretokProgress, rows[0]) if rows else PretokProgress(strategy, submdat_id)
 
     def save_pretok(self, progress: PretokProgress) -> None:
-        with self._db:
-            self._db.execute(
-                f"INSERT OR REPLACE INTO pretok ({_columns(PretokProgress)}) "
-                f"VALUES ({_placeholders(PretokProgress)})", astuple(progress),
-            )
+        self._write((f"INSERT OR REPLACE INTO pretok ({_columns(PretokProgress)}) "
+                     f"VALUES ({_placeholders(PretokProgress)})", astuple(progress)))
 
     # Views and shuffles.
 
     def views(self) -> dict[str, dict[str, Any]]:
-        rows = self._db.execute("SELECT name, definition FROM views ORDER BY name")
+        rows = self._rows("SELECT name, definition FROM views ORDER BY name")
         return {name: json.loads(definition) for name, definition in rows}
 
     def add_view(self, name: str, definition: dict[str, Any]) -> None:
-        with self._db:
-            self._db.execute("INSERT INTO views VALUES (?, ?)", (name, json.dumps(definition)))
+        self._write(("INSERT INTO views VALUES (?, ?)", (name, json.dumps(definition))))
+
+    def remove_view(self, name: str) -> None:
+        """Forget a view and every shuffle of it, at once."""
+        self._write(("DELETE FROM views WHERE name = ?", (name,)),
+                    ("DELETE FROM shuffles WHERE view = ?", (name,)))
 
     def shuffles(self) -> list[ShuffleInfo]:
-        rows = self._db.execute(f"SELECT {_columns(ShuffleInfo)} FROM shuffles ORDER BY name")
+        rows = self._rows(f"SELECT {_columns(ShuffleInfo)} FROM shuffles ORDER BY name")
         return [_row(ShuffleInfo, row) for row in rows]
 
     def add_shuffle(self, info: ShuffleInfo) -> None:
-        with self._db:
-            self._db.execute(
-                f"INSERT OR REPLACE INTO shuffles VALUES ({_placeholders(ShuffleInfo)})",
-                astuple(info),
-            )
+        self._write((f"INSERT INTO shuffles ({_columns(ShuffleInfo)}) "
+                     f"VALUES ({_placeholders(ShuffleInfo)})", astuple(info)))
 
 
 def unknown(kind: str, name: str, known: Any) -> UnknownName:

@@ -1,15 +1,17 @@
 """`Mdat`: one dataset container folder, and every operation on it.
 
 The class is the single entry point; the work lives in the modules it calls (importing,
-pretokenizing, views, sequences). Each method reads or writes the catalogue in its own
-transactions, so an interrupted call leaves the container readable.
+pretokenizing, views, sequences, fingerprints). Each method reads or writes the catalogue in
+its own transactions, so an interrupted call leaves the container readable. Removals change
+the catalogue first and delete files after: a crash in between leaves only files that no row
+lists, which the next import, view or shuffle of the same name replaces.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from modeling.errors import InvalidName, MdatExists, NameTaken, PretokIncomplete, SubmdatIncomplete
+from modeling.errors import (
+    InvalidName,
+    MdatExists,
+    NameTaken,
+    PretokIncomplete,
+    SourceNotFound,
+    SubmdatIncomplete,
+    SubmdatInUse,
+    TokenizerChanged,
+)
+from modeling.mdat.atomic import built_aside
 from modeling.mdat.catalogue import (
     MAX_SUBMDATS,
     Catalogue,
@@ -26,8 +38,9 @@ from modeling.mdat.catalogue import (
     SubmdatInfo,
     unknown,
 )
+from modeling.mdat.fingerprints import describe, digest
 from modeling.mdat.importer import import_records
-from modeling.mdat.npy_files import load_npy, save_npy
+from modeling.mdat.npy_files import load_npy
 from modeling.mdat.pretok_files import (
     TOKENIZER_FILE,
     PretokArrays,
@@ -37,12 +50,15 @@ from modeling.mdat.pretok_files import (
 from modeling.mdat.pretokenize import pretokenize
 from modeling.mdat.records import dict_records, folder_records, jsonl_records
 from modeling.mdat.sequences import SequenceReader, chunks_per_sequence
+from modeling.mdat.shuffles import read_shuffle, shuffle_name, shuffle_path, write_shuffle
 from modeling.mdat.splitting import DocumentSplitter
 from modeling.mdat.strategy import Strategy, check_name
 from modeling.mdat.submdat import Submdat
 from modeling.mdat.views import DEFAULT_VIEW, Quota, View, quota_documents, view_folder, write_view
 
 FOLDERS = ("datasets", "functions", "pretok", "shuffling", "views")
+# Per submdat of a view: its row, its complete pretokenization, its chosen documents (None: all).
+Selection = list[tuple[SubmdatInfo, PretokProgress, np.ndarray | None]]
 
 
 class Mdat:
@@ -59,13 +75,10 @@ class Mdat:
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise MdatExists(f"{path} exists and is not empty; open it with Mdat.open() or "
                              "choose a new path.")
-        building = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.building")
-        for folder in FOLDERS:
-            (building / folder).mkdir(parents=True)
-        Catalogue.create(building, extended=extended).close()
-        if path.exists():
-            path.rmdir()
-        building.rename(path)
+        with built_aside(path) as building:
+            for folder in FOLDERS:
+                (building / folder).mkdir(parents=True)
+            Catalogue.create(building, extended=extended).close()
         return cls.open(path)
 
     @classmethod
@@ -95,11 +108,12 @@ class Mdat:
     ) -> SubmdatInfo:
         """Import dicts as submdat ``name``: ``record[text_field]`` is the text, the rest metadata.
 
-        ``compress``: zstd per document. ``skip_bad``: skip and count invalid or non-UTF-8
-        records instead of raising `BadRecord` / `NotUtf8`. ``batch_size``: documents per
-        transaction. ``progress``: a progress bar on stderr. An interrupted import resumes
-        when called again with the same ``name``, ``records`` and ``source``. Returns the
-        catalogue row, with the counts of documents, bytes and skipped records.
+        ``compress``: zstd per document. ``skip_bad``: skip and count invalid, non-UTF-8 and
+        empty records instead of raising `BadRecord` / `NotUtf8` / `EmptyDocument`.
+        ``batch_size``: documents per transaction. ``progress``: a progress bar on stderr. An
+        interrupted import resumes when called again with the same ``name``, ``source`` and
+        records (checked by hash: `ResumeMismatch` otherwise). Returns the catalogue row, with
+        the counts of documents, bytes and skipped records.
         """
         return import_records(
             self._catalogue, self.path / "datasets" / check_name("submdat", name),
@@ -115,7 +129,7 @@ class Mdat:
         """Import a JSON Lines file, one document per line (options as in `add_records`)."""
         file = Path(file).resolve()
         if not file.is_file():
-            raise FileNotFoundError(f"JSON Lines file {file} does not exist")
+            raise SourceNotFound(f"JSON Lines file {file} does not exist; check the path.")
         return import_records(
             self._catalogue, self.path / "datasets" / check_name("submdat", name),
             jsonl_records(file, text_field), name=name, source=str(file), text_field=text_field,
@@ -130,7 +144,7 @@ class Mdat:
         """Import one document per file matching ``pattern``, metadata ``{"path": ...}``."""
         folder = Path(folder).resolve()
         if not folder.is_dir():
-            raise FileNotFoundError(f"folder {folder} does not exist")
+            raise SourceNotFound(f"folder {folder} does not exist; check the path.")
         return import_records(
             self._catalogue, self.path / "datasets" / check_name("submdat", name),
             folder_records(folder, pattern), name=name, source=f"{folder}/{pattern}",
@@ -146,13 +160,37 @@ class Mdat:
         """Read access to a submdat's documents (``text(i)``, ``metadata(i)``, ``sizes``)."""
         return Submdat(self.path / "datasets" / name, self._catalogue.submdat(name))
 
+    def remove_submdat(self, name: str) -> None:
+        """Remove a submdat, complete or interrupted, freeing its name and its id.
+
+        Its documents go, and its pretokenized files for every strategy, and the shuffles of
+        the default view that include it (they could only raise `StaleShuffle` from now on).
+        A named view that chooses documents from it must be removed first (`SubmdatInUse`).
+        """
+        info = self._catalogue.submdat(name)
+        users = [view for view, d in self._catalogue.views().items() if name in d["documents"]]
+        if users:
+            raise SubmdatInUse(
+                f"submdat {name!r} is used by view(s) {', '.join(users)}; remove them first "
+                "(Mdat.remove_view, `matformer-mdat remove PATH view NAME`)."
+            )
+        stale = [s.name for s in self.shuffles() if s.view == DEFAULT_VIEW
+                 and json.loads(s.dataset)["submdats"].get(name, {}).get("id") == info.id]
+        self._catalogue.remove_submdat(info, stale)
+        for shuffle in stale:
+            shuffle_path(self.path, shuffle).unlink(missing_ok=True)
+        for strategy in self._catalogue.strategies():
+            shutil.rmtree(pretok_folder(self.path, strategy, name), ignore_errors=True)
+        shutil.rmtree(self.path / "datasets" / name, ignore_errors=True)
+
     # Strategies.
 
     def add_strategy(self, definition: Mapping[str, Any] | str | os.PathLike[str]) -> Strategy:
         """Check and store a strategy (a dict or a JSON file); returns it with defaults filled.
 
-        A "huggingface" tokenizer file is copied into the container. Adding the same
-        strategy again does nothing; a different one under a taken name raises `NameTaken`.
+        A "huggingface" tokenizer file is copied into the container and its sha256 stored.
+        Adding the same strategy again does nothing; a different one under a taken name
+        raises `NameTaken`, and `TokenizerChanged` when its tokenizer file has changed.
         """
         if isinstance(definition, Mapping):
             strategy = Strategy.from_dict(dict(definition))
@@ -163,15 +201,24 @@ class Mdat:
             strategy = replace(strategy, tokenizer_name=str(tokenizer))
         resolved = DocumentSplitter(strategy, self.path / "functions", tokenizer).resolved()
         existing = self._catalogue.strategies().get(strategy.name)
-        if existing is not None:
-            if existing != resolved.to_dict():
+        if existing is not None and existing != resolved.to_dict():
+            if (existing["tokenizer_name"], existing["tokenizer_sha256"]) == (
+                    resolved.tokenizer_name, resolved.tokenizer_sha256):
                 raise NameTaken(f"strategy {strategy.name!r} exists with another definition; "
                                 "give the new one another strategy_name.")
+            raise TokenizerChanged(
+                f"strategy {strategy.name!r} was added with tokenizer file "
+                f"{existing['tokenizer_name']} (sha256 {existing['tokenizer_sha256']}), and "
+                f"its data were pretokenized with it; {tokenizer} (sha256 "
+                f"{resolved.tokenizer_sha256}) is another: add it under a new strategy_name."
+            )
+        if existing is not None:
             return resolved
         if tokenizer is not None:
             folder = strategy_folder(self.path, strategy.name)
             folder.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(tokenizer, folder / TOKENIZER_FILE)
+            with built_aside(folder / TOKENIZER_FILE) as building:
+                shutil.copyfile(tokenizer, building)
         self._catalogue.add_strategy(strategy.name, resolved.to_dict())
         return resolved
 
@@ -206,7 +253,7 @@ class Mdat:
             if not info.complete:
                 raise SubmdatIncomplete(
                     f"submdat {info.name!r} was interrupted while importing; run the same "
-                    "add again to finish it first."
+                    "add again to finish it first, or remove it."
                 )
         return chosen
 
@@ -214,9 +261,28 @@ class Mdat:
 
     def sequences(self, strategy: str, max_seq_len: int, view: str | None = None) -> SequenceReader:
         """The view's sequences of ``max_seq_len`` tokens at most (`SequenceReader`)."""
+        chosen, selection = self._selection(strategy, max_seq_len, view)
+        return self._reader(chosen, selection, max_seq_len, view)
+
+    def _reader(self, strategy: Strategy, selection: Selection, max_seq_len: int,
+                view: str | None) -> SequenceReader:
+        parts = [(info.name, PretokArrays.load(pretok_folder(self.path, strategy.name, info.name),
+                                               progress), documents)
+                 for info, progress, documents in selection]
+        return SequenceReader(parts, strategy, max_seq_len, view=view or DEFAULT_VIEW,
+                              fingerprint=digest(describe(strategy, max_seq_len, selection)))
+
+    def fingerprint(self, strategy: str, max_seq_len: int, view: str | None = None) -> str:
+        """A sha256 of everything the view's sequence ids depend on (`fingerprints`): two
+        containers with equal fingerprints give every sequence id the same tokens."""
+        chosen, selection = self._selection(strategy, max_seq_len, view)
+        return digest(describe(chosen, max_seq_len, selection))
+
+    def _selection(self, strategy: str, max_seq_len: int,
+                   view: str | None) -> tuple[Strategy, Selection]:
         chosen = self.strategy(strategy)
         chunks_per_sequence(chosen, max_seq_len)
-        parts = []
+        selection = []
         for info, documents in self._view_documents(view):
             progress = self._catalogue.pretok(chosen.name, info.id)
             if not progress.complete:
@@ -224,9 +290,8 @@ class Mdat:
                     f"submdat {info.name!r} is not pretokenized with {chosen.name!r}; run "
                     f"`matformer-mdat pretokenize {self.path} {chosen.name}` (it resumes)."
                 )
-            arrays = PretokArrays.load(pretok_folder(self.path, chosen.name, info.name), progress)
-            parts.append((info.name, arrays, documents))
-        return SequenceReader(parts, chosen, max_seq_len)
+            selection.append((info, progress, documents))
+        return chosen, selection
 
     # Views and shuffles.
 
@@ -251,10 +316,24 @@ class Mdat:
         return [View(name, d["seed"], d["quotas"], d["documents"])
                 for name, d in self._catalogue.views().items()]
 
-    def _view_documents(self, view: str | None) -> list[tuple[SubmdatInfo, np.ndarray]]:
-        """(submdat, sorted document indices) of a view, in submdat id order."""
+    def remove_view(self, name: str) -> None:
+        """Remove a named view and every shuffle of it; its documents stay."""
+        if name == DEFAULT_VIEW:
+            raise InvalidName(f"{DEFAULT_VIEW!r} is every complete submdat and cannot be "
+                              "removed; remove submdats instead.")
+        stored = self._catalogue.views()
+        if name not in stored:
+            raise unknown("view", name, stored)
+        shuffles = [s.name for s in self.shuffles() if s.view == name]
+        self._catalogue.remove_view(name)
+        for shuffle in shuffles:
+            shuffle_path(self.path, shuffle).unlink(missing_ok=True)
+        shutil.rmtree(view_folder(self.path, name), ignore_errors=True)
+
+    def _view_documents(self, view: str | None) -> list[tuple[SubmdatInfo, np.ndarray | None]]:
+        """(submdat, sorted chosen document indices or None for all) of a view, by submdat id."""
         if view in (None, DEFAULT_VIEW):
-            return [(info, np.arange(info.documents)) for info in self._complete_submdats(None)]
+            return [(info, None) for info in self._complete_submdats(None)]
         stored = self._catalogue.views()
         if view not in stored:
             raise unknown("view", view, [DEFAULT_VIEW, *stored])
@@ -264,18 +343,34 @@ class Mdat:
         return [(i, load_npy(folder / f"{i.name}.npy", counts[i.name])) for i in infos]
 
     def shuffle(self, view: str | None, strategy: str, max_seq_len: int, seed: int) -> np.ndarray:
-        """A permutation of the view's sequence ids, saved under ``shuffling/`` (uint32/64).
+        """A permutation of the view's sequence ids, saved under ``shuffling/`` (`shuffles`).
 
         Deterministic in ``seed``; no data moves. Read sequence ``order[i]`` at step ``i``.
+        Asked for again, the stored shuffle is given back (`load_shuffle`), never replaced.
         """
         view = view or DEFAULT_VIEW
-        count = len(self.sequences(strategy, max_seq_len, view))
-        name = f"{view}.{strategy}.{max_seq_len}.seed{seed}"
-        path = self.path / "shuffling" / f"{name}.npy"
-        order = np.random.default_rng(seed).permutation(count)
-        save_npy(path, order.astype(np.uint32 if count < 1 << 32 else np.uint64))
-        self._catalogue.add_shuffle(ShuffleInfo(name, view, strategy, max_seq_len, seed, count))
-        return load_npy(path, count)
+        name = shuffle_name(view, strategy, max_seq_len, seed)
+        if name in {s.name for s in self.shuffles()}:
+            return self.load_shuffle(view, strategy, max_seq_len, seed)
+        chosen, selection = self._selection(strategy, max_seq_len, view)
+        dataset = describe(chosen, max_seq_len, selection)
+        count = len(self._reader(chosen, selection, max_seq_len, view))
+        info = ShuffleInfo(name, view, chosen.name, max_seq_len, seed, count, digest(dataset),
+                           json.dumps(dataset))
+        order = write_shuffle(self.path, info)
+        self._catalogue.add_shuffle(info)
+        return order
+
+    def load_shuffle(self, view: str | None, strategy: str, max_seq_len: int,
+                     seed: int) -> np.ndarray:
+        """The permutation `shuffle` stored; `StaleShuffle` if the view's data changed since."""
+        view = view or DEFAULT_VIEW
+        name = shuffle_name(view, strategy, max_seq_len, seed)
+        stored = {s.name: s for s in self.shuffles()}
+        if name not in stored:
+            raise unknown("shuffle", name, stored)
+        chosen, selection = self._selection(strategy, max_seq_len, view)
+        return read_shuffle(self.path, stored[name], describe(chosen, max_seq_len, selection))
 
     def shuffles(self) -> list[ShuffleInfo]:
         return self._catalogue.shuffles()

@@ -2,8 +2,9 @@
 
 LMDB allows one open environment per file per process, so every reader and writer of a
 file in this process shares one environment, counted by `acquire` / `release` and closed
-when the last user lets go. Environments do not survive ``fork``; worker processes are
-spawned and open their own.
+when the last user lets go. Environments do not survive ``fork``: pretokenization's worker
+processes are forked, so they never touch LMDB; this process reads the documents and sends
+them to the workers (`modeling.mdat.pretok_workers`).
 
 LMDB memory-maps its file: reading a page past the end of a truncated file kills the process
 with SIGBUS instead of raising. So every `acquire` compares the file's size with the last
@@ -57,9 +58,14 @@ def acquire(path: Path, *, create: bool = False) -> lmdb.Environment:
         del _open[path]
         shared = None
     if shared is None:
-        env = _open_env(path, create)
-        shared = _open[path] = _Shared(env, _identity(path), 0)
-    _check_size(path, shared.env)
+        shared = _Shared(_open_env(path, create), _identity(path), 0)
+    try:
+        _check_size(path, shared.env)
+    except MdatCorrupt:
+        if shared.users == 0:  # opened just now, not shared yet: close it again
+            shared.env.close()
+        raise
+    _open[path] = shared
     shared.users += 1
     return shared.env
 

@@ -1,10 +1,11 @@
-"""1-D ``.npy`` files that grow at their end, and safe loading of any ``.npy`` file.
+"""1-D ``.npy`` files that grow at their end, and safe loading and saving of any ``.npy`` file.
 
-Pretokenized tokens, chunk lengths and document sizes are written batch by batch and must
-survive an interruption. An :class:`AppendableNpy` keeps a fixed 128-byte header that is
-rewritten with the current length at every :meth:`~AppendableNpy.commit`, so after each
-commit the file is an ordinary ``.npy`` that ``np.load(path, mmap_mode="r")`` reads. Bytes
-past the last commit are cut off when the file is reopened with the committed length.
+Pretokenized tokens, chunk and document offsets and document sizes are written batch by
+batch and must survive an interruption. An :class:`AppendableNpy` keeps a fixed 128-byte
+header that is rewritten with the current length at every :meth:`~AppendableNpy.commit`, so
+after each commit the file is an ordinary ``.npy`` that ``np.load(path, mmap_mode="r")``
+reads. Bytes past the last commit are cut off when the file is reopened with the committed
+length.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from modeling.errors import MdatCorrupt
+from modeling.mdat.atomic import built_aside
 
 _MAGIC = b"\x93NUMPY\x01\x00"
 _HEADER_BYTES = 128  # a multiple of 64, as the .npy format asks
@@ -63,27 +65,28 @@ class AppendableNpy:
 _REWRITE = "delete the folder it is in and run the step that wrote it again"
 
 
-def load_npy(path: Path, length: int | None = None, *, fix: str = _REWRITE) -> np.ndarray:
+def load_npy(path: Path, length: int | None = None, *, fix: str = _REWRITE,
+             uncommitted_tail: bool = False) -> np.ndarray:
     """A read-only memory map of a 1-D ``.npy`` file, checked against ``length`` items.
 
     ``fix`` tells the user, in the error for a damaged file, how to get a good one again.
+    ``uncommitted_tail``: the file may hold more than ``length`` items (appended before an
+    interrupted step recorded them in the catalogue); only the first ``length`` are returned.
     """
     try:
         array = np.load(path, mmap_mode="r")
     except (OSError, ValueError, EOFError) as err:
         raise MdatCorrupt(f"{path} cannot be read ({err}); {fix}.") from err
-    if length is not None and len(array) != length:
+    if length is None:
+        return array
+    if len(array) < length or (len(array) > length and not uncommitted_tail):
         raise MdatCorrupt(
             f"{path} holds {len(array)} items where the catalogue records {length}; {fix}."
         )
-    return array
+    return array[:length]
 
 
 def save_npy(path: Path, array: np.ndarray) -> None:
-    """Write ``array`` to ``path`` atomically (a temporary sibling renamed into place)."""
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
+    """Write ``array`` to ``path`` atomically and durably (`built_aside`)."""
+    with built_aside(path) as building, open(building, "wb") as file:
         np.save(file, array)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)

@@ -2,28 +2,34 @@
 
 - ``tokens.npy``: every document's tokens, one after another (uint16, or uint32 for vocabularies
   above 65,536 ids).
-- ``chunks.npy``: every chunk's length in tokens (uint32), in document order.
-- ``doc_chunks.npy``: how many chunks each document has (uint32).
-- ``histogram.npy``: ``histogram[c]`` = documents with ``c`` chunks, written on completion.
+- ``chunk_starts.npy``: (chunks + 1,) int64, the token index where each chunk starts, then the
+  token count: chunk ``c`` is ``tokens[chunk_starts[c]:chunk_starts[c + 1]]``.
+- ``doc_starts.npy``: (documents + 1,) int64, the chunk index where each document starts,
+  then the chunk count: document ``d`` has ``doc_starts[d + 1] - doc_starts[d]`` chunks.
+- ``histogram.npy``: ``histogram[c]`` = documents with ``c`` chunks, written on completion; it
+  gives the number of sequences for any ``max_seq_len`` without reading the offsets.
 
 Flat ``.npy`` files rather than LMDB: a sequence is a contiguous slice of ``tokens.npy``,
-read straight from a memory map with no per-chunk lookups. The first three grow batch by batch
-(`AppendableNpy`); the catalogue's pretok row records how much of each is committed.
+read straight from a memory map with no per-chunk lookups, and the offsets are memory-mapped
+too, so opening a reader costs no scan. The first three grow batch by batch (`AppendableNpy`);
+the catalogue's pretok row records how much of each is committed.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from modeling.errors import MdatCorrupt
 from modeling.mdat.catalogue import PretokProgress
 from modeling.mdat.npy_files import AppendableNpy, load_npy, save_npy
 
 TOKENS = "tokens.npy"
-CHUNKS = "chunks.npy"
-DOC_CHUNKS = "doc_chunks.npy"
+CHUNK_STARTS = "chunk_starts.npy"
+DOC_STARTS = "doc_starts.npy"
 HISTOGRAM = "histogram.npy"
 TOKENIZER_FILE = "tokenizer.json"  # the strategy's copy of a "huggingface" tokenizer
 
@@ -41,47 +47,74 @@ class PretokArrays:
     """The committed arrays of one complete (strategy, submdat), memory-mapped."""
 
     tokens: np.ndarray  # (tokens,)
-    chunks: np.ndarray  # (chunks,) lengths
-    doc_chunks: np.ndarray  # (documents,) chunk counts
+    chunk_starts: np.ndarray  # (chunks + 1,)
+    doc_starts: np.ndarray  # (documents + 1,)
     histogram: np.ndarray  # (max chunks per document + 1,)
 
     @classmethod
     def load(cls, folder: Path, progress: PretokProgress) -> PretokArrays:
         fix = f"run pretokenize with strategy {progress.strategy!r} again: it rebuilds it"
-        return cls(
+        arrays = cls(
             load_npy(folder / TOKENS, progress.tokens, fix=fix),
-            load_npy(folder / CHUNKS, progress.chunks, fix=fix),
-            load_npy(folder / DOC_CHUNKS, progress.documents, fix=fix),
+            load_npy(folder / CHUNK_STARTS, progress.chunks + 1, fix=fix),
+            load_npy(folder / DOC_STARTS, progress.documents + 1, fix=fix),
             load_npy(folder / HISTOGRAM, fix=fix),
         )
+        if arrays.histogram.sum() != progress.documents:
+            raise MdatCorrupt(f"{folder / HISTOGRAM} does not count {progress.documents} "
+                              f"documents; {fix}.")
+        return arrays
 
 
 class PretokWriter:
-    """Appends batches of (tokens, chunk lengths, chunk counts) after the committed ones."""
+    """Appends batches of (tokens, chunk lengths, chunk counts) after the committed ones.
+
+    Opening one checks that the files hold the ``progress`` committed (`MdatCorrupt` if not)
+    and cuts off whatever an interrupted run wrote past it.
+    """
 
     def __init__(self, folder: Path, token_dtype: np.dtype, progress: PretokProgress) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
-        self._tokens = AppendableNpy(folder / TOKENS, token_dtype, progress.tokens)
-        self._chunks = AppendableNpy(folder / CHUNKS, np.uint32, progress.chunks)
-        self._doc_chunks = AppendableNpy(folder / DOC_CHUNKS, np.uint32, progress.documents)
+        started = progress.documents > 0  # else the offsets files are new, or hold nothing
+        with ExitStack() as opened:  # what opened is closed again if a later file fails
+            self._tokens = _opened(opened, folder / TOKENS, token_dtype, progress.tokens)
+            self._chunk_starts = _opened(opened, folder / CHUNK_STARTS, np.int64,
+                                         progress.chunks + 1 if started else 0)
+            self._doc_starts = _opened(opened, folder / DOC_STARTS, np.int64,
+                                       progress.documents + 1 if started else 0)
+            self._close = opened.pop_all().close
+        if not started:  # the offsets files start with 0
+            self._chunk_starts.append(np.zeros(1, dtype=np.int64))
+            self._doc_starts.append(np.zeros(1, dtype=np.int64))
 
     def write(self, tokens: np.ndarray, chunks: np.ndarray, doc_chunks: np.ndarray) -> None:
-        for file, values in ((self._tokens, tokens), (self._chunks, chunks),
-                             (self._doc_chunks, doc_chunks)):
+        """Commit a batch: its tokens (n,), chunk lengths (c,) and chunks per document (d,)."""
+        chunk_ends = self._tokens.length + np.cumsum(chunks, dtype=np.int64)
+        doc_ends = self._chunk_starts.length - 1 + np.cumsum(doc_chunks, dtype=np.int64)
+        for file, values in ((self._tokens, tokens), (self._chunk_starts, chunk_ends),
+                             (self._doc_starts, doc_ends)):
             file.append(values)
             file.commit()
 
     def progress(self, strategy: str, submdat_id: int) -> PretokProgress:
-        return PretokProgress(strategy, submdat_id, False, self._doc_chunks.length,
-                              self._tokens.length, self._chunks.length)
+        return PretokProgress(strategy, submdat_id, False, self._doc_starts.length - 1,
+                              self._tokens.length, self._chunk_starts.length - 1)
 
     def finish(self) -> None:
         """Write the histogram of chunks per document; the submdat is then complete."""
+        self._doc_starts.commit()  # a submdat without documents has written no batch
+        self._chunk_starts.commit()
         self.close()
-        doc_chunks = load_npy(self.folder / DOC_CHUNKS, self._doc_chunks.length)
-        save_npy(self.folder / HISTOGRAM, np.bincount(doc_chunks, minlength=1).astype(np.uint64))
+        starts = load_npy(self.folder / DOC_STARTS, self._doc_starts.length)
+        save_npy(self.folder / HISTOGRAM, np.bincount(np.diff(starts), minlength=1)
+                 .astype(np.uint64))
 
     def close(self) -> None:
-        for file in (self._tokens, self._chunks, self._doc_chunks):
-            file.close()
+        self._close()
+
+
+def _opened(opened: ExitStack, path: Path, dtype: np.dtype | type, length: int) -> AppendableNpy:
+    file = AppendableNpy(path, dtype, length)
+    opened.callback(file.close)
+    return file

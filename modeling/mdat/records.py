@@ -1,22 +1,26 @@
 """Input records: JSONL lines, text files, or Python dicts, turned into storable documents.
 
-Each source yields, per input record, either a `Document` or the `BadRecord` / `NotUtf8`
-error describing what is wrong with it (file and line named), so the importer decides
-whether to raise or to skip and count. The sequence of yielded items is deterministic for a
-given input, which is what lets an interrupted import skip the records it already consumed.
+Each source yields, per input record, either a `Document` or the `BadRecord` / `NotUtf8` /
+`EmptyDocument` error describing what is wrong with it (file and line, or record, named), so
+the importer decides whether to raise or to skip and count. The sequence of yielded items is
+deterministic for a given input, and `record_bytes` gives each one a canonical encoding: an
+interrupted import hashes the records it consumed and checks, on resume, that the input
+given again starts with the same ones.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import BadRecord, NotUtf8
+from modeling.errors import BadRecord, EmptyDocument, NotUtf8
 
 _SKIP_HINT = "or pass skip_bad=True (--skip-bad) to skip and count such records"
+_LENGTH = struct.Struct("<Q")  # how long the field after it is
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +31,16 @@ class Document:
     metadata: bytes | None
 
 
-Record = Document | BadRecord | NotUtf8
+Record = Document | BadRecord | NotUtf8 | EmptyDocument
+
+
+def record_bytes(record: Record) -> bytes:
+    """An unambiguous encoding of ``record``: its kind, then its fields, length-prefixed."""
+    if isinstance(record, Document):
+        fields = [b"document", record.text, record.metadata or b""]
+    else:
+        fields = [type(record).__name__.encode(), str(record).encode("utf-8", "replace")]
+    return b"".join(_LENGTH.pack(len(field)) + field for field in fields)
 
 
 def document_from_dict(value: Mapping[str, Any], text_field: str, where: str) -> Record:
@@ -47,6 +60,9 @@ def document_from_dict(value: Mapping[str, Any], text_field: str, where: str) ->
         return NotUtf8(
             f"{where}: text is not valid UTF-8 ({err.reason}); fix the input {_SKIP_HINT}."
         )
+    if not raw.strip():  # a document without tokens would make no sequence
+        return EmptyDocument(f"{where}: the text is empty or only whitespace; remove the "
+                             f"record {_SKIP_HINT}.")
     extra = {key: field for key, field in value.items() if key != text_field}
     try:
         metadata = json.dumps(extra, ensure_ascii=False).encode("utf-8") if extra else None

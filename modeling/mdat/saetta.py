@@ -2,26 +2,27 @@
 
 A saetta folder holds ``tokens.npy`` (every sequence's tokens, one after another, in the
 order given), ``offsets.npy`` (uint64, ``offsets[i]:offsets[i + 1]`` is sequence ``i``) and
-``saetta.json`` (counts and provenance). Reading sequence ``i`` is one slice of a memory map,
-which is as fast as reading the same tokens from any flat array. The folder is written
-aside and renamed into place, so it appears whole or not at all.
+``saetta.json`` (counts and provenance: strategy, view, shuffle seed and the dataset
+fingerprint the sequence ids refer to). Reading sequence ``i`` is one slice of a memory map,
+which is as fast as reading the same tokens from any flat array. The folder is built aside
+(`built_aside`), so it appears whole or not at all.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import shutil
 import sys
-import uuid
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from modeling.errors import MdatCorrupt, SaettaError
-from modeling.mdat.npy_files import AppendableNpy, load_npy, save_npy
+from modeling.mdat.atomic import built_aside
+from modeling.mdat.npy_files import AppendableNpy, load_npy
 from modeling.mdat.sequences import SequenceReader
 
 TOKENS = "tokens.npy"
@@ -35,34 +36,35 @@ def export_saetta(
     order: Sequence[int] | np.ndarray,
     out: str | Path,
     *,
+    seed: int | None = None,
     progress: bool = False,
 ) -> Path:
-    """Write ``sequences[order[0]], sequences[order[1]], ...`` as a saetta folder ``out``."""
+    """Write ``sequences[order[0]], sequences[order[1]], ...`` as a saetta folder ``out``.
+
+    ``seed``: the seed of the shuffle ``order`` comes from, recorded with the reader's view
+    and fingerprint in ``saetta.json`` (None for an order of another origin, such as a shard).
+    """
     out = Path(out)
     if out.exists():
         raise SaettaError(f"{out} exists already; remove it or export to another path.")
-    building = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.building")
-    building.mkdir(parents=True)
-    try:
+    with built_aside(out) as building:
+        building.mkdir(parents=True)
         tokens = AppendableNpy(building / TOKENS, sequences.strategy.token_dtype)
         offsets = np.zeros(len(order) + 1, dtype=np.uint64)
-        for position, index in enumerate(tqdm(order, desc="export saetta", unit="seq",
-                                              file=sys.stderr, disable=not progress)):
-            sequence = sequences[int(index)]
-            tokens.append(sequence)
-            offsets[position + 1] = offsets[position] + len(sequence)
-        tokens.commit()
-        tokens.close()
-        save_npy(building / OFFSETS, offsets)
+        with closing(tokens):
+            for position, index in enumerate(tqdm(order, desc="export saetta", unit="seq",
+                                                  file=sys.stderr, disable=not progress)):
+                sequence = sequences[int(index)]
+                tokens.append(sequence)
+                offsets[position + 1] = offsets[position] + len(sequence)
+            tokens.commit()
+        np.save(building / OFFSETS, offsets)
         manifest = {
             "sequences": len(order), "tokens": int(offsets[-1]),
             "max_seq_len": sequences.max_seq_len, "strategy": sequences.strategy.to_dict(),
+            "view": sequences.view, "seed": seed, "fingerprint": sequences.fingerprint,
         }
         (building / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        building.rename(out)
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
     return out
 
 

@@ -6,8 +6,14 @@ cross documents, so nothing is retokenized when ``max_seq_len`` changes.
 
 Sequence ids: submdats in catalogue id order, within each the view's documents in index
 order, within each document its sequences in order; ids count up from 0 across all of it.
-The index is built from the per-document chunk counts alone (no token is read), so
-``len(reader)`` is known at once and ``reader[i]`` is two binary searches and one slice.
+``len(reader)`` reads no offsets: it comes from the stored histograms of chunks per document
+(every document of a submdat) or from the selected documents' chunk counts (a view). The
+first ``reader[i]`` of a submdat builds its index of first sequence ids, one int64 per
+selected document; then each read is two binary searches and one slice of memory maps.
+
+Sequences hold the document's tokens only, no special tokens: a consumer that wants an end
+of document marker appends ``reader.strategy.eos_token_id`` where
+``reader.locate(i).ends_document`` (and ``bos_token_id`` where ``first_chunk == 0``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -50,37 +57,58 @@ class SequenceLocation:
 class _Part:
     """The sequences of one submdat's selected documents."""
 
-    def __init__(self, submdat: str, arrays: PretokArrays, documents: np.ndarray, k: int) -> None:
+    def __init__(self, submdat: str, arrays: PretokArrays, documents: np.ndarray | None,
+                 k: int) -> None:
         self.submdat = submdat
         self.tokens = np.asarray(arrays.tokens)  # plain ndarray view: faster slicing than memmap
-        self.chunk_start = np.concatenate([[0], np.cumsum(arrays.chunks, dtype=np.int64)])
-        self.doc_first_chunk = np.concatenate([[0], np.cumsum(arrays.doc_chunks, dtype=np.int64)])
-        self.documents = documents  # (selected,) sorted document indices
-        per_document = (arrays.doc_chunks[documents].astype(np.int64) + k - 1) // k
-        self.sequence_start = np.concatenate([[0], np.cumsum(per_document)])  # (selected + 1,)
+        self.chunk_starts = np.asarray(arrays.chunk_starts)  # (chunks + 1,)
+        self.doc_starts = np.asarray(arrays.doc_starts)  # (documents + 1,)
+        self.documents = documents  # (selected,) sorted document indices; None: all of them
+        self.k = k
+        if documents is None:
+            counts = np.flatnonzero(arrays.histogram)  # chunks per document that occur
+            self.length = int(arrays.histogram[counts].astype(np.int64) @ ((counts + k - 1) // k))
+        else:
+            self.length = int(self._sequences_per_document().sum())
 
-    def __len__(self) -> int:
-        return int(self.sequence_start[-1])
+    def _sequences_per_document(self) -> np.ndarray:
+        """(selected,) ``ceil(chunks / k)`` of each selected document."""
+        starts = self.doc_starts
+        if self.documents is None:
+            chunks = np.diff(starts)
+        else:
+            chunks = starts[self.documents + 1] - starts[self.documents]
+        return (chunks + self.k - 1) // self.k
 
-    def chunk_range(self, local: int, k: int) -> tuple[int, int, int, int]:
+    @cached_property
+    def sequence_start(self) -> np.ndarray:
+        """(selected + 1,) the local id of each selected document's first sequence."""
+        return np.concatenate([[0], np.cumsum(self._sequences_per_document())])
+
+    def chunk_range(self, local: int) -> tuple[int, int, int, int]:
         """(document, first chunk, end chunk, document's end chunk) of local sequence ``local``."""
         j = int(np.searchsorted(self.sequence_start, local, side="right")) - 1
-        document = int(self.documents[j])
-        first = int(self.doc_first_chunk[document]) + (local - int(self.sequence_start[j])) * k
-        doc_end = int(self.doc_first_chunk[document + 1])
-        return document, first, min(first + k, doc_end), doc_end
+        document = j if self.documents is None else int(self.documents[j])
+        first = int(self.doc_starts[document]) + (local - int(self.sequence_start[j])) * self.k
+        doc_end = int(self.doc_starts[document + 1])
+        return document, first, min(first + self.k, doc_end), doc_end
 
 
 class SequenceReader:
-    """Random access to the sequences of a view: ``reader[i]`` is a 1-D token array."""
+    """Random access to the sequences of a view: ``reader[i]`` is a 1-D token array.
 
-    def __init__(self, parts: list[tuple[str, PretokArrays, np.ndarray]], strategy: Strategy,
-                 max_seq_len: int) -> None:
+    ``view`` and ``fingerprint`` (`Mdat.fingerprint`) say which data the ids refer to.
+    """
+
+    def __init__(self, parts: list[tuple[str, PretokArrays, np.ndarray | None]],
+                 strategy: Strategy, max_seq_len: int, *, view: str, fingerprint: str) -> None:
         self.strategy = strategy
         self.max_seq_len = max_seq_len
-        self._k = chunks_per_sequence(strategy, max_seq_len)
-        self._parts = [_Part(name, arrays, docs, self._k) for name, arrays, docs in parts]
-        self._part_start = np.cumsum([0] + [len(part) for part in self._parts]).tolist()
+        self.view = view
+        self.fingerprint = fingerprint
+        k = chunks_per_sequence(strategy, max_seq_len)
+        self._parts = [_Part(name, arrays, docs, k) for name, arrays, docs in parts]
+        self._part_start = np.cumsum([0] + [part.length for part in self._parts]).tolist()
 
     def __len__(self) -> int:
         return self._part_start[-1]
@@ -91,15 +119,15 @@ class SequenceReader:
         index %= len(self)
         p = bisect.bisect_right(self._part_start, index) - 1
         part = self._parts[p]
-        return part, part.chunk_range(index - self._part_start[p], self._k)
+        return part, part.chunk_range(index - self._part_start[p])
 
     def __getitem__(self, index: int) -> np.ndarray:
         part, (_, first, end, _) = self._find(index)
-        return part.tokens[part.chunk_start[first]:part.chunk_start[end]]  # (<= max_seq_len,)
+        return part.tokens[part.chunk_starts[first]:part.chunk_starts[end]]  # (<= max_seq_len,)
 
     def locate(self, index: int) -> SequenceLocation:
         part, (document, first, end, doc_end) = self._find(index)
-        doc_first = int(part.doc_first_chunk[document])
+        doc_first = int(part.doc_starts[document])
         return SequenceLocation(part.submdat, document, first - doc_first, end - first,
                                 end == doc_end)
 

@@ -3,11 +3,14 @@
 Splitters come from the registry (built-ins in `modeling.mdat.splitters`, custom ones from
 ``.py`` files in the container's ``functions/`` folder, loaded when a strategy is built).
 Whatever a splitter returns is checked before it is stored, so a buggy custom splitter fails
-on the document that exposed it instead of corrupting sequences later.
+on the document that exposed it instead of corrupting sequences later: the keys must be
+exactly the strategy's ``returns``. Only ``tokens`` and ``chunks`` are stored; any other key
+``returns`` lists is checked to be present, then dropped.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,22 +31,38 @@ class DocumentSplitter:
         registry.load_modules(functions)
         self.strategy = strategy
         self.tokenizer = _build_tokenizer(strategy, tokenizer_file)
+        self._tokenizer_file = tokenizer_file
         self._splitter = _build_splitter(strategy, self.tokenizer, functions)
 
     def resolved(self) -> Strategy:
-        """The strategy with the vocabulary size and special ids it left open filled in."""
+        """The strategy with what it left open filled in: the vocabulary size, the special
+        ids the tokenizer file names (`text_tokenizers`) and the tokenizer file's sha256."""
         s, tok = self.strategy, self.tokenizer
         if s.vocab_size is not None and s.vocab_size < tok.vocab_size:
             raise StrategyError(
                 f"strategy {s.name!r}: vocab_size {s.vocab_size} is smaller than its "
                 f"tokenizer's {tok.vocab_size}; raise it or leave it out."
             )
-        return replace(
-            s, vocab_size=s.vocab_size or tok.vocab_size,
+        sha256 = _file_sha256(self._tokenizer_file) if self._tokenizer_file else None
+        if s.tokenizer_sha256 not in (None, sha256):
+            raise StrategyError(
+                f"strategy {s.name!r}: tokenizer file {s.tokenizer_name} has sha256 {sha256}, "
+                f"not the {s.tokenizer_sha256} the strategy gives; point it at the right file."
+            )
+        resolved = replace(
+            s, vocab_size=s.vocab_size or tok.vocab_size, tokenizer_sha256=sha256,
             bos_token_id=s.bos_token_id if s.bos_token_id is not None else tok.bos_token_id,
             eos_token_id=s.eos_token_id if s.eos_token_id is not None else tok.eos_token_id,
             mask_token_id=s.mask_token_id if s.mask_token_id is not None else tok.mask_token_id,
         )
+        for field, token in resolved.special_tokens().items():
+            if token is not None and not 0 <= token < resolved.vocab_size:
+                raise StrategyError(
+                    f"strategy {s.name!r}: {field} {token} is outside the vocabulary "
+                    f"0..{resolved.vocab_size - 1}; give an id inside it, or null for the "
+                    "tokenizer's own."
+                )
+        return resolved
 
     def split(self, document: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
         """Token ids (n,) and chunk lengths (c,) of ``document``; ``where`` names it in errors."""
@@ -55,22 +74,26 @@ class DocumentSplitter:
                 f"splitter {s.splitter_class!r} failed on {where}: {err!r}. Fix the splitter; "
                 "pretokenize resumes from the last committed batch."
             ) from err
-        checked = _checked(s, result)
-        if isinstance(checked, str):
+        arrays = _result_arrays(s, result)
+        if isinstance(arrays, str):
             raise SplitterError(
                 f"splitter {s.splitter_class!r} returned an invalid result for {where}: "
-                f"{checked}. Fix the splitter; nothing of this document was stored."
+                f"{arrays}. Fix the splitter; nothing of this document was stored."
             )
-        return checked
+        return arrays
 
 
-def _checked(strategy: Strategy, result: Any) -> tuple[np.ndarray, np.ndarray] | str:
+def _result_arrays(strategy: Strategy, result: Any) -> tuple[np.ndarray, np.ndarray] | str:
     """A splitter's (tokens, chunks) as arrays, or what is wrong with its result."""
     if not isinstance(result, dict):
         return f"it returned a {type(result).__name__}, not a dict with {list(strategy.returns)}"
     missing = [key for key in strategy.returns if key not in result]
     if missing:
         return f"its result lacks {missing}"
+    unlisted = [key for key in result if key not in strategy.returns]
+    if unlisted:
+        return (f"its result has {unlisted}, which the strategy's returns "
+                f"{list(strategy.returns)} does not list; list them or drop them")
     try:
         tokens, chunks = np.asarray(result["tokens"]), np.asarray(result["chunks"])
     except ValueError as err:
@@ -85,6 +108,11 @@ def _checked(strategy: Strategy, result: Any) -> tuple[np.ndarray, np.ndarray] |
     if chunks.sum() != len(tokens):
         return f"chunk lengths sum to {chunks.sum()}, not to the {len(tokens)} tokens"
     return tokens, chunks
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def _build_tokenizer(strategy: Strategy, tokenizer_file: Path | None) -> Any:

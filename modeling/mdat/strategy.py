@@ -39,8 +39,11 @@ class Strategy:
     chunk_size: int  # tokens per chunk at most; sequence lengths are multiples of it
     tokenizer_type: str = "bytes"  # an "mdat_tokenizer" registry variant
     tokenizer_name: str | None = None  # path of a local tokenizer.json ("huggingface")
+    tokenizer_sha256: str | None = None  # of that file; filled in when the strategy is added
     vocab_size: int | None = None  # None: the tokenizer's own
-    bos_token_id: int | None = None  # None: the tokenizer's own, if it has one
+    # Special ids; None: the tokenizer's own, if its file names one. Sequences never hold
+    # them: consumers add them where they want them (see `modeling.mdat.sequences`).
+    bos_token_id: int | None = None
     eos_token_id: int | None = None
     mask_token_id: int | None = None
     splitter_class: str = "fixed_chunks"  # a "splitter" registry variant
@@ -49,8 +52,10 @@ class Strategy:
     modality: str = "text"
     wants_from_db: tuple[str, ...] = ("data",)  # document fields the splitter receives
     wants_raw: bool = True  # True: "data" is the text (str); False: its UTF-8 bytes
-    returns: tuple[str, ...] = ("tokens", "chunks")  # keys the splitter's result must have
-    required_databases: tuple[str, ...] = ("tokens", "chunks")  # results pretokenize stores
+    returns: tuple[str, ...] = ("tokens", "chunks")  # the keys of the splitter's result
+    # Always ("tokens", "chunks"), the only results pretokenize stores; the field stays so
+    # that strategy JSON files of the MDAT design load unchanged, and is checked to be that.
+    required_databases: tuple[str, ...] = DATABASES
 
     @property
     def name(self) -> str:
@@ -77,7 +82,7 @@ class Strategy:
         missing = [key for key in ("strategy_name", "chunk_size") if key not in definition]
         if missing:
             raise StrategyError(f"a strategy needs {' and '.join(missing)}; add it to the JSON.")
-        values = {key: _checked(key, value) for key, value in definition.items()}
+        values = {key: _typed_value(key, value) for key, value in definition.items()}
         strategy = cls(**values)
         strategy._check_values()
         return strategy
@@ -91,6 +96,10 @@ class Strategy:
         if not isinstance(definition, dict):
             raise StrategyError(f"strategy file {path} must hold one JSON object.")
         return cls.from_dict(definition)
+
+    def special_tokens(self) -> dict[str, int | None]:
+        return {"bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+                "mask_token_id": self.mask_token_id}
 
     def to_dict(self) -> dict[str, Any]:
         return {key: list(value) if isinstance(value, tuple) else value
@@ -120,7 +129,8 @@ _OPTIONAL_INT = (int, type(None))
 _NAMES = (list, tuple)
 _TYPES: dict[str, tuple[type, ...]] = {
     "strategy_name": (str,), "chunk_size": _INT, "tokenizer_type": (str,),
-    "tokenizer_name": (str, type(None)), "vocab_size": _OPTIONAL_INT,
+    "tokenizer_name": (str, type(None)), "tokenizer_sha256": (str, type(None)),
+    "vocab_size": _OPTIONAL_INT,
     "bos_token_id": _OPTIONAL_INT, "eos_token_id": _OPTIONAL_INT, "mask_token_id": _OPTIONAL_INT,
     "splitter_class": (str,), "splitter_init": (dict, type(None)),
     "splitter_arguments": (dict, type(None)), "modality": (str,), "wants_from_db": _NAMES,
@@ -128,7 +138,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def _checked(key: str, value: Any) -> Any:
+def _typed_value(key: str, value: Any) -> Any:
+    """``value`` when it has the type field ``key`` takes (lists become tuples)."""
     expected = _TYPES[key]
     wrong_bool = isinstance(value, bool) and bool not in expected
     if wrong_bool or not isinstance(value, expected):

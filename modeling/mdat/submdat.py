@@ -5,6 +5,10 @@
 - ``meta.db``: LMDB with the same keys, value = the record's other fields as JSON. Absent
   keys mean no metadata. Kept apart so heavy metadata never slows reading text.
 - ``sizes.npy``: the UTF-8 byte length of every document, for size quotas without a scan.
+
+Every file is committed before the catalogue row that counts its documents, so after a crash
+a file may hold more than the row counts: readers use the first ``documents`` entries, and a
+resumed import overwrites the rest.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +41,14 @@ class SubmdatWriter:
 
     def __init__(self, folder: Path, compress: bool, committed: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
-        self._data = acquire(folder / DATA_NAME, create=True)
-        self._meta = acquire(folder / META_NAME, create=True)
-        self._sizes = AppendableNpy(folder / SIZES_NAME, np.uint64, committed)
+        with ExitStack() as opened:  # what opened is closed again if a later file fails
+            self._data = acquire(folder / DATA_NAME, create=True)
+            opened.callback(release, self._data)
+            self._meta = acquire(folder / META_NAME, create=True)
+            opened.callback(release, self._meta)
+            self._sizes = AppendableNpy(folder / SIZES_NAME, np.uint64, committed)
+            opened.callback(self._sizes.close)
+            self._close = opened.pop_all().close
         self._compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL) if compress else None
         self.documents = committed
 
@@ -68,9 +78,7 @@ class SubmdatWriter:
                     meta.put(key, document.metadata)
 
     def close(self) -> None:
-        release(self._data)
-        release(self._meta)
-        self._sizes.close()
+        self._close()
 
 
 class Submdat:
@@ -80,7 +88,7 @@ class Submdat:
         self.info = info
         self.folder = folder
         self.sizes = load_npy(  # (documents,) UTF-8 bytes
-            folder / SIZES_NAME, info.documents,
+            folder / SIZES_NAME, info.documents, uncommitted_tail=True,
             fix="import the source again into a new container",
         )
         self._data = acquire(folder / DATA_NAME)

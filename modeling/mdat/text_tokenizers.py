@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from modeling.errors import TokenizerNotFound
+from modeling.errors import StrategyError, TokenizerNotFound
 from modeling.registry import registry
 from modeling.tokenizer import ByteTokenizer
 
@@ -48,13 +48,22 @@ class BytesTokenizer:
         return ids, starts
 
 
+# How common tokenizers spell their special tokens, by strategy field; `train_tokenizer`
+# writes the first of each. A tokenizer.json's special tokens are matched in this order.
+SPECIAL_TOKEN_NAMES = {
+    "bos_token_id": ("<bos>", "<s>", "[BOS]", "<|begin_of_text|>", "<|startoftext|>"),
+    "eos_token_id": ("<eos>", "</s>", "[EOS]", "<|end_of_text|>", "<|endoftext|>"),
+    "mask_token_id": ("<mask>", "[MASK]"),
+}
+
+
 @registry.register("mdat_tokenizer", "huggingface", "default", requires=["tokenizers"])
 class HuggingFaceTokenizer:
-    """A ``tokenizers`` ``tokenizer.json`` read from a local file; special tokens not added."""
+    """A ``tokenizers`` ``tokenizer.json`` read from a local file; special tokens not added.
 
-    bos_token_id = None
-    eos_token_id = None
-    mask_token_id = None
+    Its bos, eos and mask ids are those of the file's special tokens named as in
+    `SPECIAL_TOKEN_NAMES`, or None.
+    """
 
     def __init__(self, tokenizer_file: Path | None = None) -> None:
         from tokenizers import Tokenizer
@@ -64,8 +73,22 @@ class HuggingFaceTokenizer:
                 f"tokenizer file {tokenizer_file} does not exist; set tokenizer_name to the "
                 "path of a local tokenizer.json (train one with `matformer-mdat train-tokenizer`)."
             )
-        self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        try:
+            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as err:  # the tokenizers library raises plain Exception
+            raise StrategyError(
+                f"tokenizer file {tokenizer_file} is not a tokenizer.json the tokenizers "
+                f"library can load ({err}); point tokenizer_name at a valid one (train one "
+                "with `matformer-mdat train-tokenizer`)."
+            ) from err
         self.vocab_size = self._tokenizer.get_vocab_size()
+        specials = {token.content: index for index, token
+                    in self._tokenizer.get_added_tokens_decoder().items() if token.special}
+        found = {field: next((specials[name] for name in names if name in specials), None)
+                 for field, names in SPECIAL_TOKEN_NAMES.items()}
+        self.bos_token_id: int | None = found["bos_token_id"]
+        self.eos_token_id: int | None = found["eos_token_id"]
+        self.mask_token_id: int | None = found["mask_token_id"]
 
     def encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         encoding = self._tokenizer.encode(text, add_special_tokens=False)

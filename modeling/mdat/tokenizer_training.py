@@ -7,13 +7,13 @@ ids, in the order given (by default pad 0, bos 1, eos 2, mask 3).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from modeling.errors import StrategyError
+from modeling.mdat.atomic import built_aside
 from modeling.mdat.submdat import Submdat
 
 DEFAULT_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<mask>")
@@ -52,7 +52,6 @@ def train_tokenizer(
     tokenizer.train_from_iterator(_texts(submdat), trainer=trainer, length=len(submdat))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out.with_name(out.name + ".tmp")
-    tokenizer.save(str(temporary))
-    os.replace(temporary, out)
+    with built_aside(out) as building:
+        tokenizer.save(str(building))
     return out

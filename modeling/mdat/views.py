@@ -20,10 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from modeling.errors import QuotaError, QuotaTooLarge
+from modeling.mdat.atomic import built_aside
 from modeling.mdat.catalogue import SubmdatInfo
 
 Quota = int | float | str
-DEFAULT_VIEW = "default"  # every document of every complete submdat; never stored
+# Every document of every complete submdat; never stored. Importing or removing a submdat
+# changes it, which the fingerprint of a shuffle of it notices (`modeling.mdat.fingerprints`).
+DEFAULT_VIEW = "default"
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT])B?", re.IGNORECASE)
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -83,15 +86,13 @@ def view_folder(root: Path, name: str) -> Path:
 
 
 def write_view(root: Path, view: View, chosen: dict[str, np.ndarray]) -> None:
-    """Write the view's folder whole: built aside, then renamed into place."""
+    """Write the view's folder whole and durably (`built_aside`)."""
     folder = view_folder(root, view.name)
-    building = folder.with_name(f".{view.name}.building")
-    shutil.rmtree(building, ignore_errors=True)
-    building.mkdir(parents=True)
-    for submdat, documents in chosen.items():
-        np.save(building / f"{submdat}.npy", documents.astype(np.int64))
-    definition = {"seed": view.seed, "quotas": view.quotas, "documents": view.documents}
-    (building / "view.json").write_text(json.dumps(definition, indent=2) + "\n")
     # A folder the catalogue does not list is left over from an interrupted create_view.
     shutil.rmtree(folder, ignore_errors=True)
-    building.rename(folder)
+    with built_aside(folder) as building:
+        building.mkdir()
+        for submdat, documents in chosen.items():
+            np.save(building / f"{submdat}.npy", documents.astype(np.int64))
+        definition = {"seed": view.seed, "quotas": view.quotas, "documents": view.documents}
+        (building / "view.json").write_text(json.dumps(definition, indent=2) + "\n")
