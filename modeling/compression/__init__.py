@@ -1,0 +1,111 @@
+"""Gradient compression for federated rounds (DESIGN.md §5): what a client sends, how the
+coordinator aggregates it, and how both apply the update.
+
+A client, per parameter and round (``rule`` is the run's, the same on every side)::
+
+    compressor = CompressionConfig().build()                    # DeMo defaults: dct, 64, 32
+    regions = tier_regions(universal_shapes(config), config, tier)
+    state = compressor.feedback(name, shape, regions[name])    # once per parameter
+    result = state.step(grad_slice, tokens)                     # → SparseResult, sent
+    weight_slice = rule.apply_to_slice(weight_slice, update, regions[name])
+
+The coordinator, per parameter::
+
+    rule = UpdateConfig(rule="sign", lr=1e-3).build()
+    update = aggregate(results_from_all_clients)   # validates, then token-weighted mean
+    master = rule.apply(master, update)
+
+Public API:
+
+SparseResult (sparse.py)
+    The wire shape: name, universal shape, region, encoding, chunk, chunks, indices, values,
+    tokens.
+ChunkGrid.of(shape, size) -> ChunkGrid; .chunk_ids(region), .locate(ids, region),
+.blocks(values, region), .assemble(blocks, region), .check_region(region); Region;
+full_region, region_shape, region_slices (grid.py)
+    Chunks cut on the universal shape; partial edge chunks zero-padded.
+universal_config(config), universal_shapes(config) -> dict[str, shape];
+tier_regions(shapes, config, tier) -> dict[str, Region]; tier_region(name, shape, config, tier)
+    What a tier covers of each canonical tensor (regions.py).
+dct_matrix(n), dct(blocks), idct(coefficients) (dct.py)
+    Orthonormal DCT-II along every chunk dimension, and its exact inverse.
+ENCODERS, get_encoding(name), decode(result) -> Tensor (encodings.py)
+    dense | topk | dct; decode gives the region-shaped float32 values.
+CompressionConfig(...).build() -> Compressor; Compressor.encode(name, values, *, shape,
+region, tokens) -> SparseResult; Compressor.feedback(name, shape, region) -> ErrorFeedback
+    Settings and encoding (compressor.py).
+ErrorFeedback.step(grad, tokens) -> SparseResult (feedback.py)
+    m ← β·m + lr·g; sent = encode(m); m ← m − decode(sent).
+validate(result), validate_group(results) (validation.py)
+    Raise a CompressionError subclass on anything malformed.
+aggregate(results) -> Aggregate(values, tokens).covered; scatter(result) -> Aggregate
+(aggregation.py)
+    Coverage-normalised, token-weighted mean over the universal shape.
+sgd, sign, UPDATE_RULES; UpdateConfig(rule, lr, weight_decay).build() -> UpdateRule;
+UpdateRule.apply(weight, update), .apply_to_slice(weight_slice, update, region) (update.py)
+index_dtype(bound), payload_bytes(result) (wire.py)
+    Smallest integer dtypes for ids and positions, bytes on the wire.
+
+Errors (modeling.errors, all CompressionError): CompressionConfigError, UnknownEncoding,
+RegionError, ChunkIdError, ChunkIndexError, NonFiniteValues, ResultShapeMismatch,
+BadTokenCount.
+"""
+
+from modeling.compression.aggregation import Aggregate, aggregate, scatter
+from modeling.compression.compressor import VALUE_DTYPES, CompressionConfig, Compressor
+from modeling.compression.dct import dct, dct_matrix, idct
+from modeling.compression.encodings import ENCODERS, decode, get_encoding
+from modeling.compression.feedback import ErrorFeedback
+from modeling.compression.grid import (
+    ChunkGrid,
+    Region,
+    full_region,
+    region_shape,
+    region_slices,
+)
+from modeling.compression.regions import (
+    tier_region,
+    tier_regions,
+    universal_config,
+    universal_shapes,
+)
+from modeling.compression.sparse import ENCODINGS, SparseResult
+from modeling.compression.update import UPDATE_RULES, UpdateConfig, UpdateRule, sgd, sign
+from modeling.compression.validation import validate, validate_group
+from modeling.compression.wire import index_dtype, payload_bytes
+
+__all__ = [
+    "ENCODERS",
+    "ENCODINGS",
+    "UPDATE_RULES",
+    "VALUE_DTYPES",
+    "Aggregate",
+    "ChunkGrid",
+    "CompressionConfig",
+    "Compressor",
+    "ErrorFeedback",
+    "Region",
+    "SparseResult",
+    "UpdateConfig",
+    "UpdateRule",
+    "aggregate",
+    "dct",
+    "dct_matrix",
+    "decode",
+    "full_region",
+    "get_encoding",
+    "idct",
+    "index_dtype",
+    "payload_bytes",
+    "region_shape",
+    "region_slices",
+    "scatter",
+    "sgd",
+    "sign",
+    "tier_region",
+    "tier_regions",
+    "universal_config",
+    "universal_shapes",
+    "validate",
+    "validate_group",
+]

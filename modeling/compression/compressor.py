@@ -1,0 +1,92 @@
+"""Compression settings (DeMo's defaults) and the compressor they build.
+
+``CompressionConfig`` is plain data; ``build()`` gives a ``Compressor``, which encodes one
+region of one parameter into a ``SparseResult`` and makes each parameter's error-feedback
+state. The defaults are DeMo's: DCT over 64 × 64 chunks, 32 coefficients kept per chunk,
+momentum decay 0.999.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from modeling.compression.encodings import Encoding, get_encoding
+from modeling.compression.feedback import ErrorFeedback
+from modeling.compression.grid import ChunkGrid, Region, region_shape
+from modeling.compression.sparse import SparseResult
+from modeling.errors import CompressionConfigError, ResultShapeMismatch
+
+# Value dtypes a result may travel in. bfloat16 keeps fp32's exponent range, which small
+# lr-scaled momenta need (float16 loses precision below 6e-5 and rounds values below 3e-8 to 0).
+VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True, slots=True)
+class CompressionConfig:
+    encoding: str = "dct"  # dense | topk | dct (modeling.compression.encodings)
+    chunk: int = 64  # chunk side on the universal grid, clipped to smaller dimensions
+    topk: int = 32  # values kept per chunk (topk, dct)
+    value_dtype: str = "bfloat16"  # dtype of the values sent (topk, dct); dense sends as-is
+    decay: float = 0.999  # momentum decay β in m ← β·m + lr·g; 1 accumulates without decay
+    lr: float = 1.0  # gradient scale lr in m ← β·m + lr·g
+
+    def __post_init__(self) -> None:
+        get_encoding(self.encoding)  # raises UnknownEncoding
+        checks = [
+            (self.chunk >= 1, f"chunk must be >= 1, got {self.chunk}"),
+            (self.topk >= 1, f"topk must be >= 1, got {self.topk}"),
+            (self.value_dtype in VALUE_DTYPES,
+             f"value_dtype must be one of {', '.join(VALUE_DTYPES)}, got {self.value_dtype!r}"),
+            (0.0 <= self.decay <= 1.0, f"decay must lie in [0, 1], got {self.decay}"),
+            (self.lr > 0.0, f"lr must be > 0, got {self.lr}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise CompressionConfigError(message + ".")
+
+    def build(self) -> Compressor:
+        return Compressor(
+            encoding_name=self.encoding, encoding=get_encoding(self.encoding), chunk=self.chunk,
+            topk=self.topk, value_dtype=VALUE_DTYPES[self.value_dtype], decay=self.decay,
+            lr=self.lr,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Compressor:
+    encoding_name: str
+    encoding: Encoding
+    chunk: int
+    topk: int
+    value_dtype: torch.dtype
+    decay: float
+    lr: float
+
+    def encode(
+        self, name: str, values: Tensor, *, shape: Sequence[int], region: Region, tokens: int
+    ) -> SparseResult:
+        """Encode region-shaped ``values`` of the parameter ``name`` (universal ``shape``)."""
+        grid = ChunkGrid.of(shape, self.chunk)
+        grid.check_region(region)
+        if tuple(values.shape) != region_shape(region):
+            raise ResultShapeMismatch(
+                f"{name}: values of shape {tuple(values.shape)} do not fill region {region} "
+                f"(shape {region_shape(region)}); pass the tier slice of the tensor."
+            )
+        encoded = self.encoding.encode(
+            values, grid, region, topk=self.topk, value_dtype=self.value_dtype
+        )
+        return SparseResult(
+            name=name, shape=grid.shape, region=region, encoding=self.encoding_name,
+            chunk=encoded.chunk, chunks=encoded.chunks, indices=encoded.indices,
+            values=encoded.values, tokens=tokens,
+        )
+
+    def feedback(self, name: str, shape: Sequence[int], region: Region) -> ErrorFeedback:
+        """Fresh error-feedback state (zero momentum) for one parameter's region."""
+        ChunkGrid.of(shape, self.chunk).check_region(region)
+        return ErrorFeedback(self, name=name, shape=tuple(shape), region=region)

@@ -1,0 +1,181 @@
+"""Encodings of a region's values: one registry entry per name in ``sparse.ENCODINGS``.
+
+- ``dense``: the region's values as they are (no compression, exact).
+- ``topk``: per chunk, the k values of largest magnitude and their positions.
+- ``dct``: per chunk, the k DCT-II coefficients of largest magnitude (DeMo).
+
+Decoding needs nothing but the result: the chunk shape, region and encoding travel in it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+
+from modeling.compression.dct import dct, idct
+from modeling.compression.grid import ChunkGrid, Region, region_shape
+from modeling.compression.sparse import SparseResult
+from modeling.errors import ChunkIdError, ChunkIndexError, ResultShapeMismatch, UnknownEncoding
+
+Transform = Callable[[Tensor], Tensor]  # (n, *chunk) → (n, *chunk)
+
+
+class Encoded(NamedTuple):
+    chunk: tuple[int, ...]  # SparseResult fields of the same names
+    chunks: Tensor
+    indices: Tensor
+    values: Tensor
+
+
+class Encoding(Protocol):
+    def encode(
+        self, values: Tensor, grid: ChunkGrid, region: Region, *, topk: int,
+        value_dtype: torch.dtype,
+    ) -> Encoded:
+        """Encode region-shaped ``values``; ``topk`` values per chunk in ``value_dtype``."""
+        ...
+
+    def decode(self, result: SparseResult) -> Tensor:
+        """The region-shaped float32 values a result stands for."""
+        ...
+
+    def check(self, result: SparseResult) -> None:
+        """Raise a CompressionError unless region, chunk, ids, indices and the values' shape
+        are consistent with this encoding (``validate`` checks the rest)."""
+        ...
+
+
+class Dense:
+    """Values as they are (a copy); decoding returns them as float32, without a copy when
+    they are float32 already."""
+
+    def encode(
+        self, values: Tensor, grid: ChunkGrid, region: Region, *, topk: int,
+        value_dtype: torch.dtype,
+    ) -> Encoded:
+        empty = torch.empty((0,), dtype=torch.int64)
+        return Encoded((), empty, empty.reshape(0, 0), values.detach().clone())
+
+    def decode(self, result: SparseResult) -> Tensor:
+        return result.values.float()
+
+    def check(self, result: SparseResult) -> None:
+        ChunkGrid.of(result.shape, 1).check_region(result.region)
+        if result.chunk or result.chunks.numel() or result.indices.numel():
+            raise ResultShapeMismatch(
+                f"{result.name}: a dense result has chunk () and empty chunks and indices."
+            )
+        _check_values_shape(result, region_shape(result.region))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTopK:
+    """Top-k magnitudes per chunk after an orthonormal transform (identity for plain top-k)."""
+
+    forward: Transform
+    inverse: Transform
+
+    def encode(
+        self, values: Tensor, grid: ChunkGrid, region: Region, *, topk: int,
+        value_dtype: torch.dtype,
+    ) -> Encoded:
+        blocks = self.forward(grid.blocks(values.detach().float(), region))  # (n, *chunk)
+        flat = blocks.reshape(blocks.shape[0], -1)  # (n, chunk_numel)
+        indices = flat.abs().topk(min(topk, flat.shape[1]), dim=1).indices  # (n, k)
+        kept = flat.gather(1, indices).to(value_dtype)
+        return Encoded(grid.chunk, grid.chunk_ids(region), indices, kept)
+
+    def decode(self, result: SparseResult) -> Tensor:
+        grid = ChunkGrid(shape=result.shape, chunk=result.chunk)
+        shape = (math.prod(grid.region_counts(result.region)), grid.chunk_numel)
+        flat = torch.zeros(shape, device=result.values.device)  # every chunk of the region
+        sent = torch.zeros((len(result.chunks), grid.chunk_numel), device=flat.device)
+        sent.scatter_(1, result.indices.long(), result.values.float())  # any integer dtype
+        flat[grid.locate(result.chunks, result.region)] = sent  # chunks not sent stay zero
+        return grid.assemble(self.inverse(flat.reshape(-1, *grid.chunk)), result.region)
+
+    def check(self, result: SparseResult) -> None:
+        name, chunks, indices = result.name, result.chunks, result.indices
+        if len(result.chunk) != len(result.shape) or not all(
+            1 <= c <= n for c, n in zip(result.chunk, result.shape, strict=False)
+        ):
+            raise ResultShapeMismatch(
+                f"{name}: chunk {result.chunk} does not fit shape {result.shape}; give one size "
+                "per dimension, each between 1 and that dimension."
+            )
+        grid = ChunkGrid(shape=result.shape, chunk=result.chunk)
+        grid.check_region(result.region)
+        if not _is_integer(chunks) or chunks.ndim != 1:
+            raise ResultShapeMismatch(f"{name}: chunks must be a 1-D integer tensor.")
+        if not _is_integer(indices) or indices.ndim != 2 or len(indices) != len(chunks):
+            raise ResultShapeMismatch(
+                f"{name}: indices must be an integer tensor of shape ({len(chunks)}, k), one row "
+                f"per chunk, got {indices.dtype} {tuple(indices.shape)}."
+            )
+        _check_values_shape(result, tuple(indices.shape))
+        if chunks.numel() and (chunks.min() < 0 or chunks.max() >= grid.size):
+            raise ChunkIdError(
+                f"{name}: chunk ids must lie in [0, {grid.size}) for shape {result.shape} and "
+                f"chunk {result.chunk}, got {int(chunks.min())}..{int(chunks.max())}."
+            )
+        if chunks.unique().numel() != chunks.numel():
+            raise ChunkIdError(f"{name}: a chunk id is repeated; send each chunk once.")
+        if (grid.locate(chunks, result.region) < 0).any():
+            raise ChunkIdError(
+                f"{name}: a chunk id lies outside region {result.region}; send only chunks "
+                "the region touches."
+            )
+        if indices.numel() and (indices.min() < 0 or indices.max() >= grid.chunk_numel):
+            raise ChunkIndexError(
+                f"{name}: positions inside a chunk must lie in [0, {grid.chunk_numel}) for "
+                f"chunk {result.chunk}, got {int(indices.min())}..{int(indices.max())}."
+            )
+        ordered = indices.sort(dim=1).values
+        if (ordered[:, 1:] == ordered[:, :-1]).any():
+            raise ChunkIndexError(f"{name}: a position is repeated within a chunk; send it once.")
+
+
+def _is_integer(tensor: Tensor) -> bool:
+    dtype = tensor.dtype
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _check_values_shape(result: SparseResult, expected: tuple[int, ...]) -> None:
+    if tuple(result.values.shape) != expected:
+        raise ResultShapeMismatch(
+            f"{result.name}: values of shape {tuple(result.values.shape)} should have shape "
+            f"{expected} for encoding {result.encoding!r} and region {result.region}."
+        )
+
+
+def _identity(blocks: Tensor) -> Tensor:
+    return blocks
+
+
+ENCODERS: dict[str, Encoding] = {
+    "dense": Dense(),
+    "topk": ChunkTopK(forward=_identity, inverse=_identity),
+    "dct": ChunkTopK(forward=dct, inverse=idct),
+}
+
+
+def get_encoding(name: str) -> Encoding:
+    try:
+        return ENCODERS[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, ENCODERS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UnknownEncoding(
+            f"unknown encoding {name!r}: {hint}registered: {', '.join(ENCODERS)}."
+        ) from None
+
+
+def decode(result: SparseResult) -> Tensor:
+    """The region-shaped float32 values of a result (not validated: see ``validate``)."""
+    return get_encoding(result.encoding).decode(result)

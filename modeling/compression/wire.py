@@ -1,0 +1,33 @@
+"""Bytes a sparse result needs on the wire.
+
+In memory, chunk ids and positions are int64; on the wire each needs only the smallest
+signed integer type that holds its range: positions inside a 64 × 64 chunk (< 4096) fit in
+int16, inside a 64-long 1-D chunk in int8; chunk ids are bounded by the grid's chunk count.
+Values travel in their own dtype (bfloat16 by default for topk/dct, see ``compressor.py``).
+Fixed fields (name, shape, region, chunk, tokens) are a few dozen bytes and not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from modeling.compression.grid import ChunkGrid
+from modeling.compression.sparse import SparseResult
+
+_SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def index_dtype(bound: int) -> torch.dtype:
+    """The smallest signed integer dtype that holds every value in [0, bound)."""
+    return next(dtype for dtype in _SIGNED if bound - 1 <= torch.iinfo(dtype).max)
+
+
+def payload_bytes(result: SparseResult) -> int:
+    """Bytes of chunk ids, positions and values at their wire dtypes."""
+    values = result.values.numel() * result.values.element_size()
+    if not result.chunks.numel():  # dense (or no chunk sent): values only
+        return values
+    grid = ChunkGrid(shape=result.shape, chunk=result.chunk)
+    ids = result.chunks.numel() * index_dtype(grid.size).itemsize
+    positions = result.indices.numel() * index_dtype(grid.chunk_numel).itemsize
+    return ids + positions + values

@@ -1,0 +1,224 @@
+"""Aggregation over clients at different tiers, validation of results, update rules."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from modeling import AutoregressiveModel
+from modeling.compression import (
+    CompressionConfig,
+    SparseResult,
+    UpdateConfig,
+    aggregate,
+    aggregation,
+    decode,
+    full_region,
+    region_slices,
+    scatter,
+    tier_regions,
+    universal_shapes,
+)
+from modeling.errors import (
+    BadTokenCount,
+    ChunkIdError,
+    ChunkIndexError,
+    CompressionConfigError,
+    CompressionError,
+    NonFiniteValues,
+    RegionError,
+    ResultShapeMismatch,
+    UnknownEncoding,
+)
+
+DOWN = (2, 4)  # a down_proj: FFN width 4 in columns; tier 1 covers columns [:2]
+
+
+def _dense(values: list[list[float]], region, tokens: int, shape=DOWN) -> SparseResult:
+    compressor = CompressionConfig(encoding="dense").build()
+    return compressor.encode(
+        "down", torch.tensor(values, dtype=torch.float32), shape=shape, region=region,
+        tokens=tokens,
+    )
+
+
+def test_aggregate_is_token_weighted_and_coverage_normalised():
+    tier0 = _dense([[1, 2, 3, 4], [5, 6, 7, 8]], ((0, 2), (0, 4)), tokens=3)
+    tier1 = _dense([[5, 6], [9, 10]], ((0, 2), (0, 2)), tokens=1)
+    update = aggregate([tier0, tier1])
+    # shared columns: (3·a + 1·b) / 4; tail columns: tier 0's values, it alone covers them
+    assert update.values.tolist() == [[2, 3, 3, 4], [6, 7, 7, 8]]
+    assert update.tokens.tolist() == [[4, 4, 3, 3], [4, 4, 3, 3]]
+    assert update.covered.all()
+
+
+def test_aggregation_decodes_each_result_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(aggregation, "decode", lambda r: calls.append(r) or decode(r))
+    results = [_dense([[1.0, 2.0]], ((0, 1), (0, 2)), tokens=t, shape=(1, 4)) for t in range(1, 9)]
+    aggregate(results)
+    assert calls == results  # one pass per client: linear in the number of clients
+
+
+def test_elements_nobody_covered_stay_zero_and_uncovered():
+    tier1 = _dense([[1, 2], [3, 4]], ((0, 2), (0, 2)), tokens=1)
+    tier2 = _dense([[5], [7]], ((0, 2), (0, 1)), tokens=3)
+    update = aggregate([tier1, tier2])
+    assert update.values.tolist() == [[4, 2, 0, 0], [6, 4, 0, 0]]
+    assert update.covered.tolist() == [[True, True, False, False]] * 2
+
+
+def test_one_client_comes_through_unchanged_whatever_its_tokens():
+    values = torch.randn(64, 48) * 1e-3
+    for tokens in (1, 3, 7, 41, 12345):
+        result = CompressionConfig(encoding="dense").build().encode(
+            "w", values, shape=(100, 48), region=((0, 64), (0, 48)), tokens=tokens
+        )
+        update = scatter(result)
+        assert torch.equal(update.values[:64], values)
+        assert not update.values[64:].any() and not update.covered[64:].any()
+
+
+def test_compressed_results_aggregate_like_their_decoded_values():
+    shape = (128, 96)
+    compressor = CompressionConfig(chunk=32, topk=16).build()
+    regions = [full_region(shape), ((0, 64), (0, 96)), ((0, 48), (0, 96))]  # ends mid-chunk
+    results = [
+        compressor.encode("w", torch.randn(r[0][1], 96), shape=shape, region=r, tokens=t)
+        for r, t in zip(regions, (5, 2, 1), strict=True)
+    ]
+    update = aggregate(results)
+    total = torch.zeros(shape)
+    tokens = torch.zeros(shape)
+    for result in results:
+        total[region_slices(result.region)] += result.tokens * decode(result)
+        tokens[region_slices(result.region)] += result.tokens
+    torch.testing.assert_close(update.values, total / tokens)
+
+
+def _good() -> SparseResult:
+    compressor = CompressionConfig(chunk=4, topk=3, value_dtype="float32").build()
+    return compressor.encode("w", torch.randn(8, 6), shape=(8, 8), region=((0, 8), (0, 6)),
+                             tokens=2)  # 2 x 2 chunks: ids 0, 1, 2, 3
+
+
+def _with(**fields) -> SparseResult:
+    return dataclasses.replace(_good(), **fields)
+
+
+def _values_with(value: float) -> torch.Tensor:
+    values = _good().values.clone()
+    values[1, 2] = value
+    return values
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: _with(encoding="zstd"), UnknownEncoding, "unknown encoding 'zstd'"),
+        (lambda: _with(region=((0, 8), (0, 9))), RegionError, "outside shape"),
+        (lambda: _with(region=((2, 8), (0, 6))), RegionError, "off the chunk grid"),
+        (lambda: _with(chunks=torch.tensor([0, 1, 2, 4])), ChunkIdError, r"in \[0, 4\)"),
+        (lambda: _with(chunks=torch.tensor([0, 1, 1, 3])), ChunkIdError, "repeated"),
+        (lambda: _with(region=((0, 4), (0, 6))), ChunkIdError, "outside region"),
+        (lambda: _with(indices=_good().indices + 16), ChunkIndexError, r"in \[0, 16\)"),
+        (lambda: _with(indices=_good().indices[:, [0, 0, 1]]), ChunkIndexError, "repeated"),
+        (lambda: _with(values=_values_with(float("nan"))), NonFiniteValues, "NaN"),
+        (lambda: _with(values=_values_with(float("inf"))), NonFiniteValues, "infinity"),
+        (lambda: _with(values=_good().values[:, :2]), ResultShapeMismatch, "values of shape"),
+        (lambda: _with(indices=_good().indices[:3]), ResultShapeMismatch, "one row per chunk"),
+        (lambda: _with(chunk=(4,)), ResultShapeMismatch, "does not fit shape"),
+        (lambda: _with(indices=_good().indices.float()), ResultShapeMismatch, "integer"),
+        (lambda: _with(tokens=0), BadTokenCount, "positive integer"),
+        (lambda: _with(encoding="dense"), ResultShapeMismatch, "a dense result has chunk"),
+        (lambda: dataclasses.replace(_dense([[1, 2, 3, 4]], ((0, 1), (0, 4)), 1, shape=(8, 8)),
+                                     values=torch.ones(2, 4)), ResultShapeMismatch,
+         "values of shape"),
+    ],
+)
+def test_malformed_results_raise_before_anything_is_aggregated(make, error, message):
+    good = _good()
+    before = good.values.clone()
+    with pytest.raises(error, match=message):
+        aggregate([good, make()])
+    assert torch.equal(good.values, before)
+    assert issubclass(error, CompressionError)
+
+
+def test_results_for_different_parameters_do_not_aggregate():
+    with pytest.raises(ResultShapeMismatch, match="aggregate each parameter on its own"):
+        aggregate([_good(), _with(name="v")])
+    with pytest.raises(CompressionError, match="at least one result"):
+        aggregate([])
+
+
+def test_sgd_and_sign_move_covered_elements_only():
+    weight = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    update = _dense([[0.5, -2.0]], ((0, 1), (0, 2)), tokens=1, shape=(1, 4))
+    agg = aggregate([update])
+    sgd = UpdateConfig(rule="sgd", lr=0.5).build()
+    assert sgd.apply(weight.reshape(1, 4), agg).tolist() == [[0.75, 3.0, 3.0, 4.0]]
+    sign = UpdateConfig(rule="sign", lr=0.5, weight_decay=0.1).build()
+    # w·(1 − 0.05) − 0.5·sign(agg) on the covered two; the tail keeps its value (no decay)
+    expected = [[1.0 * 0.95 - 0.5, 2.0 * 0.95 + 0.5, 3.0, 4.0]]
+    torch.testing.assert_close(sign.apply(weight.reshape(1, 4), agg), torch.tensor(expected))
+
+
+@pytest.mark.parametrize("rule", ["sgd", "sign"])
+def test_a_client_updating_its_slice_stays_equal_to_the_master(rule):
+    config = tiny_config(intermediate_size=64)
+    shapes = universal_shapes(config)
+    compressor = CompressionConfig(chunk=16, topk=20).build()
+    apply = UpdateConfig(rule=rule, lr=1e-2, weight_decay=0.1).build()
+    for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        results = [
+            compressor.encode(name, torch.randn(r[0][1] - r[0][0], r[1][1] - r[1][0]),
+                              shape=shapes[name], region=r, tokens=t)
+            for r, t in ((tier_regions(shapes, config, tier)[name], 10 + tier)
+                         for tier in (1, 2))
+        ]
+        update = aggregate(results)
+        master = torch.randn(shapes[name])
+        region = tier_regions(shapes, config, 1)[name]
+        client = master[region_slices(region)].clone()
+        after = apply.apply(master, update)
+        assert torch.equal(apply.apply_to_slice(client, update, region),
+                           after[region_slices(region)])
+        tail = ~update.covered
+        assert tail.any() and torch.equal(after[tail], master[tail])
+
+
+@pytest.mark.parametrize("tier", [0, 1])
+def test_federated_without_compression_equals_standalone_sgd(tier):
+    config = tiny_config(intermediate_size=64)
+    torch.manual_seed(1)
+    standalone = AutoregressiveModel(config)
+    federated = AutoregressiveModel(config)
+    federated.load_state_dict(standalone.state_dict())
+    ids = torch.randint(0, 90, (2, 12))
+    optimizer = torch.optim.SGD(standalone.parameters(), lr=0.1)
+    standalone.loss(ids, tier=tier).backward()
+    optimizer.step()
+
+    federated.loss(ids, tier=tier).backward()
+    compressor = CompressionConfig(encoding="dense", decay=0.0, lr=1.0).build()
+    sgd = UpdateConfig(rule="sgd", lr=0.1).build()
+    regions = tier_regions(universal_shapes(config), config, tier)
+    with torch.no_grad():
+        for name, param in federated.named_parameters():
+            where = region_slices(regions[name])
+            state = compressor.feedback(name, tuple(param.shape), regions[name])
+            update = aggregate([state.step(param.grad[where], tokens=24)])
+            param.copy_(sgd.apply(param, update))
+    for name, param in standalone.named_parameters():
+        assert torch.equal(param, federated.get_parameter(name)), name
+
+
+def test_bad_update_settings_are_named_errors():
+    with pytest.raises(CompressionConfigError, match="unknown update rule 'adam'"):
+        UpdateConfig(rule="adam", lr=1.0)
+    with pytest.raises(CompressionConfigError, match="lr must be > 0"):
+        UpdateConfig(lr=0.0)
