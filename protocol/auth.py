@@ -1,0 +1,127 @@
+"""Join and session tokens (DESIGN.md §6).
+
+``Join`` carries the run's join token in its request. Every other RPC carries the session
+token ``Join`` issued as the gRPC metadata entry ``SESSION_METADATA_KEY``: metadata reaches
+unary and streaming calls alike without a field in every message, and a client sets it once
+with ``with_session(channel, token)``. A session token is ``"<client id>.<secret>"``, so the
+coordinator looks up the client's token by id and compares the whole token in constant time.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import threading
+from collections import namedtuple
+from collections.abc import Mapping
+from typing import NoReturn
+
+import grpc
+
+SESSION_METADATA_KEY = "matformer-session-token"
+
+
+def tokens_equal(presented: str, expected: str) -> bool:
+    """Constant-time comparison, so timing reveals nothing about ``expected``."""
+    return hmac.compare_digest(presented.encode(), expected.encode())
+
+
+def new_join_token() -> str:
+    """A fresh random join token for a run's config."""
+    return secrets.token_urlsafe(32)
+
+
+class SessionTokens:
+    """The coordinator's session tokens by client id; safe to use from gRPC's worker threads."""
+
+    def __init__(self, tokens: Mapping[str, str] | None = None) -> None:
+        self._tokens = dict(tokens or {})  # client id → token, e.g. restored from state.json
+        self._lock = threading.Lock()
+
+    def issue(self, client_id: str) -> str:
+        """A new token for ``client_id``; any earlier one stops working."""
+        token = f"{client_id}.{secrets.token_urlsafe(32)}"
+        with self._lock:
+            self._tokens[client_id] = token
+        return token
+
+    def client_of(self, token: str) -> str | None:
+        """The client id ``token`` belongs to, or None for an unknown or revoked token."""
+        client_id = token.rpartition(".")[0]  # the secret is URL-safe base64: it has no "."
+        with self._lock:
+            expected = self._tokens.get(client_id)
+        return client_id if expected is not None and tokens_equal(token, expected) else None
+
+    def revoke(self, client_id: str) -> None:
+        with self._lock:
+            self._tokens.pop(client_id, None)
+
+    def as_dict(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._tokens)
+
+
+def check_join_token(context: grpc.ServicerContext, presented: str, expected: str) -> None:
+    """Abort the call with UNAUTHENTICATED unless ``presented`` is the run's join token."""
+    if not tokens_equal(presented, expected):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      "wrong join token; ask the run's operator for it (--join-token).")
+
+
+def require_session(context: grpc.ServicerContext, sessions: SessionTokens) -> str:
+    """The calling client's id; aborts with UNAUTHENTICATED if its session token is missing,
+    unknown or revoked."""
+    token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
+    if not token:
+        _abort(context, f"no session token; call Join and send the token it returns as "
+                        f"'{SESSION_METADATA_KEY}' metadata.")
+    client_id = sessions.client_of(token)
+    if client_id is None:
+        _abort(context, "unknown or revoked session token; call Join again.")
+    return client_id
+
+
+def session_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The ``metadata=`` argument that authenticates one call."""
+    return ((SESSION_METADATA_KEY, token),)
+
+
+def with_session(channel: grpc.Channel, token: str) -> grpc.Channel:
+    """A channel that sends ``token`` on every call made through it."""
+    return grpc.intercept_channel(channel, _SessionInterceptor(token))
+
+
+def _abort(context: grpc.ServicerContext, message: str) -> NoReturn:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    raise AssertionError("unreachable: context.abort raises")
+
+
+class _CallDetails(
+    namedtuple("_CallDetails",
+               ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    grpc.ClientCallDetails,
+):
+    """grpc.ClientCallDetails is an abstract interface; interceptors supply their own."""
+
+
+class _SessionInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                          grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._metadata = session_metadata(token)
+
+    def _with_token(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(details.method, details.timeout,
+                            (*(details.metadata or ()), *self._metadata), details.credentials,
+                            details.wait_for_ready, details.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._with_token(details), requests)

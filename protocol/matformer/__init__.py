@@ -1,0 +1,1 @@
+"""Versioned gRPC packages of Matformer's wire protocol (``matformer.v1``, ...)."""

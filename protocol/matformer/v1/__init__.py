@@ -1,0 +1,1 @@
+"""``matformer.v1``: ``coordinator.proto`` and the stubs ``protocol.generate`` makes from it."""

@@ -1,0 +1,307 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RoundState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUND_STATE_UNSPECIFIED: _ClassVar[RoundState]
+    ROUND_STATE_WAIT: _ClassVar[RoundState]
+    ROUND_STATE_TRAIN: _ClassVar[RoundState]
+    ROUND_STATE_FINISHED: _ClassVar[RoundState]
+ROUND_STATE_UNSPECIFIED: RoundState
+ROUND_STATE_WAIT: RoundState
+ROUND_STATE_TRAIN: RoundState
+ROUND_STATE_FINISHED: RoundState
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Range(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class SparseResult(_message.Message):
+    __slots__ = ("name", "shape", "region", "encoding", "chunk", "chunks", "indices", "values", "tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    region: _containers.RepeatedCompositeFieldContainer[Range]
+    encoding: str
+    chunk: _containers.RepeatedScalarFieldContainer[int]
+    chunks: Tensor
+    indices: Tensor
+    values: Tensor
+    tokens: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., region: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., encoding: _Optional[str] = ..., chunk: _Optional[_Iterable[int]] = ..., chunks: _Optional[_Union[Tensor, _Mapping]] = ..., indices: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("device_kind", "device_name", "memory_bytes", "requested_tier", "tokens_per_second", "load_strategy")
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_TIER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    LOAD_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    device_kind: str
+    device_name: str
+    memory_bytes: int
+    requested_tier: int
+    tokens_per_second: float
+    load_strategy: str
+    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., requested_tier: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., load_strategy: _Optional[str] = ...) -> None: ...
+
+class Schema(_message.Message):
+    __slots__ = ("local_hash", "canonical_hash", "parameter_count", "tier", "sliced")
+    LOCAL_HASH_FIELD_NUMBER: _ClassVar[int]
+    CANONICAL_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SLICED_FIELD_NUMBER: _ClassVar[int]
+    local_hash: str
+    canonical_hash: str
+    parameter_count: int
+    tier: int
+    sliced: bool
+    def __init__(self, local_hash: _Optional[str] = ..., canonical_hash: _Optional[str] = ..., parameter_count: _Optional[int] = ..., tier: _Optional[int] = ..., sliced: _Optional[bool] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("run_id", "join_token", "capabilities", "schema", "client_name")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    join_token: str
+    capabilities: Capabilities
+    schema: Schema
+    client_name: str
+    def __init__(self, run_id: _Optional[str] = ..., join_token: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., client_name: _Optional[str] = ...) -> None: ...
+
+class TierEntry(_message.Message):
+    __slots__ = ("tier", "intermediate_size", "files")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    INTERMEDIATE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    intermediate_size: int
+    files: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tier: _Optional[str] = ..., intermediate_size: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CheckpointRef(_message.Message):
+    __slots__ = ("round", "manifest_path", "entry")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_PATH_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    manifest_path: str
+    entry: TierEntry
+    def __init__(self, round: _Optional[int] = ..., manifest_path: _Optional[str] = ..., entry: _Optional[_Union[TierEntry, _Mapping]] = ...) -> None: ...
+
+class TrainingSettings(_message.Message):
+    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "update_rule", "weight_decay", "sequence_length", "data_fingerprint")
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    VALUE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DECAY_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_LR_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RULE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    encoding: str
+    chunk: int
+    topk: int
+    value_dtype: str
+    decay: float
+    compression_lr: float
+    update_rule: str
+    weight_decay: float
+    sequence_length: int
+    data_fingerprint: str
+    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., update_rule: _Optional[str] = ..., weight_decay: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    FFN_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TIER_REASON_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    session_token: str
+    tier: int
+    ffn_width: int
+    tier_reason: str
+    round: int
+    checkpoint: CheckpointRef
+    settings: TrainingSettings
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tier: _Optional[int] = ..., ffn_width: _Optional[int] = ..., tier_reason: _Optional[str] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
+
+class GetRoundRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RoundAssignment(_message.Message):
+    __slots__ = ("state", "round", "sequence_ids", "tier", "learning_rate", "seed", "deadline_seconds", "retry_after_seconds")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    state: RoundState
+    round: int
+    sequence_ids: _containers.RepeatedScalarFieldContainer[int]
+    tier: int
+    learning_rate: float
+    seed: int
+    deadline_seconds: float
+    retry_after_seconds: float
+    def __init__(self, state: _Optional[_Union[RoundState, str]] = ..., round: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., retry_after_seconds: _Optional[float] = ...) -> None: ...
+
+class FetchSequencesRequest(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Sequence(_message.Message):
+    __slots__ = ("id", "tokens")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    tokens: Tensor
+    def __init__(self, id: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SubmitHeader(_message.Message):
+    __slots__ = ("round", "client_id", "tokens", "loss", "train_seconds")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    client_id: str
+    tokens: int
+    loss: float
+    train_seconds: float
+    def __init__(self, round: _Optional[int] = ..., client_id: _Optional[str] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., train_seconds: _Optional[float] = ...) -> None: ...
+
+class SubmitMessage(_message.Message):
+    __slots__ = ("header", "result")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    header: SubmitHeader
+    result: SparseResult
+    def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., result: _Optional[_Union[SparseResult, _Mapping]] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+
+class GetUpdatesRequest(_message.Message):
+    __slots__ = ("since_round",)
+    SINCE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    since_round: int
+    def __init__(self, since_round: _Optional[int] = ...) -> None: ...
+
+class RoundUpdateHeader(_message.Message):
+    __slots__ = ("round", "learning_rate", "weight_hash", "parameters")
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    learning_rate: float
+    weight_hash: str
+    parameters: int
+    def __init__(self, round: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_hash: _Optional[str] = ..., parameters: _Optional[int] = ...) -> None: ...
+
+class ParameterUpdate(_message.Message):
+    __slots__ = ("aggregate", "coverage")
+    AGGREGATE_FIELD_NUMBER: _ClassVar[int]
+    COVERAGE_FIELD_NUMBER: _ClassVar[int]
+    aggregate: SparseResult
+    coverage: Tensor
+    def __init__(self, aggregate: _Optional[_Union[SparseResult, _Mapping]] = ..., coverage: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class UpdateMessage(_message.Message):
+    __slots__ = ("header", "parameter")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    header: RoundUpdateHeader
+    parameter: ParameterUpdate
+    def __init__(self, header: _Optional[_Union[RoundUpdateHeader, _Mapping]] = ..., parameter: _Optional[_Union[ParameterUpdate, _Mapping]] = ...) -> None: ...
+
+class DownloadCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("offset", "total_size", "data", "sha256")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    total_size: int
+    data: bytes
+    sha256: str
+    def __init__(self, offset: _Optional[int] = ..., total_size: _Optional[int] = ..., data: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
