@@ -1,0 +1,120 @@
+"""``RunConfig``: everything ``matformer-server --config run.toml`` needs, as typed sections.
+
+    config = RunConfig.load("run.toml")        # checked whole, or a ServerConfigError
+    config.model.build()                        # -> ModelConfig (universal)
+    config.tiers.build(config.model.build())    # -> TierPolicy
+    config.compression.build()                  # -> modeling's Compressor
+    config.update.build(r, config.round.planned_rounds)  # -> UpdateConfig of round r
+    config.auth.token()                         # the join token (never in repr/str)
+    RunConfig.from_dict(config.to_dict()) == config
+
+Relative paths resolve against the TOML file's folder. ``examples/run.toml`` shows every key
+with its default. Compression encodings take modeling's names (``dense | topk | dct``);
+run.toml also accepts DESIGN.md's ``none`` for ``dense`` and ``demo`` for ``dct``, and
+``to_dict`` writes the canonical (modeling) names.
+
+``to_dict`` holds ``auth.join_token`` when run.toml wrote the token inline (it must, to round
+trip); keep such a dict where run.toml itself may be read, or use ``join_token_env``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from modeling.compression import CompressionConfig
+from modeling.errors import TierError
+from modeling.matformer import tier_width
+from server.errors import InvalidToml, InvalidValue, MissingFile
+from server.sections import (
+    AuthSection,
+    CheckpointSection,
+    DataSection,
+    ModelSection,
+    RoundSection,
+    RunSection,
+    ServerSection,
+    TiersSection,
+    TlsSection,
+    UpdateSection,
+)
+from server.tables import read_table, reject_unknown, table_of
+
+ENCODING_ALIASES = {"none": "dense", "demo": "dct"}  # DESIGN.md's names → modeling's
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    run: RunSection
+    model: ModelSection
+    data: DataSection
+    round: RoundSection
+    auth: AuthSection
+    server: ServerSection = field(default_factory=ServerSection)
+    tiers: TiersSection = field(default_factory=TiersSection)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    update: UpdateSection = field(default_factory=UpdateSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    tls: TlsSection = field(default_factory=TlsSection)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks across sections; each section has checked itself already."""
+        model = self.model.build()
+        for tier in self.tiers.allowed:
+            try:
+                tier_width(model, tier)
+            except TierError as err:
+                raise InvalidValue(f"[tiers] allowed tier {tier}: {err}") from err
+        if self.data.max_seq_len > model.max_position_embeddings:
+            raise InvalidValue(
+                f"[data] max_seq_len {self.data.max_seq_len} exceeds the model's "
+                f"max_position_embeddings {model.max_position_embeddings}; lower one or raise "
+                "the other."
+            )
+        if self.round.tokens_per_round < self.data.max_seq_len:
+            raise InvalidValue(
+                f"[round] tokens_per_round {self.round.tokens_per_round} is less than one "
+                f"sequence ([data] max_seq_len {self.data.max_seq_len}); raise it."
+            )
+        if self.update.warmup_rounds > self.round.planned_rounds:
+            raise InvalidValue(
+                f"[update] warmup_rounds {self.update.warmup_rounds} exceeds the "
+                f"{self.round.planned_rounds} rounds the run plans ([round]); lower it."
+            )
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise MissingFile(f"{path} does not exist; pass the run's TOML file "
+                              "(examples/run.toml shows one).")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise InvalidToml(f"{path} is not valid TOML: {err}; fix it there.") from err
+        return cls.from_dict(data, base=path.resolve().parent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, base: str | Path = ".") -> RunConfig:
+        """From parsed TOML (or ``to_dict``'s output); relative paths resolve against ``base``."""
+        types = get_type_hints(cls)  # section name → its dataclass
+        reject_unknown("run.toml", data, list(types))
+        tables = {name: data.get(name, {}) for name in types}
+        compression = tables["compression"]
+        if isinstance(compression, dict) and compression.get("encoding") in ENCODING_ALIASES:
+            tables["compression"] = {**compression,
+                                     "encoding": ENCODING_ALIASES[compression["encoding"]]}
+        base = Path(base).resolve()
+        return cls(**{name: read_table(kind, tables[name], name, base)
+                      for name, kind in types.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (TOML and JSON types) that ``from_dict`` reads back to an equal config."""
+        return {f.name: table_of(getattr(self, f.name)) for f in dataclasses.fields(self)}
+

@@ -1,0 +1,288 @@
+"""The sections of run.toml, one typed dataclass each (``[compression]`` is modeling's own
+``CompressionConfig``). Each checks its own values when built; checks that need two sections
+(tiers against the model, ...) live in ``server.config.RunConfig.validate``.
+
+See ``examples/run.toml`` for every key, its default and what it does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modeling.checkpoint.files import CONFIG_NAME
+from modeling.checkpoint.hf_config import from_config_dict
+from modeling.compression import UPDATE_RULES, UpdateConfig
+from modeling.config import ModelConfig
+from modeling.errors import MatformerError
+from modeling.mdat import DEFAULT_STRATEGY
+from modeling.optim import SCHEDULES, lr_factor
+from server.errors import (
+    ConflictingKeys,
+    InvalidValue,
+    MissingFile,
+    MissingKey,
+    MissingSecret,
+)
+from server.tables import reject_unknown
+from server.tiers import TierPolicy
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# Fractions of a target mix may be written to a few digits: 0.33 + 0.33 + 0.34.
+_MIX_TOLERANCE = 1e-6
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidValue(message)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunSection:
+    id: str  # names the run in Join requests, logs and the dashboard
+    dir: Path  # run directory: state.json, checkpoints/, updates/ (created on start)
+
+    def __post_init__(self) -> None:
+        _require(bool(_RUN_ID.fullmatch(self.id)),
+                 f"[run] id {self.id!r} must be letters, digits, '.', '_' or '-', starting "
+                 "with a letter or digit; rename it.")
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerSection:
+    host: str = "127.0.0.1"  # address both servers bind; "0.0.0.0" to accept other machines
+    grpc_port: int = 7070  # coordinator service (clients)
+    http_port: int = 7071  # status, dashboard, metrics, checkpoint files
+
+    def __post_init__(self) -> None:
+        _require(bool(self.host), "[server] host is empty; give an address such as 127.0.0.1.")
+        for key in ("grpc_port", "http_port"):
+            port = getattr(self, key)
+            _require(1 <= port <= 65535, f"[server] {key} must lie in 1..65535, got {port}.")
+        _require(self.grpc_port != self.http_port,
+                 f"[server] grpc_port and http_port are both {self.grpc_port}; give each its own "
+                 "port.")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    """Where the model comes from: exactly one of the three keys."""
+
+    inline: dict[str, Any] | None = None  # ModelConfig fields, as in config.json
+    config_path: Path | None = None  # a config.json (Matformer's or a Hugging Face Llama one)
+    checkpoint: Path | None = None  # a universal checkpoint folder: its weights start the run
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("inline", "config_path", "checkpoint") if getattr(self, k) is not None]
+        if not given:
+            raise MissingKey("[model] needs one of: a [model.inline] table of model config "
+                             "fields, config_path (a config.json) or checkpoint (a folder).")
+        if len(given) > 1:
+            raise ConflictingKeys(f"[model] gives {' and '.join(given)}; keep exactly one.")
+        if self.inline is not None:
+            reject_unknown("[model.inline]", self.inline, list(ModelConfig.__dataclass_fields__))
+        self.build()
+
+    def build(self) -> ModelConfig:
+        """The run's (universal) model config."""
+        if self.inline is not None:
+            where = "[model.inline]"
+            config = _model(where, lambda: ModelConfig.from_dict(self.inline))
+        else:
+            path = self.config_path if self.config_path is not None else (
+                self.checkpoint / CONFIG_NAME)
+            where = f"[model] {path}"
+            if not path.is_file():
+                raise MissingFile(f"{where} does not exist; fix the path in [model].")
+            config = _model(where, lambda: from_config_dict(json.loads(path.read_text())))
+        _require(config.matformer_tier == 0 and config.matformer_layer_tiers is None,
+                 f"{where} describes a tier {config.matformer_tier} slice; a run trains the "
+                 "universal (tier 0) model, so point [model] at the universal config.")
+        return config
+
+
+def _model(where: str, make: Callable[[], ModelConfig]) -> ModelConfig:
+    try:
+        return make()
+    except json.JSONDecodeError as err:
+        raise InvalidValue(f"{where} is not valid JSON: {err}.") from err
+    except MatformerError as err:
+        raise InvalidValue(f"{where}: {err}") from err
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    path: Path  # the MDAT container
+    strategy: str = DEFAULT_STRATEGY["strategy_name"]  # its pretokenization strategy
+    view: str | None = None  # a view of the container; None: all of it
+    max_seq_len: int = 256  # tokens per sequence (a multiple of the strategy's chunk size)
+    seed: int = 0  # seed of the shuffle that orders sequences over rounds
+
+    def __post_init__(self) -> None:
+        _require(self.max_seq_len >= 1,
+                 f"[data] max_seq_len must be a positive integer, got {self.max_seq_len}.")
+
+
+@dataclass(kw_only=True, slots=True)
+class TiersSection:
+    allowed: list[int] = field(default_factory=lambda: [0, 1, 2])  # tiers clients may get
+    pins: dict[str, int] = field(default_factory=dict)  # client name → tier, always
+    mix: dict[int, float] = field(default_factory=dict)  # tier → target share of members
+
+    def __post_init__(self) -> None:
+        _require(bool(self.allowed), "[tiers] allowed is empty; list at least one tier.")
+        _require(all(t >= 0 for t in self.allowed) and len(set(self.allowed)) == len(self.allowed),
+                 f"[tiers] allowed must list distinct tiers >= 0, got {self.allowed}.")
+        for name, tier in self.pins.items():
+            _require(tier in self.allowed,
+                     f"[tiers.pins] pins {name!r} to tier {tier}, which is not in allowed "
+                     f"{self.allowed}; add it there or pin another tier.")
+        if self.mix:
+            for tier, share in self.mix.items():
+                _require(tier in self.allowed,
+                         f"[tiers.mix] names tier {tier}, which is not in allowed {self.allowed}.")
+                _require(0.0 <= share <= 1.0,
+                         f"[tiers.mix] share of tier {tier} must lie in [0, 1], got {share}.")
+            total = sum(self.mix.values())
+            _require(abs(total - 1.0) <= _MIX_TOLERANCE,
+                     f"[tiers.mix] shares sum to {total:g}; make them sum to 1.")
+
+    def build(self, model: ModelConfig) -> TierPolicy:
+        return TierPolicy(model, allowed=self.allowed, pins=self.pins, mix=self.mix)
+
+
+@dataclass(kw_only=True, slots=True)
+class RoundSection:
+    """When rounds start and end, and when the run stops: after ``rounds`` rounds or ``tokens``
+    tokens, whichever comes first (at least one of the two)."""
+
+    min_clients: int = 1  # members needed before a round opens
+    deadline_s: float = 60.0  # a client that has not submitted by then is dropped from the round
+    tokens_per_round: int = 8192  # the round's token budget, shared by speed among clients
+    rounds: int | None = None
+    tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.min_clients >= 1,
+                 f"[round] min_clients must be >= 1, got {self.min_clients}.")
+        _require(self.deadline_s > 0 and math.isfinite(self.deadline_s),
+                 f"[round] deadline_s must be a positive number of seconds, got {self.deadline_s}.")
+        _require(self.tokens_per_round >= 1,
+                 f"[round] tokens_per_round must be >= 1, got {self.tokens_per_round}.")
+        if self.rounds is None and self.tokens is None:
+            raise MissingKey("[round] needs a stop: rounds, tokens, or both (whichever comes "
+                             "first).")
+        for key in ("rounds", "tokens"):
+            value = getattr(self, key)
+            _require(value is None or value >= 1, f"[round] {key} must be >= 1, got {value}.")
+
+    @property
+    def planned_rounds(self) -> int:
+        """Rounds until the stop, counting every round as a full ``tokens_per_round``; the
+        learning-rate schedule ends here."""
+        by_tokens = math.inf if self.tokens is None else -(-self.tokens // self.tokens_per_round)
+        return int(min(self.rounds or math.inf, by_tokens))
+
+
+@dataclass(kw_only=True, slots=True)
+class UpdateSection:
+    """How the coordinator and every client apply the aggregate (DESIGN.md §5.5), with a
+    per-round learning-rate schedule (modeling.optim.lr_factor, counted in rounds)."""
+
+    rule: str = "sign"  # sign (DeMo) | sgd
+    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
+    weight_decay: float = 0.0  # decoupled, on covered elements
+    warmup_rounds: int = 0  # linear warmup from lr / warmup_rounds to lr
+    schedule: str = "cosine"  # cosine | linear | constant, after warmup
+    final_lr: float = 0.0  # learning rate at the last planned round (cosine, linear)
+
+    def __post_init__(self) -> None:
+        _require(self.rule in UPDATE_RULES,
+                 f"[update] rule {self.rule!r} is unknown; choose one of "
+                 f"{', '.join(UPDATE_RULES)}.")
+        _require(self.schedule in SCHEDULES,
+                 f"[update] schedule {self.schedule!r} is unknown; choose one of "
+                 f"{', '.join(SCHEDULES)}.")
+        _require(self.lr > 0, f"[update] lr must be > 0, got {self.lr}.")
+        _require(0 <= self.final_lr <= self.lr,
+                 f"[update] final_lr must lie in [0, lr={self.lr}], got {self.final_lr}.")
+        _require(self.weight_decay >= 0,
+                 f"[update] weight_decay must be >= 0, got {self.weight_decay}.")
+        _require(self.warmup_rounds >= 0,
+                 f"[update] warmup_rounds must be >= 0, got {self.warmup_rounds}.")
+
+    def lr_at(self, round_index: int, planned_rounds: int) -> float:
+        """Learning rate of round ``round_index`` (0-based)."""
+        return self.lr * lr_factor(round_index, warmup_steps=self.warmup_rounds,
+                                   total_steps=planned_rounds, schedule=self.schedule,
+                                   min_ratio=self.final_lr / self.lr)
+
+    def build(self, round_index: int, planned_rounds: int) -> UpdateConfig:
+        """The update rule's config for one round."""
+        return UpdateConfig(rule=self.rule, lr=self.lr_at(round_index, planned_rounds),
+                            weight_decay=self.weight_decay)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointSection:
+    every_rounds: int = 10  # universal + tier slices + manifest after every this many rounds
+
+    def __post_init__(self) -> None:
+        _require(self.every_rounds >= 1,
+                 f"[checkpoint] every_rounds must be >= 1, got {self.every_rounds}.")
+
+
+@dataclass(kw_only=True, slots=True)
+class AuthSection:
+    """The run's join token, written here or (better) read from an environment variable."""
+
+    join_token: str | None = field(default=None, repr=False, metadata={"secret": True})
+    join_token_env: str | None = None  # name of the environment variable holding the token
+
+    def __post_init__(self) -> None:
+        if self.join_token is None and self.join_token_env is None:
+            raise MissingKey("[auth] needs join_token_env (the name of an environment variable "
+                             "holding the join token) or join_token; "
+                             "python -c 'from protocol.auth import new_join_token as t; "
+                             "print(t())' makes one.")
+        if self.join_token is not None and self.join_token_env is not None:
+            raise ConflictingKeys("[auth] gives both join_token and join_token_env; keep one.")
+        _require(self.join_token != "", "[auth] join_token is empty; set a token.")
+        self.token()
+
+    def token(self) -> str:
+        """The join token, read from the environment now when ``join_token_env`` names it."""
+        if self.join_token is not None:
+            return self.join_token
+        token = os.environ.get(self.join_token_env, "")
+        if not token:
+            raise MissingSecret(f"[auth] join_token_env names ${self.join_token_env}, which is "
+                                "unset or empty; export it before starting the server.")
+        return token
+
+
+@dataclass(kw_only=True, slots=True)
+class TlsSection:
+    """TLS for the gRPC server: both files or neither (then plaintext, for loopback runs)."""
+
+    cert: Path | None = None  # PEM certificate chain
+    key: Path | None = None  # PEM private key
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            given, absent = ("cert", "key") if self.key is None else ("key", "cert")
+            raise MissingKey(f"[tls] gives {given} but not {absent}; give both or neither.")
+        for key in ("cert", "key"):
+            path = getattr(self, key)
+            if path is not None and not path.is_file():
+                raise MissingFile(f"[tls] {key} {path} does not exist; fix the path.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None

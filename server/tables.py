@@ -1,0 +1,127 @@
+"""One TOML table into one typed config dataclass, and back.
+
+Every section of run.toml is a ``@dataclass(kw_only=True, slots=True)``. ``read_table``
+checks a table against the fields before the dataclass's own checks run: unknown keys (named
+with the valid ones and the closest match), missing required keys, and types (an integer is
+accepted as a float, a bool is not an integer; a ``Path`` is a string relative to the folder
+of the TOML file). ``table_of`` turns a section back into plain data that ``read_table``
+reads to an equal section.
+
+A field with ``metadata={"secret": True}`` never has its value quoted in an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from modeling.errors import MatformerError
+from server.errors import InvalidValue, MissingKey, ServerConfigError, UnknownKey, WrongType
+
+T = TypeVar("T")
+
+
+def reject_unknown(where: str, given: Iterable[str], valid: list[str]) -> None:
+    """UnknownKey for the first key of ``given`` not in ``valid``, with a did-you-mean."""
+    for key in given:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise UnknownKey(
+                f"{where} has no key {key!r}; {hint}valid keys: {', '.join(valid)}."
+            )
+
+
+def read_table(cls: type[T], table: Any, section: str, base: Path) -> T:
+    """An instance of the dataclass ``cls`` from the TOML table of ``[section]``."""
+    if not isinstance(table, dict):
+        raise WrongType(f"[{section}] must be a table, got {_shown(table)}.")
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    reject_unknown(f"[{section}]", table, [f.name for f in fields])
+    hints = get_type_hints(cls)
+    values = {}
+    for f in fields:
+        if f.name in table:
+            secret = f.metadata.get("secret", False)
+            values[f.name] = _coerce(f"{section}.{f.name}", table[f.name], hints[f.name], base,
+                                     secret)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise MissingKey(f"[{section}] is missing the required key {f.name!r}; add it.")
+    try:
+        return cls(**values)
+    except ServerConfigError:
+        raise
+    except MatformerError as err:  # the checks of a modeling config (CompressionConfig)
+        raise InvalidValue(f"[{section}] {err}") from err
+
+
+def table_of(section: Any) -> dict[str, Any]:
+    """Plain data (TOML and JSON types) for a section: None values left out, paths as
+    strings, integer dict keys as strings."""
+    return {
+        f.name: _plain(getattr(section, f.name))
+        for f in dataclasses.fields(section)
+        if f.init and getattr(section, f.name) is not None
+    }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _coerce(where: str, value: Any, hint: Any, base: Path, secret: bool) -> Any:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):  # X | None
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(where, value, inner, base, secret)
+    if hint is Any:
+        return value
+    if hint is Path:
+        _expect(isinstance(value, str | Path), where, "a path (string)", value, secret)
+        return (base / Path(value).expanduser()).resolve()
+    if hint is float:
+        _expect(isinstance(value, int | float) and not isinstance(value, bool), where,
+                "a number", value, secret)
+        return float(value)
+    if hint in (int, str, bool):
+        ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+        _expect(ok, where, f"{'an' if hint is int else 'a'} {hint.__name__}", value, secret)
+        return value
+    if origin is list:
+        _expect(isinstance(value, list), where, "a list", value, secret)
+        return [_coerce(f"{where}[{i}]", v, args[0], base, secret) for i, v in enumerate(value)]
+    if origin is dict:
+        _expect(isinstance(value, dict), where, "a table", value, secret)
+        return {_key(where, k, args[0]): _coerce(f"{where}.{k}", v, args[1], base, secret)
+                for k, v in value.items()}
+    raise TypeError(f"{where}: no reader for the annotation {hint!r}")  # a bug, not user input
+
+
+def _key(where: str, key: Any, hint: Any) -> Any:
+    if hint is int and isinstance(key, str):  # TOML keys are strings: "1" names tier 1
+        if not key.isdigit():
+            raise WrongType(f"[{where}] keys are tier numbers such as \"1\", got {key!r}.")
+        return int(key)
+    return key
+
+
+def _expect(ok: bool, where: str, kind: str, value: Any, secret: bool) -> None:
+    if not ok:
+        got = f"a {type(value).__name__}" if secret else _shown(value)
+        raise WrongType(f"{where} must be {kind}, got {got}.")
+
+
+def _shown(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"

@@ -1,0 +1,148 @@
+"""Which tier a joining client trains, and why.
+
+Rules, in order:
+
+1. A pin (``[tiers.pins]``, by client name) decides, whatever the client asked for; a pinned
+   tier that does not fit the client's memory is refused (``PinnedTierDoesNotFit``).
+2. Otherwise the candidates are the allowed tiers no larger than the one the client asked
+   for: asking for tier ``t`` means "at most as big as tier ``t``", i.e. tier index ``>= t``.
+3. Of the candidates, those whose estimated training memory (``server.memory``) at the
+   client's microbatch token budget fits the memory it reports.
+4. Without a target mix: the largest model that fits (lowest tier index). With one
+   (``[tiers.mix]``): the fitting tier whose share of the current members is furthest below
+   its target (a tier the mix leaves out has target 0); ties go to the larger model.
+
+The reason of every assignment is a sentence for the client and the log, e.g.
+"tier 1 (FFN 512): tier 0 needs 3.1 GiB, the client reports 2.0 GiB".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from modeling.config import ModelConfig
+from modeling.matformer import tier_width
+from server.errors import BadCapabilities, NoAllowedTier, NoTierFits, PinnedTierDoesNotFit
+from server.memory import TrainingMemory
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a joining client reports about itself."""
+
+    name: str  # human-readable; [tiers.pins] matches it
+    device_kind: str  # cpu | cuda | mps
+    memory_bytes: int  # memory it can train in
+    requested_tier: int | None  # the largest model it wants (smallest index); None: any
+    tokens_per_second: float  # measured on a warm-up; sizes its share of a round
+    microbatch_tokens: int  # tokens per forward/backward pass
+
+
+@dataclass(frozen=True, slots=True)
+class TierAssignment:
+    tier: int
+    ffn_width: int
+    estimated_bytes: int  # training memory at the client's microbatch token budget
+    reason: str  # one sentence: why this tier
+
+
+class TierPolicy:
+    """The run's tier rules over one model; built by ``TiersSection.build(model)``."""
+
+    def __init__(self, model: ModelConfig, *, allowed: Sequence[int],
+                 pins: Mapping[str, int], mix: Mapping[int, float]) -> None:
+        self.memory = TrainingMemory(model)
+        self.allowed = sorted(allowed)
+        self.pins = dict(pins)
+        self.mix = dict(mix)
+
+    def assign(self, client: Capabilities, members: Sequence[int] = ()) -> TierAssignment:
+        """The tier for ``client``, given the tiers of the current ``members``."""
+        _check(client)
+        have = client.memory_bytes
+
+        def need(tier: int) -> int:
+            return self.memory.training_bytes(tier, client.microbatch_tokens)
+
+        if client.name in self.pins:
+            tier = self.pins[client.name]
+            if need(tier) > have:
+                raise PinnedTierDoesNotFit(
+                    f"client {client.name!r} is pinned to {self._label(tier)}, which needs "
+                    f"{_size(need(tier))} at {client.microbatch_tokens} tokens per microbatch; "
+                    f"it reports {_size(have)}. Pin it to a smaller tier in [tiers.pins], or "
+                    "lower its microbatch token budget."
+                )
+            return self._assignment(tier, need(tier), f"pinned by [tiers.pins]; needs "
+                                    f"{_size(need(tier))} of the {_size(have)} it reports")
+
+        floor = client.requested_tier or 0
+        candidates = [t for t in self.allowed if t >= floor]
+        if not candidates:
+            raise NoAllowedTier(
+                f"client {client.name!r} asked for tier {floor} or smaller, but this run allows "
+                f"only tiers {self.allowed}; ask for tier {self.allowed[-1]} or a lower index."
+            )
+        fits = [t for t in candidates if need(t) <= have]
+        if not fits:
+            smallest = candidates[-1]
+            raise NoTierFits(
+                f"no tier fits client {client.name!r}: the smallest it may take, "
+                f"{self._label(smallest)}, needs {_size(need(smallest))} at "
+                f"{client.microbatch_tokens} tokens per microbatch and it reports "
+                f"{_size(have)}. Lower its microbatch token budget, free memory, or allow a "
+                "smaller tier in [tiers] allowed."
+            )
+        if self.mix:
+            tier, why = self._by_mix(fits, members)
+        else:
+            tier = fits[0]
+            why = self._by_size(tier, candidates, need, have, client.requested_tier)
+        return self._assignment(tier, need(tier), why)
+
+    def _by_size(self, tier: int, candidates: list[int], need: Callable[[int], int], have: int,
+                 requested: int | None) -> str:
+        if tier != candidates[0]:
+            larger = candidates[candidates.index(tier) - 1]
+            return f"tier {larger} needs {_size(need(larger))}, the client reports {_size(have)}"
+        bound = ("the tier the client asked for" if tier == requested
+                 else "the largest allowed tier")
+        return f"{bound}; needs {_size(need(tier))} of the {_size(have)} the client reports"
+
+    def _by_mix(self, fits: list[int], members: Sequence[int]) -> tuple[int, str]:
+        def share(tier: int) -> float:
+            return sum(m == tier for m in members) / len(members) if members else 0.0
+
+        # Rounded so that shares equal in decimal (1/3 vs 0.333...) tie; the larger model wins.
+        tier = max(fits, key=lambda t: (round(self.mix.get(t, 0.0) - share(t), 9), -t))
+        held = (f"{share(tier):.0%} of the {len(members)} members have it" if members
+                else "no member has joined yet")
+        return tier, f"the target mix wants {self.mix.get(tier, 0.0):.0%} at tier {tier}; {held}"
+
+    def _assignment(self, tier: int, estimated: int, why: str) -> TierAssignment:
+        return TierAssignment(tier=tier, ffn_width=tier_width(self.memory.config, tier),
+                              estimated_bytes=estimated, reason=f"{self._label(tier)}: {why}")
+
+    def _label(self, tier: int) -> str:
+        return f"tier {tier} (FFN {tier_width(self.memory.config, tier)})"
+
+
+def _check(client: Capabilities) -> None:
+    if client.memory_bytes <= 0:
+        raise BadCapabilities(f"client {client.name!r} reports {client.memory_bytes} bytes of "
+                              "memory; report the memory it can train in (> 0).")
+    if client.microbatch_tokens < 1:
+        raise BadCapabilities(f"client {client.name!r} reports a microbatch of "
+                              f"{client.microbatch_tokens} tokens; it must be >= 1.")
+    if client.requested_tier is not None and client.requested_tier < 0:
+        raise BadCapabilities(f"client {client.name!r} asked for tier {client.requested_tier}; "
+                              "a tier is an integer >= 0.")
+
+
+def _size(n: int) -> str:
+    """Bytes for people: 3.1 GiB, 17.0 MiB, 512.0 KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"

@@ -1,0 +1,276 @@
+"""run.toml: the shipped example, round trips, paths, and a named error for each mistake."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from modeling.checkpoint.hf_config import is_llama_shaped
+from modeling.compression import CompressionConfig
+from modeling.config import ModelConfig
+from server.config import RunConfig
+from server.errors import (
+    ConflictingKeys,
+    InvalidToml,
+    InvalidValue,
+    MissingFile,
+    MissingKey,
+    MissingSecret,
+    ServerConfigError,
+    UnknownKey,
+    WrongType,
+)
+from server.sections import (
+    CheckpointSection,
+    DataSection,
+    RoundSection,
+    ServerSection,
+    TiersSection,
+    TlsSection,
+    UpdateSection,
+)
+from server.tables import table_of
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "run.toml"
+TOKEN = "s3cret-join-token"
+MODEL = {"vocab_size": 260, "hidden_size": 64, "num_attention_heads": 4,
+         "intermediate_size": 256, "max_position_embeddings": 256}
+
+
+@pytest.fixture(autouse=True)
+def join_token(monkeypatch):
+    monkeypatch.setenv("MATFORMER_JOIN_TOKEN", TOKEN)
+
+
+def minimal(**changes: dict) -> dict:
+    """The smallest valid run.toml as data, with whole sections replaced by ``changes``."""
+    data = {
+        "run": {"id": "r1", "dir": "out"},
+        "model": {"inline": dict(MODEL)},
+        "data": {"path": "data.mdat"},
+        "round": {"rounds": 10},
+        "auth": {"join_token_env": "MATFORMER_JOIN_TOKEN"},
+    }
+    data.update(changes)
+    return data
+
+
+def with_keys(section: str, **keys) -> dict:
+    data = minimal()
+    data[section] = {**data.get(section, {}), **keys}
+    return data
+
+
+def test_example_loads_with_the_documented_values():
+    config = RunConfig.load(EXAMPLE)
+    assert config.data.path == ROOT / "runs" / "python_docs.mdat"
+    assert (config.data.strategy, config.data.max_seq_len) == ("bytes128", 256)
+    assert config.run.dir == ROOT / "runs" / "example"
+    model = config.model.build()
+    assert model.vocab_size == 260 and is_llama_shaped(model)
+    assert config.auth.token() == TOKEN
+    assert (config.server.grpc_port, config.server.http_port) == (7070, 7071)
+
+
+def test_example_shows_every_key_with_its_default():
+    text = EXAMPLE.read_text()
+    config = RunConfig.load(EXAMPLE)
+    for section in dataclasses.fields(config):
+        for key in dataclasses.fields(getattr(config, section.name)):
+            shown = rf"^(#? ?{key.name} = |\[{section.name}\.{key.name}\])"
+            assert re.search(shown, text, re.M), f"{section.name}.{key.name}"
+    defaults = [ServerSection(), TiersSection(), CompressionConfig(), UpdateSection(),
+                CheckpointSection(), TlsSection()]
+    assert [getattr(config, n) for n in ("server", "tiers", "compression", "update",
+                                         "checkpoint", "tls")] == defaults
+    data_defaults = DataSection(path=Path("x"))
+    assert (config.data.strategy, config.data.view, config.data.seed) == (
+        data_defaults.strategy, data_defaults.view, data_defaults.seed)
+    assert config.data.max_seq_len == data_defaults.max_seq_len
+    round_defaults = RoundSection(rounds=1)
+    assert table_of(config.round) == {**table_of(round_defaults), "rounds": 100}
+
+
+def test_to_dict_round_trips_through_json(tmp_path):
+    config = RunConfig.from_dict(with_keys("tiers", pins={"alice": 2}, mix={"0": 0.5, "2": 0.5}),
+                                 base=tmp_path)
+    assert config.tiers.mix == {0: 0.5, 2: 0.5}
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["tiers"]["mix"] == {"0": 0.5, "2": 0.5}
+    assert RunConfig.from_dict(data, base="/elsewhere") == config
+    example = RunConfig.load(EXAMPLE)
+    assert RunConfig.from_dict(example.to_dict()) == example
+
+
+def test_relative_paths_resolve_against_the_toml_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "conf"
+    folder.mkdir()
+    ModelConfig(**MODEL).to_json(folder / "model.json")
+    (folder / "run.toml").write_text(
+        '[run]\nid = "r"\ndir = "../state"\n[model]\nconfig_path = "model.json"\n'
+        '[data]\npath = "d.mdat"\n[round]\ntokens = 5000\ntokens_per_round = 2048\n'
+        '[auth]\njoin_token_env = "MATFORMER_JOIN_TOKEN"\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    config = RunConfig.load("conf/run.toml")
+    assert config.run.dir == tmp_path / "state"
+    assert config.data.path == folder / "d.mdat"
+    assert config.model.build() == ModelConfig(**MODEL)
+    assert config.round.planned_rounds == 3  # ceil(5000 / 2048)
+
+
+@pytest.mark.parametrize(("data", "pattern"), [
+    (with_keys("round", deadline=5),
+     r"\[round\] has no key 'deadline'; did you mean 'deadline_s'\? valid keys: min_clients, "
+     r"deadline_s, tokens_per_round, rounds, tokens\."),
+    (minimal(roud={}), r"run\.toml has no key 'roud'; did you mean 'round'\?"),
+    (minimal(model={"inline": {**MODEL, "hiden_size": 8}}),
+     r"\[model\.inline\] has no key 'hiden_size'; did you mean 'hidden_size'\?"),
+    (with_keys("compression", top_k=8), r"\[compression\] has no key 'top_k'; did you mean 'topk'"),
+])
+def test_unknown_keys_are_named_with_the_valid_ones(data, pattern):
+    with pytest.raises(UnknownKey, match=pattern):
+        RunConfig.from_dict(data)
+
+
+@pytest.mark.parametrize(("data", "pattern"), [
+    (with_keys("server", grpc_port="7070"), r"server\.grpc_port must be an int, got '7070'"),
+    (with_keys("data", max_seq_len=1.5), r"data\.max_seq_len must be an int, got 1\.5"),
+    (with_keys("data", max_seq_len=True), r"data\.max_seq_len must be an int, got True"),
+    (with_keys("round", deadline_s="soon"), r"round\.deadline_s must be a number"),
+    (with_keys("tiers", allowed=[0, "1"]), r"tiers\.allowed\[1\] must be an int"),
+    (with_keys("tiers", mix={"one": 1.0}), r"keys are tier numbers"),
+    (minimal(round=3), r"\[round\] must be a table"),
+])
+def test_wrong_types(data, pattern):
+    with pytest.raises(WrongType, match=pattern):
+        RunConfig.from_dict(data)
+
+
+@pytest.mark.parametrize(("data", "pattern"), [
+    (with_keys("server", grpc_port=-1), r"grpc_port must lie in 1\.\.65535, got -1"),
+    (with_keys("server", http_port=7070), r"both 7070; give each its own port"),
+    (with_keys("round", deadline_s=0), r"deadline_s must be a positive number"),
+    (with_keys("round", min_clients=0), r"min_clients must be >= 1"),
+    (with_keys("data", max_seq_len=0), r"max_seq_len must be a positive integer, got 0"),
+    (with_keys("data", max_seq_len=512), r"exceeds the model's max_position_embeddings 256"),
+    (with_keys("round", tokens_per_round=100), r"less than one sequence"),
+    (with_keys("tiers", mix={"0": 0.5, "1": 0.4}), r"shares sum to 0\.9; make them sum to 1"),
+    (with_keys("tiers", mix={"3": 1.0}), r"names tier 3, which is not in allowed"),
+    (with_keys("tiers", pins={"alice": 3}), r"pins 'alice' to tier 3, which is not in allowed"),
+    (with_keys("tiers", allowed=[0, 9]), r"allowed tier 9: .*not a whole number"),
+    (with_keys("tiers", allowed=[]), r"allowed is empty"),
+    (with_keys("run", id="my run"), r"rename it"),
+    (with_keys("update", rule="adam"), r"choose one of sgd, sign"),
+    (with_keys("update", schedule="step"), r"choose one of cosine, linear, constant"),
+    (with_keys("update", final_lr=1.0), r"final_lr must lie in \[0, lr=0\.001\]"),
+    (with_keys("update", warmup_rounds=11), r"warmup_rounds 11 exceeds the 10 rounds"),
+    (with_keys("compression", encoding="zip"), r"\[compression\] .*zip"),
+    (with_keys("compression", decay=2.0), r"\[compression\] decay must lie in \[0, 1\]"),
+    (with_keys("checkpoint", every_rounds=0), r"every_rounds must be >= 1"),
+    (minimal(model={"inline": {**MODEL, "num_attention_heads": 5}}), r"\[model\.inline\]: "),
+])
+def test_impossible_values(data, pattern):
+    with pytest.raises(InvalidValue, match=pattern):
+        RunConfig.from_dict(data)
+
+
+def test_missing_required_keys():
+    data = minimal()
+    del data["data"]
+    with pytest.raises(MissingKey, match=r"\[data\] is missing the required key 'path'"):
+        RunConfig.from_dict(data)
+    with pytest.raises(MissingKey, match=r"needs a stop: rounds, tokens"):
+        RunConfig.from_dict(minimal(round={}))
+
+
+def test_stop_by_rounds_or_tokens_whichever_first():
+    assert RoundSection(rounds=10, tokens=8192 * 4).planned_rounds == 4
+    assert RoundSection(rounds=3, tokens=8192 * 4).planned_rounds == 3
+
+
+def test_model_source_exactly_one(tmp_path):
+    with pytest.raises(MissingKey, match=r"\[model\] needs one of"):
+        RunConfig.from_dict(minimal(model={}))
+    with pytest.raises(ConflictingKeys, match=r"gives inline and checkpoint; keep exactly one"):
+        RunConfig.from_dict(minimal(model={"inline": MODEL, "checkpoint": "ckpt"}))
+    with pytest.raises(MissingFile, match=r"config\.json does not exist"):
+        RunConfig.from_dict(minimal(model={"checkpoint": "ckpt"}), base=tmp_path)
+
+
+def test_model_from_a_checkpoint_folder_must_be_universal(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    ModelConfig(**MODEL).to_json(tmp_path / "ckpt" / "config.json")
+    config = RunConfig.from_dict(minimal(model={"checkpoint": "ckpt"}), base=tmp_path)
+    assert config.model.checkpoint == tmp_path / "ckpt"
+    ModelConfig(**{**MODEL, "intermediate_size": 128, "matformer_tier": 1}).to_json(
+        tmp_path / "ckpt" / "config.json")
+    with pytest.raises(InvalidValue, match=r"tier 1 slice; a run trains the universal"):
+        RunConfig.from_dict(minimal(model={"checkpoint": "ckpt"}), base=tmp_path)
+
+
+def test_compression_accepts_design_names_and_writes_modeling_names():
+    config = RunConfig.from_dict(with_keys("compression", encoding="none"))
+    assert config.compression.encoding == "dense"
+    assert config.to_dict()["compression"]["encoding"] == "dense"
+    assert RunConfig.from_dict(with_keys("compression", encoding="demo")).compression.encoding \
+        == "dct"
+
+
+def test_update_schedule_in_rounds():
+    update = UpdateSection(lr=0.1, warmup_rounds=2, schedule="linear", final_lr=0.0)
+    assert [update.lr_at(r, 12) for r in (0, 1, 2, 7, 12)] == pytest.approx(
+        [0.05, 0.1, 0.1, 0.05, 0.0])
+    built = update.build(7, 12)
+    assert (built.rule, built.lr) == ("sign", pytest.approx(0.05))
+
+
+def test_auth_token_sources(monkeypatch):
+    with pytest.raises(MissingKey, match=r"join_token_env .* or join_token"):
+        RunConfig.from_dict(minimal(auth={}))
+    with pytest.raises(ConflictingKeys, match=r"both join_token and join_token_env"):
+        RunConfig.from_dict(minimal(auth={"join_token": "a", "join_token_env": "B"}))
+    monkeypatch.delenv("MATFORMER_JOIN_TOKEN")
+    with pytest.raises(MissingSecret, match=r"\$MATFORMER_JOIN_TOKEN, which is unset or empty"):
+        RunConfig.from_dict(minimal())
+
+
+def test_secrets_never_shown():
+    config = RunConfig.from_dict(minimal(auth={"join_token": TOKEN}))
+    assert config.auth.token() == TOKEN
+    assert TOKEN not in repr(config) and TOKEN not in str(config)
+    assert TOKEN not in repr(RunConfig.from_dict(minimal()))
+    with pytest.raises(WrongType) as err:
+        RunConfig.from_dict(minimal(auth={"join_token": 123456789}))
+    assert "123456789" not in str(err.value)
+
+
+def test_tls_both_or_neither_and_files_exist(tmp_path):
+    (tmp_path / "c.pem").write_text("cert")
+    (tmp_path / "k.pem").write_text("key")
+    config = RunConfig.from_dict(minimal(tls={"cert": "c.pem", "key": "k.pem"}), base=tmp_path)
+    assert config.tls.enabled and config.tls.key == tmp_path / "k.pem"
+    assert not RunConfig.from_dict(minimal()).tls.enabled
+    with pytest.raises(MissingKey, match=r"gives cert but not key; give both or neither"):
+        RunConfig.from_dict(minimal(tls={"cert": "c.pem"}), base=tmp_path)
+    with pytest.raises(MissingFile, match=r"\[tls\] key .*nope\.pem does not exist"):
+        RunConfig.from_dict(minimal(tls={"cert": "c.pem", "key": "nope.pem"}), base=tmp_path)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(MissingFile, match=r"examples/run\.toml shows one"):
+        RunConfig.load(tmp_path / "absent.toml")
+    (tmp_path / "bad.toml").write_text("[run\nid = 1")
+    with pytest.raises(InvalidToml, match=r"is not valid TOML"):
+        RunConfig.load(tmp_path / "bad.toml")
+
+
+def test_every_config_error_is_a_server_config_error_and_a_value_error():
+    for error in (UnknownKey, WrongType, InvalidValue, MissingKey, ConflictingKeys,
+                  MissingSecret, MissingFile, InvalidToml):
+        assert issubclass(error, ServerConfigError) and issubclass(error, ValueError)
