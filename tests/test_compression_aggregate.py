@@ -222,3 +222,21 @@ def test_bad_update_settings_are_named_errors():
         UpdateConfig(rule="adam", lr=1.0)
     with pytest.raises(CompressionConfigError, match="lr must be > 0"):
         UpdateConfig(lr=0.0)
+
+
+def test_weight_hash_of_a_tier_slice_equals_the_masters_hash_at_that_tier():
+    from conftest import tiny_config
+
+    from modeling import AutoregressiveModel, layer_widths
+    from modeling.checkpoint.slicing import slice_state
+    from modeling.compression import tier_regions, universal_shapes, weight_hash
+
+    config = tiny_config()
+    master = AutoregressiveModel(config).state_dict()
+    regions = tier_regions(universal_shapes(config), config, 1)
+    widths = layer_widths(config, 1)
+    replica = {name: t.clone() for name, t in slice_state(master, widths).items()}
+    assert weight_hash(replica) == weight_hash(master, regions)
+    assert weight_hash(replica) != weight_hash(master)
+    replica["model.layers.0.mlp.up_proj.weight"][0, 0] += 1e-6
+    assert weight_hash(replica) != weight_hash(master, regions)

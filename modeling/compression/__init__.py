@@ -43,6 +43,8 @@ aggregate(results) -> Aggregate(values, tokens).covered; scatter(result) -> Aggr
     Coverage-normalised, token-weighted mean over the universal shape.
 sgd, sign, UPDATE_RULES; UpdateConfig(rule, lr, weight_decay).build() -> UpdateRule;
 UpdateRule.apply(weight, update), .apply_to_slice(weight_slice, update, region) (update.py)
+weight_hash(state, regions=None) -> str (hashing.py)
+    The per-tier hash of the weights that the coordinator publishes and clients compare.
 index_dtype(bound), payload_bytes(result) (wire.py)
     Smallest integer dtypes for ids and positions, bytes on the wire.
 
@@ -63,6 +65,7 @@ from modeling.compression.grid import (
     region_shape,
     region_slices,
 )
+from modeling.compression.hashing import weight_hash
 from modeling.compression.regions import (
     tier_region,
     tier_regions,
@@ -108,4 +111,5 @@ __all__ = [
     "universal_shapes",
     "validate",
     "validate_group",
+    "weight_hash",
 ]
