@@ -1,0 +1,15 @@
+"""Error types of the client: each names what is wrong and what to do next."""
+
+from modeling.errors import MatformerError
+
+
+class ClientError(MatformerError):
+    """Base class of every error the client raises on purpose."""
+
+
+class UnknownParameter(ClientError, KeyError):
+    """A broadcast update or a saved state names a parameter this replica does not hold."""
+
+
+class FeedbackStateMismatch(ClientError, ValueError):
+    """Saved error-feedback state does not fit this client's parameters, regions or settings."""

@@ -1,0 +1,78 @@
+"""Every parameter's error-feedback momentum on one client, saved across restarts.
+
+The momentum is the part of past gradients not yet sent (DESIGN.md §5.2); a client that
+restarts without it silently drops that gradient, so it is saved with each round as
+safetensors (never pickle): one float32 tensor per canonical name, and the regions in the
+metadata so a state saved at another tier is refused instead of misapplied.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from client.errors import FeedbackStateMismatch
+from modeling.compression import Compressor, ErrorFeedback, Region
+
+FORMAT = "matformer-error-feedback-v1"
+
+
+class FeedbackState:
+    """Canonical name → ``ErrorFeedback`` for the parameters one client trains."""
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        shapes: Mapping[str, tuple[int, ...]],
+        regions: Mapping[str, Region],
+    ) -> None:
+        self.feedback: dict[str, ErrorFeedback] = {
+            name: compressor.feedback(name, shapes[name], region)
+            for name, region in regions.items()
+        }
+
+    def __getitem__(self, name: str) -> ErrorFeedback:
+        return self.feedback[name]
+
+    def regions(self) -> dict[str, Region]:
+        return {name: state.region for name, state in self.feedback.items()}
+
+    def save(self, path: str | Path) -> None:
+        """Write the momenta atomically (temp file, then rename), so a crash mid-write
+        leaves the previous round's state."""
+        path = Path(path)
+        tensors = {
+            name: state.momentum.detach().contiguous().cpu()
+            for name, state in self.feedback.items()
+        }
+        metadata = {"format": FORMAT, "regions": json.dumps(self.regions())}
+        temporary = path.with_name(path.name + ".tmp")
+        save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+
+    def load(self, path: str | Path) -> None:
+        """Restore the momenta saved by ``save``; refuses a state of other parameters or
+        regions (another model or tier) and leaves the current state untouched then."""
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        if metadata.get("format") != FORMAT:
+            raise FeedbackStateMismatch(
+                f"{path} is not an error-feedback state ({FORMAT}); delete it to start with "
+                "zero momentum."
+            )
+        saved = {name: tuple(map(tuple, r)) for name, r in json.loads(metadata["regions"]).items()}
+        own = self.regions()
+        differ = sorted(n for n in saved.keys() | own.keys() if saved.get(n) != own.get(n))
+        if differ:
+            raise FeedbackStateMismatch(
+                f"{path} was saved for other parameters or another tier (differs at "
+                f"{', '.join(differ[:4])}); delete it to start with zero momentum."
+            )
+        tensors = load_file(str(path))
+        for name, state in self.feedback.items():
+            state.momentum = tensors[name].to(state.momentum.device)

@@ -1,0 +1,209 @@
+"""The client's core without gRPC: local rounds, the replica, and the backbone equivalence
+(dense, β = 0, sgd: federated with one client is standalone SGD, bit for bit)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from client.errors import FeedbackStateMismatch, UnknownParameter
+from client.local_round import LocalRound
+from client.replica import Replica
+from modeling import AutoregressiveModel
+from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+from modeling.checkpoint.export import export_tiers
+from modeling.checkpoint.loader import load_for_tier
+from modeling.checkpoint.pretrained import save_pretrained
+from modeling.checkpoint.slicing import slice_state
+from modeling.compression import (
+    CompressionConfig,
+    UpdateConfig,
+    aggregate,
+    region_slices,
+    tier_regions,
+    universal_shapes,
+    weight_hash,
+)
+from modeling.matformer import layer_widths
+from modeling.naming import canonical_state_dict, load_canonical_state_dict
+from modeling.training import TierSchedule, train_step_on_examples
+
+LR = 0.1
+DENSE = CompressionConfig(encoding="dense", decay=0.0, lr=1.0)
+SGD = UpdateConfig(rule="sgd", lr=LR)
+
+
+def _limits():
+    return AdaptiveLimitsConfig(max_tokens=48, max_examples=2).build()  # several microbatches
+
+
+def _sequences(seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 95, (n,), generator=generator) for n in (17, 9, 24, 5, 12)]
+
+
+def _sliced(universal: AutoregressiveModel, tier: int) -> AutoregressiveModel:
+    """The tier slice of ``universal`` as a model of its own (what load_for_tier gives)."""
+    config = universal.config
+    widths = layer_widths(config, tier)
+    sliced = AutoregressiveModel(dataclasses.replace(
+        config, intermediate_size=widths[0], matformer_tier=tier,
+        matformer_base_intermediate_size=config.matformer_base_intermediate_size,
+    ))
+    state = slice_state(canonical_state_dict(universal), widths)
+    load_canonical_state_dict(sliced, {k: v.clone() for k, v in state.items()})
+    return sliced
+
+
+def _standalone_sgd(model, schedule, rounds):
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    runner = MicrobatchRunner(model, _limits())
+    for step, sequences in enumerate(rounds):
+        train_step_on_examples(runner, optimizer, sequences, schedule, step)
+    return canonical_state_dict(model)
+
+
+def _federated(replica, schedule, rounds, master=None):
+    """One client: local round → aggregate → apply to the replica (and the master)."""
+    local = LocalRound(replica, DENSE.build(), schedule, _limits())
+    rule = SGD.build()
+    for step, sequences in enumerate(rounds):
+        work = local.run(sequences, step)
+        update = {result.name: aggregate([result]) for result in work.results}
+        replica.apply(update, rule)
+        if master is not None:
+            for name, values in update.items():
+                master[name] = rule.apply(master[name], values)
+    return canonical_state_dict(replica.model)
+
+
+def _assert_equal(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("schedule", [TierSchedule(tiers=[0]),
+                                      TierSchedule(tiers=[0, 1], weights=[1.0, 0.5])])
+def test_one_client_dense_sgd_is_standalone_sgd_bit_for_bit(schedule):
+    universal = AutoregressiveModel(tiny_config())
+    rounds = [_sequences(1), _sequences(2)]
+    expected = _standalone_sgd(copy.deepcopy(universal), schedule, rounds)
+    master = {k: v.clone() for k, v in canonical_state_dict(universal).items()}
+    got = _federated(Replica(copy.deepcopy(universal)), schedule, rounds, master)
+    _assert_equal(got, expected)
+    _assert_equal(master, expected)
+    assert not torch.equal(expected["model.norm.weight"], universal.model.norm.weight)
+
+
+def test_tier1_client_changes_only_its_slice_of_the_master():
+    universal = AutoregressiveModel(tiny_config())
+    before = {k: v.clone() for k, v in canonical_state_dict(universal).items()}
+    rounds = [_sequences(3), _sequences(4)]
+    expected = _standalone_sgd(_sliced(universal, 1), TierSchedule(tiers=[1]), rounds)
+    master = {k: v.clone() for k, v in before.items()}
+    got = _federated(Replica(_sliced(universal, 1)), TierSchedule(tiers=[1]), rounds, master)
+    _assert_equal(got, expected)
+    regions = tier_regions(universal_shapes(universal.config), universal.config, 1)
+    tail = master["model.layers.0.mlp.up_proj.weight"][32:]
+    assert torch.equal(tail, before["model.layers.0.mlp.up_proj.weight"][32:])
+    for name, tensor in master.items():
+        where = region_slices(regions[name])
+        assert torch.equal(tensor[where], expected[name]), name
+        outside = tensor.clone()
+        outside[where] = before[name][where]
+        assert torch.equal(outside, before[name]), name  # nothing outside the slice moved
+
+
+def test_universal_replica_training_tier1_claims_only_the_tier1_region():
+    universal = AutoregressiveModel(tiny_config())
+    local = LocalRound(Replica(universal), DENSE.build(), TierSchedule(tiers=[1]), _limits())
+    results = {r.name: r for r in local.run(_sequences()).results}
+    down = results["model.layers.1.mlp.down_proj.weight"]
+    assert down.shape == (32, 64) and down.region == ((0, 32), (0, 32))
+
+
+def test_hash_matches_master_after_the_same_update_and_detects_drift():
+    universal = AutoregressiveModel(tiny_config())
+    config = universal.config
+    master = {k: v.clone() for k, v in canonical_state_dict(universal).items()}
+    replica = Replica(_sliced(universal, 1))
+    _federated(replica, TierSchedule(tiers=[1]), [_sequences()], master)
+    published = weight_hash(master, tier_regions(universal_shapes(config), config, 1))
+    assert replica.check(published).matches
+    assert not replica.check(weight_hash(master)).matches  # tier 0's hash differs
+    with torch.no_grad():
+        replica.parameters["model.norm.weight"][3] += 1e-6
+    assert not replica.check(published).matches
+    replica.resynchronise(master)
+    assert replica.check(published).matches
+
+
+def test_heterogeneous_compressed_round_keeps_every_replica_equal_to_the_master():
+    universal = AutoregressiveModel(tiny_config())
+    config = universal.config
+    shapes = universal_shapes(config)
+    compressor = CompressionConfig(encoding="dct", chunk=16, topk=8).build()
+    rule = UpdateConfig(rule="sign", lr=1e-3).build()
+    master = {k: v.clone() for k, v in canonical_state_dict(universal).items()}
+    replicas = {tier: Replica(_sliced(universal, tier)) for tier in (0, 1, 2)}
+    rounds = {tier: LocalRound(r, compressor, TierSchedule(tiers=[tier]), _limits())
+              for tier, r in replicas.items()}
+    for step in range(2):
+        results = [w for t, local in rounds.items() for w in local.run(_sequences(t + 10 * step),
+                                                                        step).results]
+        update = {name: aggregate([r for r in results if r.name == name]) for name in master}
+        for name in master:
+            master[name] = rule.apply(master[name], update[name])
+        for tier, replica in replicas.items():
+            replica.apply(update, rule)
+            assert replica.check(weight_hash(master, tier_regions(shapes, config, tier))).matches
+
+
+def test_error_feedback_survives_a_restart(tmp_path):
+    universal = AutoregressiveModel(tiny_config())
+    compressor = CompressionConfig(encoding="dct", chunk=16, topk=4, decay=0.9).build()
+    schedule = TierSchedule(tiers=[1])
+    first = LocalRound(Replica(_sliced(universal, 1)), compressor, schedule, _limits())
+    first.run(_sequences(1))
+    first.feedback.save(tmp_path / "feedback.safetensors")
+    restarted = LocalRound(Replica(_sliced(universal, 1)), compressor, schedule, _limits())
+    restarted.feedback.load(tmp_path / "feedback.safetensors")
+    for a, b in zip(first.run(_sequences(2), 1).results, restarted.run(_sequences(2), 1).results,
+                    strict=True):
+        assert a.name == b.name and torch.equal(a.values, b.values)
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.chunks, b.chunks)
+    other_tier = LocalRound(Replica(universal), compressor, TierSchedule(tiers=[0]), _limits())
+    with pytest.raises(FeedbackStateMismatch, match="another tier"):
+        other_tier.feedback.load(tmp_path / "feedback.safetensors")
+
+
+def test_an_update_for_an_unknown_parameter_is_refused():
+    replica = Replica(AutoregressiveModel(tiny_config()))
+    result = DENSE.build().encode("model.extra.weight", torch.ones(2, 2), shape=(2, 2),
+                                  region=((0, 2), (0, 2)), tokens=1)
+    with pytest.raises(UnknownParameter, match=r"model\.extra\.weight"):
+        replica.apply({result.name: aggregate([result])}, SGD.build())
+
+
+@pytest.mark.parametrize("strategy", ["sliced", "universal"])
+def test_replica_from_load_for_tier_with_tied_embeddings_is_standalone_sgd(tmp_path, strategy):
+    universal = AutoregressiveModel(tiny_config(tie_word_embeddings=True))
+    save_pretrained(universal, tmp_path / "ckpt")
+    export_tiers(tmp_path / "ckpt", [1])
+    model, _ = load_for_tier(tmp_path / "ckpt", 1, strategy)
+    replica = Replica(model)
+    assert replica.aliases == {"lm_head.weight"}  # the tied tensor is updated once
+    schedule = TierSchedule(tiers=[1])
+    expected = _standalone_sgd(_sliced(universal, 1), schedule, [_sequences()])
+    got = _federated(replica, schedule, [_sequences()])
+    for name, tensor in expected.items():  # "universal" holds more; its tail must not move
+        assert torch.equal(got[name][tuple(slice(0, n) for n in tensor.shape)], tensor), name
+    if strategy == "universal":
+        tail = got["model.layers.0.mlp.gate_proj.weight"][32:]
+        initial = canonical_state_dict(universal)["model.layers.0.mlp.gate_proj.weight"]
+        assert torch.equal(tail, initial[32:])
