@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import tiny_config
 
+from client.standalone import main
 from modeling import AutoregressiveModel, ConfigError, TierError
 from modeling.checkpoint import load_pretrained
 from modeling.mdat import build_default_mdat
 from modeling.training import TierSchedule, train_step
-from scripts.train_standalone import main
 
 
 def test_all_tiers_step_equals_the_weighted_sum_of_losses():
@@ -104,3 +104,14 @@ def test_token_budget_step_equals_the_whole_batch_step_at_every_tier():
         assert losses[tier] == pytest.approx(expected[tier], rel=1e-5)
     for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_client_train_reports_a_bad_data_path_in_one_line(tmp_path, capsys):
+    from client.cli import main as client_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        client_main(["train", "--data", str(tmp_path / "missing.mdat"), "--steps", "30"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("matformer-client: error:") and "missing.mdat" in error
+    assert "\n" not in error

@@ -1,4 +1,4 @@
-"""`matformer-train`: a short standalone training of a small nested model on real text.
+"""Standalone training: `matformer-client train` without a server, also `matformer-train`.
 
 It reads its sequences from an MDAT container (by default the Python standard library's
 docstrings, built on first use with no download), in token-budget batches split into
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from modeling import MaskedBatch, ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 from modeling.checkpoint import save_pretrained
+from modeling.errors import MatformerError
 from modeling.matformer import tier_label
 from modeling.mdat import DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
 from modeling.optim import OptimizerConfig
@@ -33,6 +35,12 @@ TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="matformer-train", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The standalone training options (shared by `matformer-train` and `matformer-client`)."""
     parser.add_argument("--config", type=Path, help="model config JSON (default: a tiny model)")
     parser.add_argument("--data", type=Path, default=None,
                         help=f"MDAT container (default: {DEFAULT_DATA}, built from the stdlib "
@@ -58,7 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/standalone"))
-    return parser.parse_args(argv)
 
 
 def open_data(args: argparse.Namespace) -> Mdat:
@@ -86,7 +93,16 @@ def evaluate(model: torch.nn.Module, batches: list[MaskedBatch], tiers: list[int
 
 
 def main(argv: list[str] | None = None) -> None:
-    train(parse_args(argv))
+    run(parse_args(argv), "matformer-train")
+
+
+def run(args: argparse.Namespace, program: str) -> None:
+    """``train`` for a command line: a named error becomes one line and exit code 2."""
+    try:
+        train(args)
+    except MatformerError as error:
+        print(f"{program}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
