@@ -71,3 +71,57 @@ class NoTierFits(TierAssignmentError):
 
 class PinnedTierDoesNotFit(TierAssignmentError):
     """run.toml pins the client to a tier that needs more memory than the client reports."""
+
+
+class CoordinatorError(ServerError):
+    """A call the coordinator refuses. ``code`` is the gRPC status the servicer answers with:
+    ``context.abort(err.code, str(err))``."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UnknownClient(CoordinatorError, KeyError):
+    """A client id that is not (or no longer) a member; the client should call Join again."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class NotInRound(CoordinatorError):
+    """A client submitted for a round it has no assignment in (it joined late or was dropped)."""
+
+
+class UpdatesPruned(CoordinatorError):
+    """Updates asked for from before the latest checkpoint; the client loads that checkpoint."""
+
+
+class ResumeError(CoordinatorError):
+    """The run directory cannot be resumed as written (state.json names missing files, ...)."""
+
+
+class BadResult(CoordinatorError, ValueError):
+    """A submitted result the coordinator rejects; nothing of the submission is kept."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class UnknownParameter(BadResult):
+    """A result names a parameter the model does not have."""
+
+
+class WrongRegion(BadResult):
+    """A result's shape or region is not the one the client's tier covers."""
+
+
+class StaleRound(BadResult):
+    """A result for a round other than the one being collected."""
+
+
+class DuplicateResult(BadResult):
+    """A second result from one client for one parameter in one round."""
+
+
+class MalformedResult(BadResult):
+    """A result that fails modeling's checks (bad indices, NaN/Inf values, token count...)."""

@@ -1,0 +1,334 @@
+"""The coordinator's core: the run state machine of DESIGN.md §5, driven by method calls.
+
+    coordinator = Coordinator(config, clock=time.time)  # resumes if config.run.dir has a run
+    member, tier, token = coordinator.join(capabilities)
+    coordinator.assignment_for(member.client_id)        # -> RoundAssignment | None
+    coordinator.submit(member.client_id, round_index, results, loss=2.3)
+    coordinator.advance()                               # closes a round past its deadline
+    coordinator.updates_since(r); coordinator.checkpoint_for(tier)
+
+Phases: ``waiting`` (fewer than ``min_clients`` active members) → ``collecting`` (round r
+open: sequence ids split by measured tokens/s, lr from the schedule) → the round closes
+when every assigned client submitted or the deadline passed → per parameter aggregate,
+apply the update rule to the master, hash it per tier, log the update, checkpoint every K
+rounds, save state.json → the next round, until ``finished`` (N rounds or T tokens).
+
+Time comes only from ``clock``, so tests drive deadlines without sleeping. Every public
+method holds one lock: a gRPC servicer may call them from its worker threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from modeling.checkpoint import load_pretrained, save_pretrained
+from modeling.checkpoint.export import export_tiers
+from modeling.checkpoint.files import read_weights
+from modeling.checkpoint.pretrained import load_state_into
+from modeling.compression import (
+    Region,
+    SparseResult,
+    aggregate,
+    tier_regions,
+    universal_shapes,
+    weight_hash,
+)
+from modeling.mdat import Mdat, assign
+from modeling.models import build_model
+from modeling.naming import canonical_state_dict, load_canonical_state_dict
+from server.config import RunConfig
+from server.errors import ResumeError, StaleRound, UpdatesPruned
+from server.membership import Member, Membership
+from server.rounds import OpenRound, RoundAssignment, Submission
+from server.state import RunState
+from server.tiers import Capabilities, TierAssignment
+from server.update_log import LoggedUpdate, UpdateLog
+from server.work import WorkQueue
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRef:
+    """Which checkpoint a joining client loads, then replays ``updates_since(round)`` on."""
+
+    round: int  # rounds it contains
+    path: Path  # the tier's slice when exported, else the universal checkpoint
+    sliced: bool  # False: the client slices the universal checkpoint to its tier itself
+
+
+class Coordinator:
+    def __init__(self, config: RunConfig, *, clock: Callable[[], float] = time.time,
+                 initial: Mapping[str, Tensor] | None = None) -> None:
+        """Resume the run in ``config.run.dir``, or start it from ``initial`` (canonical
+        names), else [model] checkpoint, else a model initialised with ``data.seed``."""
+        self.config = config
+        self.clock = clock
+        self.dir = Path(config.run.dir)
+        self.model_config = config.model.build()
+        self.shapes = universal_shapes(self.model_config)
+        self._regions: dict[int, dict[str, Region]] = {}
+        self._lock = threading.RLock()
+        data = config.data
+        mdat = Mdat.open(data.path)
+        self.reader = mdat.sequences(data.strategy, data.max_seq_len, data.view)
+        order = mdat.shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
+        self.log = UpdateLog(self.dir / "updates")
+        self._open: OpenRound | None = None
+        policy = config.tiers.build(self.model_config)
+        saved = RunState.load(self.dir)
+        if saved is None:
+            self.state = RunState(run_id=config.run.id, data_fingerprint=self.reader.fingerprint)
+            self.membership = Membership(policy)
+            self.queue = WorkQueue(order)
+            self.master = {n: t.detach().clone() for n, t in self._initial(initial).items()}
+            self._checkpoint()
+            self._save()
+        else:
+            self.state = saved
+            if saved.data_fingerprint != self.reader.fingerprint:
+                raise ResumeError(
+                    f"{self.dir} was trained on data with fingerprint {saved.data_fingerprint}, "
+                    f"but [data] now reads {self.reader.fingerprint}; point [data] at the run's "
+                    "MDAT view, or start a new run directory.")
+            self.membership = Membership.from_dict(policy, saved.membership)
+            self.queue = WorkQueue(order, **saved.queue)
+            self.master = self._replayed()
+
+    # -- calls from clients -------------------------------------------------------------
+
+    def join(self, capabilities: Capabilities) -> tuple[Member, TierAssignment, str]:
+        """Admit a client: its member record, tier assignment and session token."""
+        with self._lock:
+            joined = self.membership.join(capabilities, now=self.clock())
+            self._save()
+            self.advance()
+            return joined
+
+    def heartbeat(self, client_id: str) -> RoundAssignment | None:
+        """Mark the client alive; its assignment in the open round, if any."""
+        with self._lock:
+            self.membership.heartbeat(client_id, now=self.clock())
+            self.advance()
+            return self.assignment_for(client_id)
+
+    def leave(self, client_id: str) -> None:
+        """Remove a member; its unsubmitted sequences of the open round go back to the queue."""
+        with self._lock:
+            self.membership.leave(client_id)
+            if self._open is not None and client_id not in self._open.submissions:
+                dropped = self._open.assignments.pop(client_id, None)
+                if dropped is not None:
+                    self.queue.requeue(dropped.sequence_ids)
+            self._save()
+            self.advance()
+
+    def submit(self, client_id: str, round_index: int, results: Sequence[SparseResult], *,
+               loss: float | None = None) -> None:
+        """Take a client's results for the open round (all or none: a BadResult keeps none)."""
+        with self._lock:
+            now = self.clock()
+            self.membership.heartbeat(client_id, now=now)
+            self.advance()  # a round past its deadline closes before late results are looked at
+            if self._open is None or self.state.finished:
+                raise StaleRound(f"no round is being collected (round {round_index} is over); "
+                                 "wait for the next assignment.")
+            rnd = self._open
+            tier = self.membership.get(client_id).tier
+            rnd.check(client_id, round_index, results, self.shapes, self.regions(tier))
+            rnd.submissions[client_id] = Submission({r.name: r for r in results}, loss, now)
+            self.membership.measured(client_id, rnd.assignments[client_id].tokens,
+                                     now - rnd.opened_at)
+            self.advance()
+
+    def assignment_for(self, client_id: str) -> RoundAssignment | None:
+        with self._lock:
+            rnd = self._open
+            return None if rnd is None else rnd.assignments.get(client_id)
+
+    def updates_since(self, round_index: int) -> list[LoggedUpdate]:
+        """The logged updates of rounds ``round_index``, ..., the last completed one."""
+        with self._lock:
+            base = self.state.checkpoints[-1]
+            if round_index < base:
+                raise UpdatesPruned(f"updates before round {base} are inside checkpoint "
+                                    f"round-{base}; load it (checkpoint_for) and ask again.")
+            return [self.log.read(r) for r in range(round_index, self.state.round)]
+
+    def checkpoint_for(self, tier: int) -> CheckpointRef:
+        """The latest checkpoint, as the slice of ``tier`` when one was exported."""
+        with self._lock:
+            r = self.state.checkpoints[-1]
+            universal = self._checkpoint_dir(r)
+            sliced = universal.parent / f"{universal.name}-tier{tier}"
+            if tier > 0 and sliced.is_dir():
+                return CheckpointRef(round=r, path=sliced, sliced=True)
+            return CheckpointRef(round=r, path=universal, sliced=False)
+
+    # -- the state machine --------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        if self.state.finished:
+            return "finished"
+        return "waiting" if self._open is None else "collecting"
+
+    @property
+    def current_round(self) -> OpenRound | None:
+        return self._open
+
+    def advance(self) -> None:
+        """Close the open round if complete or past its deadline; open the next if possible."""
+        with self._lock:
+            now = self.clock()
+            while not self.state.finished:
+                if self._open is None:
+                    self._open = self._open_round(now)
+                    if self._open is None:
+                        return
+                if not (self._open.complete() or now >= self._open.deadline):
+                    return
+                self._close()
+
+    def regions(self, tier: int) -> dict[str, Region]:
+        """Canonical name → the region of the universal tensor that ``tier`` covers."""
+        if tier not in self._regions:
+            self._regions[tier] = tier_regions(self.shapes, self.model_config, tier)
+        return self._regions[tier]
+
+    def tier_hashes(self, tiers: Sequence[int]) -> dict[int, str]:
+        """Weight hash of the master at each tier: what a client of that tier must match."""
+        return {t: weight_hash(self.master, self.regions(t)) for t in sorted(set(tiers))}
+
+    def _open_round(self, now: float) -> OpenRound | None:
+        cfg = self.config.round
+        members = self.membership.active(now=now, timeout_s=cfg.deadline_s)
+        if len(members) < cfg.min_clients:
+            return None
+        r = self.state.round
+        before = self.queue.to_dict()
+        ids = self.queue.take(cfg.tokens_per_round, self._length)
+        # A client reporting no speed still gets a share; a measurement soon replaces it.
+        shares = assign(ids, [(m.client_id, max(m.tokens_per_second, 1.0)) for m in members])
+        lr = self.config.update.lr_at(r, cfg.planned_rounds)
+        seed = _round_seed(self.config.data.seed, r)
+        deadline = now + cfg.deadline_s
+        tiers = {m.client_id: m.tier for m in members}
+        assignments = {
+            client: RoundAssignment(round=r, client_id=client, tier=tiers[client],
+                                    sequence_ids=tuple(int(i) for i in chosen),
+                                    tokens=sum(self._length(int(i)) for i in chosen),
+                                    lr=lr, seed=seed, deadline=deadline)
+            for client, chosen in shares.items() if len(chosen)
+        }
+        return OpenRound(index=r, opened_at=now, deadline=deadline, assignments=assignments,
+                         queue_before=before)
+
+    def _close(self) -> None:
+        rnd = self._open
+        self._open = None
+        for client in [c for c in rnd.assignments if c not in rnd.submissions]:
+            self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+        if not rnd.submissions:
+            return  # nobody delivered: round r opens again with whoever is there
+        r = self.state.round
+        by_name: dict[str, list[SparseResult]] = {}
+        for client in rnd.assignments:  # assignment order: aggregation order is deterministic
+            for name, result in rnd.submissions[client].results.items():
+                by_name.setdefault(name, []).append(result)
+        update = self.config.update.build(r, self.config.round.planned_rounds)
+        aggregates = {name: aggregate(results) for name, results in by_name.items()}
+        rule = update.build()
+        for name, agg in aggregates.items():
+            self.master[name] = rule.apply(self.master[name], agg)
+        tiers = {a.tier for a in rnd.assignments.values()} | set(self.membership.tiers())
+        self.log.append(LoggedUpdate(
+            round=r, update=update, aggregates=aggregates, hashes=self.tier_hashes(list(tiers)),
+            coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()}))
+        self._record_loss(rnd)
+        self.state.round = r + 1
+        self.state.tokens += sum(a.tokens for a in rnd.assignments.values())
+        stop = self.config.round
+        self.state.finished = (stop.rounds is not None and self.state.round >= stop.rounds) or (
+            stop.tokens is not None and self.state.tokens >= stop.tokens)
+        if self.state.round % self.config.checkpoint.every_rounds == 0 or self.state.finished:
+            self._checkpoint()
+        self._save()
+        self.log.prune(through=self.state.checkpoints[-1] - 1)
+
+    def _record_loss(self, rnd: OpenRound) -> None:
+        """Per tier, the token-weighted mean loss its clients reported this round."""
+        sums: dict[int, list[float]] = {}
+        for client, sub in rnd.submissions.items():
+            if sub.loss is not None:
+                a = rnd.assignments[client]
+                total = sums.setdefault(a.tier, [0.0, 0.0])
+                total[0] += sub.loss * a.tokens
+                total[1] += a.tokens
+        for tier, (weighted, tokens) in sorted(sums.items()):
+            self.state.loss.setdefault(str(tier), []).append([rnd.index, weighted / tokens])
+
+    # -- persistence --------------------------------------------------------------------
+
+    def _save(self) -> None:
+        """state.json as of the last completed round (an open round is not in it)."""
+        self.state.queue = (self._open.queue_before if self._open is not None
+                            else self.queue.to_dict())
+        self.state.membership = self.membership.to_dict()
+        self.state.save(self.dir)
+
+    def _checkpoint_dir(self, round_index: int) -> Path:
+        return self.dir / "checkpoints" / f"round-{round_index}"
+
+    def _checkpoint(self) -> None:
+        """The master as a universal checkpoint plus the slices of the tiers in use."""
+        target = self._checkpoint_dir(self.state.round)
+        model = build_model(self.model_config)
+        load_canonical_state_dict(model, self.master)
+        save_pretrained(model, target)
+        export_tiers(target, [t for t in self.membership.tiers() if t > 0])
+        if self.state.round not in self.state.checkpoints:
+            self.state.checkpoints.append(self.state.round)
+
+    def _initial(self, initial: Mapping[str, Tensor] | None) -> Mapping[str, Tensor]:
+        if initial is not None:
+            return initial
+        if self.config.model.checkpoint is not None:
+            return canonical_state_dict(load_pretrained(self.config.model.checkpoint))
+        torch.manual_seed(self.config.data.seed)
+        return canonical_state_dict(build_model(self.model_config))
+
+    def _replayed(self) -> dict[str, Tensor]:
+        """The master of the saved state: latest checkpoint, then the logged updates since."""
+        base = self.state.checkpoints[-1]
+        directory = self._checkpoint_dir(base)
+        if not directory.is_dir():
+            raise ResumeError(f"state.json names checkpoint {directory}, which is missing; "
+                              "restore it, or start a new run directory.")
+        model = build_model(self.model_config)
+        load_state_into(model, read_weights(directory), directory)  # restores a tied head
+        master = {n: t.detach().clone() for n, t in canonical_state_dict(model).items()}
+        entries = [self.log.read(r) for r in range(base, self.state.round)]
+        for entry in entries:
+            master = entry.apply(master)
+        self.master = master
+        if entries and self.tier_hashes(list(entries[-1].hashes)) != entries[-1].hashes:
+            raise ResumeError(f"replaying {self.dir / 'updates'} onto checkpoint round-{base} "
+                              "does not reproduce the logged weight hashes; the log or the "
+                              "checkpoint was altered. Restore them, or start a new run.")
+        return master
+
+    def _length(self, sequence_id: int) -> int:
+        return len(self.reader[sequence_id])
+
+
+def _round_seed(data_seed: int, round_index: int) -> int:
+    """A 63-bit seed per (run seed, round), the same on every restart."""
+    digest = hashlib.sha256(f"{data_seed}:{round_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

@@ -1,0 +1,93 @@
+"""Who is in the run: members by client id, their tier, speed and when they were last seen.
+
+A member's ``tokens_per_second`` starts at its capability report and is replaced by what it
+shows: the tokens of its assignment over the time from the round's opening to its
+submission. The coordinator splits each round's sequences by these speeds. Session tokens
+live in ``protocol.auth.SessionTokens``; they are saved with the members so that a
+restarted coordinator still knows its clients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.auth import SessionTokens
+from server.errors import UnknownClient
+from server.tiers import Capabilities, TierAssignment, TierPolicy
+
+
+@dataclass(kw_only=True, slots=True)
+class Member:
+    client_id: str  # "client-<n>", never reused within a run
+    name: str  # the name the client reported ([tiers.pins] matches it)
+    device_kind: str
+    tier: int
+    tier_reason: str  # one sentence: why this tier
+    tokens_per_second: float  # measured when it has submitted, else its own report
+    last_seen: float  # clock time of its last call
+
+
+class Membership:
+    """Join, heartbeat, leave and speed measurement over the run's members."""
+
+    def __init__(self, policy: TierPolicy, *, members: Sequence[Member] = (),
+                 sessions: dict[str, str] | None = None, next_id: int = 0) -> None:
+        self.policy = policy
+        self.members = {m.client_id: m for m in members}
+        self.sessions = SessionTokens(sessions)
+        self._next_id = next_id
+
+    def join(self, capabilities: Capabilities, *, now: float) -> tuple[Member, TierAssignment, str]:
+        """A new member (its tier from the policy), its assignment and its session token."""
+        assignment = self.policy.assign(capabilities, [m.tier for m in self.members.values()])
+        client_id = f"client-{self._next_id}"
+        self._next_id += 1
+        member = Member(client_id=client_id, name=capabilities.name,
+                        device_kind=capabilities.device_kind, tier=assignment.tier,
+                        tier_reason=assignment.reason,
+                        tokens_per_second=capabilities.tokens_per_second, last_seen=now)
+        self.members[client_id] = member
+        return member, assignment, self.sessions.issue(client_id)
+
+    def get(self, client_id: str) -> Member:
+        if client_id not in self.members:
+            raise UnknownClient(f"{client_id} is not a member of this run (it left, or never "
+                                "joined); call Join again.")
+        return self.members[client_id]
+
+    def heartbeat(self, client_id: str, *, now: float) -> Member:
+        member = self.get(client_id)
+        member.last_seen = now
+        return member
+
+    def leave(self, client_id: str) -> Member:
+        member = self.get(client_id)
+        del self.members[client_id]
+        self.sessions.revoke(client_id)
+        return member
+
+    def measured(self, client_id: str, tokens: int, elapsed_s: float) -> None:
+        """Record the speed a member showed; a zero interval (same clock tick) keeps the old."""
+        if elapsed_s > 0 and tokens > 0:
+            self.members[client_id].tokens_per_second = tokens / elapsed_s
+
+    def active(self, *, now: float, timeout_s: float) -> list[Member]:
+        """Members seen within ``timeout_s``, in join order (ids sort by number)."""
+        alive = [m for m in self.members.values() if now - m.last_seen <= timeout_s]
+        return sorted(alive, key=lambda m: int(m.client_id.rpartition("-")[2]))
+
+    def tiers(self) -> list[int]:
+        return sorted({m.tier for m in self.members.values()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"next_id": self._next_id,
+                "members": [dataclasses.asdict(m) for m in self.members.values()],
+                "sessions": self.sessions.as_dict()}
+
+    @classmethod
+    def from_dict(cls, policy: TierPolicy, data: dict[str, Any]) -> Membership:
+        return cls(policy, members=[Member(**m) for m in data["members"]],
+                   sessions=data["sessions"], next_id=data["next_id"])

@@ -1,0 +1,37 @@
+"""``state.json``: what a coordinator needs, besides checkpoints and the update log, to resume
+a run exactly (DESIGN.md §6). Written atomically (temp file, fsync, rename) after every
+round and every change of members; the round open at that moment is not in it (its ids are
+still in the queue), so a restart opens that round again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modeling.checkpoint.files import read_json, write_json_atomic
+
+STATE_NAME = "state.json"
+
+
+@dataclass(kw_only=True, slots=True)
+class RunState:
+    run_id: str
+    data_fingerprint: str  # the MDAT view the sequence ids refer to; checked on resume
+    round: int = 0  # rounds completed; the next round's index
+    tokens: int = 0  # tokens trained on in completed rounds
+    queue: dict[str, Any] = field(default_factory=dict)  # WorkQueue.to_dict()
+    membership: dict[str, Any] = field(default_factory=dict)  # Membership.to_dict()
+    loss: dict[str, list[list[float]]] = field(default_factory=dict)  # tier → [[round, loss]]
+    checkpoints: list[int] = field(default_factory=list)  # rounds with a checkpoint, ascending
+    finished: bool = False
+
+    def save(self, run_dir: Path) -> None:
+        write_json_atomic(Path(run_dir) / STATE_NAME, asdict(self))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunState | None:
+        """The saved state, or None for a run directory without one (a new run)."""
+        path = Path(run_dir) / STATE_NAME
+        return cls(**read_json(path)) if path.is_file() else None

@@ -1,0 +1,48 @@
+"""The run's work queue: sequence ids in the order of the run's shuffle, plus ids handed back.
+
+Each round takes ids from the front until the round's token budget is met: first the ids
+that came back from dropped clients (the latest handed back first), then fresh ids from the
+shuffled order.
+The order wraps around at its end (a new epoch over the same permutation). Everything here
+is a function of its state (``position`` and ``requeued``), so replaying the same events
+gives the same rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+
+class WorkQueue:
+    def __init__(self, order: np.ndarray, *, position: int = 0,
+                 requeued: Iterable[int] = ()) -> None:
+        self.order = np.asarray(order)  # (n,) a permutation of the view's sequence ids
+        self.position = position  # fresh ids handed out so far (over all epochs)
+        self.requeued = [int(i) for i in requeued]  # handed back, served before fresh ids
+
+    def take(self, budget_tokens: int, length_of: Callable[[int], int]) -> list[int]:
+        """Ids from the front whose lengths sum to at most ``budget_tokens`` (at least one)."""
+        taken: list[int] = []
+        total = 0
+        while True:
+            fresh = not self.requeued
+            nxt = int(self.order[self.position % len(self.order)]) if fresh else self.requeued[0]
+            size = length_of(nxt)
+            if taken and total + size > budget_tokens:
+                return taken
+            taken.append(nxt)
+            total += size
+            if fresh:
+                self.position += 1
+            else:
+                self.requeued.pop(0)
+
+    def requeue(self, ids: Iterable[int]) -> None:
+        """Put ``ids`` back at the front, ahead of anything handed back earlier."""
+        self.requeued[:0] = [int(i) for i in ids]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "requeued": list(self.requeued)}

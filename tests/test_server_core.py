@@ -1,0 +1,254 @@
+"""The coordinator core in-process: membership, work queue, rounds, rejections, persistence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grpc
+import pytest
+import torch
+
+from modeling.checkpoint.files import read_weights
+from modeling.compression import CompressionConfig, SparseResult, region_shape
+from modeling.mdat import build_default_mdat
+from server.config import RunConfig
+from server.coordinator import Coordinator
+from server.errors import (
+    BadResult,
+    DuplicateResult,
+    MalformedResult,
+    StaleRound,
+    UnknownParameter,
+    UpdatesPruned,
+    WrongRegion,
+)
+from server.tiers import Capabilities
+from tests.conftest import tiny_config
+
+UP = "model.layers.0.mlp.up_proj.weight"  # (intermediate, hidden): tiers narrow its rows
+DENSE = CompressionConfig(encoding="dense").build()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def mdat_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs.mdat"
+    build_default_mdat(path, limit=30).close()
+    return path
+
+
+def run_config(run_dir, mdat_path, **round_overrides) -> RunConfig:
+    model = dataclasses.asdict(tiny_config(vocab_size=260, max_position_embeddings=128))
+    model = {k: v for k, v in model.items() if v is not None}
+    return RunConfig.from_dict({
+        "run": {"id": "test", "dir": str(run_dir)},
+        "model": {"inline": model},
+        "data": {"path": str(mdat_path), "max_seq_len": 128},
+        "tiers": {"allowed": [0, 1]},
+        "round": {"min_clients": 1, "deadline_s": 10.0, "tokens_per_round": 1024,
+                  "rounds": 20, **round_overrides},
+        "update": {"rule": "sgd", "lr": 0.1, "schedule": "constant"},
+        "checkpoint": {"every_rounds": 2},
+        "auth": {"join_token": "secret"},
+    })
+
+
+def caps(name: str, tier: int = 0, tps: float = 1000.0) -> Capabilities:
+    return Capabilities(name=name, device_kind="cpu", memory_bytes=2**34, requested_tier=tier,
+                        tokens_per_second=tps, microbatch_tokens=128)
+
+
+def gradient(coordinator: Coordinator, name: str, round_index: int, salt: int = 0):
+    """A deterministic universal-shape 'gradient' per (parameter, round, client salt)."""
+    gen = torch.Generator().manual_seed(hash((name, round_index, salt)) % 2**31)
+    return torch.randn(coordinator.shapes[name], generator=gen)
+
+
+def results(coordinator, client_id, *, salt=0, names=None, tokens=None) -> list[SparseResult]:
+    """Dense results of one client at its tier, for every (or the named) parameter."""
+    assignment = coordinator.assignment_for(client_id)
+    regions = coordinator.regions(assignment.tier)
+    out = []
+    for name in names or sorted(coordinator.shapes):
+        grad = gradient(coordinator, name, assignment.round, salt)
+        region = regions[name]
+        values = grad[tuple(slice(a, b) for a, b in region)]
+        assert tuple(values.shape) == region_shape(region)
+        out.append(DENSE.encode(name, values, shape=coordinator.shapes[name], region=region,
+                                tokens=tokens or assignment.tokens))
+    return out
+
+
+def snapshot(coordinator):
+    return {n: t.clone() for n, t in coordinator.master.items()}
+
+
+def same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_assignment_is_proportional_to_tokens_per_second(tmp_path, mdat_path):
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=2), clock=Clock())
+    fast, _, token = c.join(caps("fast", tps=3000.0))
+    assert c.phase == "waiting" and c.membership.sessions.client_of(token) == fast.client_id
+    slow, _, _ = c.join(caps("slow", tps=1000.0))
+    assert c.phase == "collecting"
+    a, b = c.assignment_for(fast.client_id), c.assignment_for(slow.client_id)
+    ids = a.sequence_ids + b.sequence_ids
+    assert list(ids) == [int(i) for i in c.queue.order[:len(ids)]]  # the shuffled queue head
+    assert len(a.sequence_ids) == round(len(ids) * 3 / 4)
+    assert a.tokens + b.tokens <= 1024 and a.round == 0 and a.lr == 0.1
+
+
+def test_missed_deadline_requeues_ids_and_measures_speed(tmp_path, mdat_path):
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=2), clock=clock)
+    a, _, _ = c.join(caps("a"))
+    b, _, _ = c.join(caps("b"))
+    missed, done = c.assignment_for(b.client_id), c.assignment_for(a.client_id)
+    clock.now = 4.0
+    c.submit(a.client_id, 0, results(c, a.client_id))
+    assert c.membership.get(a.client_id).tokens_per_second == done.tokens / 4.0
+    clock.now = 10.0
+    with pytest.raises(StaleRound):  # the deadline closes round 0 before b's results count
+        c.submit(b.client_id, 0, results(c, b.client_id))
+    assert c.state.round == 1 and c.current_round.index == 1
+    nxt = c.current_round.assignments
+    handed = [i for cid in nxt for i in nxt[cid].sequence_ids]
+    assert handed[:len(missed.sequence_ids)] == list(missed.sequence_ids)
+    assert c.state.tokens == done.tokens == c.log.read(0).coverage_tokens[UP]  # a's only
+
+
+def test_leave_requeues_and_round_closes_with_the_rest(tmp_path, mdat_path):
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=1), clock=Clock())
+    a, _, _ = c.join(caps("a"))
+    b, _, _ = c.join(caps("b"))  # joins while round 0 is open: waits for round 1
+    assert c.assignment_for(b.client_id) is None
+    c.submit(a.client_id, 0, results(c, a.client_id))
+    ids_b = c.assignment_for(b.client_id).sequence_ids
+    c.leave(b.client_id)
+    assert c.queue.requeued[:len(ids_b)] == list(ids_b)
+    assert b.client_id not in c.current_round.assignments
+    c.submit(a.client_id, 1, results(c, a.client_id))
+    assert c.state.round == 2
+
+
+def test_every_rejection_leaves_the_master_unchanged(tmp_path, mdat_path):
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=2), clock=Clock())
+    big, _, _ = c.join(caps("big", tier=0))
+    small, _, _ = c.join(caps("small", tier=1))
+    before = snapshot(c)
+    good = results(c, small.client_id)
+    wrong_region = [r for r in results(c, big.client_id) if r.name == UP]  # tier 0's region
+    nan = dataclasses.replace(good[0], values=torch.full_like(good[0].values, float("nan")))
+    unknown = dataclasses.replace(good[0], name="model.layers.9.mlp.up_proj.weight")
+    bad = [([unknown], UnknownParameter, 0), (wrong_region, WrongRegion, 0),
+           (good, StaleRound, 1), ([nan], MalformedResult, 0),
+           ([good[0], good[0]], DuplicateResult, 0)]
+    for submission, error, round_index in bad:
+        with pytest.raises(error) as caught:
+            c.submit(small.client_id, round_index, submission)
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert isinstance(caught.value, BadResult) and not c.current_round.submissions
+    c.submit(small.client_id, 0, good)
+    with pytest.raises(DuplicateResult):
+        c.submit(small.client_id, 0, good)
+    assert same(c.master, before) and c.phase == "collecting"
+    c.submit(big.client_id, 0, results(c, big.client_id, salt=1))
+    assert c.state.round == 1 and not same(c.master, before)
+
+
+def test_ffn_tail_changes_only_through_tier0(tmp_path, mdat_path):
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=2), clock=Clock())
+    big, _, _ = c.join(caps("big", tier=0))
+    small, _, _ = c.join(caps("small", tier=1))
+    before = snapshot(c)
+    half = c.regions(1)[UP][0][1]
+    assert half == c.shapes[UP][0] // 2
+    lr = c.assignment_for(big.client_id).lr
+    big_results = results(c, big.client_id, salt=1)
+    small_results = results(c, small.client_id, salt=2)
+    g0 = next(r for r in big_results if r.name == UP).values
+    c.submit(small.client_id, 0, small_results)
+    assert same(c.master, before)
+    c.submit(big.client_id, 0, big_results)
+    tail = c.master[UP][half:]
+    assert torch.equal(tail, torch.add(before[UP][half:], g0[half:], alpha=-lr))
+    assert not torch.equal(c.master[UP][:half],
+                           torch.add(before[UP][:half], g0[:half], alpha=-lr))
+
+
+def test_sgd_dense_one_client_is_master_minus_lr_grad(tmp_path, mdat_path):
+    c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=Clock())
+    a, _, _ = c.join(caps("a"))
+    before = snapshot(c)
+    lr = c.assignment_for(a.client_id).lr
+    c.submit(a.client_id, 0, results(c, a.client_id))
+    for name, weight in c.master.items():
+        assert torch.equal(weight, torch.add(before[name], gradient(c, name, 0), alpha=-lr))
+    logged = c.log.read(0)
+    assert logged.hashes == c.tier_hashes([0]) and logged.update.lr == lr
+
+
+def drive(c: Coordinator, clock: Clock, client_id: str, rounds: int) -> None:
+    for _ in range(rounds):
+        clock.now += 1.0
+        c.submit(client_id, c.current_round.index, results(c, client_id), loss=1.0)
+
+
+def test_resume_equals_uninterrupted(tmp_path, mdat_path):
+    clock = Clock()
+    straight = Coordinator(run_config(tmp_path / "a", mdat_path), clock=clock)
+    cid = straight.join(caps("a", tier=1))[0].client_id
+    drive(straight, clock, cid, 5)
+
+    clock = Clock()
+    config = run_config(tmp_path / "b", mdat_path)
+    first = Coordinator(config, clock=clock)
+    assert first.join(caps("a", tier=1))[0].client_id == cid
+    drive(first, clock, cid, 3)
+    open_round = first.assignment_for(cid)  # round 3, open when the process "dies"
+    del first
+    resumed = Coordinator(config, clock=clock)
+    assert resumed.state.round == 3 and resumed.state.checkpoints == [0, 2]
+    resumed.advance()
+    assert resumed.assignment_for(cid) == open_round  # the same ids, lr, seed and deadline
+    drive(resumed, clock, cid, 2)
+    assert same(resumed.master, straight.master)
+    assert resumed.state.tokens == straight.state.tokens
+    assert resumed.state.loss == straight.state.loss == {"1": [[r, 1.0] for r in range(5)]}
+
+
+def test_replay_api_for_a_late_joiner(tmp_path, mdat_path):
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, 3)
+    ref = c.checkpoint_for(1)
+    assert ref.round == 2 and ref.sliced and ref.path.name == "round-2-tier1"
+    assert not c.checkpoint_for(0).sliced
+    with pytest.raises(UpdatesPruned):
+        c.updates_since(1)
+    state = {n: t.clone() for n, t in c.master.items()}
+    replica = read_weights(ref.path.parent / "round-2")
+    for entry in c.updates_since(ref.round):
+        replica = entry.apply(replica)
+    assert same(replica, state)
+
+
+def test_finishes_after_the_planned_rounds_with_a_checkpoint(tmp_path, mdat_path):
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, rounds=3), clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, 3)
+    assert c.phase == "finished" and c.state.checkpoints == [0, 2, 3]
+    assert c.current_round is None and c.updates_since(3) == []
+    with pytest.raises(StaleRound):
+        c.submit(cid, 3, [])
