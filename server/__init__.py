@@ -9,6 +9,9 @@
   round, the checkpoint a joiner loads; ``server.membership``, ``server.work`` (the queue of
   shuffled sequence ids, re-queued ids first), ``server.rounds``, ``server.update_log``,
   ``server.state`` (``state.json``) are its parts.
+- ``server.service``: the gRPC servicer over the coordinator (auth, schema check, error codes);
+  ``server.http``: ``/status``, ``/metrics`` and the checkpoints read-only under ``/files``;
+  ``server.main``: ``matformer-server --config run.toml`` (gRPC + health, HTTP, round timer).
 - ``server.errors``: ``ServerConfigError``, ``TierAssignmentError`` and ``CoordinatorError``
   families; each carries the gRPC status code a servicer answers with.
 """

@@ -1,0 +1,136 @@
+"""``matformer-server --config run.toml``: the coordinator with its gRPC and HTTP servers.
+
+    server = RunningServer.start(config)      # ports from [server]; tests pass port 0
+    server.grpc_port, server.http_port       # the ports actually bound
+    server.stop()
+
+gRPC (the Coordinator and health services, TLS when [tls] names cert and key) runs on its
+own thread pool; the HTTP app runs under uvicorn on a thread; a third thread calls
+``coordinator.advance()`` every ``TICK_S`` so that rounds close at their deadline even when
+no client calls. SIGINT/SIGTERM stop all three; state.json is already on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import uvicorn
+
+from modeling.errors import MatformerError
+from protocol.channel import GRPC_OPTIONS
+from protocol.health import add_health
+from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from server.config import RunConfig
+from server.coordinator import Coordinator
+from server.http import build_app
+from server.service import CoordinatorService
+
+TICK_S = 0.5  # how often the coordinator checks deadlines on its own
+GRPC_WORKERS = 16
+STOP_GRACE_S = 2.0
+
+log = logging.getLogger("matformer.server")
+
+
+@dataclass(kw_only=True)
+class RunningServer:
+    service: CoordinatorService
+    grpc_server: grpc.Server
+    http_server: uvicorn.Server
+    grpc_port: int
+    http_port: int
+    _threads: list[threading.Thread]
+    _stopping: threading.Event
+
+    @classmethod
+    def start(cls, config: RunConfig, *, grpc_port: int | None = None,
+              http_port: int | None = None) -> RunningServer:
+        """Build the coordinator (resuming config.run.dir) and start serving."""
+        host = config.server.host
+        service = CoordinatorService(Coordinator(config))
+        grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS),
+                                  options=GRPC_OPTIONS)
+        pb_grpc.add_CoordinatorServicer_to_server(service, grpc_server)
+        add_health(grpc_server)
+        address = f"{host}:{config.server.grpc_port if grpc_port is None else grpc_port}"
+        if config.tls.enabled:
+            credentials = grpc.ssl_server_credentials(
+                [(config.tls.key.read_bytes(), config.tls.cert.read_bytes())])
+            bound_grpc = grpc_server.add_secure_port(address, credentials)
+        else:
+            bound_grpc = grpc_server.add_insecure_port(address)
+        grpc_server.start()
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, config.server.http_port if http_port is None else http_port))
+        http_server = uvicorn.Server(uvicorn.Config(build_app(service), log_level="warning"))
+        stopping = threading.Event()
+        threads = [threading.Thread(target=http_server.run, kwargs={"sockets": [sock]},
+                                    name="matformer-http", daemon=True),
+                   threading.Thread(target=_tick, args=(service.coordinator, stopping),
+                                    name="matformer-tick", daemon=True)]
+        for thread in threads:
+            thread.start()
+        server = cls(service=service, grpc_server=grpc_server, http_server=http_server,
+                     grpc_port=bound_grpc, http_port=sock.getsockname()[1], _threads=threads,
+                     _stopping=stopping)
+        log.info("run %s: gRPC on %s:%d (%s), HTTP on %s:%d", config.run.id, host, bound_grpc,
+                 "TLS" if config.tls.enabled else "plaintext", host, server.http_port)
+        return server
+
+    def wait_until_http_ready(self, timeout_s: float = 10.0) -> bool:
+        """uvicorn starts on its thread; True once it accepts connections."""
+        deadline = time.monotonic() + timeout_s
+        while not self.http_server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.http_server.started
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.http_server.should_exit = True
+        self.grpc_server.stop(STOP_GRACE_S).wait()
+        for thread in self._threads:
+            thread.join(timeout=STOP_GRACE_S + 3)
+
+
+def _tick(coordinator: Coordinator, stopping: threading.Event) -> None:
+    while not stopping.wait(TICK_S):
+        try:
+            coordinator.advance()
+        except Exception:  # a failing round must not silently stop the deadlines
+            log.exception("advancing the run failed; retrying in %.1f s", TICK_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="matformer-server",
+                                     description="Coordinate a federated Matformer run.")
+    parser.add_argument("--config", type=Path, required=True, help="the run's run.toml")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        server = RunningServer.start(RunConfig.load(args.config))
+    except MatformerError as err:
+        print(f"matformer-server: {err}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    log.info("stopping; the run resumes from %s", server.service.coordinator.dir)
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

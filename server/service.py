@@ -1,0 +1,221 @@
+"""The Coordinator gRPC service (protocol/matformer/v1/coordinator.proto) over a ``Coordinator``.
+
+    servicer = CoordinatorService(coordinator)
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server)
+
+Every handler turns the errors its helpers raise on purpose into a status with
+``context.abort(err.code, str(err))``: ``ProtocolError`` and ``CompressionError`` (malformed
+messages: INVALID_ARGUMENT), ``CoordinatorError`` / ``TierAssignmentError`` (each with its own
+code). A rejected submission leaves the round's aggregate untouched: the coordinator keeps all
+of a submission or none of it. ``Join`` authenticates with the run's join token; every other
+RPC with the session token ``Join`` issued (``protocol.auth.require_session``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NoReturn, TypeVar
+
+import grpc
+import torch
+
+from modeling.checkpoint.export import read_manifest
+from modeling.checkpoint.manifest import MANIFEST_NAME
+from modeling.checkpoint.schema import canonical_schema_hash
+from modeling.errors import CompressionError
+from protocol.auth import check_join_token, require_session
+from protocol.errors import ProtocolError
+from protocol.files import resolve_inside, send_file
+from protocol.matformer.v1 import coordinator_pb2 as pb
+from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from protocol.submission import read_submission
+from protocol.tensors import encode_tensor
+from protocol.updates import RoundUpdate, update_messages
+from server.coordinator import Coordinator
+from server.errors import CoordinatorError, TierAssignmentError
+from server.tiers import Capabilities
+
+RETRY_AFTER_S = 0.5  # how soon a waiting client asks GetRound again
+
+T = TypeVar("T")
+_REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentError)
+
+
+class CoordinatorService(pb_grpc.CoordinatorServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.schema_hash = canonical_schema_hash(coordinator.model_config, coordinator.shapes)
+        self.bytes_received: dict[int, int] = {}  # round → bytes of accepted submissions
+        self._bytes_lock = threading.Lock()
+
+    # -- join and membership ------------------------------------------------------------
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        c = self.coordinator
+        check_join_token(context, request.join_token, c.config.auth.token())
+        if request.run_id and request.run_id != c.config.run.id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this server runs {c.config.run.id!r}, not {request.run_id!r}; "
+                          "check --server.")
+        if request.schema.canonical_hash != self.schema_hash:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"the client's model has canonical schema hash "
+                          f"{request.schema.canonical_hash or '(none)'}, the run's model "
+                          f"{self.schema_hash}; load the run's checkpoint (--checkpoint server).")
+        caps = request.capabilities
+        capabilities = Capabilities(
+            name=request.client_name or "client", device_kind=caps.device_kind or "cpu",
+            memory_bytes=caps.memory_bytes,
+            requested_tier=caps.requested_tier if caps.HasField("requested_tier") else None,
+            tokens_per_second=caps.tokens_per_second,
+            # The proto does not carry the client's microbatch; one sequence is the least it runs.
+            microbatch_tokens=c.config.data.max_seq_len)
+        member, tier, token = _call(context, lambda: c.join(capabilities))
+        return pb.JoinReply(client_id=member.client_id, session_token=token, tier=tier.tier,
+                            ffn_width=tier.ffn_width, tier_reason=tier.reason,
+                            round=c.state.round, checkpoint=self._checkpoint_ref(tier.tier),
+                            settings=self._settings())
+
+    def Heartbeat(self, request: pb.HeartbeatRequest,
+                  context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        client_id = require_session(context, self.coordinator.membership.sessions)
+        _call(context, lambda: self.coordinator.heartbeat(client_id))
+        return pb.HeartbeatReply(round=self.coordinator.state.round)
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        client_id = require_session(context, self.coordinator.membership.sessions)
+        _call(context, lambda: self.coordinator.leave(client_id))
+        return pb.LeaveReply()
+
+    # -- rounds -------------------------------------------------------------------------
+
+    def GetRound(self, request: pb.GetRoundRequest,
+                 context: grpc.ServicerContext) -> pb.RoundAssignment:
+        c = self.coordinator
+        client_id = require_session(context, c.membership.sessions)
+        assignment = _call(context, lambda: c.heartbeat(client_id))
+        if c.phase == "finished":
+            return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=c.state.round)
+        rnd = c.current_round
+        if assignment is None or rnd is None or client_id in rnd.submissions:
+            return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=c.state.round,
+                                      retry_after_seconds=RETRY_AFTER_S)
+        return pb.RoundAssignment(
+            state=pb.ROUND_STATE_TRAIN, round=assignment.round,
+            sequence_ids=assignment.sequence_ids, tier=assignment.tier,
+            learning_rate=assignment.lr, seed=assignment.seed,
+            deadline_seconds=max(assignment.deadline - c.clock(), 0.0))
+
+    def FetchSequences(self, request: pb.FetchSequencesRequest,
+                       context: grpc.ServicerContext) -> Iterator[pb.Sequence]:
+        require_session(context, self.coordinator.membership.sessions)
+        reader = self.coordinator.reader
+        bad = [i for i in request.ids if i >= len(reader)]
+        if bad:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"sequence ids {bad[:5]} are outside the run's {len(reader)} "
+                          "sequences; fetch the ids GetRound assigned.")
+        for i in request.ids:
+            yield pb.Sequence(id=i, tokens=encode_tensor(torch.from_numpy(reader[i].copy())))
+
+    def SubmitResult(self, request_iterator: Iterator[pb.SubmitMessage],
+                     context: grpc.ServicerContext) -> pb.SubmitReply:
+        client_id = require_session(context, self.coordinator.membership.sessions)
+        received = 0
+
+        def counted() -> Iterator[pb.SubmitMessage]:
+            nonlocal received
+            for message in request_iterator:
+                received += message.ByteSize()
+                yield message
+
+        def submit() -> int:
+            header, stream = read_submission(counted())
+            if header.client_id != client_id:
+                raise _NotYourSession(f"the header names {header.client_id!r} but the session "
+                                      f"is {client_id!r}; submit with your own client id.")
+            if not math.isfinite(header.loss):
+                raise ProtocolError(f"the reported loss {header.loss} is not finite; the "
+                                    "client diverged, so it should reload the checkpoint.")
+            results = list(stream)  # decoded and checked before the coordinator sees any
+            self.coordinator.submit(client_id, header.round, results, loss=header.loss)
+            with self._bytes_lock:
+                self.bytes_received[header.round] = (
+                    self.bytes_received.get(header.round, 0) + received)
+            return len(results)
+
+        return pb.SubmitReply(accepted=_call(context, submit))
+
+    # -- catching up --------------------------------------------------------------------
+
+    def GetUpdates(self, request: pb.GetUpdatesRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.UpdateMessage]:
+        """The logged updates of rounds ``since_round``, since_round + 1, ...: a checkpoint
+        reference's ``round`` counts the rounds inside it, so it is the first to replay."""
+        c = self.coordinator
+        client_id = require_session(context, c.membership.sessions)
+        tier = _call(context, lambda: c.membership.get(client_id).tier)
+        logged = _call(context, lambda: c.updates_since(request.since_round))
+        yield from update_messages(
+            RoundUpdate(round=u.round, learning_rate=u.update.lr,
+                        weight_hash=u.hashes.get(tier, ""), parameters=u.aggregates)
+            for u in logged)
+
+    def DownloadCheckpoint(self, request: pb.DownloadCheckpointRequest,
+                           context: grpc.ServicerContext) -> Iterator[pb.FileChunk]:
+        require_session(context, self.coordinator.membership.sessions)
+        path = _call(context, lambda: resolve_inside(self.checkpoints, request.path))
+        if not path.is_file():
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"{request.path} is not a file of the run's checkpoints; take paths "
+                          f"from the manifest ({MANIFEST_NAME}).")
+        yield from send_file(path)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.coordinator.dir / "checkpoints"
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _checkpoint_ref(self, tier: int) -> pb.CheckpointRef:
+        """The latest universal checkpoint's manifest and its entry for ``tier``."""
+        ref = self.coordinator.checkpoint_for(0)
+        message = pb.CheckpointRef(round=ref.round,
+                                   manifest_path=f"{ref.path.name}/{MANIFEST_NAME}")
+        manifest = read_manifest(ref.path)
+        entry = manifest.entry(tier) if manifest is not None else None
+        if entry is not None:
+            message.entry.CopyFrom(pb.TierEntry(tier=str(entry.tier),
+                                                intermediate_size=entry.intermediate_size,
+                                                files=entry.files))
+        return message
+
+    def _settings(self) -> pb.TrainingSettings:
+        cfg = self.coordinator.config
+        compression, update = cfg.compression, cfg.update
+        return pb.TrainingSettings(
+            encoding=compression.encoding, chunk=compression.chunk, topk=compression.topk,
+            value_dtype=compression.value_dtype, decay=compression.decay,
+            compression_lr=compression.lr, update_rule=update.rule,
+            weight_decay=update.weight_decay, sequence_length=cfg.data.max_seq_len,
+            data_fingerprint=self.coordinator.reader.fingerprint)
+
+
+class _NotYourSession(ProtocolError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def _call(context: grpc.ServicerContext, action: Callable[[], T]) -> T:
+    """``action()``, with any error raised on purpose turned into the call's status."""
+    try:
+        return action()
+    except _REFUSED as err:
+        _abort(context, err)
+
+
+def _abort(context: grpc.ServicerContext, err: Exception) -> NoReturn:
+    context.abort(getattr(err, "code", grpc.StatusCode.INVALID_ARGUMENT), str(err))
+    raise AssertionError("unreachable: context.abort raises")

@@ -1,0 +1,283 @@
+"""matformer-server end to end on loopback: a real gRPC client through the stubs, real HTTP."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from modeling.checkpoint.schema import canonical_schema_hash
+from modeling.compression import CompressionConfig
+from modeling.mdat import build_default_mdat
+from protocol.auth import session_metadata
+from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
+from protocol.files import receive_file
+from protocol.matformer.v1 import coordinator_pb2 as pb
+from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from protocol.submission import submission_messages
+from protocol.tensors import decode_tensor
+from protocol.updates import read_updates
+from server.config import RunConfig
+from server.main import RunningServer, main
+from tests.conftest import tiny_config
+
+JOIN_TOKEN = "join-secret"
+DENSE = CompressionConfig(encoding="dense").build()
+
+
+def write_run_toml(tmp_path, min_clients: int = 2):
+    mdat = tmp_path / "docs.mdat"
+    build_default_mdat(mdat, limit=30).close()
+    model = dataclasses.asdict(tiny_config(vocab_size=260, max_position_embeddings=128))
+    inline = toml_value(model)
+    path = tmp_path / "run.toml"
+    path.write_text(f"""
+[run]
+id = "svc-test"
+dir = "run"
+
+[model]
+inline = {inline}
+
+[data]
+path = "docs.mdat"
+max_seq_len = 128
+
+[tiers]
+allowed = [0, 1]
+
+[round]
+min_clients = {min_clients}
+deadline_s = 30.0
+tokens_per_round = 1024
+rounds = 5
+
+[update]
+rule = "sgd"
+lr = 0.1
+schedule = "constant"
+
+[compression]
+encoding = "none"
+
+[auth]
+join_token = "{JOIN_TOKEN}"
+""")
+    return path
+
+
+def toml_value(value) -> str:
+    """An inline TOML value; None entries of tables are left out (TOML has no null)."""
+    if isinstance(value, dict):
+        pairs = (f"{k} = {toml_value(v)}" for k, v in value.items() if v is not None)
+        return "{ " + ", ".join(pairs) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+@pytest.fixture(scope="module")
+def running(tmp_path_factory):
+    config = RunConfig.load(write_run_toml(tmp_path_factory.mktemp("svc")))
+    server = RunningServer.start(config, grpc_port=0, http_port=0)
+    assert server.wait_until_http_ready()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
+    yield server, pb_grpc.CoordinatorStub(channel), channel
+    channel.close()
+    server.stop()
+
+
+def schema_hash(server) -> str:
+    c = server.service.coordinator
+    return canonical_schema_hash(c.model_config, c.shapes)
+
+
+def join_request(server, *, token=JOIN_TOKEN, schema=None, name="alice") -> pb.JoinRequest:
+    return pb.JoinRequest(
+        run_id="svc-test", join_token=token, client_name=name,
+        capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**34, requested_tier=0,
+                                     tokens_per_second=1000.0, load_strategy="auto"),
+        schema=pb.Schema(canonical_hash=schema_hash(server) if schema is None else schema))
+
+
+def code_of(call) -> tuple[grpc.StatusCode, str]:
+    """The status a call ends with (streaming calls: the lambda drains the stream)."""
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()
+
+
+def http_get(server, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}{path}",
+                                    timeout=5) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def test_join_rejections(running):
+    server, stub, _ = running
+    code, details = code_of(lambda: stub.Join(join_request(server, token="wrong")))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    code, details = code_of(lambda: stub.Join(join_request(server, schema="f" * 64)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "f" * 64 in details and schema_hash(server) in details
+    assert server.service.coordinator.membership.members == {}
+
+
+SESSION_CALLS = [("GetRound", pb.GetRoundRequest()), ("Heartbeat", pb.HeartbeatRequest()),
+                 ("FetchSequences", pb.FetchSequencesRequest(ids=[0])),
+                 ("GetUpdates", pb.GetUpdatesRequest()), ("Leave", pb.LeaveRequest())]
+
+
+@pytest.mark.parametrize("metadata", [(), session_metadata("client-0.not-the-secret")],
+                         ids=["missing", "forged"])
+@pytest.mark.parametrize("method,request_", SESSION_CALLS, ids=[m for m, _ in SESSION_CALLS])
+def test_sessions_are_required(running, method, request_, metadata):
+    _, stub, _ = running
+
+    def call():
+        reply = getattr(stub, method)(request_, metadata=metadata)
+        return list(reply) if method in ("FetchSequences", "GetUpdates") else reply
+
+    assert code_of(call)[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_run_over_grpc_and_http(running, tmp_path):
+    server, stub, channel = running
+    c = server.service.coordinator
+    alice = stub.Join(join_request(server))
+    assert alice.tier == 0 and alice.ffn_width == 64 and alice.tier_reason
+    assert alice.settings.encoding == "dense" and alice.settings.update_rule == "sgd"
+    auth_a = session_metadata(alice.session_token)
+    waiting = stub.GetRound(pb.GetRoundRequest(), metadata=auth_a)
+    assert waiting.state == pb.ROUND_STATE_WAIT  # min_clients = 2
+
+    bob = stub.Join(join_request(server, name="bob"))
+    auth_b = session_metadata(bob.session_token)
+    work = stub.GetRound(pb.GetRoundRequest(), metadata=auth_a)
+    assert work.state == pb.ROUND_STATE_TRAIN and work.round == 0 and work.sequence_ids
+    assert 0 < work.deadline_seconds <= 30.0 and math.isclose(work.learning_rate, 0.1)
+
+    sequences = list(stub.FetchSequences(pb.FetchSequencesRequest(ids=work.sequence_ids),
+                                         metadata=auth_a))
+    assert [s.id for s in sequences] == list(work.sequence_ids)
+    assert torch.equal(decode_tensor(sequences[0].tokens),
+                       torch.from_numpy(c.reader[work.sequence_ids[0]].copy()))
+    assert code_of(lambda: list(stub.FetchSequences(
+        pb.FetchSequencesRequest(ids=[10**9]), metadata=auth_a)))[0] == (
+        grpc.StatusCode.INVALID_ARGUMENT)
+
+    # A NaN in a result: INVALID_ARGUMENT, and neither the master nor the round changes.
+    before = {n: t.clone() for n, t in c.master.items()}
+    bad = results(c, alice.client_id, poison=True)
+    header = pb.SubmitHeader(round=0, client_id=alice.client_id, tokens=1, loss=3.0)
+    code, details = code_of(lambda: stub.SubmitResult(submission_messages(header, bad),
+                                                      metadata=auth_a))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in details
+    assert all(torch.equal(before[n], c.master[n]) for n in before)
+    assert c.current_round.submissions == {}
+    # Someone else's client id in the header: refused too.
+    code, _ = code_of(lambda: stub.SubmitResult(
+        submission_messages(pb.SubmitHeader(round=0, client_id=bob.client_id, loss=3.0),
+                            results(c, alice.client_id)), metadata=auth_a))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+
+    for reply, auth, loss in ((alice, auth_a, 3.0), (bob, auth_b, 4.0)):
+        good = results(c, reply.client_id)
+        header = pb.SubmitHeader(round=0, client_id=reply.client_id, loss=loss)
+        accepted = stub.SubmitResult(submission_messages(header, good), metadata=auth)
+        assert accepted.accepted == len(good)
+    assert c.state.round == 1 and not all(torch.equal(before[n], c.master[n]) for n in before)
+    stale = stub.SubmitResult
+    assert code_of(lambda: stale(submission_messages(
+        pb.SubmitHeader(round=0, client_id=alice.client_id, loss=1.0),
+        results(c, alice.client_id)), metadata=auth_a))[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+    (update,) = read_updates(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0),
+                                             metadata=auth_a))
+    assert update.round == 0 and update.weight_hash == c.tier_hashes([0])[0]
+    assert set(update.parameters) == set(c.shapes)
+
+    manifest = tmp_path / "manifest.json"
+    receive_file(stub.DownloadCheckpoint(pb.DownloadCheckpointRequest(
+        path=alice.checkpoint.manifest_path), metadata=auth_a), manifest)
+    assert json.loads(manifest.read_text())["tiers"]
+    for path, code in (("../state.json", grpc.StatusCode.INVALID_ARGUMENT),
+                       ("round-0/nothing", grpc.StatusCode.NOT_FOUND)):
+        assert code_of(lambda path=path: list(stub.DownloadCheckpoint(
+            pb.DownloadCheckpointRequest(path=path), metadata=auth_a)))[0] == code
+
+    status, body = http_get(server, "/status")
+    report = json.loads(body)
+    assert status == 200 and report["run_id"] == "svc-test" and report["round"] == 1
+    assert {m["name"]: m["tier"] for m in report["clients"]} == {"alice": 0, "bob": 0}
+    (point,) = report["loss"]["0"]
+    assert point["round"] == 0 and 3.0 < point["loss"] < 4.0  # token-weighted mean
+    assert report["bytes_received"]["0"] > 0
+    status, body = http_get(server, "/metrics")
+    assert status == 200 and 'matformer_round{run="svc-test"} 1' in body.decode()
+    assert f'matformer_loss{{run="svc-test",tier="0"}} {point["loss"]}' in body.decode()
+    status, body = http_get(server, f"/files/{alice.checkpoint.manifest_path}")
+    assert status == 200 and body == manifest.read_bytes()
+    assert http_get(server, "/files/../state.json")[0] == 404
+    assert http_get(server, "/files/%2e%2e/state.json")[0] == 404
+
+    stub.Leave(pb.LeaveRequest(reason="done"), metadata=auth_b)
+    assert code_of(lambda: stub.Heartbeat(pb.HeartbeatRequest(), metadata=auth_b))[0] == (
+        grpc.StatusCode.UNAUTHENTICATED)
+    health = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE))
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl for a certificate")
+def test_tls_when_the_config_names_a_certificate(tmp_path):
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "key.pem"),
+                    "-out", str(tmp_path / "cert.pem")], check=True, capture_output=True)
+    path = write_run_toml(tmp_path)
+    path.write_text(path.read_text() + '\n[tls]\ncert = "cert.pem"\nkey = "key.pem"\n')
+    server = RunningServer.start(RunConfig.load(path), grpc_port=0, http_port=0)
+    try:
+        credentials = grpc.ssl_channel_credentials((tmp_path / "cert.pem").read_bytes())
+        with grpc.secure_channel(f"127.0.0.1:{server.grpc_port}", credentials,
+                                 options=GRPC_OPTIONS) as channel:
+            reply = pb_grpc.CoordinatorStub(channel).Join(join_request(server), timeout=10)
+        assert reply.session_token.startswith(reply.client_id)
+        with (grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as plain,
+              pytest.raises(grpc.RpcError)):
+            pb_grpc.CoordinatorStub(plain).Join(join_request(server), timeout=2)
+    finally:
+        server.stop()
+
+
+def test_main_reports_a_bad_config(tmp_path, capsys):
+    assert main(["--config", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def results(coordinator, client_id, *, poison=False):
+    """Dense results of one client at its tier for every parameter; one NaN if ``poison``."""
+    assignment = coordinator.assignment_for(client_id)
+    regions = coordinator.regions(assignment.tier)
+    out = []
+    for name in sorted(coordinator.shapes):
+        values = torch.full([b - a for a, b in regions[name]], 0.01)
+        if poison and not out:
+            values.view(-1)[0] = float("nan")
+        out.append(DENSE.encode(name, values, shape=coordinator.shapes[name],
+                                region=regions[name], tokens=assignment.tokens))
+    return out
