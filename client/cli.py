@@ -1,26 +1,98 @@
 """`matformer-client`: the command a participant runs.
 
-``matformer-client train`` trains on one machine: the baseline a federated run is compared
-with, on the same data path (MDAT sequences, token-budget microbatches, several tiers per step).
+``matformer-client train --server HOST:PORT`` joins a federated run (client/federated.py);
+without ``--server`` it trains on one machine: the baseline a federated run is compared with,
+on the same data path (MDAT sequences, token-budget microbatches, several tiers per step).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
+from pathlib import Path
 
+from client.federated import JOIN_TOKEN_ENV, FederatedClient, FederatedOptions
 from client.standalone import add_arguments, run
+from modeling.checkpoint.loader import STRATEGIES
+from modeling.errors import MatformerError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="matformer-client", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    add_arguments(commands.add_parser(
-        "train", help="train standalone on an MDAT (default: the embedded stdlib corpus)"))
+    train = commands.add_parser(
+        "train", help="join a federated run (--server), or train standalone without one")
+    add_arguments(train)
+    federated = train.add_argument_group("federated run (with --server)")
+    federated.add_argument("--server", help="HOST:PORT of the coordinator's gRPC service")
+    federated.add_argument("--tier", type=int, default=None,
+                           help="smallest tier index (largest model) wanted; default: any")
+    federated.add_argument("--load-strategy", choices=STRATEGIES, default="auto",
+                           help="auto: the tier slice if listed, else slice the universal "
+                                "checkpoint; sliced: the slice or fail; universal: always whole")
+    federated.add_argument("--checkpoint", default="server",
+                           help="where checkpoint files come from: server (default), a folder "
+                                "or hf:ORG/NAME holding a copy of the run's checkpoints "
+                                "(files whose sha256 differs from the manifest are downloaded)")
+    federated.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    federated.add_argument("--join-token", default=None,
+                           help=f"the run's join token (default: ${JOIN_TOKEN_ENV})")
+    federated.add_argument("--name", default=None,
+                           help="this client's name ([tiers.pins] match it; default: hostname)")
+    federated.add_argument("--run-id", default="", help="refuse to join any other run")
+    federated.add_argument("--state-dir", type=Path, default=None,
+                           help="checkpoint cache and error feedback (default: "
+                                "runs/clients/<name>)")
+    federated.add_argument("--tls-ca", type=Path, default=None,
+                           help="PEM certificate to trust: connect with TLS")
+    federated.add_argument("--also-train", default="",
+                           help="comma-separated smaller tiers trained in the same step")
+    federated.add_argument("--latency-ms", type=float, default=0.0,
+                           help="delay every call by this much (simulates a slow network)")
+    federated.add_argument("--max-rounds", type=int, default=None,
+                           help="leave after training this many rounds")
+    federated.add_argument("--no-progress", action="store_true",
+                           help="plain log lines instead of a progress bar")
     return parser.parse_args(argv)
 
 
+def federated_options(args: argparse.Namespace) -> FederatedOptions:
+    options = FederatedOptions(
+        server=args.server, tier=args.tier, load_strategy=args.load_strategy,
+        checkpoint=args.checkpoint, data=args.data, device=args.device,
+        join_token=args.join_token, run_id=args.run_id, state_dir=args.state_dir,
+        tls_ca=args.tls_ca, microbatch_tokens=args.microbatch_tokens,
+        also_train=tuple(int(t) for t in args.also_train.split(",") if t.strip()),
+        latency_ms=args.latency_ms, max_rounds=args.max_rounds,
+        progress=False if args.no_progress else None)
+    if args.name:
+        options.name = args.name
+    return options
+
+
+def run_federated(args: argparse.Namespace) -> int:
+    # SIGTERM leaves the run like Ctrl-C does
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        summary = FederatedClient(federated_options(args)).run()
+    except MatformerError as error:
+        print(f"matformer-client: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("matformer-client: left the run", file=sys.stderr)
+        return 130
+    print(f"matformer-client: {summary.client_id} trained {summary.rounds_trained} rounds at "
+          f"tier {summary.tier}, sent {summary.bytes_sent / 1024:,.1f} KiB, "
+          f"{summary.resynchronisations} resynchronisations")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
-    run(parse_args(argv), "matformer-client")
+    args = parse_args(argv)
+    if args.server:
+        raise SystemExit(run_federated(args))
+    run(args, "matformer-client")
 
 
 if __name__ == "__main__":

@@ -13,3 +13,11 @@ class UnknownParameter(ClientError, KeyError):
 
 class FeedbackStateMismatch(ClientError, ValueError):
     """Saved error-feedback state does not fit this client's parameters, regions or settings."""
+
+
+class DataMismatch(ClientError, ValueError):
+    """A local MDAT (--data) is not the run's data: its fingerprint differs."""
+
+
+class ReplicaDiverged(ClientError):
+    """The replica's weight hash disagrees with the coordinator's even after a reload."""

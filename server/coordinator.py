@@ -87,7 +87,8 @@ class Coordinator:
             self.state = RunState(run_id=config.run.id, data_fingerprint=self.reader.fingerprint)
             self.membership = Membership(policy)
             self.queue = WorkQueue(order)
-            self.master = {n: t.detach().clone() for n, t in self._initial(initial).items()}
+            self.master = self._tied({n: t.detach().clone()
+                                      for n, t in self._initial(initial).items()})
             self._checkpoint()
             self._save()
         else:
@@ -111,10 +112,14 @@ class Coordinator:
             self.advance()
             return joined
 
-    def heartbeat(self, client_id: str) -> RoundAssignment | None:
-        """Mark the client alive; its assignment in the open round, if any."""
+    def heartbeat(self, client_id: str, *, tokens_per_second: float | None = None
+                  ) -> RoundAssignment | None:
+        """Mark the client alive (and take its measured speed, if it reports one); its
+        assignment in the open round, if any."""
         with self._lock:
             self.membership.heartbeat(client_id, now=self.clock())
+            if tokens_per_second is not None:
+                self.membership.reported(client_id, tokens_per_second)
             self.advance()
             return self.assignment_for(client_id)
 
@@ -155,10 +160,11 @@ class Coordinator:
     def updates_since(self, round_index: int) -> list[LoggedUpdate]:
         """The logged updates of rounds ``round_index``, ..., the last completed one."""
         with self._lock:
-            base = self.state.checkpoints[-1]
+            base = self._log_start()
             if round_index < base:
-                raise UpdatesPruned(f"updates before round {base} are inside checkpoint "
-                                    f"round-{base}; load it (checkpoint_for) and ask again.")
+                latest = self.state.checkpoints[-1]
+                raise UpdatesPruned(f"updates before round {base} are pruned; load checkpoint "
+                                    f"round-{latest} (checkpoint_for) and ask again.")
             return [self.log.read(r) for r in range(round_index, self.state.round)]
 
     def checkpoint_for(self, tier: int) -> CheckpointRef:
@@ -247,7 +253,9 @@ class Coordinator:
         rule = update.build()
         for name, agg in aggregates.items():
             self.master[name] = rule.apply(self.master[name], agg)
-        tiers = {a.tier for a in rnd.assignments.values()} | set(self.membership.tiers())
+        self.master = self._tied(self.master)
+        # every allowed tier: a client of any tier may join later and replay this round
+        tiers = set(self.config.tiers.allowed) | {a.tier for a in rnd.assignments.values()}
         self.log.append(LoggedUpdate(
             round=r, update=update, aggregates=aggregates, hashes=self.tier_hashes(list(tiers)),
             coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()}))
@@ -260,7 +268,7 @@ class Coordinator:
         if self.state.round % self.config.checkpoint.every_rounds == 0 or self.state.finished:
             self._checkpoint()
         self._save()
-        self.log.prune(through=self.state.checkpoints[-1] - 1)
+        self.log.prune(through=self._log_start() - 1)
 
     def _record_loss(self, rnd: OpenRound) -> None:
         """Per tier, the token-weighted mean loss its clients reported this round."""
@@ -283,16 +291,23 @@ class Coordinator:
         self.state.membership = self.membership.to_dict()
         self.state.save(self.dir)
 
+    def _log_start(self) -> int:
+        """The first round the update log keeps: that of the checkpoint before the latest,
+        so a client that was one round behind when a checkpoint was written still catches
+        up from the log instead of downloading the new checkpoint."""
+        return self.state.checkpoints[-2 if len(self.state.checkpoints) > 1 else -1]
+
     def _checkpoint_dir(self, round_index: int) -> Path:
         return self.dir / "checkpoints" / f"round-{round_index}"
 
     def _checkpoint(self) -> None:
-        """The master as a universal checkpoint plus the slices of the tiers in use."""
+        """The master as a universal checkpoint plus the slices of the run's tiers."""
         target = self._checkpoint_dir(self.state.round)
         model = build_model(self.model_config)
         load_canonical_state_dict(model, self.master)
         save_pretrained(model, target)
-        export_tiers(target, [t for t in self.membership.tiers() if t > 0])
+        # every allowed tier, so that a client of any tier downloads only its slice
+        export_tiers(target, [t for t in self.config.tiers.allowed if t > 0])
         if self.state.round not in self.state.checkpoints:
             self.state.checkpoints.append(self.state.round)
 
@@ -316,12 +331,19 @@ class Coordinator:
         master = {n: t.detach().clone() for n, t in canonical_state_dict(model).items()}
         entries = [self.log.read(r) for r in range(base, self.state.round)]
         for entry in entries:
-            master = entry.apply(master)
+            master = self._tied(entry.apply(master))
         self.master = master
         if entries and self.tier_hashes(list(entries[-1].hashes)) != entries[-1].hashes:
             raise ResumeError(f"replaying {self.dir / 'updates'} onto checkpoint round-{base} "
                               "does not reproduce the logged weight hashes; the log or the "
                               "checkpoint was altered. Restore them, or start a new run.")
+        return master
+
+    def _tied(self, master: dict[str, Tensor]) -> dict[str, Tensor]:
+        """With tied embeddings the head is the embedding: clients update it under
+        ``model.embed_tokens.weight`` only, so the master's ``lm_head.weight`` follows it."""
+        if self.model_config.tie_word_embeddings:
+            master["lm_head.weight"] = master["model.embed_tokens.weight"]
         return master
 
     def _length(self, sequence_id: int) -> int:

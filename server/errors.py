@@ -96,6 +96,8 @@ class NotInRound(CoordinatorError):
 class UpdatesPruned(CoordinatorError):
     """Updates asked for from before the latest checkpoint; the client loads that checkpoint."""
 
+    code = grpc.StatusCode.OUT_OF_RANGE
+
 
 class ResumeError(CoordinatorError):
     """The run directory cannot be resumed as written (state.json names missing files, ...)."""

@@ -28,6 +28,7 @@ class Member:
     tier_reason: str  # one sentence: why this tier
     tokens_per_second: float  # measured when it has submitted, else its own report
     last_seen: float  # clock time of its last call
+    measured_by_round: bool = False  # tokens_per_second comes from a submitted round
 
 
 class Membership:
@@ -69,10 +70,18 @@ class Membership:
         self.sessions.revoke(client_id)
         return member
 
+    def reported(self, client_id: str, tokens_per_second: float) -> None:
+        """The speed a member measured itself; kept until a round measures it (a member that
+        has already submitted keeps the speed it showed)."""
+        member = self.get(client_id)
+        if not member.measured_by_round and tokens_per_second > 0:
+            member.tokens_per_second = tokens_per_second
+
     def measured(self, client_id: str, tokens: int, elapsed_s: float) -> None:
         """Record the speed a member showed; a zero interval (same clock tick) keeps the old."""
         if elapsed_s > 0 and tokens > 0:
             self.members[client_id].tokens_per_second = tokens / elapsed_s
+            self.members[client_id].measured_by_round = True
 
     def active(self, *, now: float, timeout_s: float) -> list[Member]:
         """Members seen within ``timeout_s``, in join order (ids sort by number)."""

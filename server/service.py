@@ -60,7 +60,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this server runs {c.config.run.id!r}, not {request.run_id!r}; "
                           "check --server.")
-        if request.schema.canonical_hash != self.schema_hash:
+        # No schema: the client loads the run's checkpoint after joining and checks
+        # JoinReply.schema_hash itself. A schema it sends must be the run's.
+        if request.HasField("schema") and request.schema.canonical_hash != self.schema_hash:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"the client's model has canonical schema hash "
                           f"{request.schema.canonical_hash or '(none)'}, the run's model "
@@ -71,18 +73,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             memory_bytes=caps.memory_bytes,
             requested_tier=caps.requested_tier if caps.HasField("requested_tier") else None,
             tokens_per_second=caps.tokens_per_second,
-            # The proto does not carry the client's microbatch; one sequence is the least it runs.
-            microbatch_tokens=c.config.data.max_seq_len)
+            # A client that does not say runs at least one sequence per pass.
+            microbatch_tokens=caps.microbatch_tokens or c.config.data.max_seq_len)
         member, tier, token = _call(context, lambda: c.join(capabilities))
         return pb.JoinReply(client_id=member.client_id, session_token=token, tier=tier.tier,
                             ffn_width=tier.ffn_width, tier_reason=tier.reason,
                             round=c.state.round, checkpoint=self._checkpoint_ref(tier.tier),
-                            settings=self._settings())
+                            settings=self._settings(), schema_hash=self.schema_hash)
 
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatReply:
         client_id = require_session(context, self.coordinator.membership.sessions)
-        _call(context, lambda: self.coordinator.heartbeat(client_id))
+        speed = (request.tokens_per_second if request.HasField("tokens_per_second") else None)
+        if speed is not None and not (math.isfinite(speed) and speed >= 0):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"tokens_per_second {speed} is not a finite, non-negative speed.")
+        _call(context, lambda: self.coordinator.heartbeat(client_id, tokens_per_second=speed))
         return pb.HeartbeatReply(round=self.coordinator.state.round)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
@@ -164,6 +170,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         weight_hash=u.hashes.get(tier, ""), parameters=u.aggregates)
             for u in logged)
 
+    def GetCheckpoint(self, request: pb.GetCheckpointRequest,
+                      context: grpc.ServicerContext) -> pb.CheckpointRef:
+        c = self.coordinator
+        client_id = require_session(context, c.membership.sessions)
+        tier = _call(context, lambda: c.membership.get(client_id).tier)
+        return _call(context, lambda: self._checkpoint_ref(tier))
+
     def DownloadCheckpoint(self, request: pb.DownloadCheckpointRequest,
                            context: grpc.ServicerContext) -> Iterator[pb.FileChunk]:
         require_session(context, self.coordinator.membership.sessions)
@@ -201,7 +214,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             value_dtype=compression.value_dtype, decay=compression.decay,
             compression_lr=compression.lr, update_rule=update.rule,
             weight_decay=update.weight_decay, sequence_length=cfg.data.max_seq_len,
-            data_fingerprint=self.coordinator.reader.fingerprint)
+            data_fingerprint=self.coordinator.reader.fingerprint,
+            data_strategy=cfg.data.strategy, data_view=cfg.data.view or "")
 
 
 class _NotYourSession(ProtocolError):

@@ -184,11 +184,17 @@ def resolve(
     *,
     revision: str | None = None,
     cache_dir: Path | None = None,
+    repository: Any | None = None,
 ) -> ResolvedCheckpoint:
-    """Pick, fetch and verify the files for ``tier`` from a folder or hub repo id."""
+    """Pick, fetch and verify the files for ``tier`` from a folder or hub repo id; or, with
+    ``repository`` (any object with ``fetch(path) -> Path | None``), from its folder
+    ``source``: a coordinator's checkpoints fetched over gRPC, say."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"load strategy {strategy!r} is not one of {', '.join(STRATEGIES)}.")
-    repository, folder = _open(source, revision, cache_dir)
+    if repository is None:
+        repository, folder = _open(source, revision, cache_dir)
+    else:
+        folder = str(source)
     manifest_path = repository.fetch(posixpath.join(folder, MANIFEST_NAME))
     manifest = None
     if manifest_path is not None:

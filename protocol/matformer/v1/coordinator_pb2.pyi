@@ -59,20 +59,22 @@ class SparseResult(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., region: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., encoding: _Optional[str] = ..., chunk: _Optional[_Iterable[int]] = ..., chunks: _Optional[_Union[Tensor, _Mapping]] = ..., indices: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("device_kind", "device_name", "memory_bytes", "requested_tier", "tokens_per_second", "load_strategy")
+    __slots__ = ("device_kind", "device_name", "memory_bytes", "requested_tier", "tokens_per_second", "load_strategy", "microbatch_tokens")
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_TIER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     LOAD_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     device_name: str
     memory_bytes: int
     requested_tier: int
     tokens_per_second: float
     load_strategy: str
-    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., requested_tier: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., load_strategy: _Optional[str] = ...) -> None: ...
+    microbatch_tokens: int
+    def __init__(self, device_kind: _Optional[str] = ..., device_name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., requested_tier: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., load_strategy: _Optional[str] = ..., microbatch_tokens: _Optional[int] = ...) -> None: ...
 
 class Schema(_message.Message):
     __slots__ = ("local_hash", "canonical_hash", "parameter_count", "tier", "sliced")
@@ -123,7 +125,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, round: _Optional[int] = ..., manifest_path: _Optional[str] = ..., entry: _Optional[_Union[TierEntry, _Mapping]] = ...) -> None: ...
 
 class TrainingSettings(_message.Message):
-    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "update_rule", "weight_decay", "sequence_length", "data_fingerprint")
+    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "update_rule", "weight_decay", "sequence_length", "data_fingerprint", "data_strategy", "data_view")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,8 @@ class TrainingSettings(_message.Message):
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DATA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DATA_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    DATA_VIEW_FIELD_NUMBER: _ClassVar[int]
     encoding: str
     chunk: int
     topk: int
@@ -144,10 +148,12 @@ class TrainingSettings(_message.Message):
     weight_decay: float
     sequence_length: int
     data_fingerprint: str
-    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., update_rule: _Optional[str] = ..., weight_decay: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ...) -> None: ...
+    data_strategy: str
+    data_view: str
+    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., update_rule: _Optional[str] = ..., weight_decay: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings")
+    __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings", "schema_hash")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +162,7 @@ class JoinReply(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     session_token: str
     tier: int
@@ -164,13 +171,16 @@ class JoinReply(_message.Message):
     round: int
     checkpoint: CheckpointRef
     settings: TrainingSettings
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tier: _Optional[int] = ..., ffn_width: _Optional[int] = ..., tier_reason: _Optional[str] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ...) -> None: ...
+    schema_hash: str
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tier: _Optional[int] = ..., ffn_width: _Optional[int] = ..., tier_reason: _Optional[str] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., schema_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("round",)
+    __slots__ = ("round", "tokens_per_second")
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     round: int
-    def __init__(self, round: _Optional[int] = ...) -> None: ...
+    tokens_per_second: float
+    def __init__(self, round: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("round",)
@@ -277,6 +287,10 @@ class UpdateMessage(_message.Message):
     header: RoundUpdateHeader
     parameter: ParameterUpdate
     def __init__(self, header: _Optional[_Union[RoundUpdateHeader, _Mapping]] = ..., parameter: _Optional[_Union[ParameterUpdate, _Mapping]] = ...) -> None: ...
+
+class GetCheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class DownloadCheckpointRequest(_message.Message):
     __slots__ = ("path",)

@@ -65,6 +65,11 @@ class CoordinatorStub:
                 request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetUpdatesRequest.SerializeToString,
                 response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.UpdateMessage.FromString,
                 _registered_method=True)
+        self.GetCheckpoint = channel.unary_unary(
+                '/matformer.v1.Coordinator/GetCheckpoint',
+                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
+                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.CheckpointRef.FromString,
+                _registered_method=True)
         self.DownloadCheckpoint = channel.unary_stream(
                 '/matformer.v1.Coordinator/DownloadCheckpoint',
                 request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.DownloadCheckpointRequest.SerializeToString,
@@ -117,7 +122,15 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetUpdates(self, request, context):
-        """Per round after since_round: a header, then its parameter updates (protocol/updates.py).
+        """Per round from since_round on: a header, then its parameter updates (protocol/updates.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCheckpoint(self, request, context):
+        """The latest checkpoint for the client's tier: where a client that fell behind the update
+        log, or whose weight hash disagrees, reloads from.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +182,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetUpdates,
                     request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetUpdatesRequest.FromString,
                     response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.UpdateMessage.SerializeToString,
+            ),
+            'GetCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCheckpoint,
+                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.FromString,
+                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.CheckpointRef.SerializeToString,
             ),
             'DownloadCheckpoint': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadCheckpoint,
@@ -344,6 +362,33 @@ class Coordinator:
             '/matformer.v1.Coordinator/GetUpdates',
             protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetUpdatesRequest.SerializeToString,
             protocol_dot_matformer_dot_v1_dot_coordinator__pb2.UpdateMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/matformer.v1.Coordinator/GetCheckpoint',
+            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
+            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.CheckpointRef.FromString,
             options,
             channel_credentials,
             insecure,
