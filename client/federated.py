@@ -116,8 +116,9 @@ class FederatedClient:
         except KeyboardInterrupt:
             self._leave("interrupted (Ctrl-C)")
             raise
-        except BaseException:
-            self.connection.close()
+        except Exception as err:
+            # hand the round's sequences back now rather than at the deadline
+            self._leave(f"failed: {err}"[:500])
             raise
         self._leave("finished" if self.summary.finished else "done")
         return self.summary
@@ -336,7 +337,8 @@ class FederatedClient:
 
     def _leave(self, reason: str) -> None:
         try:
-            self.connection.leave(reason)
+            if self.connection.metadata:  # joined
+                self.connection.leave(reason)
         except ClientError:
             pass  # leaving is a courtesy: the coordinator drops silent members anyway
         finally:

@@ -1,0 +1,244 @@
+"""Federated runs end to end: a real coordinator (gRPC + HTTP on loopback) and real
+``FederatedClient``s in threads, exchanging compressed results and updates over the wire."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+import torch
+
+from client.errors import DataMismatch
+from client.federated import FederatedClient, FederatedOptions
+from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+from modeling.checkpoint import load_pretrained
+from modeling.compression import region_slices
+from modeling.mdat import build_default_mdat
+from modeling.naming import canonical_state_dict
+from modeling.training import TierSchedule, train_step_on_examples
+from server.config import RunConfig
+from server.main import RunningServer
+from tests.conftest import tiny_config
+from tests.test_server_service import toml_value
+
+TOKEN = "federated-test-token"
+UP = "model.layers.0.mlp.up_proj.weight"
+DOWN = "model.layers.0.mlp.down_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def mdat(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs.mdat"
+    build_default_mdat(path, limit=60).close()
+    return path
+
+
+def start(tmp_path, mdat, *, min_clients=1, rounds=3, encoding="dct", rule="sign", lr=0.01,
+          tokens_per_round=1024, deadline_s=30.0, every=100, tiers=(0, 1, 2), **compression):
+    model = dataclasses.asdict(tiny_config(vocab_size=260, max_position_embeddings=128))
+    extra = "".join(f"{k} = {toml_value(v)}\n" for k, v in compression.items())
+    (tmp_path / "run.toml").write_text(f"""
+[run]
+id = "fed"
+dir = "run"
+[model]
+inline = {toml_value(model)}
+[data]
+path = "{mdat}"
+max_seq_len = 128
+[tiers]
+allowed = {list(tiers)}
+[round]
+min_clients = {min_clients}
+deadline_s = {deadline_s}
+tokens_per_round = {tokens_per_round}
+rounds = {rounds}
+[update]
+rule = "{rule}"
+lr = {lr}
+schedule = "constant"
+[compression]
+encoding = "{encoding}"
+{extra}
+[checkpoint]
+every_rounds = {every}
+[auth]
+join_token = "{TOKEN}"
+""")
+    server = RunningServer.start(RunConfig.load(tmp_path / "run.toml"), grpc_port=0,
+                                 http_port=0)
+    return server
+
+
+def client(server, tmp_path, name, tier=None, **options):
+    return FederatedClient(
+        FederatedOptions(server=f"127.0.0.1:{server.grpc_port}", tier=tier, name=name,
+                         join_token=TOKEN, state_dir=tmp_path / "clients" / name,
+                         microbatch_tokens=256, progress=False, **options),
+        log=lambda line: print(f"[{name}] {line}"))
+
+
+class Recording(FederatedClient):
+    """Remembers the sequence ids of every round it trained."""
+
+    def _sequences(self, ids):
+        self.trained_ids = [*getattr(self, "trained_ids", []), list(ids)]
+        return super()._sequences(ids)
+
+
+def in_thread(target):
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = target()
+        except BaseException as err:  # surfaced by the test via result()
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def result(timeout=120):
+        thread.join(timeout)
+        assert not thread.is_alive(), "the client did not finish"
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return result
+
+
+def held(c: FederatedClient) -> dict[str, torch.Tensor]:
+    """The replica's weights by canonical name."""
+    return {n: t.detach().clone() for n, t in canonical_state_dict(c.replica.model).items()}
+
+
+def master_slice(server, c: FederatedClient) -> dict[str, torch.Tensor]:
+    master = server.service.coordinator.master
+    return {n: master[n][region_slices(c.replica.regions[n])] for n in c.replica.regions}
+
+
+def same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def wait_for_round(server, r, timeout=60):
+    deadline = time.monotonic() + timeout
+    while server.service.coordinator.state.round < r:
+        assert time.monotonic() < deadline, f"round {r} never completed"
+        time.sleep(0.05)
+
+
+def test_one_client_dense_sgd_equals_standalone_sgd(tmp_path, mdat):
+    """The backbone (DESIGN.md §5): compression none + sgd + one client over gRPC gives
+    exactly the weights of plain SGD on the same sequences, bit for bit."""
+    lr = 0.05
+    server = start(tmp_path, mdat, encoding="none", rule="sgd", lr=lr, rounds=3,
+                   value_dtype="float32")
+    try:
+        federated = Recording(client(server, tmp_path, "solo", tier=0).options,
+                              log=lambda line: None)
+        summary = federated.run()
+        assert summary.finished and summary.rounds_trained == 3
+        assert summary.resynchronisations == 0
+        master = {n: t.clone() for n, t in server.service.coordinator.master.items()}
+    finally:
+        server.stop()
+
+    reference = load_pretrained(tmp_path / "run" / "checkpoints" / "round-0")
+    runner = MicrobatchRunner(reference, AdaptiveLimitsConfig(max_tokens=256).build())
+    sgd = torch.optim.SGD(reference.parameters(), lr=lr)
+    reader = server.service.coordinator.reader
+    for step, ids in enumerate(federated.trained_ids):
+        examples = [torch.from_numpy(reader[i].copy()).long() for i in ids]
+        train_step_on_examples(runner, sgd, examples, TierSchedule(tiers=[0]), step)
+    standalone = canonical_state_dict(reference)
+    assert same(held(federated), standalone)
+    assert all(torch.equal(master[n], standalone[n]) for n in standalone)
+    start_weights = canonical_state_dict(load_pretrained(
+        tmp_path / "run" / "checkpoints" / "round-0"))
+    assert not same(start_weights, standalone)  # the run did train
+
+
+def test_heterogeneous_run_tail_moves_only_with_tier0_and_hashes_agree(tmp_path, mdat):
+    server = start(tmp_path, mdat, min_clients=2, rounds=5, tokens_per_round=1536, every=2)
+    coordinator = server.service.coordinator
+    rounds = []  # (tiers that submitted, master before, master after)
+    close = coordinator._close
+
+    def recorded_close():
+        rnd = coordinator._open
+        tiers = {rnd.assignments[c].tier for c in rnd.submissions}
+        before = {n: t.clone() for n, t in coordinator.master.items()}
+        close()
+        rounds.append((tiers, before, {n: t.clone() for n, t in coordinator.master.items()}))
+
+    coordinator._close = recorded_close
+    try:
+        clients = [client(server, tmp_path, "mid", tier=1), client(server, tmp_path, "small",
+                                                                    tier=2)]
+        results = [in_thread(c.run) for c in clients]
+        wait_for_round(server, 2)
+        big = client(server, tmp_path, "big", tier=0)  # joins while the run goes on
+        results.append(in_thread(big.run))
+        clients.append(big)
+        summaries = [r() for r in results]
+        final = {n: t.clone() for n, t in coordinator.master.items()}
+    finally:
+        server.stop()
+
+    assert [s.tier for s in summaries] == [1, 2, 0]
+    assert all(s.finished and s.resynchronisations == 0 for s in summaries)
+    assert summaries[2].rounds_trained >= 1 and summaries[0].rounds_trained == 5
+    widths = {t: coordinator.regions(t)[UP][0][1] for t in (0, 1, 2)}
+    for tiers, before, after in rounds:
+        tail = (slice(widths[1], None), slice(None))
+        middle = (slice(widths[2], widths[1]), slice(None))
+        assert (not torch.equal(before[UP][tail], after[UP][tail])) == (0 in tiers)
+        assert (not torch.equal(before[DOWN][:, widths[1]:], after[DOWN][:, widths[1]:])) == (
+            0 in tiers)
+        assert not torch.equal(before[UP][middle], after[UP][middle])  # tier 1 is always in
+    assert {frozenset(t) for t, _, _ in rounds} >= {frozenset({1, 2}), frozenset({0, 1, 2})}
+    for c in clients:  # every replica holds exactly the master's slice of its tier
+        assert same(held(c), {n: final[n][region_slices(c.replica.regions[n])]
+                              for n in c.replica.regions})
+    status = coordinator.state.loss
+    assert set(status) == {"0", "1", "2"}
+
+
+def test_leave_and_rejoin_ends_with_the_same_weights(tmp_path, mdat):
+    server = start(tmp_path, mdat, rounds=6, every=2)
+    try:
+        steady = client(server, tmp_path, "steady", tier=1)
+        steady_result = in_thread(steady.run)
+        wait_for_round(server, 1)
+        first = client(server, tmp_path, "wanderer", tier=1, max_rounds=1).run()
+        assert not first.finished and first.rounds_trained == 1  # it left the run
+        feedback = tmp_path / "clients" / "wanderer" / "error_feedback.safetensors"
+        assert feedback.is_file()
+        wait_for_round(server, 4)  # the run goes on without it, past a checkpoint
+        back = client(server, tmp_path, "wanderer", tier=1)
+        back_summary = back.run()
+        steady_summary = steady_result()
+        final = master_slice(server, steady)
+    finally:
+        server.stop()
+    assert back_summary.finished and steady_summary.finished
+    assert back_summary.client_id != first.client_id  # a new member
+    assert back_summary.rounds_applied == steady_summary.rounds_applied == 6
+    assert same(held(back), held(steady)) and same(held(steady), final)
+
+
+def test_local_data_must_match_the_runs_fingerprint(tmp_path, mdat):
+    server = start(tmp_path, mdat, rounds=1)
+    other = tmp_path / "other.mdat"
+    build_default_mdat(other, limit=20).close()
+    try:
+        with pytest.raises(DataMismatch, match="fingerprint"):
+            client(server, tmp_path, "stranger", tier=0, data=other).run()
+        local = client(server, tmp_path, "local", tier=0, data=mdat).run()
+        assert local.finished and local.rounds_trained == 1
+    finally:
+        server.stop()
