@@ -135,8 +135,10 @@ class Coordinator:
             self.advance()
 
     def submit(self, client_id: str, round_index: int, results: Sequence[SparseResult], *,
-               loss: float | None = None) -> None:
-        """Take a client's results for the open round (all or none: a BadResult keeps none)."""
+               loss: float | None = None, train_seconds: float | None = None) -> None:
+        """Take a client's results for the open round (all or none: a BadResult keeps none).
+        ``train_seconds``, the client's own compute time, measures its speed; without it,
+        the time since the round opened does (which also counts waiting and transfers)."""
         with self._lock:
             now = self.clock()
             self.membership.heartbeat(client_id, now=now)
@@ -148,8 +150,9 @@ class Coordinator:
             tier = self.membership.get(client_id).tier
             rnd.check(client_id, round_index, results, self.shapes, self.regions(tier))
             rnd.submissions[client_id] = Submission({r.name: r for r in results}, loss, now)
-            self.membership.measured(client_id, rnd.assignments[client_id].tokens,
-                                     now - rnd.opened_at)
+            measured = (train_seconds if train_seconds is not None and train_seconds > 0
+                        else now - rnd.opened_at)
+            self.membership.measured(client_id, rnd.assignments[client_id].tokens, measured)
             self.advance()
 
     def assignment_for(self, client_id: str) -> RoundAssignment | None:

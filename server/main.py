@@ -1,4 +1,5 @@
 """``matformer-server --config run.toml``: the coordinator with its gRPC and HTTP servers.
+``--set SECTION.KEY=VALUE`` (repeatable, VALUE in TOML) overrides one key of run.toml.
 
     server = RunningServer.start(config)      # ports from [server]; tests pass port 0
     server.grpc_port, server.http_port       # the ports actually bound
@@ -13,15 +14,19 @@ no client calls. SIGINT/SIGTERM stop all three; state.json is already on disk.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
+import re
 import signal
 import socket
 import sys
 import threading
 import time
+import tomllib
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import uvicorn
@@ -32,12 +37,14 @@ from protocol.health import add_health
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from server.config import RunConfig
 from server.coordinator import Coordinator
+from server.errors import InvalidToml, InvalidValue, MissingFile, WrongType
 from server.http import build_app
 from server.service import CoordinatorService
 
 TICK_S = 0.5  # how often the coordinator checks deadlines on its own
 GRPC_WORKERS = 16
 STOP_GRACE_S = 2.0
+_BARE_WORD = re.compile(r"[^\s\"'\[\]{}=]+")  # an unquoted --set string value
 
 log = logging.getLogger("matformer.server")
 
@@ -112,14 +119,67 @@ def _tick(coordinator: Coordinator, stopping: threading.Event) -> None:
             log.exception("advancing the run failed; retrying in %.1f s", TICK_S)
 
 
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``SECTION.KEY=VALUE`` (VALUE in TOML syntax; a bare word that is not TOML is taken as
+    a string) → the key path and the value."""
+    key, sep, raw = text.partition("=")
+    path = [part.strip() for part in key.split(".")]
+    if not sep or len(path) < 2 or not all(path):
+        raise InvalidValue(f"--set {text!r} is not SECTION.KEY=VALUE; write e.g. "
+                           "--set round.rounds=5.")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        if not _BARE_WORD.fullmatch(raw.strip()):
+            raise InvalidValue(f"--set {text!r}: {raw.strip()!r} is not a TOML value; quote "
+                               "strings, e.g. --set run.id='\"my-run\"'.") from None
+        value = raw.strip()
+    return path, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of the parsed TOML ``data`` with every ``--set`` applied in order; a key the
+    file would not accept is refused later, by ``RunConfig.from_dict``, in the same words."""
+    data = copy.deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        table = data
+        for i, part in enumerate(path[:-1]):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise WrongType(f"--set {text!r}: {'.'.join(path[:i + 1])} is not a table.")
+        table[path[-1]] = value
+    return data
+
+
+def load_config(path: Path, overrides: list[str] = ()) -> RunConfig:
+    """run.toml at ``path`` with ``--set`` overrides applied; relative paths (also those of
+    overrides) resolve against the file's folder."""
+    if not overrides:
+        return RunConfig.load(path)
+    if not path.is_file():
+        raise MissingFile(f"{path} does not exist; pass the run's TOML file "
+                          "(examples/run.toml shows one).")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise InvalidToml(f"{path} is not valid TOML: {err}; fix it there.") from err
+    return RunConfig.from_dict(apply_overrides(data, list(overrides)),
+                               base=path.resolve().parent)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="matformer-server",
                                      description="Coordinate a federated Matformer run.")
     parser.add_argument("--config", type=Path, required=True, help="the run's run.toml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE",
+                        help="override one key of the config (VALUE in TOML syntax), e.g. "
+                             "--set round.rounds=5; repeatable")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        server = RunningServer.start(RunConfig.load(args.config))
+        server = RunningServer.start(load_config(args.config, args.overrides))
     except MatformerError as err:
         print(f"matformer-server: {err}", file=sys.stderr)
         return 2

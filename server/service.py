@@ -147,7 +147,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 raise ProtocolError(f"the reported loss {header.loss} is not finite; the "
                                     "client diverged, so it should reload the checkpoint.")
             results = list(stream)  # decoded and checked before the coordinator sees any
-            self.coordinator.submit(client_id, header.round, results, loss=header.loss)
+            seconds = header.train_seconds if math.isfinite(header.train_seconds) else None
+            self.coordinator.submit(client_id, header.round, results, loss=header.loss,
+                                    train_seconds=seconds)
             with self._bytes_lock:
                 self.bytes_received[header.round] = (
                     self.bytes_received.get(header.round, 0) + received)

@@ -107,6 +107,21 @@ def test_assignment_is_proportional_to_tokens_per_second(tmp_path, mdat_path):
     assert a.tokens + b.tokens <= 1024 and a.round == 0 and a.lr == 0.1
 
 
+def test_speed_comes_from_reports_then_from_the_clients_compute_time(tmp_path, mdat_path):
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=2), clock=clock)
+    a, _, _ = c.join(caps("a", tps=0.0))
+    c.heartbeat(a.client_id, tokens_per_second=500.0)  # measured after loading the model
+    assert c.membership.get(a.client_id).tokens_per_second == 500.0
+    b, _, _ = c.join(caps("b"))
+    work = c.assignment_for(a.client_id)
+    clock.now = 9.0  # it waited and downloaded, but trained for 2 s
+    c.submit(a.client_id, 0, results(c, a.client_id), train_seconds=2.0)
+    assert c.membership.get(a.client_id).tokens_per_second == work.tokens / 2.0
+    c.heartbeat(a.client_id, tokens_per_second=1.0)  # a round's measurement wins
+    assert c.membership.get(a.client_id).tokens_per_second == work.tokens / 2.0
+
+
 def test_missed_deadline_requeues_ids_and_measures_speed(tmp_path, mdat_path):
     clock = Clock()
     c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=2), clock=clock)
