@@ -83,7 +83,8 @@ def run_federated(args: argparse.Namespace) -> int:
         print("matformer-client: left the run", file=sys.stderr)
         return 130
     print(f"matformer-client: {summary.client_id} trained {summary.rounds_trained} rounds at "
-          f"tier {summary.tier}, sent {summary.bytes_sent / 1024:,.1f} KiB, "
+          f"tier {summary.tier}, sent {summary.bytes_sent / 1024:,.1f} KiB, received "
+          f"{summary.update_bytes / 1024:,.1f} KiB of updates, "
           f"{summary.resynchronisations} resynchronisations")
     return 0
 

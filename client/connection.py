@@ -71,6 +71,7 @@ class Connection:
         self.latency_s = latency_s
         self.patience_s = patience_s
         self.metadata: tuple[tuple[str, str], ...] = ()
+        self.update_bytes = 0  # received in GetUpdates messages
 
     def close(self) -> None:
         self.channel.close()
@@ -126,9 +127,16 @@ class Connection:
         return accepted, sent
 
     def updates(self, since_round: int) -> list[RoundUpdate]:
-        """The logged round updates from ``since_round`` to the last completed round."""
-        return self._call("GetUpdates", lambda: list(read_updates(self.stub.GetUpdates(
-            pb.GetUpdatesRequest(since_round=since_round), metadata=self.metadata))))
+        """The logged round updates from ``since_round`` to the last completed round;
+        ``update_bytes`` counts their messages (before gRPC's gzip on the wire)."""
+
+        def counted(stream: Iterator[pb.UpdateMessage]) -> Iterator[pb.UpdateMessage]:
+            for message in stream:
+                self.update_bytes += message.ByteSize()
+                yield message
+
+        return self._call("GetUpdates", lambda: list(read_updates(counted(self.stub.GetUpdates(
+            pb.GetUpdatesRequest(since_round=since_round), metadata=self.metadata)))))
 
     def get_checkpoint(self) -> pb.CheckpointRef:
         """The coordinator's latest checkpoint, with the manifest entry for this client's tier."""

@@ -84,6 +84,7 @@ class ClientSummary:
     resynchronisations: int = 0
     losses: list[tuple[int, float]] = field(default_factory=list)  # (round, loss)
     bytes_sent: int = 0
+    update_bytes: int = 0  # GetUpdates messages received (before gRPC's gzip)
     finished: bool = False  # the coordinator said the run is over
 
 
@@ -261,6 +262,7 @@ class FederatedClient:
                          "coordinator's; reloading the checkpoint")
                 return self._reload()
         self.summary.rounds_applied = self.applied
+        self.summary.update_bytes = self.connection.update_bytes
 
     def _apply(self, update: RoundUpdate) -> None:
         s = self.settings

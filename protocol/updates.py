@@ -28,6 +28,10 @@ class RoundUpdate:
     learning_rate: float  # the rate the update rule used in this round
     weight_hash: str  # of the master weights after this round's update
     parameters: dict[str, Aggregate]  # canonical name → the parameter's aggregate
+    # The update rule reads only the sign of the values and which elements are covered
+    # (rule "sign"): they travel as int8 signs and a 0/1 coverage, 1 byte per element or less
+    # instead of 8, and decode to an aggregate that rule applies identically.
+    signs_only: bool = False
 
 
 def update_messages(updates: Iterable[RoundUpdate]) -> Iterator[pb.UpdateMessage]:
@@ -37,7 +41,8 @@ def update_messages(updates: Iterable[RoundUpdate]) -> Iterator[pb.UpdateMessage
             round=update.round, learning_rate=update.learning_rate,
             weight_hash=update.weight_hash, parameters=len(update.parameters)))
         for name, aggregate in update.parameters.items():
-            yield pb.UpdateMessage(parameter=encode_parameter_update(name, aggregate))
+            yield pb.UpdateMessage(parameter=encode_parameter_update(
+                name, aggregate, signs_only=update.signs_only))
 
 
 def read_updates(messages: Iterable[pb.UpdateMessage]) -> Iterator[RoundUpdate]:
@@ -67,27 +72,45 @@ def read_updates(messages: Iterable[pb.UpdateMessage]) -> Iterator[RoundUpdate]:
         raise _cut_short(header, len(parameters))
 
 
-def encode_parameter_update(name: str, aggregate: Aggregate) -> pb.ParameterUpdate:
+def encode_parameter_update(name: str, aggregate: Aggregate, *, signs_only: bool = False
+                            ) -> pb.ParameterUpdate:
+    """One parameter's update; ``signs_only``: as int8 signs and a 0/1 coverage (for rules
+    that read nothing else). Coverage is left out when it is the same all over the region."""
     region = _covered_box(name, aggregate.covered)
     where = region_slices(region)
     empty = torch.zeros(0, dtype=torch.int64)
+    values, coverage = aggregate.values[where], aggregate.tokens[where]
+    if signs_only:
+        values = values.sign().to(torch.int8)
+        coverage = (coverage > 0).to(torch.uint8)
     result = SparseResult(
         name=name, shape=tuple(aggregate.values.shape), region=region, encoding="dense",
-        chunk=(), chunks=empty, indices=empty, values=aggregate.values[where],
-        tokens=round(float(aggregate.tokens.max())),
+        chunk=(), chunks=empty, indices=empty, values=values,
+        tokens=round(float(coverage.max())),
     )
-    return pb.ParameterUpdate(aggregate=encode_sparse_result(result),
-                              coverage=encode_tensor(aggregate.tokens[where]))
+    message = pb.ParameterUpdate(aggregate=encode_sparse_result(result))
+    if not bool((coverage == coverage.flatten()[0]).all()):
+        message.coverage.CopyFrom(encode_tensor(coverage))
+    return message
 
 
 def decode_parameter_update(message: pb.ParameterUpdate) -> tuple[str, Aggregate]:
     """Message → (name, the aggregate over the universal shape); checked throughout."""
     if not message.HasField("aggregate"):
         raise MalformedStream("a parameter update has no aggregate.")
+    if message.aggregate.values.dtype == "int8":  # signs_only: checked, then read as floats
+        name = message.aggregate.name
+        signs = decode_tensor(message.aggregate.values, f"signs of {name!r}")
+        if bool((signs.abs() > 1).any()):
+            raise MalformedStream(f"the signs of {name!r} are not all -1, 0 or 1.")
+        as_floats = pb.ParameterUpdate()
+        as_floats.CopyFrom(message)
+        as_floats.aggregate.values.CopyFrom(encode_tensor(signs.float()))
+        message = as_floats
     result = decode_sparse_result(message.aggregate)
     where = region_slices(result.region)
     values = torch.zeros(result.shape)
-    values[where] = decode(result)
+    values[where] = decode(result).float()
     tokens = torch.zeros(result.shape)
     if message.HasField("coverage"):
         coverage = decode_tensor(message.coverage, f"coverage of {result.name!r}")

@@ -1,7 +1,8 @@
 """The update log: every round's aggregated update since the latest checkpoint (DESIGN.md §6).
 
 ``updates/round-<r>.safetensors`` holds, per canonical name, the aggregate's values and
-token coverage over the universal shape (``values/<name>``, ``tokens/<name>``); beside it
+token coverage over the universal shape (``values/<name>``, ``tokens/<name>``; under the
+``sign`` rule, which reads nothing else, int8 signs and a 0/1 coverage); beside it
 ``round-<r>.json`` holds what applying it needs and what it produced: rule, lr, weight
 decay, the weight hash per tier after it, the tokens behind each parameter. Applying the
 logged rounds in order to the checkpoint they follow gives the master weights bit for bit,
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -51,9 +53,13 @@ class UpdateLog:
     def append(self, entry: LoggedUpdate) -> None:
         tensors_path, json_path = self._paths(entry.round)
         tensors = {}
+        signs_only = entry.update.rule == "sign"  # the rule reads signs and coverage only
         for name, agg in entry.aggregates.items():
-            tensors[f"values/{name}"] = agg.values.contiguous()
-            tensors[f"tokens/{name}"] = agg.tokens.contiguous()
+            values, tokens = agg.values, agg.tokens
+            if signs_only:
+                values, tokens = values.sign().to(torch.int8), agg.covered.to(torch.uint8)
+            tensors[f"values/{name}"] = values.contiguous()
+            tensors[f"tokens/{name}"] = tokens.contiguous()
         staging = tensors_path.with_name(f".{tensors_path.name}.tmp-{uuid.uuid4().hex[:8]}")
         save_file(tensors, str(staging))
         with staging.open("rb") as handle:
@@ -75,8 +81,8 @@ class UpdateLog:
             round=meta["round"],
             update=UpdateConfig(rule=meta["rule"], lr=meta["lr"],
                                 weight_decay=meta["weight_decay"]),
-            aggregates={n: Aggregate(values=tensors[f"values/{n}"], tokens=tensors[f"tokens/{n}"])
-                        for n in names},
+            aggregates={n: Aggregate(values=tensors[f"values/{n}"].float(),
+                                     tokens=tensors[f"tokens/{n}"].float()) for n in names},
             hashes={int(t): h for t, h in meta["hashes"].items()},
             coverage_tokens=meta["coverage_tokens"],
         )

@@ -7,7 +7,13 @@ import dataclasses
 import pytest
 import torch
 
-from modeling.compression import CompressionConfig, SparseResult, aggregate, payload_bytes
+from modeling.compression import (
+    CompressionConfig,
+    SparseResult,
+    UpdateConfig,
+    aggregate,
+    payload_bytes,
+)
 from protocol.errors import MalformedSparseResult, MalformedStream, ProtocolError, UnknownDtype
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.sparse import decode_sparse_result, encode_sparse_result
@@ -176,6 +182,24 @@ def test_an_aggregate_round_trips_exactly() -> None:
         _assert_same_aggregate(got, sent)
     tail_free = encode_parameter_update("tier1.only", _aggregates()["tier1.only"])
     assert [(r.start, r.stop) for r in tail_free.aggregate.region] == [(0, 8), (0, 12)]
+
+
+def test_signs_only_updates_apply_exactly_like_the_full_aggregate() -> None:
+    rule = UpdateConfig(rule="sign", lr=0.01, weight_decay=0.1).build()
+    for name, sent in _aggregates().items():
+        full = encode_parameter_update(name, sent)
+        compact = encode_parameter_update(name, sent, signs_only=True)
+        assert compact.aggregate.values.dtype == "int8"
+        assert len(compact.aggregate.values.data) * 4 == len(full.aggregate.values.data)
+        assert len(compact.coverage.data) * 4 <= len(full.coverage.data)
+        _, got = decode_parameter_update(pb.ParameterUpdate.FromString(
+            compact.SerializeToString()))
+        weight = torch.randn(sent.values.shape)
+        assert torch.equal(rule.apply(weight, got), rule.apply(weight, sent))
+    forged = encode_parameter_update(UP, _aggregates()[UP], signs_only=True)
+    forged.aggregate.values.data = bytes([2]) + forged.aggregate.values.data[1:]
+    with pytest.raises(ProtocolError, match="-1, 0 or 1"):
+        decode_parameter_update(forged)
 
 
 def test_a_sparse_aggregate_without_coverage_decodes() -> None:
