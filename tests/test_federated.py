@@ -242,3 +242,80 @@ def test_local_data_must_match_the_runs_fingerprint(tmp_path, mdat):
         assert local.finished and local.rounds_trained == 1
     finally:
         server.stop()
+
+
+def _forged(coordinator, client_id, fault):
+    """A tier-1 client's results with one ``fault``; the good ones when fault is None."""
+    from modeling.compression import CompressionConfig
+
+    tier = coordinator.membership.get(client_id).tier
+    regions, shapes = coordinator.regions(tier), coordinator.shapes
+    tokens = coordinator.assignment_for(client_id).tokens
+    dense, topk = (CompressionConfig(encoding=e, chunk=8, topk=2).build()
+                   for e in ("dense", "topk"))
+    out = [dense.encode(n, torch.full([b - a for a, b in regions[n]], 0.01), shape=shapes[n],
+                        region=regions[n], tokens=tokens) for n in sorted(shapes)]
+    if fault == "unknown name":
+        out[0] = dataclasses.replace(out[0], name="model.layers.99.mlp.up_proj.weight")
+    elif fault == "not its slice":
+        full = tuple((0, s) for s in shapes[UP])
+        i = next(i for i, r in enumerate(out) if r.name == UP)
+        out[i] = dense.encode(UP, torch.zeros(shapes[UP]), shape=shapes[UP], region=full,
+                              tokens=tokens)
+    elif fault == "index out of range":
+        i = next(i for i, r in enumerate(out) if r.name == UP)
+        bad = topk.encode(UP, torch.randn([b - a for a, b in regions[UP]]), shape=shapes[UP],
+                          region=regions[UP], tokens=tokens)
+        bad.indices[0, 0] = 10**6
+        out[i] = bad
+    elif fault == "infinite value":
+        out[0].values.view(-1)[0] = float("inf")
+    return out
+
+
+@pytest.mark.parametrize("fault", ["unknown name", "not its slice", "index out of range",
+                                   "infinite value", "stale round", "duplicate"])
+def test_bad_results_are_refused_over_grpc_and_change_nothing(tmp_path, mdat, fault):
+    import grpc
+
+    from protocol.auth import session_metadata
+    from protocol.channel import GRPC_OPTIONS
+    from protocol.matformer.v1 import coordinator_pb2 as pb
+    from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+    from protocol.submission import submission_messages
+
+    server = start(tmp_path, mdat, encoding="none", rule="sgd", rounds=2)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
+    try:
+        stub, c = pb_grpc.CoordinatorStub(channel), server.service.coordinator
+        joined = stub.Join(pb.JoinRequest(
+            join_token=TOKEN, client_name="mallory",
+            capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**34,
+                                         requested_tier=1)))
+        auth = session_metadata(joined.session_token)
+        work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
+        assert work.state == pb.ROUND_STATE_TRAIN
+
+        def submit(results, round_index=work.round):
+            header = pb.SubmitHeader(round=round_index, client_id=joined.client_id, loss=2.0)
+            return stub.SubmitResult(submission_messages(header, results), metadata=auth)
+
+        if fault == "duplicate":
+            # a second copy of one parameter in the same stream
+            good = _forged(c, joined.client_id, None)
+            bad, round_index = [*good, good[0]], work.round
+        else:
+            bad = _forged(c, joined.client_id, None if fault == "stale round" else fault)
+            round_index = work.round + 5 if fault == "stale round" else work.round
+        before = {n: t.clone() for n, t in c.master.items()}
+        with pytest.raises(grpc.RpcError) as refused:
+            submit(bad, round_index)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+        assert same(before, c.master) and c.current_round.submissions == {}
+        assert c.state.round == 0
+        # the same client's good results still count afterwards
+        assert submit(_forged(c, joined.client_id, None)).accepted == len(c.shapes)
+        assert c.state.round == 1
+    finally:
+        channel.close()
+        server.stop()
