@@ -113,7 +113,7 @@ def test_speed_comes_from_reports_then_from_the_clients_compute_time(tmp_path, m
     a, _, _ = c.join(caps("a", tps=0.0))
     c.heartbeat(a.client_id, tokens_per_second=500.0)  # measured after loading the model
     assert c.membership.get(a.client_id).tokens_per_second == 500.0
-    b, _, _ = c.join(caps("b"))
+    c.join(caps("b"))  # the second member opens round 0
     work = c.assignment_for(a.client_id)
     clock.now = 9.0  # it waited and downloaded, but trained for 2 s
     c.submit(a.client_id, 0, results(c, a.client_id), train_seconds=2.0)

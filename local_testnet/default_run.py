@@ -1,0 +1,98 @@
+"""The embedded run: written to ``<run dir>/run.toml`` when ``local-testnet`` gets no
+``--config``. A small Llama-shaped model (client/standalone.py's TINY) on the stdlib
+docstrings corpus, sized to finish in a few minutes on a 2-core CPU with loss falling at
+every tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from modeling.mdat import build_default_mdat
+from modeling.mdat.catalogue import CATALOGUE_NAME
+
+DEFAULT_DATA = Path("runs/python_docs.mdat")
+
+RUN_TOML = """\
+# run.toml written by local-testnet (the embedded default); the keys are those of
+# examples/run.toml. local-testnet overrides [server] ports, [round] rounds and min_clients
+# with `matformer-server --set`, so this file shows the run as it would start by hand.
+
+[run]
+id = "testnet"
+dir = "."                       # this folder: state.json, checkpoints/, updates/
+
+[model.inline]                  # client/standalone.py's TINY model
+vocab_size = 260                # bytes128: 256 bytes + 4 special tokens
+hidden_size = 128
+num_hidden_layers = 4
+num_attention_heads = 4
+num_key_value_heads = 2
+intermediate_size = 512         # tier t trains the first 512 / 2**t FFN neurons
+max_position_embeddings = 512
+
+[data]
+path = "{data}"
+strategy = "bytes128"
+max_seq_len = 256
+seed = 0
+
+[tiers]
+allowed = [0, 1, 2]
+
+[round]
+min_clients = {min_clients}     # every client joins before round 0 opens
+deadline_s = 30.0               # a killed client's round closes this long after it opened
+tokens_per_round = {tokens_per_round}
+rounds = {rounds}
+
+[compression]
+encoding = "dct"                # DeMo: DCT over 64x64 chunks, top 32 per chunk
+chunk = 64
+topk = 32
+value_dtype = "bfloat16"
+decay = 0.999
+lr = 1.0
+
+[update]
+rule = "sign"                   # w ← w − lr·sign(aggregate)
+lr = {lr}                       # tuned: loss falls at every tier within the default run
+warmup_rounds = {warmup}
+schedule = "cosine"
+final_lr = {final_lr}
+
+[checkpoint]
+every_rounds = 10
+
+[auth]
+join_token_env = "MATFORMER_JOIN_TOKEN"  # local-testnet generates the token
+"""
+
+
+def write_default_run(run_dir: Path, *, data: Path, min_clients: int, rounds: int,
+                      tokens_per_round: int, lr: float, warmup: int) -> Path:
+    """``<run_dir>/run.toml`` for the embedded default; returns its path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "run.toml"
+    path.write_text(RUN_TOML.format(
+        data=data.resolve().as_posix(), min_clients=min_clients, rounds=rounds,
+        tokens_per_round=tokens_per_round, lr=lr, warmup=min(warmup, rounds),
+        final_lr=lr / 10))
+    return path
+
+
+def default_data_path(documents: int | None) -> Path:
+    """runs/python_docs.mdat, or a container of its own for a ``--documents`` limit."""
+    if documents is None:
+        return DEFAULT_DATA
+    return DEFAULT_DATA.with_name(f"python_docs-{documents}.mdat")
+
+
+def ensure_default_data(documents: int | None, say: Callable[[str], None]) -> Path:
+    """The stdlib docstrings MDAT, built (or finished: building resumes) on first use."""
+    path = default_data_path(documents)
+    if not (path / CATALOGUE_NAME).is_file():
+        say(f"[testnet] building the stdlib docstrings corpus at {path} (once)")
+    build_default_mdat(path, limit=documents).close()
+    return path

@@ -1,0 +1,61 @@
+"""Held-out loss of a run's checkpoints, per tier, computed in the testnet's own process.
+
+The held-out sequences are the last 5% of the run's shuffle (as in client/standalone.py):
+the coordinator hands out the shuffle from its start, so a run that stays short of that
+tail never trains on them.
+
+    held = HeldOut.of(config)                    # config: the run's server.config.RunConfig
+    held.reached_by(RunState.load(run_dir))      # True: the run trained into the tail
+    held.loss(checkpoint_dir, tiers=[0, 1, 2])   # {tier: mean loss per target token}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from modeling import MaskedBatch
+from modeling.batching import plan_batches
+from modeling.checkpoint import load_pretrained
+from modeling.mdat import Mdat
+from server.config import RunConfig
+from server.state import RunState
+
+HELD_OUT_FRACTION = 0.05
+MAX_SEQUENCES = 128  # of the tail, so that evaluating stays a few seconds on a CPU
+BATCH_TOKENS = 2048
+
+
+@dataclass(kw_only=True)
+class HeldOut:
+    batches: list[MaskedBatch]
+    tail_start: int  # position in the shuffle where the held-out tail begins
+    size: int  # sequences in the shuffle (one epoch)
+
+    @classmethod
+    def of(cls, config: RunConfig) -> HeldOut:
+        data = config.data
+        with Mdat.open(data.path) as mdat:
+            reader = mdat.sequences(data.strategy, data.max_seq_len, data.view)
+            order = mdat.shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
+            tail = order[len(order) - max(1, int(len(order) * HELD_OUT_FRACTION)):]
+            ids = tail[-MAX_SEQUENCES:]
+            examples = [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in ids]
+        plan = plan_batches([len(e) for e in examples], BATCH_TOKENS)
+        return cls(batches=[MaskedBatch.from_list([examples[i] for i in rows]) for rows in plan],
+                   tail_start=len(order) - len(tail), size=len(order))
+
+    def reached_by(self, state: RunState | None) -> bool:
+        """Whether the run handed out sequences from the held-out tail."""
+        return state is not None and state.queue.get("position", 0) > self.tail_start
+
+    @torch.no_grad()
+    def loss(self, checkpoint: Path, tiers: list[int]) -> dict[int, float]:
+        """Mean loss per target token of the universal checkpoint at each tier."""
+        model = load_pretrained(checkpoint).eval()
+        targets = sum(model.num_targets(b) for b in self.batches)
+        return {t: sum(model.loss(b, tier=t, reduction="sum").item()
+                       for b in self.batches) / targets for t in tiers}

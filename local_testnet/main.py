@@ -1,0 +1,192 @@
+"""`local-testnet`: a whole federated run as processes on this machine.
+
+    local-testnet --num-clients 3 --tiers 0,1,2                  # the embedded default run
+    local-testnet --config run.toml --rounds 20 --kill-client-at 5 --latency-ms 50
+
+It starts ``matformer-server`` and the clients on loopback, streams their logs with
+prefixes, and at the end prints a per-tier loss table and writes ``loss.png`` and
+``summary.json`` into the run directory, next to the checkpoints, tier slices and manifest.
+Exit code 0 when the run finished and the held-out loss fell at every tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+from local_testnet.default_run import ensure_default_data, write_default_run
+from local_testnet.held_out import HeldOut
+from local_testnet.processes import free_port, say
+from local_testnet.report import format_table, tier_reports, write_plot, write_summary
+from local_testnet.testnet import ClientSpec, Testnet, TestnetFailed, TestnetPlan
+from modeling.errors import MatformerError
+from protocol.auth import new_join_token
+from server.config import RunConfig
+from server.main import apply_overrides
+from server.state import RunState
+
+JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
+DEFAULT_RUN_DIR = Path("runs/testnet")
+# The embedded run: about two and a half minutes on two CPU cores with three clients.
+DEFAULT_ROUNDS = 150
+DEFAULT_TOKENS_PER_ROUND = 4096
+DEFAULT_LR = 4e-3
+DEFAULT_WARMUP = 5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="local-testnet", description=__doc__.split("\n")[0])
+    parser.add_argument("--num-clients", type=int, default=3)
+    parser.add_argument("--tiers", default="0,1,2",
+                        help="comma-separated tiers the clients ask for, cycled over them")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="a run.toml (default: the embedded run, in runs/testnet)")
+    parser.add_argument("--rounds", type=int, default=None, help="stop after this many rounds")
+    parser.add_argument("--kill-client-at", type=int, default=None, metavar="ROUND",
+                        help="SIGKILL the last client in this round, then restart it")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="delay every client call by this much (a simulated WAN)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in runs/testnet instead of replacing it")
+    # undocumented knobs of the embedded run, for tests and quick looks
+    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help=argparse.SUPPRESS)
+    parser.add_argument("--documents", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--tokens-per-round", type=int, default=DEFAULT_TOKENS_PER_ROUND,
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.num_clients < 1:
+        parser.error("--num-clients must be at least 1")
+    try:
+        args.tiers = [int(t) for t in args.tiers.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--tiers {args.tiers!r} is not a comma-separated list of tiers")
+    if not args.tiers:
+        parser.error("--tiers is empty; give at least one tier, e.g. --tiers 0,1,2")
+    return args
+
+
+def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """The run.toml to start from and the overrides besides the ports."""
+    overrides = [f"round.min_clients={args.num_clients}"]
+    if args.config is not None:
+        if args.rounds is not None:
+            overrides.append(f"round.rounds={args.rounds}")
+        return args.config, overrides
+    run_dir = args.run_dir
+    if run_dir.exists() and not args.resume:
+        say(f"[testnet] replacing the previous run in {run_dir} (--resume continues it)")
+        shutil.rmtree(run_dir)
+    data = ensure_default_data(args.documents, say)
+    config = write_default_run(run_dir, data=data, min_clients=args.num_clients,
+                               rounds=args.rounds or DEFAULT_ROUNDS,
+                               tokens_per_round=args.tokens_per_round, lr=DEFAULT_LR,
+                               warmup=DEFAULT_WARMUP)
+    return config, overrides
+
+
+def load_run_config(path: Path, overrides: list[str]) -> RunConfig:
+    """The config the server will run (it reads the same file with the same overrides)."""
+    data = tomllib.loads(path.read_text())
+    return RunConfig.from_dict(apply_overrides(data, overrides), base=path.resolve().parent)
+
+
+def join_token_env(path: Path) -> dict[str, str]:
+    """The join token for every child: the config's env var when set, else a new token."""
+    auth = tomllib.loads(path.read_text()).get("auth", {})
+    name = auth.get("join_token_env")
+    if isinstance(auth.get("join_token"), str):
+        return {JOIN_TOKEN_ENV: auth["join_token"]}
+    token = os.environ.get(name or JOIN_TOKEN_ENV) or new_join_token()
+    return {JOIN_TOKEN_ENV: token, **({name: token} if name else {})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    try:
+        config_path, overrides = prepare_run(args)
+        env = join_token_env(config_path)
+        os.environ.update(env)  # this process reads the config too
+        grpc_port, http_port = free_port(), free_port()
+        while http_port == grpc_port:
+            http_port = free_port()
+        overrides += [f"server.grpc_port={grpc_port}", f"server.http_port={http_port}",
+                      'server.host="127.0.0.1"']
+        config = load_run_config(config_path, overrides)
+    except (MatformerError, OSError, tomllib.TOMLDecodeError) as err:
+        print(f"local-testnet: {err}", file=sys.stderr)
+        return 2
+    run_dir = Path(config.run.dir)
+    if args.kill_client_at is not None and args.kill_client_at >= config.round.planned_rounds:
+        say(f"[testnet] --kill-client-at {args.kill_client_at} is past the run's last round "
+            f"({config.round.planned_rounds - 1}); no client will be killed")
+    clients = [ClientSpec(name=f"client-{i}", tier=args.tiers[i % len(args.tiers)])
+               for i in range(args.num_clients)]
+    say(f"[testnet] run {config.run.id} in {run_dir}: {len(clients)} clients at tiers "
+        f"{[c.tier for c in clients]}, {config.round.planned_rounds} rounds of "
+        f"{config.round.tokens_per_round} tokens")
+    net = Testnet(TestnetPlan(
+        config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
+        run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
+        kill_client_at=args.kill_client_at, tls_ca=config.tls.cert, env=env))
+    try:
+        status = net.run()
+    except TestnetFailed as err:
+        print(f"local-testnet: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        say("[testnet] interrupted; stopping the clients and the server")
+        return 130
+    finally:
+        net.stop()
+    train_s = time.monotonic() - started
+    return report(config, status, net.tiers_seen, train_s)
+
+
+def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s: float) -> int:
+    """Evaluate the first and final checkpoints, print the table, write the plot and summary;
+    the exit code."""
+    run_dir = Path(config.run.dir)
+    checkpoints = status.get("checkpoints") or []
+    if len(checkpoints) < 2:
+        print(f"local-testnet: the run left {len(checkpoints)} checkpoints in {run_dir}; "
+              "nothing to compare", file=sys.stderr)
+        return 1
+    torch.set_num_threads(max(os.cpu_count() or 1, 1))  # the children are gone
+    held = HeldOut.of(config)
+    if held.reached_by(RunState.load(run_dir)):
+        say(f"[testnet] warning: the run trained on sequences of the held-out tail (the last "
+            f"{held.size - held.tail_start} of {held.size}); the held-out loss is optimistic")
+    tiers = sorted(config.tiers.allowed)
+    first, last = (run_dir / "checkpoints" / f"round-{r}"
+                   for r in (checkpoints[0], checkpoints[-1]))
+    initial, final = held.loss(first, tiers), held.loss(last, tiers)
+    counts: dict[int, int] = {}
+    for tier in tiers_seen.values():
+        counts[tier] = counts.get(tier, 0) + 1
+    reports = tier_reports(status, clients=counts, initial=initial, final=final)
+    say(f"\nrun {status.get('run_id')}: {status.get('round')} rounds, "
+        f"{status.get('tokens', 0):,} tokens in {train_s:.0f} s; held-out loss of {first.name} "
+        f"→ {last.name}\n")
+    say(format_table(reports))
+    plot = write_plot(status, run_dir / "loss.png")
+    summary = write_summary(run_dir / "summary.json", reports, status, wall_s=round(train_s, 1),
+                            first_checkpoint=first.name, final_checkpoint=last.name)
+    say(f"\nwrote {plot}, {summary}; checkpoints, tier slices and manifest in {last.parent}")
+    worse = [r.tier for r in reports if r.tier in final and not r.improved]
+    if worse:
+        print(f"local-testnet: the held-out loss did not fall at tier(s) {worse}; train longer "
+              "or raise [update] lr", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

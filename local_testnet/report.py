@@ -1,0 +1,115 @@
+"""The end of a testnet run: a per-tier loss table, ``loss.png`` and ``summary.json``.
+
+    reports = tier_reports(status, clients={0: 1, 1: 1}, initial={0: 5.6, 1: 5.6},
+                           final={0: 3.1, 1: 3.3})
+    print(format_table(reports))
+    write_plot(status, run_dir / "loss.png")
+    write_summary(run_dir / "summary.json", reports, status, wall_s=...)
+
+``status`` is the coordinator's ``GET /status`` JSON (server/http.py): ``loss`` maps a tier
+(a string) to ``[{"round": r, "loss": l}, ...]``, ``bytes_received`` a round (a string) to
+the compressed bytes its results took.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a server or in CI
+import matplotlib.pyplot as plt  # after choosing the backend
+
+NAN = float("nan")
+
+
+@dataclass(kw_only=True, slots=True)
+class TierReport:
+    tier: int
+    clients: int  # clients that trained at this tier during the run
+    first_round_loss: float  # training loss its clients reported, first and last round
+    last_round_loss: float
+    held_out_initial: float  # held-out loss of the round-0 and the final checkpoint
+    held_out_final: float
+
+    @property
+    def improved(self) -> bool:
+        return self.held_out_final < self.held_out_initial
+
+
+def tier_reports(status: dict[str, Any], *, clients: dict[int, int],
+                 initial: dict[int, float], final: dict[int, float]) -> list[TierReport]:
+    """One row per tier that was evaluated or trained, in tier order."""
+    curves = training_curves(status)
+    tiers = sorted(set(initial) | set(final) | set(curves))
+    return [TierReport(
+        tier=t, clients=clients.get(t, 0),
+        first_round_loss=curves[t][0][1] if curves.get(t) else NAN,
+        last_round_loss=curves[t][-1][1] if curves.get(t) else NAN,
+        held_out_initial=initial.get(t, NAN), held_out_final=final.get(t, NAN),
+    ) for t in tiers]
+
+
+def training_curves(status: dict[str, Any]) -> dict[int, list[tuple[int, float]]]:
+    """Tier → [(round, loss)] from /status, in round order."""
+    return {int(tier): sorted((int(p["round"]), float(p["loss"])) for p in points)
+            for tier, points in status.get("loss", {}).items()}
+
+
+def format_table(reports: list[TierReport]) -> str:
+    header = ("tier", "clients", "first-round loss", "last-round loss", "held-out loss")
+    rows = [(str(r.tier), str(r.clients), f"{r.first_round_loss:.3f}",
+             f"{r.last_round_loss:.3f}",
+             f"{r.held_out_initial:.3f} → {r.held_out_final:.3f}") for r in reports]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+             for row in [header, *rows]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_plot(status: dict[str, Any], path: Path) -> Path:
+    """Training loss per tier over rounds, and compressed bytes received per round."""
+    fig, (losses, sent) = plt.subplots(1, 2, figsize=(11, 4))
+    curves = {t: c for t, c in sorted(training_curves(status).items()) if c}
+    for tier, curve in curves.items():
+        rounds, values = zip(*curve, strict=True)
+        losses.plot(rounds, values, marker=".", label=f"tier {tier}")
+    losses.set(xlabel="round", ylabel="training loss (nats/token)",
+               title="training loss per tier")
+    if curves:
+        losses.legend()
+    received = sorted((int(r), b) for r, b in status.get("bytes_received", {}).items())
+    if received:
+        rounds, sizes = zip(*received, strict=True)
+        sent.plot(rounds, [b / 1024 for b in sizes], drawstyle="steps-mid")
+    sent.set(xlabel="round", ylabel="KiB", ylim=(0, None),
+             title="compressed results received per round")
+    fig.suptitle(f"run {status.get('run_id', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_summary(path: Path, reports: list[TierReport], status: dict[str, Any],
+                  **extra: Any) -> Path:
+    """The table's numbers (NaN as null), the curves and ``extra`` as JSON."""
+    summary = {
+        "run_id": status.get("run_id"), "rounds": status.get("round"),
+        "tokens": status.get("tokens"), **extra,
+        "tiers": [{**_finite(asdict(r)), "improved": r.improved} for r in reports],
+        "loss": {str(t): curve for t, curve in training_curves(status).items()},
+        "bytes_received": {str(r): b for r, b in status.get("bytes_received", {}).items()},
+    }
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+    return path
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in row.items()}

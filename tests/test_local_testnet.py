@@ -1,0 +1,204 @@
+"""local-testnet: the report (table, plot, summary), matformer-server's ``--set`` overrides,
+and one end-to-end run with a client killed and restarted mid-run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from local_testnet.report import (
+    format_table,
+    tier_reports,
+    training_curves,
+    write_plot,
+    write_summary,
+)
+from modeling.mdat import build_default_mdat
+from server.errors import InvalidValue, UnknownKey, WrongType
+from server.main import load_config, parse_override
+from server.main import main as server_main
+
+REPO = Path(__file__).resolve().parents[1]
+
+STATUS = {
+    "run_id": "t", "phase": "finished", "round": 3, "tokens": 3000, "checkpoints": [0, 3],
+    "clients": [],
+    "loss": {"0": [{"round": 0, "loss": 5.5}, {"round": 2, "loss": 4.0},
+                   {"round": 1, "loss": 4.5}],
+             "1": [{"round": 0, "loss": 5.6}, {"round": 1, "loss": 4.9}]},
+    "bytes_received": {"0": 2048, "1": 4096, "2": 1024},
+}
+
+
+# -- report ----------------------------------------------------------------------------------
+
+def reports():
+    return tier_reports(STATUS, clients={0: 2, 1: 1}, initial={0: 5.6, 1: 5.6, 2: 5.6},
+                        final={0: 4.1, 1: 4.2, 2: 5.7})
+
+
+def test_training_curves_are_in_round_order():
+    assert training_curves(STATUS)[0] == [(0, 5.5), (1, 4.5), (2, 4.0)]
+
+
+def test_tier_reports_take_first_and_last_round_and_held_out():
+    by_tier = {r.tier: r for r in reports()}
+    assert sorted(by_tier) == [0, 1, 2]
+    assert (by_tier[0].clients, by_tier[0].first_round_loss, by_tier[0].last_round_loss) == (
+        2, 5.5, 4.0)
+    assert (by_tier[1].held_out_initial, by_tier[1].held_out_final) == (5.6, 4.2)
+    assert by_tier[0].improved and not by_tier[2].improved
+    assert by_tier[2].clients == 0 and math.isnan(by_tier[2].first_round_loss)
+
+
+def test_table_has_a_row_per_tier():
+    lines = format_table(reports()).splitlines()
+    assert lines[0].split(" | ")[0] == "tier" and "held-out loss" in lines[0]
+    assert set(lines[1]) <= {"-", "+"}
+    row0 = [cell.strip() for cell in lines[2].split("|")]
+    assert row0 == ["0", "2", "5.500", "4.000", "5.600 → 4.100"]
+    assert [line.split("|")[0].strip() for line in lines[2:]] == ["0", "1", "2"]
+
+
+def test_plot_is_a_png(tmp_path):
+    path = write_plot(STATUS, tmp_path / "loss.png")
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def test_plot_of_a_run_without_rounds(tmp_path):
+    empty = {"run_id": "t", "loss": {}, "bytes_received": {}}
+    assert write_plot(empty, tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_summary_holds_the_table_numbers(tmp_path):
+    summary = json.loads(write_summary(tmp_path / "s.json", reports(), STATUS,
+                                       wall_s=12.5).read_text())
+    assert (summary["rounds"], summary["tokens"], summary["wall_s"]) == (3, 3000, 12.5)
+    tier0, _, tier2 = summary["tiers"]
+    assert tier0 == {"tier": 0, "clients": 2, "first_round_loss": 5.5, "last_round_loss": 4.0,
+                     "held_out_initial": 5.6, "held_out_final": 4.1, "improved": True}
+    assert tier2["first_round_loss"] is None and tier2["improved"] is False
+    assert summary["loss"]["1"] == [[0, 5.6], [1, 4.9]]
+    assert summary["bytes_received"] == {"0": 2048, "1": 4096, "2": 1024}
+
+
+# -- matformer-server --set ------------------------------------------------------------------
+
+RUN_TOML = """\
+[run]
+id = "t"
+dir = "run"
+
+[model.inline]
+vocab_size = 260
+hidden_size = 32
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+intermediate_size = 64
+max_position_embeddings = 128
+
+[data]
+path = "{data}"
+max_seq_len = 128
+
+[tiers]
+allowed = [0, 1]
+
+[round]
+min_clients = 2
+deadline_s = {deadline}
+tokens_per_round = {tokens}
+rounds = {rounds}
+
+[update]
+rule = "sign"
+lr = 0.005
+
+[auth]
+{auth}
+"""
+
+
+def write_toml(path: Path, *, data: str = "d.mdat", deadline: float = 60.0, tokens: int = 1024,
+               rounds: int = 5, auth: str = 'join_token = "secret-token-for-tests"',
+               extra: str = "") -> Path:
+    path.write_text(RUN_TOML.format(data=data, deadline=deadline, tokens=tokens, rounds=rounds,
+                                    auth=auth) + extra)
+    return path
+
+
+def test_parse_override_reads_toml_values_and_bare_words():
+    assert parse_override("round.rounds=5") == (["round", "rounds"], 5)
+    assert parse_override("tiers.allowed=[0, 1]") == (["tiers", "allowed"], [0, 1])
+    assert parse_override('server.host="0.0.0.0"') == (["server", "host"], "0.0.0.0")
+    assert parse_override("run.dir=runs/x") == (["run", "dir"], "runs/x")
+    with pytest.raises(InvalidValue, match=r"SECTION\.KEY=VALUE"):
+        parse_override("rounds=5")
+    with pytest.raises(InvalidValue, match=r"SECTION\.KEY=VALUE"):
+        parse_override("round.rounds")
+
+
+def test_override_takes_effect(tmp_path):
+    path = write_toml(tmp_path / "run.toml")
+    config = load_config(path, ["round.rounds=7", "server.grpc_port=7100",
+                                "model.inline.hidden_size=64", 'run.dir="other"'])
+    assert config.round.rounds == 7 and config.server.grpc_port == 7100
+    assert config.model.build().hidden_size == 64
+    assert config.run.dir == (tmp_path / "other").resolve()  # relative to the file, as in it
+    assert load_config(path).round.rounds == 5
+
+
+def test_typo_in_an_override_reads_like_a_typo_in_the_file(tmp_path):
+    with pytest.raises(UnknownKey) as from_file:
+        load_config(write_toml(tmp_path / "typo.toml", extra="\n[checkpoint]\nevry_rounds = 2\n"))
+    with pytest.raises(UnknownKey) as from_set:
+        load_config(write_toml(tmp_path / "run.toml"), ["checkpoint.evry_rounds=2"])
+    assert str(from_set.value) == str(from_file.value)
+    assert "did you mean 'every_rounds'" in str(from_set.value)
+    with pytest.raises(UnknownKey, match="valid keys: run, model"):
+        load_config(write_toml(tmp_path / "run.toml"), ["rond.rounds=2"])
+    with pytest.raises(WrongType, match=r"round\.rounds is not a table"):
+        load_config(write_toml(tmp_path / "run.toml"), ["round.rounds.x=2"])
+
+
+def test_server_refuses_a_bad_override_before_serving(tmp_path, capsys):
+    path = write_toml(tmp_path / "run.toml")
+    assert server_main(["--config", str(path), "--set", "round.roundz=3"]) == 2
+    assert "has no key 'roundz'; did you mean 'rounds'?" in capsys.readouterr().err
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+def test_two_clients_with_one_killed_and_restarted(tmp_path):
+    build_default_mdat(tmp_path / "d.mdat", limit=150).close()
+    # rounds after the kill leave the restarted client time to rejoin and train again
+    config = write_toml(tmp_path / "run.toml", deadline=8.0, tokens=1024, rounds=6,
+                        auth='join_token_env = "TESTNET_JOIN_TOKEN"')
+    env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
+    result = subprocess.run(
+        [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
+         "--config", str(config), "--kill-client-at", "2"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "round-6" / "config.json").is_file()
+    assert (checkpoints / "round-6-tier1" / "config.json").is_file()
+    assert list(checkpoints.rglob("matformer_manifest.json"))
+    assert (run / "loss.png").read_bytes().startswith(b"\x89PNG")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds"] == 6 and all(t["improved"] for t in summary["tiers"])
+    assert "[testnet] killed client-1" in log
+    assert "[testnet] client-1 rejoined the run" in log
+    assert "[testnet] client-1 catches up" in log
+    restarted = log[log.index("[testnet] restarting client-1"):]
+    assert "[client-1 t1] round" in restarted, restarted  # it trained again after rejoining
