@@ -191,6 +191,7 @@ class CheckpointFiles:
         self.mirror = mirror
         self.expected: dict[str, str] = {}
         self.downloaded: list[str] = []  # paths that came over gRPC, for the log
+        self.mirrored: list[str] = []  # paths copied from the mirror
 
     def fetch(self, path: str) -> Path | None:
         local = self.cache / path
@@ -210,6 +211,7 @@ class CheckpointFiles:
             if found is not None and sha256_of(found) == wanted:
                 local.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(found, local)
+                self.mirrored.append(path)
                 return local
         return local if self._download(path, local, wanted) else None
 

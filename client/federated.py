@@ -228,8 +228,8 @@ class FederatedClient:
                               "belong to this run.")
         self.replica = Replica(model)
         self.applied = ref.round
-        fetched = (f"downloaded {len(files.downloaded)} files" if files.downloaded
-                   else "all files from the local copy")
+        fetched = f"{len(files.downloaded)} files downloaded" + (
+            f", {len(files.mirrored)} from {self.options.checkpoint}" if files.mirrored else "")
         self.log(f"loaded {folder} ({resolved.used}: {resolved.reason}; {fetched}); "
                  f"{sum(p.numel() for p in model.parameters()):,} parameters")
 

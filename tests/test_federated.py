@@ -319,3 +319,32 @@ def test_bad_results_are_refused_over_grpc_and_change_nothing(tmp_path, mdat, fa
     finally:
         channel.close()
         server.stop()
+
+
+def test_checkpoint_files_come_from_a_local_copy_when_their_sha256_matches(tmp_path, mdat):
+    import shutil
+
+    server = start(tmp_path, mdat, rounds=1)
+    try:
+        mirror = tmp_path / "mirror"
+        shutil.copytree(tmp_path / "run" / "checkpoints", mirror)
+        logs = []
+        c = FederatedClient(FederatedOptions(
+            server=f"127.0.0.1:{server.grpc_port}", tier=1, name="mirrored", join_token=TOKEN,
+            state_dir=tmp_path / "clients" / "m", checkpoint=str(mirror), progress=False,
+            max_rounds=0), log=logs.append)
+        c.run()
+        # only the manifest comes from the coordinator; config and weights from the copy
+        assert any(f"1 files downloaded, 3 from {mirror}" in line for line in logs), logs
+        # a tampered copy is not used: the file comes from the coordinator instead
+        weights = next((mirror / "round-0-tier2").glob("*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[:-8] + b"tampered")
+        logs.clear()
+        c = FederatedClient(dataclasses.replace(c.options, tier=2, name="wary",
+                                                state_dir=tmp_path / "clients" / "w"),
+                            log=logs.append)
+        c.run()
+        assert any(f"2 files downloaded, 2 from {mirror}" in line for line in logs), logs
+        assert same(held(c), master_slice(server, c))
+    finally:
+        server.stop()
