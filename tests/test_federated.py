@@ -348,3 +348,32 @@ def test_checkpoint_files_come_from_a_local_copy_when_their_sha256_matches(tmp_p
         assert same(held(c), master_slice(server, c))
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
+def test_the_client_command_leaves_the_run_on_ctrl_c_and_sigterm(tmp_path, mdat, signal_name):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    server = start(tmp_path, mdat, rounds=1000, min_clients=1)
+    coordinator = server.service.coordinator
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "client.cli", "train", "--server",
+             f"127.0.0.1:{server.grpc_port}", "--join-token", TOKEN, "--name", "leaver",
+             "--state-dir", str(tmp_path / "leaver"), "--no-progress"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        wait_for_round(server, 2, timeout=90)  # it is training
+        assert [m.name for m in coordinator.membership.members.values()] == ["leaver"]
+        process.send_signal(getattr(signal, signal_name))
+        output, _ = process.communicate(timeout=60)
+        assert process.returncode == 130, output
+        assert "left the run" in output
+        assert coordinator.membership.members == {}  # Leave reached the coordinator
+    finally:
+        if process.poll() is None:
+            process.kill()
+        server.stop()
