@@ -25,6 +25,7 @@ import torch
 from modeling.checkpoint.export import read_manifest
 from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.checkpoint.schema import canonical_schema_hash
+from modeling.compression import Aggregate, Region, region_slices
 from modeling.errors import CompressionError
 from protocol.auth import check_join_token, require_session
 from protocol.errors import ProtocolError
@@ -168,9 +169,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         tier = _call(context, lambda: c.membership.get(client_id).tier)
         logged = _call(context, lambda: c.updates_since(request.since_round))
         context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
+        regions = c.regions(tier)
         yield from update_messages(
             RoundUpdate(round=u.round, learning_rate=u.update.lr,
-                        weight_hash=u.hashes.get(tier, ""), parameters=u.aggregates,
+                        weight_hash=u.hashes.get(tier, ""),
+                        parameters=_within(u.aggregates, regions),
                         signs_only=u.update.rule == "sign")
             for u in logged)
 
@@ -220,6 +223,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             weight_decay=update.weight_decay, sequence_length=cfg.data.max_seq_len,
             data_fingerprint=self.coordinator.reader.fingerprint,
             data_strategy=cfg.data.strategy, data_view=cfg.data.view or "")
+
+
+def _within(aggregates: dict[str, Aggregate], regions: dict[str, Region]
+            ) -> dict[str, Aggregate]:
+    """The aggregates cut to a tier's regions: a client downloads only what it holds."""
+    cut = {}
+    for name, agg in aggregates.items():
+        where = region_slices(regions[name])
+        if tuple(agg.tokens[where].shape) == tuple(agg.tokens.shape):
+            cut[name] = agg
+            continue
+        tokens = torch.zeros_like(agg.tokens)
+        tokens[where] = agg.tokens[where]
+        if bool((tokens > 0).any()):
+            cut[name] = Aggregate(values=agg.values, tokens=tokens)
+    return cut
 
 
 class _NotYourSession(ProtocolError):

@@ -192,6 +192,8 @@ def test_heterogeneous_run_tail_moves_only_with_tier0_and_hashes_agree(tmp_path,
     assert [s.tier for s in summaries] == [1, 2, 0]
     assert all(s.finished and s.resynchronisations == 0 for s in summaries)
     assert summaries[2].rounds_trained >= 1 and summaries[0].rounds_trained == 5
+    # a client downloads only its tier's part of each update
+    assert summaries[1].update_bytes < summaries[0].update_bytes
     widths = {t: coordinator.regions(t)[UP][0][1] for t in (0, 1, 2)}
     for tiers, before, after in rounds:
         tail = (slice(widths[1], None), slice(None))
