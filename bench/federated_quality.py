@@ -1,0 +1,325 @@
+"""Quality at equal tokens on the embedded corpus: final held-out loss per tier.
+
+Four runs train the same model (``client.standalone.TINY``) from the same initial weights on
+the same sequences of the stdlib-docstrings MDAT:
+
+  A  federated: a real coordinator and 3 ``FederatedClient``s at tiers 0, 1, 2; DeMo
+     compression (``CompressionConfig`` defaults: DCT, chunk 64, top 32, bfloat16), rule sign
+  B  the same, all 3 clients at tier 0
+  C  as A with compression none: the dense float32 gradient, rule sign at the same lr
+  D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
+
+The coordinator hands out the run's shuffle (``Mdat.shuffle``, seed ``data.seed``) from its
+start, ``--tokens-per-round`` per round; D trains on exactly the sequences those rounds
+take, in the same order, in steps of ``--batch-tokens``. Held out: the last 5% of the same
+shuffle (as in ``client.standalone``); every sequence a client trained on is checked
+against it. Each run's initial and final universal checkpoints are evaluated at tiers 0, 1,
+2; B's tiers 1 and 2 are MatFormer slices of a model only ever trained at tier 0.
+
+    python bench/federated_quality.py
+    python bench/federated_quality.py --runs A,B --rounds 15 --lr 0.01
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from harness import print_table
+from torch import Tensor
+
+from client.federated import ClientSummary, FederatedClient, FederatedOptions
+from client.standalone import DEFAULT_DATA, TINY, evaluate
+from modeling import MaskedBatch, ModelConfig, build_model
+from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
+from modeling.checkpoint import load_pretrained
+from modeling.matformer import tier_label
+from modeling.mdat import DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
+from modeling.naming import canonical_state_dict
+from modeling.optim import OptimizerConfig
+from modeling.training import TierSchedule, train_step_on_examples
+from server.config import RunConfig
+from server.main import RunningServer
+from server.work import WorkQueue
+
+TIERS = [0, 1, 2]  # evaluated for every run
+TOKEN = "federated-quality"
+STRATEGY = DEFAULT_STRATEGY["strategy_name"]
+
+
+@dataclass(frozen=True)
+class FederatedRun:
+    tiers: tuple[int, ...]  # one client per entry
+    encoding: str  # [compression] encoding
+    value_dtype: str  # [compression] value_dtype
+
+
+RUNS = {
+    "A": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16"),
+    "B": FederatedRun(tiers=(0, 0, 0), encoding="dct", value_dtype="bfloat16"),
+    "C": FederatedRun(tiers=(0, 1, 2), encoding="none", value_dtype="float32"),
+}
+STANDALONE = "D"
+
+
+class HeldOut:
+    """Held-out losses per tier; a start bit-identical to one seen before is not re-evaluated."""
+
+    def __init__(self, batches: list[MaskedBatch]) -> None:
+        self.batches = batches
+        self.starts: list[tuple[dict[str, Tensor], dict[str, float]]] = []
+
+    def start(self, model: torch.nn.Module) -> dict[str, float]:
+        state = {n: t.detach().clone() for n, t in canonical_state_dict(model).items()}
+        for seen, losses in self.starts:
+            if seen.keys() == state.keys() and all(torch.equal(seen[n], state[n]) for n in seen):
+                return losses
+        self.starts.append((state, self.final(model)))
+        return self.starts[-1][1]
+
+    def final(self, model: torch.nn.Module) -> dict[str, float]:
+        return evaluate(model, self.batches, TIERS)
+
+
+@dataclass
+class Outcome:
+    tokens: int
+    initial: dict[str, float]
+    final: dict[str, float]
+    seconds: float
+    summaries: list[ClientSummary]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default="A,B,C,D", help="any of A, B, C, D")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--tokens-per-round", type=int, default=8192)
+    parser.add_argument("--lr", type=float, default=0.02, help="sign rule's peak lr (A, B, C)")
+    parser.add_argument("--warmup-rounds", type=int, default=3,
+                        help="linear warmup, then cosine to lr/10")
+    parser.add_argument("--adamw-lr", type=float, default=3e-3, help="D's peak lr")
+    parser.add_argument("--batch-tokens", type=int, default=1024,
+                        help="D's tokens per optimizer step (as matformer-train)")
+    parser.add_argument("--documents", type=int, default=None,
+                        help="docstrings in the corpus (default: all, in "
+                             f"{DEFAULT_DATA}; else runs/python_docs-N.mdat)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0, help="data.seed: shuffle and init")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (process-wide)")
+    parser.add_argument("--out", type=Path, default=Path("runs/federated_quality"),
+                        help="run directories (replaced)")
+    return parser.parse_args()
+
+
+def data_path(documents: int | None) -> Path:
+    """The default container, or a separate one for a limited corpus (the default is never
+    rebuilt: ``build_default_mdat`` leaves a complete container as it is)."""
+    path = DEFAULT_DATA if documents is None else DEFAULT_DATA.with_name(
+        f"python_docs-{documents}.mdat")
+    build_default_mdat(path, limit=documents).close()
+    return path
+
+
+def planned_rounds(order: np.ndarray, reader: SequenceReader, args: argparse.Namespace
+                   ) -> list[list[int]]:
+    """The sequence ids of each round, as the coordinator's queue takes them when no client
+    drops out (each run checks it did)."""
+    queue = WorkQueue(order)
+    return [queue.take(args.tokens_per_round, lambda i: len(reader[i]))
+            for _ in range(args.rounds)]
+
+
+def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespace) -> RunConfig:
+    return RunConfig.from_dict({
+        "run": {"id": f"quality-{name}", "dir": str(args.out / name)},
+        "model": {"inline": {**TINY, "vocab_size": 260}},
+        "data": {"path": str(data), "strategy": STRATEGY, "max_seq_len": args.seq_len,
+                 "seed": args.seed},
+        "tiers": {"allowed": TIERS},
+        "round": {"min_clients": len(run.tiers), "deadline_s": 600.0,
+                  "tokens_per_round": args.tokens_per_round, "rounds": args.rounds},
+        "compression": {"encoding": run.encoding, "value_dtype": run.value_dtype},
+        "update": {"rule": "sign", "lr": args.lr, "warmup_rounds": args.warmup_rounds,
+                   "schedule": "cosine", "final_lr": args.lr / 10},
+        "checkpoint": {"every_rounds": args.rounds},
+        "auth": {"join_token": TOKEN},
+    })
+
+
+class _Recording(FederatedClient):
+    """Remembers every sequence id it trained on."""
+
+    trained: list[int]
+
+    def _sequences(self, ids: list[int]) -> list[Tensor]:
+        self.trained = [*getattr(self, "trained", []), *ids]
+        return super()._sequences(ids)
+
+
+def run_federated(name: str, run: FederatedRun, data: Path, held_out: set[int],
+                  planned: list[list[int]], held: HeldOut, args: argparse.Namespace
+                  ) -> Outcome:
+    shutil.rmtree(args.out / name, ignore_errors=True)
+    started = time.perf_counter()
+    server = RunningServer.start(run_config(name, run, data, args), grpc_port=0, http_port=0)
+    try:
+        clients = [_Recording(FederatedOptions(
+            server=f"127.0.0.1:{server.grpc_port}", tier=tier, name=f"{name}{i}-t{tier}",
+            join_token=TOKEN, state_dir=args.out / name / "clients" / str(i), data=data,
+            progress=False), log=lambda line: None) for i, tier in enumerate(run.tiers)]
+        summaries: list[ClientSummary | BaseException] = [None] * len(clients)
+
+        def play(i: int) -> None:
+            try:
+                summaries[i] = clients[i].run()
+            except BaseException as err:  # re-raised below, in the main thread
+                summaries[i] = err
+
+        threads = [threading.Thread(target=play, args=(i,)) for i in range(len(clients))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        coordinator = server.service.coordinator
+        position, tokens = coordinator.queue.position, coordinator.state.tokens
+    finally:
+        server.stop()
+    seconds = time.perf_counter() - started
+    for summary in summaries:
+        if isinstance(summary, BaseException):
+            raise summary
+    if [s.tier for s in summaries] != list(run.tiers):
+        raise RuntimeError(f"run {name}: clients got tiers {[s.tier for s in summaries]}")
+    trained = {i for c in clients for i in c.trained}
+    if trained & held_out:
+        raise RuntimeError(f"run {name} trained on {len(trained & held_out)} held-out sequences")
+    if position != sum(map(len, planned)) or trained != {i for r in planned for i in r}:
+        raise RuntimeError(f"run {name} did not train on the planned sequences (a client "
+                           "missed a round's deadline?)")
+    checkpoints = args.out / name / "checkpoints"
+    return Outcome(tokens=tokens, seconds=seconds, summaries=summaries,
+                   initial=held.start(load_pretrained(checkpoints / "round-0")),
+                   final=held.final(load_pretrained(checkpoints / f"round-{args.rounds}")))
+
+
+def initial_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
+    """The coordinator's round-0 weights, and how D's start was obtained."""
+    torch.manual_seed(args.seed)
+    seeded = build_model(ModelConfig(**TINY, vocab_size=260))
+    for name in RUNS:
+        checkpoint = args.out / name / "checkpoints" / "round-0"
+        if checkpoint.is_dir():
+            start = load_pretrained(checkpoint)
+            same = all(torch.equal(a, b) for a, b in zip(
+                canonical_state_dict(start).values(), canonical_state_dict(seeded).values(),
+                strict=True))
+            return start, (f"run {name}'s round-0 checkpoint (a model built after "
+                           f"torch.manual_seed({args.seed}) is {'' if same else 'NOT '}"
+                           "bit-identical to it)")
+    return seeded, f"torch.manual_seed({args.seed}), as the coordinator initialises"
+
+
+def run_standalone(reader: SequenceReader, planned: list[list[int]],
+                   held: HeldOut, args: argparse.Namespace) -> tuple[Outcome, str]:
+    started = time.perf_counter()
+    model, start = initial_model(args)
+    ids = [i for r in planned for i in r]
+    examples = [torch.from_numpy(reader[i].astype(np.int64)) for i in ids]
+    steps = plan_batches([len(e) for e in examples], args.batch_tokens)  # data order kept
+    optimizer = OptimizerConfig(
+        name="adamw", lr=args.adamw_lr, final_lr=args.adamw_lr / 10, weight_decay=0.01,
+        warmup_steps=max(1, len(steps) // 10), total_steps=len(steps)).build(model)
+    runner = MicrobatchRunner(model, AdaptiveLimitsConfig(max_tokens=args.batch_tokens).build())
+    schedule = TierSchedule(tiers=TIERS, mode="all")
+    initial = held.start(model)
+    for step, rows in enumerate(steps):
+        train_step_on_examples(runner, optimizer, [examples[i] for i in rows], schedule, step,
+                               max_grad_norm=1.0)
+    final = held.final(model)
+    tokens = sum(len(e) for e in examples)
+    note = f"D: {len(steps)} AdamW steps of <= {args.batch_tokens} tokens; start: {start}"
+    return Outcome(tokens, initial, final, time.perf_counter() - started, []), note
+
+
+def _per_round(summaries: list[ClientSummary], field: str, rounds: str) -> str:
+    if not summaries:
+        return "-"
+    each = [asdict(s)[field] / max(1, asdict(s)[rounds]) / 1024 for s in summaries]
+    return f"{np.mean(each):,.1f}"
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    names = [n.strip().upper() for n in args.runs.split(",")]
+    unknown = set(names) - {*RUNS, STANDALONE}
+    if unknown:
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from A, B, C, D")
+    data = data_path(args.documents)
+    with Mdat.open(data) as mdat:
+        reader = mdat.sequences(STRATEGY, args.seq_len, None)
+        order = mdat.shuffle(None, STRATEGY, args.seq_len, args.seed)
+        held_out = order[-max(1, len(order) // 20):]  # as client.standalone holds out
+        planned = planned_rounds(order, reader, args)
+        if sum(map(len, planned)) > len(order) - len(held_out):
+            raise SystemExit(f"{args.rounds} rounds of {args.tokens_per_round} tokens reach "
+                             "the held-out tail of the shuffle; lower --rounds or "
+                             "--tokens-per-round, or raise --documents.")
+        eval_examples = [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in held_out]
+    held = HeldOut([MaskedBatch.from_list([eval_examples[i] for i in rows]) for rows in
+                    plan_batches([len(e) for e in eval_examples], 8192)])
+    used = sum(map(len, planned))
+    print(f"torch {torch.__version__} | cpu, {torch.get_num_threads()} threads | {data}: "
+          f"{len(order):,} sequences of <= {args.seq_len} tokens | TINY model | "
+          f"{args.rounds} rounds x {args.tokens_per_round:,} tokens: first {used:,} sequences "
+          f"of the shuffle (seed {args.seed}); held out: last {len(held_out):,} "
+          f"({sum(len(e) for e in eval_examples):,} tokens) | sign lr {args.lr}, warmup "
+          f"{args.warmup_rounds}, cosine to lr/10 | AdamW lr {args.adamw_lr}", flush=True)
+
+    outcomes: dict[str, Outcome] = {}
+    notes = []
+    for name in names:
+        if name in RUNS:
+            outcomes[name] = run_federated(name, RUNS[name], data, {int(i) for i in held_out},
+                                           planned, held, args)
+        else:
+            outcomes[name], note = run_standalone(reader, planned, held, args)
+            notes.append(note)
+        o = outcomes[name]
+        print(f"run {name} done in {o.seconds:,.0f} s: final "
+              + ", ".join(f"tier {t} {loss:.3f}" for t, loss in o.final.items()), flush=True)
+
+    labels = [tier_label(t) for t in TIERS]
+    print()
+    print_table(
+        ["run", "tokens", *(f"tier {t} initial -> final" for t in labels),
+         "sent KiB/client/round", "update KiB/round", "wall s"],
+        [[name, f"{o.tokens:,}", *(f"{o.initial[t]:.3f} -> {o.final[t]:.3f}" for t in labels),
+          _per_round(o.summaries, "bytes_sent", "rounds_trained"),
+          _per_round(o.summaries, "update_bytes", "rounds_applied"), f"{o.seconds:,.0f}"]
+         for name, o in outcomes.items()],
+    )
+    print(f"initial weights bit-identical across runs: {'yes' if len(held.starts) == 1 else 'NO'}")
+    for name, o in outcomes.items():
+        if o.summaries:
+            each = ", ".join(f"tier {s.tier} {s.bytes_sent / max(1, s.rounds_trained) / 1024:,.1f}"
+                             for s in o.summaries)
+            print(f"{name}: sent KiB/round by client: {each}")
+    for note in notes:
+        print(note)
+    for other in ["B", "C", STANDALONE]:
+        if "A" in outcomes and other in outcomes:
+            ratios = ", ".join(f"tier {t} {outcomes['A'].final[t] / outcomes[other].final[t]:.3f}"
+                               for t in labels)
+            print(f"final loss A / {other}: {ratios} (< 1: A is better)")
+
+
+if __name__ == "__main__":
+    main()
