@@ -84,10 +84,13 @@ def write_plot(status: dict[str, Any], path: Path) -> Path:
     if curves:
         losses.legend()
     received = sorted((int(r), b) for r, b in status.get("bytes_received", {}).items())
+    top = None
     if received:
         rounds, sizes = zip(*received, strict=True)
-        sent.plot(rounds, [b / 1024 for b in sizes], drawstyle="steps-mid")
-    sent.set(xlabel="round", ylabel="KiB", ylim=(0, None),
+        kib = [b / 1024 for b in sizes]
+        sent.plot(rounds, kib, drawstyle="steps-mid", marker=".")
+        top = max(kib) * 1.2 or None  # headroom: a steady line must not sit on the frame
+    sent.set(xlabel="round", ylabel="KiB", ylim=(0, top),
              title="compressed results received per round")
     fig.suptitle(f"run {status.get('run_id', '')}")
     fig.tight_layout()
