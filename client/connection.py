@@ -25,6 +25,7 @@ import grpc
 import torch
 
 from client.errors import ClientError
+from modeling.checkpoint.files import read_json
 from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
 from modeling.checkpoint.repository import normalize
 from modeling.compression import SparseResult
@@ -198,7 +199,7 @@ class CheckpointFiles:
         if posix_name(path) == MANIFEST_NAME:
             if not self._download(path, local, None):
                 return None
-            manifest = Manifest.from_dict(_read_json(local), f"the coordinator's {path}")
+            manifest = Manifest.from_dict(read_json(local), f"the coordinator's {path}")
             folder = path.rpartition("/")[0]
             self.expected = {normalize(name, folder): digest
                              for name, digest in manifest.sha256.items()}
@@ -234,9 +235,3 @@ class CheckpointFiles:
 
 def posix_name(path: str) -> str:
     return path.rpartition("/")[2]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    import json
-
-    return json.loads(path.read_text())

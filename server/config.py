@@ -91,14 +91,7 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
         path = Path(path)
-        if not path.is_file():
-            raise MissingFile(f"{path} does not exist; pass the run's TOML file "
-                              "(examples/run.toml shows one).")
-        try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise InvalidToml(f"{path} is not valid TOML: {err}; fix it there.") from err
-        return cls.from_dict(data, base=path.resolve().parent)
+        return cls.from_dict(read_toml(path), base=path.resolve().parent)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, base: str | Path = ".") -> RunConfig:
@@ -118,3 +111,13 @@ class RunConfig:
         """Plain data (TOML and JSON types) that ``from_dict`` reads back to an equal config."""
         return {f.name: table_of(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The parsed run.toml at ``path``, or a named error saying what to fix."""
+    if not path.is_file():
+        raise MissingFile(f"{path} does not exist; pass the run's TOML file "
+                          "(examples/run.toml shows one).")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise InvalidToml(f"{path} is not valid TOML: {err}; fix it there.") from err

@@ -35,9 +35,9 @@ from modeling.errors import MatformerError
 from protocol.channel import GRPC_OPTIONS
 from protocol.health import add_health
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.config import RunConfig
+from server.config import RunConfig, read_toml
 from server.coordinator import Coordinator
-from server.errors import InvalidToml, InvalidValue, MissingFile, WrongType
+from server.errors import InvalidValue, WrongType
 from server.http import build_app
 from server.service import CoordinatorService
 
@@ -155,16 +155,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def load_config(path: Path, overrides: list[str] = ()) -> RunConfig:
     """run.toml at ``path`` with ``--set`` overrides applied; relative paths (also those of
     overrides) resolve against the file's folder."""
-    if not overrides:
-        return RunConfig.load(path)
-    if not path.is_file():
-        raise MissingFile(f"{path} does not exist; pass the run's TOML file "
-                          "(examples/run.toml shows one).")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise InvalidToml(f"{path} is not valid TOML: {err}; fix it there.") from err
-    return RunConfig.from_dict(apply_overrides(data, list(overrides)),
+    return RunConfig.from_dict(apply_overrides(read_toml(path), list(overrides)),
                                base=path.resolve().parent)
 
 
