@@ -20,6 +20,7 @@ method holds one lock: a gRPC servicer may call them from its worker threads.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +53,9 @@ from server.state import RunState
 from server.tiers import Capabilities, TierAssignment
 from server.update_log import LoggedUpdate, UpdateLog
 from server.work import WorkQueue
+
+MAX_EVENTS = 1000  # the newest events state.json keeps
+log = logging.getLogger("matformer.server")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,9 @@ class Coordinator:
         """Admit a client: its member record, tier assignment and session token."""
         with self._lock:
             joined = self.membership.join(capabilities, now=self.clock())
+            member, tier, _ = joined
+            self._event("join", member.client_id,
+                        f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")
             self._save()
             self.advance()
             return joined
@@ -123,14 +130,23 @@ class Coordinator:
             self.advance()
             return self.assignment_for(client_id)
 
-    def leave(self, client_id: str) -> None:
+    def leave(self, client_id: str, reason: str = "") -> None:
         """Remove a member; its unsubmitted sequences of the open round go back to the queue."""
         with self._lock:
             self.membership.leave(client_id)
-            if self._open is not None and client_id not in self._open.submissions:
-                dropped = self._open.assignments.pop(client_id, None)
-                if dropped is not None:
-                    self.queue.requeue(dropped.sequence_ids)
+            self._drop_from_round(client_id)
+            self._event("leave", client_id, reason or "left the run")
+            self._save()
+            self.advance()
+
+    def exclude(self, client_id: str, reason: str) -> None:
+        """Remove a member for good (too many bad results, or an operator's decision): its
+        unsubmitted sequences go back to the queue, and its later calls are answered
+        PERMISSION_DENIED with ``reason``. Raises UnknownClient for a non-member."""
+        with self._lock:
+            self.membership.exclude(client_id, reason)
+            self._drop_from_round(client_id)
+            self._event("exclude", client_id, reason)
             self._save()
             self.advance()
 
@@ -272,6 +288,21 @@ class Coordinator:
             self._checkpoint()
         self._save()
         self.log.prune(through=self._log_start() - 1)
+
+    def _drop_from_round(self, client_id: str) -> None:
+        """Hand a client's unsubmitted sequences of the open round back to the queue."""
+        if self._open is not None and client_id not in self._open.submissions:
+            dropped = self._open.assignments.pop(client_id, None)
+            if dropped is not None:
+                self.queue.requeue(dropped.sequence_ids)
+
+    def _event(self, kind: str, client_id: str | None, detail: str) -> None:
+        """One line of the run's history (joins, leaves, drops, re-tierings, exclusions,
+        checkpoints), kept in state.json for the status API; the log gets it too."""
+        self.state.events.append({"time": self.clock(), "round": self.state.round,
+                                  "kind": kind, "client_id": client_id, "detail": detail})
+        del self.state.events[:-MAX_EVENTS]
+        log.info("round %d: %s %s: %s", self.state.round, kind, client_id or "-", detail)
 
     def _record_loss(self, rnd: OpenRound) -> None:
         """Per tier, the token-weighted mean loss its clients reported this round."""

@@ -29,16 +29,24 @@ class Member:
     tokens_per_second: float  # measured when it has submitted, else its own report
     last_seen: float  # clock time of its last call
     measured_by_round: bool = False  # tokens_per_second comes from a submitted round
+    memory_bytes: int = 0  # what it reported at join: re-tiering checks a larger tier fits
+    microbatch_tokens: int = 0
+    requested_tier: int | None = None
+    missed: int = 0  # consecutive rounds it was dropped from at the deadline (or hung)
+    early: int = 0  # consecutive rounds it finished within [faults] early_fraction
+    rejections: int = 0  # submissions refused as bad results, over the whole run
 
 
 class Membership:
     """Join, heartbeat, leave and speed measurement over the run's members."""
 
     def __init__(self, policy: TierPolicy, *, members: Sequence[Member] = (),
-                 sessions: dict[str, str] | None = None, next_id: int = 0) -> None:
+                 sessions: dict[str, str] | None = None, next_id: int = 0,
+                 excluded: dict[str, str] | None = None) -> None:
         self.policy = policy
         self.members = {m.client_id: m for m in members}
         self.sessions = SessionTokens(sessions)
+        self.excluded = dict(excluded or {})  # client id → why it was excluded from the run
         self._next_id = next_id
 
     def join(self, capabilities: Capabilities, *, now: float) -> tuple[Member, TierAssignment, str]:
@@ -49,7 +57,10 @@ class Membership:
         member = Member(client_id=client_id, name=capabilities.name,
                         device_kind=capabilities.device_kind, tier=assignment.tier,
                         tier_reason=assignment.reason,
-                        tokens_per_second=capabilities.tokens_per_second, last_seen=now)
+                        tokens_per_second=capabilities.tokens_per_second, last_seen=now,
+                        memory_bytes=capabilities.memory_bytes,
+                        microbatch_tokens=capabilities.microbatch_tokens,
+                        requested_tier=capabilities.requested_tier)
         self.members[client_id] = member
         return member, assignment, self.sessions.issue(client_id)
 
@@ -68,6 +79,13 @@ class Membership:
         member = self.get(client_id)
         del self.members[client_id]
         self.sessions.revoke(client_id)
+        return member
+
+    def exclude(self, client_id: str, reason: str) -> Member:
+        """Remove a member for good: its session ends and later calls with that session
+        are told ``reason`` (PERMISSION_DENIED) instead of being asked to rejoin."""
+        member = self.leave(client_id)
+        self.excluded[client_id] = reason
         return member
 
     def reported(self, client_id: str, tokens_per_second: float) -> None:
@@ -94,9 +112,10 @@ class Membership:
     def to_dict(self) -> dict[str, Any]:
         return {"next_id": self._next_id,
                 "members": [dataclasses.asdict(m) for m in self.members.values()],
-                "sessions": self.sessions.as_dict()}
+                "sessions": self.sessions.as_dict(), "excluded": dict(self.excluded)}
 
     @classmethod
     def from_dict(cls, policy: TierPolicy, data: dict[str, Any]) -> Membership:
         return cls(policy, members=[Member(**m) for m in data["members"]],
-                   sessions=data["sessions"], next_id=data["next_id"])
+                   sessions=data["sessions"], next_id=data["next_id"],
+                   excluded=data.get("excluded", {}))

@@ -94,7 +94,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         client_id = require_session(context, self.coordinator.membership.sessions)
-        _call(context, lambda: self.coordinator.leave(client_id))
+        _call(context, lambda: self.coordinator.leave(client_id, request.reason[:200]))
         return pb.LeaveReply()
 
     # -- rounds -------------------------------------------------------------------------

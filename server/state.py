@@ -26,6 +26,7 @@ class RunState:
     loss: dict[str, list[list[float]]] = field(default_factory=dict)  # tier → [[round, loss]]
     checkpoints: list[int] = field(default_factory=list)  # rounds with a checkpoint, ascending
     finished: bool = False
+    events: list[dict[str, Any]] = field(default_factory=list)  # Coordinator._event, oldest first
 
     def save(self, run_dir: Path) -> None:
         write_json_atomic(Path(run_dir) / STATE_NAME, asdict(self))
