@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
-from client.errors import ClientError
+from client.errors import ClientError, DamagedOnServer, DamagedTransfer
 from modeling.checkpoint.files import read_json
 from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
 from modeling.checkpoint.repository import normalize
@@ -32,6 +32,7 @@ from modeling.compression import SparseResult
 from modeling.errors import MatformerError
 from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
+from protocol.errors import ChecksumMismatch, MalformedStream
 from protocol.files import receive_file
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -42,6 +43,7 @@ from protocol.updates import RoundUpdate, read_updates
 T = TypeVar("T")
 RETRY_FIRST_S = 0.2  # first backoff; doubles per attempt up to RETRY_MAX_S, with jitter
 RETRY_MAX_S = 5.0
+DOWNLOAD_ATTEMPTS = 3  # of a checkpoint file that arrives damaged, before giving up
 
 
 class Refused(ClientError):
@@ -84,13 +86,14 @@ class Connection:
         self.metadata = session_metadata(reply.session_token)
         return reply
 
-    def heartbeat(self, round_index: int, tokens_per_second: float | None = None
-                  ) -> pb.HeartbeatReply:
+    def heartbeat(self, round_index: int, tokens_per_second: float | None = None, *,
+                  patience_s: float | None = None) -> pb.HeartbeatReply:
         request = pb.HeartbeatRequest(round=round_index)
         if tokens_per_second is not None:
             request.tokens_per_second = tokens_per_second
         return self._call("Heartbeat",
-                          lambda: self.stub.Heartbeat(request, metadata=self.metadata))
+                          lambda: self.stub.Heartbeat(request, metadata=self.metadata),
+                          patience_s=patience_s)
 
     def get_round(self) -> pb.RoundAssignment:
         return self._call("GetRound", lambda: self.stub.GetRound(pb.GetRoundRequest(),
@@ -155,8 +158,10 @@ class Connection:
 
     # -- retries ------------------------------------------------------------------------
 
-    def _call(self, name: str, action: Callable[[], T]) -> T:
-        give_up = time.monotonic() + self.patience_s
+    def _call(self, name: str, action: Callable[[], T], *, patience_s: float | None = None
+              ) -> T:
+        patience_s = self.patience_s if patience_s is None else patience_s
+        give_up = time.monotonic() + patience_s
         backoff = RETRY_FIRST_S
         while True:
             if self.latency_s:
@@ -170,7 +175,7 @@ class Connection:
                 if time.monotonic() + backoff > give_up:
                     raise Unreachable(
                         f"the coordinator at {self.address} did not answer {name} for "
-                        f"{self.patience_s:.0f} s ({err.details()}); check --server and that "
+                        f"{patience_s:.0f} s ({err.details()}); check --server and that "
                         "matformer-server is running.") from None
             time.sleep(backoff * random.uniform(0.5, 1.5))
             backoff = min(backoff * 2, RETRY_MAX_S)
@@ -183,11 +188,15 @@ class CheckpointFiles:
     manifest confirms, else one from ``mirror`` (a local folder or hub repository holding a
     copy of the run's checkpoints) that the manifest confirms, else a download from the
     coordinator. The manifest itself always comes from the coordinator. The loader checks
-    every sha256 again before use.
+    every sha256 again before use. A download that arrives damaged (its sha256 is not the
+    announced or the manifest's one, or it is cut short) is refused and fetched again, up to
+    ``DOWNLOAD_ATTEMPTS`` times; each retry goes to ``log``.
     """
 
-    def __init__(self, connection: Connection, cache: Path, mirror: Any | None = None) -> None:
+    def __init__(self, connection: Connection, cache: Path, mirror: Any | None = None,
+                 log: Callable[[str], None] = lambda line: None) -> None:
         self.connection = connection
+        self.log = log
         self.cache = Path(cache)
         self.mirror = mirror
         self.expected: dict[str, str] = {}
@@ -223,14 +232,31 @@ class CheckpointFiles:
             return None
 
     def _download(self, path: str, local: Path, sha256: str | None) -> bool:
-        try:
-            self.connection.download(path, local, sha256)
-        except Refused as err:
-            if err.code == grpc.StatusCode.NOT_FOUND:
-                return False
-            raise
-        self.downloaded.append(path)
-        return True
+        """Download ``path`` to ``local``; False if the coordinator does not serve it."""
+        for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+            try:
+                self.connection.download(path, local, sha256)
+            except Refused as err:
+                if err.code == grpc.StatusCode.NOT_FOUND:
+                    return False
+                if err.code == grpc.StatusCode.DATA_LOSS:
+                    raise DamagedOnServer(
+                        f"the coordinator will not send {path}: {err.details} Nothing was "
+                        "kept; tell the run's operator, whose checkpoint on disk is damaged, "
+                        "then run the client again.") from None
+                raise
+            except (ChecksumMismatch, MalformedStream) as err:
+                damaged = err
+                self.log(f"refused download {attempt} of {DOWNLOAD_ATTEMPTS} of {path}, it "
+                         f"arrived damaged: {err}")
+                continue
+            self.downloaded.append(path)
+            return True
+        raise DamagedTransfer(
+            f"{path} arrived damaged on all {DOWNLOAD_ATTEMPTS} downloads (the last: {damaged}) "
+            "Something between the client and the coordinator corrupts data (a proxy, a faulty "
+            "link), or the checkpoint was rewritten meanwhile: check the connection and run the "
+            "client again.")
 
 
 def posix_name(path: str) -> str:

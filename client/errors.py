@@ -21,3 +21,11 @@ class DataMismatch(ClientError, ValueError):
 
 class ReplicaDiverged(ClientError):
     """The replica's weight hash disagrees with the coordinator's even after a reload."""
+
+
+class DamagedTransfer(ClientError):
+    """A checkpoint file arrived damaged (sha256 or length wrong) on every attempt."""
+
+
+class DamagedOnServer(ClientError):
+    """The coordinator refused to send a checkpoint file: its own copy fails its manifest."""

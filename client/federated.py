@@ -23,9 +23,12 @@ with the first heartbeat; until a round measures it, the coordinator uses that r
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +38,7 @@ import grpc
 import numpy as np
 import torch
 
-from client.connection import CheckpointFiles, Connection, Refused
+from client.connection import CheckpointFiles, Connection, Refused, Unreachable
 from client.errors import ClientError, DataMismatch, FeedbackStateMismatch, ReplicaDiverged
 from client.local_round import LocalRound
 from client.probe import device_name, measure_tokens_per_second, memory_bytes
@@ -53,6 +56,11 @@ from protocol.updates import RoundUpdate
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 FEEDBACK_FILE = "error_feedback.safetensors"
+SUMMARY_FILE = "summary.json"  # written in the state dir when the client stops
+MAX_REJOINS = 3  # joins in a row after the coordinator forgot this client's session
+# The coordinator ended this round for the client (it closed, restarted or dropped the
+# client): results not accepted, nothing sent, on to the next assignment.
+ROUND_OVER = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 @dataclass(kw_only=True)
@@ -86,6 +94,8 @@ class ClientSummary:
     bytes_sent: int = 0
     update_bytes: int = 0  # GetUpdates messages received (before gRPC's gzip)
     finished: bool = False  # the coordinator said the run is over
+    weight_hash: str = ""  # the replica's, at its tier, after ``rounds_applied`` rounds
+    rejoins: int = 0  # times it joined again after its session ended
 
 
 class FederatedClient:
@@ -113,7 +123,7 @@ class FederatedClient:
         Ctrl-C (KeyboardInterrupt) leaves the run before it propagates."""
         try:
             self._join()
-            self._train_rounds()
+            self._rounds_rejoining()
         except KeyboardInterrupt:
             self._leave("interrupted (Ctrl-C)")
             raise
@@ -121,8 +131,33 @@ class FederatedClient:
             # hand the round's sequences back now rather than at the deadline
             self._leave(f"failed: {err}"[:500])
             raise
+        finally:
+            self._write_summary()
         self._leave("finished" if self.summary.finished else "done")
         return self.summary
+
+    def _rounds_rejoining(self) -> None:
+        """Train rounds; when the coordinator no longer knows the session (it expired while
+        this machine slept, or the coordinator lost it), join again and go on."""
+        rejoins = 0
+        while True:
+            try:
+                return self._train_rounds()
+            except Refused as err:
+                if err.code == grpc.StatusCode.PERMISSION_DENIED:
+                    raise ClientError(f"the coordinator excluded this client: {err.details}"
+                                      ) from None
+                if err.code != grpc.StatusCode.UNAUTHENTICATED or rejoins >= MAX_REJOINS:
+                    raise
+                rejoins += 1
+                self.log(f"the coordinator ended this client's session ({err.details}); "
+                         "joining again")
+                previous = self.summary
+                self._join()
+                self.summary.rejoins = previous.rejoins + 1
+                self.summary.rounds_trained += previous.rounds_trained
+                self.summary.bytes_sent += previous.bytes_sent
+                self.summary.losses[:0] = previous.losses
 
     def _join(self) -> None:
         o = self.options
@@ -185,21 +220,31 @@ class FederatedClient:
 
     def _train_one(self, assignment: pb.RoundAssignment, progress: _Progress) -> None:
         ids = list(assignment.sequence_ids)
-        sequences = [s.to(self.device) for s in self._sequences(ids)]
-        work = self.local_round.run(sequences, step=assignment.round)
-        loss = work.losses[tier_label(self.tier)]
-        header = pb.SubmitHeader(round=assignment.round, client_id=self.summary.client_id,
-                                 tokens=work.tokens, loss=loss, train_seconds=work.seconds)
-        try:
-            accepted, sent = self.connection.submit(header, work.results)
-        except Refused as err:
-            if err.code != grpc.StatusCode.INVALID_ARGUMENT:
-                raise
-            # Too late (the round closed at its deadline) or refused: the gradient was not
-            # sent, so the momentum goes back to the last accepted round's.
-            self.log(f"round {assignment.round} not accepted: {err.details}")
-            self._restore_feedback()
-            return
+        with _Heartbeat(self.connection, self.settings.heartbeat_seconds,
+                        lambda: assignment.round, self.log):
+            try:
+                sequences = [s.to(self.device) for s in self._sequences(ids)]
+            except Refused as err:
+                if err.code not in ROUND_OVER:
+                    raise
+                self.log(f"round {assignment.round} is over for this client: {err.details}")
+                return
+            work = self.local_round.run(sequences, step=assignment.round)
+            loss = work.losses[tier_label(self.tier)]
+            header = pb.SubmitHeader(round=assignment.round, client_id=self.summary.client_id,
+                                     tokens=work.tokens, loss=loss, train_seconds=work.seconds,
+                                     assignment_id=assignment.assignment_id)
+            try:
+                accepted, sent = self.connection.submit(header, work.results)
+            except Refused as err:
+                if err.code not in ROUND_OVER:
+                    raise
+                # Too late (the round closed at its deadline, or the coordinator restarted
+                # and split it anew) or refused: the gradient was not taken, so the momentum
+                # goes back to the last accepted round's.
+                self.log(f"round {assignment.round} not accepted: {err.details}")
+                self._restore_feedback()
+                return
         self.local_round.feedback.save(self._feedback_path())
         self.summary.rounds_trained += 1
         self.summary.bytes_sent += sent
@@ -217,7 +262,8 @@ class FederatedClient:
         """Load the checkpoint ``ref`` names for the tier (or the latest, when None)."""
         if ref is None:
             ref = self.connection.get_checkpoint()
-        files = CheckpointFiles(self.connection, self.state_dir / "checkpoints", self._mirror())
+        files = CheckpointFiles(self.connection, self.state_dir / "checkpoints", self._mirror(),
+                                log=self.log)
         folder = ref.manifest_path.rpartition("/")[0]
         resolved = resolve(folder, self.tier, self.options.load_strategy, repository=files)
         model = load(resolved).to(self.device)
@@ -337,6 +383,16 @@ class FederatedClient:
                               "hf:ORG/NAME; point it at a copy of the run's checkpoints.")
         return LocalRepository(path)
 
+    def _write_summary(self) -> None:
+        """``summary.json`` in the state dir: what local-testnet's end-of-run check reads."""
+        if self.summary is None:
+            return
+        if self.replica is not None:
+            self.summary.weight_hash = self.replica.hash(self.tier)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / SUMMARY_FILE
+        path.write_text(json.dumps(dataclasses.asdict(self.summary), indent=1) + "\n")
+
     def _leave(self, reason: str) -> None:
         try:
             if self.connection.metadata:  # joined
@@ -345,6 +401,42 @@ class FederatedClient:
             pass  # leaving is a courtesy: the coordinator drops silent members anyway
         finally:
             self.connection.close()
+
+
+class _Heartbeat:
+    """Heartbeats every ``interval_s`` on a background thread while a round is trained, so
+    the coordinator tells a busy client from a hung one. Failures are the coordinator's to
+    notice (a missed heartbeat); the thread only logs the first one."""
+
+    def __init__(self, connection: Connection, interval_s: float,
+                 round_index: Callable[[], int], log: Callable[[str], None]) -> None:
+        self.connection = connection
+        self.interval_s = interval_s
+        self.round_index = round_index
+        self.log = log
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="matformer-heartbeat",
+                                        daemon=True)
+
+    def __enter__(self) -> _Heartbeat:
+        if self.interval_s > 0:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
+
+    def _beat(self) -> None:
+        warned = False
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.connection.heartbeat(self.round_index(), patience_s=self.interval_s)
+            except (Refused, Unreachable) as err:
+                if not warned:
+                    self.log(f"heartbeat failed: {err}")
+                    warned = True
 
 
 class _Progress:

@@ -43,7 +43,7 @@ allowed = [0, 1, 2]
 
 [round]
 min_clients = {min_clients}     # every client joins before round 0 opens
-deadline_s = 30.0               # a killed client's round closes this long after it opened
+deadline_s = 30.0               # a slow client is dropped from the round this long after it opened
 tokens_per_round = {tokens_per_round}
 rounds = {rounds}
 
@@ -64,6 +64,10 @@ final_lr = {final_lr}
 
 [checkpoint]
 every_rounds = 10
+
+[faults]
+heartbeat_s = 1.0               # clients heartbeat every second, also while training
+heartbeat_timeout_s = 5.0       # a killed or hung client leaves the round after 5 s of silence
 
 [auth]
 join_token_env = "MATFORMER_JOIN_TOKEN"  # local-testnet generates the token

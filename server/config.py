@@ -6,15 +6,18 @@
     config.compression.build()                  # -> modeling's Compressor
     config.update.build(r, config.round.planned_rounds)  # -> UpdateConfig of round r
     config.auth.token()                         # the join token (never in repr/str)
+    config.auth.operator()                      # the operator token (HTTP writes), or None
     RunConfig.from_dict(config.to_dict()) == config
 
 Relative paths resolve against the TOML file's folder. ``examples/run.toml`` shows every key
 with its default. Compression encodings take modeling's names (``dense | topk | dct``);
 run.toml also accepts DESIGN.md's ``none`` for ``dense`` and ``demo`` for ``dct``, and
-``to_dict`` writes the canonical (modeling) names.
+``to_dict`` writes the canonical (modeling) names. ``auth = "none"`` is short for
+``[auth] mode = "none"``; ``to_dict`` writes the table.
 
-``to_dict`` holds ``auth.join_token`` when run.toml wrote the token inline (it must, to round
-trip); keep such a dict where run.toml itself may be read, or use ``join_token_env``.
+``to_dict`` holds ``auth.join_token`` (and ``operator_token``) when run.toml wrote the token
+inline (it must, to round trip); keep such a dict where run.toml itself may be read, or use
+the ``*_env`` keys.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from server.sections import (
     AuthSection,
     CheckpointSection,
     DataSection,
+    FaultsSection,
     ModelSection,
     RoundSection,
     RunSection,
@@ -59,6 +63,7 @@ class RunConfig:
     update: UpdateSection = field(default_factory=UpdateSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     tls: TlsSection = field(default_factory=TlsSection)
+    faults: FaultsSection = field(default_factory=FaultsSection)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,6 +104,8 @@ class RunConfig:
         types = get_type_hints(cls)  # section name → its dataclass
         reject_unknown("run.toml", data, list(types))
         tables = {name: data.get(name, {}) for name in types}
+        if isinstance(tables["auth"], str):  # auth = "none": short for [auth] mode = "none"
+            tables["auth"] = {"mode": tables["auth"]}
         compression = tables["compression"]
         if isinstance(compression, dict) and compression.get("encoding") in ENCODING_ALIASES:
             tables["compression"] = {**compression,

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import os
+import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +50,9 @@ from modeling.mdat import Mdat, assign
 from modeling.models import build_model
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
 from server.config import RunConfig
-from server.errors import ResumeError, StaleRound, UpdatesPruned
+from server.errors import Excluded, ResumeError, SessionInvalid, StaleRound, UpdatesPruned
+from server.ledger import TrainedLedger
+from server.limits import SubmissionLimits
 from server.membership import Member, Membership
 from server.rounds import OpenRound, RoundAssignment, Submission
 from server.state import RunState
@@ -55,6 +61,7 @@ from server.update_log import LoggedUpdate, UpdateLog
 from server.work import WorkQueue
 
 MAX_EVENTS = 1000  # the newest events state.json keeps
+STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
 log = logging.getLogger("matformer.server")
 
 
@@ -84,6 +91,8 @@ class Coordinator:
         self.reader = mdat.sequences(data.strategy, data.max_seq_len, data.view)
         order = mdat.shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
         self.log = UpdateLog(self.dir / "updates")
+        self.ledger = TrainedLedger(self.dir)
+        self.limits = SubmissionLimits(config.compression, config.faults)
         self._open: OpenRound | None = None
         policy = config.tiers.build(self.model_config)
         saved = RunState.load(self.dir)
@@ -91,6 +100,8 @@ class Coordinator:
             self.state = RunState(run_id=config.run.id, data_fingerprint=self.reader.fingerprint)
             self.membership = Membership(policy)
             self.queue = WorkQueue(order)
+            self._remove_unfinished_checkpoints()
+            self.ledger.truncate(0)
             self.master = self._tied({n: t.detach().clone()
                                       for n, t in self._initial(initial).items()})
             self._checkpoint()
@@ -104,13 +115,21 @@ class Coordinator:
                     "MDAT view, or start a new run directory.")
             self.membership = Membership.from_dict(policy, saved.membership)
             self.queue = WorkQueue(order, **saved.queue)
+            self._remove_unfinished_checkpoints()
+            self.ledger.truncate(saved.round)
             self.master = self._replayed()
+            self._event("resume", None, f"resumed at round {saved.round} from {self.dir}")
 
     # -- calls from clients -------------------------------------------------------------
 
     def join(self, capabilities: Capabilities) -> tuple[Member, TierAssignment, str]:
         """Admit a client: its member record, tier assignment and session token."""
         with self._lock:
+            excluded = [why for cid, why in self.membership.excluded.items()
+                        if self.membership.excluded_names.get(cid) == capabilities.name]
+            if excluded:
+                raise Excluded(f"a client named {capabilities.name!r} was excluded from this "
+                               f"run: {excluded[-1]}; ask the run's operator.")
             joined = self.membership.join(capabilities, now=self.clock())
             member, tier, _ = joined
             self._event("join", member.client_id,
@@ -151,7 +170,8 @@ class Coordinator:
             self.advance()
 
     def submit(self, client_id: str, round_index: int, results: Sequence[SparseResult], *,
-               loss: float | None = None, train_seconds: float | None = None) -> None:
+               loss: float | None = None, train_seconds: float | None = None,
+               assignment_id: str | None = None) -> None:
         """Take a client's results for the open round (all or none: a BadResult keeps none).
         ``train_seconds``, the client's own compute time, measures its speed; without it,
         the time since the round opened does (which also counts waiting and transfers)."""
@@ -163,13 +183,50 @@ class Coordinator:
                 raise StaleRound(f"no round is being collected (round {round_index} is over); "
                                  "wait for the next assignment.")
             rnd = self._open
-            tier = self.membership.get(client_id).tier
-            rnd.check(client_id, round_index, results, self.shapes, self.regions(tier))
+            self.membership.get(client_id)
+            assigned = rnd.assignments.get(client_id)
+            tier = assigned.tier if assigned is not None else self.membership.get(client_id).tier
+            rnd.check(client_id, round_index, results, self.shapes, self.regions(tier),
+                      assignment_id)
+            results = self.limits.check(results)
             rnd.submissions[client_id] = Submission({r.name: r for r in results}, loss, now)
             measured = (train_seconds if train_seconds is not None and train_seconds > 0
                         else now - rnd.opened_at)
             self.membership.measured(client_id, rnd.assignments[client_id].tokens, measured)
             self.advance()
+
+    def rejected(self, client_id: str, error: Exception) -> str:
+        """Count a refused submission against the client; at [faults] max_rejections it is
+        excluded. The words to add to the refusal's message ("" when nothing follows)."""
+        with self._lock:
+            if not getattr(error, "counted", True) or client_id not in self.membership.members:
+                return ""
+            member = self.membership.get(client_id)
+            member.rejections += 1
+            limit = self.config.faults.max_rejections
+            self._event("reject", client_id, f"refused submission {member.rejections}"
+                        f"{f' of {limit}' if limit else ''}: {type(error).__name__}: "
+                        f"{str(error)[:200]}")
+            if limit and member.rejections >= limit:
+                self.exclude(client_id, f"{member.rejections} submissions refused, the last: "
+                                        f"{str(error)[:200]}")
+                return (f" This was refusal {member.rejections} of {limit}: the client is "
+                        "excluded from the run.")
+            self._save()
+            return f" (refusal {member.rejections} of {limit})" if limit else ""
+
+    def authenticate(self, token: str) -> str:
+        """The client id a session token belongs to. Raises Excluded for an excluded
+        client's token, SessionInvalid for an unknown, revoked or expired one."""
+        client_id = self.membership.sessions.client_of(token)
+        if client_id is not None:
+            return client_id
+        claimed = token.rpartition(".")[0]
+        with self._lock:
+            if claimed in self.membership.excluded:
+                raise Excluded(f"{claimed} was excluded from the run: "
+                               f"{self.membership.excluded[claimed]}")
+        raise SessionInvalid("unknown, revoked or expired session token; call Join again.")
 
     def assignment_for(self, client_id: str) -> RoundAssignment | None:
         with self._lock:
@@ -212,11 +269,13 @@ class Coordinator:
         """Close the open round if complete or past its deadline; open the next if possible."""
         with self._lock:
             now = self.clock()
+            self._expire_sessions(now)
             while not self.state.finished:
                 if self._open is None:
                     self._open = self._open_round(now)
                     if self._open is None:
                         return
+                self._drop_silent(now)
                 if not (self._open.complete() or now >= self._open.deadline):
                     return
                 self._close()
@@ -233,7 +292,7 @@ class Coordinator:
 
     def _open_round(self, now: float) -> OpenRound | None:
         cfg = self.config.round
-        members = self.membership.active(now=now, timeout_s=cfg.deadline_s)
+        members = self.membership.active(now=now, timeout_s=self.config.faults.heartbeat_timeout_s)
         if len(members) < cfg.min_clients:
             return None
         r = self.state.round
@@ -245,11 +304,13 @@ class Coordinator:
         seed = _round_seed(self.config.data.seed, r)
         deadline = now + cfg.deadline_s
         tiers = {m.client_id: m.tier for m in members}
+        nonce = uuid.uuid4().hex[:12]  # a restarted coordinator's split of round r differs
         assignments = {
             client: RoundAssignment(round=r, client_id=client, tier=tiers[client],
                                     sequence_ids=tuple(int(i) for i in chosen),
                                     tokens=sum(self._length(int(i)) for i in chosen),
-                                    lr=lr, seed=seed, deadline=deadline)
+                                    lr=lr, seed=seed, deadline=deadline,
+                                    assignment_id=f"{r}.{nonce}.{client}")
             for client, chosen in shares.items() if len(chosen)
         }
         return OpenRound(index=r, opened_at=now, deadline=deadline, assignments=assignments,
@@ -260,7 +321,11 @@ class Coordinator:
         self._open = None
         for client in [c for c in rnd.assignments if c not in rnd.submissions]:
             self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            self._missed(client, f"missed the round {rnd.index} deadline "
+                                 f"({self.config.round.deadline_s:g} s)")
+        self._pace(rnd)
         if not rnd.submissions:
+            self._save()
             return  # nobody delivered: round r opens again with whoever is there
         r = self.state.round
         by_name: dict[str, list[SparseResult]] = {}
@@ -279,6 +344,7 @@ class Coordinator:
             round=r, update=update, aggregates=aggregates, hashes=self.tier_hashes(list(tiers)),
             coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()}))
         self._record_loss(rnd)
+        self.ledger.record(r, [i for a in rnd.assignments.values() for i in a.sequence_ids])
         self.state.round = r + 1
         self.state.tokens += sum(a.tokens for a in rnd.assignments.values())
         stop = self.config.round
@@ -286,8 +352,86 @@ class Coordinator:
             stop.tokens is not None and self.state.tokens >= stop.tokens)
         if self.state.round % self.config.checkpoint.every_rounds == 0 or self.state.finished:
             self._checkpoint()
+            self._event("checkpoint", None, f"checkpoints/round-{self.state.round}")
         self._save()
         self.log.prune(through=self._log_start() - 1)
+
+    def _drop_silent(self, now: float) -> None:
+        """Drop from the open round every assigned client silent for heartbeat_timeout_s
+        (killed, hung, or asleep): its sequences go back to the queue now, not at the
+        deadline, and the round closes as soon as the others are in."""
+        rnd = self._open
+        timeout = self.config.faults.heartbeat_timeout_s
+        for client in [c for c in rnd.assignments if c not in rnd.submissions]:
+            member = self.membership.members.get(client)
+            silent = now - member.last_seen if member is not None else math.inf
+            if silent > timeout:
+                self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+                self._missed(client, f"silent for {silent:.0f} s during round {rnd.index} "
+                                     f"(heartbeat_timeout_s {timeout:g}): killed or hung")
+
+    def _expire_sessions(self, now: float) -> None:
+        ttl = self.config.faults.session_ttl_s
+        for member in [m for m in self.membership.members.values() if now - m.last_seen > ttl]:
+            self.membership.leave(member.client_id)
+            self._drop_from_round(member.client_id)
+            self._event("expire", member.client_id,
+                        f"silent for {now - member.last_seen:.0f} s (session_ttl_s {ttl:g}): "
+                        "its session expired; it must join again")
+
+    def _missed(self, client_id: str, why: str) -> None:
+        """A client dropped from a round: a smaller share next time (its speed estimate is
+        halved) and, after [faults] miss_limit misses in a row, the next smaller tier."""
+        self._event("drop", client_id, why)
+        member = self.membership.members.get(client_id)
+        if member is None:
+            return
+        member.missed += 1
+        member.early = 0
+        member.tokens_per_second /= 2
+        limit = self.config.faults.miss_limit
+        if limit and member.missed >= limit:
+            self._retier(member, +1, f"missed {member.missed} rounds in a row")
+
+    def _pace(self, rnd: OpenRound) -> None:
+        """Clients that submitted: reset their misses; a client that keeps finishing within
+        [faults] early_fraction of the deadline is offered the next larger tier."""
+        faults = self.config.faults
+        window = (rnd.deadline - rnd.opened_at) * faults.early_fraction
+        for client, submission in rnd.submissions.items():
+            member = self.membership.members.get(client)
+            if member is None:
+                continue
+            member.missed = 0
+            early = submission.received_at - rnd.opened_at <= window
+            member.early = member.early + 1 if early else 0
+            if faults.early_rounds and member.early >= faults.early_rounds:
+                self._retier(member, -1, f"finished {member.early} rounds in a row within "
+                                         f"{faults.early_fraction:.0%} of the deadline")
+
+    def _retier(self, member: Member, step: int, why: str) -> None:
+        """Move ``member`` one allowed tier smaller (step +1) or larger (step -1) when its
+        pin, request and memory allow; logged as an event with the reason."""
+        policy = self.membership.policy
+        if member.name in policy.pins:
+            return
+        allowed = policy.allowed
+        here = allowed.index(member.tier) if member.tier in allowed else None
+        if here is None or not 0 <= here + step < len(allowed):
+            return
+        tier = allowed[here + step]
+        if step < 0:
+            floor = member.requested_tier or 0
+            need = policy.memory.training_bytes(tier, member.microbatch_tokens or
+                                                self.config.data.max_seq_len)
+            if tier < floor or (member.memory_bytes and need > member.memory_bytes):
+                member.early = 0
+                return
+        old = member.tier
+        member.tier = tier
+        member.missed = member.early = 0
+        member.tier_reason = f"moved from tier {old} to tier {tier}: {why}"
+        self._event("retier", member.client_id, member.tier_reason)
 
     def _drop_from_round(self, client_id: str) -> None:
         """Hand a client's unsubmitted sequences of the open round back to the queue."""
@@ -335,15 +479,42 @@ class Coordinator:
         return self.dir / "checkpoints" / f"round-{round_index}"
 
     def _checkpoint(self) -> None:
-        """The master as a universal checkpoint plus the slices of the run's tiers."""
+        """The master as a universal checkpoint plus the slices of every allowed tier (so a
+        client of any tier downloads only its slice), appearing whole or not at all: all of
+        it is written in ``checkpoints/.staging-round-N/``, fsynced, then the slices and last
+        the universal folder (which holds the manifest) are renamed into place."""
         target = self._checkpoint_dir(self.state.round)
+        staging = target.parent / f"{STAGING_PREFIX}{target.name}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
         model = build_model(self.model_config)
         load_canonical_state_dict(model, self.master)
-        save_pretrained(model, target)
-        # every allowed tier, so that a client of any tier downloads only its slice
-        export_tiers(target, [t for t in self.config.tiers.allowed if t > 0])
+        save_pretrained(model, staging / target.name)
+        export_tiers(staging / target.name, [t for t in self.config.tiers.allowed if t > 0])
+        _fsync_tree(staging)
+        parts = sorted(staging.iterdir(), key=lambda p: p.name == target.name)  # universal last
+        for part in parts:
+            final = target.parent / part.name
+            if final.exists():  # left by a crash before state.json recorded this checkpoint
+                shutil.rmtree(final)
+            part.rename(final)
+        _fsync_dir(target.parent)
+        staging.rmdir()
         if self.state.round not in self.state.checkpoints:
             self.state.checkpoints.append(self.state.round)
+
+    def _remove_unfinished_checkpoints(self) -> None:
+        """Staging folders and checkpoint folders that state.json does not list: what a crash
+        in the middle of ``_checkpoint`` (or before state.json recorded it) left behind."""
+        root = self.dir / "checkpoints"
+        if not root.is_dir():
+            return
+        kept = {f"round-{r}" for r in self.state.checkpoints}
+        for path in root.iterdir():
+            base = path.name.split("-tier")[0].split("-mix")[0]
+            if path.name.startswith(STAGING_PREFIX) or (path.is_dir() and base not in kept):
+                log.warning("removing %s: an unfinished checkpoint from before a restart", path)
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def _initial(self, initial: Mapping[str, Tensor] | None) -> Mapping[str, Tensor]:
         if initial is not None:
@@ -382,6 +553,26 @@ class Coordinator:
 
     def _length(self, sequence_id: int) -> int:
         return len(self.reader[sequence_id])
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under ``root`` (and the folders) to disk before they are renamed."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _round_seed(data_seed: int, round_index: int) -> int:

@@ -41,7 +41,8 @@ class InvalidValue(ServerConfigError):
 
 
 class MissingSecret(ServerConfigError):
-    """``auth.join_token_env`` names an environment variable that is unset or empty."""
+    """``auth.join_token_env`` (or ``operator_token_env``) names an environment variable that
+    is unset or empty."""
 
 
 class MissingFile(ServerConfigError, FileNotFoundError):
@@ -104,9 +105,12 @@ class ResumeError(CoordinatorError):
 
 
 class BadResult(CoordinatorError, ValueError):
-    """A submitted result the coordinator rejects; nothing of the submission is kept."""
+    """A submitted result the coordinator rejects; nothing of the submission is kept.
+    ``counted``: the refusal counts towards the client's exclusion ([faults] max_rejections);
+    lateness does not, a malformed or out-of-bounds submission does."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+    counted = True
 
 
 class UnknownParameter(BadResult):
@@ -120,10 +124,67 @@ class WrongRegion(BadResult):
 class StaleRound(BadResult):
     """A result for a round other than the one being collected."""
 
+    counted = False
+
+
+class StaleAssignment(StaleRound):
+    """Results for an assignment that is no longer the client's (the coordinator restarted and
+    reopened the round with a new split)."""
+
 
 class DuplicateResult(BadResult):
     """A second result from one client for one parameter in one round."""
 
 
+class AlreadySubmitted(DuplicateResult):
+    """A second submission for one round (e.g. a retry whose first attempt got through)."""
+
+    counted = False
+
+
 class MalformedResult(BadResult):
     """A result that fails modeling's checks (bad indices, NaN/Inf values, token count...)."""
+
+
+class WrongEncoding(BadResult):
+    """A result encoded otherwise than the run's [compression] says (encoding, chunk, dtype)."""
+
+
+class TooManyCoefficients(BadResult):
+    """A result with more values per chunk than [compression] topk allows."""
+
+
+class NormTooLarge(BadResult):
+    """A submission whose values' L2 norm exceeds [faults] max_norm (norm_action = "reject")."""
+
+
+class SubmissionTooLarge(BadResult):
+    """A SubmitResult stream over [faults] max_submission_mb."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class SessionInvalid(CoordinatorError):
+    """A session token that is unknown, revoked, or expired ([faults] session_ttl_s)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Excluded(CoordinatorError):
+    """A call from (or a Join under the name of) a client excluded from the run."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class FileNotServed(ServerError):
+    """A requested checkpoint path that is neither a manifest nor a file a manifest lists with
+    its sha256 (temp files, stray files): never served."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ServedFileDamaged(ServerError):
+    """The server's own copy of a checkpoint file does not match its manifest's sha256, so it
+    is not sent; the checkpoint on disk must be restored or written again."""
+
+    code = grpc.StatusCode.DATA_LOSS

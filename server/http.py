@@ -3,26 +3,55 @@
 - ``GET /status``: the run as JSON (phase, round, tokens, clients, loss per tier per round,
   bytes received per round);
 - ``GET /metrics``: the same numbers in Prometheus text format;
-- ``GET /files/{path}``: the run's ``checkpoints/`` directory, read-only.
+- ``GET /files/{path}``: the manifests of ``checkpoints/`` and the files they list, each checked
+  against its sha256 first (404 for anything else, 500 for a damaged copy);
+- ``POST /api/clients/{client_id}/exclude`` with ``{"reason": "..."}``: the operator removes a
+  member for good (``Coordinator.exclude``; 404 for a non-member).
 
-It only reads the coordinator (under its lock); clients never need it.
+Reads are open. Every other method needs ``Authorization: Bearer <operator token>`` ([auth]
+operator_token_env): 401 without it, 403 with a wrong one, 403 when the run has none (its HTTP
+side is then read-only). Clients never need this side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import FileResponse, PlainTextResponse
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from pydantic import BaseModel, Field
 
+from protocol.auth import tokens_equal
 from protocol.errors import UnsafePath
-from protocol.files import resolve_inside
+from server.errors import FileNotServed, ServedFileDamaged, UnknownClient
+from server.served_files import served_files
 from server.service import CoordinatorService
+
+READ_METHODS = ("GET", "HEAD")  # open to all; every other method needs the operator token
+
+
+class Exclusion(BaseModel):
+    reason: str = Field(min_length=1, max_length=200)  # told to the client on its next call
 
 
 def build_app(service: CoordinatorService) -> FastAPI:
     coordinator = service.coordinator
     app = FastAPI(title=f"matformer run {coordinator.config.run.id}")
+    operator_token = coordinator.config.auth.operator()
+
+    @app.middleware("http")
+    async def operator_only_writes(request: Request,
+                                   call_next: Callable[[Request], Awaitable[Response]]
+                                   ) -> Response:
+        if request.method in READ_METHODS:
+            return await call_next(request)
+        refusal = operator_refusal(request.headers.get("authorization"), operator_token)
+        if refusal is not None:
+            status, detail = refusal
+            headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+            return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+        return await call_next(request)
 
     @app.get("/status")
     def status() -> dict[str, Any]:
@@ -35,14 +64,39 @@ def build_app(service: CoordinatorService) -> FastAPI:
     @app.get("/files/{path:path}")
     def files(path: str) -> FileResponse:
         try:
-            target = resolve_inside(service.checkpoints, path)
-        except UnsafePath as err:
+            target, sha256 = served_files(service.checkpoints).verified(path)
+        except (UnsafePath, FileNotServed) as err:
             raise HTTPException(status_code=404, detail=str(err)) from err
-        if not target.is_file():
-            raise HTTPException(status_code=404, detail=f"{path} is not a checkpoint file.")
-        return FileResponse(target)
+        except ServedFileDamaged as err:
+            raise HTTPException(status_code=500, detail=str(err)) from err
+        # the digest checked, for HTTP clients to verify what they received
+        return FileResponse(target, headers={"X-Checksum-Sha256": sha256} if sha256 else None)
+
+    @app.post("/api/clients/{client_id}/exclude")
+    def exclude(client_id: str, exclusion: Exclusion) -> dict[str, str]:
+        try:
+            coordinator.exclude(client_id, exclusion.reason)
+        except UnknownClient as err:
+            raise HTTPException(status_code=404, detail=str(err)) from err
+        return {"client_id": client_id, "excluded": exclusion.reason}
 
     return app
+
+
+def operator_refusal(authorization: str | None, operator_token: str | None
+                     ) -> tuple[int, str] | None:
+    """(status, message) refusing a write with this Authorization header, or None to allow."""
+    if operator_token is None:
+        return 403, ("this run has no operator token, so its HTTP side is read-only; set "
+                     "[auth] operator_token_env (or operator_token) in run.toml and restart "
+                     "the server.")
+    scheme, _, presented = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        return 401, ("changing the run needs the operator token: send the header "
+                     "'Authorization: Bearer <operator token>'.")
+    if not tokens_equal(presented.strip(), operator_token):
+        return 403, "wrong operator token in the Authorization header."
+    return None
 
 
 def run_status(service: CoordinatorService) -> dict[str, Any]:

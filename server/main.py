@@ -5,8 +5,9 @@
     server.grpc_port, server.http_port       # the ports actually bound
     server.stop()
 
-gRPC (the Coordinator and health services, TLS when [tls] names cert and key) runs on its
-own thread pool; the HTTP app runs under uvicorn on a thread; a third thread calls
+gRPC (the Coordinator and health services) runs on its own thread pool; the HTTP app runs
+under uvicorn on a thread; both use TLS when [tls] names cert and key, and both bind
+[server] host, or loopback only under [auth] mode = "none". A third thread calls
 ``coordinator.advance()`` every ``TICK_S`` so that rounds close at their deadline even when
 no client calls. SIGINT/SIGTERM stop all three; state.json is already on disk.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ipaddress
 import logging
 import re
 import signal
@@ -54,6 +56,7 @@ class RunningServer:
     service: CoordinatorService
     grpc_server: grpc.Server
     http_server: uvicorn.Server
+    host: str  # the address both servers bound
     grpc_port: int
     http_port: int
     _threads: list[threading.Thread]
@@ -63,16 +66,17 @@ class RunningServer:
     def start(cls, config: RunConfig, *, grpc_port: int | None = None,
               http_port: int | None = None) -> RunningServer:
         """Build the coordinator (resuming config.run.dir) and start serving."""
-        host = config.server.host
+        host, tls = bind_host(config), config.tls
         service = CoordinatorService(Coordinator(config))
         grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS),
                                   options=GRPC_OPTIONS)
         pb_grpc.add_CoordinatorServicer_to_server(service, grpc_server)
         add_health(grpc_server)
-        address = f"{host}:{config.server.grpc_port if grpc_port is None else grpc_port}"
-        if config.tls.enabled:
-            credentials = grpc.ssl_server_credentials(
-                [(config.tls.key.read_bytes(), config.tls.cert.read_bytes())])
+        port = config.server.grpc_port if grpc_port is None else grpc_port
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
+        if tls.enabled:
+            credentials = grpc.ssl_server_credentials([(tls.key.read_bytes(),
+                                                        tls.cert.read_bytes())])
             bound_grpc = grpc_server.add_secure_port(address, credentials)
         else:
             bound_grpc = grpc_server.add_insecure_port(address)
@@ -81,7 +85,10 @@ class RunningServer:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, config.server.http_port if http_port is None else http_port))
-        http_server = uvicorn.Server(uvicorn.Config(build_app(service), log_level="warning"))
+        http_server = uvicorn.Server(uvicorn.Config(
+            build_app(service), log_level="warning",
+            ssl_certfile=tls.cert if tls.enabled else None,
+            ssl_keyfile=tls.key if tls.enabled else None))
         stopping = threading.Event()
         threads = [threading.Thread(target=http_server.run, kwargs={"sockets": [sock]},
                                     name="matformer-http", daemon=True),
@@ -90,10 +97,11 @@ class RunningServer:
         for thread in threads:
             thread.start()
         server = cls(service=service, grpc_server=grpc_server, http_server=http_server,
-                     grpc_port=bound_grpc, http_port=sock.getsockname()[1], _threads=threads,
-                     _stopping=stopping)
-        log.info("run %s: gRPC on %s:%d (%s), HTTP on %s:%d", config.run.id, host, bound_grpc,
-                 "TLS" if config.tls.enabled else "plaintext", host, server.http_port)
+                     host=host, grpc_port=bound_grpc, http_port=sock.getsockname()[1],
+                     _threads=threads, _stopping=stopping)
+        log.info("run %s: gRPC on %s:%d (%s), %s on %s:%d", config.run.id, host, bound_grpc,
+                 "TLS" if tls.enabled else "plaintext", "HTTPS" if tls.enabled else "HTTP",
+                 host, server.http_port)
         return server
 
     def wait_until_http_ready(self, timeout_s: float = 10.0) -> bool:
@@ -109,6 +117,25 @@ class RunningServer:
         self.grpc_server.stop(STOP_GRACE_S).wait()
         for thread in self._threads:
             thread.join(timeout=STOP_GRACE_S + 3)
+
+
+def bind_host(config: RunConfig) -> str:
+    """The address both servers bind: [server] host, except that a run without a join token
+    ([auth] mode = "none") listens on loopback only (::1 if host is an IPv6 loopback, else
+    127.0.0.1); then it logs one warning saying so."""
+    host = config.server.host
+    if config.auth.mode != "none":
+        return host
+    try:
+        ipv6_loopback = ipaddress.ip_address(host) == ipaddress.ip_address("::1")
+    except ValueError:  # a name such as "localhost"
+        ipv6_loopback = False
+    loopback = "::1" if ipv6_loopback else "127.0.0.1"
+    ignored = f"; [server] host {host!r} is ignored" if host != loopback else ""
+    log.warning('[auth] mode = "none": any client on this machine joins without a join token, '
+                'so gRPC and HTTP listen on %s only%s. Set mode = "token" and a join token to '
+                "accept other machines.", loopback, ignored)
+    return loopback
 
 
 def _tick(coordinator: Coordinator, stopping: threading.Event) -> None:

@@ -42,11 +42,13 @@ class Membership:
 
     def __init__(self, policy: TierPolicy, *, members: Sequence[Member] = (),
                  sessions: dict[str, str] | None = None, next_id: int = 0,
-                 excluded: dict[str, str] | None = None) -> None:
+                 excluded: dict[str, str] | None = None,
+                 excluded_names: dict[str, str] | None = None) -> None:
         self.policy = policy
         self.members = {m.client_id: m for m in members}
         self.sessions = SessionTokens(sessions)
         self.excluded = dict(excluded or {})  # client id → why it was excluded from the run
+        self.excluded_names = dict(excluded_names or {})  # client id → the name it joined as
         self._next_id = next_id
 
     def join(self, capabilities: Capabilities, *, now: float) -> tuple[Member, TierAssignment, str]:
@@ -86,6 +88,7 @@ class Membership:
         are told ``reason`` (PERMISSION_DENIED) instead of being asked to rejoin."""
         member = self.leave(client_id)
         self.excluded[client_id] = reason
+        self.excluded_names[client_id] = member.name
         return member
 
     def reported(self, client_id: str, tokens_per_second: float) -> None:
@@ -112,10 +115,12 @@ class Membership:
     def to_dict(self) -> dict[str, Any]:
         return {"next_id": self._next_id,
                 "members": [dataclasses.asdict(m) for m in self.members.values()],
-                "sessions": self.sessions.as_dict(), "excluded": dict(self.excluded)}
+                "sessions": self.sessions.as_dict(), "excluded": dict(self.excluded),
+                "excluded_names": dict(self.excluded_names)}
 
     @classmethod
     def from_dict(cls, policy: TierPolicy, data: dict[str, Any]) -> Membership:
         return cls(policy, members=[Member(**m) for m in data["members"]],
                    sessions=data["sessions"], next_id=data["next_id"],
-                   excluded=data.get("excluded", {}))
+                   excluded=data.get("excluded", {}),
+                   excluded_names=data.get("excluded_names", {}))

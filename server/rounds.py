@@ -16,9 +16,11 @@ from typing import Any
 from modeling.compression import Region, SparseResult, validate
 from modeling.errors import CompressionError
 from server.errors import (
+    AlreadySubmitted,
     DuplicateResult,
     MalformedResult,
     NotInRound,
+    StaleAssignment,
     StaleRound,
     UnknownParameter,
     WrongRegion,
@@ -37,6 +39,7 @@ class RoundAssignment:
     lr: float  # the update rule's learning rate this round
     seed: int  # for any randomness the client's step needs (dropout, ...)
     deadline: float  # clock time by which the results must be in
+    assignment_id: str = ""  # names this split of this round; a submission quotes it
 
 
 @dataclass(slots=True)
@@ -56,7 +59,8 @@ class OpenRound:
     submissions: dict[str, Submission] = field(default_factory=dict)
 
     def check(self, client_id: str, round_index: int, results: Sequence[SparseResult],
-              shapes: Mapping[str, tuple[int, ...]], region: Mapping[str, Region]) -> None:
+              shapes: Mapping[str, tuple[int, ...]], region: Mapping[str, Region],
+              assignment_id: str | None = None) -> None:
         """Raise the matching BadResult (or NotInRound) unless the submission can be kept."""
         if round_index != self.index:
             raise StaleRound(f"results for round {round_index}, but round {self.index} is being "
@@ -65,8 +69,14 @@ class OpenRound:
             raise NotInRound(f"{client_id} has no assignment in round {self.index} (it joined "
                              "after it opened or was dropped at its deadline); wait for the "
                              "next round.")
+        expected = self.assignments[client_id].assignment_id
+        if assignment_id is not None and assignment_id != expected:
+            raise StaleAssignment(
+                f"results for assignment {assignment_id!r}, but {client_id}'s assignment in "
+                f"round {self.index} is {expected!r} (the coordinator restarted and split the "
+                "round anew); drop them and fetch the current assignment.")
         if client_id in self.submissions:
-            raise DuplicateResult(f"{client_id} already submitted for round {self.index}; a "
+            raise AlreadySubmitted(f"{client_id} already submitted for round {self.index}; a "
                                   "client submits once per round.")
         seen: set[str] = set()
         for result in results:

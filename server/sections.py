@@ -238,38 +238,71 @@ class CheckpointSection:
                  f"[checkpoint] every_rounds must be >= 1, got {self.every_rounds}.")
 
 
+AUTH_MODES = ("token", "none")
+
+
 @dataclass(kw_only=True, slots=True)
 class AuthSection:
-    """The run's join token, written here or (better) read from an environment variable."""
+    """Who may join and who may change the run. Each token is written here or (better) read
+    from an environment variable. ``mode = "none"`` admits any client without a join token,
+    and the server then listens on loopback only, whatever [server] host says."""
 
+    mode: str = "token"  # token: Join needs the join token | none: no join token, loopback only
     join_token: str | None = field(default=None, repr=False, metadata={"secret": True})
     join_token_env: str | None = None  # name of the environment variable holding the token
+    # The operator token unlocks the HTTP side's writes (POST ...); without one it is read-only.
+    operator_token: str | None = field(default=None, repr=False, metadata={"secret": True})
+    operator_token_env: str | None = None
 
     def __post_init__(self) -> None:
-        if self.join_token is None and self.join_token_env is None:
+        _require(self.mode in AUTH_MODES,
+                 f"[auth] mode {self.mode!r} is unknown; choose \"token\" (clients present the "
+                 "join token) or \"none\" (no join token; the server listens on loopback only).")
+        for key in ("join_token", "operator_token"):
+            if getattr(self, key) is not None and getattr(self, f"{key}_env") is not None:
+                raise ConflictingKeys(f"[auth] gives both {key} and {key}_env; keep one.")
+            _require(getattr(self, key) != "", f"[auth] {key} is empty; set a token.")
+        join_keys = [k for k in ("join_token", "join_token_env") if getattr(self, k) is not None]
+        if self.mode == "none" and join_keys:
+            raise ConflictingKeys(f"[auth] mode = \"none\" admits clients without a join token, "
+                                  f"but {join_keys[0]} is given; remove it, or set "
+                                  "mode = \"token\" to require the token.")
+        if self.mode == "token" and not join_keys:
             raise MissingKey("[auth] needs join_token_env (the name of an environment variable "
                              "holding the join token) or join_token; "
                              "python -c 'from protocol.auth import new_join_token as t; "
-                             "print(t())' makes one.")
-        if self.join_token is not None and self.join_token_env is not None:
-            raise ConflictingKeys("[auth] gives both join_token and join_token_env; keep one.")
-        _require(self.join_token != "", "[auth] join_token is empty; set a token.")
-        self.token()
+                             "print(t())' makes one. (mode = \"none\" runs without one, on "
+                             "loopback only.)")
+        if self.mode == "token":
+            self.token()
+        self.operator()
 
     def token(self) -> str:
         """The join token, read from the environment now when ``join_token_env`` names it."""
-        if self.join_token is not None:
-            return self.join_token
-        token = os.environ.get(self.join_token_env, "")
+        if self.mode == "none":  # callers check the mode first; never compare against nothing
+            raise InvalidValue("[auth] mode = \"none\" has no join token.")
+        return self._secret("join_token")
+
+    def operator(self) -> str | None:
+        """The operator token (read from the environment now when ``operator_token_env`` names
+        it), or None when the run has none and its HTTP side is read-only."""
+        return self._secret("operator_token")
+
+    def _secret(self, key: str) -> str | None:
+        env = getattr(self, f"{key}_env")
+        if env is None:
+            return getattr(self, key)
+        token = os.environ.get(env, "")
         if not token:
-            raise MissingSecret(f"[auth] join_token_env names ${self.join_token_env}, which is "
-                                "unset or empty; export it before starting the server.")
+            raise MissingSecret(f"[auth] {key}_env names ${env}, which is unset or empty; "
+                                "export it before starting the server.")
         return token
 
 
 @dataclass(kw_only=True, slots=True)
 class TlsSection:
-    """TLS for the gRPC server: both files or neither (then plaintext, for loopback runs)."""
+    """TLS for the gRPC and HTTP servers (one certificate for both): both files or neither
+    (then plaintext, for loopback runs)."""
 
     cert: Path | None = None  # PEM certificate chain
     key: Path | None = None  # PEM private key
@@ -286,3 +319,64 @@ class TlsSection:
     @property
     def enabled(self) -> bool:
         return self.cert is not None
+
+
+NORM_ACTIONS = ("clip", "reject")
+
+
+@dataclass(kw_only=True, slots=True)
+class FaultsSection:
+    """How the coordinator treats clients that die, hang, lag or misbehave (DESIGN.md §5.6).
+
+    A member silent for ``heartbeat_timeout_s`` is dropped from the open round (its sequences
+    go back to the queue) and counts as inactive until it calls again; silent for
+    ``session_ttl_s``, it is removed and its session expires. Each round it misses halves the
+    speed its share is sized by; ``miss_limit`` misses in a row move it to the next smaller
+    allowed tier. Finishing within ``early_fraction`` of the deadline ``early_rounds`` times in
+    a row offers it the next larger tier its memory and request allow. A submission that
+    breaks a limit is refused and counted; ``max_rejections`` refusals exclude the client.
+    """
+
+    heartbeat_s: float = 5.0  # how often clients heartbeat, also while training
+    heartbeat_timeout_s: float = 30.0  # silence after which a member counts as gone
+    session_ttl_s: float = 3600.0  # silence after which a member is removed (rejoin needed)
+    miss_limit: int = 2  # consecutive missed rounds before a smaller tier; 0: never
+    early_fraction: float = 0.25  # "early": submitted within this fraction of the deadline
+    early_rounds: int = 5  # consecutive early rounds before a larger tier is offered; 0: never
+    max_rejections: int = 3  # refused submissions before the client is excluded; 0: never
+    max_norm: float | None = None  # L2 bound on one submission's values; None: unbounded
+    norm_action: str = "reject"  # clip | reject, for a submission over max_norm
+    max_submission_mb: float = 64.0  # one SubmitResult stream, all messages together
+    max_message_mb: float = 64.0  # any single gRPC message the server receives
+
+    def __post_init__(self) -> None:
+        for key in ("heartbeat_s", "heartbeat_timeout_s", "session_ttl_s", "max_submission_mb",
+                    "max_message_mb"):
+            value = getattr(self, key)
+            _require(value > 0 and math.isfinite(value),
+                     f"[faults] {key} must be a positive number, got {value}.")
+        _require(self.heartbeat_timeout_s >= 2 * self.heartbeat_s,
+                 f"[faults] heartbeat_timeout_s {self.heartbeat_timeout_s} must be at least twice "
+                 f"heartbeat_s {self.heartbeat_s}, or one late heartbeat drops a healthy client.")
+        _require(self.session_ttl_s >= self.heartbeat_timeout_s,
+                 f"[faults] session_ttl_s {self.session_ttl_s} must be >= heartbeat_timeout_s "
+                 f"{self.heartbeat_timeout_s}.")
+        for key in ("miss_limit", "early_rounds", "max_rejections"):
+            value = getattr(self, key)
+            _require(value >= 0, f"[faults] {key} must be >= 0 (0 turns it off), got {value}.")
+        _require(0 < self.early_fraction < 1,
+                 f"[faults] early_fraction must lie in (0, 1), got {self.early_fraction}.")
+        _require(self.max_norm is None or (self.max_norm > 0 and math.isfinite(self.max_norm)),
+                 f"[faults] max_norm must be a positive number, got {self.max_norm}.")
+        _require(self.norm_action in NORM_ACTIONS,
+                 f"[faults] norm_action {self.norm_action!r} is unknown; choose one of "
+                 f"{', '.join(NORM_ACTIONS)}.")
+
+    @property
+    def max_submission_bytes(self) -> int:
+        return int(self.max_submission_mb * 1024 * 1024)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * 1024 * 1024)
+

@@ -27,16 +27,23 @@ from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.checkpoint.schema import canonical_schema_hash
 from modeling.compression import Aggregate, Region, region_slices
 from modeling.errors import CompressionError
-from protocol.auth import check_join_token, require_session
+from protocol.auth import SESSION_METADATA_KEY, check_join_token
 from protocol.errors import ProtocolError
-from protocol.files import resolve_inside, send_file
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import read_submission
 from protocol.tensors import encode_tensor
 from protocol.updates import RoundUpdate, update_messages
 from server.coordinator import Coordinator
-from server.errors import CoordinatorError, TierAssignmentError
+from server.errors import (
+    BadResult,
+    CoordinatorError,
+    FileNotServed,
+    ServedFileDamaged,
+    SubmissionTooLarge,
+    TierAssignmentError,
+)
+from server.served_files import served_files
 from server.tiers import Capabilities
 
 RETRY_AFTER_S = 0.5  # how soon a waiting client asks GetRound again
@@ -56,7 +63,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         c = self.coordinator
-        check_join_token(context, request.join_token, c.config.auth.token())
+        if c.config.auth.mode == "token":  # "none" admits anyone; the server is loopback-only
+            check_join_token(context, request.join_token, c.config.auth.token())
         if request.run_id and request.run_id != c.config.run.id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this server runs {c.config.run.id!r}, not {request.run_id!r}; "
@@ -84,7 +92,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        client_id = require_session(context, self.coordinator.membership.sessions)
+        client_id = self._session(context)
         speed = (request.tokens_per_second if request.HasField("tokens_per_second") else None)
         if speed is not None and not (math.isfinite(speed) and speed >= 0):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -93,7 +101,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatReply(round=self.coordinator.state.round)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
-        client_id = require_session(context, self.coordinator.membership.sessions)
+        client_id = self._session(context)
         _call(context, lambda: self.coordinator.leave(client_id, request.reason[:200]))
         return pb.LeaveReply()
 
@@ -102,7 +110,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def GetRound(self, request: pb.GetRoundRequest,
                  context: grpc.ServicerContext) -> pb.RoundAssignment:
         c = self.coordinator
-        client_id = require_session(context, c.membership.sessions)
+        client_id = self._session(context)
         assignment = _call(context, lambda: c.heartbeat(client_id))
         if c.phase == "finished":
             return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=c.state.round)
@@ -114,29 +122,44 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             state=pb.ROUND_STATE_TRAIN, round=assignment.round,
             sequence_ids=assignment.sequence_ids, tier=assignment.tier,
             learning_rate=assignment.lr, seed=assignment.seed,
-            deadline_seconds=max(assignment.deadline - c.clock(), 0.0))
+            deadline_seconds=max(assignment.deadline - c.clock(), 0.0),
+            assignment_id=assignment.assignment_id)
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.Sequence]:
-        require_session(context, self.coordinator.membership.sessions)
-        reader = self.coordinator.reader
+        c = self.coordinator
+        client_id = self._session(context)
+        reader = c.reader
         bad = [i for i in request.ids if i >= len(reader)]
         if bad:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"sequence ids {bad[:5]} are outside the run's {len(reader)} "
                           "sequences; fetch the ids GetRound assigned.")
+        assignment = c.assignment_for(client_id)
+        foreign = sorted(set(request.ids) - set(assignment.sequence_ids if assignment else ()))
+        if foreign:  # a client reads only the sequences it is assigned now
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"sequence ids {foreign[:5]} are not in {client_id}'s assignment for "
+                          "the round being collected (it closed, or they are another client's); "
+                          "ask GetRound for the current assignment.")
         for i in request.ids:
             yield pb.Sequence(id=i, tokens=encode_tensor(torch.from_numpy(reader[i].copy())))
 
     def SubmitResult(self, request_iterator: Iterator[pb.SubmitMessage],
                      context: grpc.ServicerContext) -> pb.SubmitReply:
-        client_id = require_session(context, self.coordinator.membership.sessions)
+        client_id = self._session(context)
         received = 0
+
+        limit = self.coordinator.config.faults.max_submission_bytes
 
         def counted() -> Iterator[pb.SubmitMessage]:
             nonlocal received
             for message in request_iterator:
                 received += message.ByteSize()
+                if received > limit:
+                    raise SubmissionTooLarge(
+                        f"the submission passed {limit / 2**20:g} MiB ([faults] "
+                        "max_submission_mb); send compressed results with the run's settings.")
                 yield message
 
         def submit() -> int:
@@ -150,13 +173,21 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             results = list(stream)  # decoded and checked before the coordinator sees any
             seconds = header.train_seconds if math.isfinite(header.train_seconds) else None
             self.coordinator.submit(client_id, header.round, results, loss=header.loss,
-                                    train_seconds=seconds)
+                                    train_seconds=seconds, assignment_id=header.assignment_id)
             with self._bytes_lock:
                 self.bytes_received[header.round] = (
                     self.bytes_received.get(header.round, 0) + received)
             return len(results)
 
-        return pb.SubmitReply(accepted=_call(context, submit))
+        try:
+            accepted = submit()
+        except (ProtocolError, CompressionError, BadResult) as err:
+            # counted against the client: enough refusals exclude it from the run
+            consequence = self.coordinator.rejected(client_id, err)
+            _abort(context, err, consequence)
+        except _REFUSED as err:
+            _abort(context, err)
+        return pb.SubmitReply(accepted=accepted)
 
     # -- catching up --------------------------------------------------------------------
 
@@ -165,7 +196,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """The logged updates of rounds ``since_round``, since_round + 1, ...: a checkpoint
         reference's ``round`` counts the rounds inside it, so it is the first to replay."""
         c = self.coordinator
-        client_id = require_session(context, c.membership.sessions)
+        client_id = self._session(context)
         tier = _call(context, lambda: c.membership.get(client_id).tier)
         logged = _call(context, lambda: c.updates_since(request.since_round))
         context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
@@ -180,25 +211,35 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def GetCheckpoint(self, request: pb.GetCheckpointRequest,
                       context: grpc.ServicerContext) -> pb.CheckpointRef:
         c = self.coordinator
-        client_id = require_session(context, c.membership.sessions)
+        client_id = self._session(context)
         tier = _call(context, lambda: c.membership.get(client_id).tier)
         return _call(context, lambda: self._checkpoint_ref(tier))
 
     def DownloadCheckpoint(self, request: pb.DownloadCheckpointRequest,
                            context: grpc.ServicerContext) -> Iterator[pb.FileChunk]:
-        require_session(context, self.coordinator.membership.sessions)
-        path = _call(context, lambda: resolve_inside(self.checkpoints, request.path))
-        if not path.is_file():
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"{request.path} is not a file of the run's checkpoints; take paths "
-                          f"from the manifest ({MANIFEST_NAME}).")
-        yield from send_file(path)
+        """A manifest or a file it lists, checked against its sha256 before and while it is
+        sent: anything else is NOT_FOUND, a copy that fails its manifest DATA_LOSS."""
+        self._session(context)
+        try:
+            yield from served_files(self.checkpoints).chunks(request.path)
+        except (ProtocolError, FileNotServed, ServedFileDamaged) as err:
+            _abort(context, err)
 
     @property
     def checkpoints(self) -> Path:
         return self.coordinator.dir / "checkpoints"
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _session(self, context: grpc.ServicerContext) -> str:
+        """The calling client's id, from its session token; aborts UNAUTHENTICATED for a
+        missing, unknown or expired token and PERMISSION_DENIED for an excluded client."""
+        token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
+        if not token:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"no session token; call Join and send the token it returns as "
+                          f"'{SESSION_METADATA_KEY}' metadata.")
+        return _call(context, lambda: self.coordinator.authenticate(token))
 
     def _checkpoint_ref(self, tier: int) -> pb.CheckpointRef:
         """The latest universal checkpoint's manifest and its entry for ``tier``."""
@@ -222,7 +263,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             compression_lr=compression.lr, update_rule=update.rule,
             weight_decay=update.weight_decay, sequence_length=cfg.data.max_seq_len,
             data_fingerprint=self.coordinator.reader.fingerprint,
-            data_strategy=cfg.data.strategy, data_view=cfg.data.view or "")
+            data_strategy=cfg.data.strategy, data_view=cfg.data.view or "",
+            heartbeat_seconds=cfg.faults.heartbeat_s)
 
 
 def _within(aggregates: dict[str, Aggregate], regions: dict[str, Region]
@@ -253,6 +295,6 @@ def _call(context: grpc.ServicerContext, action: Callable[[], T]) -> T:
         _abort(context, err)
 
 
-def _abort(context: grpc.ServicerContext, err: Exception) -> NoReturn:
-    context.abort(getattr(err, "code", grpc.StatusCode.INVALID_ARGUMENT), str(err))
+def _abort(context: grpc.ServicerContext, err: Exception, more: str = "") -> NoReturn:
+    context.abort(getattr(err, "code", grpc.StatusCode.INVALID_ARGUMENT), str(err) + more)
     raise AssertionError("unreachable: context.abort raises")

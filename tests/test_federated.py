@@ -299,7 +299,8 @@ def test_bad_results_are_refused_over_grpc_and_change_nothing(tmp_path, mdat, fa
         assert work.state == pb.ROUND_STATE_TRAIN
 
         def submit(results, round_index=work.round):
-            header = pb.SubmitHeader(round=round_index, client_id=joined.client_id, loss=2.0)
+            header = pb.SubmitHeader(round=round_index, client_id=joined.client_id, loss=2.0,
+                                     assignment_id=work.assignment_id)
             return stub.SubmitResult(submission_messages(header, results), metadata=auth)
 
         if fault == "duplicate":

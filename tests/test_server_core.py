@@ -56,6 +56,7 @@ def run_config(run_dir, mdat_path, **round_overrides) -> RunConfig:
                   "rounds": 20, **round_overrides},
         "update": {"rule": "sgd", "lr": 0.1, "schedule": "constant"},
         "checkpoint": {"every_rounds": 2},
+        "compression": {"encoding": "none"},  # the tests submit dense results
         "auth": {"join_token": "secret"},
     })
 
@@ -234,7 +235,10 @@ def test_resume_equals_uninterrupted(tmp_path, mdat_path):
     resumed = Coordinator(config, clock=clock)
     assert resumed.state.round == 3 and resumed.state.checkpoints == [0, 2]
     resumed.advance()
-    assert resumed.assignment_for(cid) == open_round  # the same ids, lr, seed and deadline
+    reopened = resumed.assignment_for(cid)  # the same ids, lr, seed and deadline; a new id,
+    assert reopened.assignment_id != open_round.assignment_id  # so old results are refused
+    assert dataclasses.replace(reopened, assignment_id="") == dataclasses.replace(
+        open_round, assignment_id="")
     drive(resumed, clock, cid, 2)
     assert same(resumed.master, straight.master)
     assert resumed.state.tokens == straight.state.tokens

@@ -125,7 +125,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, round: _Optional[int] = ..., manifest_path: _Optional[str] = ..., entry: _Optional[_Union[TierEntry, _Mapping]] = ...) -> None: ...
 
 class TrainingSettings(_message.Message):
-    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "update_rule", "weight_decay", "sequence_length", "data_fingerprint", "data_strategy", "data_view")
+    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "update_rule", "weight_decay", "sequence_length", "data_fingerprint", "data_strategy", "data_view", "heartbeat_seconds")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class TrainingSettings(_message.Message):
     DATA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DATA_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     DATA_VIEW_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     encoding: str
     chunk: int
     topk: int
@@ -150,7 +151,8 @@ class TrainingSettings(_message.Message):
     data_fingerprint: str
     data_strategy: str
     data_view: str
-    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., update_rule: _Optional[str] = ..., weight_decay: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ...) -> None: ...
+    heartbeat_seconds: float
+    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., update_rule: _Optional[str] = ..., weight_decay: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings", "schema_hash")
@@ -193,7 +195,7 @@ class GetRoundRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RoundAssignment(_message.Message):
-    __slots__ = ("state", "round", "sequence_ids", "tier", "learning_rate", "seed", "deadline_seconds", "retry_after_seconds")
+    __slots__ = ("state", "round", "sequence_ids", "tier", "learning_rate", "seed", "deadline_seconds", "retry_after_seconds", "assignment_id")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +204,7 @@ class RoundAssignment(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     state: RoundState
     round: int
     sequence_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -210,7 +213,8 @@ class RoundAssignment(_message.Message):
     seed: int
     deadline_seconds: float
     retry_after_seconds: float
-    def __init__(self, state: _Optional[_Union[RoundState, str]] = ..., round: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., retry_after_seconds: _Optional[float] = ...) -> None: ...
+    assignment_id: str
+    def __init__(self, state: _Optional[_Union[RoundState, str]] = ..., round: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., retry_after_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ...) -> None: ...
 
 class FetchSequencesRequest(_message.Message):
     __slots__ = ("ids",)
@@ -227,18 +231,20 @@ class Sequence(_message.Message):
     def __init__(self, id: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("round", "client_id", "tokens", "loss", "train_seconds")
+    __slots__ = ("round", "client_id", "tokens", "loss", "train_seconds", "assignment_id")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     round: int
     client_id: str
     tokens: int
     loss: float
     train_seconds: float
-    def __init__(self, round: _Optional[int] = ..., client_id: _Optional[str] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., train_seconds: _Optional[float] = ...) -> None: ...
+    assignment_id: str
+    def __init__(self, round: _Optional[int] = ..., client_id: _Optional[str] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ...) -> None: ...
 
 class SubmitMessage(_message.Message):
     __slots__ = ("header", "result")

@@ -1,0 +1,135 @@
+"""``trained.jsonl``: which sequences each completed round trained, and the audit that proves
+every sequence handed out is trained exactly once (DESIGN.md §5.6).
+
+    ledger = TrainedLedger(run_dir)
+    ledger.record(round_index, sequence_ids)   # in the round's close, before state.json
+    ledger.truncate(state.round)               # on resume: drop rounds state.json lacks
+    audit = audit_run(config)                  # from the run directory alone, server stopped
+
+One JSON line per completed round, appended and fsynced before ``state.json`` records the
+round. A crash between the two leaves a line (possibly torn) for a round that will run
+again; ``truncate`` removes it on resume, so the ledger always matches ``state.json``.
+
+The audit's invariant: an id of the shuffle is handed out fresh once per pass over it (the
+work queue's ``position`` says how many passes reached it). Each hand-out ends either trained
+in exactly one completed round or back in the queue's ``requeued`` list, waiting. So for
+every id, ``trained + waiting == handed out``; more is a duplicate, less is a lost sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LEDGER_NAME = "trained.jsonl"
+
+
+class TrainedLedger:
+    def __init__(self, run_dir: Path) -> None:
+        self.path = Path(run_dir) / LEDGER_NAME
+
+    def record(self, round_index: int, sequence_ids: Iterable[int]) -> None:
+        line = json.dumps({"round": round_index, "ids": [int(i) for i in sequence_ids]})
+        with self.path.open("a") as handle:
+            handle.write(line + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def rounds(self) -> list[dict[str, Any]]:
+        """Every complete line, in order; a torn last line (a crash mid-write) is skipped."""
+        if not self.path.is_file():
+            return []
+        entries = []
+        for line in self.path.read_text().splitlines():
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return entries
+
+    def truncate(self, completed_rounds: int) -> None:
+        """Keep only rounds ``< completed_rounds`` (atomically, when anything goes)."""
+        if not self.path.is_file():
+            return
+        text = self.path.read_text()
+        entries = self.rounds()
+        kept = [e for e in entries if e["round"] < completed_rounds]
+        if len(kept) == len(entries) and (not text or text.endswith("\n")):
+            return  # nothing to drop, no torn line
+        staging = self.path.with_name(f".{self.path.name}.tmp")
+        with staging.open("w") as handle:
+            handle.writelines(json.dumps(e) + "\n" for e in kept)
+            handle.flush()
+            os.fsync(handle.fileno())
+        staging.replace(self.path)
+
+
+@dataclass(kw_only=True)
+class LedgerAudit:
+    sequences: int  # ids in the shuffle
+    rounds: int  # completed rounds in the ledger
+    handed_out: int  # fresh hand-outs over all passes
+    trained: int  # sequence trainings recorded
+    waiting: int  # handed out, back in the queue, not trained yet
+    passes_complete: int  # whole passes over the shuffle handed out
+    lost: list[int] = field(default_factory=list)  # ids handed out but neither trained nor waiting
+    duplicated: list[int] = field(default_factory=list)  # ids trained more often than handed out
+    repeated_rounds: list[int] = field(default_factory=list)  # rounds recorded twice
+
+    @property
+    def exactly_once(self) -> bool:
+        return not (self.lost or self.duplicated or self.repeated_rounds)
+
+    def summary(self) -> str:
+        verdict = "every sequence trained exactly once per pass" if self.exactly_once else (
+            f"{len(self.lost)} lost, {len(self.duplicated)} trained twice, rounds recorded twice: "
+            f"{self.repeated_rounds[:5]}")
+        return (f"{self.rounds} rounds, {self.trained} sequence trainings over "
+                f"{self.passes_complete} complete pass(es) of {self.sequences} sequences, "
+                f"{self.waiting} waiting in the queue: {verdict}")
+
+
+def audit(order: Sequence[int] | np.ndarray, queue: dict[str, Any],
+          entries: Sequence[dict[str, Any]]) -> LedgerAudit:
+    """Check ``trained + waiting == handed out`` for every id of the shuffle ``order``, given
+    the work queue's saved state and the ledger's entries."""
+    order = np.asarray(order)
+    n = len(order)
+    position = int(queue.get("position", 0))
+    passes, partial = divmod(position, n)
+    handed = Counter({int(i): passes for i in order})
+    handed.update(int(i) for i in order[:partial])
+    waiting = Counter(int(i) for i in queue.get("requeued", []))
+    trained: Counter[int] = Counter()
+    seen_rounds: Counter[int] = Counter()
+    for entry in entries:
+        seen_rounds[entry["round"]] += 1
+        trained.update(int(i) for i in entry["ids"])
+    lost = sorted(i for i in handed if trained[i] + waiting[i] < handed[i])
+    duplicated = sorted(i for i in set(trained) | set(waiting)
+                        if trained[i] + waiting[i] > handed[i])
+    return LedgerAudit(sequences=n, rounds=len(entries), handed_out=position,
+                       trained=sum(trained.values()), waiting=sum(waiting.values()),
+                       passes_complete=passes, lost=lost, duplicated=duplicated,
+                       repeated_rounds=sorted(r for r, k in seen_rounds.items() if k > 1))
+
+
+def audit_run(config: Any) -> LedgerAudit:
+    """The audit of ``config``'s run directory (a ``RunConfig``), from state.json, the ledger
+    and the run's MDAT shuffle."""
+    from modeling.mdat import Mdat
+    from server.state import RunState
+
+    data = config.data
+    state = RunState.load(Path(config.run.dir))
+    if state is None:
+        raise FileNotFoundError(f"{config.run.dir} holds no state.json; nothing to audit.")
+    order = Mdat.open(data.path).shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
+    return audit(order, state.queue, TrainedLedger(Path(config.run.dir)).rounds())

@@ -1,0 +1,68 @@
+"""What a submission may hold beyond being well formed (DESIGN.md §5.3): the run's own
+encoding, chunking and value dtype, at most ``topk`` values per chunk, and an L2 norm within
+``[faults] max_norm`` (clipped or refused, per ``norm_action``).
+
+    limits = SubmissionLimits(config.compression, config.faults)
+    results = limits.check(results)   # the results to keep (clipped), or a BadResult
+
+The norm is taken over every value of the submission at once. The DCT is orthonormal, so the
+norm of the coefficients is the norm of the gradient they encode, whatever the encoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from modeling.compression import CompressionConfig, SparseResult
+from modeling.compression.grid import ChunkGrid
+from server.errors import NormTooLarge, TooManyCoefficients, WrongEncoding
+from server.sections import FaultsSection
+
+
+class SubmissionLimits:
+    def __init__(self, compression: CompressionConfig, faults: FaultsSection) -> None:
+        self.compressor = compression.build()
+        self.faults = faults
+
+    def check(self, results: Sequence[SparseResult]) -> list[SparseResult]:
+        """``results`` as the coordinator keeps them, or the BadResult that refuses them."""
+        for result in results:
+            self._check_one(result)
+        bound = self.faults.max_norm
+        if bound is None:
+            return list(results)
+        norm = math.sqrt(sum(float(r.values.double().square().sum()) for r in results))
+        if norm <= bound:
+            return list(results)
+        if self.faults.norm_action == "reject":
+            raise NormTooLarge(f"the submission's values have L2 norm {norm:.4g}, above [faults] "
+                               f"max_norm {bound:g}; the client's gradient exploded, so it "
+                               "should reload the checkpoint.")
+        scale = bound / norm
+        return [dataclasses.replace(r, values=(r.values.double() * scale).to(r.values.dtype))
+                for r in results]
+
+    def _check_one(self, result: SparseResult) -> None:
+        c = self.compressor
+        name = result.name
+        if result.encoding != c.encoding_name:
+            raise WrongEncoding(f"{name} is encoded as {result.encoding!r}, the run uses "
+                                f"{c.encoding_name!r}; take the settings from JoinReply.")
+        want_dtype = torch.float32 if c.encoding_name == "dense" else c.value_dtype
+        if result.values.dtype != want_dtype:
+            raise WrongEncoding(f"{name}: values are {result.values.dtype}, the run sends "
+                                f"{want_dtype}; take value_dtype from JoinReply.settings.")
+        if c.encoding_name == "dense":
+            return
+        chunk = tuple(ChunkGrid.of(result.shape, c.chunk).chunk)
+        if tuple(result.chunk) != chunk:
+            raise WrongEncoding(f"{name}: chunk {tuple(result.chunk)}, the run's grid uses "
+                                f"{chunk} for shape {tuple(result.shape)}.")
+        per_chunk = result.values.shape[-1] if result.values.dim() else 0
+        if per_chunk > c.topk:
+            raise TooManyCoefficients(f"{name}: {per_chunk} values per chunk, the run's topk "
+                                      f"allows {c.topk}.")
