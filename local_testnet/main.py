@@ -2,16 +2,19 @@
 
     local-testnet --num-clients 3 --tiers 0,1,2                  # the embedded default run
     local-testnet --config run.toml --rounds 20 --kill-client-at 5 --latency-ms 50
+    local-testnet --chaos 7                    # seeded client kills and one server kill
 
 It starts ``matformer-server`` and the clients on loopback, streams their logs with
 prefixes, and at the end prints a per-tier loss table and writes ``loss.png`` and
 ``summary.json`` into the run directory, next to the checkpoints, tier slices and manifest.
-Exit code 0 when the run finished and the held-out loss fell at every tier.
+Exit code 0 when the run finished and the held-out loss fell at every tier (and, with
+``--chaos``, every sequence was trained exactly once and the surviving replicas agree).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -21,11 +24,18 @@ from pathlib import Path
 
 import torch
 
+from local_testnet.chaos import ChaosEvent, chaos_plan, check_run, format_chaos
 from local_testnet.default_run import ensure_default_data, write_default_run
 from local_testnet.held_out import HeldOut
 from local_testnet.processes import free_port, say
 from local_testnet.report import format_table, tier_reports, write_plot, write_summary
-from local_testnet.testnet import ClientSpec, Testnet, TestnetFailed, TestnetPlan
+from local_testnet.testnet import (
+    RESTART_AFTER_S,
+    ClientSpec,
+    Testnet,
+    TestnetFailed,
+    TestnetPlan,
+)
 from modeling.errors import MatformerError
 from protocol.auth import new_join_token
 from server.config import RunConfig
@@ -51,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help="stop after this many rounds")
     parser.add_argument("--kill-client-at", type=int, default=None, metavar="ROUND",
                         help="SIGKILL the last client in this round, then restart it")
+    parser.add_argument("--chaos", type=int, default=None, metavar="SEED",
+                        help="SIGKILL random clients and the server once on a schedule drawn "
+                             "from SEED, restart them, and check at the end that every "
+                             "sequence was trained exactly once and the replicas agree")
     parser.add_argument("--latency-ms", type=float, default=0.0,
                         help="delay every client call by this much (a simulated WAN)")
     parser.add_argument("--resume", action="store_true",
@@ -67,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.tiers = [int(t) for t in args.tiers.split(",") if t.strip()]
     except ValueError:
         parser.error(f"--tiers {args.tiers!r} is not a comma-separated list of tiers")
+    if args.chaos is not None and args.kill_client_at is not None:
+        parser.error("--chaos plans its own kills; leave out --kill-client-at")
     if not args.tiers:
         parser.error("--tiers is empty; give at least one tier, e.g. --tiers 0,1,2")
     return args
@@ -100,6 +116,8 @@ def load_run_config(path: Path, overrides: list[str]) -> RunConfig:
 def join_token_env(path: Path) -> dict[str, str]:
     """The join token for every child: the config's env var when set, else a new token."""
     auth = tomllib.loads(path.read_text()).get("auth", {})
+    if not isinstance(auth, dict) or auth.get("mode") == "none":
+        return {}  # auth = "none": anyone on loopback joins
     name = auth.get("join_token_env")
     if isinstance(auth.get("join_token"), str):
         return {JOIN_TOKEN_ENV: auth["join_token"]}
@@ -132,10 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     say(f"[testnet] run {config.run.id} in {run_dir}: {len(clients)} clients at tiers "
         f"{[c.tier for c in clients]}, {config.round.planned_rounds} rounds of "
         f"{config.round.tokens_per_round} tokens")
+    events = []
+    if args.kill_client_at is not None:
+        events.append(ChaosEvent(round=args.kill_client_at, target=clients[-1].name,
+                                 delay_s=0.0, down_s=RESTART_AFTER_S))
+    if args.chaos is not None:
+        events = chaos_plan(args.chaos, rounds=config.round.planned_rounds,
+                            clients=[c.name for c in clients])
+        say(f"[testnet] chaos (seed {args.chaos}): " + ", ".join(
+            f"round {e.round} {e.target}" for e in events))
     net = Testnet(TestnetPlan(
         config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
-        run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
-        kill_client_at=args.kill_client_at, tls_ca=config.tls.cert, env=env))
+        run_dir=run_dir, clients=clients, latency_ms=args.latency_ms, events=events,
+        tls_ca=config.tls.cert, env=env))
     try:
         status = net.run()
     except TestnetFailed as err:
@@ -147,7 +174,30 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         net.stop()
     train_s = time.monotonic() - started
-    return report(config, status, net.tiers_seen, train_s)
+    code = report(config, status, net.tiers_seen, train_s)
+    if args.chaos is None:
+        return code
+    check = check_run(config, net.survivors)
+    say("\n" + format_chaos(net.chaos, check))
+    write_chaos(run_dir / "summary.json", args.chaos, net, check)
+    if not check.passed:
+        print("local-testnet: the chaos check failed (see above)", file=sys.stderr)
+        return 1
+    return code
+
+
+def write_chaos(path: Path, seed: int, net: Testnet, check) -> None:
+    """Add the chaos record and check to summary.json."""
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    audit = check.audit
+    summary["chaos"] = {
+        "seed": seed, "kills": net.chaos.kills, "client_kills": net.chaos.client_kills,
+        "server_kills": net.chaos.server_kills, "skipped": len(net.chaos.skipped),
+        "restart_to_round_s": net.chaos.restart_to_round_s, "rounds": check.rounds,
+        "sequences_trained": audit.trained, "sequences_waiting": audit.waiting,
+        "sequences_lost": len(audit.lost), "sequences_duplicated": len(audit.duplicated),
+        "replicas": check.replicas, "passed": check.passed}
+    path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
 def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s: float) -> int:

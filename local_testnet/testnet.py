@@ -6,15 +6,19 @@
 
 The server is ``python -m server.main --config run.toml --set ...``; each client is
 ``python -m client.cli train --server 127.0.0.1:PORT ...`` with its own state dir. The
-testnet polls ``GET /status`` to follow the run, and with ``kill_client_at`` it SIGKILLs the
-last client once that round is open, then restarts it under the same name and state dir: the
-round closes at its deadline with the others, the killed client's sequences go back to the
-queue, and the restarted client rejoins, loads the checkpoint and replays the updates since.
+testnet polls ``GET /status`` to follow the run and carries out the plan's ``events``
+(``--kill-client-at`` or ``--chaos``, local_testnet/chaos.py): once an event's round is open
+it SIGKILLs the client (or the server), then restarts it with the same command, name and
+state dir. A killed client falls silent, so the coordinator drops it from the round and
+re-queues its sequences; the restarted client rejoins, restores its error feedback and
+replays the updates since its checkpoint. A restarted server resumes from the run directory
+and the clients reconnect.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -22,12 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from local_testnet.chaos import SERVER, ChaosEvent, ChaosRecord
 from local_testnet.processes import Child, child_env, python_module, say, wait_serving
+from server.state import RunState
 
 POLL_S = 0.5
+CHAOS_POLL_S = 0.1  # while kills are pending: rounds of a small run take well under a second
 SERVER_START_S = 60.0  # until the health service answers (first start builds round 0)
 CLIENT_EXIT_S = 60.0  # clients leave on their own once the run finishes
-RESTART_AFTER_S = 2.0
+RESTART_AFTER_S = 2.0  # --kill-client-at: from the kill to the restart
 
 
 class TestnetFailed(RuntimeError):
@@ -53,7 +60,7 @@ class TestnetPlan:
     run_dir: Path
     clients: list[ClientSpec]
     latency_ms: float = 0.0
-    kill_client_at: int | None = None
+    events: list[ChaosEvent] = field(default_factory=list)  # kills, in round order
     tls_ca: Path | None = None
     env: dict[str, str] = field(default_factory=dict)  # the join token, for every child
 
@@ -65,7 +72,12 @@ class Testnet:
         self.clients: dict[str, Child] = {}
         self.tiers_seen: dict[str, int] = {}  # client name → tier the coordinator gave it
         self.status: dict[str, Any] = {}
-        self._killed: str | None = None  # the client killed on purpose, until restarted
+        self.chaos = ChaosRecord()
+        self._events = list(plan.events)
+        self._armed_at: float | None = None  # when the next event fires
+        self._down: tuple[str, float] | None = None  # (killed target, restart time)
+        self._restarted: tuple[float, int] | None = None  # server: (restart time, its round)
+        self._started = time.monotonic()
 
     # -- the run --------------------------------------------------------------------------
 
@@ -73,7 +85,6 @@ class Testnet:
         self._start_server()
         for spec in self.plan.clients:
             self._start_client(spec)
-        killed_at: float | None = None
         while True:
             self._check_children()
             self.status = self._poll() or self.status
@@ -81,17 +92,22 @@ class Testnet:
                 self.tiers_seen[member["name"]] = member["tier"]
             if self.status.get("phase") == "finished":
                 break
-            kill_at = self.plan.kill_client_at
-            if (kill_at is not None and killed_at is None and self._killed is None
-                    and self.status.get("round", -1) >= kill_at
-                    and self.status.get("phase") == "collecting"):
-                killed_at = time.monotonic()
-                self._kill_last_client()
-            if self._killed is not None and time.monotonic() - killed_at >= RESTART_AFTER_S:
-                self._restart_killed()
-            time.sleep(POLL_S)
+            self._chaos_step()
+            time.sleep(CHAOS_POLL_S if self._events or self._down else POLL_S)
+        self.chaos.skipped = list(self._events)
         self._wait_for_clients()
         return self.status
+
+    @property
+    def http_base(self) -> str:
+        scheme = "https" if self.plan.tls_ca is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.plan.http_port}"
+
+    @property
+    def survivors(self) -> list[str]:
+        """Clients running at the end (a client still down when the run ended is not)."""
+        down = self._down[0] if self._down is not None else None
+        return [spec.name for spec in self.plan.clients if spec.name != down]
 
     def stop(self) -> None:
         """Clients first (they leave the run), then the server (it saves its state)."""
@@ -112,8 +128,7 @@ class Testnet:
             wait_serving(address, self.server, SERVER_START_S, tls_ca=p.tls_ca)
         except RuntimeError as err:
             raise TestnetFailed(str(err)) from None
-        say(f"[testnet] the server answers on {address} (gRPC) and "
-            f"http://127.0.0.1:{p.http_port}/status")
+        say(f"[testnet] the server answers on {address} (gRPC) and {self.http_base}/status")
 
     def _start_client(self, spec: ClientSpec, *, restarted: bool = False) -> None:
         p = self.plan
@@ -135,33 +150,77 @@ class Testnet:
         self.clients[spec.name] = Child.start(spec.prefix, argv, env=child_env(p.env),
                                               on_line=announce_rejoin if restarted else None)
 
-    def _kill_last_client(self) -> None:
-        spec = self.plan.clients[-1]
-        self.clients[spec.name].kill()
-        self._killed = spec.name
-        say(f"[testnet] killed {spec.name} (SIGKILL) in round {self.status['round']}; the "
-            f"round closes at its deadline without it and its sequences are re-queued")
+    # -- chaos ------------------------------------------------------------------------------
 
-    def _restart_killed(self) -> None:
-        spec = next(s for s in self.plan.clients if s.name == self._killed)
-        self._killed = None
+    def _chaos_step(self) -> None:
+        """Restart what is down once its time comes; fire the next event once its round is
+        open and its delay has passed; time a restarted server's first completed round."""
+        now = time.monotonic()
+        if self._restarted is not None and self.status.get("round", -1) > self._restarted[1]:
+            self.chaos.restart_to_round_s.append(round(now - self._restarted[0], 1))
+            say(f"[testnet] the restarted server completed round {self._restarted[1]} "
+                f"{now - self._restarted[0]:.1f} s after it was started again")
+            self._restarted = None
+        if self._down is not None:
+            if now >= self._down[1]:
+                self._restart(self._down[0])
+            return
+        if not self._events or self.status.get("phase") != "collecting":
+            return
+        event = self._events[0]
+        if self.status.get("round", -1) < event.round:
+            return
+        if self._armed_at is None:
+            self._armed_at = now + event.delay_s
+        if now >= self._armed_at:
+            self._events.pop(0)
+            self._armed_at = None
+            self._kill(event)
+
+    def _kill(self, event: ChaosEvent) -> None:
+        child = self.server if event.target == SERVER else self.clients[event.target]
+        child.kill()
+        self._down = (event.target, time.monotonic() + event.down_s)
+        self.chaos.kills.append({"target": event.target, "round": self.status.get("round"),
+                                 "at_s": round(time.monotonic() - self._started, 1)})
+        if event.target == SERVER:
+            say(f"[testnet] killed the server (SIGKILL) in round {self.status['round']}; "
+                f"restarting it in {event.down_s:.1f} s with the same command")
+        else:
+            say(f"[testnet] killed {event.target} (SIGKILL) in round {self.status['round']}; "
+                "it falls silent, so the coordinator drops it from the round and re-queues "
+                "its sequences")
+
+    def _restart(self, target: str) -> None:
+        self._down = None
+        if target == SERVER:
+            saved = RunState.load(self.plan.run_dir)
+            started = time.monotonic()
+            say(f"[testnet] restarting the server; it resumes at round {saved.round}")
+            self._start_server()
+            self._restarted = (started, saved.round)
+            return
+        spec = next(s for s in self.plan.clients if s.name == target)
         say(f"[testnet] restarting {spec.name} with the same name and state dir "
             f"{self.plan.run_dir / 'clients' / spec.name}")
         self._start_client(spec, restarted=True)
 
     def _check_children(self) -> None:
         """TestnetFailed when the server or a client (not the one killed) exited badly."""
-        if self.server is not None and not self.server.alive:
+        down = self._down[0] if self._down is not None else None
+        if self.server is not None and not self.server.alive and down != SERVER:
             raise TestnetFailed(f"the server exited with code {self.server.returncode}; its "
                                 f"last lines:\n{self.server.tail()}")
         for name, child in self.clients.items():
-            if name != self._killed and child.returncode not in (None, 0):
+            if name != down and child.returncode not in (None, 0):
                 raise TestnetFailed(f"{name} exited with code {child.returncode}; its last "
                                     f"lines:\n{child.tail()}")
 
     def _wait_for_clients(self) -> None:
         deadline = time.monotonic() + CLIENT_EXIT_S
         for name, child in self.clients.items():
+            if self._down is not None and name == self._down[0]:
+                continue  # killed, and the run ended before its restart
             if not child.wait(max(deadline - time.monotonic(), 0.1)):
                 say(f"[testnet] {name} did not leave within {CLIENT_EXIT_S:.0f} s; stopping it")
                 child.stop()
@@ -170,9 +229,11 @@ class Testnet:
                                     f"lines:\n{child.tail()}")
 
     def _poll(self) -> dict[str, Any] | None:
-        url = f"http://127.0.0.1:{self.plan.http_port}/status"
+        url = f"{self.http_base}/status"
+        context = (ssl.create_default_context(cafile=str(self.plan.tls_ca))
+                   if self.plan.tls_ca is not None else None)
         try:
-            with urllib.request.urlopen(url, timeout=5) as reply:
+            with urllib.request.urlopen(url, timeout=5, context=context) as reply:
                 return json.load(reply)
         except (urllib.error.URLError, OSError, json.JSONDecodeError):
             return None  # busy or not yet up: the next poll asks again

@@ -69,7 +69,7 @@ class RunningServer:
         host, tls = bind_host(config), config.tls
         service = CoordinatorService(Coordinator(config))
         grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS),
-                                  options=GRPC_OPTIONS)
+                                  options=server_options(config))
         pb_grpc.add_CoordinatorServicer_to_server(service, grpc_server)
         add_health(grpc_server)
         port = config.server.grpc_port if grpc_port is None else grpc_port
@@ -136,6 +136,14 @@ def bind_host(config: RunConfig) -> str:
                 'so gRPC and HTTP listen on %s only%s. Set mode = "token" and a join token to '
                 "accept other machines.", loopback, ignored)
     return loopback
+
+
+def server_options(config: RunConfig) -> tuple[tuple[str, int], ...]:
+    """gRPC's options with the receive limit of [faults] max_message_mb: a larger message is
+    refused by gRPC itself (RESOURCE_EXHAUSTED) before any handler reads it."""
+    limit = config.faults.max_message_bytes
+    return tuple((k, limit if k == "grpc.max_receive_message_length" else v)
+                 for k, v in GRPC_OPTIONS)
 
 
 def _tick(coordinator: Coordinator, stopping: threading.Event) -> None:

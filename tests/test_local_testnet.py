@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from local_testnet.chaos import chaos_plan
 from local_testnet.report import (
     format_table,
     tier_reports,
@@ -202,3 +203,28 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path):
     assert "[testnet] client-1 catches up" in log
     restarted = log[log.index("[testnet] restarting client-1"):]
     assert "[client-1 t1] round" in restarted, restarted  # it trained again after rejoining
+
+
+def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path):
+    build_default_mdat(tmp_path / "d.mdat", limit=150).close()
+    faults = "\n[faults]\nheartbeat_s = 0.5\nheartbeat_timeout_s = 3.0\n"
+    config = write_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=10,
+                        extra=faults)
+    seed = 3
+    planned = chaos_plan(seed, rounds=10, clients=["client-0", "client-1"])
+    result = subprocess.run(
+        [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
+         "--config", str(config), "--chaos", str(seed)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    chaos = json.loads((tmp_path / "run" / "summary.json").read_text())["chaos"]
+    assert chaos["passed"] and chaos["rounds"] == 10
+    assert chaos["sequences_lost"] == 0 and chaos["sequences_duplicated"] == 0
+    assert chaos["server_kills"] == 1 and len(chaos["restart_to_round_s"]) == 1
+    assert chaos["client_kills"] + chaos["skipped"] == len(planned) - 1
+    assert chaos["client_kills"] >= 1
+    assert set(chaos["replicas"].values()) == {"equal"}
+    assert "[testnet] killed the server (SIGKILL)" in log
+    assert "resumed at round" in log  # the coordinator's own account of the restart
+
