@@ -1,0 +1,348 @@
+"""Faults the coordinator survives (issue: hardening): hung and slow clients, re-tiering, bad
+submissions and exclusion, expiring sessions, and crashes at any point of a round's close."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import server.coordinator as coordinator_module
+from modeling.compression import CompressionConfig
+from server.config import RunConfig
+from server.coordinator import STAGING_PREFIX, Coordinator
+from server.errors import (
+    Excluded,
+    NormTooLarge,
+    SessionInvalid,
+    TooManyCoefficients,
+    WrongEncoding,
+)
+from server.ledger import LEDGER_NAME, TrainedLedger, audit
+from server.sections import FaultsSection
+from server.state import RunState
+from tests.test_server_core import Clock, caps, gradient, mdat_path, results, run_config, same
+
+__all__ = ["mdat_path"]  # the module-scoped fixture, shared with test_server_core
+
+
+def config_with(run_dir, mdat, *, compression=None, **faults) -> RunConfig:
+    config = run_config(run_dir, mdat, min_clients=faults.pop("min_clients", 1))
+    changes = {"faults": FaultsSection(**{"heartbeat_s": 1.0, "heartbeat_timeout_s": 3.0,
+                                          **faults})}
+    if compression is not None:
+        changes["compression"] = compression
+    return dataclasses.replace(config, **changes)
+
+
+def events(c: Coordinator, kind: str) -> list[dict]:
+    return [e for e in c.state.events if e["kind"] == kind]
+
+
+# -- hung, slow and fast clients --------------------------------------------------------------
+
+def test_a_silent_client_is_dropped_and_its_sequences_requeued(tmp_path, mdat_path):
+    clock = Clock()
+    c = Coordinator(config_with(tmp_path / "run", mdat_path, min_clients=2), clock=clock)
+    a = c.join(caps("a"))[0].client_id
+    b = c.join(caps("b"))[0].client_id
+    b_ids = c.assignment_for(b).sequence_ids
+    speed = c.membership.get(b).tokens_per_second
+    clock.now = 2.0
+    c.heartbeat(b)  # training, but alive: not dropped
+    c.submit(a, 0, results(c, a))
+    clock.now = 4.9
+    c.advance()
+    assert c.state.round == 0 and b in c.current_round.assignments
+    clock.now = 5.1  # 3.1 s since b's last heartbeat: hung, long before the 10 s deadline
+    c.advance()
+    assert c.state.round == 1
+    (drop,) = events(c, "drop")
+    assert drop["client_id"] == b and "silent for 3 s" in drop["detail"]
+    member = c.membership.get(b)
+    assert member.missed == 1 and member.tokens_per_second == speed / 2
+    # b counts as gone, so round 1 waits (min_clients = 2) until it calls again, and then
+    # starts with b's re-queued sequences
+    assert c.current_round is None
+    clock.now = 5.2
+    c.heartbeat(a)
+    c.heartbeat(b)
+    ids = c.assignment_for(a).sequence_ids + c.assignment_for(b).sequence_ids
+    assert ids[:len(b_ids)] == b_ids
+    entries = TrainedLedger(c.dir).rounds()
+    assert [e["round"] for e in entries] == [0] and not set(entries[0]["ids"]) & set(b_ids)
+
+
+def test_missing_deadlines_moves_a_client_down_and_finishing_early_moves_it_back(
+        tmp_path, mdat_path):
+    clock = Clock()
+    c = Coordinator(config_with(tmp_path / "run", mdat_path, miss_limit=2, early_rounds=2,
+                                heartbeat_timeout_s=10.0), clock=clock)
+    cid = c.join(caps("a", tier=0))[0].client_id
+    for _ in range(2):  # alive (heartbeats) but never done by the 10 s deadline
+        clock.now += 5.0
+        c.heartbeat(cid)
+        clock.now += 5.5
+        c.heartbeat(cid)
+    member = c.membership.get(cid)
+    assert member.tier == 1 and member.missed == 0
+    (retier,) = events(c, "retier")
+    assert retier["detail"] == "moved from tier 0 to tier 1: missed 2 rounds in a row"
+    assert c.assignment_for(cid).tier == 1
+    for _ in range(2):  # then done in 1 s of a 10 s deadline, twice
+        clock.now += 1.0
+        c.submit(cid, c.current_round.index, results(c, cid), loss=1.0)
+    assert member.tier == 0 and "finished 2 rounds in a row within 25%" in member.tier_reason
+    assert c.assignment_for(cid).tier == 0
+
+
+def test_a_client_is_never_offered_a_tier_it_did_not_ask_for(tmp_path, mdat_path):
+    clock = Clock()
+    c = Coordinator(config_with(tmp_path / "run", mdat_path, early_rounds=1), clock=clock)
+    cid = c.join(caps("small", tier=1))[0].client_id
+    for _ in range(3):
+        clock.now += 1.0
+        c.submit(cid, c.current_round.index, results(c, cid))
+    assert c.membership.get(cid).tier == 1 and not events(c, "retier")
+
+
+# -- bad submissions --------------------------------------------------------------------------
+
+def test_submission_limits(tmp_path, mdat_path):
+    dct = CompressionConfig(encoding="dct", chunk=8, topk=4, value_dtype="bfloat16")
+    c = Coordinator(config_with(tmp_path / "run", mdat_path, compression=dct), clock=Clock())
+    cid = c.join(caps("a"))[0].client_id
+    work = c.assignment_for(cid)
+    regions = c.regions(work.tier)
+
+    def encoded(config: CompressionConfig, scale: float = 1.0):
+        compressor = config.build()
+        return [compressor.encode(n, gradient(c, n, 0)[tuple(slice(a, b) for a, b in
+                                                            regions[n])] * scale,
+                                  shape=c.shapes[n], region=regions[n], tokens=work.tokens)
+                for n in sorted(c.shapes)]
+
+    before = {n: t.clone() for n, t in c.master.items()}
+    refusals = [
+        (encoded(dataclasses.replace(dct, topk=8)), TooManyCoefficients, "topk allows 4"),
+        (encoded(dataclasses.replace(dct, value_dtype="float32")), WrongEncoding, "float32"),
+        (encoded(dataclasses.replace(dct, chunk=16)), WrongEncoding, "chunk"),
+        (encoded(CompressionConfig(encoding="dense")), WrongEncoding, "'dense'"),
+    ]
+    for submission, error, words in refusals:
+        with pytest.raises(error, match=words):
+            c.submit(cid, 0, submission)
+    assert c.current_round.submissions == {} and same(before, c.master)
+
+    norm = math.sqrt(sum(float(r.values.double().square().sum()) for r in encoded(dct)))
+    bounded = config_with(tmp_path / "reject", mdat_path, compression=dct, max_norm=norm / 2)
+    c2 = Coordinator(bounded, clock=Clock())
+    cid2 = c2.join(caps("a"))[0].client_id
+    with pytest.raises(NormTooLarge, match="max_norm"):
+        c2.submit(cid2, 0, encoded(dct))
+    clipped = dataclasses.replace(bounded, faults=dataclasses.replace(
+        bounded.faults, norm_action="clip"))
+    c3 = Coordinator(dataclasses.replace(clipped, run=dataclasses.replace(
+        clipped.run, dir=tmp_path / "clip")), clock=Clock())
+    cid3 = c3.join(caps("a"))[0].client_id
+    c3.submit(cid3, 0, encoded(dct), loss=1.0)  # accepted, scaled down to the bound
+    assert c3.state.round == 1
+
+
+def test_rejections_exclude_a_client_and_its_name(tmp_path, mdat_path):
+    clock = Clock()
+    c = Coordinator(config_with(tmp_path / "run", mdat_path, max_rejections=2), clock=clock)
+    member, _, token = c.join(caps("mallory"))
+    cid = member.client_id
+    bad = results(c, cid)
+    bad[0] = dataclasses.replace(bad[0], values=torch.full_like(bad[0].values, math.nan))
+    notes = []
+    for _ in range(2):
+        with pytest.raises(Exception) as err:
+            c.submit(cid, 0, bad)
+        notes.append(c.rejected(cid, err.value))
+    assert notes[0] == " (refusal 1 of 2)" and "excluded from the run" in notes[1]
+    assert cid in c.membership.excluded and cid not in c.membership.members
+    with pytest.raises(Excluded, match="2 submissions refused"):
+        c.authenticate(token)
+    with pytest.raises(Excluded, match="'mallory' was excluded"):
+        c.join(caps("mallory"))
+    assert c.current_round is None or cid not in c.current_round.assignments
+    # lateness is not misbehaviour: a stale round does not count
+    honest = c.join(caps("honest"))[0].client_id
+    assert c.rejected(honest, coordinator_module.StaleRound("late")) == ""
+    assert c.membership.get(honest).rejections == 0
+    saved = RunState.load(c.dir).membership
+    assert saved["excluded"] == c.membership.excluded
+
+
+def test_sessions_expire_after_silence(tmp_path, mdat_path):
+    clock = Clock()
+    c = Coordinator(config_with(tmp_path / "run", mdat_path, session_ttl_s=60.0), clock=clock)
+    member, _, token = c.join(caps("sleepy"))
+    assert c.authenticate(token) == member.client_id
+    clock.now = 61.0
+    c.advance()
+    with pytest.raises(SessionInvalid, match="call Join again"):
+        c.authenticate(token)
+    assert events(c, "expire")[0]["client_id"] == member.client_id
+    assert c.queue.requeued  # its assignment went back to the queue
+
+
+# -- crashes --------------------------------------------------------------------------------
+
+class Crash(BaseException):
+    """Stands for kill -9: nothing after the crash point runs (BaseException passes every
+    ``except Exception``)."""
+
+
+def drive(c: Coordinator, clock: Clock, cid: str, rounds: int) -> None:
+    for _ in range(rounds):
+        clock.now += 1.0
+        c.submit(cid, c.current_round.index, results(c, cid), loss=1.0)
+
+
+@pytest.mark.parametrize("crash_point", ["slices", "universal rename", "state.json",
+                                         "ledger"])
+def test_a_crash_anywhere_in_a_close_resumes_to_the_same_weights(
+        tmp_path, mdat_path, monkeypatch, crash_point):
+    clock = Clock()
+    straight = Coordinator(run_config(tmp_path / "a", mdat_path), clock=clock)
+    cid = straight.join(caps("a", tier=1))[0].client_id
+    drive(straight, clock, cid, 5)
+
+    clock = Clock()
+    config = run_config(tmp_path / "b", mdat_path)  # checkpoints every 2 rounds
+    first = Coordinator(config, clock=clock)
+    assert first.join(caps("a", tier=1))[0].client_id == cid
+    drive(first, clock, cid, 3)  # round 3 is open; its close writes checkpoint round-4
+
+    def crash(*_, **__):
+        raise Crash(crash_point)
+
+    with monkeypatch.context() as patch:
+        if crash_point == "slices":  # the universal folder is staged, slices half done
+            patch.setattr(coordinator_module, "export_tiers", crash)
+        elif crash_point == "universal rename":  # slices in place, the universal not yet
+            real = coordinator_module.Path.rename
+
+            def rename(self, target):
+                if self.name == "round-4":
+                    raise Crash(crash_point)
+                return real(self, target)
+            patch.setattr(coordinator_module.Path, "rename", rename)
+        elif crash_point == "state.json":  # checkpoint whole, state.json still at round 3
+            patch.setattr(RunState, "save", crash)
+        else:  # the update log is written, the ledger line is not
+            patch.setattr(TrainedLedger, "record", crash)
+        with pytest.raises(Crash):
+            drive(first, clock, cid, 1)
+    del first
+
+    checkpoints = config.run.dir / "checkpoints"
+    resumed = Coordinator(config, clock=clock)
+    assert resumed.state.round == 3 and resumed.state.checkpoints == [0, 2]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "round-0", "round-0-tier1", "round-2", "round-2-tier1"]  # nothing half-made is left
+    assert not any(p.name.startswith(STAGING_PREFIX) for p in checkpoints.iterdir())
+    resumed.advance()
+    drive(resumed, clock, cid, 2)
+    assert same(resumed.master, straight.master)
+    assert resumed.state.checkpoints == [0, 2, 4]
+    assert (checkpoints / "round-4" / "matformer_manifest.json").is_file()
+    entries = TrainedLedger(config.run.dir).rounds()
+    assert [e["round"] for e in entries] == [0, 1, 2, 3, 4]
+    # state.json's queue: round 5 is open, its ids are taken but not trained (nor lost)
+    result = audit(resumed.queue.order, RunState.load(config.run.dir).queue, entries)
+    assert result.exactly_once and result.trained == result.handed_out
+
+
+def test_the_ledger_drops_a_torn_line_and_rounds_state_json_lacks(tmp_path):
+    ledger = TrainedLedger(tmp_path)
+    for r in range(3):
+        ledger.record(r, [r * 10, r * 10 + 1])
+    with (tmp_path / LEDGER_NAME).open("a") as handle:
+        handle.write('{"round": 3, "ids": [30')  # killed mid-write
+    ledger.truncate(2)
+    assert [e["round"] for e in ledger.rounds()] == [0, 1]
+    assert (tmp_path / LEDGER_NAME).read_text().endswith("\n")
+
+
+def test_the_audit_finds_lost_and_duplicated_sequences():
+    order = [3, 1, 2, 0]
+    # r0 trains 3, 1; r1 hands out 2, 0 but 2's client dies; r2 trains 2 (re-queued) and 3
+    # (second pass); r3 hands out 1, whose client dies too: 1 waits in the queue
+    queue = {"position": 6, "requeued": [1]}
+    good = [{"round": 0, "ids": [3, 1]}, {"round": 1, "ids": [0]}, {"round": 2, "ids": [2, 3]}]
+    assert audit(order, queue, good).exactly_once
+    lost = audit(order, queue, good[:2])
+    assert lost.lost == [2, 3] and not lost.exactly_once
+    twice = audit(order, queue, [*good, {"round": 3, "ids": [0]}])
+    assert twice.duplicated == [0] and not twice.exactly_once
+
+
+# -- over gRPC: the status each bad input gets ----------------------------------------------
+
+def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
+    import grpc
+
+    from protocol.auth import session_metadata
+    from protocol.channel import GRPC_OPTIONS
+    from protocol.matformer.v1 import coordinator_pb2 as pb
+    from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+    from protocol.submission import submission_messages
+    from server.main import RunningServer
+    from tests.test_server_service import code_of, join_request, write_run_toml
+    from tests.test_server_service import results as dense_results
+
+    path = write_run_toml(tmp_path, min_clients=1)
+    path.write_text(path.read_text() + "\n[faults]\nmax_rejections = 3\n"
+                    "max_submission_mb = 1\n")
+    server = RunningServer.start(RunConfig.load(path), grpc_port=0, http_port=0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
+    try:
+        stub, c = pb_grpc.CoordinatorStub(channel), server.service.coordinator
+        joined = stub.Join(join_request(server, name="mallory"))
+        auth = session_metadata(joined.session_token)
+        work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
+        foreign = [i for i in range(50) if i not in work.sequence_ids][:2]
+        seen = {}
+        seen["another client's sequences"] = code_of(lambda: list(stub.FetchSequences(
+            pb.FetchSequencesRequest(ids=foreign), metadata=auth)))
+        good = dense_results(c, joined.client_id)
+
+        def submit(results, assignment_id=work.assignment_id):
+            header = pb.SubmitHeader(round=work.round, client_id=joined.client_id, loss=2.0,
+                                     assignment_id=assignment_id)
+            return stub.SubmitResult(submission_messages(header, results), metadata=auth)
+
+        seen["an old assignment id"] = code_of(lambda: submit(good, "0.stale.client-0"))
+        big = dataclasses.replace(good[0], values=torch.zeros(600, 600),
+                                  shape=(600, 600), region=((0, 600), (0, 600)))
+        seen["a submission over max_submission_mb"] = code_of(lambda: submit([big]))
+        seen["a NaN value"] = code_of(lambda: submit(dense_results(c, joined.client_id,
+                                                                   poison=True)))
+        seen["a third bad submission"] = code_of(lambda: submit([good[0], good[0]]))
+        seen["any call once excluded"] = code_of(lambda: stub.Heartbeat(
+            pb.HeartbeatRequest(), metadata=auth))
+        seen["a new join under the excluded name"] = code_of(
+            lambda: stub.Join(join_request(server, name="mallory")))
+        codes = {what: code for what, (code, _) in seen.items()}
+        assert codes == {
+            "another client's sequences": grpc.StatusCode.FAILED_PRECONDITION,
+            "an old assignment id": grpc.StatusCode.INVALID_ARGUMENT,
+            "a submission over max_submission_mb": grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "a NaN value": grpc.StatusCode.INVALID_ARGUMENT,
+            "a third bad submission": grpc.StatusCode.INVALID_ARGUMENT,
+            "any call once excluded": grpc.StatusCode.PERMISSION_DENIED,
+            "a new join under the excluded name": grpc.StatusCode.PERMISSION_DENIED,
+        }
+        assert "refusal 1 of 3" in seen["a submission over max_submission_mb"][1]
+        assert "refusal 3 of 3: the client is excluded" in seen["a third bad submission"][1]
+        assert "excluded from the run" in seen["any call once excluded"][1]
+        assert c.state.round == 0 and c.current_round is None  # nothing of it was kept
+    finally:
+        channel.close()
+        server.stop()
