@@ -195,6 +195,7 @@ def write_chaos(path: Path, seed: int, net: Testnet, check) -> None:
         "server_kills": net.chaos.server_kills, "skipped": len(net.chaos.skipped),
         "restart_to_round_s": net.chaos.restart_to_round_s, "rounds": check.rounds,
         "sequences_trained": audit.trained, "sequences_waiting": audit.waiting,
+        "passes_complete": audit.passes_complete,
         "sequences_lost": len(audit.lost), "sequences_duplicated": len(audit.duplicated),
         "replicas": check.replicas, "passed": check.passed}
     path.write_text(json.dumps(summary, indent=1) + "\n")
