@@ -16,6 +16,8 @@ from protocol.errors import ChecksumMismatch, MalformedStream, UnsafePath
 from protocol.matformer.v1 import coordinator_pb2 as pb
 
 CHUNK_BYTES = 2 * 1024 * 1024
+MAX_PATH_CHARS = 1024  # longer paths, or names over MAX_NAME_CHARS, are refused as unsafe
+MAX_NAME_CHARS = 255  # the usual file-name limit: the OS would fail on longer ones
 
 
 def send_file(path: Path, chunk_bytes: int = CHUNK_BYTES) -> Iterator[pb.FileChunk]:
@@ -68,6 +70,11 @@ def receive_file(chunks: Iterable[pb.FileChunk], dest: Path,
 
 def resolve_inside(root: Path, relative: str) -> Path:
     """``root / relative``, refusing absolute paths and any that leave ``root`` (``..``, links)."""
+    if "\x00" in relative:  # os calls refuse it with a ValueError, not a missing file
+        raise UnsafePath(f"{relative!r} holds a NUL character; ask for a path the manifest lists.")
+    if len(relative) > MAX_PATH_CHARS or any(len(p) > MAX_NAME_CHARS for p in relative.split("/")):
+        raise UnsafePath(f"a {len(relative)}-character path is longer than any checkpoint "
+                         "file's; ask for a path the manifest lists.")
     base = root.resolve()
     target = (base / relative).resolve()
     if Path(relative).is_absolute() or not target.is_relative_to(base):

@@ -28,7 +28,7 @@ from modeling.checkpoint.schema import canonical_schema_hash
 from modeling.compression import Aggregate, Region, region_slices
 from modeling.errors import CompressionError
 from protocol.auth import SESSION_METADATA_KEY, check_join_token
-from protocol.errors import ProtocolError
+from protocol.errors import MalformedStream, ProtocolError
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import read_submission
@@ -171,6 +171,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 raise ProtocolError(f"the reported loss {header.loss} is not finite; the "
                                     "client diverged, so it should reload the checkpoint.")
             results = list(stream)  # decoded and checked before the coordinator sees any
+            if not context.is_active():  # gRPC ends the stream at a message it cannot parse
+                raise MalformedStream("the SubmitResult stream broke off at a message that "
+                                      "does not parse; nothing was kept, submit again.")
             seconds = header.train_seconds if math.isfinite(header.train_seconds) else None
             self.coordinator.submit(client_id, header.round, results, loss=header.loss,
                                     train_seconds=seconds, assignment_id=header.assignment_id)
@@ -224,6 +227,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             yield from served_files(self.checkpoints).chunks(request.path)
         except (ProtocolError, FileNotServed, ServedFileDamaged) as err:
             _abort(context, err)
+        except OSError as err:  # whatever else the file system refuses: not a served file
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"{request.path[:200]!r} cannot be read ({err.strerror}); take paths "
+                          "from the manifest.")
 
     @property
     def checkpoints(self) -> Path:

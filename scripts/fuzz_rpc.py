@@ -1,0 +1,527 @@
+"""Fuzz every Coordinator RPC with random and mutated messages against a real server on
+loopback: the server must never crash, and a call it rejects must leave the run as it was.
+
+    python scripts/fuzz_rpc.py --examples 2000 --seconds 120 --seed 0
+
+Each case (drawn by hypothesis) picks an RPC, a session (none, forged, garbage, revoked or a
+live member's) and a request: random fields, a valid request with one field replaced, or a
+valid request's bytes with bits flipped and bytes inserted or deleted. Requests travel as raw
+bytes, so bytes that do not parse reach the server too (gRPC itself answers those INTERNAL
+"Exception deserializing request!", listed as ``INTERNAL(unparseable)``).
+
+A crash is a call ending UNKNOWN (an exception escaped a handler) or any other INTERNAL, a
+call still running after ``CALL_TIMEOUT_S``, a failed health check, or an error logged by
+gRPC or the coordinator (its tick thread included). After every call that ends in an error
+status, ``snapshot`` must be unchanged: state.json and the live run state, members and
+session tokens, the work queue, the open round (assignments, who submitted what), the
+master's weight hash, every other file of the run directory and the bytes counted as
+received; all but what a refusal changes on purpose (``_uncounted``, ``_members``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+from google.protobuf.message import Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+
+from modeling.checkpoint.manifest import MANIFEST_NAME
+from modeling.compression import CompressionConfig, weight_hash
+from modeling.mdat import build_default_mdat
+from protocol.auth import session_metadata
+from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
+from protocol.matformer.v1 import coordinator_pb2 as pb
+from protocol.sparse import encode_sparse_result
+from protocol.tensors import DTYPES
+from server.config import RunConfig
+from server.main import RunningServer
+
+JOIN_TOKEN = "fuzz-join-token"
+RUN_ID = "fuzz"
+CALL_TIMEOUT_S = 30.0
+UNPARSEABLE = "Exception deserializing request!"  # gRPC's own answer to bytes that do not parse
+METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name
+RPCS = sorted(METHODS)
+DENSE = CompressionConfig(encoding="dense").build()
+
+# A run whose deadlines and timeouts never pass while fuzzing, so no call changes state by the
+# clock, and whose clients are never excluded, so the fuzzer's own members keep their sessions.
+RUN_TOML = f"""
+[run]
+id = "{RUN_ID}"
+dir = "run"
+
+[model]
+inline = {{ vocab_size = 260, hidden_size = 32, num_hidden_layers = 2, num_attention_heads = 4, \
+num_key_value_heads = 2, intermediate_size = 64, max_position_embeddings = 128, \
+pad_token_id = 0, bos_token_id = 1, eos_token_id = 2, mask_token_id = 95 }}
+
+[data]
+path = "docs.mdat"
+max_seq_len = 128
+
+[tiers]
+allowed = [0, 1]
+
+[round]
+min_clients = 2
+deadline_s = 3600.0
+tokens_per_round = 1024
+rounds = 1000000
+
+[update]
+rule = "sgd"
+lr = 0.1
+schedule = "constant"
+
+[compression]
+encoding = "none"
+
+[faults]
+heartbeat_timeout_s = 3600.0
+session_ttl_s = 7200.0
+max_rejections = 0
+
+[auth]
+join_token = "{JOIN_TOKEN}"
+"""
+
+
+@dataclass
+class FuzzReport:
+    tried: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    codes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (rpc, status) → calls
+    crashes: list[str] = field(default_factory=list)  # what happened, per crash
+    state_changes: list[str] = field(default_factory=list)  # rejected calls that changed state
+
+    def table(self) -> str:
+        """Calls per RPC and status code, one row per RPC."""
+        statuses = sorted({code for _, code in self.codes})
+        rows = [["rpc", "tried", *statuses]]
+        for rpc in RPCS:
+            counts = [self.codes[rpc, code] for code in statuses]
+            rows.append([rpc, str(sum(counts)), *map(str, counts)])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+                 for row in rows)
+        return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def fuzz_server(directory: Path) -> Iterator[RunningServer]:
+    """A coordinator on loopback (ephemeral ports) for a tiny run in ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    build_default_mdat(directory / "docs.mdat", limit=30).close()
+    (directory / "run.toml").write_text(RUN_TOML)
+    server = RunningServer.start(RunConfig.load(directory / "run.toml"), grpc_port=0,
+                                 http_port=0)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def join_request(server: RunningServer, name: str = "fuzzer") -> pb.JoinRequest:
+    """A Join the coordinator accepts."""
+    return pb.JoinRequest(
+        run_id=RUN_ID, join_token=JOIN_TOKEN, client_name=name,
+        capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**34, requested_tier=0,
+                                     tokens_per_second=1000.0, load_strategy="auto"),
+        schema=pb.Schema(canonical_hash=server.service.schema_hash))
+
+
+def valid_submission(server: RunningServer, client_id: str) -> list[pb.SubmitMessage]:
+    """The SubmitResult stream ``client_id`` would send now: dense results (the run's
+    encoding) at its tier for every parameter."""
+    c = server.service.coordinator
+    assignment = c.assignment_for(client_id)
+    member = c.membership.members.get(client_id)
+    regions = c.regions(member.tier if member is not None else 0)
+    tokens = assignment.tokens if assignment is not None else 1
+    header = pb.SubmitHeader(round=assignment.round if assignment else c.state.round,
+                             client_id=client_id, tokens=tokens, loss=3.0, train_seconds=1.0,
+                             assignment_id=assignment.assignment_id if assignment else "")
+    messages = [pb.SubmitMessage(header=header)]
+    for name in sorted(c.shapes):
+        values = torch.full([b - a for a, b in regions[name]], 0.01)
+        result = DENSE.encode(name, values, shape=c.shapes[name], region=regions[name],
+                                   tokens=tokens)
+        messages.append(pb.SubmitMessage(result=encode_sparse_result(result)))
+    return messages
+
+
+def snapshot(server: RunningServer) -> dict[str, str]:
+    """What a rejected call must not change, as JSON per part (see the module docstring)."""
+    c = server.service.coordinator
+    with c._lock:  # the coordinator's own lock: no handler or tick changes it meanwhile
+        rnd = c.current_round
+        open_round = None if rnd is None else {
+            "index": rnd.index, "opened_at": rnd.opened_at, "deadline": rnd.deadline,
+            "assignments": {k: dataclasses.asdict(a) for k, a in rnd.assignments.items()},
+            "submissions": {k: sorted(s.results) for k, s in rnd.submissions.items()},
+            "queue_before": rnd.queue_before}
+        files = {str(p.relative_to(c.dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+                 for p in sorted(c.dir.rglob("*")) if p.is_file() and p.name != "state.json"}
+        parts = {
+            "state.json": _uncounted(json.loads((c.dir / "state.json").read_text())),
+            "state": _uncounted(dataclasses.asdict(c.state)),
+            "membership": _members(c.membership.to_dict()),
+            "queue": c.queue.to_dict(), "open_round": open_round,
+            "master": weight_hash(c.master), "files": files,
+            "bytes_received": dict(server.service.bytes_received)}
+    return {k: json.dumps(v, sort_keys=True, default=str) for k, v in parts.items()}
+
+
+def _uncounted(state: dict) -> dict:
+    """Run state without what a refused call may change on purpose: the count of refused
+    submissions ("reject" events; [faults] max_rejections), and the copies of members and
+    queue that every save takes (a refusal saves, so they catch up with earlier accepted
+    calls; the live members and queue are compared apart, all but ``last_seen``, which
+    ``submit`` refreshes before it checks, and ``rejections``)."""
+    state.pop("membership")
+    state.pop("queue")
+    state["events"] = [e for e in state["events"] if e["kind"] != "reject"]
+    return state
+
+
+def _members(membership: dict) -> dict:
+    for member in membership["members"]:
+        member.pop("last_seen")
+        member.pop("rejections")
+    return membership
+
+
+# -- strategies -----------------------------------------------------------------------------
+
+INT64 = st.one_of(st.integers(-3, 300), st.integers(-2**63, 2**63 - 1))
+UINT64 = st.one_of(st.integers(0, 300), st.integers(0, 2**64 - 1))
+UINT32 = st.one_of(st.integers(0, 8), st.integers(0, 2**32 - 1))
+FLOATS = st.one_of(st.floats(-1e4, 1e4), st.floats(allow_nan=True, allow_infinity=True))
+TEXT = st.one_of(st.text(max_size=20), st.text(max_size=300))
+INDEX = st.integers(0, 2**16)
+ASCII_TOKEN = st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=60)
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> pb.Tensor:
+    dtype = draw(st.one_of(st.sampled_from(sorted(DTYPES)), TEXT))
+    shape = draw(st.lists(st.one_of(st.integers(0, 6), INT64), max_size=3))
+    size = 1
+    for dim in shape:
+        size *= max(dim, 0)
+    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size() if dtype in DTYPES else 1
+    exact = size * itemsize <= 4096 and draw(st.booleans())
+    data = draw(st.binary(min_size=size * itemsize, max_size=size * itemsize) if exact
+                else st.binary(max_size=64))
+    return pb.Tensor(dtype=dtype, shape=shape, data=data)
+
+
+def sparse_results(names: list[str]) -> st.SearchStrategy[pb.SparseResult]:
+    ranges = st.builds(pb.Range, start=INT64, stop=INT64)
+    return st.builds(
+        pb.SparseResult, name=st.one_of(st.sampled_from(names), TEXT),
+        shape=st.lists(INT64, max_size=3), region=st.lists(ranges, max_size=3),
+        encoding=st.one_of(st.sampled_from(["dense", "topk", "dct"]), TEXT),
+        chunk=st.lists(INT64, max_size=3), chunks=tensors(), indices=tensors(),
+        values=tensors(), tokens=INT64)
+
+
+def requests(rpc: str, names: list[str], client_ids: list[str]) -> st.SearchStrategy:
+    """Random requests of ``rpc``: a message, or for SubmitResult a list of them."""
+    if rpc == "Join":
+        caps = st.builds(pb.Capabilities, device_kind=TEXT, device_name=TEXT,
+                         memory_bytes=UINT64, requested_tier=UINT32, tokens_per_second=FLOATS,
+                         load_strategy=TEXT, microbatch_tokens=UINT64)
+        schema = st.builds(pb.Schema, local_hash=TEXT, canonical_hash=TEXT,
+                           parameter_count=UINT64, tier=UINT32, sliced=st.booleans())
+        return st.builds(pb.JoinRequest, run_id=st.sampled_from([RUN_ID, ""]) | TEXT,
+                         join_token=st.sampled_from([JOIN_TOKEN, ""]) | TEXT,
+                         capabilities=caps, schema=st.none() | schema, client_name=TEXT)
+    if rpc == "Heartbeat":
+        return st.builds(pb.HeartbeatRequest, round=UINT64,
+                         tokens_per_second=st.none() | FLOATS)
+    if rpc == "FetchSequences":
+        return st.builds(pb.FetchSequencesRequest, ids=st.lists(UINT64, max_size=8))
+    if rpc == "GetUpdates":
+        return st.builds(pb.GetUpdatesRequest, since_round=UINT64)
+    if rpc == "DownloadCheckpoint":
+        paths = st.sampled_from(["", ".", "..", "../state.json", "/etc/passwd", "round-0",
+                                 f"round-0/{MANIFEST_NAME}", "round-0/\x00", "a" * 5000])
+        return st.builds(pb.DownloadCheckpointRequest, path=paths | TEXT)
+    if rpc == "Leave":
+        return st.builds(pb.LeaveRequest, reason=TEXT)
+    if rpc == "SubmitResult":
+        header = st.builds(pb.SubmitHeader, round=UINT64,
+                           client_id=st.sampled_from(client_ids or ["client-0"]) | TEXT,
+                           tokens=UINT64, loss=FLOATS, train_seconds=FLOATS)
+        item = st.one_of(st.builds(pb.SubmitMessage, header=header),
+                         st.builds(pb.SubmitMessage, result=sparse_results(names)),
+                         st.just(pb.SubmitMessage()))
+        return st.one_of(st.tuples(st.builds(pb.SubmitMessage, header=header),
+                                   st.lists(item, max_size=4)).map(lambda t: [t[0], *t[1]]),
+                         st.lists(item, max_size=4))
+    return st.just(getattr(pb, METHODS[rpc].input_type.name)())  # GetRound, GetCheckpoint
+
+
+@st.composite
+def mutated(draw: st.DrawFn, blob: bytes) -> bytes:
+    """``blob`` with a few bits flipped, bytes replaced, inserted or deleted; positions lean
+    to the first bytes, where the field tags and lengths are."""
+    out = bytearray(blob)
+    position = st.one_of(st.integers(0, 48), st.integers(0, 2**24))
+    for kind, at, byte in draw(st.lists(st.tuples(st.sampled_from("frid"), position,
+                                                  st.integers(0, 255)), min_size=1, max_size=6)):
+        i = at % (len(out) + 1)
+        if kind == "i":
+            out.insert(i, byte)
+        elif i < len(out) and kind == "f":
+            out[i] ^= 1 << (byte % 8)
+        elif i < len(out) and kind == "r":
+            out[i] = byte
+        elif i < len(out):
+            del out[i]
+    return bytes(out)
+
+
+# -- running one case -----------------------------------------------------------------------
+
+class _ErrorLog(logging.Handler):
+    """Errors logged by any thread (gRPC's handler wrapper, the coordinator's tick)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "grpc._common" and "deserializing" in record.getMessage():
+            return  # gRPC's own refusal of bytes that do not parse, counted as a status
+        self.records.append(f"{record.name}: {record.getMessage()}")
+
+
+def _invoke(channel: grpc.Channel, rpc: str, payload: bytes | list[bytes],
+            metadata: tuple[tuple[str, str], ...]) -> tuple[str, bytes | None]:
+    """Send raw request bytes; the status name and the (first) reply's bytes."""
+    method, path = METHODS[rpc], f"/{COORDINATOR_SERVICE}/{rpc}"
+    try:
+        if method.client_streaming:
+            reply = channel.stream_unary(path)(iter(payload), timeout=CALL_TIMEOUT_S,
+                                               metadata=metadata)
+        elif method.server_streaming:
+            replies = list(channel.unary_stream(path)(payload, timeout=CALL_TIMEOUT_S,
+                                                      metadata=metadata))
+            reply = replies[0] if replies else b""
+        else:
+            reply = channel.unary_unary(path)(payload, timeout=CALL_TIMEOUT_S, metadata=metadata)
+    except grpc.RpcError as err:
+        code = err.code().name
+        if err.code() == grpc.StatusCode.INTERNAL and err.details() == UNPARSEABLE:
+            code = "INTERNAL(unparseable)"
+        return code, (err.details() or "").encode()
+    return "OK", reply
+
+
+class _Fuzzer:
+    def __init__(self, server: RunningServer, channel: grpc.Channel, report: FuzzReport) -> None:
+        self.server, self.channel, self.report = server, channel, report
+        self.health = health_pb2_grpc.HealthStub(channel)
+        self.errors = _ErrorLog()
+        self.revoked: list[str] = []
+        c = server.service.coordinator
+        self.names = sorted(c.shapes)
+
+    def live_tokens(self) -> list[str]:
+        """Session tokens of the current members, two of them the fuzzer's own at least."""
+        sessions = self.server.service.coordinator.membership.sessions
+        while len(sessions.as_dict()) < 2:
+            _, reply = _invoke(self.channel, "Join",
+                               join_request(self.server).SerializeToString(), ())
+            assert reply and pb.JoinReply.FromString(reply).session_token, reply
+        return sorted(sessions.as_dict().values())
+
+    def case(self, data: st.DataObject) -> None:
+        rpc = data.draw(st.sampled_from(RPCS), label="rpc")
+        tokens = self.live_tokens()
+        # Draws never depend on the server's state (hypothesis replays them): an index, not a
+        # choice among however many tokens there are.
+        auth = data.draw(st.sampled_from(["none", "forged", "garbage", "revoked", "live",
+                                          "live"]), label="auth")
+        token = {"none": None, "forged": f"{tokens[0].partition('.')[0]}.forged",
+                 "garbage": data.draw(ASCII_TOKEN),
+                 "revoked": self.revoked[-1] if self.revoked else "client-0.revoked",
+                 "live": tokens[data.draw(INDEX) % len(tokens)]}[auth]
+        metadata = session_metadata(token) if token else ()
+        client_id = (token or "").rpartition(".")[0]
+        payload = self.request(data, rpc, client_id)
+        before = snapshot(self.server)
+        seen_errors = len(self.errors.records)
+        code, reply = _invoke(self.channel, rpc, payload, metadata)
+        self.record(rpc, auth, code, reply, before, seen_errors)
+        if code == "OK" and rpc == "Leave":
+            self.revoked.append(token)
+
+    def request(self, data: st.DataObject, rpc: str, client_id: str) -> bytes | list[bytes]:
+        """Raw request bytes (a list of them for SubmitResult)."""
+        how = data.draw(st.sampled_from(["random", "one field", "mutated"]), label="how")
+        if rpc == "SubmitResult":
+            valid = valid_submission(self.server, client_id or "client-0")
+            if how == "random":
+                messages = data.draw(requests(rpc, self.names, [client_id]))
+                return [m.SerializeToString() for m in messages]
+            i = data.draw(st.integers(0, len(valid) - 1), label="message")
+            blobs = [m.SerializeToString() for m in valid]
+            if how == "one field":
+                blobs[i] = data.draw(requests(rpc, self.names, [client_id]).map(
+                    lambda ms: ms[0].SerializeToString() if ms else b""))
+            else:
+                blobs[i] = data.draw(mutated(blobs[i]))
+            return blobs
+        valid = {"Join": join_request(self.server, "mutant"),
+                 "Heartbeat": pb.HeartbeatRequest(round=0, tokens_per_second=1000.0),
+                 "FetchSequences": pb.FetchSequencesRequest(ids=[0, 1, 2]),
+                 "GetUpdates": pb.GetUpdatesRequest(since_round=0),
+                 "DownloadCheckpoint": pb.DownloadCheckpointRequest(
+                     path=f"round-0/{MANIFEST_NAME}"),
+                 "Leave": pb.LeaveRequest(reason="done")}.get(rpc)
+        if how == "random" or valid is None:
+            message = data.draw(requests(rpc, self.names, [client_id]))
+            return (data.draw(mutated(message.SerializeToString())) if how == "mutated"
+                    else message.SerializeToString())
+        if how == "one field":  # the valid request with one field taken from a random one
+            other = data.draw(requests(rpc, self.names, [client_id]))
+            name = data.draw(st.sampled_from([f.name for f in valid.DESCRIPTOR.fields]))
+            return _with_field(valid, other, name).SerializeToString()
+        return data.draw(mutated(valid.SerializeToString()))
+
+    def record(self, rpc: str, auth: str, code: str, reply: bytes | None,
+               before: dict[str, str], seen_errors: int) -> None:
+        report = self.report
+        report.tried += 1
+        report.codes[rpc, code] += 1
+        what = f"{rpc} (session: {auth}) → {code}: {(reply or b'')[:300]!r}"
+        if code in ("UNKNOWN", "INTERNAL", "DEADLINE_EXCEEDED"):
+            report.crashes.append(what)
+        try:
+            status = self.health.Check(health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE),
+                                       timeout=10).status
+        except grpc.RpcError as err:
+            status = err.code().name
+        if status != health_pb2.HealthCheckResponse.SERVING:
+            report.crashes.append(f"health check {status} after {what}")
+        report.crashes.extend(f"logged after {what}: {line}"
+                              for line in self.errors.records[seen_errors:])
+        if code == "OK":
+            report.accepted += 1
+            return
+        report.rejected += 1
+        after = snapshot(self.server)
+        changed = [f"{k} ({_difference(before[k], after[k])})" for k in sorted(before)
+                   if before[k] != after[k]]
+        if changed:
+            report.state_changes.append(f"{what} changed {'; '.join(changed)}")
+
+
+def _difference(before: str, after: str, context: int = 60) -> str:
+    """Where two snapshots part first: the text around it, before → after."""
+    i = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),
+             min(len(before), len(after)))
+    start = max(i - context, 0)
+    return f"{before[start:i + context]!r} → {after[start:i + context]!r}"
+
+
+class _TimeUp(Exception):
+    """The fuzzing time is spent."""
+
+
+def _with_field(message: Message, other: Message, name: str) -> Message:
+    """A copy of ``message`` with field ``name`` as ``other`` has it (set or not)."""
+    donor = type(other)()
+    donor.CopyFrom(other)
+    for f, _ in other.ListFields():
+        if f.name != name:
+            donor.ClearField(f.name)
+    out = type(message)()
+    out.CopyFrom(message)
+    out.ClearField(name)
+    out.MergeFrom(donor)
+    return out
+
+
+def fuzz(server: RunningServer, *, examples: int, seconds: float, seed: int = 0) -> FuzzReport:
+    """Up to ``examples`` cases, stopping after ``seconds``; the same cases for a seed."""
+    report = FuzzReport()
+    stop_at = time.monotonic() + seconds
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS) as channel:
+        fuzzer = _Fuzzer(server, channel, report)
+        hook = threading.excepthook
+
+        def on_thread_error(args: threading.ExceptHookArgs) -> None:
+            report.crashes.append(f"thread {args.thread.name if args.thread else '?'}: "
+                                  f"{args.exc_type.__name__}: {args.exc_value}")
+            hook(args)
+
+        @settings(max_examples=examples, deadline=None, database=None,
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+        @hypothesis_seed(seed)
+        @given(st.data())
+        def cases(data: st.DataObject) -> None:
+            if time.monotonic() > stop_at:
+                raise _TimeUp  # ends hypothesis's loop; returning would change the draws
+            fuzzer.case(data)
+
+        logging.getLogger().addHandler(fuzzer.errors)
+        threading.excepthook = on_thread_error
+        try:
+            cases()
+        except _TimeUp:
+            pass
+        finally:
+            threading.excepthook = hook
+            logging.getLogger().removeHandler(fuzzer.errors)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", type=int, default=2000, help="most cases to try")
+    parser.add_argument("--seconds", type=float, default=120.0, help="stop after this long")
+    parser.add_argument("--seed", type=int, default=0, help="same seed, same cases")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="run directory to fuzz in (default: a temporary one)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    with (tempfile.TemporaryDirectory(prefix="fuzz-rpc-") as tmp,
+          fuzz_server(args.dir or Path(tmp)) as server):
+        started = time.monotonic()
+        report = fuzz(server, examples=args.examples, seconds=args.seconds, seed=args.seed)
+        elapsed = time.monotonic() - started
+    print(report.table())
+    print(f"\n{report.tried} cases in {elapsed:.0f} s: {report.accepted} accepted, "
+          f"{report.rejected} rejected, {len(report.crashes)} crashes, "
+          f"{len(report.state_changes)} rejected calls that changed state")
+    for line in [*report.crashes, *report.state_changes]:
+        print(f"  {line}")
+    return 1 if report.crashes or report.state_changes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
