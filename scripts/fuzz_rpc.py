@@ -42,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
+from hypothesis.errors import FlakyStrategyDefinition
 
 from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.compression import CompressionConfig, weight_hash
@@ -113,6 +114,7 @@ class FuzzReport:
     codes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (rpc, status) → calls
     crashes: list[str] = field(default_factory=list)  # what happened, per crash
     state_changes: list[str] = field(default_factory=list)  # rejected calls that changed state
+    reseeded: int = 0  # times hypothesis stopped on draws that depend on the server's state
 
     def table(self) -> str:
         """Calls per RPC and status code, one row per RPC."""
@@ -479,19 +481,31 @@ def fuzz(server: RunningServer, *, examples: int, seconds: float, seed: int = 0)
                                   f"{args.exc_type.__name__}: {args.exc_value}")
             hook(args)
 
-        @settings(max_examples=examples, deadline=None, database=None,
-                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-        @hypothesis_seed(seed)
-        @given(st.data())
-        def cases(data: st.DataObject) -> None:
-            if time.monotonic() > stop_at:
-                raise _TimeUp  # ends hypothesis's loop; returning would change the draws
-            fuzzer.case(data)
+        def cases_for(run_seed: int, count: int):
+            @settings(max_examples=count, deadline=None, database=None,
+                      phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+            @hypothesis_seed(run_seed)
+            @given(st.data())
+            def cases(data: st.DataObject) -> None:
+                if time.monotonic() > stop_at:
+                    raise _TimeUp  # ends hypothesis's loop; returning would change the draws
+                fuzzer.case(data)
+            return cases
 
         logging.getLogger().addHandler(fuzzer.errors)
         threading.excepthook = on_thread_error
         try:
-            cases()
+            run_seed = seed
+            while report.tried < examples:
+                try:
+                    cases_for(run_seed, examples - report.tried)()
+                except FlakyStrategyDefinition:
+                    # the draws depend on the live server (members, rounds), which hypothesis's
+                    # replay bookkeeping cannot know: go on with the next seed
+                    report.reseeded += 1
+                    run_seed += 1
+                    continue
+                break
         except _TimeUp:
             pass
         finally:
@@ -517,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table())
     print(f"\n{report.tried} cases in {elapsed:.0f} s: {report.accepted} accepted, "
           f"{report.rejected} rejected, {len(report.crashes)} crashes, "
-          f"{len(report.state_changes)} rejected calls that changed state")
+          f"{len(report.state_changes)} rejected calls that changed state"
+          + (f" ({report.reseeded} reseeds)" if report.reseeded else ""))
     for line in [*report.crashes, *report.state_changes]:
         print(f"  {line}")
     return 1 if report.crashes or report.state_changes else 0
