@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import shutil
 import threading
 import time
@@ -47,6 +46,7 @@ from modeling.compression import (
     weight_hash,
 )
 from modeling.mdat import Mdat, assign
+from modeling.mdat.atomic import fsync_path, fsync_tree
 from modeling.models import build_model
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
 from server.config import RunConfig
@@ -491,14 +491,14 @@ class Coordinator:
         load_canonical_state_dict(model, self.master)
         save_pretrained(model, staging / target.name)
         export_tiers(staging / target.name, [t for t in self.config.tiers.allowed if t > 0])
-        _fsync_tree(staging)
+        fsync_tree(staging)
         parts = sorted(staging.iterdir(), key=lambda p: p.name == target.name)  # universal last
         for part in parts:
             final = target.parent / part.name
             if final.exists():  # left by a crash before state.json recorded this checkpoint
                 shutil.rmtree(final)
             part.rename(final)
-        _fsync_dir(target.parent)
+        fsync_path(target.parent)
         staging.rmdir()
         if self.state.round not in self.state.checkpoints:
             self.state.checkpoints.append(self.state.round)
@@ -553,26 +553,6 @@ class Coordinator:
 
     def _length(self, sequence_id: int) -> int:
         return len(self.reader[sequence_id])
-
-
-def _fsync_tree(root: Path) -> None:
-    """Flush every file under ``root`` (and the folders) to disk before they are renamed."""
-    for folder, _, names in os.walk(root):
-        for name in names:
-            fd = os.open(Path(folder) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(folder))
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _round_seed(data_seed: int, round_index: int) -> int:

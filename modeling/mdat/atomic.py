@@ -26,7 +26,7 @@ def built_aside(target: Path) -> Iterator[Path]:
     building = target.with_name(f".{target.name}.{uuid.uuid4().hex}.building")
     try:
         yield building
-        _fsync_tree(building)
+        fsync_tree(building)
         os.replace(building, target)
     except BaseException:
         if building.is_dir():
@@ -34,17 +34,18 @@ def built_aside(target: Path) -> Iterator[Path]:
         else:
             building.unlink(missing_ok=True)
         raise
-    _fsync(target.parent)
+    fsync_path(target.parent)
 
 
-def _fsync_tree(path: Path) -> None:
+def fsync_tree(path: Path) -> None:
+    """Flush a file, or a folder and everything under it, to disk (before a rename)."""
     if path.is_dir():
         for child in path.iterdir():
-            _fsync_tree(child)
-    _fsync(path)
+            fsync_tree(child)
+    fsync_path(path)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
