@@ -175,10 +175,14 @@ class FederatedClient:
         self.log(f"joined as {reply.client_id} at tier {reply.tier} (FFN width "
                  f"{reply.ffn_width}): {reply.tier_reason}")
         self.schema_hash = reply.schema_hash
-        self._load(reply.checkpoint if reply.HasField("checkpoint") else None)
-        speed = measure_tokens_per_second(
-            self.replica.model, self.tier, sequence_length=self.settings.sequence_length,
-            batch_tokens=o.microbatch_tokens, steps=2)
+        # loading and the speed probe can take longer than the coordinator's heartbeat
+        # timeout on a slow machine: keep the new member alive meanwhile
+        with _Heartbeat(self.connection, self.settings.heartbeat_seconds, lambda: reply.round,
+                        self.log):
+            self._load(reply.checkpoint if reply.HasField("checkpoint") else None)
+            speed = measure_tokens_per_second(
+                self.replica.model, self.tier, sequence_length=self.settings.sequence_length,
+                batch_tokens=o.microbatch_tokens, steps=2)
         self.connection.heartbeat(self.applied, tokens_per_second=speed)
         self.log(f"measured {speed:,.0f} training tokens/s at tier {self.tier}; catching up "
                  f"from round {self.applied}")
