@@ -7,8 +7,11 @@ Every handler turns the errors its helpers raise on purpose into a status with
 ``context.abort(err.code, str(err))``: ``ProtocolError`` and ``CompressionError`` (malformed
 messages: INVALID_ARGUMENT), ``CoordinatorError`` / ``TierAssignmentError`` (each with its own
 code). A rejected submission leaves the round's aggregate untouched: the coordinator keeps all
-of a submission or none of it. ``Join`` authenticates with the run's join token; every other
-RPC with the session token ``Join`` issued (``protocol.auth.require_session``).
+of a submission or none of it, and counts a refused one against the client
+(``Coordinator.rejected``). ``Join`` authenticates with the run's join token (unless
+``[auth] mode = "none"``); every other RPC with the session token ``Join`` issued
+(``Coordinator.authenticate``: UNAUTHENTICATED when unknown or expired, PERMISSION_DENIED
+once the client is excluded).
 """
 
 from __future__ import annotations
