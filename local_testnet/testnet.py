@@ -90,6 +90,7 @@ class Testnet:
             self.status = self._poll() or self.status
             for member in self.status.get("clients", []):
                 self.tiers_seen[member["name"]] = member["tier"]
+            self._time_restart()
             if self.status.get("phase") == "finished":
                 break
             self._chaos_step()
@@ -154,13 +155,8 @@ class Testnet:
 
     def _chaos_step(self) -> None:
         """Restart what is down once its time comes; fire the next event once its round is
-        open and its delay has passed; time a restarted server's first completed round."""
+        open and its delay has passed."""
         now = time.monotonic()
-        if self._restarted is not None and self.status.get("round", -1) > self._restarted[1]:
-            self.chaos.restart_to_round_s.append(round(now - self._restarted[0], 1))
-            say(f"[testnet] the restarted server completed round {self._restarted[1]} "
-                f"{now - self._restarted[0]:.1f} s after it was started again")
-            self._restarted = None
         if self._down is not None:
             if now >= self._down[1]:
                 self._restart(self._down[0])
@@ -176,6 +172,15 @@ class Testnet:
             self._events.pop(0)
             self._armed_at = None
             self._kill(event)
+
+    def _time_restart(self) -> None:
+        """Once a restarted server has completed a round: how long that took."""
+        if self._restarted is not None and self.status.get("round", -1) > self._restarted[1]:
+            seconds = time.monotonic() - self._restarted[0]
+            self.chaos.restart_to_round_s.append(round(seconds, 1))
+            say(f"[testnet] the restarted server completed round {self._restarted[1]} "
+                f"{seconds:.1f} s after it was started again")
+            self._restarted = None
 
     def _kill(self, event: ChaosEvent) -> None:
         child = self.server if event.target == SERVER else self.clients[event.target]
