@@ -68,14 +68,19 @@ def check_join_token(context: grpc.ServicerContext, presented: str, expected: st
                       "wrong join token; ask the run's operator for it (--join-token).")
 
 
-def require_session(context: grpc.ServicerContext, sessions: SessionTokens) -> str:
-    """The calling client's id; aborts with UNAUTHENTICATED if its session token is missing,
-    unknown or revoked."""
+def presented_session(context: grpc.ServicerContext) -> str:
+    """The session token the call carries; aborts with UNAUTHENTICATED when it carries none."""
     token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
     if not token:
         _abort(context, f"no session token; call Join and send the token it returns as "
                         f"'{SESSION_METADATA_KEY}' metadata.")
-    client_id = sessions.client_of(token)
+    return token
+
+
+def require_session(context: grpc.ServicerContext, sessions: SessionTokens) -> str:
+    """The calling client's id; aborts with UNAUTHENTICATED if its session token is missing,
+    unknown or revoked."""
+    client_id = sessions.client_of(presented_session(context))
     if client_id is None:
         _abort(context, "unknown or revoked session token; call Join again.")
     return client_id

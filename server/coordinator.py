@@ -183,9 +183,9 @@ class Coordinator:
                 raise StaleRound(f"no round is being collected (round {round_index} is over); "
                                  "wait for the next assignment.")
             rnd = self._open
-            self.membership.get(client_id)
+            member = self.membership.get(client_id)
             assigned = rnd.assignments.get(client_id)
-            tier = assigned.tier if assigned is not None else self.membership.get(client_id).tier
+            tier = assigned.tier if assigned is not None else member.tier
             rnd.check(client_id, round_index, results, self.shapes, self.regions(tier),
                       assignment_id)
             results = self.limits.check(results)

@@ -30,7 +30,7 @@ from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.checkpoint.schema import canonical_schema_hash
 from modeling.compression import Aggregate, Region, region_slices
 from modeling.errors import CompressionError
-from protocol.auth import SESSION_METADATA_KEY, check_join_token
+from protocol.auth import check_join_token, presented_session
 from protocol.errors import MalformedStream, ProtocolError
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -244,11 +244,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _session(self, context: grpc.ServicerContext) -> str:
         """The calling client's id, from its session token; aborts UNAUTHENTICATED for a
         missing, unknown or expired token and PERMISSION_DENIED for an excluded client."""
-        token = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
-        if not token:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"no session token; call Join and send the token it returns as "
-                          f"'{SESSION_METADATA_KEY}' metadata.")
+        token = presented_session(context)
         return _call(context, lambda: self.coordinator.authenticate(token))
 
     def _checkpoint_ref(self, tier: int) -> pb.CheckpointRef:
