@@ -6,9 +6,10 @@
     write_plot(status, run_dir / "loss.png")
     write_summary(run_dir / "summary.json", reports, status, wall_s=...)
 
-``status`` is the coordinator's ``GET /status`` JSON (server/http.py): ``loss`` maps a tier
-(a string) to ``[{"round": r, "loss": l}, ...]``, ``bytes_received`` a round (a string) to
-the compressed bytes its results took.
+``status`` is the coordinator's ``GET /status`` JSON (server/http.py), read from the same
+snapshot as the dashboard's ``/api/``: ``loss`` maps a tier (a string) to
+``[{"round": r, "loss": l}, ...]``, ``bytes_received`` a round (a string) to the bytes its
+results took as sent (compressed), ``bytes_dense`` to what they would take as dense float32.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def format_table(reports: list[TierReport]) -> str:
 
 
 def write_plot(status: dict[str, Any], path: Path) -> Path:
-    """Training loss per tier over rounds, and compressed bytes received per round."""
+    """Training loss per tier over rounds, and the bytes of each round's results: as sent
+    (compressed) against dense float32 (the dashboard's two charts)."""
     fig, (losses, sent) = plt.subplots(1, 2, figsize=(11, 4))
     curves = {t: c for t, c in sorted(training_curves(status).items()) if c}
     for tier, curve in curves.items():
@@ -83,15 +85,22 @@ def write_plot(status: dict[str, Any], path: Path) -> Path:
                title="training loss per tier")
     if curves:
         losses.legend()
-    received = sorted((int(r), b) for r, b in status.get("bytes_received", {}).items())
-    top = None
-    if received:
-        rounds, sizes = zip(*received, strict=True)
-        kib = [b / 1024 for b in sizes]
-        sent.plot(rounds, kib, drawstyle="steps-mid", marker=".")
-        top = max(kib) * 1.2 or None  # headroom: a steady line must not sit on the frame
-    sent.set(xlabel="round", ylabel="KiB", ylim=(0, top),
-             title="compressed results received per round")
+    series = [("bytes_dense", "dense float32", "tab:gray"),
+              ("bytes_received", "sent (compressed)", "tab:blue")]
+    drawn = []
+    for key, label, colour in series:
+        points = sorted((int(r), b) for r, b in status.get(key, {}).items() if b > 0)
+        if points:
+            rounds, sizes = zip(*points, strict=True)
+            sent.plot(rounds, [b / 1024 for b in sizes], drawstyle="steps-mid", marker=".",
+                      color=colour, label=label)
+            drawn.append(sum(sizes))
+    if drawn:
+        sent.set_yscale("log")  # dense is tens of times the compressed size
+        sent.legend()
+    ratio = (f" (dense / sent: {drawn[0] / drawn[1]:.1f}×)" if len(drawn) == 2 and drawn[1]
+             else "")
+    sent.set(xlabel="round", ylabel="KiB", title=f"results per round{ratio}")
     fig.suptitle(f"run {status.get('run_id', '')}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -108,6 +117,7 @@ def write_summary(path: Path, reports: list[TierReport], status: dict[str, Any],
         "tiers": [{**_finite(asdict(r)), "improved": r.improved} for r in reports],
         "loss": {str(t): curve for t, curve in training_curves(status).items()},
         "bytes_received": {str(r): b for r, b in status.get("bytes_received", {}).items()},
+        "bytes_dense": {str(r): b for r, b in status.get("bytes_dense", {}).items()},
     }
     path.write_text(json.dumps(summary, indent=1) + "\n")
     return path

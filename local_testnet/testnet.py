@@ -129,7 +129,7 @@ class Testnet:
             wait_serving(address, self.server, SERVER_START_S, tls_ca=p.tls_ca)
         except RuntimeError as err:
             raise TestnetFailed(str(err)) from None
-        say(f"[testnet] the server answers on {address} (gRPC) and {self.http_base}/status")
+        say(f"[testnet] the server answers on {address} (gRPC); watch the run at {self.http_base}/")
 
     def _start_client(self, spec: ClientSpec, *, restarted: bool = False) -> None:
         p = self.plan

@@ -180,7 +180,8 @@ def snapshot(server: RunningServer) -> dict[str, str]:
         open_round = None if rnd is None else {
             "index": rnd.index, "opened_at": rnd.opened_at, "deadline": rnd.deadline,
             "assignments": {k: dataclasses.asdict(a) for k, a in rnd.assignments.items()},
-            "submissions": {k: sorted(s.results) for k, s in rnd.submissions.items()},
+            "submissions": {k: [sorted(s.results), s.wire_bytes]
+                            for k, s in rnd.submissions.items()},
             "queue_before": rnd.queue_before}
         files = {str(p.relative_to(c.dir)): hashlib.sha256(p.read_bytes()).hexdigest()
                  for p in sorted(c.dir.rglob("*")) if p.is_file() and p.name != "state.json"}
@@ -189,8 +190,7 @@ def snapshot(server: RunningServer) -> dict[str, str]:
             "state": _uncounted(dataclasses.asdict(c.state)),
             "membership": _members(c.membership.to_dict()),
             "queue": c.queue.to_dict(), "open_round": open_round,
-            "master": weight_hash(c.master), "files": files,
-            "bytes_received": dict(server.service.bytes_received)}
+            "master": weight_hash(c.master), "files": files}
     return {k: json.dumps(v, sort_keys=True, default=str) for k, v in parts.items()}
 
 

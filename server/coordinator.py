@@ -19,6 +19,7 @@ method holds one lock: a gRPC servicer may call them from its worker threads.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -29,6 +30,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,6 +43,7 @@ from modeling.compression import (
     Region,
     SparseResult,
     aggregate,
+    region_shape,
     tier_regions,
     universal_shapes,
     weight_hash,
@@ -61,6 +64,8 @@ from server.update_log import LoggedUpdate, UpdateLog
 from server.work import WorkQueue
 
 MAX_EVENTS = 1000  # the newest events state.json keeps
+MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 bytes each)
+DENSE_BYTES_PER_VALUE = 4  # a round's results as float32 tensors of their whole regions
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
 log = logging.getLogger("matformer.server")
 
@@ -153,7 +158,7 @@ class Coordinator:
         """Remove a member; its unsubmitted sequences of the open round go back to the queue."""
         with self._lock:
             self.membership.leave(client_id)
-            self._drop_from_round(client_id)
+            self._drop_from_round(client_id, "left the run")
             self._event("leave", client_id, reason or "left the run")
             self._save()
             self.advance()
@@ -164,17 +169,18 @@ class Coordinator:
         PERMISSION_DENIED with ``reason``. Raises UnknownClient for a non-member."""
         with self._lock:
             self.membership.exclude(client_id, reason)
-            self._drop_from_round(client_id)
+            self._drop_from_round(client_id, f"excluded: {reason}")
             self._event("exclude", client_id, reason)
             self._save()
             self.advance()
 
     def submit(self, client_id: str, round_index: int, results: Sequence[SparseResult], *,
                loss: float | None = None, train_seconds: float | None = None,
-               assignment_id: str | None = None) -> None:
+               assignment_id: str | None = None, wire_bytes: int = 0) -> None:
         """Take a client's results for the open round (all or none: a BadResult keeps none).
         ``train_seconds``, the client's own compute time, measures its speed; without it,
-        the time since the round opened does (which also counts waiting and transfers)."""
+        the time since the round opened does (which also counts waiting and transfers).
+        ``wire_bytes``: the submission's size as received, for the round's record."""
         with self._lock:
             now = self.clock()
             self.membership.heartbeat(client_id, now=now)
@@ -189,7 +195,8 @@ class Coordinator:
             rnd.check(client_id, round_index, results, self.shapes, self.regions(tier),
                       assignment_id)
             results = self.limits.check(results)
-            rnd.submissions[client_id] = Submission({r.name: r for r in results}, loss, now)
+            rnd.submissions[client_id] = Submission({r.name: r for r in results}, loss, now,
+                                                    wire_bytes)
             measured = (train_seconds if train_seconds is not None and train_seconds > 0
                         else now - rnd.opened_at)
             self.membership.measured(client_id, rnd.assignments[client_id].tokens, measured)
@@ -280,6 +287,40 @@ class Coordinator:
                     return
                 self._close()
 
+    def snapshot(self, *, since_round: int | None = 0, events_after: int | None = -1
+                 ) -> dict[str, Any]:
+        """One consistent copy of what the status API shows (server/api.py), taken under the
+        lock that the gRPC threads change the run under: plain data, safe to read after.
+        Loss points and round records from ``since_round`` on, events after seq
+        ``events_after``; None leaves them out (records are never changed once written, so
+        the copies are shallow)."""
+        with self._lock:
+            rnd = self._open
+            opened = None if rnd is None else {
+                "round": rnd.index, "opened_at": rnd.opened_at, "deadline": rnd.deadline,
+                "assigned": sorted(rnd.assignments), "submitted": sorted(rnd.submissions),
+                "tokens": sum(a.tokens for a in rnd.assignments.values())}
+            return {
+                "now": self.clock(), "run_id": self.config.run.id, "phase": self.phase,
+                "round": self.state.round, "tokens": self.state.tokens,
+                "rounds_planned": self.config.round.rounds,
+                "tokens_planned": self.config.round.tokens,
+                "min_clients": self.config.round.min_clients,
+                "heartbeat_timeout_s": self.config.faults.heartbeat_timeout_s,
+                "allowed_tiers": list(self.config.tiers.allowed),
+                "checkpoints": list(self.state.checkpoints), "open_round": opened,
+                "members": [dataclasses.asdict(m) for m in self.membership.members.values()],
+                "excluded": [{"client_id": c, "reason": why,
+                              "name": self.membership.excluded_names.get(c, "")}
+                             for c, why in self.membership.excluded.items()],
+                "loss": {} if since_round is None else {
+                    tier: [p for p in points if p[0] >= since_round]
+                    for tier, points in self.state.loss.items()},
+                "rounds": [] if since_round is None else [
+                    r for r in self.state.rounds if r["round"] >= since_round],
+                "events": [] if events_after is None else [
+                    e for e in self.state.events if e["seq"] > events_after]}
+
     def regions(self, tier: int) -> dict[str, Region]:
         """Canonical name → the region of the universal tensor that ``tier`` covers."""
         if tier not in self._regions:
@@ -314,13 +355,14 @@ class Coordinator:
             for client, chosen in shares.items() if len(chosen)
         }
         return OpenRound(index=r, opened_at=now, deadline=deadline, assignments=assignments,
-                         queue_before=before)
+                         queue_before=before, names={m.client_id: m.name for m in members})
 
     def _close(self) -> None:
         rnd = self._open
         self._open = None
         for client in [c for c in rnd.assignments if c not in rnd.submissions]:
             self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            rnd.dropped[client] = f"missed the deadline ({self.config.round.deadline_s:g} s)"
             self._missed(client, f"missed the round {rnd.index} deadline "
                                  f"({self.config.round.deadline_s:g} s)")
         self._pace(rnd)
@@ -344,6 +386,7 @@ class Coordinator:
             round=r, update=update, aggregates=aggregates, hashes=self.tier_hashes(list(tiers)),
             coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()}))
         self._record_loss(rnd)
+        self._record_round(rnd, by_name)
         self.ledger.record(r, [i for a in rnd.assignments.values() for i in a.sequence_ids])
         self.state.round = r + 1
         self.state.tokens += sum(a.tokens for a in rnd.assignments.values())
@@ -367,6 +410,7 @@ class Coordinator:
             silent = now - member.last_seen if member is not None else math.inf
             if silent > timeout:
                 self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+                rnd.dropped[client] = f"silent for {silent:.0f} s"
                 self._missed(client, f"silent for {silent:.0f} s during round {rnd.index} "
                                      f"(heartbeat_timeout_s {timeout:g}): killed or hung")
 
@@ -374,7 +418,7 @@ class Coordinator:
         ttl = self.config.faults.session_ttl_s
         for member in [m for m in self.membership.members.values() if now - m.last_seen > ttl]:
             self.membership.leave(member.client_id)
-            self._drop_from_round(member.client_id)
+            self._drop_from_round(member.client_id, "its session expired")
             self._event("expire", member.client_id,
                         f"silent for {now - member.last_seen:.0f} s (session_ttl_s {ttl:g}): "
                         "its session expired; it must join again")
@@ -433,17 +477,20 @@ class Coordinator:
         member.tier_reason = f"moved from tier {old} to tier {tier}: {why}"
         self._event("retier", member.client_id, member.tier_reason)
 
-    def _drop_from_round(self, client_id: str) -> None:
+    def _drop_from_round(self, client_id: str, why: str) -> None:
         """Hand a client's unsubmitted sequences of the open round back to the queue."""
         if self._open is not None and client_id not in self._open.submissions:
             dropped = self._open.assignments.pop(client_id, None)
             if dropped is not None:
                 self.queue.requeue(dropped.sequence_ids)
+                self._open.dropped[client_id] = why
 
     def _event(self, kind: str, client_id: str | None, detail: str) -> None:
         """One line of the run's history (joins, leaves, drops, re-tierings, exclusions,
         checkpoints), kept in state.json for the status API; the log gets it too."""
-        self.state.events.append({"time": self.clock(), "round": self.state.round,
+        seq = self.state.events[-1].get("seq", len(self.state.events) - 1) + 1 if (
+            self.state.events) else 0
+        self.state.events.append({"seq": seq, "time": self.clock(), "round": self.state.round,
                                   "kind": kind, "client_id": client_id, "detail": detail})
         del self.state.events[:-MAX_EVENTS]
         log.info("round %d: %s %s: %s", self.state.round, kind, client_id or "-", detail)
@@ -459,6 +506,36 @@ class Coordinator:
                 total[1] += a.tokens
         for tier, (weighted, tokens) in sorted(sums.items()):
             self.state.loss.setdefault(str(tier), []).append([rnd.index, weighted / tokens])
+
+    def _record_round(self, rnd: OpenRound, by_name: Mapping[str, Sequence[SparseResult]]
+                      ) -> None:
+        """The completed round for the status API: duration, slowest client, bytes as sent
+        against their dense float32 size, who was dropped; and each member's share of it."""
+        now = self.clock()
+        tokens = sum(a.tokens for a in rnd.assignments.values())
+        took = {c: s.received_at - rnd.opened_at for c, s in rnd.submissions.items()}
+        slowest = max(took, key=took.__getitem__)
+        for client, seconds in took.items():
+            member = self.membership.members.get(client)
+            if member is not None:
+                member.last_round = rnd.index
+                member.last_round_tokens = rnd.assignments[client].tokens
+                member.last_round_share = member.last_round_tokens / tokens if tokens else 0.0
+                member.last_round_seconds = seconds
+        names = rnd.names
+        self.state.rounds.append({
+            "round": rnd.index, "opened_at": rnd.opened_at, "closed_at": now,
+            "duration_s": now - rnd.opened_at, "tokens": tokens,
+            "clients": len(rnd.assignments),
+            "slowest_client_id": slowest, "slowest_name": names[slowest],
+            "slowest_s": took[slowest],
+            "bytes_sent": sum(s.wire_bytes for s in rnd.submissions.values()),
+            "bytes_dense": sum(DENSE_BYTES_PER_VALUE * math.prod(region_shape(r.region))
+                               for results in by_name.values() for r in results),
+            "dropped": [{"client_id": c, "name": names[c], "reason": why}
+                        for c, why in rnd.dropped.items()],
+        })
+        del self.state.rounds[:-MAX_ROUND_RECORDS]
 
     # -- persistence --------------------------------------------------------------------
 

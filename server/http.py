@@ -1,5 +1,9 @@
 """The coordinator's HTTP side (DESIGN.md §6), on its own port:
 
+- ``GET /``: the dashboard (``server/static/``: plain HTML, JavaScript and SVG, nothing from
+  the internet), which polls the status API;
+- ``GET /api/...``: the status API (server/api.py), documented at ``/docs`` and
+  ``/openapi.json``;
 - ``GET /status``: the run as JSON (phase, round, tokens, clients, loss per tier per round,
   bytes received per round);
 - ``GET /metrics``: the same numbers in Prometheus text format;
@@ -16,18 +20,22 @@ side is then read-only). Clients never need this side.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from protocol.auth import tokens_equal
 from protocol.errors import UnsafePath
+from server.api import build_router
 from server.errors import FileNotServed, ServedFileDamaged, UnknownClient
 from server.served_files import served_files
 from server.service import CoordinatorService
 
+STATIC = Path(__file__).parent / "static"  # the dashboard: index.html, dashboard.js, .css
 READ_METHODS = ("GET", "HEAD")  # open to all; every other method needs the operator token
 
 
@@ -52,6 +60,13 @@ def build_app(service: CoordinatorService) -> FastAPI:
             headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
             return JSONResponse({"detail": detail}, status_code=status, headers=headers)
         return await call_next(request)
+
+    app.include_router(build_router(coordinator))
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def dashboard() -> HTMLResponse:
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
     @app.get("/status")
     def status() -> dict[str, Any]:
@@ -100,19 +115,17 @@ def operator_refusal(authorization: str | None, operator_token: str | None
 
 
 def run_status(service: CoordinatorService) -> dict[str, Any]:
-    c = service.coordinator
-    with c._lock:  # one consistent snapshot of a coordinator that gRPC threads are changing
-        now = c.clock()
-        clients = [{"client_id": m.client_id, "name": m.name, "tier": m.tier,
-                    "device": m.device_kind, "tokens_per_second": m.tokens_per_second,
-                    "last_seen_s_ago": max(now - m.last_seen, 0.0)}
-                   for m in c.membership.members.values()]
-        return {"run_id": c.config.run.id, "phase": c.phase, "round": c.state.round,
-                "tokens": c.state.tokens, "checkpoints": list(c.state.checkpoints),
-                "clients": clients,
-                "loss": {tier: [{"round": int(r), "loss": loss} for r, loss in points]
-                         for tier, points in c.state.loss.items()},
-                "bytes_received": {str(r): b for r, b in sorted(service.bytes_received.items())}}
+    snap = service.coordinator.snapshot(events_after=None)
+    now = snap["now"]
+    clients = [{"client_id": m["client_id"], "name": m["name"], "tier": m["tier"],
+                "device": m["device_kind"], "tokens_per_second": m["tokens_per_second"],
+                "last_seen_s_ago": max(now - m["last_seen"], 0.0)} for m in snap["members"]]
+    return {"run_id": snap["run_id"], "phase": snap["phase"], "round": snap["round"],
+            "tokens": snap["tokens"], "checkpoints": snap["checkpoints"], "clients": clients,
+            "loss": {tier: [{"round": int(r), "loss": loss} for r, loss in points]
+                     for tier, points in snap["loss"].items()},
+            "bytes_received": {str(r["round"]): r["bytes_sent"] for r in snap["rounds"]},
+            "bytes_dense": {str(r["round"]): r["bytes_dense"] for r in snap["rounds"]}}
 
 
 def prometheus_text(status: dict[str, Any]) -> str:

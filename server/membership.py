@@ -35,6 +35,11 @@ class Member:
     missed: int = 0  # consecutive rounds it was dropped from at the deadline (or hung)
     early: int = 0  # consecutive rounds it finished within [faults] early_fraction
     rejections: int = 0  # submissions refused as bad results, over the whole run
+    device_name: str = ""  # what it reported, e.g. "NVIDIA H100 80GB HBM3"; "" if it did not
+    last_round: int | None = None  # the last completed round it delivered in
+    last_round_tokens: int = 0  # its tokens in that round
+    last_round_share: float = 0.0  # ... as a fraction of the round's tokens
+    last_round_seconds: float = 0.0  # from the round's opening to its submission
 
 
 class Membership:
@@ -57,7 +62,8 @@ class Membership:
         client_id = f"client-{self._next_id}"
         self._next_id += 1
         member = Member(client_id=client_id, name=capabilities.name,
-                        device_kind=capabilities.device_kind, tier=assignment.tier,
+                        device_kind=capabilities.device_kind,
+                        device_name=capabilities.device_name, tier=assignment.tier,
                         tier_reason=assignment.reason,
                         tokens_per_second=capabilities.tokens_per_second, last_seen=now,
                         memory_bytes=capabilities.memory_bytes,

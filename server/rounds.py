@@ -47,6 +47,7 @@ class Submission:
     results: dict[str, SparseResult]  # canonical name → result
     loss: float | None
     received_at: float
+    wire_bytes: int = 0  # the submission's size as it arrived (compressed, protobuf-framed)
 
 
 @dataclass(slots=True)
@@ -57,6 +58,8 @@ class OpenRound:
     assignments: dict[str, RoundAssignment]  # client id → its work
     queue_before: dict[str, Any]  # the work queue before this round took its ids
     submissions: dict[str, Submission] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)  # client id → why it left the round
+    names: dict[str, str] = field(default_factory=dict)  # client id → its name, at opening
 
     def check(self, client_id: str, round_index: int, results: Sequence[SparseResult],
               shapes: Mapping[str, tuple[int, ...]], region: Mapping[str, Region],

@@ -17,7 +17,6 @@ once the client is excluded).
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -59,8 +58,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
         self.schema_hash = canonical_schema_hash(coordinator.model_config, coordinator.shapes)
-        self.bytes_received: dict[int, int] = {}  # round → bytes of accepted submissions
-        self._bytes_lock = threading.Lock()
 
     # -- join and membership ------------------------------------------------------------
 
@@ -86,7 +83,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             requested_tier=caps.requested_tier if caps.HasField("requested_tier") else None,
             tokens_per_second=caps.tokens_per_second,
             # A client that does not say runs at least one sequence per pass.
-            microbatch_tokens=caps.microbatch_tokens or c.config.data.max_seq_len)
+            microbatch_tokens=caps.microbatch_tokens or c.config.data.max_seq_len,
+            device_name=caps.device_name[:200])
         member, tier, token = _call(context, lambda: c.join(capabilities))
         return pb.JoinReply(client_id=member.client_id, session_token=token, tier=tier.tier,
                             ffn_width=tier.ffn_width, tier_reason=tier.reason,
@@ -179,10 +177,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                       "does not parse; nothing was kept, submit again.")
             seconds = header.train_seconds if math.isfinite(header.train_seconds) else None
             self.coordinator.submit(client_id, header.round, results, loss=header.loss,
-                                    train_seconds=seconds, assignment_id=header.assignment_id)
-            with self._bytes_lock:
-                self.bytes_received[header.round] = (
-                    self.bytes_received.get(header.round, 0) + received)
+                                    train_seconds=seconds, assignment_id=header.assignment_id,
+                                    wire_bytes=received)
             return len(results)
 
         try:

@@ -27,6 +27,7 @@ class RunState:
     checkpoints: list[int] = field(default_factory=list)  # rounds with a checkpoint, ascending
     finished: bool = False
     events: list[dict[str, Any]] = field(default_factory=list)  # Coordinator._event, oldest first
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # Coordinator._record_round
 
     def save(self, run_dir: Path) -> None:
         write_json_atomic(Path(run_dir) / STATE_NAME, asdict(self))
@@ -35,4 +36,9 @@ class RunState:
     def load(cls, run_dir: Path) -> RunState | None:
         """The saved state, or None for a run directory without one (a new run)."""
         path = Path(run_dir) / STATE_NAME
-        return cls(**read_json(path)) if path.is_file() else None
+        if not path.is_file():
+            return None
+        state = cls(**read_json(path))
+        for seq, event in enumerate(state.events):  # numbered since the status API pages them
+            event.setdefault("seq", seq)
+        return state

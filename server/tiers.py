@@ -37,6 +37,7 @@ class Capabilities:
     requested_tier: int | None  # the largest model it wants (smallest index); None: any
     tokens_per_second: float  # measured on a warm-up; sizes its share of a round
     microbatch_tokens: int  # tokens per forward/backward pass
+    device_name: str = ""  # e.g. "NVIDIA H100 80GB HBM3" or the CPU model; shown to operators
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ STATUS = {
                    {"round": 1, "loss": 4.5}],
              "1": [{"round": 0, "loss": 5.6}, {"round": 1, "loss": 4.9}]},
     "bytes_received": {"0": 2048, "1": 4096, "2": 1024},
+    "bytes_dense": {"0": 65536, "1": 131072, "2": 32768},
 }
 
 
@@ -88,6 +89,7 @@ def test_summary_holds_the_table_numbers(tmp_path):
     assert tier2["first_round_loss"] is None and tier2["improved"] is False
     assert summary["loss"]["1"] == [[0, 5.6], [1, 4.9]]
     assert summary["bytes_received"] == {"0": 2048, "1": 4096, "2": 1024}
+    assert summary["bytes_dense"] == {"0": 65536, "1": 131072, "2": 32768}
 
 
 # -- matformer-server --set ------------------------------------------------------------------

@@ -1,0 +1,221 @@
+"""The status API under ``/api/`` (read-only, open like every GET of the HTTP side), and
+the models that FastAPI's OpenAPI schema (``/openapi.json``, browsable at ``/docs``) is
+made from. The dashboard at ``/`` reads this API and nothing else.
+
+- ``GET /api/run``: phase, round, tokens, the open round;
+- ``GET /api/clients``: members (device, memory, tier and why, speed, share of the last
+  round, last seen, rejections) and the clients excluded, with why;
+- ``GET /api/loss?since_round=R``: training loss per tier per round;
+- ``GET /api/rounds?since_round=R``: each completed round: duration, slowest client, bytes
+  sent against their dense size, who was dropped and why;
+- ``GET /api/events?after=SEQ&limit=N``: joins, leaves, drops, re-tierings, exclusions,
+  checkpoints, resumes, oldest first;
+- ``GET /api/dashboard?since_round=R&events_after=SEQ``: all of the above from one
+  snapshot, for a page that polls and appends what is new.
+
+All of one response comes from one ``Coordinator.snapshot()``, so its parts agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+
+from server.coordinator import Coordinator
+
+EVENTS_LIMIT = 200  # the most events one response carries unless asked for fewer
+
+Phase = Literal["waiting", "collecting", "finished"]
+ClientState = Literal["training", "submitted", "idle", "silent"]
+
+
+class OpenRoundInfo(BaseModel):
+    round: int
+    opened_at: float = Field(description="server clock, seconds since the epoch")
+    deadline: float = Field(description="server clock, seconds since the epoch")
+    tokens: int = Field(description="tokens handed out in this round")
+    assigned: list[str] = Field(description="client ids training in this round")
+    submitted: list[str] = Field(description="client ids whose results are in")
+
+
+class RunInfo(BaseModel):
+    run_id: str
+    phase: Phase = Field(description="waiting: fewer than min_clients active; collecting: a "
+                                     "round is open; finished: the planned rounds or tokens "
+                                     "are done")
+    round: int = Field(description="rounds completed, i.e. the index of the next round")
+    tokens: int = Field(description="tokens trained on in completed rounds")
+    rounds_planned: int | None
+    tokens_planned: int | None
+    min_clients: int
+    allowed_tiers: list[int]
+    checkpoints: list[int] = Field(description="rounds with a checkpoint")
+    open_round: OpenRoundInfo | None
+    server_time: float = Field(description="the server clock when this was read; ages "
+                                           "(last seen) are relative to it")
+
+
+class ClientInfo(BaseModel):
+    client_id: str
+    name: str
+    device_kind: str = Field(description="cpu | cuda | mps")
+    device_name: str = Field(description="e.g. the GPU or CPU model; empty if not reported")
+    memory_bytes: int = Field(description="memory the client reported it can train in")
+    tier: int
+    tier_reason: str = Field(description="why this tier: the join's reasoning, or the "
+                                         "re-tiering that moved it")
+    requested_tier: int | None
+    tokens_per_second: float = Field(description="measured in its last delivered round, "
+                                                 "else its own report")
+    speed_measured: bool = Field(description="tokens_per_second comes from a round")
+    last_round: int | None = Field(description="the last completed round it delivered in")
+    last_round_share: float = Field(description="its fraction of that round's tokens")
+    last_round_seconds: float = Field(description="from that round's opening to its results")
+    last_seen: float = Field(description="server clock of its last call")
+    last_seen_s_ago: float
+    state: ClientState = Field(description="training or submitted (in the open round), idle "
+                                           "(not in it), silent (no call within "
+                                           "heartbeat_timeout_s)")
+    rejections: int = Field(description="submissions refused as bad results")
+    missed: int = Field(description="rounds missed in a row")
+
+
+class ExcludedClient(BaseModel):
+    client_id: str
+    name: str
+    reason: str
+
+
+class Clients(BaseModel):
+    members: list[ClientInfo]
+    excluded: list[ExcludedClient]
+
+
+class LossPoint(BaseModel):
+    round: int
+    loss: float = Field(description="token-weighted mean training loss its clients reported")
+
+
+class DroppedClient(BaseModel):
+    client_id: str
+    name: str
+    reason: str
+
+
+class RoundRecord(BaseModel):
+    round: int
+    opened_at: float
+    closed_at: float
+    duration_s: float
+    tokens: int
+    clients: int = Field(description="clients that delivered results")
+    slowest_client_id: str
+    slowest_name: str
+    slowest_s: float = Field(description="from the round's opening to the slowest results")
+    bytes_sent: int = Field(description="the results as they arrived: compressed, framed")
+    bytes_dense: int = Field(description="the same results as dense float32 tensors of the "
+                                         "regions they cover")
+    dropped: list[DroppedClient] = Field(description="clients whose work was handed back")
+
+
+EventKind = Literal["join", "leave", "exclude", "drop", "retier", "reject", "expire",
+                    "checkpoint", "resume"]
+
+
+class Event(BaseModel):
+    seq: int = Field(description="numbers events in order; ask for those after one")
+    time: float
+    round: int
+    kind: EventKind
+    client_id: str | None
+    detail: str
+
+
+class Dashboard(BaseModel):
+    run: RunInfo
+    clients: Clients
+    loss: dict[str, list[LossPoint]] = Field(description="tier → points, by round")
+    rounds: list[RoundRecord]
+    events: list[Event]
+
+
+def build_router(coordinator: Coordinator) -> APIRouter:
+    api = APIRouter(prefix="/api", tags=["status"])
+    since = Query(0, ge=0, description="only rounds with this index or later")
+
+    @api.get("/run")
+    def run() -> RunInfo:
+        return run_info(coordinator.snapshot(since_round=None, events_after=None))
+
+    @api.get("/clients")
+    def clients() -> Clients:
+        return clients_info(coordinator.snapshot(since_round=None, events_after=None))
+
+    @api.get("/loss")
+    def loss(since_round: int = since) -> dict[str, list[LossPoint]]:
+        return loss_info(coordinator.snapshot(since_round=since_round, events_after=None))
+
+    @api.get("/rounds")
+    def rounds(since_round: int = since) -> list[RoundRecord]:
+        snap = coordinator.snapshot(since_round=since_round, events_after=None)
+        return [RoundRecord(**r) for r in snap["rounds"]]
+
+    @api.get("/events")
+    def events(after: int = Query(-1, ge=-1, description="only events with a larger seq"),
+               limit: int = Query(EVENTS_LIMIT, ge=1, le=1000,
+                                  description="the newest this many")) -> list[Event]:
+        snap = coordinator.snapshot(since_round=None, events_after=after)
+        return [Event(**e) for e in snap["events"][-limit:]]
+
+    @api.get("/dashboard")
+    def dashboard(since_round: int = since,
+                  events_after: int = Query(-1, ge=-1, description="only events with a "
+                                                                    "larger seq")) -> Dashboard:
+        snap = coordinator.snapshot(since_round=since_round, events_after=events_after)
+        return Dashboard(run=run_info(snap), clients=clients_info(snap), loss=loss_info(snap),
+                         rounds=[RoundRecord(**r) for r in snap["rounds"]],
+                         events=[Event(**e) for e in snap["events"][-EVENTS_LIMIT:]])
+
+    return api
+
+
+def run_info(snap: dict[str, Any]) -> RunInfo:
+    opened = snap["open_round"]
+    return RunInfo(run_id=snap["run_id"], phase=snap["phase"], round=snap["round"],
+                   tokens=snap["tokens"], rounds_planned=snap["rounds_planned"],
+                   tokens_planned=snap["tokens_planned"], min_clients=snap["min_clients"],
+                   allowed_tiers=snap["allowed_tiers"], checkpoints=snap["checkpoints"],
+                   open_round=None if opened is None else OpenRoundInfo(**opened),
+                   server_time=snap["now"])
+
+
+def clients_info(snap: dict[str, Any]) -> Clients:
+    now, opened = snap["now"], snap["open_round"]
+    members = []
+    for m in snap["members"]:
+        age = max(now - m["last_seen"], 0.0)
+        if age > snap["heartbeat_timeout_s"]:
+            state = "silent"
+        elif opened is not None and m["client_id"] in opened["submitted"]:
+            state = "submitted"
+        elif opened is not None and m["client_id"] in opened["assigned"]:
+            state = "training"
+        else:
+            state = "idle"
+        members.append(ClientInfo(
+            client_id=m["client_id"], name=m["name"], device_kind=m["device_kind"],
+            device_name=m["device_name"], memory_bytes=m["memory_bytes"], tier=m["tier"],
+            tier_reason=m["tier_reason"], requested_tier=m["requested_tier"],
+            tokens_per_second=m["tokens_per_second"], speed_measured=m["measured_by_round"],
+            last_round=m["last_round"], last_round_share=m["last_round_share"],
+            last_round_seconds=m["last_round_seconds"], last_seen=m["last_seen"],
+            last_seen_s_ago=age, state=state, rejections=m["rejections"],
+            missed=m["missed"]))
+    return Clients(members=members, excluded=[ExcludedClient(**e) for e in snap["excluded"]])
+
+
+def loss_info(snap: dict[str, Any]) -> dict[str, list[LossPoint]]:
+    return {tier: [LossPoint(round=int(r), loss=loss) for r, loss in points]
+            for tier, points in sorted(snap["loss"].items(), key=lambda kv: int(kv[0]))}

@@ -1,0 +1,162 @@
+// Line charts drawn as SVG by hand: axes with ticks, a legend, one polyline per series.
+// Each polyline carries all its points as data-points="round:value,..." (the raw values,
+// for tests) while it draws at most a few points per pixel, so 10,000 rounds stay cheap.
+
+// The namespace of the page's own <svg> elements, so that no URL is spelled out here.
+const SVG_NS = document.querySelector("svg").namespaceURI;
+const MARGIN = { top: 26, right: 16, bottom: 34, left: 64 };
+const POINTS_PER_PIXEL = 2; // beyond this a series is drawn as min/max per pixel column
+
+function el(name, attrs, text) {
+  const node = document.createElementNS(SVG_NS, name);
+  for (const [key, value] of Object.entries(attrs || {})) node.setAttribute(key, String(value));
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+// About `count` round numbers (1, 2 or 5 times a power of ten) spanning [lo, hi].
+export function niceTicks(lo, hi, count) {
+  if (!(hi > lo)) return [lo];
+  const raw = (hi - lo) / Math.max(count, 1);
+  const power = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw);
+  const ticks = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) {
+    ticks.push(Number(t.toPrecision(12)));
+  }
+  return ticks;
+}
+
+function logTicks(lo, hi) {
+  const first = Math.floor(Math.log10(lo));
+  const last = Math.ceil(Math.log10(hi));
+  const mantissas = last - first <= 2 ? [1, 2, 5] : [1];
+  const ticks = [];
+  for (let e = first; e <= last; e += 1) {
+    for (const m of mantissas) {
+      const t = m * 10 ** e;
+      if (t >= lo && t <= hi) ticks.push(t);
+    }
+  }
+  return ticks.length ? ticks : [lo, hi];
+}
+
+// At most POINTS_PER_PIXEL points per pixel column: each column's first, min, max and last.
+function thin(points, toX, width) {
+  if (points.length <= width * POINTS_PER_PIXEL) return points;
+  const kept = [];
+  let column = null;
+  let group = [];
+  const flush = () => {
+    if (!group.length) return;
+    let lo = group[0];
+    let hi = group[0];
+    for (const p of group) {
+      if (p[1] < lo[1]) lo = p;
+      if (p[1] > hi[1]) hi = p;
+    }
+    const picked = new Set([group[0], lo, hi, group[group.length - 1]]);
+    for (const p of group) if (picked.has(p)) kept.push(p);
+  };
+  for (const p of points) {
+    const c = Math.floor(toX(p[0]));
+    if (c !== column) {
+      flush();
+      column = c;
+      group = [];
+    }
+    group.push(p);
+  }
+  flush();
+  return kept;
+}
+
+// series: [{key, label, color, points: [[round, value], ...] in round order}]
+// options: {logY, yFormat(value) → text, yLabel}
+export function drawLineChart(svg, series, options) {
+  const width = Math.max(svg.clientWidth || 600, 200);
+  const height = Math.max(svg.clientHeight || 220, 120);
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.replaceChildren();
+  const plotW = width - MARGIN.left - MARGIN.right;
+  const plotH = height - MARGIN.top - MARGIN.bottom;
+  const all = series.flatMap((s) => s.points).filter((p) => !options.logY || p[1] > 0);
+  if (!all.length) {
+    svg.append(el("text", { x: width / 2, y: height / 2, class: "empty" }, "no rounds yet"));
+    return;
+  }
+  let [xLo, xHi] = [Infinity, -Infinity];
+  let [yLo, yHi] = [Infinity, -Infinity];
+  for (const [x, y] of all) {
+    xLo = Math.min(xLo, x);
+    xHi = Math.max(xHi, x);
+    yLo = Math.min(yLo, y);
+    yHi = Math.max(yHi, y);
+  }
+  if (xHi === xLo) xHi = xLo + 1;
+  if (options.logY) {
+    yLo = 10 ** Math.floor(Math.log10(yLo));
+    yHi = 10 ** Math.ceil(Math.log10(yHi));
+    if (yHi === yLo) yHi = yLo * 10;
+  } else {
+    const pad = (yHi - yLo) * 0.05 || Math.abs(yHi) * 0.05 || 1;
+    yLo -= pad;
+    yHi += pad;
+  }
+  const toX = (x) => MARGIN.left + ((x - xLo) / (xHi - xLo)) * plotW;
+  const scaleY = options.logY
+    ? (y) => (Math.log10(y) - Math.log10(yLo)) / (Math.log10(yHi) - Math.log10(yLo))
+    : (y) => (y - yLo) / (yHi - yLo);
+  const toY = (y) => MARGIN.top + plotH - scaleY(y) * plotH;
+
+  const axes = el("g", { class: "axes" });
+  const yTicks = options.logY ? logTicks(yLo, yHi) : niceTicks(yLo, yHi, 5);
+  for (const t of yTicks) {
+    const y = toY(t).toFixed(1);
+    axes.append(el("line", { x1: MARGIN.left, x2: width - MARGIN.right, y1: y, y2: y,
+                             class: "grid" }));
+    axes.append(el("text", { x: MARGIN.left - 6, y, class: "tick y" }, options.yFormat(t)));
+  }
+  const xTicks = niceTicks(xLo, xHi, Math.max(Math.floor(plotW / 80), 2))
+    .filter((t) => Number.isInteger(t));
+  for (const t of xTicks) {
+    const x = toX(t).toFixed(1);
+    axes.append(el("line", { x1: x, x2: x, y1: MARGIN.top + plotH, y2: MARGIN.top + plotH + 4,
+                             class: "tickmark" }));
+    axes.append(el("text", { x, y: MARGIN.top + plotH + 16, class: "tick x" }, String(t)));
+  }
+  axes.append(el("line", { x1: MARGIN.left, x2: width - MARGIN.right, y1: MARGIN.top + plotH,
+                           y2: MARGIN.top + plotH, class: "axis" }));
+  axes.append(el("line", { x1: MARGIN.left, x2: MARGIN.left, y1: MARGIN.top,
+                           y2: MARGIN.top + plotH, class: "axis" }));
+  axes.append(el("text", { x: MARGIN.left + plotW / 2, y: height - 4, class: "label" }, "round"));
+  svg.append(axes);
+
+  const legend = el("g", { class: "legend" });
+  let lx = width - MARGIN.right;
+  for (const s of [...series].reverse()) {
+    const text = el("text", { x: lx, y: 14, class: "legend-text" }, s.label);
+    legend.append(text);
+    lx -= s.label.length * 6.5 + 6;
+    legend.append(el("rect", { x: lx - 10, y: 5, width: 10, height: 10,
+                               fill: s.color, rx: 2 }));
+    lx -= 22;
+  }
+
+  for (const s of series) {
+    const points = options.logY ? s.points.filter((p) => p[1] > 0) : s.points;
+    const drawn = thin(points, toX, plotW)
+      .map(([x, y]) => `${toX(x).toFixed(1)},${toY(y).toFixed(1)}`).join(" ");
+    const line = el("polyline", { points: drawn, stroke: s.color, class: "series",
+                                  "data-series": s.key });
+    line.setAttribute("data-points", s.points.map(([x, y]) => `${x}:${y}`).join(","));
+    svg.append(line);
+    const last = points[points.length - 1];
+    if (last) {
+      svg.append(el("circle", { cx: toX(last[0]).toFixed(1), cy: toY(last[1]).toFixed(1), r: 3,
+                                fill: s.color, "data-series": s.key, "data-round": last[0],
+                                "data-value": last[1] }));
+    }
+  }
+  svg.append(legend);
+}

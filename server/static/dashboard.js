@@ -1,0 +1,320 @@
+// The run dashboard: polls /api/dashboard about once a second, appends the new rounds,
+// loss points and events to what it holds, and redraws. Every text from the API goes in
+// through textContent; every number shown carries its raw API value in data-value.
+
+import { drawLineChart } from "/static/charts.js";
+
+const POLL_MS = 1000;
+const FINISHED_POLL_MS = 5000; // a finished run changes only if it is resumed
+const FETCH_TIMEOUT_MS = 5000;
+const ROUNDS_SHOWN = 12; // rows of the recent-rounds table
+const EVENTS_KEPT = 200; // rows of the events table
+const TIER_COLORS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#0891b2",
+                     "#ca8a04", "#4b5563"];
+const GIB = 2 ** 30;
+
+const held = { runId: null, loss: {}, rounds: [], events: [], names: {}, lastRound: -1,
+               lastSeq: -1, snapshot: null, updatedAt: null };
+
+export const tierColor = (tier) => TIER_COLORS[Number(tier) % TIER_COLORS.length];
+
+const $ = (selector) => document.querySelector(selector);
+
+// Fixed en-US formats, so what is shown reads back the same way everywhere.
+function fmt(value, digits) {
+  return value.toLocaleString("en-US", { minimumFractionDigits: digits,
+                                         maximumFractionDigits: digits });
+}
+
+function fmtBytes(bytes) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1024 && unit < units.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  return `${fmt(value, unit ? 1 : 0)} ${units[unit]}`;
+}
+
+function fmtClock(seconds) {
+  return new Date(seconds * 1000).toLocaleTimeString("en-GB", { hour12: false });
+}
+
+function node(tag, attrs, text) {
+  const el = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value !== null && value !== undefined) el.setAttribute(key, String(value));
+  }
+  if (text !== undefined) el.textContent = text;
+  return el;
+}
+
+// A cell for a number: the raw value in data-value, the formatted one as text.
+function numCell(field, value, text) {
+  return node("td", { "data-field": field, "data-value": value, class: "num" }, text);
+}
+
+function setValue(selector, value, text) {
+  const el = $(selector);
+  el.dataset.value = value === null || value === undefined ? "" : String(value);
+  el.textContent = text;
+}
+
+function nameOf(clientId) {
+  return held.names[clientId] || clientId;
+}
+
+function tierBadge(tier) {
+  const badge = node("span", { class: "tier", "data-field": "tier", "data-value": tier },
+                     `tier ${tier}`);
+  badge.style.setProperty("--tier-color", tierColor(tier));
+  return badge;
+}
+
+// -- holding what the polls bring -----------------------------------------------------------
+
+function absorb(snap) {
+  const run = snap.run;
+  const restarted = held.runId !== null && (run.run_id !== held.runId
+                                            || held.lastRound >= run.round);
+  if (restarted) return false; // a different or rewound run: start over with a full fetch
+  held.runId = run.run_id;
+  for (const m of snap.clients.members) held.names[m.client_id] = m.name;
+  for (const e of snap.clients.excluded) if (e.name) held.names[e.client_id] = e.name;
+  for (const [tier, points] of Object.entries(snap.loss)) {
+    const series = (held.loss[tier] ||= []);
+    const last = series.length ? series[series.length - 1][0] : -1;
+    for (const p of points) if (p.round > last) series.push([p.round, p.loss]);
+    if (series.length) held.lastRound = Math.max(held.lastRound, series[series.length - 1][0]);
+  }
+  for (const r of snap.rounds) {
+    if (held.rounds.length && r.round <= held.rounds[held.rounds.length - 1].round) continue;
+    held.rounds.push(r);
+    held.names[r.slowest_client_id] ||= r.slowest_name;
+    for (const d of r.dropped) held.names[d.client_id] ||= d.name;
+    held.lastRound = Math.max(held.lastRound, r.round);
+  }
+  for (const e of snap.events) {
+    if (e.seq > held.lastSeq) {
+      held.events.push(e);
+      held.lastSeq = e.seq;
+    }
+  }
+  held.events.splice(0, Math.max(held.events.length - EVENTS_KEPT, 0));
+  held.snapshot = snap;
+  return true;
+}
+
+function forget() {
+  Object.assign(held, { runId: null, loss: {}, rounds: [], events: [], names: {},
+                        lastRound: -1, lastSeq: -1 });
+}
+
+// -- rendering ------------------------------------------------------------------------------
+
+function renderRun(run) {
+  document.title = `Matformer run ${run.run_id}`;
+  setValue("#run-id", run.run_id, run.run_id);
+  setValue("#phase", run.phase, run.phase);
+  $("#phase").className = `phase phase-${run.phase}`;
+  setValue("#round", run.round, fmt(run.round, 0));
+  setValue("#rounds-planned", run.rounds_planned,
+           run.rounds_planned === null ? "–" : fmt(run.rounds_planned, 0));
+  setValue("#tokens", run.tokens, fmt(run.tokens, 0));
+  setValue("#tokens-planned", run.tokens_planned,
+           run.tokens_planned === null ? "–" : fmt(run.tokens_planned, 0));
+  const open = run.open_round;
+  $("#open-round").dataset.value = open ? String(open.round) : "";
+  setValue("#open-round-index", open ? open.round : null,
+           open ? `round ${fmt(open.round, 0)}` : "none");
+  setValue("#open-submitted", open ? open.submitted.length : 0,
+           String(open ? open.submitted.length : 0));
+  setValue("#open-assigned", open ? open.assigned.length : 0,
+           String(open ? open.assigned.length : 0));
+  const left = open ? open.deadline - run.server_time : null;
+  setValue("#open-deadline", left, left === null ? "no deadline"
+           : `${fmt(Math.max(left, 0), 0)} s to the deadline`);
+}
+
+function clientRow(m) {
+  const row = node("tr", { "data-client-id": m.client_id, "data-state": m.state });
+  row.append(node("td", { "data-field": "name" }, m.name));
+  const device = node("td", { "data-field": "device" });
+  device.append(node("span", { "data-field": "device_kind", class: "kind" }, m.device_kind),
+                node("span", { "data-field": "device_name", class: "sub" }, m.device_name));
+  row.append(device);
+  row.append(numCell("memory_bytes", m.memory_bytes, `${fmt(m.memory_bytes / GIB, 2)} GiB`));
+  const tier = node("td", { class: "tier-cell", title: m.tier_reason });
+  tier.append(tierBadge(m.tier));
+  if (m.requested_tier !== null && m.requested_tier !== m.tier) {
+    tier.append(node("span", { "data-field": "requested_tier", "data-value": m.requested_tier,
+                               class: "asked" }, `asked ${m.requested_tier}`));
+  }
+  tier.append(node("span", { "data-field": "tier_reason", class: "sub reason" }, m.tier_reason));
+  row.append(tier);
+  const speed = numCell("tokens_per_second", m.tokens_per_second, fmt(m.tokens_per_second, 0));
+  if (!m.speed_measured) speed.title = "reported by the client, not yet measured in a round";
+  speed.classList.toggle("estimate", !m.speed_measured);
+  row.append(speed);
+  row.append(numCell("last_round_share", m.last_round_share,
+                     `${fmt(m.last_round_share * 100, 1)} %`));
+  row.append(numCell("last_seen_s_ago", m.last_seen_s_ago, `${fmt(m.last_seen_s_ago, 1)} s ago`));
+  row.append(numCell("rejections", m.rejections, fmt(m.rejections, 0)));
+  row.append(node("td", { "data-field": "state", class: `state state-${m.state}` }, m.state));
+  return row;
+}
+
+function renderClients(clients) {
+  const rows = clients.members.map(clientRow);
+  if (!rows.length) rows.push(emptyRow(9, "no clients have joined"));
+  $("#clients tbody").replaceChildren(...rows);
+  const excluded = clients.excluded.map((e) => {
+    const item = node("li", { "data-client-id": e.client_id });
+    item.append(node("b", { "data-field": "name" }, e.name || e.client_id), ": ",
+                node("span", { "data-field": "reason" }, e.reason));
+    return item;
+  });
+  if (!excluded.length) excluded.push(node("li", { class: "muted" }, "none"));
+  $("#excluded").replaceChildren(...excluded);
+}
+
+function emptyRow(columns, text) {
+  const row = node("tr", { class: "empty" });
+  row.append(node("td", { colspan: columns }, text));
+  return row;
+}
+
+function renderCharts() {
+  const lossSeries = Object.keys(held.loss).sort((a, b) => a - b).map((tier) => ({
+    key: tier, label: `tier ${tier}`, color: tierColor(tier), points: held.loss[tier] }));
+  drawLineChart($("#loss-chart"), lossSeries, { yFormat: (v) => fmt(v, 2) });
+  const rounds = held.rounds;
+  drawLineChart($("#bytes-chart"), [
+    { key: "bytes_sent", label: "sent (compressed)", color: "#2563eb",
+      points: rounds.map((r) => [r.round, r.bytes_sent]) },
+    { key: "bytes_dense", label: "dense float32", color: "#9ca3af",
+      points: rounds.map((r) => [r.round, r.bytes_dense]) },
+  ], { logY: true, yFormat: fmtBytes });
+  drawLineChart($("#duration-chart"), [
+    { key: "duration_s", label: "round", color: "#0f766e",
+      points: rounds.map((r) => [r.round, r.duration_s]) },
+    { key: "slowest_s", label: "slowest client", color: "#f59e0b",
+      points: rounds.map((r) => [r.round, r.slowest_s]) },
+  ], { yFormat: (v) => `${fmt(v, 1)} s` });
+}
+
+function renderRounds() {
+  const rounds = held.rounds;
+  let sent = 0;
+  let dense = 0;
+  for (const r of rounds) {
+    sent += r.bytes_sent;
+    dense += r.bytes_dense;
+  }
+  const ratio = sent ? dense / sent : null;
+  setValue("#bytes-ratio", ratio, ratio === null ? "–" : `${fmt(ratio, 1)}×`);
+  const latest = rounds[rounds.length - 1];
+  const slowest = $("#slowest");
+  slowest.dataset.clientId = latest ? latest.slowest_client_id : "";
+  setValue("#slowest", latest ? latest.slowest_s : null,
+           latest ? `${latest.slowest_name} (${fmt(latest.slowest_s, 2)} s)` : "–");
+  const rows = rounds.slice(-ROUNDS_SHOWN).reverse().map((r) => {
+    const row = node("tr", { "data-round": r.round });
+    row.append(numCell("round", r.round, fmt(r.round, 0)));
+    row.append(numCell("duration_s", r.duration_s, `${fmt(r.duration_s, 2)} s`));
+    row.append(node("td", { "data-field": "slowest_name", "data-value": r.slowest_client_id },
+                    r.slowest_name));
+    row.append(numCell("slowest_s", r.slowest_s, `${fmt(r.slowest_s, 2)} s`));
+    row.append(numCell("bytes_sent", r.bytes_sent, fmt(r.bytes_sent, 0)));
+    row.append(numCell("bytes_dense", r.bytes_dense, fmt(r.bytes_dense, 0)));
+    const dropped = node("td", { "data-field": "dropped", "data-value": r.dropped.length });
+    dropped.textContent = r.dropped.length
+      ? r.dropped.map((d) => `${d.name}: ${d.reason}`).join("; ") : "–";
+    row.append(dropped);
+    return row;
+  });
+  if (!rows.length) rows.push(emptyRow(7, "no round has completed yet"));
+  $("#rounds-table tbody").replaceChildren(...rows);
+}
+
+function renderEvents() {
+  const rows = held.events.slice().reverse().map((e) => {
+    const row = node("tr", { "data-seq": e.seq, "data-kind": e.kind });
+    row.append(node("td", { "data-field": "time", "data-value": e.time }, fmtClock(e.time)));
+    row.append(numCell("round", e.round, fmt(e.round, 0)));
+    row.append(node("td", { "data-field": "kind", class: `kind-${e.kind}` }, e.kind));
+    row.append(node("td", { "data-field": "client", "data-value": e.client_id ?? "" },
+                    e.client_id === null ? "–" : nameOf(e.client_id)));
+    row.append(node("td", { "data-field": "detail" }, e.detail));
+    return row;
+  });
+  if (!rows.length) rows.push(emptyRow(5, "no events yet"));
+  $("#events tbody").replaceChildren(...rows);
+}
+
+function render(snap, grew) {
+  renderRun(snap.run);
+  renderClients(snap.clients);
+  if (grew.rounds) {
+    renderCharts();
+    renderRounds();
+  }
+  if (grew.events) renderEvents();
+  $("#dashboard").dataset.serverTime = String(snap.run.server_time);
+  $("#dashboard").dataset.round = String(snap.run.round);
+}
+
+// -- polling --------------------------------------------------------------------------------
+
+function showConnection() {
+  const conn = $("#conn");
+  const age = held.updatedAt === null ? null : (Date.now() - held.updatedAt) / 1000;
+  const ago = age === null ? "never" : `${fmt(age, 0)} s ago`;
+  if (conn.dataset.state === "disconnected") {
+    conn.textContent = `disconnected · last update ${ago}`;
+  } else if (conn.dataset.state === "finished") {
+    conn.textContent = `run finished · updated ${ago}`;
+  } else if (conn.dataset.state === "live") {
+    conn.textContent = `live · updated ${ago}`;
+  }
+}
+
+async function poll() {
+  const url = `/api/dashboard?since_round=${held.lastRound + 1}&events_after=${held.lastSeq}`;
+  const controller = new AbortController();
+  const timer = setTimeout(() => controller.abort(), FETCH_TIMEOUT_MS);
+  let finished = held.snapshot !== null && held.snapshot.run.phase === "finished";
+  try {
+    const reply = await fetch(url, { cache: "no-store", signal: controller.signal });
+    if (!reply.ok) throw new Error(`HTTP ${reply.status}`);
+    const snap = await reply.json();
+    const before = { rounds: held.rounds.length, lastRound: held.lastRound, seq: held.lastSeq };
+    if (!absorb(snap)) {
+      forget();
+      setTimeout(poll, 0);
+      return;
+    }
+    const first = held.updatedAt === null;
+    held.updatedAt = Date.now();
+    render(snap, { rounds: first || held.lastRound !== before.lastRound,
+                   events: first || held.lastSeq !== before.seq });
+    finished = snap.run.phase === "finished";
+    $("#conn").dataset.state = finished ? "finished" : "live";
+  } catch (err) {
+    $("#conn").dataset.state = "disconnected";
+    $("#conn").title = String(err);
+  } finally {
+    clearTimeout(timer);
+  }
+  showConnection();
+  setTimeout(poll, finished ? FINISHED_POLL_MS : POLL_MS);
+}
+
+let resizeTimer = null;
+window.addEventListener("resize", () => {
+  clearTimeout(resizeTimer);
+  resizeTimer = setTimeout(() => { if (held.snapshot) renderCharts(); }, 150);
+});
+setInterval(showConnection, 1000);
+poll();

@@ -1,0 +1,252 @@
+"""The status API under /api/ (server/api.py) on a real server: two real clients over gRPC
+train two rounds at tiers 0 and 1 (one leaves in the second), and every endpoint answers
+with the numbers of what happened, valid against the run's own OpenAPI schema."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import grpc
+import pytest
+import torch
+
+from protocol.auth import session_metadata
+from protocol.channel import GRPC_OPTIONS
+from protocol.matformer.v1 import coordinator_pb2 as pb
+from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from protocol.submission import submission_messages
+from server.config import RunConfig
+from server.main import RunningServer
+from server.state import RunState
+from tests.openapi import api_paths, response_errors
+from tests.test_server_service import http_get, join_request, write_run_toml
+
+API = ("/api/run", "/api/clients", "/api/loss", "/api/rounds", "/api/events",
+       "/api/dashboard")
+
+
+def compressed(coordinator, client_id, salt: float) -> list:
+    """Results of one client at its tier, encoded with the run's own compression."""
+    assignment = coordinator.assignment_for(client_id)
+    regions = coordinator.regions(assignment.tier)
+    compressor = coordinator.config.compression.build()
+    generator = torch.Generator().manual_seed(int(salt * 1000))
+    return [compressor.encode(name, torch.randn([b - a for a, b in regions[name]],
+                                                generator=generator) * salt,
+                              shape=coordinator.shapes[name], region=regions[name],
+                              tokens=assignment.tokens)
+            for name in sorted(coordinator.shapes)]
+
+
+def submit(stub, coordinator, reply, *, loss: float) -> int:
+    """Submit for the open round; the bytes the messages took on the wire."""
+    assignment = coordinator.assignment_for(reply.client_id)
+    header = pb.SubmitHeader(round=assignment.round, client_id=reply.client_id, loss=loss,
+                             assignment_id=assignment.assignment_id)
+    messages = list(submission_messages(header, compressed(coordinator, reply.client_id, loss)))
+    stub.SubmitResult(iter(messages), metadata=session_metadata(reply.session_token))
+    return sum(m.ByteSize() for m in messages)
+
+
+def get(server, path: str):
+    status, body = http_get(server, path)
+    assert status == 200, (path, body[:300])
+    return json.loads(body)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Round 0: alice (tier 0) and bob (tier 1) submit. Round 1: alice submits, bob leaves.
+    Then carol joins and is excluded. The bytes each submission took, by round and name."""
+    toml = write_run_toml(tmp_path_factory.mktemp("api"))
+    toml.write_text(toml.read_text().replace('encoding = "none"',
+                                             'encoding = "dct"\nchunk = 8\ntopk = 4'))
+    server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
+    assert server.wait_until_http_ready()
+    c = server.service.coordinator
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
+    stub = pb_grpc.CoordinatorStub(channel)
+    alice = stub.Join(join_request(server, name="alice"))
+    request = join_request(server, name="bob")
+    request.capabilities.requested_tier = 1
+    request.capabilities.device_name = "Test Laptop CPU"
+    request.capabilities.memory_bytes = 3 * 2**30
+    bob = stub.Join(request)
+    sent = {0: {"alice": submit(stub, c, alice, loss=3.0)}}
+    sent[0]["bob"] = submit(stub, c, bob, loss=4.0)
+    sent[1] = {"alice": submit(stub, c, alice, loss=2.5)}
+    live = {path: get(server, path) for path in ("/api/run", "/api/clients")}  # round 1 open
+    stub.Leave(pb.LeaveRequest(reason="done"), metadata=session_metadata(bob.session_token))
+    carol = stub.Join(join_request(server, name="carol"))
+    c.exclude(carol.client_id, "sent garbage")
+    yield server, {"alice": alice, "bob": bob, "carol": carol}, sent, live
+    channel.close()
+    server.stop()
+
+
+def test_every_response_matches_the_openapi_schema(run):
+    server, *_, live = run
+    openapi = get(server, "/openapi.json")
+    assert set(API) <= api_paths(openapi)
+    for path in API:
+        assert response_errors(openapi, path, get(server, path)) == [], path
+    assert response_errors(openapi, "/api/dashboard",
+                           get(server, "/api/dashboard?since_round=1&events_after=2")) == []
+    for path, body in live.items():  # taken while round 1 was open
+        assert response_errors(openapi, path, body) == [], path
+
+
+def test_the_open_round_while_it_is_open(run):
+    _, replies, _, live = run
+    opened = live["/api/run"]["open_round"]
+    ids = {name: reply.client_id for name, reply in replies.items()}
+    assert live["/api/run"]["phase"] == "collecting" and opened["round"] == 1
+    assert opened["assigned"] == sorted([ids["alice"], ids["bob"]])
+    assert opened["submitted"] == [ids["alice"]]
+    states = {m["name"]: m["state"] for m in live["/api/clients"]["members"]}
+    assert states == {"alice": "submitted", "bob": "training"}
+    bob = next(m for m in live["/api/clients"]["members"] if m["name"] == "bob")
+    assert (bob["tier"], bob["device_name"], bob["memory_bytes"]) == (
+        1, "Test Laptop CPU", 3 * 2**30)
+    assert bob["last_round"] == 0 and 0 < bob["last_round_share"] < 1
+
+
+def test_the_schema_check_catches_a_wrong_response(run):
+    server, *_ = run
+    openapi = get(server, "/openapi.json")
+    clients = get(server, "/api/clients")
+    del clients["members"][0]["tier"]
+    assert any("tier" in e for e in response_errors(openapi, "/api/clients", clients))
+    rounds = get(server, "/api/rounds")
+    rounds[0]["bytes_sent"] = "many"
+    assert response_errors(openapi, "/api/rounds", rounds)
+    assert response_errors(openapi, "/api/run", {**get(server, "/api/run"), "phase": "?"})
+
+
+def test_run_and_clients(run):
+    server, replies, *_ = run
+    state = get(server, "/api/run")
+    assert (state["run_id"], state["phase"], state["round"]) == ("svc-test", "collecting", 2)
+    # carol's join opened round 2; her exclusion handed her share back, alice trains alone
+    assert state["open_round"]["assigned"] == [replies["alice"].client_id]
+    assert state["open_round"]["submitted"] == [] and state["rounds_planned"] == 5
+    assert state["tokens"] == sum(r["tokens"] for r in get(server, "/api/rounds"))
+    clients = get(server, "/api/clients")
+    (alice,) = clients["members"]
+    assert alice["client_id"] == replies["alice"].client_id and alice["tier"] == 0
+    assert (alice["last_round"], alice["last_round_share"]) == (1, 1.0)
+    assert alice["speed_measured"] and alice["tokens_per_second"] > 0
+    assert alice["state"] == "training" and 0 <= alice["last_seen_s_ago"] < 30
+    assert alice["tier_reason"] == replies["alice"].tier_reason
+    assert clients["excluded"] == [{"client_id": replies["carol"].client_id, "name": "carol",
+                                    "reason": "sent garbage"}]
+
+
+def test_rounds_record_bytes_duration_slowest_and_drops(run):
+    server, replies, sent, _ = run
+    first, second = get(server, "/api/rounds")
+    assert (first["round"], first["clients"], second["round"], second["clients"]) == (0, 2, 1, 1)
+    assert first["bytes_sent"] == sum(sent[0].values())
+    assert second["bytes_sent"] == sent[1]["alice"]
+    c = server.service.coordinator
+    dense = {t: 4 * sum(math.prod(b - a for a, b in region)
+                        for region in c.regions(t).values()) for t in (0, 1)}
+    assert first["bytes_dense"] == dense[0] + dense[1] and second["bytes_dense"] == dense[0]
+    assert first["bytes_sent"] < first["bytes_dense"] / 4  # dct top-4 of 8×8 chunks
+    assert first["slowest_name"] == "bob"  # bob submitted after alice
+    assert first["slowest_client_id"] == replies["bob"].client_id
+    assert 0 <= first["slowest_s"] <= first["duration_s"]
+    assert first["closed_at"] == pytest.approx(first["opened_at"] + first["duration_s"])
+    assert first["dropped"] == []
+    assert second["dropped"] == [{"client_id": replies["bob"].client_id, "name": "bob",
+                                  "reason": "left the run"}]
+    assert [r["round"] for r in get(server, "/api/rounds?since_round=1")] == [1]
+
+
+def test_loss_is_the_token_weighted_mean_per_tier(run):
+    server, *_ = run
+    loss = get(server, "/api/loss")
+    assert loss == {"0": [{"round": 0, "loss": 3.0}, {"round": 1, "loss": 2.5}],
+                    "1": [{"round": 0, "loss": 4.0}]}
+    assert get(server, "/api/loss?since_round=1") == {"0": [{"round": 1, "loss": 2.5}],
+                                                       "1": []}
+
+
+def test_events_are_numbered_and_paged(run):
+    server, replies, *_ = run
+    events = get(server, "/api/events")
+    assert [e["seq"] for e in events] == list(range(len(events)))
+    kinds = [(e["kind"], e["client_id"]) for e in events]
+    ids = {name: reply.client_id for name, reply in replies.items()}
+    assert kinds == [("join", ids["alice"]), ("join", ids["bob"]), ("leave", ids["bob"]),
+                     ("join", ids["carol"]), ("exclude", ids["carol"])]
+    assert "bob (cpu) at tier 1" in events[1]["detail"]
+    assert [e["seq"] for e in get(server, "/api/events?after=2")] == [3, 4]
+    assert [e["seq"] for e in get(server, "/api/events?limit=2")] == [3, 4]
+    assert http_get(server, "/api/events?after=-2")[0] == 422
+
+
+def test_dashboard_is_one_snapshot_of_the_parts(run):
+    server, *_ = run
+    whole = get(server, "/api/dashboard")
+    assert whole["loss"] == get(server, "/api/loss")
+    assert whole["rounds"] == get(server, "/api/rounds")
+    assert whole["events"] == get(server, "/api/events")
+    assert whole["clients"]["excluded"] == get(server, "/api/clients")["excluded"]
+    assert whole["run"]["round"] == get(server, "/api/run")["round"]
+    newer = get(server, "/api/dashboard?since_round=1&events_after=3")
+    assert [r["round"] for r in newer["rounds"]] == [1]
+    assert [e["seq"] for e in newer["events"]] == [4]
+
+
+def test_status_and_the_page_come_from_the_same_numbers(run):
+    server, *_ = run
+    status = get(server, "/status")
+    rounds = get(server, "/api/rounds")
+    assert status["bytes_received"] == {str(r["round"]): r["bytes_sent"] for r in rounds}
+    assert status["bytes_dense"] == {str(r["round"]): r["bytes_dense"] for r in rounds}
+    code, page = http_get(server, "/")
+    assert code == 200 and b"<html" in page.lower()
+
+
+def test_round_records_and_numbered_events_are_saved_for_a_restart(run):
+    server, *_ = run
+    saved = RunState.load(server.service.coordinator.dir)
+    assert saved.rounds == get(server, "/api/rounds")
+    assert [e["seq"] for e in saved.events] == list(range(5))
+
+
+def test_a_silent_member_shows_as_silent_and_a_joined_one_with_its_device(run):
+    server, *_ = run
+    c = server.service.coordinator
+    (member,) = c.membership.members.values()
+    seen = member.last_seen
+    try:
+        member.last_seen = seen - c.config.faults.heartbeat_timeout_s - 5
+        (alice,) = get(server, "/api/clients")["members"]
+        assert alice["state"] == "silent"
+    finally:
+        member.last_seen = seen
+
+
+def test_device_name_and_memory_come_from_the_join(tmp_path):
+    toml = write_run_toml(tmp_path, min_clients=3)
+    server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
+    try:
+        assert server.wait_until_http_ready()
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}",
+                                   options=GRPC_OPTIONS) as channel:
+            request = join_request(server, name="gpu-box")
+            request.capabilities.device_kind = "cuda"
+            request.capabilities.device_name = "NVIDIA H100 80GB HBM3"
+            request.capabilities.memory_bytes = 80 * 2**30
+            pb_grpc.CoordinatorStub(channel).Join(request)
+        (row,) = get(server, "/api/clients")["members"]
+        assert (row["device_kind"], row["device_name"], row["memory_bytes"]) == (
+            "cuda", "NVIDIA H100 80GB HBM3", 80 * 2**30)
+        assert row["last_round"] is None and row["state"] == "idle"
+        assert get(server, "/api/run")["open_round"] is None
+    finally:
+        server.stop()
+
