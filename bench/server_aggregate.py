@@ -18,7 +18,7 @@ and ``apply + rest`` (what remains: mostly the update rule). Checkpoints are kep
 run's checkpoint interval is larger than the run, which is also longer than the rounds played.
 ``round wall`` is the client side: the first GetRound to the return of the last
 SubmitResult, which closes the round (and opens the next) before it answers. ``received``
-is the bytes of accepted submissions per round (``CoordinatorService.bytes_received``);
+is the bytes of accepted submissions per round (the round's record, ``bytes_sent``);
 ``update`` the bytes of one round's GetUpdates stream, which every client downloads, and the
 time one client takes to read it.
 
@@ -160,9 +160,9 @@ class Client:
     auth: tuple[tuple[str, str], ...]  # session metadata
     messages: list[pb.SubmitMessage]
 
-    def stream(self, round_index: int) -> Iterator[pb.SubmitMessage]:
+    def stream(self, round_index: int, assignment_id: str) -> Iterator[pb.SubmitMessage]:
         header = pb.SubmitHeader(round=round_index, client_id=self.client_id,
-                                 tokens=RESULT_TOKENS, loss=3.0)
+                                 tokens=RESULT_TOKENS, loss=3.0, assignment_id=assignment_id)
         yield pb.SubmitMessage(header=header)
         yield from self.messages
 
@@ -250,16 +250,18 @@ def join(stub: pb_grpc.CoordinatorStub, running: RunningServer, index: int, tier
 def play_round(stub: pb_grpc.CoordinatorStub, clients: list[Client]) -> tuple[int, float]:
     """Every client fetches its assignment, then every client submits; (round, seconds)."""
     start = time.perf_counter()
-    rounds = set()
+    rounds, assignments = set(), {}
     for client in clients:
         work = stub.GetRound(pb.GetRoundRequest(), metadata=client.auth)
+        assignments[client.client_id] = work.assignment_id
         if work.state != pb.ROUND_STATE_TRAIN:
             raise SystemExit(f"{client.client_id} got no work in round {work.round} "
                              f"(state {work.state}); raise --sequences-per-client.")
         rounds.add(work.round)
     (round_index,) = rounds
     for client in clients:
-        stub.SubmitResult(client.stream(round_index), metadata=client.auth)
+        stub.SubmitResult(client.stream(round_index, assignments[client.client_id]),
+                          metadata=client.auth)
     return round_index, time.perf_counter() - start
 
 
@@ -284,7 +286,9 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         for _ in range(args.rounds):
             round_index, seconds = play_round(stub, members)
             walls.append(seconds)
-            received.append(running.service.bytes_received[round_index])
+            record = running.service.coordinator.state.rounds[-1]
+            assert record["round"] == round_index
+            received.append(record["bytes_sent"])
         start = time.perf_counter()
         update = stub.GetUpdates(pb.GetUpdatesRequest(since_round=round_index),
                                  metadata=members[0].auth)

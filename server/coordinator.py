@@ -19,6 +19,7 @@ method holds one lock: a gRPC servicer may call them from its worker threads.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import logging
@@ -30,7 +31,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -68,6 +69,7 @@ MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 by
 DENSE_BYTES_PER_VALUE = 4  # a round's results as float32 tensors of their whole regions
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
 log = logging.getLogger("matformer.server")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,13 +315,15 @@ class Coordinator:
                 "excluded": [{"client_id": c, "reason": why,
                               "name": self.membership.excluded_names.get(c, "")}
                              for c, why in self.membership.excluded.items()],
+                "last_loss": {tier: points[-1] for tier, points in self.state.loss.items()
+                              if points},
                 "loss": {} if since_round is None else {
-                    tier: [p for p in points if p[0] >= since_round]
+                    tier: _tail(points, since_round, lambda p: p[0])
                     for tier, points in self.state.loss.items()},
-                "rounds": [] if since_round is None else [
-                    r for r in self.state.rounds if r["round"] >= since_round],
-                "events": [] if events_after is None else [
-                    e for e in self.state.events if e["seq"] > events_after]}
+                "rounds": [] if since_round is None else _tail(
+                    self.state.rounds, since_round, lambda r: r["round"]),
+                "events": [] if events_after is None else _tail(
+                    self.state.events, events_after + 1, lambda e: e["seq"])}
 
     def regions(self, tier: int) -> dict[str, Region]:
         """Canonical name → the region of the universal tensor that ``tier`` covers."""
@@ -630,6 +634,11 @@ class Coordinator:
 
     def _length(self, sequence_id: int) -> int:
         return len(self.reader[sequence_id])
+
+
+def _tail(records: list[T], first: int, key: Callable[[T], int]) -> list[T]:
+    """The records whose key is ``first`` or more, of a list in ascending key order."""
+    return records[bisect.bisect_left(records, first, key=key):]
 
 
 def _round_seed(data_seed: int, round_index: int) -> int:

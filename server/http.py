@@ -74,7 +74,7 @@ def build_app(service: CoordinatorService) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> str:
-        return prometheus_text(run_status(service))
+        return prometheus_text(coordinator.snapshot(since_round=None, events_after=None))
 
     @app.get("/files/{path:path}")
     def files(path: str) -> FileResponse:
@@ -128,20 +128,20 @@ def run_status(service: CoordinatorService) -> dict[str, Any]:
             "bytes_dense": {str(r["round"]): r["bytes_dense"] for r in snap["rounds"]}}
 
 
-def prometheus_text(status: dict[str, Any]) -> str:
-    """Gauges in the Prometheus exposition format (version 0.0.4)."""
-    run = f'run="{status["run_id"]}"'
+def prometheus_text(snap: dict[str, Any]) -> str:
+    """Gauges in the Prometheus exposition format (version 0.0.4), from a snapshot without
+    history (``Coordinator.snapshot``: the last loss per tier is always in it)."""
+    run = f'run="{snap["run_id"]}"'
     lines = [
         "# HELP matformer_round Rounds completed.", "# TYPE matformer_round gauge",
-        f"matformer_round{{{run}}} {status['round']}",
+        f"matformer_round{{{run}}} {snap['round']}",
         "# HELP matformer_tokens Tokens trained on.", "# TYPE matformer_tokens gauge",
-        f"matformer_tokens{{{run}}} {status['tokens']}",
+        f"matformer_tokens{{{run}}} {snap['tokens']}",
         "# HELP matformer_clients Members of the run.", "# TYPE matformer_clients gauge",
-        f"matformer_clients{{{run}}} {len(status['clients'])}",
+        f"matformer_clients{{{run}}} {len(snap['members'])}",
         "# HELP matformer_loss Mean training loss of the last completed round, per tier.",
         "# TYPE matformer_loss gauge",
     ]
-    for tier, points in sorted(status["loss"].items()):
-        if points:
-            lines.append(f'matformer_loss{{{run},tier="{tier}"}} {points[-1]["loss"]}')
+    for tier, (_, loss) in sorted(snap["last_loss"].items()):
+        lines.append(f'matformer_loss{{{run},tier="{tier}"}} {loss}')
     return "\n".join(lines) + "\n"

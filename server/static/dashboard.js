@@ -215,10 +215,10 @@ function renderRounds() {
   const ratio = sent ? dense / sent : null;
   setValue("#bytes-ratio", ratio, ratio === null ? "–" : `${fmt(ratio, 1)}×`);
   const latest = rounds[rounds.length - 1];
-  const slowest = $("#slowest");
-  slowest.dataset.clientId = latest ? latest.slowest_client_id : "";
-  setValue("#slowest", latest ? latest.slowest_s : null,
-           latest ? `${latest.slowest_name} (${fmt(latest.slowest_s, 2)} s)` : "–");
+  setValue("#slowest-name", latest ? latest.slowest_client_id : null,
+           latest ? latest.slowest_name : "–");
+  setValue("#slowest-s", latest ? latest.slowest_s : null,
+           latest ? `${fmt(latest.slowest_s, 2)} s` : "");
   const rows = rounds.slice(-ROUNDS_SHOWN).reverse().map((r) => {
     const row = node("tr", { "data-round": r.round });
     row.append(numCell("round", r.round, fmt(r.round, 0)));
