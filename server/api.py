@@ -4,7 +4,7 @@ made from. The dashboard at ``/`` reads this API and nothing else.
 
 - ``GET /api/run``: phase, round, tokens, the open round;
 - ``GET /api/clients``: members (device, memory, tier and why, speed, share of the last
-  round, last seen, rejections) and the clients excluded, with why;
+  round, last seen, rejections), the clients excluded and those that left, with why;
 - ``GET /api/loss?since_round=R``: training loss per tier per round;
 - ``GET /api/rounds?since_round=R``: each completed round: duration, slowest client, bytes
   sent against their dense size, who was dropped and why;
@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from server.coordinator import Coordinator
+from server.coordinator import MAX_DEPARTED, Coordinator
 
 EVENTS_LIMIT = 200  # the most events one response carries unless asked for fewer
 
@@ -31,7 +31,14 @@ Phase = Literal["waiting", "collecting", "finished"]
 ClientState = Literal["training", "submitted", "idle", "silent"]
 
 
-class OpenRoundInfo(BaseModel):
+class Strict(BaseModel):
+    """A response part whose schema lists every field it may carry (additionalProperties:
+    false), so a client generated from /openapi.json can rely on it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class OpenRoundInfo(Strict):
     round: int
     opened_at: float = Field(description="server clock, seconds since the epoch")
     deadline: float = Field(description="server clock, seconds since the epoch")
@@ -40,7 +47,7 @@ class OpenRoundInfo(BaseModel):
     submitted: list[str] = Field(description="client ids whose results are in")
 
 
-class RunInfo(BaseModel):
+class RunInfo(Strict):
     run_id: str
     phase: Phase = Field(description="waiting: fewer than min_clients active; collecting: a "
                                      "round is open; finished: the planned rounds or tokens "
@@ -57,7 +64,7 @@ class RunInfo(BaseModel):
                                            "(last seen) are relative to it")
 
 
-class ClientInfo(BaseModel):
+class ClientInfo(Strict):
     client_id: str
     name: str
     device_kind: str = Field(description="cpu | cuda | mps")
@@ -82,29 +89,44 @@ class ClientInfo(BaseModel):
     missed: int = Field(description="rounds missed in a row")
 
 
-class ExcludedClient(BaseModel):
+class ExcludedClient(Strict):
     client_id: str
     name: str
     reason: str
 
 
-class Clients(BaseModel):
+class DepartedClient(Strict):
+    client_id: str
+    name: str
+    tier: int
+    device_kind: str
+    device_name: str
+    tokens_per_second: float = Field(description="its speed when it left")
+    last_round: int | None = Field(description="the last completed round it delivered in")
+    left_at: float = Field(description="server clock")
+    round: int = Field(description="rounds completed when it left")
+    reason: str = Field(description="what it said when leaving, or why its session expired")
+
+
+class Clients(Strict):
     members: list[ClientInfo]
     excluded: list[ExcludedClient]
+    departed: list[DepartedClient] = Field(description="members that left, newest last "
+                                                       f"(the last {MAX_DEPARTED})")
 
 
-class LossPoint(BaseModel):
+class LossPoint(Strict):
     round: int
     loss: float = Field(description="token-weighted mean training loss its clients reported")
 
 
-class DroppedClient(BaseModel):
+class DroppedClient(Strict):
     client_id: str
     name: str
     reason: str
 
 
-class RoundRecord(BaseModel):
+class RoundRecord(Strict):
     round: int
     opened_at: float
     closed_at: float
@@ -124,7 +146,7 @@ EventKind = Literal["join", "leave", "exclude", "drop", "retier", "reject", "exp
                     "checkpoint", "resume"]
 
 
-class Event(BaseModel):
+class Event(Strict):
     seq: int = Field(description="numbers events in order; ask for those after one")
     time: float
     round: int
@@ -133,7 +155,7 @@ class Event(BaseModel):
     detail: str
 
 
-class Dashboard(BaseModel):
+class Dashboard(Strict):
     run: RunInfo
     clients: Clients
     loss: dict[str, list[LossPoint]] = Field(description="tier → points, by round")
@@ -213,7 +235,8 @@ def clients_info(snap: dict[str, Any]) -> Clients:
             last_round_seconds=m["last_round_seconds"], last_seen=m["last_seen"],
             last_seen_s_ago=age, state=state, rejections=m["rejections"],
             missed=m["missed"]))
-    return Clients(members=members, excluded=[ExcludedClient(**e) for e in snap["excluded"]])
+    return Clients(members=members, excluded=[ExcludedClient(**e) for e in snap["excluded"]],
+                   departed=[DepartedClient(**d) for d in snap["departed"]])
 
 
 def loss_info(snap: dict[str, Any]) -> dict[str, list[LossPoint]]:

@@ -65,6 +65,7 @@ from server.update_log import LoggedUpdate, UpdateLog
 from server.work import WorkQueue
 
 MAX_EVENTS = 1000  # the newest events state.json keeps
+MAX_DEPARTED = 100  # the newest departed members state.json keeps
 MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 bytes each)
 DENSE_BYTES_PER_VALUE = 4  # a round's results as float32 tensors of their whole regions
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
@@ -159,8 +160,9 @@ class Coordinator:
     def leave(self, client_id: str, reason: str = "") -> None:
         """Remove a member; its unsubmitted sequences of the open round go back to the queue."""
         with self._lock:
-            self.membership.leave(client_id)
+            member = self.membership.leave(client_id)
             self._drop_from_round(client_id, "left the run")
+            self._departed(member, reason or "left the run")
             self._event("leave", client_id, reason or "left the run")
             self._save()
             self.advance()
@@ -312,6 +314,7 @@ class Coordinator:
                 "allowed_tiers": list(self.config.tiers.allowed),
                 "checkpoints": list(self.state.checkpoints), "open_round": opened,
                 "members": [dataclasses.asdict(m) for m in self.membership.members.values()],
+                "departed": list(self.state.departed),
                 "excluded": [{"client_id": c, "reason": why,
                               "name": self.membership.excluded_names.get(c, "")}
                              for c, why in self.membership.excluded.items()],
@@ -423,6 +426,8 @@ class Coordinator:
         for member in [m for m in self.membership.members.values() if now - m.last_seen > ttl]:
             self.membership.leave(member.client_id)
             self._drop_from_round(member.client_id, "its session expired")
+            self._departed(member, f"silent for {now - member.last_seen:.0f} s: its session "
+                                   "expired")
             self._event("expire", member.client_id,
                         f"silent for {now - member.last_seen:.0f} s (session_ttl_s {ttl:g}): "
                         "its session expired; it must join again")
@@ -480,6 +485,15 @@ class Coordinator:
         member.missed = member.early = 0
         member.tier_reason = f"moved from tier {old} to tier {tier}: {why}"
         self._event("retier", member.client_id, member.tier_reason)
+
+    def _departed(self, member: Member, why: str) -> None:
+        """Keep what the status API showed of a member that left, with why."""
+        self.state.departed.append({
+            "client_id": member.client_id, "name": member.name, "tier": member.tier,
+            "device_kind": member.device_kind, "device_name": member.device_name,
+            "tokens_per_second": member.tokens_per_second, "last_round": member.last_round,
+            "left_at": self.clock(), "round": self.state.round, "reason": why})
+        del self.state.departed[:-MAX_DEPARTED]
 
     def _drop_from_round(self, client_id: str, why: str) -> None:
         """Hand a client's unsubmitted sequences of the open round back to the queue."""

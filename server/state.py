@@ -28,6 +28,7 @@ class RunState:
     finished: bool = False
     events: list[dict[str, Any]] = field(default_factory=list)  # Coordinator._event, oldest first
     rounds: list[dict[str, Any]] = field(default_factory=list)  # Coordinator._record_round
+    departed: list[dict[str, Any]] = field(default_factory=list)  # members that left, and why
 
     def save(self, run_dir: Path) -> None:
         write_json_atomic(Path(run_dir) / STATE_NAME, asdict(self))

@@ -122,6 +122,9 @@ def test_the_schema_check_catches_a_wrong_response(run):
     rounds[0]["bytes_sent"] = "many"
     assert response_errors(openapi, "/api/rounds", rounds)
     assert response_errors(openapi, "/api/run", {**get(server, "/api/run"), "phase": "?"})
+    events = get(server, "/api/events")
+    events[0]["colour"] = "red"  # a field the schema does not list
+    assert any("colour" in e for e in response_errors(openapi, "/api/events", events))
 
 
 def test_run_and_clients(run):
@@ -141,6 +144,10 @@ def test_run_and_clients(run):
     assert alice["tier_reason"] == replies["alice"].tier_reason
     assert clients["excluded"] == [{"client_id": replies["carol"].client_id, "name": "carol",
                                     "reason": "sent garbage"}]
+    (bob,) = clients["departed"]
+    assert (bob["client_id"], bob["name"], bob["tier"], bob["reason"]) == (
+        replies["bob"].client_id, "bob", 1, "done")
+    assert (bob["round"], bob["last_round"], bob["device_name"]) == (1, 0, "Test Laptop CPU")
 
 
 def test_rounds_record_bytes_duration_slowest_and_drops(run):

@@ -71,8 +71,22 @@ function thin(points, toX, width) {
   return kept;
 }
 
-// series: [{key, label, color, points: [[round, value], ...] in round order}]
-// options: {logY, yFormat(value) → text, yLabel}
+// "round:value,..." of a series; series only grow, so the text of the points seen before
+// is kept and only the new ones are appended.
+const pointsTexts = new Map(); // chart id/series key → {count, last, text}
+function pointsText(key, points) {
+  const kept = pointsTexts.get(key);
+  const reusable = kept && points.length >= kept.count && kept.count > 0
+    && points[kept.count - 1] === kept.last;
+  const from = reusable ? kept.count : 0;
+  const added = points.slice(from).map(([x, y]) => `${x}:${y}`).join(",");
+  const text = reusable && added ? `${kept.text},${added}` : reusable ? kept.text : added;
+  pointsTexts.set(key, { count: points.length, last: points[points.length - 1], text });
+  return text;
+}
+
+// series: [{key, label, color, dashed?, points: [[round, value], ...] in round order}]
+// options: {logY, yFormat(value, decimals the ticks need) → text}
 export function drawLineChart(svg, series, options) {
   const width = Math.max(svg.clientWidth || 600, 200);
   const height = Math.max(svg.clientHeight || 220, 120);
@@ -111,11 +125,15 @@ export function drawLineChart(svg, series, options) {
 
   const axes = el("g", { class: "axes" });
   const yTicks = options.logY ? logTicks(yLo, yHi) : niceTicks(yLo, yHi, 5);
+  // as many decimals as the step between ticks needs
+  const step = yTicks.length > 1 ? yTicks[1] - yTicks[0] : 1;
+  const digits = Math.min(Math.max(-Math.floor(Math.log10(step) + 1e-9), 0), 6);
   for (const t of yTicks) {
     const y = toY(t).toFixed(1);
     axes.append(el("line", { x1: MARGIN.left, x2: width - MARGIN.right, y1: y, y2: y,
                              class: "grid" }));
-    axes.append(el("text", { x: MARGIN.left - 6, y, class: "tick y" }, options.yFormat(t)));
+    axes.append(el("text", { x: MARGIN.left - 6, y, class: "tick y" },
+                   options.yFormat(t, digits)));
   }
   const xTicks = niceTicks(xLo, xHi, Math.max(Math.floor(plotW / 80), 2))
     .filter((t) => Number.isInteger(t));
@@ -147,9 +165,10 @@ export function drawLineChart(svg, series, options) {
     const points = options.logY ? s.points.filter((p) => p[1] > 0) : s.points;
     const drawn = thin(points, toX, plotW)
       .map(([x, y]) => `${toX(x).toFixed(1)},${toY(y).toFixed(1)}`).join(" ");
-    const line = el("polyline", { points: drawn, stroke: s.color, class: "series",
+    const line = el("polyline", { points: drawn, stroke: s.color,
+                                  class: s.dashed ? "series dashed" : "series",
                                   "data-series": s.key });
-    line.setAttribute("data-points", s.points.map(([x, y]) => `${x}:${y}`).join(","));
+    line.setAttribute("data-points", pointsText(`${svg.id}/${s.key}`, s.points));
     svg.append(line);
     const last = points[points.length - 1];
     if (last) {

@@ -13,10 +13,17 @@ const TIER_COLORS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#08
                      "#ca8a04", "#4b5563"];
 const GIB = 2 ** 30;
 
-const held = { runId: null, loss: {}, rounds: [], events: [], names: {}, lastRound: -1,
-               lastSeq: -1, snapshot: null, updatedAt: null };
+const ROUND_SERIES = ["bytes_sent", "bytes_dense", "duration_s", "slowest_s"];
 
-export const tierColor = (tier) => TIER_COLORS[Number(tier) % TIER_COLORS.length];
+// What the polls brought so far; the charts' series only grow (charts.js relies on it).
+const held = { runId: null, loss: {}, rounds: [], perRound: emptyPerRound(), events: [],
+               names: {}, lastRound: -1, lastSeq: -1, snapshot: null, updatedAt: null };
+
+function emptyPerRound() {
+  return Object.fromEntries(ROUND_SERIES.map((key) => [key, []]));
+}
+
+const tierColor = (tier) => TIER_COLORS[Number(tier) % TIER_COLORS.length];
 
 const $ = (selector) => document.querySelector(selector);
 
@@ -26,15 +33,11 @@ function fmt(value, digits) {
                                          maximumFractionDigits: digits });
 }
 
-function fmtBytes(bytes) {
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let value = bytes;
-  let unit = 0;
-  while (value >= 1024 && unit < units.length - 1) {
-    value /= 1024;
-    unit += 1;
-  }
-  return `${fmt(value, unit ? 1 : 0)} ${units[unit]}`;
+// Decimal units, for a log axis whose ticks are powers of ten.
+function fmtDecimalBytes(bytes) {
+  const units = ["B", "kB", "MB", "GB", "TB"];
+  const unit = Math.min(Math.max(Math.floor(Math.log10(bytes) / 3), 0), units.length - 1);
+  return `${fmt(bytes / 1000 ** unit, 0)} ${units[unit]}`;
 }
 
 function fmtClock(seconds) {
@@ -82,6 +85,7 @@ function absorb(snap) {
   held.runId = run.run_id;
   for (const m of snap.clients.members) held.names[m.client_id] = m.name;
   for (const e of snap.clients.excluded) if (e.name) held.names[e.client_id] = e.name;
+  for (const d of snap.clients.departed) held.names[d.client_id] ||= d.name;
   for (const [tier, points] of Object.entries(snap.loss)) {
     const series = (held.loss[tier] ||= []);
     const last = series.length ? series[series.length - 1][0] : -1;
@@ -91,6 +95,7 @@ function absorb(snap) {
   for (const r of snap.rounds) {
     if (held.rounds.length && r.round <= held.rounds[held.rounds.length - 1].round) continue;
     held.rounds.push(r);
+    for (const key of ROUND_SERIES) held.perRound[key].push([r.round, r[key]]);
     held.names[r.slowest_client_id] ||= r.slowest_name;
     for (const d of r.dropped) held.names[d.client_id] ||= d.name;
     held.lastRound = Math.max(held.lastRound, r.round);
@@ -107,8 +112,9 @@ function absorb(snap) {
 }
 
 function forget() {
-  Object.assign(held, { runId: null, loss: {}, rounds: [], events: [], names: {},
-                        lastRound: -1, lastSeq: -1 });
+  Object.assign(held, { runId: null, loss: {}, rounds: [], perRound: emptyPerRound(),
+                        events: [], names: {}, lastRound: -1, lastSeq: -1 });
+  $("#events tbody").replaceChildren(); // a rewound run numbers its events anew
 }
 
 // -- rendering ------------------------------------------------------------------------------
@@ -123,9 +129,8 @@ function renderRun(run) {
            run.rounds_planned === null ? "–" : fmt(run.rounds_planned, 0));
   setValue("#tokens", run.tokens, fmt(run.tokens, 0));
   setValue("#tokens-planned", run.tokens_planned,
-           run.tokens_planned === null ? "–" : fmt(run.tokens_planned, 0));
+           run.tokens_planned === null ? "no token target" : `of ${fmt(run.tokens_planned, 0)}`);
   const open = run.open_round;
-  $("#open-round").dataset.value = open ? String(open.round) : "";
   setValue("#open-round-index", open ? open.round : null,
            open ? `round ${fmt(open.round, 0)}` : "none");
   setValue("#open-submitted", open ? open.submitted.length : 0,
@@ -166,7 +171,8 @@ function clientRow(m) {
 }
 
 function renderClients(clients) {
-  const rows = clients.members.map(clientRow);
+  const rows = [...clients.members]
+    .sort((a, b) => a.tier - b.tier || a.name.localeCompare(b.name)).map(clientRow);
   if (!rows.length) rows.push(emptyRow(9, "no clients have joined"));
   $("#clients tbody").replaceChildren(...rows);
   const excluded = clients.excluded.map((e) => {
@@ -177,6 +183,16 @@ function renderClients(clients) {
   });
   if (!excluded.length) excluded.push(node("li", { class: "muted" }, "none"));
   $("#excluded").replaceChildren(...excluded);
+  const departed = [...clients.departed].reverse().map((d) => {
+    const item = node("li", { "data-client-id": d.client_id });
+    item.append(node("b", { "data-field": "name" }, d.name), " ", tierBadge(d.tier),
+                " left in round ",
+                node("span", { "data-field": "round", "data-value": d.round }, fmt(d.round, 0)),
+                ": ", node("span", { "data-field": "reason" }, d.reason));
+    return item;
+  });
+  if (!departed.length) departed.push(node("li", { class: "muted" }, "none"));
+  $("#departed").replaceChildren(...departed);
 }
 
 function emptyRow(columns, text) {
@@ -188,20 +204,19 @@ function emptyRow(columns, text) {
 function renderCharts() {
   const lossSeries = Object.keys(held.loss).sort((a, b) => a - b).map((tier) => ({
     key: tier, label: `tier ${tier}`, color: tierColor(tier), points: held.loss[tier] }));
-  drawLineChart($("#loss-chart"), lossSeries, { yFormat: (v) => fmt(v, 2) });
-  const rounds = held.rounds;
+  drawLineChart($("#loss-chart"), lossSeries, { yFormat: fmt });
   drawLineChart($("#bytes-chart"), [
     { key: "bytes_sent", label: "sent (compressed)", color: "#2563eb",
-      points: rounds.map((r) => [r.round, r.bytes_sent]) },
+      points: held.perRound.bytes_sent },
     { key: "bytes_dense", label: "dense float32", color: "#9ca3af",
-      points: rounds.map((r) => [r.round, r.bytes_dense]) },
-  ], { logY: true, yFormat: fmtBytes });
+      points: held.perRound.bytes_dense },
+  ], { logY: true, yFormat: fmtDecimalBytes });
   drawLineChart($("#duration-chart"), [
     { key: "duration_s", label: "round", color: "#0f766e",
-      points: rounds.map((r) => [r.round, r.duration_s]) },
-    { key: "slowest_s", label: "slowest client", color: "#f59e0b",
-      points: rounds.map((r) => [r.round, r.slowest_s]) },
-  ], { yFormat: (v) => `${fmt(v, 1)} s` });
+      points: held.perRound.duration_s },
+    { key: "slowest_s", label: "slowest client", color: "#f59e0b", dashed: true,
+      points: held.perRound.slowest_s },
+  ], { yFormat: (v, digits) => `${fmt(v, digits)} s` });
 }
 
 function renderRounds() {
@@ -238,19 +253,27 @@ function renderRounds() {
   $("#rounds-table tbody").replaceChildren(...rows);
 }
 
+function eventRow(e) {
+  const row = node("tr", { "data-seq": e.seq, "data-kind": e.kind });
+  row.append(node("td", { "data-field": "time", "data-value": e.time }, fmtClock(e.time)));
+  row.append(numCell("round", e.round, fmt(e.round, 0)));
+  row.append(node("td", { "data-field": "kind", class: `kind-${e.kind}` }, e.kind));
+  row.append(node("td", { "data-field": "client", "data-value": e.client_id ?? "" },
+                  e.client_id === null ? "–" : nameOf(e.client_id)));
+  row.append(node("td", { "data-field": "detail" }, e.detail));
+  return row;
+}
+
+// Newest first: the new events go on top, the oldest beyond EVENTS_KEPT fall off.
 function renderEvents() {
-  const rows = held.events.slice().reverse().map((e) => {
-    const row = node("tr", { "data-seq": e.seq, "data-kind": e.kind });
-    row.append(node("td", { "data-field": "time", "data-value": e.time }, fmtClock(e.time)));
-    row.append(numCell("round", e.round, fmt(e.round, 0)));
-    row.append(node("td", { "data-field": "kind", class: `kind-${e.kind}` }, e.kind));
-    row.append(node("td", { "data-field": "client", "data-value": e.client_id ?? "" },
-                    e.client_id === null ? "–" : nameOf(e.client_id)));
-    row.append(node("td", { "data-field": "detail" }, e.detail));
-    return row;
-  });
-  if (!rows.length) rows.push(emptyRow(5, "no events yet"));
-  $("#events tbody").replaceChildren(...rows);
+  const body = $("#events tbody");
+  const newest = body.querySelector("tr[data-seq]");
+  const shown = newest ? Number(newest.dataset.seq) : -1;
+  const rows = held.events.filter((e) => e.seq > shown).reverse().map(eventRow);
+  if (!newest) body.replaceChildren();
+  body.prepend(...rows);
+  while (body.rows.length > EVENTS_KEPT) body.lastElementChild.remove();
+  if (!body.rows.length) body.append(emptyRow(5, "no events yet"));
 }
 
 function render(snap, grew) {
@@ -289,7 +312,7 @@ async function poll() {
     const reply = await fetch(url, { cache: "no-store", signal: controller.signal });
     if (!reply.ok) throw new Error(`HTTP ${reply.status}`);
     const snap = await reply.json();
-    const before = { rounds: held.rounds.length, lastRound: held.lastRound, seq: held.lastSeq };
+    const before = { lastRound: held.lastRound, seq: held.lastSeq };
     if (!absorb(snap)) {
       forget();
       setTimeout(poll, 0);
