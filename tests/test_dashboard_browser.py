@@ -24,6 +24,7 @@ from local_testnet.main import join_token_env
 from local_testnet.processes import free_port
 from modeling.mdat import build_default_mdat
 from tests.openapi import api_paths, response_errors
+from tests.test_local_testnet import write_toml
 
 STATIC = Path(__file__).resolve().parents[1] / "server" / "static"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -46,40 +47,6 @@ LAST_SEEN_TOLERANCE_S = 5.0  # heartbeats move last_seen between the page's poll
 CLIENTS = [testnet.ClientSpec(name="client-0", tier=0),
            testnet.ClientSpec(name="client-1 <img src=x onerror=window.__xss=1>", tier=1)]
 
-RUN_TOML = """\
-[run]
-id = "dashboard-test"
-dir = "run"
-
-[model.inline]
-vocab_size = 260
-hidden_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 64
-max_position_embeddings = 128
-
-[data]
-path = "d.mdat"
-max_seq_len = 128
-
-[tiers]
-allowed = [0, 1]
-
-[round]
-min_clients = 2
-deadline_s = 20.0
-tokens_per_round = 1024
-rounds = {rounds}
-
-[update]
-rule = "sign"
-lr = 0.005
-
-[auth]
-join_token = "secret-token-for-the-dashboard-test"
-"""
 
 # One consistent read of everything the page shows.
 READ_PAGE = """
@@ -136,8 +103,7 @@ class LiveRun:
 
     def __init__(self, tmp_path: Path) -> None:
         build_default_mdat(tmp_path / "d.mdat", limit=150).close()
-        config = tmp_path / "run.toml"
-        config.write_text(RUN_TOML.format(rounds=ROUNDS))
+        config = write_toml(tmp_path / "run.toml", deadline=20.0, rounds=ROUNDS)
         grpc_port, http_port = free_port(), free_port()
         while http_port == grpc_port:
             http_port = free_port()
