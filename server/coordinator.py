@@ -506,8 +506,7 @@ class Coordinator:
     def _event(self, kind: str, client_id: str | None, detail: str) -> None:
         """One line of the run's history (joins, leaves, drops, re-tierings, exclusions,
         checkpoints), kept in state.json for the status API; the log gets it too."""
-        seq = self.state.events[-1].get("seq", len(self.state.events) - 1) + 1 if (
-            self.state.events) else 0
+        seq = self.state.events[-1]["seq"] + 1 if self.state.events else 0  # RunState.load
         self.state.events.append({"seq": seq, "time": self.clock(), "round": self.state.round,
                                   "kind": kind, "client_id": client_id, "detail": detail})
         del self.state.events[:-MAX_EVENTS]
@@ -540,17 +539,17 @@ class Coordinator:
                 member.last_round_tokens = rnd.assignments[client].tokens
                 member.last_round_share = member.last_round_tokens / tokens if tokens else 0.0
                 member.last_round_seconds = seconds
-        names = rnd.names
+        names = rnd.names  # a member that left since keeps its name here
         self.state.rounds.append({
             "round": rnd.index, "opened_at": rnd.opened_at, "closed_at": now,
             "duration_s": now - rnd.opened_at, "tokens": tokens,
             "clients": len(rnd.assignments),
-            "slowest_client_id": slowest, "slowest_name": names[slowest],
+            "slowest_client_id": slowest, "slowest_name": names.get(slowest, slowest),
             "slowest_s": took[slowest],
             "bytes_sent": sum(s.wire_bytes for s in rnd.submissions.values()),
             "bytes_dense": sum(DENSE_BYTES_PER_VALUE * math.prod(region_shape(r.region))
                                for results in by_name.values() for r in results),
-            "dropped": [{"client_id": c, "name": names[c], "reason": why}
+            "dropped": [{"client_id": c, "name": names.get(c, c), "reason": why}
                         for c, why in rnd.dropped.items()],
         })
         del self.state.rounds[:-MAX_ROUND_RECORDS]

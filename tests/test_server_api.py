@@ -257,3 +257,13 @@ def test_device_name_and_memory_come_from_the_join(tmp_path):
     finally:
         server.stop()
 
+
+
+def test_events_saved_before_they_were_numbered_get_numbers_on_load(tmp_path):
+    RunState(run_id="old", data_fingerprint="f", events=[
+        {"time": 1.0, "round": 0, "kind": "join", "client_id": "client-0", "detail": "a"},
+        {"time": 2.0, "round": 0, "kind": "leave", "client_id": "client-0", "detail": "b"},
+    ]).save(tmp_path)
+    loaded = RunState.load(tmp_path)
+    assert [(e["seq"], e["detail"]) for e in loaded.events] == [(0, "a"), (1, "b")]
+    assert loaded.rounds == [] and loaded.departed == []
