@@ -69,6 +69,10 @@ class IncompleteTier(ManifestError):
     """Files the manifest lists for a tier are missing."""
 
 
+class SliceMismatch(CheckpointError):
+    """A slice folder holds another tier, or another model, than the one asked for."""
+
+
 class MdatError(MatformerError):
     """An MDAT dataset container is missing something, or cannot do what was asked."""
 

@@ -61,6 +61,17 @@ def layer_widths(config: Any, tier: Tier | None = None) -> list[int]:
     return [tier_width(config, t, s) for t, s in zip(tiers, stored, strict=True)]
 
 
+def tier_of_width(base: int, width: int) -> int:
+    """The tier ``t`` with ``width == base / 2**t``; TierError when there is none."""
+    ratio, rest = divmod(base, width) if width > 0 else (0, 1)
+    if rest or ratio < 1 or ratio & (ratio - 1):
+        raise TierError(
+            f"intermediate_size {width} is not base {base} / 2**t for any tier t; set "
+            "matformer_tier in config.json, or fix matformer_base_intermediate_size."
+        )
+    return ratio.bit_length() - 1
+
+
 def tier_label(tier: Tier) -> str:
     """A stable name for a tier or Mix'n'Match list: "2", "mix:0,0,1,2"."""
     return str(tier) if isinstance(tier, int) else "mix:" + ",".join(map(str, tier))

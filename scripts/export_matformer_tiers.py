@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from modeling.checkpoint.export import export_tiers
 from modeling.errors import MatformerError
+from modeling.matformer import tier_label
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,12 +24,13 @@ def main(argv: list[str] | None = None) -> None:
         mixes = [[int(t) for t in spec.split(",")] for spec in args.mix_n_match]
     except ValueError:
         parser.error(f"--mix-n-match takes comma-separated integers, got {args.mix_n_match}")
+    logging.basicConfig(format="matformer-export-tiers: %(message)s", level=logging.WARNING)
     try:
         manifest = export_tiers(args.src, args.tiers, mixes)
     except MatformerError as err:
         parser.exit(2, f"matformer-export-tiers: error: {err}\n")
     for entry in manifest.tiers:
-        print(f"tier {entry.tier}: intermediate_size {entry.intermediate_size}, "
+        print(f"tier {tier_label(entry.tier)}: intermediate_size {entry.intermediate_size}, "
               f"{len(entry.files)} files")
     print(f"wrote {args.src / 'matformer_manifest.json'}")
 

@@ -252,7 +252,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         entry = manifest.entry(tier) if manifest is not None else None
         if entry is not None:
             message.entry.CopyFrom(pb.TierEntry(tier=str(entry.tier),
-                                                intermediate_size=entry.intermediate_size,
+                                                intermediate_size=entry.intermediate_size or 0,
                                                 files=entry.files))
         return message
 

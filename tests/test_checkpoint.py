@@ -101,6 +101,62 @@ def test_plain_hugging_face_llama_checkpoint_loads(tmp_path, ids):
         assert max_diff(ours(ids), hf(ids).logits) <= 1e-4
 
 
+def test_transformers_5_rope_theta_is_read_from_rope_parameters(tmp_path, ids):
+    """transformers 5 writes rope_theta only inside rope_parameters; a Llama saved with
+    500000 must not load with the default 10000 (issue 14, item 2)."""
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rope_theta=500000.0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if "rope_theta" not in written.get("rope_parameters", {}):
+        pytest.skip("this transformers writes rope_theta at the top level")
+    ours = load_pretrained(tmp_path / "hf")
+    assert ours.config.rope_theta == 500000.0
+    with torch.no_grad():
+        assert max_diff(ours(ids), hf(ids).logits) <= 1e-4
+
+
+def test_our_rope_theta_reaches_transformers(tmp_path, ids):
+    model = llama(rope_theta=500000.0)
+    save_pretrained(model, tmp_path / "ours")
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    with torch.no_grad():
+        assert max_diff(hf(ids).logits, model(ids)) <= 1e-4
+    assert load_pretrained(tmp_path / "ours").config.rope_theta == 500000.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+      "RoPE type 'linear'"),
+     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}},
+      "with factor"),
+     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                           "partial_rotary_factor": 0.5}}, "partial_rotary_factor 0.5"),
+     ({"partial_rotary_factor": 0.25}, "partial_rotary_factor 0.25"),
+     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+      "differ between layer types"),
+     ({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+      "keep one value"),
+     ({"attention_bias": True}, "attention_bias is true"),
+     ({"mlp_bias": True}, "mlp_bias is true")],
+)
+def test_llama_fields_matformer_cannot_honour_are_refused(extra, message):
+    data = {k: v for k, v in to_config_dict(tiny_config()).items() if k != "rope_parameters"}
+    with pytest.raises(ConfigError, match=message):
+        from_config_dict(data | extra)
+
+
+def test_rope_parameters_per_layer_type_that_agree_are_read():
+    data = to_config_dict(tiny_config()) | {"rope_theta": None, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 250000.0}}}
+    assert from_config_dict(data).rope_theta == 250000.0
+
+
 def test_config_json_round_trip_and_errors():
     config = tiny_config()
     assert from_config_dict(to_config_dict(config)) == config

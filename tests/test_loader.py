@@ -12,7 +12,8 @@ from conftest import tiny_config
 from modeling import AutoregressiveModel
 from modeling.checkpoint import save_pretrained
 from modeling.checkpoint.export import export_tiers
-from modeling.checkpoint.loader import infer_metadata, load_for_tier, resolve
+from modeling.checkpoint.hf_config import infer_metadata
+from modeling.checkpoint.loader import load_for_tier, resolve
 from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.checkpoint.repository import normalize
 from modeling.checkpoint.schema import canonical_schema_hash, local_schema_hash
@@ -247,8 +248,9 @@ def test_mix_n_match_export_and_load(tmp_path, universal):
     source = save_pretrained(universal, tmp_path / "tiny")
     export_tiers(source, [1], mix_n_match=[[0, 1], [1, 2]])
     manifest = json.loads((source / MANIFEST_NAME).read_text())
-    mix = next(e for e in manifest["tiers"] if e["tier"] == "mix:0,1")
-    assert mix["layer_tiers"] == [0, 1] and mix["intermediate_size"] == 64
+    assert [e["tier"] for e in manifest["tiers"]] == [0, 1]  # integers only (schema v1)
+    mix = next(e for e in manifest["mix_n_match"] if e["layer_tiers"] == [0, 1])
+    assert mix["intermediate_size"] == 64 and "tier" not in mix
     assert mix["files"][0] == "../tiny-mix-0-1/config.json"
     config = json.loads((tmp_path / "tiny-mix-0-1" / "config.json").read_text())
     assert config["model_type"] == "matformer" and config["matformer_layer_tiers"] == [0, 1]

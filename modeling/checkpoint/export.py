@@ -4,11 +4,17 @@ Each tier ``t`` becomes ``<name>-tier<t>/`` beside the source: a complete checkp
 weights sharded like the source, common files) that plain ``transformers`` can open. The
 manifest goes in the source directory. Every tier directory is staged first and renamed
 into place only once all of them were written; the manifest is written last.
+
+Common files are what a tier needs besides its config and weights: the tokenizer's files,
+``generation_config.json`` (in the source's top folder) and custom code (``*.py``, in any
+folder). Anything else (optimizer state, READMEs, logs) stays out of the slices, which every
+client of the tier downloads, and the export says which files it left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -30,19 +36,42 @@ from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, TierEntry, sha
 from modeling.checkpoint.pretrained import read_config
 from modeling.checkpoint.slicing import slice_state
 from modeling.errors import AlreadySliced, TierError
-from modeling.matformer import layer_widths, tier_label
+from modeling.matformer import Tier, layer_widths
+
+log = logging.getLogger("matformer.checkpoint")
 
 
-def common_files(source: Path, weights: Sequence[str]) -> list[str]:
-    """Files a tier shares with the universal checkpoint: tokenizer files, custom code..."""
-    skip = {CONFIG_NAME, MANIFEST_NAME, *weights}
-    return sorted(
-        path.relative_to(source).as_posix()
-        for path in source.rglob("*")
-        if path.is_file()
-        and path.relative_to(source).as_posix() not in skip
-        and not any(part.startswith(".") for part in path.relative_to(source).parts)
-    )
+COMMON_NAMES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja",
+    "chat_template.json", "generation_config.json",
+})
+
+
+def common_files(source: Path) -> tuple[list[str], list[str]]:
+    """(files every tier shares, files left out of the slices) among the source's extras.
+
+    Extras are the files besides config, weights and manifest; hidden files and folders are
+    neither shared nor reported.
+    """
+    own = {CONFIG_NAME, MANIFEST_NAME, *weight_files(source)}
+    shared, left_out = [], []
+    for path in sorted(source.rglob("*")):
+        name = path.relative_to(source).as_posix()
+        if not path.is_file() or name in own or any(
+                part.startswith(".") for part in path.relative_to(source).parts):
+            continue
+        keep = name in COMMON_NAMES or name.endswith(".py")  # code may sit in a package
+        (shared if keep else left_out).append(name)
+    return shared, left_out
+
+
+def slice_folder(name: str, tier: Tier) -> str:
+    """The folder of a slice beside the universal folder ``name``: ``name-tier2`` or, for a
+    Mix'n'Match list, ``name-mix-0-0-1-2``."""
+    if isinstance(tier, int):
+        return f"{name}-tier{tier}"
+    return f"{name}-mix-" + "-".join(map(str, tier))
 
 
 def export_tiers(
@@ -58,22 +87,25 @@ def export_tiers(
             f"{config.matformer_base_intermediate_size}-wide model; export from the universal "
             "checkpoint instead (slicing a slice would cut the wrong neurons)."
         )
-    slices: dict[str, tuple[list[int], list[int]]] = {}  # dir suffix → (layer tiers, widths)
+    # each slice: its tier (int, or tuple of per-layer tiers) → (layer tiers, layer widths)
+    slices: dict[int | tuple[int, ...], tuple[list[int], list[int]]] = {}
     for tier in sorted(set(tiers)):
         if tier < 1:
             raise TierError(f"tier {tier}: export tiers >= 1; tier 0 is {source} itself.")
-        slices[f"tier{tier}"] = ([tier] * config.num_hidden_layers, layer_widths(config, tier))
+        slices[tier] = ([tier] * config.num_hidden_layers, layer_widths(config, tier))
     for layer_tiers in mix_n_match:
         layer_tiers = list(layer_tiers)
-        name = "mix-" + "-".join(map(str, layer_tiers))
-        slices[name] = (layer_tiers, layer_widths(config, layer_tiers))
+        slices[tuple(layer_tiers)] = (layer_tiers, layer_widths(config, layer_tiers))
 
     weights = weight_files(source)
     shard_bytes = None
     if weights[0] == INDEX_NAME:
         shard_bytes = max((source / f).stat().st_size for f in weights[1:])
     state = read_weights(source)
-    common = common_files(source, weights)
+    common, left_out = common_files(source)
+    if left_out:
+        log.warning("left out of the tier slices of %s (not tokenizer, generation config or "
+                    "custom code): %s", source, ", ".join(left_out))
     manifest = Manifest(base_intermediate_size=config.matformer_base_intermediate_size,
                         common_files=common)
     manifest.tiers.append(TierEntry(tier=0, intermediate_size=config.intermediate_size,
@@ -82,24 +114,20 @@ def export_tiers(
         manifest.sha256[name] = sha256_of(source / name)
 
     with ExitStack() as stack:
-        for suffix, (layer_tiers, widths) in slices.items():
-            target = source.parent / f"{source.name}-{suffix}"
+        for tier, (layer_tiers, widths) in slices.items():
+            target = source.parent / slice_folder(source.name, tier)
             staging = stack.enter_context(atomic_directory(target))
-            mixed = len(set(layer_tiers)) > 1 or suffix.startswith("mix")
             tier_config = dataclasses.replace(
                 config, intermediate_size=widths[0], matformer_tier=layer_tiers[0],
-                matformer_layer_tiers=layer_tiers if mixed else None,
+                matformer_layer_tiers=layer_tiers if isinstance(tier, tuple) else None,
             )
             write_json(staging / CONFIG_NAME, to_config_dict(tier_config))
             files = write_weights(slice_state(state, widths), staging, shard_bytes)
             copy_files(common, source, staging)
             listed = [CONFIG_NAME, *files]
             relative = [f"../{target.name}/{name}" for name in listed]
-            manifest.tiers.append(TierEntry(
-                tier=tier_label(layer_tiers) if mixed else layer_tiers[0],
-                intermediate_size=widths[0], files=relative,
-                layer_tiers=layer_tiers if mixed else None,
-            ))
+            manifest.tiers.append(TierEntry(tier=tier, intermediate_size=widths[0],
+                                            files=relative))
             for name, path in zip(listed, relative, strict=True):
                 manifest.sha256[path] = sha256_of(staging / name)
     write_json_atomic(source / MANIFEST_NAME, manifest.to_dict())

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -74,20 +74,45 @@ def weight_files(directory: Path) -> list[str]:
     )
 
 
-def read_weights(directory: Path) -> dict[str, Tensor]:
-    """All tensors of a checkpoint directory, single-file or sharded."""
-    files = weight_files(directory)
-    if files == [WEIGHTS_NAME]:
+def is_weights_file(path: str) -> bool:
+    """Whether a checkpoint file holds weights (a safetensors file or a shard index)."""
+    name = path.rsplit("/", 1)[-1]
+    return name == INDEX_NAME or name.endswith(".safetensors")
+
+
+def read_weights(directory: Path, files: Sequence[str] | None = None) -> dict[str, Tensor]:
+    """All tensors of a checkpoint directory, single-file or sharded.
+
+    ``files`` (names in ``directory``, index first when sharded, as ``weight_files`` gives
+    them) restricts the read to those: a loader passes the files it verified, so nothing
+    else in the folder is read, and a shard the index names outside ``files`` is an error.
+    """
+    files = weight_files(directory) if files is None else list(files)
+    if not files or files[0] != INDEX_NAME:
+        if files != [WEIGHTS_NAME]:
+            raise CheckpointError(
+                f"expected {WEIGHTS_NAME} or {INDEX_NAME} with its shards in {directory}, "
+                f"got {', '.join(files) or 'no weights files'}."
+            )
         return load_file(directory / WEIGHTS_NAME)
-    weight_map = read_json(directory / INDEX_NAME)["weight_map"]
-    missing = [f for f in files[1:] if not (directory / f).is_file()]
+    weight_map = read_json(directory / INDEX_NAME).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{directory / INDEX_NAME} has no 'weight_map'; re-export it.")
+    shards = sorted(set(weight_map.values()))
+    unlisted = [f for f in shards if f not in files]
+    if unlisted:
+        raise CheckpointError(
+            f"{directory / INDEX_NAME} names shard(s) outside the files to read: "
+            f"{', '.join(unlisted)}; re-export the checkpoint."
+        )
+    missing = [f for f in shards if not (directory / f).is_file()]
     if missing:
         raise MissingShard(
             f"{directory / INDEX_NAME} names shard(s) that are not there: {', '.join(missing)}. "
             "Copy the complete checkpoint or export it again."
         )
     state: dict[str, Tensor] = {}
-    for file in files[1:]:
+    for file in shards:
         state.update(load_file(directory / file))
     if set(state) != set(weight_map):
         lost = sorted(set(weight_map) ^ set(state))[:5]

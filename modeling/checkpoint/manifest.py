@@ -1,7 +1,17 @@
 """``matformer_manifest.json``, schema v1: which files make each tier, and their sha256.
 
 Paths are relative to the manifest's directory; tier slices usually sit beside the universal
-checkpoint (``../name-tier1/model.safetensors``).
+checkpoint (``../name-tier1/model.safetensors``). The layout is psyche-elastic's, so either
+project reads the other's manifests:
+
+- ``tiers``: one entry per integer tier (``tier``, ``intermediate_size``, ``files``);
+- ``mix_n_match``: Matformer's own key, one entry per Mix'n'Match slice (``layer_tiers``
+  instead of ``tier``). Readers that know only ``tiers`` skip it;
+- ``common_files``: files every tier uses (tokenizer, custom code), in the manifest's folder;
+- ``sha256``: path → hex digest, for every file above.
+
+``intermediate_size`` and ``matformer_base_intermediate_size`` may be left out, as psyche's
+schema allows: each follows from the other and the tier (width = base / 2**tier).
 """
 
 from __future__ import annotations
@@ -16,54 +26,64 @@ from modeling.matformer import Tier, tier_label
 
 MANIFEST_NAME = "matformer_manifest.json"
 SCHEMA_VERSION = 1
+MIX_N_MATCH_KEY = "mix_n_match"
 
 
 @dataclass(kw_only=True, slots=True)
 class TierEntry:
     """The files of one tier (tier 0: the universal checkpoint) or Mix'n'Match slice.
 
-    A Mix'n'Match entry has ``layer_tiers`` and, as its ``tier``, the label "mix:0,0,1,2";
-    its ``intermediate_size`` is the widest (first) layer's.
+    ``tier`` is an integer, or for a Mix'n'Match slice the tuple of per-layer tiers;
+    ``intermediate_size`` is the widest (first) layer's width, None when the manifest leaves
+    it out and no base width is known either.
     """
 
-    tier: int | str
-    intermediate_size: int
+    tier: int | tuple[int, ...]
+    intermediate_size: int | None
     files: list[str]
-    layer_tiers: list[int] | None = None
+
+    @property
+    def is_mix(self) -> bool:
+        return isinstance(self.tier, tuple)
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"tier": self.tier, "intermediate_size": self.intermediate_size,
-                                "files": list(self.files)}
-        if self.layer_tiers is not None:
-            data["layer_tiers"] = list(self.layer_tiers)
-        return data
+        key: dict[str, Any] = (
+            {"layer_tiers": list(self.tier)} if self.is_mix else {"tier": self.tier}
+        )
+        width = {} if self.intermediate_size is None else {
+            "intermediate_size": self.intermediate_size}
+        return {**key, **width, "files": list(self.files)}
 
 
 @dataclass(kw_only=True, slots=True)
 class Manifest:
-    base_intermediate_size: int
+    base_intermediate_size: int | None
     common_files: list[str] = field(default_factory=list)
-    tiers: list[TierEntry] = field(default_factory=list)
+    tiers: list[TierEntry] = field(default_factory=list)  # integer tiers and Mix'n'Match
     sha256: dict[str, str] = field(default_factory=dict)  # path → hex digest
 
     def entry(self, tier: Tier) -> TierEntry | None:
         """The entry for a tier, or for a Mix'n'Match list of per-layer tiers."""
-        wanted = tier if isinstance(tier, int) else tier_label(tier)
+        wanted = tier if isinstance(tier, int) else tuple(tier)
         return next((e for e in self.tiers if e.tier == wanted), None)
 
     def available_tiers(self) -> list[str]:
-        ints = sorted(e.tier for e in self.tiers if isinstance(e.tier, int))
-        mixes = sorted(e.tier for e in self.tiers if isinstance(e.tier, str))
-        return [str(t) for t in ints] + mixes
+        ints = sorted(e.tier for e in self.tiers if not e.is_mix)
+        mixes = sorted(e.tier for e in self.tiers if e.is_mix)
+        return [tier_label(t) for t in ints] + [tier_label(t) for t in mixes]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "matformer_base_intermediate_size": self.base_intermediate_size,
-            "common_files": list(self.common_files),
-            "tiers": [e.to_dict() for e in sorted(self.tiers, key=lambda e: str(e.tier))],
-            "sha256": dict(sorted(self.sha256.items())),
-        }
+        data: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        if self.base_intermediate_size is not None:
+            data["matformer_base_intermediate_size"] = self.base_intermediate_size
+        data["common_files"] = list(self.common_files)
+        data["tiers"] = [e.to_dict() for e in sorted(
+            (e for e in self.tiers if not e.is_mix), key=lambda e: e.tier)]
+        mixes = sorted((e for e in self.tiers if e.is_mix), key=lambda e: e.tier)
+        if mixes:
+            data[MIX_N_MATCH_KEY] = [e.to_dict() for e in mixes]
+        data["sha256"] = dict(sorted(self.sha256.items()))
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = MANIFEST_NAME) -> Manifest:
@@ -74,25 +94,64 @@ class Manifest:
                 f"{SCHEMA_VERSION}. Re-export the tiers with this version, or upgrade Matformer."
             )
         try:
-            tiers = [
-                TierEntry(
-                    tier=str(e["tier"]) if "layer_tiers" in e else int(e["tier"]),
-                    intermediate_size=int(e["intermediate_size"]),
-                    files=[str(f) for f in e["files"]],
-                    layer_tiers=[int(t) for t in e["layer_tiers"]] if "layer_tiers" in e else None,
-                )
-                for e in data["tiers"]
-            ]
+            base = data.get("matformer_base_intermediate_size")
+            base = None if base is None else _count(base, "matformer_base_intermediate_size")
+            entries = [_entry(e, mix=False) for e in _list(data, "tiers")]
+            entries += [_entry(e, mix=True) for e in _list(data, MIX_N_MATCH_KEY)]
+            if base is None:
+                base = next((e.intermediate_size << e.tier for e in entries
+                             if not e.is_mix and e.intermediate_size is not None), None)
+            for e in entries:
+                if e.intermediate_size is None and base is not None:
+                    e.intermediate_size = base >> (e.tier[0] if e.is_mix else e.tier)
+            sha256 = data.get("sha256", {})
+            if not isinstance(sha256, dict):
+                raise TypeError("'sha256' must map paths to hex digests")
             return cls(
-                base_intermediate_size=int(data["matformer_base_intermediate_size"]),
-                common_files=[str(f) for f in data.get("common_files", [])],
-                tiers=tiers,
-                sha256={str(k): str(v) for k, v in data.get("sha256", {}).items()},
+                base_intermediate_size=base,
+                common_files=[str(f) for f in _list(data, "common_files")],
+                tiers=entries,
+                sha256={str(k): str(v) for k, v in sha256.items()},
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ManifestError(
                 f"{source} is malformed ({type(err).__name__}: {err}); re-export the tiers."
             ) from err
+
+
+def _list(data: dict[str, Any], key: str) -> list[Any]:
+    value = data.get(key, [])
+    if not isinstance(value, list):
+        raise TypeError(f"{key!r} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _count(value: Any, what: str) -> int:
+    """A non-negative JSON integer (True and 2.5 are not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _entry(data: Any, *, mix: bool) -> TierEntry:
+    if not isinstance(data, dict):
+        raise TypeError(f"a tier entry must be an object, got {data!r}")
+    if mix:
+        tier: int | tuple[int, ...] = tuple(
+            _count(t, "a layer tier") for t in data["layer_tiers"])
+        if not tier:
+            raise ValueError("a Mix'n'Match entry has an empty 'layer_tiers'")
+    elif isinstance(data.get("tier"), str) and "layer_tiers" in data:
+        # written by Matformer before Mix'n'Match entries moved to their own key
+        return _entry(data, mix=True)
+    else:
+        tier = _count(data["tier"], "tier")
+    width = data.get("intermediate_size")
+    files = data.get("files", [])
+    if not isinstance(files, list):
+        raise TypeError(f"'files' of tier {tier} must be a list")
+    return TierEntry(tier=tier, intermediate_size=None if width is None else _count(
+        width, "intermediate_size"), files=[str(f) for f in files])
 
 
 def sha256_of(path: Path) -> str:

@@ -2,7 +2,8 @@
 
 The local hash covers the config as loaded and the sorted parameter names. The canonical
 hash first moves the config to tier 0 at the base FFN width, so a universal checkpoint and
-every one of its slices share it, while any other architecture differs.
+every one of its slices (Mix'n'Match ones too) share it, while any other architecture
+differs. Parameter names follow from the config, so comparing configs alone may pass none.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def local_schema_hash(config: ModelConfig, parameter_names: Iterable[str]) -> st
 
 def canonical_schema_hash(config: ModelConfig, parameter_names: Iterable[str]) -> str:
     universal = dataclasses.replace(
-        config, intermediate_size=config.matformer_base_intermediate_size, matformer_tier=0
+        config, intermediate_size=config.matformer_base_intermediate_size, matformer_tier=0,
+        matformer_layer_tiers=None,
     )
     return _digest(universal, parameter_names)
