@@ -9,12 +9,13 @@ the same sequences of the stdlib-docstrings MDAT:
   C  as A with compression none: the dense float32 gradient, rule sign at the same lr
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
 
-The coordinator hands out the run's shuffle (``Mdat.shuffle``, seed ``data.seed``) from its
-start, ``--tokens-per-round`` per round; D trains on exactly the sequences those rounds
-take, in the same order, in steps of ``--batch-tokens``. Held out: the last 5% of the same
-shuffle (as in ``client.standalone``); every sequence a client trained on is checked
-against it. Each run's initial and final universal checkpoints are evaluated at tiers 0, 1,
-2; B's tiers 1 and 2 are MatFormer slices of a model only ever trained at tier 0.
+The coordinator hands out the run's order (``server.work.work_order``: the shuffle of seed
+``data.seed`` without the sequences that carry no target) from its start,
+``--tokens-per-round`` per round; D trains on exactly the sequences those rounds take, in the
+same order, in steps of ``--batch-tokens``. Held out: the last 5% of the same order (as in
+``client.standalone``); every sequence a client trained on is checked against it. Each run's
+initial and final universal checkpoints are evaluated at tiers 0, 1, 2; B's tiers 1 and 2
+are MatFormer slices of a model only ever trained at tier 0.
 
     python bench/federated_quality.py
     python bench/federated_quality.py --runs A,B --rounds 15 --lr 0.01
@@ -46,7 +47,7 @@ from modeling.optim import OptimizerConfig
 from modeling.training import TierSchedule, train_step_on_examples
 from server.config import RunConfig
 from server.main import RunningServer
-from server.work import WorkQueue
+from server.work import WorkQueue, work_order
 
 TIERS = [0, 1, 2]  # evaluated for every run
 TOKEN = "federated-quality"
@@ -232,7 +233,8 @@ def run_standalone(reader: SequenceReader, planned: list[list[int]],
     model, start = initial_model(args)
     ids = [i for r in planned for i in r]
     examples = [torch.from_numpy(reader[i].astype(np.int64)) for i in ids]
-    steps = plan_batches([len(e) for e in examples], args.batch_tokens)  # data order kept
+    # sort_window=0: in the order the rounds took them
+    steps = plan_batches([len(e) for e in examples], args.batch_tokens, sort_window=0)
     optimizer = OptimizerConfig(
         name="adamw", lr=args.adamw_lr, final_lr=args.adamw_lr / 10, weight_decay=0.01,
         warmup_steps=max(1, len(steps) // 10), total_steps=len(steps)).build(model)
@@ -264,13 +266,13 @@ def main() -> None:
         raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from A, B, C, D")
     data = data_path(args.documents)
     with Mdat.open(data) as mdat:
-        reader = mdat.sequences(STRATEGY, args.seq_len, None)
-        order = mdat.shuffle(None, STRATEGY, args.seq_len, args.seed)
+        # Every run's coordinator hands out the same order: A's config stands for them all.
+        reader, order = work_order(mdat, run_config("A", RUNS["A"], data, args))
         held_out = order[-max(1, len(order) // 20):]  # as client.standalone holds out
         planned = planned_rounds(order, reader, args)
         if sum(map(len, planned)) > len(order) - len(held_out):
             raise SystemExit(f"{args.rounds} rounds of {args.tokens_per_round} tokens reach "
-                             "the held-out tail of the shuffle; lower --rounds or "
+                             "the held-out tail of the order; lower --rounds or "
                              "--tokens-per-round, or raise --documents.")
         eval_examples = [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in held_out]
     held = HeldOut([MaskedBatch.from_list([eval_examples[i] for i in rows]) for rows in
@@ -279,7 +281,7 @@ def main() -> None:
     print(f"torch {torch.__version__} | cpu, {torch.get_num_threads()} threads | {data}: "
           f"{len(order):,} sequences of <= {args.seq_len} tokens | TINY model | "
           f"{args.rounds} rounds x {args.tokens_per_round:,} tokens: first {used:,} sequences "
-          f"of the shuffle (seed {args.seed}); held out: last {len(held_out):,} "
+          f"of the order (seed {args.seed}); held out: last {len(held_out):,} "
           f"({sum(len(e) for e in eval_examples):,} tokens) | sign lr {args.lr}, warmup "
           f"{args.warmup_rounds}, cosine to lr/10 | AdamW lr {args.adamw_lr}", flush=True)
 

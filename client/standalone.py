@@ -25,7 +25,7 @@ from modeling.errors import MatformerError
 from modeling.matformer import tier_label
 from modeling.mdat import DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
 from modeling.optim import OptimizerConfig
-from modeling.training import TierSchedule, train_step_on_examples
+from modeling.training import TierSchedule, target_tokens, train_step_on_examples, with_targets
 
 DEFAULT_DATA = Path("runs/python_docs.mdat")
 # A model that learns visibly in a minute on two CPU cores.
@@ -120,14 +120,17 @@ def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
     with open_data(args) as mdat:
         reader = mdat.sequences(args.strategy, args.seq_len, args.view)
-        order = mdat.shuffle(args.view, args.strategy, args.seq_len, args.seed)
+        lengths = reader.lengths()
+        order = with_targets(mdat.shuffle(args.view, args.strategy, args.seq_len, args.seed),
+                             lengths, config)
+        if len(order) < len(reader):
+            print(f"matformer-train: left out {len(reader) - len(order):,} sequences of fewer "
+                  f"than {target_tokens(config)} tokens: they carry no target")
         held_out = max(1, len(order) // 20)  # the shuffle's last 5% are never trained on
-        train_ids = order[:-held_out]
-        lengths = [len(reader[int(i)]) for i in train_ids]
-        plan = plan_batches(lengths, args.batch_tokens, sort_window=16)
-        eval_batches = [MaskedBatch.from_list(sequences(reader, order[-held_out:][i]))
-                        for i in plan_batches([len(reader[int(i)]) for i in order[-held_out:]],
-                                              args.batch_tokens)]
+        train_ids, eval_ids = order[:-held_out], order[-held_out:]
+        plan = plan_batches(lengths[train_ids].tolist(), args.batch_tokens)
+        eval_batches = [MaskedBatch.from_list(sequences(reader, eval_ids[i]))
+                        for i in plan_batches(lengths[eval_ids].tolist(), args.batch_tokens)]
         print(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters; "
               f"{len(train_ids):,} training sequences of up to {args.seq_len} tokens in "
               f"{len(plan)} batches of <= {args.batch_tokens} tokens; tiers {tiers} "

@@ -1,8 +1,9 @@
 """Held-out loss of a run's checkpoints, per tier, computed in the testnet's own process.
 
-The held-out sequences are the last 5% of the run's shuffle (as in client/standalone.py):
-the coordinator hands out the shuffle from its start, so a run that stays short of that
-tail never trains on them.
+The held-out sequences are the last 5% of the order the run's work queue hands out (the
+shuffle's sequences that carry a target, ``server.work.work_order``; as in
+client/standalone.py): the coordinator hands it out from its start, so a run that stays
+short of that tail never trains on them.
 
     held = HeldOut.of(config)                    # config: the run's server.config.RunConfig
     held.reached_by(RunState.load(run_dir))      # True: the run trained into the tail
@@ -23,6 +24,7 @@ from modeling.checkpoint import load_pretrained
 from modeling.mdat import Mdat
 from server.config import RunConfig
 from server.state import RunState
+from server.work import work_order
 
 HELD_OUT_FRACTION = 0.05
 MAX_SEQUENCES = 128  # of the tail, so that evaluating stays a few seconds on a CPU
@@ -32,15 +34,13 @@ BATCH_TOKENS = 2048
 @dataclass(kw_only=True)
 class HeldOut:
     batches: list[MaskedBatch]
-    tail_start: int  # position in the shuffle where the held-out tail begins
-    size: int  # sequences in the shuffle (one epoch)
+    tail_start: int  # position in the order where the held-out tail begins
+    size: int  # sequences in the order (one epoch)
 
     @classmethod
     def of(cls, config: RunConfig) -> HeldOut:
-        data = config.data
-        with Mdat.open(data.path) as mdat:
-            reader = mdat.sequences(data.strategy, data.max_seq_len, data.view)
-            order = mdat.shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
+        with Mdat.open(config.data.path) as mdat:
+            reader, order = work_order(mdat, config)
             tail = order[len(order) - max(1, int(len(order) * HELD_OUT_FRACTION)):]
             ids = tail[-MAX_SEQUENCES:]
             examples = [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in ids]

@@ -7,6 +7,8 @@ computed, which frees its graph and gives the same gradient as backpropagating t
 
 ``train_step`` takes one ready batch; ``train_step_on_examples`` takes the sequences of a
 token-budget batch and runs them in microbatches that adapt to out-of-memory errors.
+``with_targets`` keeps the sequences that can train at all: a batch with no target token
+cannot (BatchError), so standalone and federated training plan only those.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from modeling.batch import Batch
 from modeling.batching import MicrobatchRunner, accumulate_gradients
-from modeling.errors import ConfigError
+from modeling.config import ModelConfig
+from modeling.errors import BatchError, ConfigError
 from modeling.matformer import Tier, layer_widths, tier_label
 
 MODES = ("all", "sample")
@@ -117,3 +121,20 @@ def train_step_on_examples(
         torch.nn.utils.clip_grad_norm_(runner.model.parameters(), max_grad_norm)
     optimizer.step()
     return losses
+
+
+def target_tokens(config: ModelConfig) -> int:
+    """Fewest tokens a sequence needs to carry a target for a model of ``config``: a causal
+    model's last token predicts nothing, so it needs two; a masked model can mask any one."""
+    return 2 if config.is_causal else 1
+
+
+def with_targets(ids: np.ndarray, lengths: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """The ``ids``, in their order, whose sequences carry a target for a model of ``config``
+    (``lengths[i]``: tokens of sequence ``i``). Raises BatchError if none does."""
+    needed = target_tokens(config)
+    kept = ids[lengths[ids] >= needed]
+    if not len(kept):
+        raise BatchError(f"none of the {len(ids):,} sequences has the {needed} tokens a target "
+                         "needs, so nothing can train; give data with longer documents.")
+    return kept

@@ -143,7 +143,7 @@ class RoundRecord(Strict):
 
 
 EventKind = Literal["join", "leave", "exclude", "drop", "retier", "reject", "expire",
-                    "checkpoint", "resume"]
+                    "checkpoint", "resume", "data"]
 
 
 class Event(Strict):

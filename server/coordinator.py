@@ -53,6 +53,7 @@ from modeling.mdat import Mdat, assign
 from modeling.mdat.atomic import fsync_path, fsync_tree
 from modeling.models import build_model
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
+from modeling.training import target_tokens
 from server.config import RunConfig
 from server.errors import Excluded, ResumeError, SessionInvalid, StaleRound, UpdatesPruned
 from server.ledger import TrainedLedger
@@ -62,7 +63,7 @@ from server.rounds import OpenRound, RoundAssignment, Submission
 from server.state import RunState
 from server.tiers import Capabilities, TierAssignment
 from server.update_log import LoggedUpdate, UpdateLog
-from server.work import WorkQueue
+from server.work import WorkQueue, work_order
 
 MAX_EVENTS = 1000  # the newest events state.json keeps
 MAX_DEPARTED = 100  # the newest departed members state.json keeps
@@ -94,18 +95,20 @@ class Coordinator:
         self.shapes = universal_shapes(self.model_config)
         self._regions: dict[int, dict[str, Region]] = {}
         self._lock = threading.RLock()
-        data = config.data
-        mdat = Mdat.open(data.path)
-        self.reader = mdat.sequences(data.strategy, data.max_seq_len, data.view)
-        order = mdat.shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
+        saved = RunState.load(self.dir)
+        self.reader, order = work_order(Mdat.open(config.data.path), config, saved)
         self.log = UpdateLog(self.dir / "updates")
         self.ledger = TrainedLedger(self.dir)
         self.limits = SubmissionLimits(config.compression, config.faults)
         self._open: OpenRound | None = None
         policy = config.tiers.build(self.model_config)
-        saved = RunState.load(self.dir)
         if saved is None:
-            self.state = RunState(run_id=config.run.id, data_fingerprint=self.reader.fingerprint)
+            self.state = RunState(run_id=config.run.id, data_fingerprint=self.reader.fingerprint,
+                                  sequences=len(order))
+            if len(order) < len(self.reader):
+                self._event("data", None, f"left out {len(self.reader) - len(order):,} of "
+                            f"{len(self.reader):,} sequences, of fewer than "
+                            f"{target_tokens(self.model_config)} tokens: they carry no target")
             self.membership = Membership(policy)
             self.queue = WorkQueue(order)
             self._remove_unfinished_checkpoints()
@@ -121,6 +124,11 @@ class Coordinator:
                     f"{self.dir} was trained on data with fingerprint {saved.data_fingerprint}, "
                     f"but [data] now reads {self.reader.fingerprint}; point [data] at the run's "
                     "MDAT view, or start a new run directory.")
+            if saved.sequences not in (None, len(order)):
+                raise ResumeError(
+                    f"{self.dir} hands out {saved.sequences} sequences, but [data] now gives "
+                    f"{len(order)} that carry a target (the [model] changed?); restore the "
+                    "run's run.toml, or start a new run directory.")
             self.membership = Membership.from_dict(policy, saved.membership)
             self.queue = WorkQueue(order, **saved.queue)
             self._remove_unfinished_checkpoints()
@@ -505,7 +513,8 @@ class Coordinator:
 
     def _event(self, kind: str, client_id: str | None, detail: str) -> None:
         """One line of the run's history (joins, leaves, drops, re-tierings, exclusions,
-        checkpoints), kept in state.json for the status API; the log gets it too."""
+        checkpoints, sequences left out of the data), kept in state.json for the status API;
+        the log gets it too."""
         seq = self.state.events[-1]["seq"] + 1 if self.state.events else 0  # RunState.load
         self.state.events.append({"seq": seq, "time": self.clock(), "round": self.state.round,
                                   "kind": kind, "client_id": client_id, "detail": detail})

@@ -10,8 +10,9 @@ One JSON line per completed round, appended and fsynced before ``state.json`` re
 round. A crash between the two leaves a line (possibly torn) for a round that will run
 again; ``truncate`` removes it on resume, so the ledger always matches ``state.json``.
 
-The audit's invariant: an id of the shuffle is handed out fresh once per pass over it (the
-work queue's ``position`` says how many passes reached it). Each hand-out ends either trained
+The audit's invariant: an id of the work queue's order (the shuffle's ids that carry a
+target, ``server.work.work_order``) is handed out fresh once per pass over it (the work
+queue's ``position`` says how many passes reached it). Each hand-out ends either trained
 in exactly one completed round or back in the queue's ``requeued`` list, waiting. So for
 every id, ``trained + waiting == handed out``; more is a duplicate, less is a lost sequence.
 """
@@ -73,12 +74,12 @@ class TrainedLedger:
 
 @dataclass(kw_only=True)
 class LedgerAudit:
-    sequences: int  # ids in the shuffle
+    sequences: int  # ids in the work queue's order
     rounds: int  # completed rounds in the ledger
     handed_out: int  # fresh hand-outs over all passes
     trained: int  # sequence trainings recorded
     waiting: int  # handed out, back in the queue, not trained yet
-    passes_complete: int  # whole passes over the shuffle handed out
+    passes_complete: int  # whole passes over the order handed out
     lost: list[int] = field(default_factory=list)  # ids handed out but neither trained nor waiting
     duplicated: list[int] = field(default_factory=list)  # ids trained more often than handed out
     repeated_rounds: list[int] = field(default_factory=list)  # rounds recorded twice
@@ -98,7 +99,7 @@ class LedgerAudit:
 
 def audit(order: Sequence[int] | np.ndarray, queue: dict[str, Any],
           entries: Sequence[dict[str, Any]]) -> LedgerAudit:
-    """Check ``trained + waiting == handed out`` for every id of the shuffle ``order``, given
+    """Check ``trained + waiting == handed out`` for every id of the queue's ``order``, given
     the work queue's saved state and the ledger's entries."""
     order = np.asarray(order)
     n = len(order)
@@ -123,13 +124,14 @@ def audit(order: Sequence[int] | np.ndarray, queue: dict[str, Any],
 
 def audit_run(config: Any) -> LedgerAudit:
     """The audit of ``config``'s run directory (a ``RunConfig``), from state.json, the ledger
-    and the run's MDAT shuffle."""
+    and the order the run's work queue hands out (``server.work.work_order``)."""
     from modeling.mdat import Mdat
     from server.state import RunState
+    from server.work import work_order
 
-    data = config.data
     state = RunState.load(Path(config.run.dir))
     if state is None:
         raise FileNotFoundError(f"{config.run.dir} holds no state.json; nothing to audit.")
-    order = Mdat.open(data.path).shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
+    with Mdat.open(config.data.path) as mdat:
+        _, order = work_order(mdat, config, state)
     return audit(order, state.queue, TrainedLedger(Path(config.run.dir)).rounds())

@@ -3,9 +3,13 @@
 Each round takes ids from the front until the round's token budget is met: first the ids
 that came back from dropped clients (the latest handed back first), then fresh ids from the
 shuffled order.
-The order wraps around at its end (a new epoch over the same permutation). Everything here
+The order wraps around at its end (a new epoch over the same order). Everything here
 is a function of its state (``position`` and ``requeued``), so replaying the same events
 gives the same rounds.
+
+The order is ``work_order``'s: the shuffle without the sequences that carry no target (a
+one-token document tail, for a causal model), so no client is handed a batch it cannot
+train. The coordinator, the ledger's audit and the held-out tail all take it from there.
 """
 
 from __future__ import annotations
@@ -15,11 +19,34 @@ from typing import Any
 
 import numpy as np
 
+from modeling.mdat import Mdat, SequenceReader
+from modeling.training import with_targets
+from server.config import RunConfig
+from server.state import RunState
+
+
+def work_order(mdat: Mdat, config: RunConfig, state: RunState | None = None
+               ) -> tuple[SequenceReader, np.ndarray]:
+    """The run's sequences (its [data]) and the ids its queue hands out, in order: the
+    shuffle's ids that carry a target for the run's model (`with_targets`). The other
+    ``len(reader) - len(order)`` are left out of the run. BatchError if none carries one.
+
+    ``state`` (the saved run, if any) keeps a run's order what it was: a run saved before
+    orders left sequences out (its state has no ``sequences``) goes on over the whole shuffle,
+    since its queue positions count in it.
+    """
+    data = config.data
+    reader = mdat.sequences(data.strategy, data.max_seq_len, data.view)
+    shuffle = mdat.shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
+    if state is not None and state.sequences is None:
+        return reader, shuffle
+    return reader, with_targets(shuffle, reader.lengths(), config.model.build())
+
 
 class WorkQueue:
     def __init__(self, order: np.ndarray, *, position: int = 0,
                  requeued: Iterable[int] = ()) -> None:
-        self.order = np.asarray(order)  # (n,) a permutation of the view's sequence ids
+        self.order = np.asarray(order)  # (n,) the view's sequence ids, in shuffled order
         self.position = position  # fresh ids handed out so far (over all epochs)
         self.requeued = [int(i) for i in requeued]  # handed back, served before fresh ids
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from modeling import ModelConfig, registry
+from modeling.mdat import Mdat
+
+TAILS_STRATEGY = "fixed8"  # what ``mdat_with_one_token_tails`` pretokenizes: bytes, chunks of 8
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -19,6 +24,20 @@ def tiny_config(**overrides) -> ModelConfig:
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def mdat_with_one_token_tails(path: Path, documents: int = 40) -> Path:
+    """An MDAT of ``documents`` texts of 8k + 1 bytes (k = 1, 2, 3), pretokenized as
+    ``TAILS_STRATEGY``: at ``max_seq_len`` 8 each document ends in a one-token sequence, which
+    carries no target for a causal model."""
+    draw = random.Random(0)
+    texts = ["".join(draw.choices("abcdefgh ", k=8 * draw.randint(1, 3) + 1))
+             for _ in range(documents)]
+    with Mdat.create(path) as mdat:
+        mdat.add_records("tails", ({"text": t} for t in texts))
+        mdat.add_strategy({"strategy_name": TAILS_STRATEGY, "chunk_size": 8})
+        mdat.pretokenize(TAILS_STRATEGY)
+    return path
 
 
 @pytest.fixture(autouse=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 
@@ -12,15 +13,17 @@ import torch
 
 from client.errors import DataMismatch
 from client.federated import FederatedClient, FederatedOptions
+from local_testnet.held_out import HeldOut
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
 from modeling.checkpoint import load_pretrained
 from modeling.compression import region_slices
-from modeling.mdat import build_default_mdat
+from modeling.mdat import DEFAULT_STRATEGY, build_default_mdat
 from modeling.naming import canonical_state_dict
 from modeling.training import TierSchedule, train_step_on_examples
 from server.config import RunConfig
+from server.ledger import audit_run
 from server.main import RunningServer
-from tests.conftest import tiny_config
+from tests.conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 from tests.test_server_service import toml_value
 
 TOKEN = "federated-test-token"
@@ -36,7 +39,8 @@ def mdat(tmp_path_factory):
 
 
 def start(tmp_path, mdat, *, min_clients=1, rounds=3, encoding="dct", rule="sign", lr=0.01,
-          tokens_per_round=1024, deadline_s=30.0, every=100, tiers=(0, 1, 2), **compression):
+          tokens_per_round=1024, deadline_s=30.0, every=100, tiers=(0, 1, 2),
+          strategy=DEFAULT_STRATEGY["strategy_name"], max_seq_len=128, **compression):
     model = dataclasses.asdict(tiny_config(vocab_size=260, max_position_embeddings=128))
     extra = "".join(f"{k} = {toml_value(v)}\n" for k, v in compression.items())
     (tmp_path / "run.toml").write_text(f"""
@@ -47,7 +51,8 @@ dir = "run"
 inline = {toml_value(model)}
 [data]
 path = "{mdat}"
-max_seq_len = 128
+strategy = "{strategy}"
+max_seq_len = {max_seq_len}
 [tiers]
 allowed = {list(tiers)}
 [round]
@@ -160,6 +165,28 @@ def test_one_client_dense_sgd_equals_standalone_sgd(tmp_path, mdat):
     start_weights = canonical_state_dict(load_pretrained(
         tmp_path / "run" / "checkpoints" / "round-0"))
     assert not same(start_weights, standalone)  # the run did train
+
+
+def test_one_token_sequences_are_left_out_of_the_run_and_its_audit(tmp_path):
+    # Each round of 8 tokens would otherwise often be the documents' one-token tails alone.
+    data = mdat_with_one_token_tails(tmp_path / "tails.mdat")
+    server = start(tmp_path, data, rounds=6, tokens_per_round=8, strategy=TAILS_STRATEGY,
+                   max_seq_len=8)
+    try:
+        summary = client(server, tmp_path, "solo", tier=0).run()
+        coordinator = server.service.coordinator
+    finally:
+        server.stop()
+    assert summary.finished and summary.rounds_trained == 6
+    total = len(coordinator.reader)
+    assert [e["detail"] for e in coordinator.state.events if e["kind"] == "data"] == [
+        f"left out 40 of {total} sequences, of fewer than 2 tokens: they carry no target"]
+    assert len(coordinator.queue.order) == total - 40
+    config = RunConfig.load(tmp_path / "run.toml")
+    audit = audit_run(config)  # derives the same order as the coordinator
+    assert audit.exactly_once and audit.sequences == total - 40 and audit.trained == 6
+    losses = HeldOut.of(config).loss(tmp_path / "run" / "checkpoints" / "round-6", tiers=[0])
+    assert math.isfinite(losses[0])
 
 
 def test_heterogeneous_run_tail_moves_only_with_tier0_and_hashes_agree(tmp_path, mdat):

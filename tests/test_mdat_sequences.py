@@ -24,6 +24,7 @@ def mdat(tmp_path_factory):
                            "splitter_class": "sentence_chunks"})
         mdat.pretokenize("fixed")
         mdat.pretokenize("sentences")
+        mdat.create_view("some", {"a": 10, "b": 0.5}, seed=1)  # some documents of each
         yield mdat
 
 
@@ -86,6 +87,16 @@ def test_length_needs_no_pass_over_the_chunks(tmp_path) -> None:
         reader = mdat.sequences("one", 7, "v")
         assert b"".join(bytes(s.tolist()) for s in reader) == b"".join(
             texts[d].encode() for d in chosen)
+
+
+@pytest.mark.parametrize("strategy", ["fixed", "sentences"])
+def test_lengths_equal_the_length_of_each_sequence(mdat, strategy) -> None:
+    for view in (None, "some"):
+        for k in (1, 3):
+            reader = mdat.sequences(strategy, k * CHUNK, view)
+            lengths = reader.lengths()
+            assert lengths.dtype == np.int64
+            assert lengths.tolist() == [len(reader[i]) for i in range(len(reader))]
 
 
 def test_locate_names_submdat_document_and_end(mdat) -> None:

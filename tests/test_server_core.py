@@ -273,3 +273,33 @@ def test_finishes_after_the_planned_rounds_with_a_checkpoint(tmp_path, mdat_path
     assert c.current_round is None and c.updates_since(3) == []
     with pytest.raises(StaleRound):
         c.submit(cid, 3, [])
+
+
+def test_a_run_saved_before_orders_left_sequences_out_keeps_its_order(tmp_path):
+    """Queue positions count in the order the run started with: a state.json from before
+    targetless sequences were left out resumes over the whole shuffle, and an order whose
+    length changed since is refused."""
+    import json
+
+    from modeling.mdat import Mdat
+    from server.errors import ResumeError
+    from server.ledger import audit_run
+    from tests.conftest import TAILS_STRATEGY, mdat_with_one_token_tails
+
+    data = mdat_with_one_token_tails(tmp_path / "tails.mdat")
+    config = run_config(tmp_path / "run", data)
+    config = dataclasses.replace(config, data=dataclasses.replace(
+        config.data, strategy=TAILS_STRATEGY, max_seq_len=8))
+    with Mdat.open(data) as mdat:
+        shuffle = mdat.shuffle(None, TAILS_STRATEGY, 8, config.data.seed)
+    fresh = Coordinator(config)
+    assert fresh.state.sequences == len(fresh.queue.order) == len(shuffle) - 40
+    state_path = tmp_path / "run" / "state.json"
+    state = json.loads(state_path.read_text())
+    state_path.write_text(json.dumps({k: v for k, v in state.items() if k != "sequences"}))
+    legacy = Coordinator(config)
+    assert legacy.queue.order.tolist() == shuffle.tolist()
+    assert audit_run(config).sequences == len(shuffle)
+    state_path.write_text(json.dumps(state | {"sequences": 7}))
+    with pytest.raises(ResumeError, match="hands out 7 sequences"):
+        Coordinator(config)

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 
 from client.standalone import main
-from modeling import AutoregressiveModel, ConfigError, TierError
+from modeling import AutoregressiveModel, BatchError, ConfigError, TierError
 from modeling.checkpoint import load_pretrained
 from modeling.mdat import build_default_mdat
-from modeling.training import TierSchedule, train_step
+from modeling.training import TierSchedule, train_step, with_targets
 
 
 def test_all_tiers_step_equals_the_weighted_sum_of_losses():
@@ -81,6 +82,28 @@ def test_standalone_training_learns_and_writes_a_loadable_checkpoint(tmp_path, c
     assert torch.isfinite(model.loss(torch.randint(0, 256, (1, 16)), tier=2))
     trained = json.loads((out / "config.json").read_text())
     assert trained["model_type"] == "llama" and trained["intermediate_size"] == 512
+
+
+def test_with_targets_keeps_the_sequences_a_model_can_learn_from_in_order():
+    ids, lengths = np.array([4, 0, 3, 1, 2]), np.array([1, 1, 9, 2, 1])
+    assert with_targets(ids, lengths, tiny_config()).tolist() == [3, 2]  # causal: 2 tokens
+    assert with_targets(ids, lengths, tiny_config(is_causal=False)).tolist() == [4, 0, 3, 1, 2]
+    with pytest.raises(BatchError, match="none of the 2 sequences has the 2 tokens"):
+        with_targets(np.array([0, 4]), lengths, tiny_config())
+
+
+def test_standalone_training_leaves_out_one_token_sequences_and_trains_to_the_end(
+        tmp_path, capsys):
+    # Sorted by length, the documents' one-token tails would fill a batch without targets.
+    data = mdat_with_one_token_tails(tmp_path / "tails.mdat")
+    out = tmp_path / "run"
+    main(["--data", str(data), "--strategy", TAILS_STRATEGY, "--seq-len", "8",
+          "--batch-tokens", "64", "--steps", "12", "--warmup-steps", "2", "--tiers", "0",
+          "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "left out 40 sequences of fewer than 2 tokens" in printed
+    assert len(json.loads((out / "metrics.json").read_text())["history"]) == 12
+    assert (out / "model.safetensors").is_file()
 
 
 def test_token_budget_step_equals_the_whole_batch_step_at_every_tier():

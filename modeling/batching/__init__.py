@@ -6,15 +6,16 @@ loop, one optimizer step per batch::
     from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 
     runner = MicrobatchRunner(model, AdaptiveLimitsConfig(max_tokens=4096).build())
-    for indices in plan_batches(lengths, max_tokens=16384, sort_window=1024):
+    for indices in plan_batches(lengths, max_tokens=16384):
         result = runner.accumulate([dataset[i] for i in indices])  # gradients, retried on OOM
         optimizer.step()
 
 Public API:
 
-plan_batches(lengths, max_tokens, *, sort_window=0) -> list[list[int]]
-    Batches of indices in data order, each padding to ≤ max_tokens; optional sorting by
-    length within windows of consecutive sequences (plan.py).
+plan_batches(lengths, max_tokens, *, sort_window=16) -> list[list[int]]
+    Batches of indices, each padding to ≤ max_tokens, sorted by length within windows of
+    sort_window batches' worth of consecutive sequences; sort_window=0 keeps data order
+    (plan.py).
 split_microbatches(lengths, *, max_tokens, max_examples) -> list[list[int]]
     One batch cut into microbatches, longest rows first (microbatches.py).
 padded_tokens(lengths) -> int

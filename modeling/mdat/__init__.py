@@ -34,6 +34,7 @@ Public API::
     mdat.pretokenize(strategy, processes=2)                 # resumable
     reader = mdat.sequences(strategy, max_seq_len, view=None)
     len(reader); reader[i]; reader.locate(i)                # tokens; (submdat, document, ...)
+    reader.lengths()                                        # every len(reader[i]), no tokens read
     reader.strategy.eos_token_id; reader.view; reader.fingerprint
     mdat.create_view(name, {"wiki": "2G", "laws": 0.1, "code": 1000}, seed=0)
     mdat.remove_view(name)                                  # and its shuffles

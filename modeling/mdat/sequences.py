@@ -10,6 +10,7 @@ order, within each document its sequences in order; ids count up from 0 across a
 (every document of a submdat) or from the selected documents' chunk counts (a view). The
 first ``reader[i]`` of a submdat builds its index of first sequence ids, one int64 per
 selected document; then each read is two binary searches and one slice of memory maps.
+``reader.lengths()`` gives every sequence's length at once from the same offsets.
 
 Sequences hold the document's tokens only, no special tokens: a consumer that wants an end
 of document marker appends ``reader.strategy.eos_token_id`` where
@@ -85,6 +86,17 @@ class _Part:
         """(selected + 1,) the local id of each selected document's first sequence."""
         return np.concatenate([[0], np.cumsum(self._sequences_per_document())])
 
+    def lengths(self) -> np.ndarray:
+        """(sequences,) int64 tokens of each local sequence, in id order."""
+        counts = self._sequences_per_document()  # (selected,)
+        chosen = slice(None) if self.documents is None else self.documents
+        doc_first, doc_end = self.doc_starts[:-1][chosen], self.doc_starts[1:][chosen]
+        # The document's sequence j (local id) starts at chunk doc_first + (j - its first id) k.
+        shift = np.repeat(doc_first - self.sequence_start[:-1] * self.k, counts)
+        first = np.arange(len(shift), dtype=np.int64) * self.k + shift  # (sequences,)
+        end = np.minimum(first + self.k, np.repeat(doc_end, counts))
+        return self.chunk_starts[end] - self.chunk_starts[first]
+
     def chunk_range(self, local: int) -> tuple[int, int, int, int]:
         """(document, first chunk, end chunk, document's end chunk) of local sequence ``local``."""
         j = int(np.searchsorted(self.sequence_start, local, side="right")) - 1
@@ -124,6 +136,11 @@ class SequenceReader:
     def __getitem__(self, index: int) -> np.ndarray:
         part, (_, first, end, _) = self._find(index)
         return part.tokens[part.chunk_starts[first]:part.chunk_starts[end]]  # (<= max_seq_len,)
+
+    def lengths(self) -> np.ndarray:
+        """(len(self),) int64: ``len(self[i])`` for every id ``i``, computed from the offsets
+        alone (no tokens are read)."""
+        return np.concatenate([np.zeros(0, np.int64), *(part.lengths() for part in self._parts)])
 
     def locate(self, index: int) -> SequenceLocation:
         part, (document, first, end, doc_end) = self._find(index)
