@@ -32,16 +32,17 @@ from typing import Any
 from torch import nn
 
 from modeling.checkpoint.export import slice_folder
-from modeling.checkpoint.files import (
-    CONFIG_NAME,
-    INDEX_NAME,
-    WEIGHTS_NAME,
-    is_weights_file,
-    read_json,
-    read_weights,
-)
+from modeling.checkpoint.files import CONFIG_NAME, read_json, read_weights
 from modeling.checkpoint.hf_config import from_config_dict
-from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
+from modeling.checkpoint.listing import (
+    Fetcher,
+    ListedFiles,
+    Unusable,
+    fetch_listed,
+    in_folder,
+    listed,
+)
+from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest
 from modeling.checkpoint.pretrained import load_state_into
 from modeling.checkpoint.repository import HubRepository, LocalRepository, normalize
 from modeling.checkpoint.schema import canonical_schema_hash
@@ -51,8 +52,6 @@ from modeling.errors import (
     AlreadySliced,
     CheckpointError,
     ConfigError,
-    IncompleteTier,
-    IntegrityError,
     ManifestMissing,
     MatformerError,
     SliceMismatch,
@@ -80,13 +79,27 @@ class ResolvedCheckpoint:
     reason: str  # one line, for logs
 
 
-class _Unusable(Exception):
-    """Why a slice cannot be used; ``sliced`` raises ``error``, ``auto`` falls back."""
+@dataclass(slots=True)
+class _Source:
+    """The checkpoint folder asked for: where it lives, its manifest and its own config."""
 
-    def __init__(self, why: str, error: MatformerError) -> None:
-        super().__init__(why)
-        self.why = why
-        self.error = error
+    name: str  # as the caller gave it, for messages
+    repository: Any  # anything with fetch(path) -> Path | None
+    folder: str  # the checkpoint's folder inside the repository
+    manifest: Manifest | None
+    fetcher: Fetcher
+    common: list[str]  # repository paths of the manifest's common files
+    own: dict[str, Any] | None  # its config.json; None when the folder has none (or is gone)
+
+
+@dataclass(slots=True)
+class _Choice:
+    used: str  # "sliced" or "universal"
+    reason: str
+    files: ListedFiles
+    found: dict[str, Path]  # repository path → verified local file
+    tier: int | None = None  # the tier the manifest says these files hold
+    base: int | None = None  # the base FFN width, where the config may lack it
 
 
 def _wants_slice(tier: Tier) -> bool:
@@ -109,143 +122,19 @@ def _open(source: str | Path, tier: Tier, revision: str | None, cache_dir: Path 
     )
 
 
-class _Fetcher:
-    """Fetches repository files and checks each against the manifest's sha256 at once."""
-
-    def __init__(self, repository: Any, manifest: Manifest | None, folder: str) -> None:
-        self.repository = repository
-        self.expected = {}
-        if manifest is not None:
-            self.expected = {normalize(name, folder): digest
-                             for name, digest in manifest.sha256.items()}
-
-    def one(self, path: str) -> Path | None:
-        local = self.repository.fetch(path)
-        if local is not None and path in self.expected and sha256_of(local) != self.expected[path]:
-            raise IntegrityError(
-                f"{path} does not match the sha256 in {MANIFEST_NAME} (file changed or "
-                "corrupted); delete it and fetch it again, or re-export the tiers."
-            )
-        return local
-
-    def all(self, paths: list[str]) -> tuple[dict[str, Path], list[str]]:
-        found, missing = {}, []
-        for path in paths:
-            local = self.one(path)
-            if local is None:
-                missing.append(path)
-            else:
-                found[path] = local
-        return found, missing
-
-
-@dataclass(slots=True)
-class _Files:
-    """A checkpoint's files, as repository paths: its config.json and its weights."""
-
-    config: str
-    weights: list[str]  # model.safetensors, or the index then its shards
-
-    @property
-    def paths(self) -> list[str]:
-        return [self.config, *self.weights]
-
-
-def _listed(paths: list[str], what: str) -> _Files:
-    """The config and weights among the paths a manifest entry lists for ``what``."""
-    configs = [p for p in paths if posixpath.basename(p) == CONFIG_NAME]
-    weights = sorted((p for p in paths if is_weights_file(p)),
-                     key=lambda p: (posixpath.basename(p) != INDEX_NAME, p))
-    gaps = []
-    if len(configs) != 1:
-        gaps.append(f"{len(configs)} config.json files" if configs else "no config.json")
-    names = [posixpath.basename(w) for w in weights]
-    if not weights:
-        gaps.append(f"no weights ({WEIGHTS_NAME} or {INDEX_NAME})")
-    elif INDEX_NAME not in names and names != [WEIGHTS_NAME]:
-        gaps.append(f"shards without their {INDEX_NAME}")
-    elif configs and any(posixpath.dirname(w) != posixpath.dirname(configs[0])
-                         for w in weights):
-        gaps.append("weights outside its config.json's folder")
-    if gaps:
-        why = f"the manifest's entry for {what} lists {' and '.join(gaps)}"
-        raise _Unusable(why, IncompleteTier(f"{why}; re-export the tiers."))
-    return _Files(configs[0], weights)
-
-
-def _folder_files(repository: Any, folder: str, fetcher: _Fetcher) -> _Files | None:
-    """A folder's checkpoint as Hugging Face lays it out (no manifest to say which files);
-    None when it has no config.json."""
-    config = posixpath.join(folder, CONFIG_NAME)
-    if repository.fetch(config) is None:
-        return None
-    index = fetcher.one(posixpath.join(folder, INDEX_NAME))
-    if index is None:
-        return _Files(config, [posixpath.join(folder, WEIGHTS_NAME)])
-    shards = sorted(set(read_json(index).get("weight_map", {}).values()))
-    return _Files(config, [posixpath.join(folder, n) for n in (INDEX_NAME, *shards)])
-
-
-def _fetch(files: _Files, common: list[str], fetcher: _Fetcher, what: str
-           ) -> dict[str, Path]:
-    """Fetch and verify ``files`` and ``common``; every shard the index names must be among
-    the listed weights."""
-    found, missing = fetcher.all(files.paths + common)
-    if missing:
-        raise _Unusable(f"missing {', '.join(missing)}", IncompleteTier(
-            f"{what} is incomplete; missing: {', '.join(missing)}. Fetch or re-export them, "
-            "or use --load-strategy auto."))
-    index = files.weights[0]
-    if posixpath.basename(index) == INDEX_NAME:
-        folder = posixpath.dirname(index)
-        named = {posixpath.join(folder, n)
-                 for n in read_json(found[index]).get("weight_map", {}).values()}
-        unlisted = sorted(named - set(files.weights))
-        if unlisted:
-            why = f"its index names shards the manifest does not list: {', '.join(unlisted)}"
-            raise _Unusable(why, IncompleteTier(f"{what}: {why}; re-export the tiers."))
-    return found
-
-
-def _manifest_slice(source: str | Path, tier: Tier, manifest: Manifest, folder: str
-                    ) -> _Files:
-    label = tier_label(tier)
-    entry = manifest.entry(tier)
-    if entry is None:
-        why = f"{MANIFEST_NAME} lists no tier {label}"
-        raise _Unusable(why, TierNotInManifest(
-            f"{MANIFEST_NAME} of {source} lists no tier {label}; available tiers: "
-            f"{', '.join(manifest.available_tiers())}."))
-    return _listed([normalize(f, folder) for f in entry.files], f"tier {label}")
-
-
-def _sibling_slice(source: str | Path, tier: Tier, repository: Any, folder: str,
-                   fetcher: _Fetcher) -> _Files:
-    name = posixpath.basename(folder)
-    sibling = posixpath.join(posixpath.dirname(folder), slice_folder(name, tier)) if name else ""
-    files = _folder_files(repository, sibling, fetcher) if sibling else None
-    if files is None:
-        where = f" and no slice folder {sibling}/" if sibling else ""
-        why = f"no {MANIFEST_NAME}{where}"
-        raise _Unusable(why, ManifestMissing(
-            f"{source} has no {MANIFEST_NAME}{where}, so no tier {tier_label(tier)} slice is "
-            "known; export the slices with matformer-export-tiers or use --load-strategy "
-            "auto/universal."))
-    return files
-
-
-def _check_sibling(config: ModelConfig, tier: Tier, universal: ModelConfig | None,
-                   where: str) -> None:
-    """A slice found by its folder name must declare ``tier`` and be the universal's model."""
-    wanted = [tier] * config.num_hidden_layers if isinstance(tier, int) else list(tier)
-    if config.stored_tiers() != wanted:
-        why = f"{where} holds tier {_label(config.stored_tiers())}, not {_label(wanted)}"
-        raise _Unusable(why, SliceMismatch(f"{why}; re-export the tiers."))
-    if universal is not None and (canonical_schema_hash(config, ())
-                                  != canonical_schema_hash(universal, ())):
-        why = f"{where} describes another model than the universal checkpoint"
-        raise _Unusable(why, SliceMismatch(
-            f"{why} (its config.json differs beyond the FFN width); re-export the tiers."))
+def _read_source(source: str | Path, repository: Any, folder: str) -> _Source:
+    manifest_path = repository.fetch(posixpath.join(folder, MANIFEST_NAME))
+    manifest = None
+    if manifest_path is not None:
+        manifest = Manifest.from_dict(read_json(manifest_path), f"{source}/{MANIFEST_NAME}")
+    fetcher = Fetcher(repository, manifest, folder)
+    own_path = fetcher.one(posixpath.join(folder, CONFIG_NAME))
+    return _Source(
+        name=str(source), repository=repository, folder=folder, manifest=manifest,
+        fetcher=fetcher,
+        common=[normalize(f, folder) for f in manifest.common_files] if manifest else [],
+        own=read_json(own_path) if own_path is not None else None,
+    )
 
 
 def _label(tiers: list[int]) -> str:
@@ -260,6 +149,86 @@ def _stored_label(own: dict[str, Any]) -> str | None:
     except MatformerError:
         return None  # judged again, with its error, when the files are loaded
     return _label(stored) if any(stored) else None
+
+
+def _manifest_slice(src: _Source, tier: Tier) -> _Choice:
+    """The slice the manifest lists for ``tier``."""
+    label = tier_label(tier)
+    entry = src.manifest.entry(tier)
+    if entry is None:
+        why = f"{MANIFEST_NAME} lists no tier {label}"
+        raise Unusable(why, TierNotInManifest(
+            f"{MANIFEST_NAME} of {src.name} lists no tier {label}; available tiers: "
+            f"{', '.join(src.manifest.available_tiers())}."))
+    files = listed([normalize(f, src.folder) for f in entry.files], f"tier {label}")
+    found = fetch_listed(files, src.common, src.fetcher, f"tier {label} of {src.name}")
+    return _Choice("sliced", f"tier {label} slice listed in the manifest", files, found,
+                   tier=tier if isinstance(tier, int) else None,
+                   base=src.manifest.base_intermediate_size)
+
+
+def _sibling_slice(src: _Source, tier: Tier) -> _Choice:
+    """The slice in ``<name>-tier<t>/`` beside the source, without a manifest: used only
+    when its config declares ``tier`` and describes the universal's model."""
+    label = tier_label(tier)
+    name = posixpath.basename(src.folder)
+    sibling = posixpath.join(posixpath.dirname(src.folder), slice_folder(name, tier))
+    files = in_folder(sibling, src.fetcher) if name else None
+    if files is None:
+        where = f" and no slice folder {sibling}/" if name else ""
+        why = f"no {MANIFEST_NAME}{where}"
+        raise Unusable(why, ManifestMissing(
+            f"{src.name} has no {MANIFEST_NAME}{where}, so no tier {label} slice is known; "
+            "export the slices with matformer-export-tiers or use --load-strategy "
+            "auto/universal."))
+    found = fetch_listed(files, src.common, src.fetcher, f"tier {label} of {src.name}")
+    universal = from_config_dict(src.own) if src.own is not None else None
+    base = universal.intermediate_size if universal is not None else None
+    config = from_config_dict(read_json(found[files.config]), base=base)
+    wanted = [tier] * config.num_hidden_layers if isinstance(tier, int) else list(tier)
+    if config.stored_tiers() != wanted:
+        why = f"{sibling} holds tier {_label(config.stored_tiers())}, not {_label(wanted)}"
+        raise Unusable(why, SliceMismatch(f"{why}; re-export the tiers."))
+    if universal is not None and (canonical_schema_hash(config, ())
+                                  != canonical_schema_hash(universal, ())):
+        why = f"{sibling} describes another model than the universal checkpoint"
+        raise Unusable(why, SliceMismatch(
+            f"{why} (its config.json differs beyond the FFN width); re-export the tiers."))
+    reason = f"tier {label} slice in the sibling folder {sibling}/ (no manifest)"
+    if universal is None:
+        reason += f"; unchecked against a universal checkpoint, {src.name} is absent"
+    return _Choice("sliced", reason, files, found, base=base)
+
+
+def _universal(src: _Source, reason: str) -> _Choice:
+    """The universal checkpoint: the manifest's tier 0 entry, else the folder's files."""
+    entry = src.manifest.entry(0) if src.manifest is not None else None
+    if entry is not None:
+        try:
+            files = listed([normalize(f, src.folder) for f in entry.files], "tier 0")
+        except Unusable as unusable:
+            raise unusable.error from None
+    else:
+        files = in_folder(src.folder, src.fetcher)
+        if files is None:
+            raise CheckpointError(f"{src.name} has no {CONFIG_NAME}: it is not a checkpoint "
+                                  "folder.")
+    try:
+        found = fetch_listed(files, src.common, src.fetcher, src.name)
+    except Unusable as unusable:
+        raise CheckpointError(f"{src.name}: {unusable.why}.") from None
+    base = src.manifest.base_intermediate_size if src.manifest else None
+    return _Choice("universal", reason, files, found, base=base)
+
+
+def _as_is(src: _Source, label: str) -> _Choice:
+    """The source folder, which is itself a slice: loaded as it is, never sliced again."""
+    files = in_folder(src.folder, src.fetcher)
+    try:
+        found = fetch_listed(files, src.common, src.fetcher, src.name)
+    except Unusable as unusable:
+        raise CheckpointError(f"{src.name}: {unusable.why}.") from None
+    return _Choice("sliced", f"the source is already the tier {label} slice", files, found)
 
 
 def resolve(
@@ -280,19 +249,8 @@ def resolve(
         repository, folder = _open(source, tier, revision, cache_dir)
     else:
         folder = str(source)
-    manifest_path = repository.fetch(posixpath.join(folder, MANIFEST_NAME))
-    manifest = None
-    if manifest_path is not None:
-        manifest = Manifest.from_dict(read_json(manifest_path), f"{source}/{MANIFEST_NAME}")
-    common = [normalize(f, folder) for f in manifest.common_files] if manifest else []
-    fetcher = _Fetcher(repository, manifest, folder)
-    own_path = fetcher.one(posixpath.join(folder, CONFIG_NAME))
-    own = read_json(own_path) if own_path is not None else None
-    base = manifest.base_intermediate_size if manifest else None
-    label = tier_label(tier)
-
-    own_slice = _stored_label(own) if own is not None else None
-    hint: int | None = None  # the tier the manifest says the loaded files hold
+    src = _read_source(source, repository, folder)
+    own_slice = _stored_label(src.own) if src.own is not None else None
     if own_slice is not None:
         if strategy == "universal":
             raise AlreadySliced(
@@ -300,68 +258,27 @@ def resolve(
                 "at the universal checkpoint for 'universal', or use 'auto'/'sliced' to load "
                 "this slice as it is."
             )
-        used, reason = "sliced", f"the source is already the tier {own_slice} slice"
-        files = _folder_files(repository, folder, fetcher)
-        try:
-            found = _fetch(files, common, fetcher, str(source))
-        except _Unusable as unusable:
-            raise CheckpointError(f"{source}: {unusable.why}.") from None
-    elif not _wants_slice(tier) or strategy == "universal":
-        used = "universal"
-        reason = "universal requested" if _wants_slice(tier) else "tier 0 is the universal"
+        choice = _as_is(src, own_slice)
+    elif not _wants_slice(tier):
+        choice = _universal(src, "tier 0 is the universal")
+    elif strategy == "universal":
+        choice = _universal(src, "universal requested")
     else:
-        universal = from_config_dict(own, base=base) if own is not None else None
         try:
-            if manifest is not None:
-                files = _manifest_slice(source, tier, manifest, folder)
-                if isinstance(tier, int):
-                    hint = tier
-                found = _fetch(files, common, fetcher, f"tier {label} of {source}")
-                used, reason = "sliced", f"tier {label} slice listed in the manifest"
-            else:
-                files = _sibling_slice(source, tier, repository, folder, fetcher)
-                found = _fetch(files, common, fetcher, f"tier {label} of {source}")
-                where = posixpath.dirname(files.config)
-                base = universal.intermediate_size if universal is not None else None
-                _check_sibling(from_config_dict(read_json(found[files.config]), base=base),
-                               tier, universal, where)
-                used = "sliced"
-                reason = f"tier {label} slice in the sibling folder {where}/ (no manifest)"
-                if universal is None:
-                    reason += f"; unchecked against a universal checkpoint, {source} is absent"
-        except _Unusable as unusable:
-            if strategy == "sliced" or own is None:
+            choice = (_manifest_slice(src, tier) if src.manifest is not None
+                      else _sibling_slice(src, tier))
+        except Unusable as unusable:
+            if strategy == "sliced" or src.own is None:
                 raise unusable.error from None
-            used, hint = "universal", None
-            reason = f"tier {label} slice unusable ({unusable.why}); slicing at load"
-    if used == "universal":
-        files = _universal_files(source, repository, folder, manifest, fetcher)
-        try:
-            found = _fetch(files, common, fetcher, str(source))
-        except _Unusable as unusable:
-            raise CheckpointError(f"{source}: {unusable.why}.") from None
-
-    directory = found[files.config].parent
-    config = from_config_dict(read_json(found[files.config]), tier=hint, base=base)
+            choice = _universal(src, f"tier {tier_label(tier)} slice unusable "
+                                     f"({unusable.why}); slicing at load")
+    config_path = choice.found[choice.files.config]
     return ResolvedCheckpoint(
-        source=str(source), tier=tier, strategy=strategy, used=used, config=config,
-        directory=directory, weights=[posixpath.relpath(w, posixpath.dirname(files.config))
-                                      for w in files.weights],
-        files=list(found), manifest=manifest, reason=reason,
+        source=str(source), tier=tier, strategy=strategy, used=choice.used,
+        config=from_config_dict(read_json(config_path), tier=choice.tier, base=choice.base),
+        directory=config_path.parent, weights=choice.files.weight_names(),
+        files=list(choice.found), manifest=src.manifest, reason=choice.reason,
     )
-
-
-def _universal_files(source: str | Path, repository: Any, folder: str,
-                     manifest: Manifest | None, fetcher: _Fetcher) -> _Files:
-    if manifest is not None and manifest.entry(0) is not None:
-        try:
-            return _listed([normalize(f, folder) for f in manifest.entry(0).files], "tier 0")
-        except _Unusable as unusable:
-            raise unusable.error from None
-    files = _folder_files(repository, folder, fetcher)
-    if files is None:
-        raise CheckpointError(f"{source} has no {CONFIG_NAME}: it is not a checkpoint folder.")
-    return files
 
 
 def load(resolved: ResolvedCheckpoint) -> nn.Module:
