@@ -143,7 +143,7 @@ class RoundRecord(Strict):
 
 
 EventKind = Literal["join", "leave", "exclude", "drop", "retier", "reject", "expire",
-                    "checkpoint", "resume", "data"]
+                    "checkpoint", "resume", "data", "disk", "discard"]
 
 
 class Event(Strict):

@@ -20,10 +20,12 @@ method holds one lock: a gRPC servicer may call them from its worker threads.
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import hashlib
 import logging
 import math
+import re
 import shutil
 import threading
 import time
@@ -55,13 +57,22 @@ from modeling.models import build_model
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
 from modeling.training import target_tokens
 from server.config import RunConfig
-from server.errors import Excluded, ResumeError, SessionInvalid, StaleRound, UpdatesPruned
+from server.errors import (
+    BadReport,
+    Excluded,
+    ResumeError,
+    RunDirectoryUnavailable,
+    SessionInvalid,
+    StaleRound,
+    UpdatesPruned,
+    WrongTokenCount,
+)
 from server.ledger import TrainedLedger
 from server.limits import SubmissionLimits
 from server.membership import Member, Membership
 from server.rounds import OpenRound, RoundAssignment, Submission
 from server.state import RunState
-from server.tiers import Capabilities, TierAssignment
+from server.tiers import MAX_TOKENS_PER_SECOND, Capabilities, TierAssignment, check_speed
 from server.update_log import LoggedUpdate, UpdateLog
 from server.work import WorkQueue, work_order
 
@@ -70,6 +81,13 @@ MAX_DEPARTED = 100  # the newest departed members state.json keeps
 MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 bytes each)
 DENSE_BYTES_PER_VALUE = 4  # a round's results as float32 tensors of their whole regions
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
+MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about 10
+# Free space a round needs before it opens, in multiples of the master's size: the update
+# (at most the master's size), a checkpoint and its tier slices (under twice), state.json.
+CLOSE_RESERVE = 3
+# Names that atomic writes give their temporary files and folders (".state.json.tmp-1a2b3c4d",
+# ".round-4.old-...", ".trained.jsonl.tmp"): what a kill during a write leaves behind.
+TEMP_NAME = re.compile(r"\..+\.(tmp|old)(-[0-9a-f]{8})?")
 log = logging.getLogger("matformer.server")
 T = TypeVar("T")
 
@@ -101,6 +119,8 @@ class Coordinator:
         self.ledger = TrainedLedger(self.dir)
         self.limits = SubmissionLimits(config.compression, config.faults)
         self._open: OpenRound | None = None
+        self._write_failure: str | None = None  # the last failed close's error, logged once
+        self._waiting_for_disk = False  # a round waits for free space (said once)
         policy = config.tiers.build(self.model_config)
         if saved is None:
             self.state = RunState(run_id=config.run.id, data_fingerprint=self.reader.fingerprint,
@@ -111,6 +131,7 @@ class Coordinator:
                             f"{target_tokens(self.model_config)} tokens: they carry no target")
             self.membership = Membership(policy)
             self.queue = WorkQueue(order)
+            self._remove_temp_files()
             self._remove_unfinished_checkpoints()
             self.ledger.truncate(0)
             self.master = self._tied({n: t.detach().clone()
@@ -131,10 +152,11 @@ class Coordinator:
                     "run's run.toml, or start a new run directory.")
             self.membership = Membership.from_dict(policy, saved.membership)
             self.queue = WorkQueue(order, **saved.queue)
+            self._remove_temp_files()
             self._remove_unfinished_checkpoints()
             self.ledger.truncate(saved.round)
             self.master = self._replayed()
-            self._event("resume", None, f"resumed at round {saved.round} from {self.dir}")
+            self._event("resume", None, f"resumed at round {saved.round}")
 
     # -- calls from clients -------------------------------------------------------------
 
@@ -158,6 +180,8 @@ class Coordinator:
                   ) -> RoundAssignment | None:
         """Mark the client alive (and take its measured speed, if it reports one); its
         assignment in the open round, if any."""
+        if tokens_per_second is not None:
+            check_speed(tokens_per_second, client_id)
         with self._lock:
             self.membership.heartbeat(client_id, now=self.clock())
             if tokens_per_second is not None:
@@ -206,12 +230,14 @@ class Coordinator:
             tier = assigned.tier if assigned is not None else member.tier
             rnd.check(client_id, round_index, results, self.shapes, self.regions(tier),
                       assignment_id)
+            tokens = rnd.assignments[client_id].tokens
+            _check_reports(results, tokens, loss, train_seconds)
             results = self.limits.check(results)
             rnd.submissions[client_id] = Submission({r.name: r for r in results}, loss, now,
                                                     wire_bytes)
             measured = (train_seconds if train_seconds is not None and train_seconds > 0
                         else now - rnd.opened_at)
-            self.membership.measured(client_id, rnd.assignments[client_id].tokens, measured)
+            self.membership.measured(client_id, tokens, measured)
             self.advance()
 
     def rejected(self, client_id: str, error: Exception) -> str:
@@ -238,14 +264,13 @@ class Coordinator:
         """The client id a session token belongs to. Raises Excluded for an excluded
         client's token, SessionInvalid for an unknown, revoked or expired one."""
         client_id = self.membership.sessions.client_of(token)
-        if client_id is not None:
-            return client_id
-        claimed = token.rpartition(".")[0]
+        if client_id is None:
+            raise SessionInvalid("unknown, revoked or expired session token; call Join again.")
         with self._lock:
-            if claimed in self.membership.excluded:
-                raise Excluded(f"{claimed} was excluded from the run: "
-                               f"{self.membership.excluded[claimed]}")
-        raise SessionInvalid("unknown, revoked or expired session token; call Join again.")
+            if client_id in self.membership.excluded:
+                raise Excluded(f"{client_id} was excluded from the run: "
+                               f"{self.membership.excluded[client_id]}")
+        return client_id
 
     def assignment_for(self, client_id: str) -> RoundAssignment | None:
         with self._lock:
@@ -342,14 +367,17 @@ class Coordinator:
             self._regions[tier] = tier_regions(self.shapes, self.model_config, tier)
         return self._regions[tier]
 
-    def tier_hashes(self, tiers: Sequence[int]) -> dict[int, str]:
-        """Weight hash of the master at each tier: what a client of that tier must match."""
-        return {t: weight_hash(self.master, self.regions(t)) for t in sorted(set(tiers))}
+    def tier_hashes(self, tiers: Sequence[int], master: Mapping[str, Tensor] | None = None
+                    ) -> dict[int, str]:
+        """Weight hash of the master (or ``master``) at each tier: what a client of that tier
+        must match."""
+        master = self.master if master is None else master
+        return {t: weight_hash(master, self.regions(t)) for t in sorted(set(tiers))}
 
     def _open_round(self, now: float) -> OpenRound | None:
         cfg = self.config.round
         members = self.membership.active(now=now, timeout_s=self.config.faults.heartbeat_timeout_s)
-        if len(members) < cfg.min_clients:
+        if len(members) < cfg.min_clients or not self._room_to_close():
             return None
         r = self.state.round
         before = self.queue.to_dict()
@@ -372,8 +400,58 @@ class Coordinator:
         return OpenRound(index=r, opened_at=now, deadline=deadline, assignments=assignments,
                          queue_before=before, names={m.client_id: m.name for m in members})
 
+    def _room_to_close(self) -> bool:
+        """Whether the run directory has room for what closing a round writes (an update,
+        a checkpoint with its slices, state.json); a round opens only then. Said once."""
+        need = CLOSE_RESERVE * sum(t.numel() * t.element_size() for t in self.master.values())
+        free = shutil.disk_usage(self.dir).free
+        if free >= need:
+            self._waiting_for_disk = False
+            return True
+        if not self._waiting_for_disk:
+            self._waiting_for_disk = True
+            why = (f"{free / 2**20:,.0f} MiB free in the run directory, {need / 2**20:,.0f} MiB "
+                   "needed to close a round")
+            log.error("no round opens: %s; free some space", why)
+            self._event("disk", None, f"no round opens: {why}")
+        return False
+
     def _close(self) -> None:
+        """Close the open round as a transaction: the new master is computed beside the
+        current one, then the update log, ledger, checkpoint and state.json are written, and
+        only then does the coordinator take the new master. If a write fails (disk full, I/O
+        error), memory and disk are put back as they were before the close, the round stays
+        open, and RunDirectoryUnavailable names the error; the next call tries again."""
         rnd = self._open
+        before = _Before.take(self, rnd)
+        try:
+            master = self._close_round(rnd)
+        except Exception as err:
+            before.restore(self, rnd)
+            cause = err.__cause__ if isinstance(err, RunDirectoryUnavailable) else err
+            if not isinstance(cause, OSError):
+                raise
+            why = f"{type(cause).__name__}: {cause.strerror or cause}"
+            if why != self._write_failure:
+                self._write_failure = why
+                log.error("round %d could not be written to %s (%s); it stays open and closes "
+                          "once the run directory can be written", rnd.index, self.dir, why)
+                self._event("disk", None, f"round {rnd.index} could not be saved ({why}); "
+                            "it closes once the run directory can be written")
+            raise RunDirectoryUnavailable(
+                f"the coordinator cannot write its run directory ({why}); round {rnd.index} "
+                "closes once it can. Retry shortly.") from err
+        self._write_failure = None
+        if master is not None:
+            self.master = master
+        try:
+            self.log.prune(through=self._log_start() - 1)
+        except OSError as err:  # a later close prunes again
+            log.warning("pruning %s failed: %s", self.log.directory, err)
+
+    def _close_round(self, rnd: OpenRound) -> dict[str, Tensor] | None:
+        """The work of ``_close`` up to the writes; the new master, or None when the round
+        trained nothing (it opens again)."""
         self._open = None
         for client in [c for c in rnd.assignments if c not in rnd.submissions]:
             self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
@@ -383,7 +461,7 @@ class Coordinator:
         self._pace(rnd)
         if not rnd.submissions:
             self._save()
-            return  # nobody delivered: round r opens again with whoever is there
+            return None  # nobody delivered: round r opens again with whoever is there
         r = self.state.round
         by_name: dict[str, list[SparseResult]] = {}
         for client in rnd.assignments:  # assignment order: aggregation order is deterministic
@@ -392,13 +470,23 @@ class Coordinator:
         update = self.config.update.build(r, self.config.round.planned_rounds)
         aggregates = {name: aggregate(results) for name, results in by_name.items()}
         rule = update.build()
+        master = dict(self.master)
         for name, agg in aggregates.items():
-            self.master[name] = rule.apply(self.master[name], agg)
-        self.master = self._tied(self.master)
+            master[name] = rule.apply(master[name], agg)
+        master = self._tied(master)
+        broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
+        if broken:  # the limits on results make this unreachable; never serve such weights
+            for client in list(rnd.assignments):
+                self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            self._event("discard", None, f"round {r} discarded: its update makes {broken[0]} "
+                        f"(and {len(broken) - 1} more) not finite; its sequences are requeued")
+            self._save()
+            return None
         # every allowed tier: a client of any tier may join later and replay this round
         tiers = set(self.config.tiers.allowed) | {a.tier for a in rnd.assignments.values()}
         self.log.append(LoggedUpdate(
-            round=r, update=update, aggregates=aggregates, hashes=self.tier_hashes(list(tiers)),
+            round=r, update=update, aggregates=aggregates,
+            hashes=self.tier_hashes(list(tiers), master),
             coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()}))
         self._record_loss(rnd)
         self._record_round(rnd, by_name)
@@ -409,10 +497,10 @@ class Coordinator:
         self.state.finished = (stop.rounds is not None and self.state.round >= stop.rounds) or (
             stop.tokens is not None and self.state.tokens >= stop.tokens)
         if self.state.round % self.config.checkpoint.every_rounds == 0 or self.state.finished:
-            self._checkpoint()
+            self._checkpoint(master)
             self._event("checkpoint", None, f"checkpoints/round-{self.state.round}")
         self._save()
-        self.log.prune(through=self._log_start() - 1)
+        return master
 
     def _drop_silent(self, now: float) -> None:
         """Drop from the open round every assigned client silent for heartbeat_timeout_s
@@ -570,7 +658,12 @@ class Coordinator:
         self.state.queue = (self._open.queue_before if self._open is not None
                             else self.queue.to_dict())
         self.state.membership = self.membership.to_dict()
-        self.state.save(self.dir)
+        try:
+            self.state.save(self.dir)
+        except OSError as err:
+            raise RunDirectoryUnavailable(
+                f"the coordinator cannot write {self.dir.name}/state.json "
+                f"({type(err).__name__}: {err.strerror or err}); retry shortly.") from err
 
     def _log_start(self) -> int:
         """The first round the update log keeps: that of the checkpoint before the latest,
@@ -581,17 +674,18 @@ class Coordinator:
     def _checkpoint_dir(self, round_index: int) -> Path:
         return self.dir / "checkpoints" / f"round-{round_index}"
 
-    def _checkpoint(self) -> None:
-        """The master as a universal checkpoint plus the slices of every allowed tier (so a
-        client of any tier downloads only its slice), appearing whole or not at all: all of
-        it is written in ``checkpoints/.staging-round-N/``, fsynced, then the slices and last
-        the universal folder (which holds the manifest) are renamed into place."""
+    def _checkpoint(self, master: Mapping[str, Tensor] | None = None) -> None:
+        """The master (or ``master``) as a universal checkpoint plus the slices of every
+        allowed tier (so a client of any tier downloads only its slice), appearing whole or
+        not at all: all of it is written in ``checkpoints/.staging-round-N/``, fsynced, then
+        the slices and last the universal folder (which holds the manifest) are renamed into
+        place."""
         target = self._checkpoint_dir(self.state.round)
         staging = target.parent / f"{STAGING_PREFIX}{target.name}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         model = build_model(self.model_config)
-        load_canonical_state_dict(model, self.master)
+        load_canonical_state_dict(model, self.master if master is None else master)
         save_pretrained(model, staging / target.name)
         export_tiers(staging / target.name, [t for t in self.config.tiers.allowed if t > 0])
         fsync_tree(staging)
@@ -605,6 +699,13 @@ class Coordinator:
         staging.rmdir()
         if self.state.round not in self.state.checkpoints:
             self.state.checkpoints.append(self.state.round)
+
+    def _remove_temp_files(self) -> None:
+        """The temporary files and folders of atomic writes that a kill interrupted."""
+        for path in sorted(self.dir.rglob(".*"), key=lambda p: len(p.parts), reverse=True):
+            if TEMP_NAME.fullmatch(path.name) and path.exists():
+                log.warning("removing %s: left by a write interrupted before a restart", path)
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def _remove_unfinished_checkpoints(self) -> None:
         """Staging folders and checkpoint folders that state.json does not list: what a crash
@@ -656,6 +757,67 @@ class Coordinator:
 
     def _length(self, sequence_id: int) -> int:
         return len(self.reader[sequence_id])
+
+
+@dataclass(slots=True)
+class _Before:
+    """What closing a round may change, as it was: restored when the close cannot be
+    written. Record lists are copied shallowly (records are never changed once written)."""
+
+    state: RunState
+    queue: dict[str, Any]
+    members: dict[str, Member]
+    assignments: dict[str, RoundAssignment]
+    dropped: dict[str, str]
+    ledger_bytes: int
+
+    @classmethod
+    def take(cls, c: Coordinator, rnd: OpenRound) -> _Before:
+        s = c.state
+        state = dataclasses.replace(
+            s, loss={k: list(v) for k, v in s.loss.items()}, rounds=list(s.rounds),
+            events=list(s.events), checkpoints=list(s.checkpoints), departed=list(s.departed))
+        return cls(state=state, queue=c.queue.to_dict(),
+                   members=copy.deepcopy(c.membership.members),
+                   assignments=dict(rnd.assignments), dropped=dict(rnd.dropped),
+                   ledger_bytes=c.ledger.size())
+
+    def restore(self, c: Coordinator, rnd: OpenRound) -> None:
+        """Memory as before the close, the round open again; then the disk: a logged update,
+        ledger line or checkpoint of the round removed (none of which needs free space)."""
+        c.state = self.state
+        c.queue = WorkQueue(c.queue.order, **self.queue)
+        c.membership.members = self.members
+        rnd.assignments, rnd.dropped = self.assignments, self.dropped
+        c._open = rnd
+        try:
+            c.log.discard(rnd.index)
+            c.ledger.rewind(self.ledger_bytes)
+            c._remove_unfinished_checkpoints()
+        except OSError as err:  # a restart repairs the disk side from state.json
+            log.warning("undoing round %d on disk failed: %s", rnd.index, err)
+
+
+def _check_reports(results: Sequence[SparseResult], tokens: int, loss: float | None,
+                   train_seconds: float | None) -> None:
+    """BadResult unless what a client says of its work is the coordinator's own count or
+    physically possible: a result is weighted by the tokens assigned (a claimed count could
+    steer the whole update), and speed and loss feed the next round's split and the record."""
+    wrong = [r for r in results if r.tokens != tokens]
+    if wrong:
+        raise WrongTokenCount(
+            f"{wrong[0].name} claims {wrong[0].tokens} tokens ({len(wrong)} result(s) differ), "
+            f"but the assignment holds {tokens}; results are weighted by the tokens assigned, "
+            "so send that count.")
+    if loss is not None and not (math.isfinite(loss) and 0.0 <= loss <= MAX_LOSS):
+        raise BadReport(f"the reported loss {loss} is not in 0..{MAX_LOSS:g}; the client "
+                        "diverged, so it should reload the checkpoint.")
+    if train_seconds is not None and (
+            not math.isfinite(train_seconds) or train_seconds < 0
+            or (train_seconds > 0 and tokens / train_seconds > MAX_TOKENS_PER_SECOND)):
+        raise BadReport(f"train_seconds {train_seconds} for {tokens} tokens is not a time a "
+                        f"machine can take (at most {MAX_TOKENS_PER_SECOND:g} tokens/s); "
+                        "report the seconds the training took.")
 
 
 def _tail(records: list[T], first: int, key: Callable[[T], int]) -> list[T]:

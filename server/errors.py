@@ -158,10 +158,32 @@ class NormTooLarge(BadResult):
     """A submission whose values' L2 norm exceeds [faults] max_norm (norm_action = "reject")."""
 
 
+class WrongTokenCount(BadResult):
+    """A result claims another token count than the client's assignment holds: results are
+    weighted by the tokens the coordinator assigned, never by what a client says."""
+
+
+class ValueTooLarge(BadResult):
+    """A result holds a value beyond any a healthy client sends (and beyond what float32
+    arithmetic on the master can absorb)."""
+
+
+class BadReport(BadResult):
+    """A number a client reports about itself (speed, training time, loss) is not finite or
+    lies outside what any machine can do."""
+
+
 class SubmissionTooLarge(BadResult):
     """A SubmitResult stream over [faults] max_submission_mb."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class RunDirectoryUnavailable(CoordinatorError):
+    """The coordinator cannot write its run directory (disk full, I/O error): the round that
+    was closing stays open in memory and on disk as before, and closes once writing works."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class SessionInvalid(CoordinatorError):

@@ -43,6 +43,16 @@ class TrainedLedger:
             handle.flush()
             os.fsync(handle.fileno())
 
+    def size(self) -> int:
+        """The ledger's length in bytes, to ``rewind`` to."""
+        return self.path.stat().st_size if self.path.is_file() else 0
+
+    def rewind(self, size: int) -> None:
+        """Cut the ledger back to ``size`` bytes (what ``size`` said before a close that
+        could not be completed); needs no free space."""
+        if self.path.is_file() and self.path.stat().st_size > size:
+            os.truncate(self.path, size)
+
     def rounds(self) -> list[dict[str, Any]]:
         """Every complete line, in order; a torn last line (a crash mid-write) is skipped."""
         if not self.path.is_file():

@@ -1,6 +1,7 @@
 """What a submission may hold beyond being well formed (DESIGN.md §5.3): the run's own
-encoding, chunking and value dtype, at most ``topk`` values per chunk, and an L2 norm within
-``[faults] max_norm`` (clipped or refused, per ``norm_action``).
+encoding, chunking and value dtype, at most ``topk`` values per chunk, no value beyond
+``MAX_ABS_VALUE``, and an L2 norm within ``[faults] max_norm`` (clipped or refused, per
+``norm_action``).
 
     limits = SubmissionLimits(config.compression, config.faults)
     results = limits.check(results)   # the results to keep (clipped), or a BadResult
@@ -19,8 +20,13 @@ import torch
 
 from modeling.compression import CompressionConfig, SparseResult
 from modeling.compression.grid import ChunkGrid
-from server.errors import NormTooLarge, TooManyCoefficients, WrongEncoding
+from server.errors import NormTooLarge, TooManyCoefficients, ValueTooLarge, WrongEncoding
 from server.sections import FaultsSection
+
+# No healthy client sends a coefficient this large, and below it every sum the coordinator
+# forms (a chunk's inverse DCT, the token-weighted mean, the master update) stays finite in
+# float32, whatever max_norm says.
+MAX_ABS_VALUE = 1e9
 
 
 class SubmissionLimits:
@@ -49,6 +55,11 @@ class SubmissionLimits:
     def _check_one(self, result: SparseResult) -> None:
         c = self.compressor
         name = result.name
+        largest = float(result.values.abs().max()) if result.values.numel() else 0.0
+        if largest > MAX_ABS_VALUE:
+            raise ValueTooLarge(f"{name} holds a value of magnitude {largest:.3g}, above "
+                                f"{MAX_ABS_VALUE:g}; the client's gradient exploded, so it "
+                                "should reload the checkpoint.")
         if result.encoding != c.encoding_name:
             raise WrongEncoding(f"{name} is encoded as {result.encoding!r}, the run uses "
                                 f"{c.encoding_name!r}; take the settings from JoinReply.")

@@ -90,9 +90,11 @@ class Membership:
         return member
 
     def exclude(self, client_id: str, reason: str) -> Member:
-        """Remove a member for good: its session ends and later calls with that session
-        are told ``reason`` (PERMISSION_DENIED) instead of being asked to rejoin."""
-        member = self.leave(client_id)
+        """Remove a member for good. Its session token stays known, so that its later calls
+        are told ``reason`` (PERMISSION_DENIED) instead of being asked to rejoin; a token
+        that was never issued learns nothing."""
+        member = self.get(client_id)
+        del self.members[client_id]
         self.excluded[client_id] = reason
         self.excluded_names[client_id] = member.name
         return member

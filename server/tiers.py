@@ -18,6 +18,8 @@ The reason of every assignment is a sentence for the client and the log, e.g.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -60,7 +62,7 @@ class TierPolicy:
 
     def assign(self, client: Capabilities, members: Sequence[int] = ()) -> TierAssignment:
         """The tier for ``client``, given the tiers of the current ``members``."""
-        _check(client)
+        check_capabilities(client)
         have = client.memory_bytes
 
         def need(tier: int) -> int:
@@ -129,16 +131,50 @@ class TierPolicy:
         return f"tier {tier} (FFN {tier_width(self.memory.config, tier)})"
 
 
-def _check(client: Capabilities) -> None:
-    if client.memory_bytes <= 0:
+# A name and a device kind are shown on the dashboard, written to state.json and matched
+# by [tiers.pins]: short printable words, nothing that could flood a page or a log line.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}")
+_DEVICE_KIND = re.compile(r"[a-z][a-z0-9_]{0,15}")
+MAX_DEVICE_NAME = 200
+MAX_TOKENS_PER_SECOND = 1e9  # far beyond any one machine; more is a lie or a bug
+MAX_MEMORY_BYTES = 2**50  # 1 PiB
+MAX_MICROBATCH_TOKENS = 2**24
+MAX_TIER = 32
+
+
+def check_speed(tokens_per_second: float, who: str) -> None:
+    """BadCapabilities unless ``tokens_per_second`` is a finite speed a machine can have."""
+    if not (math.isfinite(tokens_per_second)
+            and 0.0 <= tokens_per_second <= MAX_TOKENS_PER_SECOND):
+        raise BadCapabilities(
+            f"{who} reports {tokens_per_second} tokens/s; a speed is a finite number in "
+            f"0..{MAX_TOKENS_PER_SECOND:g}.")
+
+
+def check_capabilities(client: Capabilities) -> None:
+    """BadCapabilities for a report the coordinator cannot take as it is."""
+    if not _NAME.fullmatch(client.name):
+        raise BadCapabilities(
+            f"client name {client.name[:64]!r}{'...' if len(client.name) > 64 else ''} "
+            f"({len(client.name)} characters) is not 1-64 letters, digits or . _ @ + -, "
+            "starting with a letter or digit; rename the client (--name).")
+    if not _DEVICE_KIND.fullmatch(client.device_kind):
+        raise BadCapabilities(f"device kind {client.device_kind[:32]!r} is not a short "
+                              "lowercase word such as cpu, cuda or mps.")
+    if len(client.device_name) > MAX_DEVICE_NAME or not client.device_name.isprintable():
+        raise BadCapabilities(f"the device name is not up to {MAX_DEVICE_NAME} printable "
+                              "characters.")
+    check_speed(client.tokens_per_second, f"client {client.name!r}")
+    if not 0 < client.memory_bytes <= MAX_MEMORY_BYTES:
         raise BadCapabilities(f"client {client.name!r} reports {client.memory_bytes} bytes of "
-                              "memory; report the memory it can train in (> 0).")
-    if client.microbatch_tokens < 1:
+                              f"memory; report the memory it can train in (1..{MAX_MEMORY_BYTES}).")
+    if not 1 <= client.microbatch_tokens <= MAX_MICROBATCH_TOKENS:
         raise BadCapabilities(f"client {client.name!r} reports a microbatch of "
-                              f"{client.microbatch_tokens} tokens; it must be >= 1.")
-    if client.requested_tier is not None and client.requested_tier < 0:
+                              f"{client.microbatch_tokens} tokens; it must lie in "
+                              f"1..{MAX_MICROBATCH_TOKENS}.")
+    if client.requested_tier is not None and not 0 <= client.requested_tier <= MAX_TIER:
         raise BadCapabilities(f"client {client.name!r} asked for tier {client.requested_tier}; "
-                              "a tier is an integer >= 0.")
+                              f"a tier is an integer in 0..{MAX_TIER}.")
 
 
 def _size(n: int) -> str:

@@ -87,6 +87,11 @@ class UpdateLog:
             coverage_tokens=meta["coverage_tokens"],
         )
 
+    def discard(self, round_index: int) -> None:
+        """Forget round ``round_index`` (a close that could not be completed)."""
+        for path in self._paths(round_index):
+            path.unlink(missing_ok=True)
+
     def prune(self, through: int) -> None:
         """Drop the rounds up to ``through`` (they are inside a checkpoint now)."""
         for path in self.directory.glob("round-*"):
