@@ -5,10 +5,13 @@ token ``Join`` issued as the gRPC metadata entry ``SESSION_METADATA_KEY``: metad
 unary and streaming calls alike without a field in every message, and a client sets it once
 with ``with_session(channel, token)``. A session token is ``"<client id>.<secret>"``, so the
 coordinator looks up the client's token by id and compares the whole token in constant time.
+It keeps only each token's sha256 (``"sha256:<hex>"``), so the file the tokens are saved in
+does not let its reader act as a member.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 import threading
@@ -19,6 +22,7 @@ from typing import NoReturn
 import grpc
 
 SESSION_METADATA_KEY = "matformer-session-token"
+TOKEN_HASH = "sha256:"  # the prefix of a stored token hash; anything else is a clear token
 
 
 def tokens_equal(presented: str, expected: str) -> bool:
@@ -31,34 +35,46 @@ def new_join_token() -> str:
     return secrets.token_urlsafe(32)
 
 
+def token_hash(token: str) -> str:
+    """What ``SessionTokens`` keeps of a token: ``"sha256:<hex>"``. A token holds 256 random
+    bits, so a plain hash cannot be reversed by guessing."""
+    return TOKEN_HASH + hashlib.sha256(token.encode()).hexdigest()
+
+
 class SessionTokens:
-    """The coordinator's session tokens by client id; safe to use from gRPC's worker threads."""
+    """The coordinator's session tokens by client id, as hashes; safe to use from gRPC's
+    worker threads."""
 
     def __init__(self, tokens: Mapping[str, str] | None = None) -> None:
-        self._tokens = dict(tokens or {})  # client id → token, e.g. restored from state.json
+        # client id → token hash, e.g. restored from state.json; one saved before tokens were
+        # hashed holds them in clear, and they are hashed here
+        self._hashes = {client_id: stored if stored.startswith(TOKEN_HASH) else token_hash(stored)
+                        for client_id, stored in (tokens or {}).items()}
         self._lock = threading.Lock()
 
     def issue(self, client_id: str) -> str:
         """A new token for ``client_id``; any earlier one stops working."""
         token = f"{client_id}.{secrets.token_urlsafe(32)}"
         with self._lock:
-            self._tokens[client_id] = token
+            self._hashes[client_id] = token_hash(token)
         return token
 
     def client_of(self, token: str) -> str | None:
         """The client id ``token`` belongs to, or None for an unknown or revoked token."""
         client_id = token.rpartition(".")[0]  # the secret is URL-safe base64: it has no "."
         with self._lock:
-            expected = self._tokens.get(client_id)
-        return client_id if expected is not None and tokens_equal(token, expected) else None
+            expected = self._hashes.get(client_id)
+        matches = expected is not None and tokens_equal(token_hash(token), expected)
+        return client_id if matches else None
 
     def revoke(self, client_id: str) -> None:
         with self._lock:
-            self._tokens.pop(client_id, None)
+            self._hashes.pop(client_id, None)
 
     def as_dict(self) -> dict[str, str]:
+        """Client id → token hash: what ``SessionTokens(...)`` restores from."""
         with self._lock:
-            return dict(self._tokens)
+            return dict(self._hashes)
 
 
 def check_join_token(context: grpc.ServicerContext, presented: str, expected: str) -> None:

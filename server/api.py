@@ -14,18 +14,39 @@ made from. The dashboard at ``/`` reads this API and nothing else.
   snapshot, for a page that polls and appends what is new.
 
 All of one response comes from one ``Coordinator.snapshot()``, so its parts agree.
+
+The API is public (the dashboard is a read-only page for anyone), so no text it serves holds
+a filesystem path of this machine (``hide_paths``: a path keeps only its last part), and why
+a client was excluded (the operator's words, or the refusals behind an automatic exclusion)
+is shown only to a request with ``Authorization: Bearer <operator token>``; others read
+``WITHHELD`` there.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Query
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import APIRouter, Depends, Query
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from server.coordinator import MAX_DEPARTED, Coordinator
+from server.operator_access import operator_reader
 
 EVENTS_LIMIT = 200  # the most events one response carries unless asked for fewer
+WITHHELD = "(the reason is shown to the operator only)"
+EXCLUDED = "excluded: "  # how the coordinator's round records begin an exclusion's reason
+# An absolute path: a "/" at the start or after a space, quote, bracket, "=" or ",", and the
+# characters up to the next of those ("tokens/s" and "1/2" are not paths, "://" is left alone).
+_ABSOLUTE_PATH = re.compile(r"(?<![^\s'\"(\[{=,])/[^\s'\"()\[\]{},;]+")
+
+
+def hide_paths(text: str) -> str:
+    """``text`` with every absolute path cut to its last part: ``…/state.json``."""
+    return _ABSOLUTE_PATH.sub(lambda m: "…/" + m.group().rstrip("/").rpartition("/")[2], text)
+
+
+PublicText = Annotated[str, AfterValidator(hide_paths)]  # free text that may quote a path
 
 Phase = Literal["waiting", "collecting", "finished"]
 ClientState = Literal["training", "submitted", "idle", "silent"]
@@ -71,8 +92,8 @@ class ClientInfo(Strict):
     device_name: str = Field(description="e.g. the GPU or CPU model; empty if not reported")
     memory_bytes: int = Field(description="memory the client reported it can train in")
     tier: int
-    tier_reason: str = Field(description="why this tier: the join's reasoning, or the "
-                                         "re-tiering that moved it")
+    tier_reason: PublicText = Field(description="why this tier: the join's reasoning, or "
+                                                "the re-tiering that moved it")
     requested_tier: int | None
     tokens_per_second: float = Field(description="measured in its last delivered round, "
                                                  "else its own report")
@@ -92,7 +113,8 @@ class ClientInfo(Strict):
 class ExcludedClient(Strict):
     client_id: str
     name: str
-    reason: str
+    reason: PublicText = Field(description=f"shown to the operator only; others read "
+                                           f"{WITHHELD!r}")
 
 
 class DepartedClient(Strict):
@@ -105,7 +127,8 @@ class DepartedClient(Strict):
     last_round: int | None = Field(description="the last completed round it delivered in")
     left_at: float = Field(description="server clock")
     round: int = Field(description="rounds completed when it left")
-    reason: str = Field(description="what it said when leaving, or why its session expired")
+    reason: PublicText = Field(description="what it said when leaving, or why its session "
+                                           "expired")
 
 
 class Clients(Strict):
@@ -123,7 +146,8 @@ class LossPoint(Strict):
 class DroppedClient(Strict):
     client_id: str
     name: str
-    reason: str
+    reason: PublicText = Field(description=f"an exclusion's reason is shown to the operator "
+                                           f"only: {EXCLUDED}{WITHHELD}")
 
 
 class RoundRecord(Strict):
@@ -152,7 +176,8 @@ class Event(Strict):
     round: int
     kind: EventKind
     client_id: str | None
-    detail: str
+    detail: PublicText = Field(description=f"an exclusion's reason is shown to the operator "
+                                           f"only; others read {WITHHELD!r}")
 
 
 class Dashboard(Strict):
@@ -163,42 +188,45 @@ class Dashboard(Strict):
     events: list[Event]
 
 
-def build_router(coordinator: Coordinator) -> APIRouter:
+def build_router(coordinator: Coordinator, operator_token: str | None) -> APIRouter:
     api = APIRouter(prefix="/api", tags=["status"])
     since = Query(0, ge=0, description="only rounds with this index or later")
+    reader = Depends(operator_reader(operator_token))  # True: the request has the token
 
     @api.get("/run")
     def run() -> RunInfo:
         return run_info(coordinator.snapshot(since_round=None, events_after=None))
 
     @api.get("/clients")
-    def clients() -> Clients:
-        return clients_info(coordinator.snapshot(since_round=None, events_after=None))
+    def clients(operator: bool = reader) -> Clients:
+        return clients_info(coordinator.snapshot(since_round=None, events_after=None), operator)
 
     @api.get("/loss")
     def loss(since_round: int = since) -> dict[str, list[LossPoint]]:
         return loss_info(coordinator.snapshot(since_round=since_round, events_after=None))
 
     @api.get("/rounds")
-    def rounds(since_round: int = since) -> list[RoundRecord]:
+    def rounds(since_round: int = since, operator: bool = reader) -> list[RoundRecord]:
         snap = coordinator.snapshot(since_round=since_round, events_after=None)
-        return [RoundRecord(**r) for r in snap["rounds"]]
+        return rounds_info(snap["rounds"], operator)
 
     @api.get("/events")
     def events(after: int = Query(-1, ge=-1, description="only events with a larger seq"),
                limit: int = Query(EVENTS_LIMIT, ge=1, le=1000,
-                                  description="the newest this many")) -> list[Event]:
+                                  description="the newest this many"),
+               operator: bool = reader) -> list[Event]:
         snap = coordinator.snapshot(since_round=None, events_after=after)
-        return [Event(**e) for e in snap["events"][-limit:]]
+        return events_info(snap["events"][-limit:], operator)
 
     @api.get("/dashboard")
     def dashboard(since_round: int = since,
                   events_after: int = Query(-1, ge=-1, description="only events with a "
-                                                                    "larger seq")) -> Dashboard:
+                                                                    "larger seq"),
+                  operator: bool = reader) -> Dashboard:
         snap = coordinator.snapshot(since_round=since_round, events_after=events_after)
-        return Dashboard(run=run_info(snap), clients=clients_info(snap), loss=loss_info(snap),
-                         rounds=[RoundRecord(**r) for r in snap["rounds"]],
-                         events=[Event(**e) for e in snap["events"][-EVENTS_LIMIT:]])
+        return Dashboard(run=run_info(snap), clients=clients_info(snap, operator),
+                         loss=loss_info(snap), rounds=rounds_info(snap["rounds"], operator),
+                         events=events_info(snap["events"][-EVENTS_LIMIT:], operator))
 
     return api
 
@@ -213,7 +241,7 @@ def run_info(snap: dict[str, Any]) -> RunInfo:
                    server_time=snap["now"])
 
 
-def clients_info(snap: dict[str, Any]) -> Clients:
+def clients_info(snap: dict[str, Any], operator: bool) -> Clients:
     now, opened = snap["now"], snap["open_round"]
     members = []
     for m in snap["members"]:
@@ -235,8 +263,23 @@ def clients_info(snap: dict[str, Any]) -> Clients:
             last_round_seconds=m["last_round_seconds"], last_seen=m["last_seen"],
             last_seen_s_ago=age, state=state, rejections=m["rejections"],
             missed=m["missed"]))
-    return Clients(members=members, excluded=[ExcludedClient(**e) for e in snap["excluded"]],
+    excluded = [ExcludedClient(**{**e, "reason": e["reason"] if operator else WITHHELD})
+                for e in snap["excluded"]]
+    return Clients(members=members, excluded=excluded,
                    departed=[DepartedClient(**d) for d in snap["departed"]])
+
+
+def rounds_info(rounds: list[dict[str, Any]], operator: bool) -> list[RoundRecord]:
+    def dropped(d: dict[str, Any]) -> dict[str, Any]:
+        withheld = not operator and d["reason"].startswith(EXCLUDED)
+        return {**d, "reason": EXCLUDED + WITHHELD} if withheld else d
+
+    return [RoundRecord(**{**r, "dropped": [dropped(d) for d in r["dropped"]]}) for r in rounds]
+
+
+def events_info(events: list[dict[str, Any]], operator: bool) -> list[Event]:
+    return [Event(**{**e, "detail": WITHHELD}) if e["kind"] == "exclude" and not operator
+            else Event(**e) for e in events]
 
 
 def loss_info(snap: dict[str, Any]) -> dict[str, list[LossPoint]]:

@@ -44,6 +44,7 @@ from server.sections import (
     TiersSection,
     TlsSection,
     UpdateSection,
+    check_compression,
 )
 from server.tables import read_table, reject_unknown, table_of
 
@@ -69,7 +70,9 @@ class RunConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Checks across sections; each section has checked itself already."""
+        """Checks across sections (each section has checked itself already), and modeling's
+        [compression] against what a run needs."""
+        check_compression(self.compression)
         model = self.model.build()
         for tier in self.tiers.allowed:
             try:

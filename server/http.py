@@ -8,13 +8,16 @@
   bytes received per round);
 - ``GET /metrics``: the same numbers in Prometheus text format;
 - ``GET /files/{path}``: the manifests of ``checkpoints/`` and the files they list, each checked
-  against its sha256 first (404 for anything else, 500 for a damaged copy);
+  against its sha256 first (404 for anything else, 500 for a damaged copy); ``HEAD`` answers
+  the same without the body (its length and ``X-Checksum-Sha256``);
 - ``POST /api/clients/{client_id}/exclude`` with ``{"reason": "..."}``: the operator removes a
   member for good (``Coordinator.exclude``; 404 for a non-member).
 
-Reads are open. Every other method needs ``Authorization: Bearer <operator token>`` ([auth]
-operator_token_env): 401 without it, 403 with a wrong one, 403 when the run has none (its HTTP
-side is then read-only). Clients never need this side.
+Reads are open; no answer holds a filesystem path of this machine, and only a read with
+the operator token sees why a client was excluded (server/api.py). Every other method needs
+``Authorization: Bearer <operator token>`` ([auth] operator_token_env; server/operator_access.py):
+401 without it, 403 with a wrong one, 403 when the run has none (its HTTP side is then
+read-only). Clients never need this side.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from protocol.auth import tokens_equal
 from protocol.errors import UnsafePath
 from server.api import build_router
 from server.errors import FileNotServed, ServedFileDamaged, UnknownClient
+from server.operator_access import operator_refusal
 from server.served_files import served_files
 from server.service import CoordinatorService
 
@@ -61,7 +64,7 @@ def build_app(service: CoordinatorService) -> FastAPI:
             return JSONResponse({"detail": detail}, status_code=status, headers=headers)
         return await call_next(request)
 
-    app.include_router(build_router(coordinator))
+    app.include_router(build_router(coordinator, operator_token))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -77,6 +80,7 @@ def build_app(service: CoordinatorService) -> FastAPI:
         return prometheus_text(coordinator.snapshot(since_round=None, events_after=None))
 
     @app.get("/files/{path:path}")
+    @app.head("/files/{path:path}")
     def files(path: str) -> FileResponse:
         try:
             target, sha256 = served_files(service.checkpoints).verified(path)
@@ -96,22 +100,6 @@ def build_app(service: CoordinatorService) -> FastAPI:
         return {"client_id": client_id, "excluded": exclusion.reason}
 
     return app
-
-
-def operator_refusal(authorization: str | None, operator_token: str | None
-                     ) -> tuple[int, str] | None:
-    """(status, message) refusing a write with this Authorization header, or None to allow."""
-    if operator_token is None:
-        return 403, ("this run has no operator token, so its HTTP side is read-only; set "
-                     "[auth] operator_token_env (or operator_token) in run.toml and restart "
-                     "the server.")
-    scheme, _, presented = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
-        return 401, ("changing the run needs the operator token: send the header "
-                     "'Authorization: Bearer <operator token>'.")
-    if not tokens_equal(presented.strip(), operator_token):
-        return 403, "wrong operator token in the Authorization header."
-    return None
 
 
 def run_status(service: CoordinatorService) -> dict[str, Any]:

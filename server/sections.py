@@ -18,11 +18,12 @@ from typing import Any
 
 from modeling.checkpoint.files import CONFIG_NAME
 from modeling.checkpoint.hf_config import from_config_dict
-from modeling.compression import UPDATE_RULES, UpdateConfig
+from modeling.compression import UPDATE_RULES, CompressionConfig, UpdateConfig, universal_shapes
 from modeling.config import ModelConfig
 from modeling.errors import MatformerError
 from modeling.mdat import DEFAULT_STRATEGY
 from modeling.optim import SCHEDULES, lr_factor
+from protocol.channel import MAX_MESSAGE_BYTES
 from server.errors import (
     ConflictingKeys,
     InvalidValue,
@@ -30,17 +31,35 @@ from server.errors import (
     MissingKey,
     MissingSecret,
 )
-from server.tables import reject_unknown
+from server.tables import INT64, reject_unknown
 from server.tiers import TierPolicy
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # Fractions of a target mix may be written to a few digits: 0.33 + 0.33 + 0.34.
 _MIX_TOLERANCE = 1e-6
+# Ranges of run.toml's numbers beyond "positive" (server.tables bounds every number further:
+# floats finite, integers 64-bit). Each keeps a value that would crash or wreck the run out.
+MAX_DIMENSION = 2**24  # vocab_size, hidden_size, intermediate_size, max_position_embeddings
+MAX_LAYERS = 1024  # the coordinator builds the model (on the meta device) to read its shapes
+MAX_TIER = MAX_DIMENSION.bit_length() - 1  # a tier halves the FFN width: 24 halvings at most
+MAX_SECONDS = 30 * 24 * 3600.0  # deadlines, heartbeats and session lifetimes
+MAX_LR = 10.0  # a step of 10·sign(aggregate) already wipes out any trained weight
+MIB = 1024 * 1024
+MAX_MESSAGE_MB = MAX_MESSAGE_BYTES / MIB  # no client sends a larger message (protocol.channel)
+MAX_SUBMISSION_MB = 1024.0 * 1024  # 1 TiB: a dense float32 submission of 270 G parameters
+UINT32_MAX = 2**32 - 1  # chunk and topk travel to clients as uint32 (TrainingSettings)
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise InvalidValue(message)
+
+
+def _within(where: str, value: float, low: float, high: float, *, above: bool = False,
+            unit: str = "") -> None:
+    """InvalidValue unless ``low <= value <= high`` (``low < value`` when ``above``)."""
+    ok = (low < value if above else low <= value) and value <= high
+    _require(ok, f"{where} must lie in {'(' if above else '['}{low}, {high}]{unit}, got {value}.")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -87,7 +106,7 @@ class ModelSection:
             raise ConflictingKeys(f"[model] gives {' and '.join(given)}; keep exactly one.")
         if self.inline is not None:
             reject_unknown("[model.inline]", self.inline, list(ModelConfig.__dataclass_fields__))
-        self.build()
+        _check_size(self.build())
 
     def build(self) -> ModelConfig:
         """The run's (universal) model config."""
@@ -105,6 +124,33 @@ class ModelSection:
                  f"{where} describes a tier {config.matformer_tier} slice; a run trains the "
                  "universal (tier 0) model, so point [model] at the universal config.")
         return config
+
+
+def _check_size(config: ModelConfig) -> None:
+    """A model the coordinator can build and hold: sizes within MAX_DIMENSION and MAX_LAYERS,
+    finite numbers, and a float32 master that fits in this machine's memory."""
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings"):
+        _within(f"[model] {key}", getattr(config, key), 1, MAX_DIMENSION)
+    _within("[model] num_hidden_layers", config.num_hidden_layers, 1, MAX_LAYERS)
+    nonfinite = _first_nonfinite(config.to_dict())
+    _require(nonfinite is None, f"[model] {nonfinite} is not a finite number; give a finite one.")
+    parameters = sum(math.prod(shape) for shape in universal_shapes(config).values())
+    master, memory = 4 * parameters, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    _require(master <= memory,
+             f"[model] has {parameters:,} parameters, whose float32 master alone takes "
+             f"{master / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of "
+             "memory; choose a smaller model.")
+
+
+def _first_nonfinite(value: Any, where: str = "") -> str | None:
+    """``key.key = value`` for the first infinite or NaN float in plain data, if any."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where} = {value}"
+    children = (value.items() if isinstance(value, dict)
+                else enumerate(value) if isinstance(value, list | tuple) else ())
+    found = (_first_nonfinite(child, f"{where}.{key}" if where else str(key))
+             for key, child in children)
+    return next((f for f in found if f is not None), None)
 
 
 def _model(where: str, make: Callable[[], ModelConfig]) -> ModelConfig:
@@ -127,6 +173,7 @@ class DataSection:
     def __post_init__(self) -> None:
         _require(self.max_seq_len >= 1,
                  f"[data] max_seq_len must be a positive integer, got {self.max_seq_len}.")
+        _within("[data] seed", self.seed, 0, INT64[1])  # numpy's shuffle needs seed >= 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -137,8 +184,10 @@ class TiersSection:
 
     def __post_init__(self) -> None:
         _require(bool(self.allowed), "[tiers] allowed is empty; list at least one tier.")
-        _require(all(t >= 0 for t in self.allowed) and len(set(self.allowed)) == len(self.allowed),
-                 f"[tiers] allowed must list distinct tiers >= 0, got {self.allowed}.")
+        _require(all(0 <= t <= MAX_TIER for t in self.allowed)
+                 and len(set(self.allowed)) == len(self.allowed),
+                 f"[tiers] allowed must list distinct tiers in [0, {MAX_TIER}], got "
+                 f"{self.allowed}.")
         for name, tier in self.pins.items():
             _require(tier in self.allowed,
                      f"[tiers.pins] pins {name!r} to tier {tier}, which is not in allowed "
@@ -171,8 +220,8 @@ class RoundSection:
     def __post_init__(self) -> None:
         _require(self.min_clients >= 1,
                  f"[round] min_clients must be >= 1, got {self.min_clients}.")
-        _require(self.deadline_s > 0 and math.isfinite(self.deadline_s),
-                 f"[round] deadline_s must be a positive number of seconds, got {self.deadline_s}.")
+        _within("[round] deadline_s", self.deadline_s, 0, MAX_SECONDS, above=True,
+                unit=" seconds")
         _require(self.tokens_per_round >= 1,
                  f"[round] tokens_per_round must be >= 1, got {self.tokens_per_round}.")
         if self.rounds is None and self.tokens is None:
@@ -209,11 +258,13 @@ class UpdateSection:
         _require(self.schedule in SCHEDULES,
                  f"[update] schedule {self.schedule!r} is unknown; choose one of "
                  f"{', '.join(SCHEDULES)}.")
-        _require(self.lr > 0, f"[update] lr must be > 0, got {self.lr}.")
+        _within("[update] lr", self.lr, 0, MAX_LR, above=True)
         _require(0 <= self.final_lr <= self.lr,
                  f"[update] final_lr must lie in [0, lr={self.lr}], got {self.final_lr}.")
-        _require(self.weight_decay >= 0,
-                 f"[update] weight_decay must be >= 0, got {self.weight_decay}.")
+        _require(0 <= self.weight_decay <= 1 / self.lr,
+                 f"[update] weight_decay must lie in [0, 1 / lr] = [0, {1 / self.lr:g}], got "
+                 f"{self.weight_decay}: beyond 1 / lr the decay w ← w·(1 − lr·wd) flips the sign "
+                 "of the weights.")
         _require(self.warmup_rounds >= 0,
                  f"[update] warmup_rounds must be >= 0, got {self.warmup_rounds}.")
 
@@ -350,11 +401,12 @@ class FaultsSection:
     max_message_mb: float = 64.0  # any single gRPC message the server receives
 
     def __post_init__(self) -> None:
-        for key in ("heartbeat_s", "heartbeat_timeout_s", "session_ttl_s", "max_submission_mb",
-                    "max_message_mb"):
-            value = getattr(self, key)
-            _require(value > 0 and math.isfinite(value),
-                     f"[faults] {key} must be a positive number, got {value}.")
+        for key in ("heartbeat_s", "heartbeat_timeout_s", "session_ttl_s"):
+            _within(f"[faults] {key}", getattr(self, key), 0, MAX_SECONDS, above=True,
+                    unit=" seconds")
+        _within("[faults] max_submission_mb", self.max_submission_mb, 1, MAX_SUBMISSION_MB,
+                unit=" MiB")
+        _within("[faults] max_message_mb", self.max_message_mb, 1, MAX_MESSAGE_MB, unit=" MiB")
         _require(self.heartbeat_timeout_s >= 2 * self.heartbeat_s,
                  f"[faults] heartbeat_timeout_s {self.heartbeat_timeout_s} must be at least twice "
                  f"heartbeat_s {self.heartbeat_s}, or one late heartbeat drops a healthy client.")
@@ -374,9 +426,18 @@ class FaultsSection:
 
     @property
     def max_submission_bytes(self) -> int:
-        return int(self.max_submission_mb * 1024 * 1024)
+        return int(self.max_submission_mb * MIB)
 
     @property
     def max_message_bytes(self) -> int:
-        return int(self.max_message_mb * 1024 * 1024)
+        return int(self.max_message_mb * MIB)
 
+
+def check_compression(compression: CompressionConfig) -> None:
+    """What [compression] (modeling's CompressionConfig, which checks its own lower bounds)
+    must keep for a run: a finite lr, and chunk and topk within the uint32 fields that carry
+    them to clients."""
+    _require(0 < compression.lr < math.inf,
+             f"[compression] lr must be a finite number > 0, got {compression.lr}.")
+    for key in ("chunk", "topk"):
+        _within(f"[compression] {key}", getattr(compression, key), 1, UINT32_MAX)

@@ -4,8 +4,10 @@ Every section of run.toml is a ``@dataclass(kw_only=True, slots=True)``. ``read_
 checks a table against the fields before the dataclass's own checks run: unknown keys (named
 with the valid ones and the closest match), missing required keys, and types (an integer is
 accepted as a float, a bool is not an integer; a ``Path`` is a string relative to the folder
-of the TOML file). ``table_of`` turns a section back into plain data that ``read_table``
-reads to an equal section.
+of the TOML file), and the range every number keeps whatever its key: floats are finite
+(TOML can write ``inf`` and ``nan``), integers fit TOML's 64 bits (``tomllib`` reads any
+size). ``table_of`` turns a section back into plain data that ``read_table`` reads to an
+equal section.
 
 A field with ``metadata={"secret": True}`` never has its value quoted in an error.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +26,7 @@ from modeling.errors import MatformerError
 from server.errors import InvalidValue, MissingKey, ServerConfigError, UnknownKey, WrongType
 
 T = TypeVar("T")
+INT64 = (-(2**63), 2**63 - 1)  # TOML's integers: every wire field and seed holds these
 
 
 def reject_unknown(where: str, given: Iterable[str], valid: list[str]) -> None:
@@ -94,11 +98,16 @@ def _coerce(where: str, value: Any, hint: Any, base: Path, secret: bool) -> Any:
     if hint is float:
         _expect(isinstance(value, int | float) and not isinstance(value, bool), where,
                 "a number", value, secret)
-        return float(value)
+        if isinstance(value, int):
+            return float(_int64(where, value))
+        if not math.isfinite(value):
+            raise InvalidValue(f"{where} must be a finite number, got {value}; "
+                               "examples/run.toml shows each key's range.")
+        return value
     if hint in (int, str, bool):
         ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
         _expect(ok, where, f"{'an' if hint is int else 'a'} {hint.__name__}", value, secret)
-        return value
+        return _int64(where, value) if hint is int else value
     if origin is list:
         _expect(isinstance(value, list), where, "a list", value, secret)
         return [_coerce(f"{where}[{i}]", v, args[0], base, secret) for i, v in enumerate(value)]
@@ -107,6 +116,13 @@ def _coerce(where: str, value: Any, hint: Any, base: Path, secret: bool) -> Any:
         return {_key(where, k, args[0]): _coerce(f"{where}.{k}", v, args[1], base, secret)
                 for k, v in value.items()}
     raise TypeError(f"{where}: no reader for the annotation {hint!r}")  # a bug, not user input
+
+
+def _int64(where: str, value: int) -> int:
+    if not INT64[0] <= value <= INT64[1]:
+        raise InvalidValue(f"{where} must lie in [{INT64[0]}, {INT64[1]}] (TOML's 64-bit "
+                           f"integers), got {value}.")
+    return value
 
 
 def _key(where: str, key: Any, hint: Any) -> Any:

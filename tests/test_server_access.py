@@ -133,9 +133,30 @@ def test_auth_none_bind_host(host, bound, caplog):
         assert bind_host(config) == bound
     (warning,) = caplog.records
     assert (f"host {host!r} is ignored" in warning.getMessage()) == (host != bound)
+
+
+@pytest.mark.parametrize(("host", "beyond_loopback"), [
+    ("0.0.0.0", True), ("::", True), ("192.168.1.7", True), ("coordinator.example", True),
+    ("localhost", False), ("::1", False), ("127.0.0.1", False), ("127.0.0.2", False)])
+def test_a_host_beyond_loopback_without_tls_is_warned_about(host, beyond_loopback, tmp_path,
+                                                            caplog):
+    plaintext = RunConfig.from_dict(run_config(server={"host": host}))
+    with caplog.at_level(logging.WARNING, logger="matformer.server"):
+        assert bind_host(plaintext) == host
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == int(beyond_loopback)
+    for warning in warnings:
+        assert f"host {host!r} accepts other machines over plaintext" in warning
+        assert "Set [tls] cert and key" in warning and "\n" not in warning
     caplog.clear()
-    token_mode = RunConfig.from_dict(run_config(server={"host": host}))
-    assert bind_host(token_mode) == host and not caplog.records
+    (tmp_path / "cert.pem").write_text("cert")
+    (tmp_path / "key.pem").write_text("key")
+    tls = RunConfig.from_dict(run_config(server={"host": host},
+                                         tls={"cert": "cert.pem", "key": "key.pem"}),
+                              base=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="matformer.server"):
+        assert bind_host(tls) == host
+    assert not caplog.records
 
 
 # -- TLS ----------------------------------------------------------------------------------

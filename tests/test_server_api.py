@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -16,14 +18,16 @@ from protocol.channel import GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import submission_messages
+from server.api import WITHHELD, hide_paths, rounds_info
 from server.config import RunConfig
 from server.main import RunningServer
 from server.state import RunState
 from tests.openapi import api_paths, response_errors
-from tests.test_server_service import http_get, join_request, write_run_toml
+from tests.test_server_service import JOIN_TOKEN, http_get, join_request, write_run_toml
 
 API = ("/api/run", "/api/clients", "/api/loss", "/api/rounds", "/api/events",
        "/api/dashboard")
+OPERATOR_TOKEN = "operator-secret"
 
 
 def compressed(coordinator, client_id, salt: float) -> list:
@@ -55,11 +59,29 @@ def get(server, path: str):
     return json.loads(body)
 
 
+def get_as(server, path: str, token: str) -> tuple[int, dict]:
+    """GET with ``Authorization: Bearer <token>``."""
+    request = urllib.request.Request(f"http://127.0.0.1:{server.http_port}{path}",
+                                      headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def with_operator_token(toml):
+    """The run.toml at ``toml``, given an operator token; returns ``toml``."""
+    auth = f'join_token = "{JOIN_TOKEN}"'
+    toml.write_text(toml.read_text().replace(auth, f'{auth}\noperator_token = "{OPERATOR_TOKEN}"'))
+    return toml
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Round 0: alice (tier 0) and bob (tier 1) submit. Round 1: alice submits, bob leaves.
     Then carol joins and is excluded. The bytes each submission took, by round and name."""
-    toml = write_run_toml(tmp_path_factory.mktemp("api"))
+    toml = with_operator_token(write_run_toml(tmp_path_factory.mktemp("api")))
     toml.write_text(toml.read_text().replace('encoding = "none"',
                                              'encoding = "dct"\nchunk = 8\ntopk = 4'))
     server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
@@ -143,7 +165,7 @@ def test_run_and_clients(run):
     assert alice["state"] == "training" and 0 <= alice["last_seen_s_ago"] < 30
     assert alice["tier_reason"] == replies["alice"].tier_reason
     assert clients["excluded"] == [{"client_id": replies["carol"].client_id, "name": "carol",
-                                    "reason": "sent garbage"}]
+                                    "reason": WITHHELD}]  # "sent garbage": for the operator
     (bob,) = clients["departed"]
     assert (bob["client_id"], bob["name"], bob["tier"], bob["reason"]) == (
         replies["bob"].client_id, "bob", 1, "done")
@@ -169,6 +191,78 @@ def test_rounds_record_bytes_duration_slowest_and_drops(run):
     assert second["dropped"] == [{"client_id": replies["bob"].client_id, "name": "bob",
                                   "reason": "left the run"}]
     assert [r["round"] for r in get(server, "/api/rounds?since_round=1")] == [1]
+
+
+def test_only_the_operator_reads_why_a_client_was_excluded(run):
+    server, replies, *_ = run
+    carol = replies["carol"].client_id
+    public = get(server, "/api/dashboard")
+    status, operator = get_as(server, "/api/dashboard", OPERATOR_TOKEN)
+    assert status == 200 and response_errors(get(server, "/openapi.json"), "/api/dashboard",
+                                             operator) == []
+    for view, reason in ((public, WITHHELD), (operator, "sent garbage")):
+        assert view["clients"]["excluded"] == [{"client_id": carol, "name": "carol",
+                                                "reason": reason}]
+        (excluded,) = [e for e in view["events"] if e["kind"] == "exclude"]
+        assert (excluded["client_id"], excluded["detail"]) == (carol, reason)
+    assert "sent garbage" not in json.dumps(public)
+    assert get(server, "/api/clients")["excluded"] == public["clients"]["excluded"]
+    assert get_as(server, "/api/clients", OPERATOR_TOKEN)[1]["excluded"] == (
+        operator["clients"]["excluded"])
+    assert get_as(server, "/api/events", OPERATOR_TOKEN)[1] == operator["events"]
+    status, refused = get_as(server, "/api/clients", "not-the-token")
+    assert status == 403 and "wrong operator token" in refused["detail"]
+
+
+def test_a_round_record_withholds_an_exclusion_reason_but_no_other():
+    record = {"round": 3, "opened_at": 0.0, "closed_at": 1.0, "duration_s": 1.0, "tokens": 8,
+              "clients": 1, "slowest_client_id": "client-0", "slowest_name": "a",
+              "slowest_s": 1.0, "bytes_sent": 1, "bytes_dense": 4,
+              "dropped": [{"client_id": "client-1", "name": "b", "reason": "excluded: spam"},
+                          {"client_id": "client-2", "name": "c", "reason": "silent for 31 s"}]}
+    (public,) = rounds_info([record], operator=False)
+    assert [d.reason for d in public.dropped] == [f"excluded: {WITHHELD}", "silent for 31 s"]
+    (operator,) = rounds_info([record], operator=True)
+    assert [d.reason for d in operator.dropped] == ["excluded: spam", "silent for 31 s"]
+
+
+def test_no_answer_holds_a_path_of_this_machine(tmp_path):
+    server = RunningServer.start(RunConfig.load(with_operator_token(write_run_toml(tmp_path))),
+                                 grpc_port=0, http_port=0)
+    try:
+        assert server.wait_until_http_ready()
+        c = server.service.coordinator
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}",
+                                   options=GRPC_OPTIONS) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            alice, bob = (stub.Join(join_request(server, name=n)) for n in ("alice", "bob"))
+        c.leave(alice.client_id, f"moved to {tmp_path}/elsewhere")
+        c.exclude(bob.client_id, f"sent garbage, kept in {c.dir}/quarantine/bob.bin")
+        c._event("disk", None, f"round 3 could not be saved ([Errno 28] No space left on "
+                               f"device: '{c.dir / 'state.json'}')")  # as an OSError says it
+        public = {p: http_get(server, p)[1].decode() for p in (*API, "/status", "/metrics")}
+        operator = {p: json.dumps(get_as(server, p, OPERATOR_TOKEN)[1], ensure_ascii=False)
+                    for p in API}
+        assert not [p for p, answer in (*public.items(), *operator.items())
+                    if str(tmp_path) in answer]
+        assert "device: '…/state.json'" in get(server, "/api/events")[-1]["detail"]
+        assert "moved to …/elsewhere" in public["/api/clients"]
+        assert "kept in …/bob.bin" in operator["/api/clients"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("resumed at round 4 from /srv/runs/r1", "resumed at round 4 from …/r1"),
+    ("No space left on device: '/srv/runs/r1/state.json'",
+     "No space left on device: '…/state.json'"),
+    ("(/a/b/), [/c/d]", "(…/b), […/d]"),
+    ("1,000 tokens/s at tier 1/2; see http://host/x",
+     "1,000 tokens/s at tier 1/2; see http://host/x"),
+    ("already …/shown", "already …/shown"),
+])
+def test_hide_paths(text, shown):
+    assert hide_paths(text) == shown
 
 
 def test_loss_is_the_token_weighted_mean_per_tier(run):

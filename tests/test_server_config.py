@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from server.errors import (
     UnknownKey,
     WrongType,
 )
+from server.main import main
 from server.sections import (
     CheckpointSection,
     DataSection,
@@ -155,7 +157,7 @@ def test_wrong_types(data, pattern):
 @pytest.mark.parametrize(("data", "pattern"), [
     (with_keys("server", grpc_port=-1), r"grpc_port must lie in 1\.\.65535, got -1"),
     (with_keys("server", http_port=7070), r"both 7070; give each its own port"),
-    (with_keys("round", deadline_s=0), r"deadline_s must be a positive number"),
+    (with_keys("round", deadline_s=0), r"deadline_s must lie in \(0, 2592000\.0\] seconds"),
     (with_keys("round", min_clients=0), r"min_clients must be >= 1"),
     (with_keys("data", max_seq_len=0), r"max_seq_len must be a positive integer, got 0"),
     (with_keys("data", max_seq_len=512), r"exceeds the model's max_position_embeddings 256"),
@@ -178,6 +180,60 @@ def test_wrong_types(data, pattern):
 def test_impossible_values(data, pattern):
     with pytest.raises(InvalidValue, match=pattern):
         RunConfig.from_dict(data)
+
+
+@pytest.mark.parametrize(("data", "pattern"), [
+    (with_keys("update", lr=math.inf), r"^update\.lr must be a finite number, got inf"),
+    (with_keys("update", weight_decay=math.inf), r"update\.weight_decay must be a finite number"),
+    (with_keys("round", deadline_s=math.nan), r"round\.deadline_s must be a finite number"),
+    (with_keys("compression", lr=math.inf), r"compression\.lr must be a finite number, got inf"),
+    (with_keys("update", lr=100), r"\[update\] lr must lie in \(0, 10\.0\], got 100\.0\."),
+    (with_keys("update", lr=0.5, weight_decay=3),
+     r"weight_decay must lie in \[0, 1 / lr\] = \[0, 2\], got 3\.0: .* flips the sign"),
+    (with_keys("compression", topk=2**32),
+     r"\[compression\] topk must lie in \[1, 4294967295\], got 4294967296\."),
+    (with_keys("faults", max_message_mb=1e-9),
+     r"\[faults\] max_message_mb must lie in \[1, 256\.0\] MiB, got 1e-09\."),
+    (with_keys("faults", max_message_mb=1e308), r"max_message_mb must lie in \[1, 256\.0\] MiB"),
+    (with_keys("faults", max_submission_mb=1e308),
+     r"max_submission_mb must lie in \[1, 1048576\.0\] MiB, got 1e\+308\."),
+    (with_keys("faults", heartbeat_s=1e300, heartbeat_timeout_s=1e301, session_ttl_s=1e302),
+     r"\[faults\] heartbeat_s must lie in \(0, 2592000\.0\] seconds, got 1e\+300\."),
+    (with_keys("data", seed=-1), r"\[data\] seed must lie in \[0, 9223372036854775807\], got -1\."),
+    (with_keys("data", seed=10**23),
+     r"data\.seed must lie in \[-9223372036854775808, 9223372036854775807\] \(TOML's "
+     r"64-bit integers\), got 1(0){23}\."),
+    (with_keys("tiers", allowed=[0, 2**40]), r"allowed must list distinct tiers in \[0, 24\]"),
+    (minimal(model={"inline": {**MODEL, "vocab_size": 10**10}}),
+     r"\[model\] vocab_size must lie in \[1, 16777216\], got 10000000000\."),
+    (minimal(model={"inline": {**MODEL, "num_hidden_layers": 10**6}}),
+     r"\[model\] num_hidden_layers must lie in \[1, 1024\], got 1000000\."),
+    (minimal(model={"inline": {**MODEL, "rope_theta": math.inf}}),
+     r"\[model\] rope_theta = inf is not a finite number"),
+    (minimal(model={"inline": {**MODEL, "vocab_size": 2**24, "hidden_size": 2**16}}),
+     r"\[model\] has [\d,]+ parameters, whose float32 master alone takes [\d,.]+ GiB, more "
+     r"than this machine's"),
+])
+def test_every_number_has_a_range(data, pattern):
+    with pytest.raises(InvalidValue, match=pattern):
+        RunConfig.from_dict(data)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("update.lr=inf", "update.lr"), ("update.weight_decay=inf", "update.weight_decay"),
+    ("compression.lr=inf", "compression.lr"), ("faults.max_message_mb=1e-9", "max_message_mb"),
+    ("faults.max_message_mb=1e308", "max_message_mb"),
+    ("faults.max_submission_mb=1e308", "max_submission_mb"), ("data.seed=-1", "seed"),
+    ("data.seed=100000000000000000000000", "data.seed"),
+    ("model.inline.vocab_size=10000000000", "vocab_size"),
+])
+def test_the_server_reports_an_out_of_range_number_in_one_line(override, key, capsys):
+    # data.path names no file, so a value let through could not start a server either
+    assert main(["--config", str(EXAMPLE), "--set", 'data.path="absent.mdat"',
+                 "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("matformer-server: ") and err.count("\n") == 1, err
+    assert key in err and "must" in err and "Traceback" not in err
 
 
 def test_missing_required_keys():

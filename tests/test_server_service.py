@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import http.client
 import json
 import math
 import urllib.error
@@ -13,6 +15,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.checkpoint.schema import canonical_schema_hash
 from modeling.compression import CompressionConfig
 from modeling.mdat import build_default_mdat
@@ -240,6 +243,32 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
     health = health_pb2_grpc.HealthStub(channel).Check(
         health_pb2.HealthCheckRequest(service=COORDINATOR_SERVICE))
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_head(server, path: str) -> tuple[int, http.client.HTTPMessage, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=5)
+    try:
+        connection.request("HEAD", path)
+        reply = connection.getresponse()
+        return reply.status, reply.headers, reply.read()
+    finally:
+        connection.close()
+
+
+def test_head_on_files_answers_like_get_without_the_body(running):
+    server, *_ = running
+    folder = f"round-{server.service.coordinator.state.checkpoints[-1]}"
+    manifest = f"{folder}/{MANIFEST_NAME}"
+    listed = sorted(json.loads((server.service.checkpoints / manifest).read_text())["sha256"])
+    for path in (manifest, f"{folder}/{listed[0]}"):
+        status, body = http_get(server, f"/files/{path}")
+        head_status, headers, head_body = http_head(server, f"/files/{path}")
+        assert (status, head_status, head_body) == (200, 200, b""), path
+        assert int(headers["Content-Length"]) == len(body)
+        assert headers["X-Checksum-Sha256"] == (
+            None if path == manifest else hashlib.sha256(body).hexdigest())
+    for path in ("round-0/nothing", "../state.json"):
+        assert http_head(server, f"/files/{path}")[::2] == (404, b""), path
 
 
 def test_main_reports_a_bad_config(tmp_path, capsys):
