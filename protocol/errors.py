@@ -30,6 +30,11 @@ class MalformedStream(ProtocolError):
     """A stream's messages arrive out of order: no header, a second header, a gap, a short end."""
 
 
+class TooManyResults(MalformedStream):
+    """A SubmitResult stream with more results than the model has parameters: refused at the
+    first one over, before it is decoded, so a stream of tiny results cannot fill memory."""
+
+
 class UnsafePath(ProtocolError):
     """A requested file path is absolute or leaves the directory it must stay in."""
 

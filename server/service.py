@@ -11,13 +11,19 @@ of a submission or none of it, and counts a refused one against the client
 (``Coordinator.rejected``). ``Join`` authenticates with the run's join token (unless
 ``[auth] mode = "none"``); every other RPC with the session token ``Join`` issued
 (``Coordinator.authenticate``: UNAUTHENTICATED when unknown or expired, PERMISSION_DENIED
-once the client is excluded).
+once the client is excluded), and then holds one of the member's call slots
+(server/call_slots.py) while it runs: RESOURCE_EXHAUSTED beyond a member's share, UNAVAILABLE
+when every stream slot is taken, DEADLINE_EXCEEDED for a stream that waited on its peer too
+long. A submission's header is checked before any of its results is read.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
@@ -36,14 +42,21 @@ from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import read_submission
 from protocol.tensors import encode_tensor
 from protocol.updates import RoundUpdate, update_messages
+from server.call_slots import CallLimits, CallSlots, Watch
 from server.coordinator import Coordinator
 from server.errors import (
     BadResult,
+    CallRefused,
     CoordinatorError,
     FileNotServed,
+    NoStreamSlot,
+    RepeatedSequenceIds,
     ServedFileDamaged,
+    StaleRound,
+    StreamIdle,
     SubmissionTooLarge,
     TierAssignmentError,
+    TooManyCalls,
 )
 from server.served_files import served_files
 from server.tiers import Capabilities
@@ -51,12 +64,19 @@ from server.tiers import Capabilities
 RETRY_AFTER_S = 0.5  # how soon a waiting client asks GetRound again
 
 T = TypeVar("T")
-_REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentError)
+_REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentError,
+            CallRefused, RepeatedSequenceIds)
+# The status of each refusal that names none itself: transport stays here, at the edge.
+_STATUS = {TooManyCalls: grpc.StatusCode.RESOURCE_EXHAUSTED,
+           NoStreamSlot: grpc.StatusCode.UNAVAILABLE,  # clients retry it
+           StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
+           RepeatedSequenceIds: grpc.StatusCode.INVALID_ARGUMENT}
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, limits: CallLimits) -> None:
         self.coordinator = coordinator
+        self.slots = CallSlots(limits)
         self.schema_hash = canonical_schema_hash(coordinator.model_config, coordinator.shapes)
 
     # -- join and membership ------------------------------------------------------------
@@ -98,13 +118,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if speed is not None and not (math.isfinite(speed) and speed >= 0):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"tokens_per_second {speed} is not a finite, non-negative speed.")
-        _call(context, lambda: self.coordinator.heartbeat(client_id, tokens_per_second=speed))
-        return pb.HeartbeatReply(round=self.coordinator.state.round)
+        with self._slot(context, client_id):
+            _call(context, lambda: self.coordinator.heartbeat(client_id, tokens_per_second=speed))
+            return pb.HeartbeatReply(round=self.coordinator.state.round)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         client_id = self._session(context)
-        _call(context, lambda: self.coordinator.leave(client_id, request.reason[:200]))
-        return pb.LeaveReply()
+        with self._slot(context, client_id):
+            _call(context, lambda: self.coordinator.leave(client_id, request.reason[:200]))
+            return pb.LeaveReply()
 
     # -- rounds -------------------------------------------------------------------------
 
@@ -112,7 +134,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                  context: grpc.ServicerContext) -> pb.RoundAssignment:
         c = self.coordinator
         client_id = self._session(context)
-        assignment = _call(context, lambda: c.heartbeat(client_id))
+        with self._slot(context, client_id):
+            assignment = _call(context, lambda: c.heartbeat(client_id))
         if c.phase == "finished":
             return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=c.state.round)
         rnd = c.current_round
@@ -128,34 +151,46 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.Sequence]:
+        """The assigned sequences asked for, each once: ids beyond the data, outside the
+        client's assignment in the round being collected, or repeated, are refused (so a
+        request holds no more ids than the assignment)."""
         c = self.coordinator
         client_id = self._session(context)
-        reader = c.reader
-        bad = [i for i in request.ids if i >= len(reader)]
-        if bad:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"sequence ids {bad[:5]} are outside the run's {len(reader)} "
-                          "sequences; fetch the ids GetRound assigned.")
-        assignment = c.assignment_for(client_id)
-        foreign = sorted(set(request.ids) - set(assignment.sequence_ids if assignment else ()))
-        if foreign:  # a client reads only the sequences it is assigned now
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"sequence ids {foreign[:5]} are not in {client_id}'s assignment for "
-                          "the round being collected (it closed, or they are another client's); "
-                          "ask GetRound for the current assignment.")
-        for i in request.ids:
-            yield pb.Sequence(id=i, tokens=encode_tensor(torch.from_numpy(reader[i].copy())))
+        with self._stream(context, client_id) as watch:
+            reader, ids = c.reader, list(request.ids)
+            bad = [i for i in ids if i >= len(reader)]
+            if bad:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"sequence ids {bad[:5]} are outside the run's {len(reader)} "
+                              "sequences; fetch the ids GetRound assigned.")
+            assignment = c.assignment_for(client_id)
+            foreign = sorted(set(ids) - set(assignment.sequence_ids if assignment else ()))
+            if foreign:  # a client reads only the sequences it is assigned now
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"sequence ids {foreign[:5]} are not in {client_id}'s assignment "
+                              "for the round being collected (it closed, or they are another "
+                              "client's); ask GetRound for the current assignment.")
+            counts = Counter(ids)
+            if len(counts) < len(ids):
+                repeated = sorted(i for i, n in counts.items() if n > 1)
+                raise RepeatedSequenceIds(
+                    f"the request names sequence ids {repeated[:5]} more than once ({len(ids)} "
+                    f"ids, {len(counts)} distinct); ask for each assigned id once.")
+            yield from watch.sent(
+                pb.Sequence(id=i, tokens=encode_tensor(torch.from_numpy(reader[i].copy())))
+                for i in ids)
 
     def SubmitResult(self, request_iterator: Iterator[pb.SubmitMessage],
                      context: grpc.ServicerContext) -> pb.SubmitReply:
+        c = self.coordinator
         client_id = self._session(context)
         received = 0
 
-        limit = self.coordinator.config.faults.max_submission_bytes
+        limit = c.config.faults.max_submission_bytes
 
-        def counted() -> Iterator[pb.SubmitMessage]:
+        def counted(messages: Iterator[pb.SubmitMessage]) -> Iterator[pb.SubmitMessage]:
             nonlocal received
-            for message in request_iterator:
+            for message in messages:
                 received += message.ByteSize()
                 if received > limit:
                     raise SubmissionTooLarge(
@@ -163,33 +198,37 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                         "max_submission_mb); send compressed results with the run's settings.")
                 yield message
 
-        def submit() -> int:
-            header, stream = read_submission(counted())
+        def submit(watch: Watch) -> int:
+            # one result per parameter at most, so a stream of tiny results stays small
+            header, stream = read_submission(counted(watch.received(request_iterator)),
+                                             max_results=len(c.shapes))
             if header.client_id != client_id:
                 raise _NotYourSession(f"the header names {header.client_id!r} but the session "
                                       f"is {client_id!r}; submit with your own client id.")
             if not math.isfinite(header.loss):
                 raise ProtocolError(f"the reported loss {header.loss} is not finite; the "
                                     "client diverged, so it should reload the checkpoint.")
+            assignment = c.check_header(client_id, header.round, header.assignment_id)
+            watch.until(time.monotonic() + assignment.deadline - c.clock(), StaleRound(
+                f"round {assignment.round} reached its deadline while this submission was "
+                "still arriving; nothing of it was kept, wait for the next assignment."))
             results = list(stream)  # decoded and checked before the coordinator sees any
             if not context.is_active():  # gRPC ends the stream at a message it cannot parse
                 raise MalformedStream("the SubmitResult stream broke off at a message that "
                                       "does not parse; nothing was kept, submit again.")
             seconds = header.train_seconds if math.isfinite(header.train_seconds) else None
-            self.coordinator.submit(client_id, header.round, results, loss=header.loss,
-                                    train_seconds=seconds, assignment_id=header.assignment_id,
-                                    wire_bytes=received)
+            c.submit(client_id, header.round, results, loss=header.loss, train_seconds=seconds,
+                     assignment_id=header.assignment_id, wire_bytes=received)
             return len(results)
 
-        try:
-            accepted = submit()
-        except (ProtocolError, CompressionError, BadResult) as err:
-            # counted against the client: enough refusals exclude it from the run
-            consequence = self.coordinator.rejected(client_id, err)
-            _abort(context, err, consequence)
-        except _REFUSED as err:
-            _abort(context, err)
-        return pb.SubmitReply(accepted=accepted)
+        with self._stream(context, client_id) as watch:
+            try:
+                accepted = submit(watch)
+            except (ProtocolError, CompressionError, BadResult) as err:
+                # counted against the client: enough refusals exclude it from the run
+                consequence = c.rejected(client_id, err)
+                _abort(context, err, consequence)
+            return pb.SubmitReply(accepted=accepted)
 
     # -- catching up --------------------------------------------------------------------
 
@@ -199,37 +238,40 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         reference's ``round`` counts the rounds inside it, so it is the first to replay."""
         c = self.coordinator
         client_id = self._session(context)
-        tier = _call(context, lambda: c.membership.get(client_id).tier)
-        logged = _call(context, lambda: c.updates_since(request.since_round))
-        context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
-        regions = c.regions(tier)
-        yield from update_messages(
-            RoundUpdate(round=u.round, learning_rate=u.update.lr,
-                        weight_hash=u.hashes.get(tier, ""),
-                        parameters=_within(u.aggregates, regions),
-                        signs_only=u.update.rule == "sign")
-            for u in logged)
+        with self._stream(context, client_id) as watch:
+            tier = _call(context, lambda: c.membership.get(client_id).tier)
+            logged = _call(context, lambda: c.updates_since(request.since_round))
+            context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
+            regions = c.regions(tier)
+            yield from watch.sent(update_messages(
+                RoundUpdate(round=u.round, learning_rate=u.update.lr,
+                            weight_hash=u.hashes.get(tier, ""),
+                            parameters=_within(u.aggregates, regions),
+                            signs_only=u.update.rule == "sign")
+                for u in logged))
 
     def GetCheckpoint(self, request: pb.GetCheckpointRequest,
                       context: grpc.ServicerContext) -> pb.CheckpointRef:
         c = self.coordinator
         client_id = self._session(context)
-        tier = _call(context, lambda: c.membership.get(client_id).tier)
-        return _call(context, lambda: self._checkpoint_ref(tier))
+        with self._slot(context, client_id):
+            tier = _call(context, lambda: c.membership.get(client_id).tier)
+            return _call(context, lambda: self._checkpoint_ref(tier))
 
     def DownloadCheckpoint(self, request: pb.DownloadCheckpointRequest,
                            context: grpc.ServicerContext) -> Iterator[pb.FileChunk]:
         """A manifest or a file it lists, checked against its sha256 before and while it is
         sent: anything else is NOT_FOUND, a copy that fails its manifest DATA_LOSS."""
-        self._session(context)
-        try:
-            yield from served_files(self.checkpoints).chunks(request.path)
-        except (ProtocolError, FileNotServed, ServedFileDamaged) as err:
-            _abort(context, err)
-        except OSError as err:  # whatever else the file system refuses: not a served file
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"{request.path[:200]!r} cannot be read ({err.strerror}); take paths "
-                          "from the manifest.")
+        client_id = self._session(context)
+        with self._stream(context, client_id) as watch:
+            try:
+                yield from watch.sent(served_files(self.checkpoints).chunks(request.path))
+            except (ProtocolError, FileNotServed, ServedFileDamaged) as err:
+                _abort(context, err)
+            except OSError as err:  # whatever else the file system refuses: not a served file
+                context.abort(grpc.StatusCode.NOT_FOUND,
+                              f"{request.path[:200]!r} cannot be read ({err.strerror}); take "
+                              "paths from the manifest.")
 
     @property
     def checkpoints(self) -> Path:
@@ -242,6 +284,25 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         missing, unknown or expired token and PERMISSION_DENIED for an excluded client."""
         token = presented_session(context)
         return _call(context, lambda: self.coordinator.authenticate(token))
+
+    @contextmanager
+    def _slot(self, context: grpc.ServicerContext, client_id: str) -> Iterator[None]:
+        """One of ``client_id``'s call slots, held by a unary call; refused with its status."""
+        try:
+            with self.slots.call(client_id):
+                yield
+        except CallRefused as err:
+            _abort(context, err)
+
+    @contextmanager
+    def _stream(self, context: grpc.ServicerContext, client_id: str) -> Iterator[Watch]:
+        """A stream slot of ``client_id`` and the watch on the call's waits for its peer; a
+        refusal raised in the block (the watchdog's among them) ends the call with its status."""
+        try:
+            with self.slots.stream(client_id, end=lambda err: _end(context, err)) as watch:
+                yield watch
+        except _REFUSED as err:
+            _abort(context, err)
 
     def _checkpoint_ref(self, tier: int) -> pb.CheckpointRef:
         """The latest universal checkpoint's manifest and its entry for ``tier``."""
@@ -298,5 +359,21 @@ def _call(context: grpc.ServicerContext, action: Callable[[], T]) -> T:
 
 
 def _abort(context: grpc.ServicerContext, err: Exception, more: str = "") -> NoReturn:
-    context.abort(getattr(err, "code", grpc.StatusCode.INVALID_ARGUMENT), str(err) + more)
+    context.abort(_status(err), str(err) + more)
     raise AssertionError("unreachable: context.abort raises")
+
+
+def _end(context: grpc.ServicerContext, err: Exception) -> None:
+    """End a call from outside its handler's thread (the handler waits on its peer) with
+    ``err``'s status and message. gRPC's public ``context.cancel()`` answers CANCELLED without
+    a reason, so this cancels the call under the context, with the status, instead (grpcio's
+    internals, checked by tests/test_server_bounds.py; another grpcio ends it without one)."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    if call is None:
+        context.cancel()
+        return
+    call.cancel(_status(err).value[0], str(err))
+
+
+def _status(err: Exception) -> grpc.StatusCode:
+    return _STATUS.get(type(err)) or getattr(err, "code", grpc.StatusCode.INVALID_ARGUMENT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -14,7 +15,13 @@ from modeling.compression import (
     aggregate,
     payload_bytes,
 )
-from protocol.errors import MalformedSparseResult, MalformedStream, ProtocolError, UnknownDtype
+from protocol.errors import (
+    MalformedSparseResult,
+    MalformedStream,
+    ProtocolError,
+    TooManyResults,
+    UnknownDtype,
+)
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.sparse import decode_sparse_result, encode_sparse_result
 from protocol.submission import read_submission, submission_messages
@@ -142,7 +149,8 @@ def _header() -> pb.SubmitHeader:
 def test_submission_round_trip() -> None:
     other = dataclasses.replace(DENSE, name="model.norm.weight", shape=(12,), region=((0, 12),),
                                 values=torch.randn(12))
-    header, results = read_submission(submission_messages(_header(), [DCT, other]))
+    header, results = read_submission(submission_messages(_header(), [DCT, other]),
+                                      max_results=2)
     assert header == _header()
     received = list(results)
     _assert_same(received[0], DCT)
@@ -157,7 +165,18 @@ def test_submission_round_trip() -> None:
 ])
 def test_malformed_submissions_are_refused(messages: list, match: str) -> None:
     with pytest.raises(MalformedStream, match=match):
-        list(read_submission(messages)[1])
+        list(read_submission(messages, max_results=8)[1])
+
+
+def test_a_submission_holds_one_result_per_parameter_at_most() -> None:
+    """The result over the model's parameter count is refused before it is decoded."""
+    results = [dataclasses.replace(DENSE, name=f"p{i}") for i in range(3)]
+    empty = pb.SubmitMessage(result=pb.SparseResult())
+    messages = [*submission_messages(_header(), results), empty]
+    _, stream = read_submission(messages, max_results=3)
+    assert [r.name for r in itertools.islice(stream, 3)] == ["p0", "p1", "p2"]
+    with pytest.raises(TooManyResults, match="more than 3 results"):
+        next(stream)  # an empty message: decoding it would raise MalformedSparseResult
 
 
 def _aggregates() -> dict[str, object]:

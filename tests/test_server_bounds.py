@@ -1,0 +1,281 @@
+"""What one member's calls may hold of the server (issue 15, finding 3): worker threads (call
+slots per member, stream slots overall, streams that wait on their peer ended), memory (a
+submission's header checked before its results, one result per parameter at most) and work
+(FetchSequences serves each assigned id once). Real servers on loopback, real gRPC stubs."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from modeling.compression import CompressionConfig
+from protocol.auth import session_metadata
+from protocol.channel import GRPC_OPTIONS
+from protocol.matformer.v1 import coordinator_pb2 as pb
+from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from protocol.sparse import encode_sparse_result
+from protocol.submission import submission_messages
+from server.call_slots import CallLimits, CallSlots
+from server.config import RunConfig
+from server.errors import NoStreamSlot, StaleRound, StreamIdle, TooManyCalls
+from server.main import RunningServer
+from tests.test_server_service import code_of, join_request, write_run_toml
+from tests.test_server_service import results as dense_results
+
+HONEST_TIMEOUT_S = 5.0  # what an honest call is given, client side
+
+
+@contextlib.contextmanager
+def serving(tmp_path, limits: CallLimits | None = None) -> Iterator[tuple[RunningServer, object]]:
+    """A one-client run (the first member to join trains round 0 alone) and a stub."""
+    config = RunConfig.load(write_run_toml(tmp_path, min_clients=1))
+    extra = {} if limits is None else {"limits": limits}
+    server = RunningServer.start(config, grpc_port=0, http_port=0, **extra)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
+    try:
+        yield server, pb_grpc.CoordinatorStub(channel)
+    finally:
+        channel.close()
+        server.stop()
+
+
+def joined(stub, server, name: str) -> tuple[pb.JoinReply, tuple, pb.RoundAssignment]:
+    reply = stub.Join(join_request(server, name=name), timeout=HONEST_TIMEOUT_S)
+    auth = session_metadata(reply.session_token)
+    return reply, auth, stub.GetRound(pb.GetRoundRequest(), metadata=auth)
+
+
+def header_of(member: pb.JoinReply, work: pb.RoundAssignment, **changes) -> pb.SubmitHeader:
+    fields = {"round": work.round, "client_id": member.client_id, "loss": 2.0,
+              "assignment_id": work.assignment_id, **changes}
+    return pb.SubmitHeader(**fields)
+
+
+def stalled(header: pb.SubmitHeader, release: threading.Event) -> Iterator[pb.SubmitMessage]:
+    """A submission that sends its header, then nothing until ``release``."""
+    yield pb.SubmitMessage(header=header)
+    release.wait()
+
+
+# -- worker threads ----------------------------------------------------------------------------
+
+def test_stalled_streams_do_not_starve_honest_heartbeats(tmp_path):
+    with serving(tmp_path) as (server, stub):
+        mallory, auth_m, work = joined(stub, server, "mallory")
+        assert work.state == pb.ROUND_STATE_TRAIN  # its header passes every check
+        _, auth_a, _ = joined(stub, server, "alice")
+        release = threading.Event()
+        calls = [stub.SubmitResult.future(stalled(header_of(mallory, work), release),
+                                          metadata=auth_m) for _ in range(20)]
+        try:
+            time.sleep(1.0)  # every stream reaches the server (and takes a thread, if it can)
+            reply = stub.Heartbeat(pb.HeartbeatRequest(), metadata=auth_a,
+                                   timeout=HONEST_TIMEOUT_S)
+            assert reply.round == 0
+            stub.Join(join_request(server, name="carol"), timeout=HONEST_TIMEOUT_S)
+            refused = [call for call in calls if call.done()]
+            assert len(refused) == 18  # two streams per member at once
+            assert {call.code() for call in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert "2 streams in progress" in refused[0].details()
+        finally:
+            for call in calls:
+                call.cancel()
+            release.set()
+
+
+def test_a_stream_that_waits_on_its_peer_is_ended_with_its_reason(tmp_path):
+    with serving(tmp_path, CallLimits(idle_s=1.0)) as (server, stub):
+        mallory, auth, work = joined(stub, server, "mallory")
+        release = threading.Event()
+        call = stub.SubmitResult.future(stalled(header_of(mallory, work), release),
+                                        metadata=auth, timeout=30)
+        try:
+            assert call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "waited 1 s for its peer" in call.details()  # not the client's own deadline
+        finally:
+            release.set()
+        # nothing of it was kept, it is not counted, and the slot is free: a submission passes
+        c = server.service.coordinator
+        accepted = stub.SubmitResult(submission_messages(header_of(mallory, work),
+                                                         dense_results(c, mallory.client_id)),
+                                     metadata=auth, timeout=HONEST_TIMEOUT_S)
+        assert accepted.accepted == len(c.shapes) and c.state.round == 1
+
+
+def test_call_slots_per_member_and_overall():
+    slots = CallSlots(CallLimits(per_member=4, streams_per_member=2, streams=3))
+
+    def fill() -> contextlib.ExitStack:
+        """Two streams and a call of a's, and the last stream slot, b's."""
+        held = contextlib.ExitStack()
+        for member in ("a", "a", "b"):
+            held.enter_context(slots.stream(member, end=lambda err: None))
+        held.enter_context(slots.call("a"))
+        return held
+
+    with fill():
+        with pytest.raises(TooManyCalls, match="2 streams in progress"):
+            slots.stream("a", end=lambda err: None).__enter__()
+        with pytest.raises(NoStreamSlot, match="all 3 stream slots"):
+            slots.stream("c", end=lambda err: None).__enter__()
+        with slots.call("a"), pytest.raises(TooManyCalls, match="4 calls in progress"):
+            slots.call("a").__enter__()
+        with slots.call("c"):  # a unary call needs no stream slot
+            pass
+    with fill():  # every slot was given back
+        pass
+
+
+def test_a_watch_ends_only_waits_on_the_peer():
+    """Idle and past-the-end waits end the call with their error; the server's own work
+    (between waits) never does."""
+    slots = CallSlots(CallLimits(idle_s=0.2))
+    ended: list[Exception] = []
+    late = StaleRound("the round closed")
+
+    def peer(delays: list[float]) -> Iterator[int]:
+        for i, delay in enumerate(delays):
+            time.sleep(delay)
+            yield i
+
+    with slots.stream("a", end=ended.append) as watch:
+        for _ in watch.received(peer([0.0, 0.0])):
+            time.sleep(0.3)  # working, not waiting: never ended
+    assert ended == []
+    with slots.stream("a", end=ended.append) as watch, pytest.raises(StreamIdle):
+        list(watch.received(peer([0.0, 0.5])))
+    assert isinstance(ended.pop(), StreamIdle)
+    with slots.stream("a", end=ended.append) as watch, pytest.raises(StaleRound):
+        watch.until(time.monotonic() + 0.1, late)
+        for _ in watch.sent(range(3)):
+            time.sleep(0.15)  # the peer takes each message within idle_s, but past the end
+    assert ended == [late]
+
+
+# -- memory: the header first, one result per parameter at most -------------------------------
+
+def test_a_header_is_checked_before_any_result_is_read(tmp_path):
+    """A stale or repeated submission is refused for its header, though the results behind
+    it would not even decode."""
+    garbage = [pb.SparseResult()]  # no tensors: decoding it raises MalformedSparseResult
+    with serving(tmp_path) as (server, stub):
+        mallory, auth, work = joined(stub, server, "mallory")
+
+        def submit(header: pb.SubmitHeader, results) -> tuple[grpc.StatusCode, str]:
+            messages = [pb.SubmitMessage(header=header),
+                        *(pb.SubmitMessage(result=r) for r in results)]
+            return code_of(lambda: stub.SubmitResult(iter(messages), metadata=auth))
+
+        code, details = submit(header_of(mallory, work, assignment_id="0.stale.x"), garbage)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "assignment" in details
+        code, details = submit(header_of(mallory, work, round=7), garbage)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "round 7" in details
+        c = server.service.coordinator
+        good = [encode_sparse_result(r) for r in dense_results(c, mallory.client_id)]
+        assert submit(header_of(mallory, work), good[:1] * 2)[0] == (
+            grpc.StatusCode.INVALID_ARGUMENT)  # a result twice: the header was fine
+        stub.SubmitResult(submission_messages(header_of(mallory, work),
+                                              dense_results(c, mallory.client_id)),
+                          metadata=auth)
+        code, details = submit(header_of(mallory, work), garbage)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "round 0" in details
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def resident_bytes(pid: int) -> int:
+    """The process's resident set (VmRSS in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def tiny_results(header: pb.SubmitHeader, count: int) -> Iterator[pb.SubmitMessage]:
+    """A header and ``count`` valid one-value results under made-up names (~70 bytes each)."""
+    one = CompressionConfig(encoding="dense").build().encode(
+        "p", torch.zeros(1), shape=(1,), region=((0, 1),), tokens=1)
+    template = encode_sparse_result(one)
+    yield pb.SubmitMessage(header=header)
+    for i in range(count):
+        message = pb.SubmitMessage(result=template)
+        message.result.name = f"p{i}"
+        yield message
+
+
+def test_a_stream_of_tiny_results_is_refused_early_with_bounded_memory(tmp_path):
+    """200,000 tiny results (14 MB on the wire) decode to ~450 MiB of tensors: the server, a
+    child process here, refuses the stream at result len(shapes) + 1 and barely grows."""
+    path = write_run_toml(tmp_path, min_clients=1)
+    grpc_port, http_port = free_ports(2)
+    with open(tmp_path / "server.log", "w") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "server.main", "--config", str(path),
+             "--set", f"server.grpc_port={grpc_port}", "--set", f"server.http_port={http_port}"],
+            stdout=log, stderr=subprocess.STDOUT)
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=GRPC_OPTIONS)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=120)
+        stub = pb_grpc.CoordinatorStub(channel)
+        join = pb.JoinRequest(run_id="svc-test", join_token="join-secret", client_name="mallory",
+                              capabilities=pb.Capabilities(device_kind="cpu",
+                                                           memory_bytes=2**34,
+                                                           tokens_per_second=1000.0))
+        mallory = stub.Join(join, timeout=60)
+        auth = session_metadata(mallory.session_token)
+        work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
+        header = header_of(mallory, work)
+        code_of(lambda: stub.SubmitResult(tiny_results(header, 1000), metadata=auth))  # warm up
+        before = resident_bytes(child.pid)
+        code, details = code_of(lambda: stub.SubmitResult(tiny_results(header, 200_000),
+                                                          metadata=auth, timeout=300))
+        grown = resident_bytes(child.pid) - before
+        assert grown < 40 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB"
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "results, one per parameter" in details
+        stub.Heartbeat(pb.HeartbeatRequest(), metadata=auth, timeout=HONEST_TIMEOUT_S)
+    finally:
+        channel.close()
+        child.terminate()
+        child.wait(timeout=30)
+
+
+# -- work: each assigned sequence once per request ---------------------------------------------
+
+def test_fetch_sequences_serves_each_assigned_id_once(tmp_path):
+    with serving(tmp_path) as (server, stub):
+        _, auth, work = joined(stub, server, "mallory")
+        ids = list(work.sequence_ids)
+
+        def fetch(request_ids: list[int]) -> tuple[grpc.StatusCode, str]:
+            return code_of(lambda: list(stub.FetchSequences(
+                pb.FetchSequencesRequest(ids=request_ids), metadata=auth,
+                timeout=HONEST_TIMEOUT_S)))
+
+        code, details = fetch([ids[0]] * 200_000)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"sequence ids [{ids[0]}] more than once (200000 ids, 1 distinct)" in details
+        assert fetch(ids * 2)[0] == grpc.StatusCode.INVALID_ARGUMENT  # twice the assignment
+        unassigned = next(i for i in range(len(server.service.coordinator.reader))
+                          if i not in ids)
+        code, details = fetch([*ids, unassigned])  # more ids than assigned, none repeated
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "assignment" in details
+        served = stub.FetchSequences(pb.FetchSequencesRequest(ids=ids), metadata=auth)
+        assert [s.id for s in served] == ids
