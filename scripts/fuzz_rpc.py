@@ -3,11 +3,13 @@ loopback: the server must never crash, and a call it rejects must leave the run 
 
     python scripts/fuzz_rpc.py --examples 2000 --seconds 120 --seed 0
 
-Each case (drawn by hypothesis) picks an RPC, a session (none, forged, garbage, revoked or a
-live member's) and a request: random fields, a valid request with one field replaced, or a
-valid request's bytes with bits flipped and bytes inserted or deleted. Requests travel as raw
-bytes, so bytes that do not parse reach the server too (gRPC itself answers those INTERNAL
-"Exception deserializing request!", listed as ``INTERNAL(unparseable)``).
+Each case (drawn by hypothesis) picks an RPC, a session (none, forged, garbage, revoked, a
+live member's, or one with work in the open round) and a request: random fields, a valid
+request with one field replaced (nested fields too, such as capabilities.tokens_per_second),
+a valid request with one number at an edge of its type (NaN, inf, 5e-324, 2**64 - 1, ...), or
+a valid request's bytes with bits flipped and bytes inserted or deleted. Requests travel as
+raw bytes, so bytes that do not parse reach the server too (gRPC itself answers those
+INTERNAL "Exception deserializing request!", listed as ``INTERNAL(unparseable)``).
 
 A crash is a call ending UNKNOWN (an exception escaped a handler) or any other INTERNAL, a
 call still running after ``CALL_TIMEOUT_S``, a failed health check, or an error logged by
@@ -16,6 +18,15 @@ status, ``snapshot`` must be unchanged: state.json and the live run state, membe
 session tokens, the work queue, the open round (assignments, who submitted what), the
 master's weight hash, every other file of the run directory and the bytes counted as
 received; all but what a refusal changes on purpose (``_uncounted``, ``_members``).
+
+An accepted input can also break the run later: a Join with a speed of inf once made every
+later round fail to open. So every ``--round-every`` cases, and once at the end, the
+fuzzer's two honest members move the run one round on as clients would (``honest_round``):
+GetRound, FetchSequences of their assignment, a valid SubmitResult, and the round closes (at
+its deadline, when fuzzed members hold assignments too); every call must answer OK, the
+round index must go up by one with the next round open, and state.json must hold only
+finite numbers. A failure there is a crash, listed with the cases since the last good
+round, and fuzzing stops: every later call would fail the same way.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import sys
 import tempfile
 import threading
@@ -37,7 +49,9 @@ from pathlib import Path
 
 import grpc
 import torch
-from google.protobuf.message import Message
+from google.protobuf import text_format
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
@@ -50,6 +64,7 @@ from modeling.mdat import build_default_mdat
 from protocol.auth import session_metadata
 from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2 as pb
+from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import encode_sparse_result
 from protocol.tensors import DTYPES
 from server.config import RunConfig
@@ -62,9 +77,15 @@ UNPARSEABLE = "Exception deserializing request!"  # gRPC's own answer to bytes t
 METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name
 RPCS = sorted(METHODS)
 DENSE = CompressionConfig(encoding="dense").build()
+HONEST = ("honest-0", "honest-1")  # the fuzzer's own members: together they open a round
+ROUND_EVERY = 10  # cases between honest rounds (one round costs about two cases' time)
+HONEST_DEADLINES = 8  # deadlines an honest round may take: members that never deliver lose
+# half their share at each, so the honest members' share grows
+SPEED = 1000.0  # tokens/s, as the fuzzer's members report and show it
 
-# A run whose deadlines and timeouts never pass while fuzzing, so no call changes state by the
-# clock, and whose clients are never excluded, so the fuzzer's own members keep their sessions.
+# A run whose clients are never excluded, so the honest members keep their sessions. Its
+# clock stands still while fuzzing (``StillClock``): no call changes state by the clock; each
+# honest round moves it at most one deadline on, far less than a member's timeouts.
 RUN_TOML = f"""
 [run]
 id = "{RUN_ID}"
@@ -84,7 +105,7 @@ allowed = [0, 1]
 
 [round]
 min_clients = 2
-deadline_s = 3600.0
+deadline_s = 60.0
 tokens_per_round = 1024
 rounds = 1000000
 
@@ -114,6 +135,7 @@ class FuzzReport:
     codes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (rpc, status) → calls
     crashes: list[str] = field(default_factory=list)  # what happened, per crash
     state_changes: list[str] = field(default_factory=list)  # rejected calls that changed state
+    rounds: int = 0  # honest rounds completed between the cases
     reseeded: int = 0  # times hypothesis stopped on draws that depend on the server's state
 
     def table(self) -> str:
@@ -143,25 +165,26 @@ def fuzz_server(directory: Path) -> Iterator[RunningServer]:
         server.stop()
 
 
-def join_request(server: RunningServer, name: str = "fuzzer") -> pb.JoinRequest:
+def join_request(server: RunningServer, name: str) -> pb.JoinRequest:
     """A Join the coordinator accepts."""
     return pb.JoinRequest(
         run_id=RUN_ID, join_token=JOIN_TOKEN, client_name=name,
         capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**34, requested_tier=0,
-                                     tokens_per_second=1000.0, load_strategy="auto"),
+                                     tokens_per_second=SPEED, load_strategy="auto"),
         schema=pb.Schema(canonical_hash=server.service.schema_hash))
 
 
 def valid_submission(server: RunningServer, client_id: str) -> list[pb.SubmitMessage]:
     """The SubmitResult stream ``client_id`` would send now: dense results (the run's
-    encoding) at its tier for every parameter."""
+    encoding) at its tier for every parameter, trained at ``SPEED``."""
     c = server.service.coordinator
     assignment = c.assignment_for(client_id)
     member = c.membership.members.get(client_id)
     regions = c.regions(member.tier if member is not None else 0)
     tokens = assignment.tokens if assignment is not None else 1
     header = pb.SubmitHeader(round=assignment.round if assignment else c.state.round,
-                             client_id=client_id, tokens=tokens, loss=3.0, train_seconds=1.0,
+                             client_id=client_id, tokens=tokens, loss=3.0,
+                             train_seconds=tokens / SPEED,
                              assignment_id=assignment.assignment_id if assignment else "")
     messages = [pb.SubmitMessage(header=header)]
     for name in sorted(c.shapes):
@@ -176,6 +199,10 @@ def snapshot(server: RunningServer) -> dict[str, str]:
     """What a rejected call must not change, as JSON per part (see the module docstring)."""
     c = server.service.coordinator
     with c._lock:  # the coordinator's own lock: no handler or tick changes it meanwhile
+        # what earlier accepted calls changed reaches state.json first; a failing save is
+        # for the next honest round to report
+        with contextlib.suppress(Exception):
+            c.flush()
         rnd = c.current_round
         open_round = None if rnd is None else {
             "index": rnd.index, "opened_at": rnd.opened_at, "deadline": rnd.deadline,
@@ -222,6 +249,14 @@ FLOATS = st.one_of(st.floats(-1e4, 1e4), st.floats(allow_nan=True, allow_infinit
 TEXT = st.one_of(st.text(max_size=20), st.text(max_size=300))
 INDEX = st.integers(0, 2**16)
 ASCII_TOKEN = st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=60)
+# The edges of each number type: what a range check must refuse, or the run must survive
+# (5e-324 s of training for any tokens is an infinite speed).
+EDGES = {FieldDescriptor.CPPTYPE_DOUBLE: (math.nan, math.inf, -math.inf, 5e-324, 1e-300, 1e308,
+                                          -1.0, 0.0),
+         FieldDescriptor.CPPTYPE_INT64: (-2**63, -1, 0, 2**63 - 1),
+         FieldDescriptor.CPPTYPE_UINT64: (0, 2**63, 2**64 - 1),
+         FieldDescriptor.CPPTYPE_INT32: (-2**31, -1, 0, 2**31 - 1),
+         FieldDescriptor.CPPTYPE_UINT32: (0, 2**31, 2**32 - 1)}
 
 
 @st.composite
@@ -246,6 +281,12 @@ def sparse_results(names: list[str]) -> st.SearchStrategy[pb.SparseResult]:
         encoding=st.one_of(st.sampled_from(["dense", "topk", "dct"]), TEXT),
         chunk=st.lists(INT64, max_size=3), chunks=tensors(), indices=tensors(),
         values=tensors(), tokens=INT64)
+
+
+def headers(client_ids: list[str]) -> st.SearchStrategy[pb.SubmitHeader]:
+    return st.builds(pb.SubmitHeader, round=UINT64,
+                     client_id=st.sampled_from(client_ids or ["client-0"]) | TEXT,
+                     tokens=UINT64, loss=FLOATS, train_seconds=FLOATS)
 
 
 def requests(rpc: str, names: list[str], client_ids: list[str]) -> st.SearchStrategy:
@@ -273,9 +314,7 @@ def requests(rpc: str, names: list[str], client_ids: list[str]) -> st.SearchStra
     if rpc == "Leave":
         return st.builds(pb.LeaveRequest, reason=TEXT)
     if rpc == "SubmitResult":
-        header = st.builds(pb.SubmitHeader, round=UINT64,
-                           client_id=st.sampled_from(client_ids or ["client-0"]) | TEXT,
-                           tokens=UINT64, loss=FLOATS, train_seconds=FLOATS)
+        header = headers(client_ids)
         item = st.one_of(st.builds(pb.SubmitMessage, header=header),
                          st.builds(pb.SubmitMessage, result=sparse_results(names)),
                          st.just(pb.SubmitMessage()))
@@ -342,58 +381,208 @@ def _invoke(channel: grpc.Channel, rpc: str, payload: bytes | list[bytes],
     return "OK", reply
 
 
+class StillClock:
+    """The coordinator's clock while it is fuzzed: it moves only when the fuzzer moves it."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Unserved(Exception):
+    """An honest member's call failed, or the run it left behind is damaged."""
+
+
+@contextlib.contextmanager
+def _step(what: str) -> Iterator[None]:
+    """An honest member's call: any status but OK is the run failing it."""
+    try:
+        yield
+    except grpc.RpcError as err:
+        raise _Unserved(f"{what} answered {err.code().name}: {(err.details() or '')[:300]!r}"
+                        ) from None
+
+
+def _finite_state(path: Path) -> None:
+    """_Unserved if state.json holds NaN or ±Infinity (Python's json writes them, and reads
+    them back, unless told not to): a run that saved one fails again after a restart."""
+    def refuse(constant: str) -> None:
+        raise _Unserved(f"{path.name} holds {constant}")
+    json.loads(path.read_text(), parse_constant=refuse)
+
+
 class _Fuzzer:
-    def __init__(self, server: RunningServer, channel: grpc.Channel, report: FuzzReport) -> None:
+    def __init__(self, server: RunningServer, channel: grpc.Channel, report: FuzzReport, *,
+                 round_every: int) -> None:
         self.server, self.channel, self.report = server, channel, report
+        self.round_every = round_every
         self.health = health_pb2_grpc.HealthStub(channel)
+        self.stub = pb_grpc.CoordinatorStub(channel)
         self.errors = _ErrorLog()
         self.revoked: list[str] = []
         c = server.service.coordinator
         self.names = sorted(c.shapes)
+        self.clock = c.clock = StillClock(c.clock())
+        self.honest: dict[str, pb.JoinReply] = {}  # name → its Join's answer
+        # client id → session token, of every Join answered OK: the coordinator keeps only
+        # their hashes
+        self.tokens: dict[str, str] = {}
+        # each case since the last honest round: what happened, its rpc, and its request
+        # if accepted (a refused one is checked to have changed nothing)
+        self.since_round: list[tuple[str, str, bytes | list[bytes] | None]] = []
+        self.stopped = False  # the run stopped serving honest members
 
-    def live_tokens(self) -> list[str]:
-        """Session tokens of the current members, two of them the fuzzer's own at least."""
+    def honest_members(self) -> list[pb.JoinReply]:
+        """The honest members' sessions; one that a fuzzed Leave ended joins again."""
         sessions = self.server.service.coordinator.membership.sessions
-        while len(sessions.as_dict()) < 2:
-            _, reply = _invoke(self.channel, "Join",
-                               join_request(self.server).SerializeToString(), ())
-            assert reply and pb.JoinReply.FromString(reply).session_token, reply
-        return sorted(sessions.as_dict().values())
+        for name in HONEST:
+            joined = self.honest.get(name)
+            if joined is None or sessions.client_of(joined.session_token) is None:
+                with _step(f"{name}'s Join"):
+                    joined = self.stub.Join(join_request(self.server, name),
+                                            timeout=CALL_TIMEOUT_S)
+                self.honest[name] = joined
+                self.tokens[joined.client_id] = joined.session_token
+        return [self.honest[name] for name in HONEST]
+
+    def honest_round(self) -> None:
+        """Move the run one round on as honest members would; _Unserved if any step fails
+        (see the module docstring)."""
+        c = self.server.service.coordinator
+        seen_errors = len(self.errors.records)
+        members = self.honest_members()
+        start = c.state.round
+        for deadlines in range(HONEST_DEADLINES + 1):
+            for member in members:
+                self.train(member, start)
+            if c.state.round > start:
+                break
+            if deadlines == HONEST_DEADLINES:
+                raise _Unserved(f"round {start} did not close with the honest members' results "
+                                f"within {HONEST_DEADLINES} deadlines")
+            rnd = c.current_round
+            if rnd is None:
+                raise _Unserved(f"no round is open in round {start} (phase {c.phase}), though "
+                                "both honest members call")
+            # Fuzzed members hold assignments (or only they do): at the deadline the round
+            # closes, or opens again if nobody delivered, on the honest members' next calls.
+            self.clock.now = max(self.clock.now, rnd.deadline)
+        for member in members:
+            with _step(f"{member.client_id}'s GetRound after round {start}"):
+                work = self.stub.GetRound(pb.GetRoundRequest(),
+                                          metadata=session_metadata(member.session_token),
+                                          timeout=CALL_TIMEOUT_S)
+            if work.round != start + 1:
+                raise _Unserved(f"{member.client_id}'s GetRound after round {start} answered "
+                                f"round {work.round}")
+        rnd = c.current_round
+        if rnd is None or rnd.index != start + 1:
+            raise _Unserved(f"round {start + 1} did not open after round {start} closed "
+                            f"(phase {c.phase}), though both honest members call")
+        c.flush()
+        _finite_state(c.dir / "state.json")
+        if len(self.errors.records) > seen_errors:
+            raise _Unserved(f"logged: {self.errors.records[seen_errors]}")
+        self.report.rounds += 1
+        self.since_round.clear()
+
+    def train(self, member: pb.JoinReply, round_index: int) -> None:
+        """An honest member's part of round ``round_index``: its assignment, its sequences and
+        valid results, if it has work there."""
+        auth = session_metadata(member.session_token)
+        with _step(f"{member.client_id}'s GetRound in round {round_index}"):
+            work = self.stub.GetRound(pb.GetRoundRequest(), metadata=auth, timeout=CALL_TIMEOUT_S)
+        if work.state != pb.ROUND_STATE_TRAIN or work.round != round_index:
+            return  # not assigned, submitted already (in a case), or the round moved on
+        with _step(f"{member.client_id}'s FetchSequences in round {round_index}"):
+            got = [s.id for s in self.stub.FetchSequences(
+                pb.FetchSequencesRequest(ids=work.sequence_ids), metadata=auth,
+                timeout=CALL_TIMEOUT_S)]
+        if got != list(work.sequence_ids):
+            raise _Unserved(f"{member.client_id} asked for sequences {list(work.sequence_ids)} "
+                            f"and got {got}")
+        with _step(f"{member.client_id}'s SubmitResult in round {round_index}"):
+            self.stub.SubmitResult(iter(valid_submission(self.server, member.client_id)),
+                                   metadata=auth, timeout=CALL_TIMEOUT_S)
+
+    def step(self, data: st.DataObject) -> None:
+        """One case; after every ``round_every``-th, an honest round."""
+        with self.serving():
+            self.case(data)
+            if self.report.tried % self.round_every == 0:
+                self.honest_round()
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Where honest members call: a failure is a crash, listed with the cases since the
+        last honest round (one of them was accepted and broke the run), and fuzzing stops."""
+        try:
+            yield
+        except _Unserved as err:
+            cases = "; ".join(what if payload is None else
+                              f"{what}, request {_shown(rpc, payload)}"
+                              for what, rpc, payload in self.since_round)
+            self.report.crashes.append(f"the run stopped serving honest members ({err}) after "
+                                       f"{len(self.since_round)} case(s): {cases}")
+            self.stopped = True
 
     def case(self, data: st.DataObject) -> None:
         rpc = data.draw(st.sampled_from(RPCS), label="rpc")
-        tokens = self.live_tokens()
+        self.honest_members()
+        c = self.server.service.coordinator
+        live = {client: token for client, token in self.tokens.items()
+                if c.membership.sessions.client_of(token) is not None}
+        tokens = sorted(live.values())
+        rnd = c.current_round
+        # members with work in the open round: what they send is taken, so it can do harm
+        working = sorted(token for client, token in live.items() if rnd is not None
+                         and client in rnd.assignments and client not in rnd.submissions)
         # Draws never depend on the server's state (hypothesis replays them): an index, not a
         # choice among however many tokens there are.
         auth = data.draw(st.sampled_from(["none", "forged", "garbage", "revoked", "live",
-                                          "live"]), label="auth")
+                                          "working"]), label="auth")
+        garbage, index = data.draw(ASCII_TOKEN), data.draw(INDEX)
         token = {"none": None, "forged": f"{tokens[0].partition('.')[0]}.forged",
-                 "garbage": data.draw(ASCII_TOKEN),
+                 "garbage": garbage,
                  "revoked": self.revoked[-1] if self.revoked else "client-0.revoked",
-                 "live": tokens[data.draw(INDEX) % len(tokens)]}[auth]
+                 "live": tokens[index % len(tokens)],
+                 "working": (working or tokens)[index % len(working or tokens)]}[auth]
         metadata = session_metadata(token) if token else ()
         client_id = (token or "").rpartition(".")[0]
         payload = self.request(data, rpc, client_id)
         before = snapshot(self.server)
         seen_errors = len(self.errors.records)
         code, reply = _invoke(self.channel, rpc, payload, metadata)
-        self.record(rpc, auth, code, reply, before, seen_errors)
+        what = self.record(rpc, auth, code, reply, before, seen_errors)
+        self.since_round.append((what, rpc, payload if code == "OK" else None))
+        if code == "OK" and rpc == "Join":
+            joined = pb.JoinReply.FromString(reply)
+            self.tokens[joined.client_id] = joined.session_token
         if code == "OK" and rpc == "Leave":
             self.revoked.append(token)
 
     def request(self, data: st.DataObject, rpc: str, client_id: str) -> bytes | list[bytes]:
         """Raw request bytes (a list of them for SubmitResult)."""
-        how = data.draw(st.sampled_from(["random", "one field", "mutated"]), label="how")
+        how = data.draw(st.sampled_from(["random", "one field", "one number", "mutated"]),
+                        label="how")
         if rpc == "SubmitResult":
             valid = valid_submission(self.server, client_id or "client-0")
             if how == "random":
                 messages = data.draw(requests(rpc, self.names, [client_id]))
                 return [m.SerializeToString() for m in messages]
-            i = data.draw(st.integers(0, len(valid) - 1), label="message")
+            # the header (what the client claims of its work) half the time
+            i = data.draw(st.just(0) | st.integers(0, len(valid) - 1), label="message")
             blobs = [m.SerializeToString() for m in valid]
             if how == "one field":
-                blobs[i] = data.draw(requests(rpc, self.names, [client_id]).map(
-                    lambda ms: ms[0].SerializeToString() if ms else b""))
+                path = data.draw(st.sampled_from(list(_field_paths(valid[i]))), label="field")
+                other = (pb.SubmitMessage(header=data.draw(headers([client_id])))
+                         if path.startswith("header") else
+                         pb.SubmitMessage(result=data.draw(sparse_results(self.names))))
+                blobs[i] = _with_field(valid[i], other, path).SerializeToString()
+            elif how == "one number":
+                blobs[i] = data.draw(edge_numbers(valid[i])).SerializeToString()
             else:
                 blobs[i] = data.draw(mutated(blobs[i]))
             return blobs
@@ -408,14 +597,17 @@ class _Fuzzer:
             message = data.draw(requests(rpc, self.names, [client_id]))
             return (data.draw(mutated(message.SerializeToString())) if how == "mutated"
                     else message.SerializeToString())
-        if how == "one field":  # the valid request with one field taken from a random one
+        if how == "one number" and _number_paths(valid):
+            return data.draw(edge_numbers(valid)).SerializeToString()
+        if how in ("one field", "one number"):  # the valid request, one field from a random one
             other = data.draw(requests(rpc, self.names, [client_id]))
-            name = data.draw(st.sampled_from([f.name for f in valid.DESCRIPTOR.fields]))
-            return _with_field(valid, other, name).SerializeToString()
+            path = data.draw(st.sampled_from(list(_field_paths(valid))), label="field")
+            return _with_field(valid, other, path).SerializeToString()
         return data.draw(mutated(valid.SerializeToString()))
 
     def record(self, rpc: str, auth: str, code: str, reply: bytes | None,
-               before: dict[str, str], seen_errors: int) -> None:
+               before: dict[str, str], seen_errors: int) -> str:
+        """Count the call and check what it did; what happened, in words."""
         report = self.report
         report.tried += 1
         report.codes[rpc, code] += 1
@@ -433,13 +625,28 @@ class _Fuzzer:
                               for line in self.errors.records[seen_errors:])
         if code == "OK":
             report.accepted += 1
-            return
+            return what
         report.rejected += 1
         after = snapshot(self.server)
         changed = [f"{k} ({_difference(before[k], after[k])})" for k in sorted(before)
                    if before[k] != after[k]]
         if changed:
             report.state_changes.append(f"{what} changed {'; '.join(changed)}")
+        return what
+
+
+def _shown(rpc: str, payload: bytes | list[bytes], limit: int = 200) -> str:
+    """A request as protobuf text, each message of a stream cut to ``limit`` characters; its
+    bytes where they do not parse."""
+    message = getattr(pb, METHODS[rpc].input_type.name)
+    shown = []
+    for blob in payload if isinstance(payload, list) else [payload]:
+        try:
+            text = text_format.MessageToString(message.FromString(blob), as_one_line=True)
+        except DecodeError:
+            text = f"(does not parse) {blob!r}"
+        shown.append(f"{{{text[:limit]}}}")
+    return " ".join(shown)
 
 
 def _difference(before: str, after: str, context: int = 60) -> str:
@@ -450,30 +657,73 @@ def _difference(before: str, after: str, context: int = 60) -> str:
     return f"{before[start:i + context]!r} → {after[start:i + context]!r}"
 
 
-class _TimeUp(Exception):
-    """The fuzzing time is spent."""
+class _Stop(Exception):
+    """The fuzzing time is spent, or the run stopped serving honest members."""
 
 
-def _with_field(message: Message, other: Message, name: str) -> Message:
-    """A copy of ``message`` with field ``name`` as ``other`` has it (set or not)."""
-    donor = type(other)()
-    donor.CopyFrom(other)
-    for f, _ in other.ListFields():
-        if f.name != name:
-            donor.ClearField(f.name)
+@st.composite
+def edge_numbers(draw: st.DrawFn, message: Message) -> Message:
+    """``message`` with one of its numbers (nested ones too) at an edge of its type."""
+    numbers = _number_paths(message)
+    path = draw(st.sampled_from(list(numbers)), label="number")
     out = type(message)()
     out.CopyFrom(message)
-    out.ClearField(name)
-    out.MergeFrom(donor)
+    target, name = _parent(out, path)
+    setattr(target, name, draw(st.sampled_from(EDGES[numbers[path].cpp_type])))
     return out
 
 
-def fuzz(server: RunningServer, *, examples: int, seconds: float, seed: int = 0) -> FuzzReport:
-    """Up to ``examples`` cases, stopping after ``seconds``; the same cases for a seed."""
+def _field_paths(message: Message) -> dict[str, FieldDescriptor]:
+    """Every field of ``message`` by dotted path, those inside the message fields it holds
+    too: one bad number inside a valid request (a Join's capabilities.tokens_per_second, a
+    submission's header.train_seconds) is what a checked field lets through unnoticed."""
+    paths = {}
+    for f in message.DESCRIPTOR.fields:
+        paths[f.name] = f
+        if f.message_type is not None and not f.is_repeated and message.HasField(f.name):
+            paths |= {f"{f.name}.{path}": inner
+                      for path, inner in _field_paths(getattr(message, f.name)).items()}
+    return paths
+
+
+def _number_paths(message: Message) -> dict[str, FieldDescriptor]:
+    return {path: f for path, f in _field_paths(message).items()
+            if not f.is_repeated and f.cpp_type in EDGES}
+
+
+def _parent(message: Message, path: str) -> tuple[Message, str]:
+    """The message that holds the field at dotted ``path``, and the field's name."""
+    *outer, name = path.split(".")
+    for part in outer:
+        message = getattr(message, part)
+    return message, name
+
+
+def _with_field(message: Message, other: Message, path: str) -> Message:
+    """A copy of ``message`` with the field at dotted ``path`` as ``other`` has it (set or
+    not)."""
+    out = type(message)()
+    out.CopyFrom(message)
+    (target, name), (source, _) = _parent(out, path), _parent(other, path)
+    donor = type(source)()
+    donor.CopyFrom(source)
+    for f, _ in source.ListFields():
+        if f.name != name:
+            donor.ClearField(f.name)
+    target.ClearField(name)
+    target.MergeFrom(donor)
+    return out
+
+
+def fuzz(server: RunningServer, *, examples: int, seconds: float, seed: int = 0,
+         round_every: int = ROUND_EVERY) -> FuzzReport:
+    """Up to ``examples`` cases, stopping after ``seconds``, with an honest round before the
+    first, after every ``round_every`` cases and after the last; the same cases for a seed.
+    The server's coordinator keeps the fuzzer's ``StillClock``."""
     report = FuzzReport()
     stop_at = time.monotonic() + seconds
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS) as channel:
-        fuzzer = _Fuzzer(server, channel, report)
+        fuzzer = _Fuzzer(server, channel, report, round_every=round_every)
         hook = threading.excepthook
 
         def on_thread_error(args: threading.ExceptHookArgs) -> None:
@@ -487,27 +737,31 @@ def fuzz(server: RunningServer, *, examples: int, seconds: float, seed: int = 0)
             @hypothesis_seed(run_seed)
             @given(st.data())
             def cases(data: st.DataObject) -> None:
-                if time.monotonic() > stop_at:
-                    raise _TimeUp  # ends hypothesis's loop; returning would change the draws
-                fuzzer.case(data)
+                if fuzzer.stopped or time.monotonic() > stop_at:
+                    raise _Stop  # ends hypothesis's loop; returning would change the draws
+                fuzzer.step(data)
             return cases
 
         logging.getLogger().addHandler(fuzzer.errors)
         threading.excepthook = on_thread_error
         try:
-            run_seed = seed
-            while report.tried < examples:
-                try:
-                    cases_for(run_seed, examples - report.tried)()
-                except FlakyStrategyDefinition:
-                    # the draws depend on the live server (members, rounds), which hypothesis's
-                    # replay bookkeeping cannot know: go on with the next seed
-                    report.reseeded += 1
-                    run_seed += 1
-                    continue
-                break
-        except _TimeUp:
-            pass
+            with fuzzer.serving():  # a fresh run serves honest members: no case is to blame
+                fuzzer.honest_round()
+            with contextlib.suppress(_Stop):
+                run_seed = seed
+                while report.tried < examples and not fuzzer.stopped:
+                    try:
+                        cases_for(run_seed, examples - report.tried)()
+                    except FlakyStrategyDefinition:
+                        # the draws depend on the live server (members, rounds), which
+                        # hypothesis's replay bookkeeping cannot know: go on with the next seed
+                        report.reseeded += 1
+                        run_seed += 1
+                        continue
+                    break
+            if fuzzer.since_round and not fuzzer.stopped:
+                with fuzzer.serving():  # the cases after the last honest round
+                    fuzzer.honest_round()
         finally:
             threading.excepthook = hook
             logging.getLogger().removeHandler(fuzzer.errors)
@@ -519,6 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=2000, help="most cases to try")
     parser.add_argument("--seconds", type=float, default=120.0, help="stop after this long")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same cases")
+    parser.add_argument("--round-every", type=int, default=ROUND_EVERY,
+                        help="cases between the honest members' rounds")
     parser.add_argument("--dir", type=Path, default=None,
                         help="run directory to fuzz in (default: a temporary one)")
     args = parser.parse_args(argv)
@@ -526,12 +782,14 @@ def main(argv: list[str] | None = None) -> int:
     with (tempfile.TemporaryDirectory(prefix="fuzz-rpc-") as tmp,
           fuzz_server(args.dir or Path(tmp)) as server):
         started = time.monotonic()
-        report = fuzz(server, examples=args.examples, seconds=args.seconds, seed=args.seed)
+        report = fuzz(server, examples=args.examples, seconds=args.seconds, seed=args.seed,
+                      round_every=args.round_every)
         elapsed = time.monotonic() - started
     print(report.table())
     print(f"\n{report.tried} cases in {elapsed:.0f} s: {report.accepted} accepted, "
           f"{report.rejected} rejected, {len(report.crashes)} crashes, "
-          f"{len(report.state_changes)} rejected calls that changed state"
+          f"{len(report.state_changes)} rejected calls that changed state, "
+          f"{report.rounds} honest rounds between them"
           + (f" ({report.reseeded} reseeds)" if report.reseeded else ""))
     for line in [*report.crashes, *report.state_changes]:
         print(f"  {line}")

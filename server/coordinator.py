@@ -27,6 +27,7 @@ import logging
 import math
 import re
 import shutil
+import statistics
 import threading
 import time
 import uuid
@@ -81,6 +82,7 @@ MAX_DEPARTED = 100  # the newest departed members state.json keeps
 MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 bytes each)
 DENSE_BYTES_PER_VALUE = 4  # a round's results as float32 tensors of their whole regions
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
+SAVE_INTERVAL_S = 1.0  # joins, leaves and refusals reach state.json at most this often
 MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about 10
 # Free space a round needs before it opens, in multiples of the master's size: the update
 # (at most the master's size), a checkpoint and its tier slices (under twice), state.json.
@@ -121,6 +123,9 @@ class Coordinator:
         self._open: OpenRound | None = None
         self._write_failure: str | None = None  # the last failed close's error, logged once
         self._waiting_for_disk = False  # a round waits for free space (said once)
+        # Joins, leaves and refusals change state.json without a round: they are written
+        # together by advance, so a burst of joins does not rewrite the file once each.
+        self._unsaved, self._saved_at = False, -math.inf
         policy = config.tiers.build(self.model_config)
         if saved is None:
             self.state = RunState(run_id=config.run.id, data_fingerprint=self.reader.fingerprint,
@@ -163,16 +168,14 @@ class Coordinator:
     def join(self, capabilities: Capabilities) -> tuple[Member, TierAssignment, str]:
         """Admit a client: its member record, tier assignment and session token."""
         with self._lock:
-            excluded = [why for cid, why in self.membership.excluded.items()
-                        if self.membership.excluded_names.get(cid) == capabilities.name]
-            if excluded:
+            if capabilities.name in self.membership.excluded_names.values():
                 raise Excluded(f"a client named {capabilities.name!r} was excluded from this "
-                               f"run: {excluded[-1]}; ask the run's operator.")
+                               "run; ask the run's operator.")
             joined = self.membership.join(capabilities, now=self.clock())
             member, tier, _ = joined
             self._event("join", member.client_id,
                         f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")
-            self._save()
+            self._unsaved = True  # written by advance, at most every SAVE_INTERVAL_S
             self.advance()
             return joined
 
@@ -196,7 +199,7 @@ class Coordinator:
             self._drop_from_round(client_id, "left the run")
             self._departed(member, reason or "left the run")
             self._event("leave", client_id, reason or "left the run")
-            self._save()
+            self._unsaved = True
             self.advance()
 
     def exclude(self, client_id: str, reason: str) -> None:
@@ -240,6 +243,20 @@ class Coordinator:
             self.membership.measured(client_id, tokens, measured)
             self.advance()
 
+    def check_header(self, client_id: str, round_index: int,
+                     assignment_id: str | None = None) -> RoundAssignment:
+        """The assignment a submission's header names, checked as ``submit`` checks it first
+        (the round is being collected, the client is assigned in it under ``assignment_id``
+        and has not submitted), so that a stale or repeated submission is refused before any
+        of its results is read."""
+        with self._lock:
+            self.advance()
+            if self._open is None or self.state.finished:
+                raise StaleRound(f"no round is being collected (round {round_index} is over); "
+                                 "wait for the next assignment.")
+            self._open.check(client_id, round_index, (), self.shapes, {}, assignment_id)
+            return self._open.assignments[client_id]
+
     def rejected(self, client_id: str, error: Exception) -> str:
         """Count a refused submission against the client; at [faults] max_rejections it is
         excluded. The words to add to the refusal's message ("" when nothing follows)."""
@@ -257,7 +274,7 @@ class Coordinator:
                                         f"{str(error)[:200]}")
                 return (f" This was refusal {member.rejections} of {limit}: the client is "
                         "excluded from the run.")
-            self._save()
+            self._unsaved = True
             return f" (refusal {member.rejections} of {limit})" if limit else ""
 
     def authenticate(self, token: str) -> str:
@@ -318,11 +335,20 @@ class Coordinator:
                 if self._open is None:
                     self._open = self._open_round(now)
                     if self._open is None:
-                        return
+                        break
                 self._drop_silent(now)
                 if not (self._open.complete() or now >= self._open.deadline):
-                    return
+                    break
                 self._close()
+            if now - self._saved_at >= SAVE_INTERVAL_S:
+                self.flush()
+
+    def flush(self) -> None:
+        """Write state.json now if joins, leaves or refusals changed it since the last write
+        (``advance`` does so at most every SAVE_INTERVAL_S; a server stopping calls this)."""
+        with self._lock:
+            if self._unsaved:
+                self._save()
 
     def snapshot(self, *, since_round: int | None = 0, events_after: int | None = -1
                  ) -> dict[str, Any]:
@@ -382,8 +408,7 @@ class Coordinator:
         r = self.state.round
         before = self.queue.to_dict()
         ids = self.queue.take(cfg.tokens_per_round, self._length)
-        # A client reporting no speed still gets a share; a measurement soon replaces it.
-        shares = assign(ids, [(m.client_id, max(m.tokens_per_second, 1.0)) for m in members])
+        shares = assign(ids, _trusted_speeds(members))
         lr = self.config.update.lr_at(r, cfg.planned_rounds)
         seed = _round_seed(self.config.data.seed, r)
         deadline = now + cfg.deadline_s
@@ -660,6 +685,7 @@ class Coordinator:
         self.state.membership = self.membership.to_dict()
         try:
             self.state.save(self.dir)
+            self._unsaved, self._saved_at = False, self.clock()
         except OSError as err:
             raise RunDirectoryUnavailable(
                 f"the coordinator cannot write {self.dir.name}/state.json "
@@ -796,6 +822,17 @@ class _Before:
             c._remove_unfinished_checkpoints()
         except OSError as err:  # a restart repairs the disk side from state.json
             log.warning("undoing round %d on disk failed: %s", rnd.index, err)
+
+
+def _trusted_speeds(members: Sequence[Member]) -> list[tuple[str, float]]:
+    """The speed each member's share of a round is sized by. A speed the member has shown in
+    a round it delivered counts as it is; a claimed one (a new member's, or one that missed
+    its last round) counts up to the members' median, so that claiming to be fast wins no
+    more than a typical share until a round shows it. No speed at all still gets a share."""
+    speeds = [max(m.tokens_per_second, 1.0) for m in members]
+    typical = statistics.median(speeds)
+    return [(m.client_id, speed if m.measured_by_round and not m.missed else min(speed, typical))
+            for m, speed in zip(members, speeds, strict=True)]
 
 
 def _check_reports(results: Sequence[SparseResult], tokens: int, loss: float | None,

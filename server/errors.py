@@ -210,3 +210,25 @@ class ServedFileDamaged(ServerError):
     is not sent; the checkpoint on disk must be restored or written again."""
 
     code = grpc.StatusCode.DATA_LOSS
+
+
+class CallRefused(ServerError):
+    """A call refused or ended so that no member holds more of the server's worker threads
+    than its share (server/call_slots.py); the service answers each with its own status."""
+
+
+class TooManyCalls(CallRefused):
+    """A member started a call while holding as many calls (or streams) as one member may."""
+
+
+class NoStreamSlot(CallRefused):
+    """Every stream slot of the server is in use: a call worth retrying in a few seconds."""
+
+
+class StreamIdle(CallRefused):
+    """A stream whose peer sent or took nothing for ``CallLimits.idle_s``; it was ended."""
+
+
+class RepeatedSequenceIds(ServerError):
+    """A FetchSequences request that names one id more than once: each assigned sequence is
+    served once per request, so no request holds more ids than the assignment."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from modeling.compression import CompressionConfig, SparseResult
+from modeling.compression import CompressionConfig, SparseResult, region_shape
 from modeling.compression.grid import ChunkGrid
 from server.errors import NormTooLarge, TooManyCoefficients, ValueTooLarge, WrongEncoding
 from server.sections import FaultsSection
@@ -77,3 +77,23 @@ class SubmissionLimits:
         if per_chunk > c.topk:
             raise TooManyCoefficients(f"{name}: {per_chunk} values per chunk, the run's topk "
                                       f"allows {c.topk}.")
+
+
+def clip_to_peers(results: Sequence[SparseResult], factor: float) -> list[SparseResult]:
+    """One parameter's results of a round, each scaled down so that its root mean square
+    over the region it covers is at most ``factor`` × the lower median of theirs.
+
+    A result's weight in the aggregate is its assigned tokens, but its magnitude is its own:
+    without this, one member sending the largest values allowed steers the mean (and so
+    the sign) of every element it covers. Norms of DCT coefficients are norms of the
+    gradients they encode, so this needs no decoding. Fewer than two results: unchanged.
+    """
+    if factor <= 0 or len(results) < 2:
+        return list(results)
+    rms = [math.sqrt(float(r.values.double().square().sum()) / math.prod(region_shape(r.region)))
+           for r in results]
+    bound = factor * sorted(rms)[(len(rms) - 1) // 2]
+    return [r if size <= bound or size == 0 else dataclasses.replace(
+                r, values=(r.values.double() * (bound / size)).to(r.values.dtype))
+            for r, size in zip(results, rms, strict=True)]
+

@@ -7,7 +7,8 @@
 
 gRPC (the Coordinator and health services) runs on its own thread pool; the HTTP app runs
 under uvicorn on a thread; both use TLS when [tls] names cert and key, and both bind
-[server] host, or loopback only under [auth] mode = "none". A third thread calls
+[server] host, or loopback only under [auth] mode = "none" (a host beyond loopback without
+TLS is served, with a warning at start). A third thread calls
 ``coordinator.advance()`` every ``TICK_S`` so that rounds close at their deadline even when
 no client calls. SIGINT/SIGTERM stop all three; state.json is already on disk.
 """
@@ -37,6 +38,7 @@ from modeling.errors import MatformerError
 from protocol.channel import GRPC_OPTIONS
 from protocol.health import add_health
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from server.call_slots import CallLimits
 from server.config import RunConfig, read_toml
 from server.coordinator import Coordinator
 from server.errors import InvalidValue, WrongType
@@ -44,7 +46,11 @@ from server.http import build_app
 from server.service import CoordinatorService
 
 TICK_S = 0.5  # how often the coordinator checks deadlines on its own
-GRPC_WORKERS = 16
+# The server pings a connection quiet for KEEPALIVE_S and closes it, ending its calls, when
+# the ping is not answered within KEEPALIVE_TIMEOUT_S: a vanished client's calls free their
+# worker threads.
+KEEPALIVE_S = 60
+KEEPALIVE_TIMEOUT_S = 20
 STOP_GRACE_S = 2.0
 _BARE_WORD = re.compile(r"[^\s\"'\[\]{}=]+")  # an unquoted --set string value
 
@@ -64,11 +70,13 @@ class RunningServer:
 
     @classmethod
     def start(cls, config: RunConfig, *, grpc_port: int | None = None,
-              http_port: int | None = None) -> RunningServer:
-        """Build the coordinator (resuming config.run.dir) and start serving."""
-        host, tls = bind_host(config), config.tls
-        service = CoordinatorService(Coordinator(config))
-        grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS),
+              http_port: int | None = None, limits: CallLimits | None = None
+              ) -> RunningServer:
+        """Build the coordinator (resuming config.run.dir) and start serving; ``limits``:
+        what calls may hold of the gRPC worker threads (CallLimits' defaults if None)."""
+        host, tls, limits = bind_host(config), config.tls, limits or CallLimits()
+        service = CoordinatorService(Coordinator(config), limits)
+        grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers),
                                   options=server_options(config))
         pb_grpc.add_CoordinatorServicer_to_server(service, grpc_server)
         add_health(grpc_server)
@@ -117,14 +125,24 @@ class RunningServer:
         self.grpc_server.stop(STOP_GRACE_S).wait()
         for thread in self._threads:
             thread.join(timeout=STOP_GRACE_S + 3)
+        try:
+            self.service.coordinator.flush()  # joins and leaves of the last second
+        except Exception:  # stopping goes on; the run resumes from the last good save
+            log.exception("saving state.json on stop failed")
 
 
 def bind_host(config: RunConfig) -> str:
     """The address both servers bind: [server] host, except that a run without a join token
     ([auth] mode = "none") listens on loopback only (::1 if host is an IPv6 loopback, else
-    127.0.0.1); then it logs one warning saying so."""
+    127.0.0.1); then it logs one warning saying so. A host beyond loopback without [tls] logs
+    a warning too: tokens, results and weights would cross the network in plaintext."""
     host = config.server.host
     if config.auth.mode != "none":
+        if not config.tls.enabled and not _is_loopback(host):
+            log.warning("[server] host %r accepts other machines over plaintext: join and session "
+                        "tokens, results and weights cross the network unencrypted. Set [tls] "
+                        "cert and key (a PEM certificate and its private key) in run.toml to "
+                        "serve gRPC and HTTPS over TLS.", host)
         return host
     try:
         ipv6_loopback = ipaddress.ip_address(host) == ipaddress.ip_address("::1")
@@ -138,12 +156,24 @@ def bind_host(config: RunConfig) -> str:
     return loopback
 
 
+def _is_loopback(host: str) -> bool:
+    """``host`` reaches this machine only (a loopback address, or "localhost")."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"
+
+
 def server_options(config: RunConfig) -> tuple[tuple[str, int], ...]:
-    """gRPC's options with the receive limit of [faults] max_message_mb: a larger message is
-    refused by gRPC itself (RESOURCE_EXHAUSTED) before any handler reads it."""
+    """gRPC's options with the receive limit of [faults] max_message_mb (a larger message is
+    refused by gRPC itself, RESOURCE_EXHAUSTED, before any handler reads it) and keepalive.
+    No ``maximum_concurrent_rpcs``: it would refuse honest calls as readily as a flood, before
+    knowing whose they are; the service's per-member call slots tell them apart."""
     limit = config.faults.max_message_bytes
-    return tuple((k, limit if k == "grpc.max_receive_message_length" else v)
-                 for k, v in GRPC_OPTIONS)
+    return (*((k, limit if k == "grpc.max_receive_message_length" else v)
+              for k, v in GRPC_OPTIONS),
+            ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000))
 
 
 def _tick(coordinator: Coordinator, stopping: threading.Event) -> None:

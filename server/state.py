@@ -1,16 +1,19 @@
 """``state.json``: what a coordinator needs, besides checkpoints and the update log, to resume
 a run exactly (DESIGN.md §6). Written atomically (temp file, fsync, rename) after every
 round and every change of members; the round open at that moment is not in it (its ids are
-still in the queue), so a restart opens that round again.
+still in the queue), so a restart opens that round again. Readable by its owner only (mode
+0600, its temp file too): it names the members, and their session tokens' hashes.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.checkpoint.files import read_json, write_json_atomic
+from modeling.checkpoint.files import write_json_atomic
+from server.errors import ResumeError
 
 STATE_NAME = "state.json"
 
@@ -32,15 +35,27 @@ class RunState:
     departed: list[dict[str, Any]] = field(default_factory=list)  # members that left, and why
 
     def save(self, run_dir: Path) -> None:
-        write_json_atomic(Path(run_dir) / STATE_NAME, asdict(self))
+        """Write state.json (ValueError for a number that is not finite: never saved)."""
+        write_json_atomic(Path(run_dir) / STATE_NAME, asdict(self), mode=0o600)
 
     @classmethod
     def load(cls, run_dir: Path) -> RunState | None:
-        """The saved state, or None for a run directory without one (a new run)."""
+        """The saved state, or None for a run directory without one (a new run).
+        ResumeError for a state.json holding NaN or an infinity (written by hand, or by a
+        version that let one in): resuming from it would freeze the run again."""
         path = Path(run_dir) / STATE_NAME
         if not path.is_file():
             return None
-        state = cls(**read_json(path))
+        try:
+            data = json.loads(path.read_text(), parse_constant=_refuse_constant)
+        except ValueError as err:
+            raise ResumeError(f"{path} is not valid state ({err}); restore it from a backup, "
+                              "or start a new run directory.") from err
+        state = cls(**data)
         for seq, event in enumerate(state.events):  # numbered since the status API pages them
             event.setdefault("seq", seq)
         return state
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"it holds {name}, which is not a number a run can resume from")

@@ -43,9 +43,10 @@ ROUNDS_SHOWN = 12  # rows of the recent-rounds table (dashboard.js ROUNDS_SHOWN)
 WAIT_S = 60.0
 AGREE_S = 20.0  # the page may be one poll behind the API; it must catch up within this
 LAST_SEEN_TOLERANCE_S = 5.0  # heartbeats move last_seen between the page's poll and ours
-# The second client's name is markup: shown as text it proves the page escapes API strings.
-CLIENTS = [testnet.ClientSpec(name="client-0", tier=0),
-           testnet.ClientSpec(name="client-1 <img src=x onerror=window.__xss=1>", tier=1)]
+CLIENTS = [testnet.ClientSpec(name="client-0", tier=0), testnet.ClientSpec(name="client-1", tier=1)]
+# A visitor joins with markup for its device and leaves with markup for its reason (names
+# may hold none): shown as text, they prove the page escapes the API's strings.
+MARKUP = "<img src=x onerror=window.__xss=1>"
 
 
 # One consistent read of everything the page shows.
@@ -115,6 +116,26 @@ class LiveRun:
         self.base = self.net.http_base
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="testnet", daemon=True)
+
+    def visit(self) -> str:
+        """A member that joins with markup in its strings and leaves at once; its name."""
+        import grpc
+
+        from protocol.auth import session_metadata
+        from protocol.matformer.v1 import coordinator_pb2 as pb
+        from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+
+        token = next(iter(self.net.plan.env.values()), "")
+        with grpc.insecure_channel(f"127.0.0.1:{self.net.plan.grpc_port}") as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            reply = stub.Join(pb.JoinRequest(
+                run_id="t", join_token=token, client_name="visitor",
+                capabilities=pb.Capabilities(device_kind="cpu", device_name=MARKUP,
+                                             memory_bytes=2**34, tokens_per_second=1.0)),
+                timeout=10)
+            stub.Leave(pb.LeaveRequest(reason=MARKUP), timeout=10,
+                       metadata=session_metadata(reply.session_token))
+        return "visitor"
 
     def _run(self) -> None:
         try:
@@ -314,6 +335,7 @@ def compare_rounds(page: dict, rounds: list[dict]) -> list[str]:
 
 def compare_events(page: dict, api: dict) -> list[str]:
     names = {m["client_id"]: m["name"] for m in api["clients"]["members"]}
+    names.update({d["client_id"]: d["name"] for d in api["clients"]["departed"]})
     names.update({e["client_id"]: e["name"] for e in api["clients"]["excluded"] if e["name"]})
     for r in api["rounds"]:
         names.setdefault(r["slowest_client_id"], r["slowest_name"])
@@ -378,6 +400,7 @@ def test_dashboard_follows_a_live_run(browser, live_run, tmp_path):
 
     first = wait_for(live, WAIT_S, "the clients table and the loss chart", live_run)
     assert set(first["loss"]) >= {"0", "1"}
+    names.add(live_run.visit())
 
     openapi = live_run.get("/openapi.json")
     assert set(API_PATHS) <= api_paths(openapi)

@@ -1,53 +1,93 @@
 """scripts/fuzz_rpc.py with a small, seeded budget: every RPC survives random and mutated
-requests, a refused call leaves the run as it was, and the run still completes a round."""
+requests, a refused call leaves the run as it was, and honest members complete a round
+between the cases; an accepted input that breaks a later round is a crash."""
 
 from __future__ import annotations
+
+import math
+import re
 
 import grpc
 import pytest
 
 from protocol.auth import session_metadata
-from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
+from protocol.channel import COORDINATOR_SERVICE
 from protocol.errors import UnsafePath
 from protocol.files import resolve_inside
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from scripts.fuzz_rpc import fuzz, fuzz_server, join_request, snapshot, valid_submission
+from scripts.fuzz_rpc import (
+    HONEST,
+    ROUND_EVERY,
+    fuzz,
+    fuzz_server,
+    join_request,
+    snapshot,
+    valid_submission,
+)
+from server.coordinator import Coordinator
+from server.membership import Member
+from server.tiers import Capabilities, TierAssignment
 
 EXAMPLES = 250
 SECONDS = 20.0
+
+
 @pytest.fixture(scope="module")
 def fuzzed(tmp_path_factory):
     with fuzz_server(tmp_path_factory.mktemp("fuzz")) as server:
-        yield server, fuzz(server, examples=EXAMPLES, seconds=SECONDS, seed=0)
+        yield fuzz(server, examples=EXAMPLES, seconds=SECONDS, seed=0)
 
 
 def test_no_crash_and_no_change_on_refusal(fuzzed):
-    _, report = fuzzed
+    report = fuzzed
     assert report.crashes == []
     assert report.state_changes == []
     assert report.tried == report.accepted + report.rejected >= 100
     assert report.accepted and report.rejected
     assert {rpc for rpc, _ in report.codes} == set(pb.DESCRIPTOR.services_by_name[
         "Coordinator"].methods_by_name)
+    # before the first case, after every ROUND_EVERY and after the last: each one round on
+    assert report.rounds == 1 + math.ceil(report.tried / ROUND_EVERY)
 
 
-def test_the_run_completes_a_round_afterwards(fuzzed):
-    server, _ = fuzzed
-    c = server.service.coordinator
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS) as channel:
-        stub = pb_grpc.CoordinatorStub(channel)
-        for token in c.membership.sessions.as_dict().values():  # whoever the fuzzer left behind
-            stub.Leave(pb.LeaveRequest(reason="fuzzing is over"), metadata=session_metadata(token))
-        joined = [stub.Join(join_request(server, name)) for name in ("alice", "bob")]
-        start = c.state.round
-        for reply in joined:
-            auth = session_metadata(reply.session_token)
-            work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
-            assert work.state == pb.ROUND_STATE_TRAIN
-            messages = valid_submission(server, reply.client_id)
-            assert stub.SubmitResult(iter(messages), metadata=auth).accepted == len(messages) - 1
-        assert c.state.round == start + 1
+def claims_inf(member: Member) -> None:
+    member.tokens_per_second = math.inf  # as a Join once could: every later round failed to open
+
+
+def shows_inf(member: Member) -> None:
+    member.last_round_seconds = math.inf  # harmless to the rounds, but not to state.json
+
+
+@pytest.mark.parametrize(("poison", "failure"), [
+    (claims_inf, "answered UNKNOWN"),  # opening the next round raises
+    # state.json refuses it (the save raises), or, were it written, the check reads Infinity
+    (shows_inf, "answered UNKNOWN|state.json holds Infinity"),
+])
+def test_an_accepted_input_that_breaks_the_run_later_is_a_crash(tmp_path, monkeypatch, poison,
+                                                                   failure):
+    """Issue 15: a Join with tokens_per_second = inf was accepted, and made the next round fail
+    to open (every later call UNKNOWN, Infinity in state.json); the fuzzer then reported 0
+    crashes, since it never reopened a round. Here every Join a case gets accepted (not the
+    honest members') is poisoned that way: the next honest round must fail, the crash must
+    name the accepted Join, and fuzzing must stop there."""
+    join = Coordinator.join
+
+    def poisoned(self: Coordinator, capabilities: Capabilities
+                 ) -> tuple[Member, TierAssignment, str]:
+        member, tier, token = join(self, capabilities)
+        if capabilities.name not in HONEST:
+            poison(member)
+        return member, tier, token
+
+    monkeypatch.setattr(Coordinator, "join", poisoned)
+    with fuzz_server(tmp_path) as server:
+        # seed 2 gets a Join accepted by case 15; seeds 0 to 7 all do within 185
+        report = fuzz(server, examples=EXAMPLES, seconds=SECONDS, seed=2, round_every=5)
+    [crash] = [c for c in report.crashes if "stopped serving honest members" in c]
+    assert re.search(failure, crash), crash
+    assert re.search(r"Join \(session: \w+\) → OK: .*, request \{run_id: ", crash), crash
+    assert report.tried < EXAMPLES  # fuzzing stopped there: every later call would fail
 
 
 def test_a_submission_cut_by_an_unparseable_message_keeps_nothing(tmp_path):

@@ -19,6 +19,7 @@ from server.errors import (
     BadCapabilities,
     BadReport,
     Excluded,
+    ResumeError,
     RunDirectoryUnavailable,
     SessionInvalid,
     ValueTooLarge,
@@ -74,9 +75,30 @@ def test_an_impossible_speed_is_refused_and_the_run_goes_on(tmp_path, mdat_path,
     with pytest.raises(BadCapabilities, match="tokens/s"):
         c.heartbeat(member, tokens_per_second=speed)
     assert math.isfinite(c.membership.get(member).tokens_per_second)
+    c.flush()
     resumed = Coordinator(config, clock=Clock())
     resumed.heartbeat(member)
     assert resumed.current_round is not None
+
+
+def test_claiming_the_fastest_speed_wins_no_more_than_a_typical_share(tmp_path, mdat_path):
+    """A new member claiming 1e9 tokens/s (allowed) never delivers: it gets a typical share,
+    not every sequence of round after round."""
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=3), clock=clock)
+    honest = [c.join(caps(name, tps=1000.0))[0].client_id for name in ("a", "b")]
+    liar = c.join(caps("liar", tps=1e9))[0].client_id
+    for _ in range(3):
+        rnd = c.current_round
+        shares = {cid: len(a.sequence_ids) for cid, a in rnd.assignments.items()}
+        assert shares.get(liar, 0) <= sum(shares.values()) / 3 + 1
+        assert all(shares.get(h) for h in honest)
+        for h in honest:
+            c.submit(h, rnd.index, results(c, h), train_seconds=1.0)
+        clock.now = rnd.deadline  # the liar never delivers
+        c.heartbeat(honest[0])
+        for cid in (*honest, liar):
+            c.membership.heartbeat(cid, now=clock.now)
 
 
 @pytest.mark.parametrize(("field", "value"), [("train_seconds", 5e-324),
@@ -140,6 +162,24 @@ def test_names_and_device_kinds_are_short_printable_words(tmp_path, mdat_path, n
         c.join(report)
     assert not c.membership.members
     assert (config.run.dir / "state.json").stat().st_size < 2**16
+
+
+def test_a_burst_of_joins_writes_state_json_once_per_interval(tmp_path, mdat_path,
+                                                              monkeypatch):
+    config = run_config(tmp_path / "run", mdat_path, min_clients=500)
+    clock = Clock()
+    c = Coordinator(config, clock=clock)
+    saves = []
+    real = RunState.save
+    monkeypatch.setattr(RunState, "save", lambda s, d: (saves.append(1), real(s, d)))
+    clock.now = 10.0
+    for n in range(200):
+        c.join(caps(f"member{n}"))
+    assert len(saves) == 1  # the first join's advance, then nothing for a second
+    clock.now = 11.5
+    c.heartbeat("client-0")
+    assert len(saves) == 2
+    assert len(RunState.load(config.run.dir).membership["members"]) == 200
 
 
 # -- 6. (coordinator) a forged token learns nothing of an exclusion --------------------------
@@ -244,3 +284,18 @@ def test_temp_files_a_kill_left_are_removed_on_start(tmp_path, mdat_path):
     assert not (run / "checkpoints" / ".round-2.old-0123abcd").exists()
     assert sorted(p for p in run.rglob("*") if p.is_file()) == kept
     assert json.loads((run / "state.json").read_text())["round"] == 2
+
+
+def test_a_state_json_holding_infinity_is_refused_on_resume(tmp_path, mdat_path):
+    config = run_config(tmp_path / "run", mdat_path)
+    c = Coordinator(config, clock=Clock())
+    c.join(caps("a"))
+    c.flush()
+    path = config.run.dir / "state.json"
+    text = path.read_text()
+    path.write_text(text.replace('"tokens_per_second": 1000.0', '"tokens_per_second": Infinity'))
+    with pytest.raises(ResumeError, match="Infinity"):
+        Coordinator(config, clock=Clock())
+    c.state.loss["0"] = [[0, math.inf]]
+    with pytest.raises(ValueError):  # never written
+        c.state.save(config.run.dir)

@@ -180,12 +180,17 @@ def copy_files(names: list[str], source: Path, destination: Path) -> None:
         shutil.copy2(source / name, destination / name)
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON through a temporary file, fsync and rename: never a half-written file."""
+def write_json_atomic(path: Path, data: dict[str, Any], *, mode: int = 0o644) -> None:
+    """Write JSON through a temporary file, fsync and rename: never a half-written file.
+    ``mode`` is the file's (its temporary file is created with it, so a private file is
+    never readable by others, not even while written); NaN and infinities are refused
+    (ValueError): JSON has no such numbers, and a reader would take them as text."""
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
     staging = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        with staging.open("w") as handle:
-            handle.write(json.dumps(data, indent=2) + "\n")
+        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         staging.replace(path)
