@@ -69,7 +69,7 @@ from server.errors import (
     WrongTokenCount,
 )
 from server.ledger import TrainedLedger
-from server.limits import SubmissionLimits
+from server.limits import SubmissionLimits, clip_to_peers
 from server.membership import Member, Membership
 from server.rounds import OpenRound, RoundAssignment, Submission
 from server.state import RunState
@@ -492,6 +492,8 @@ class Coordinator:
         for client in rnd.assignments:  # assignment order: aggregation order is deterministic
             for name, result in rnd.submissions[client].results.items():
                 by_name.setdefault(name, []).append(result)
+        clip = self.config.faults.peer_clip
+        by_name = {name: clip_to_peers(results, clip) for name, results in by_name.items()}
         update = self.config.update.build(r, self.config.round.planned_rounds)
         aggregates = {name: aggregate(results) for name, results in by_name.items()}
         rule = update.build()

@@ -397,6 +397,9 @@ class FaultsSection:
     max_rejections: int = 3  # refused submissions before the client is excluded; 0: never
     max_norm: float | None = None  # L2 bound on one submission's values; None: unbounded
     norm_action: str = "reject"  # clip | reject, for a submission over max_norm
+    # each result's RMS scaled down to at most this × the round's lower median for that
+    # parameter, so no member steers an element by magnitude alone; 0: off
+    peer_clip: float = 0.0
     max_submission_mb: float = 64.0  # one SubmitResult stream, all messages together
     max_message_mb: float = 64.0  # any single gRPC message the server receives
 
@@ -420,6 +423,8 @@ class FaultsSection:
                  f"[faults] early_fraction must lie in (0, 1), got {self.early_fraction}.")
         _require(self.max_norm is None or (self.max_norm > 0 and math.isfinite(self.max_norm)),
                  f"[faults] max_norm must be a positive number, got {self.max_norm}.")
+        _require(self.peer_clip == 0 or 1 <= self.peer_clip <= 100,
+                 f"[faults] peer_clip must be 0 (off) or lie in 1..100, got {self.peer_clip}.")
         _require(self.norm_action in NORM_ACTIONS,
                  f"[faults] norm_action {self.norm_action!r} is unknown; choose one of "
                  f"{', '.join(NORM_ACTIONS)}.")

@@ -81,6 +81,28 @@ def test_an_impossible_speed_is_refused_and_the_run_goes_on(tmp_path, mdat_path,
     assert resumed.current_round is not None
 
 
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_peer_clip_keeps_a_loud_member_from_steering(tmp_path, mdat_path, clip):
+    """An attacker with the tokens it was assigned but a million times the honest magnitude
+    steers every element it covers, unless [faults] peer_clip bounds its magnitude."""
+    config = run_config(tmp_path / "run", mdat_path, min_clients=3)
+    config = dataclasses.replace(config, faults=dataclasses.replace(config.faults,
+                                                                    peer_clip=clip))
+    c = Coordinator(config, clock=Clock())
+    members = [c.join(caps(name))[0].client_id for name in ("a", "b", "loud")]
+    before = {n: t.clone() for n, t in c.master.items()}
+    for cid in members[:2]:
+        c.submit(cid, 0, results(c, cid))
+    loud = [SparseResult(**{**{f: getattr(r, f) for f in r.__slots__},
+                            "values": r.values * -1e6}) for r in results(c, members[2])]
+    c.submit(members[2], 0, loud)
+    assert c.state.round == 1
+    name = "model.layers.0.mlp.up_proj.weight"
+    moved = (before[name] - c.master[name]).sign()  # sgd: along the aggregate
+    agrees = float((moved == gradient(c, name, 0).sign()).float().mean())
+    assert agrees > 0.99 if clip else agrees < 0.01
+
+
 def test_claiming_the_fastest_speed_wins_no_more_than_a_typical_share(tmp_path, mdat_path):
     """A new member claiming 1e9 tokens/s (allowed) never delivers: it gets a typical share,
     not every sequence of round after round."""
