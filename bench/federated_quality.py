@@ -111,6 +111,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--documents", type=int, default=None,
                         help="docstrings in the corpus (default: all, in "
                              f"{DEFAULT_DATA}; else runs/python_docs-N.mdat)")
+    parser.add_argument("--peer-clip", type=float, default=0.0,
+                        help="[faults] peer_clip of the federated runs (0: off)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="data.seed: shuffle and init")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (process-wide)")
@@ -150,6 +152,7 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
         "update": {"rule": "sign", "lr": args.lr, "warmup_rounds": args.warmup_rounds,
                    "schedule": "cosine", "final_lr": args.lr / 10},
         "checkpoint": {"every_rounds": args.rounds},
+        "faults": {"peer_clip": args.peer_clip},
         "auth": {"join_token": TOKEN},
     })
 

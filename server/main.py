@@ -38,7 +38,6 @@ from modeling.errors import MatformerError
 from protocol.channel import GRPC_OPTIONS
 from protocol.health import add_health
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.call_slots import CallLimits
 from server.config import RunConfig, read_toml
 from server.coordinator import Coordinator
 from server.errors import InvalidValue, WrongType
@@ -70,11 +69,9 @@ class RunningServer:
 
     @classmethod
     def start(cls, config: RunConfig, *, grpc_port: int | None = None,
-              http_port: int | None = None, limits: CallLimits | None = None
-              ) -> RunningServer:
-        """Build the coordinator (resuming config.run.dir) and start serving; ``limits``:
-        what calls may hold of the gRPC worker threads (CallLimits' defaults if None)."""
-        host, tls, limits = bind_host(config), config.tls, limits or CallLimits()
+              http_port: int | None = None) -> RunningServer:
+        """Build the coordinator (resuming config.run.dir) and start serving."""
+        host, tls, limits = bind_host(config), config.tls, config.faults.call_limits()
         service = CoordinatorService(Coordinator(config), limits)
         grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers),
                                   options=server_options(config))

@@ -24,6 +24,7 @@ from modeling.errors import MatformerError
 from modeling.mdat import DEFAULT_STRATEGY
 from modeling.optim import SCHEDULES, lr_factor
 from protocol.channel import MAX_MESSAGE_BYTES
+from server.call_slots import CallLimits
 from server.errors import (
     ConflictingKeys,
     InvalidValue,
@@ -402,6 +403,12 @@ class FaultsSection:
     peer_clip: float = 0.0
     max_submission_mb: float = 64.0  # one SubmitResult stream, all messages together
     max_message_mb: float = 64.0  # any single gRPC message the server receives
+    # What one member's calls may hold of the gRPC worker threads (server/call_slots.py);
+    # an honest client makes 2 calls at once (a heartbeat beside its main call), 1 a stream.
+    max_calls_per_member: int = 4
+    max_streams_per_member: int = 2
+    max_streams: int = 16  # of all members together; the pool has as many threads again
+    stream_idle_s: float = 120.0  # a stream waiting this long on its peer is ended
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_s", "heartbeat_timeout_s", "session_ttl_s"):
@@ -423,11 +430,22 @@ class FaultsSection:
                  f"[faults] early_fraction must lie in (0, 1), got {self.early_fraction}.")
         _require(self.max_norm is None or (self.max_norm > 0 and math.isfinite(self.max_norm)),
                  f"[faults] max_norm must be a positive number, got {self.max_norm}.")
+        _require(1 <= self.max_streams_per_member <= self.max_calls_per_member <= 64,
+                 f"[faults] needs 1 <= max_streams_per_member ({self.max_streams_per_member}) "
+                 f"<= max_calls_per_member ({self.max_calls_per_member}) <= 64.")
+        _within("[faults] max_streams", self.max_streams, 1, 1024)
+        _within("[faults] stream_idle_s", self.stream_idle_s, 0, MAX_SECONDS, above=True,
+                unit=" seconds")
         _require(self.peer_clip == 0 or 1 <= self.peer_clip <= 100,
                  f"[faults] peer_clip must be 0 (off) or lie in 1..100, got {self.peer_clip}.")
         _require(self.norm_action in NORM_ACTIONS,
                  f"[faults] norm_action {self.norm_action!r} is unknown; choose one of "
                  f"{', '.join(NORM_ACTIONS)}.")
+
+    def call_limits(self) -> CallLimits:
+        return CallLimits(per_member=self.max_calls_per_member,
+                          streams_per_member=self.max_streams_per_member,
+                          streams=self.max_streams, idle_s=self.stream_idle_s)
 
     @property
     def max_submission_bytes(self) -> int:

@@ -6,6 +6,7 @@ submission's header checked before its results, one result per parameter at most
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -39,8 +40,12 @@ HONEST_TIMEOUT_S = 5.0  # what an honest call is given, client side
 def serving(tmp_path, limits: CallLimits | None = None) -> Iterator[tuple[RunningServer, object]]:
     """A one-client run (the first member to join trains round 0 alone) and a stub."""
     config = RunConfig.load(write_run_toml(tmp_path, min_clients=1))
-    extra = {} if limits is None else {"limits": limits}
-    server = RunningServer.start(config, grpc_port=0, http_port=0, **extra)
+    if limits is not None:
+        config = dataclasses.replace(config, faults=dataclasses.replace(
+            config.faults, max_calls_per_member=limits.per_member,
+            max_streams_per_member=limits.streams_per_member, max_streams=limits.streams,
+            stream_idle_s=limits.idle_s))
+    server = RunningServer.start(config, grpc_port=0, http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     try:
         yield server, pb_grpc.CoordinatorStub(channel)
