@@ -30,33 +30,18 @@ from modeling.errors import (
     SliceMismatch,
 )
 from scripts.export_matformer_tiers import main as export_main
+from tests.test_loader import edit_manifest, logits, universal
 
-
-@pytest.fixture
-def universal():
-    torch.manual_seed(0)
-    return AutoregressiveModel(tiny_config()).eval()
+__all__ = ["universal"]  # the fixture, shared with test_loader
 
 
 @pytest.fixture
 def exported(tmp_path, universal):
+    """As test_loader's, but with single-file weights."""
     source = save_pretrained(universal, tmp_path / "tiny")
     (source / "tokenizer.json").write_text("{}")
     export_tiers(source, [1, 2])
     return source
-
-
-def logits(model, tier=None):
-    ids = torch.arange(3, 15)[None]
-    with torch.no_grad():
-        return model(ids, tier=tier)
-
-
-def edit_manifest(source, change):
-    path = source / MANIFEST_NAME
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
 
 
 def tamper(path):
