@@ -81,8 +81,12 @@ class Connection:
 
     # -- the RPCs -----------------------------------------------------------------------
 
-    def join(self, request: pb.JoinRequest) -> pb.JoinReply:
-        reply = self._call("Join", lambda: self.stub.Join(request))
+    def join(self, request: pb.JoinRequest, previous_session: str | None = None
+             ) -> pb.JoinReply:
+        """Join; ``previous_session`` (the token this client held before a restart) proves
+        it is the member of that session, so it takes its name back without waiting."""
+        metadata = session_metadata(previous_session) if previous_session else ()
+        reply = self._call("Join", lambda: self.stub.Join(request, metadata=metadata))
         self.metadata = session_metadata(reply.session_token)
         return reply
 

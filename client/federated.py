@@ -44,6 +44,7 @@ from client.local_round import LocalRound
 from client.probe import device_name, measure_tokens_per_second, memory_bytes
 from client.replica import Replica
 from modeling.batching import AdaptiveLimitsConfig
+from modeling.checkpoint.files import write_json_atomic
 from modeling.checkpoint.loader import STRATEGIES, load, resolve
 from modeling.checkpoint.repository import HubRepository, LocalRepository
 from modeling.checkpoint.schema import canonical_schema_hash
@@ -57,6 +58,11 @@ from protocol.updates import RoundUpdate
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 FEEDBACK_FILE = "error_feedback.safetensors"
 SUMMARY_FILE = "summary.json"  # written in the state dir when the client stops
+# the session token of the last join (0600): a restarted client presents it, so that the
+# coordinator lets it take its name back from the member it was
+SESSION_FILE = "session.json"
+NAME_PATIENCE_S = 90.0  # how long a Join waits for its name to be freed (ALREADY_EXISTS)
+NAME_RETRY_S = 5.0
 MAX_REJOINS = 3  # joins in a row after the coordinator forgot this client's session
 # The coordinator ended this round for the client (it closed, restarted or dropped the
 # client): results not accepted, nothing sent, on to the next assignment.
@@ -168,8 +174,23 @@ class FederatedClient:
             microbatch_tokens=o.microbatch_tokens)
         if o.tier is not None:
             capabilities.requested_tier = o.tier
-        reply = self.connection.join(pb.JoinRequest(
-            run_id=o.run_id, join_token=token, capabilities=capabilities, client_name=o.name))
+        request = pb.JoinRequest(run_id=o.run_id, join_token=token, capabilities=capabilities,
+                                 client_name=o.name)
+        give_up = time.monotonic() + NAME_PATIENCE_S
+        while True:
+            try:
+                reply = self.connection.join(request, previous_session=self._previous_session())
+                break
+            except Refused as err:
+                # a member of this name that died without its session reaching the disk
+                # here holds the name until the coordinator stops hearing from it
+                if err.code != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() > give_up:
+                    raise
+                self.log(f"{err.details} Retrying in {NAME_RETRY_S:g} s.")
+                time.sleep(NAME_RETRY_S)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.state_dir / SESSION_FILE,
+                          {"server": o.server, "session_token": reply.session_token}, mode=0o600)
         self.settings = reply.settings
         self.summary = ClientSummary(client_id=reply.client_id, tier=reply.tier)
         self.log(f"joined as {reply.client_id} at tier {reply.tier} (FFN width "
@@ -386,6 +407,17 @@ class FederatedClient:
             raise ClientError(f"--checkpoint {source} is neither 'server', a folder nor "
                               "hf:ORG/NAME; point it at a copy of the run's checkpoints.")
         return LocalRepository(path)
+
+    def _previous_session(self) -> str | None:
+        """The session token this client held with this server before, if it kept one."""
+        try:
+            saved = json.loads((self.state_dir / SESSION_FILE).read_text())
+        except (OSError, ValueError):
+            return None  # none yet, or unreadable: join as a newcomer
+        if not isinstance(saved, dict) or saved.get("server") != self.options.server:
+            return None
+        token = saved.get("session_token")
+        return token if isinstance(token, str) and token else None
 
     def _write_summary(self) -> None:
         """``summary.json`` in the state dir: what local-testnet's end-of-run check reads."""

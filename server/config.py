@@ -117,6 +117,11 @@ class RunConfig:
         return cls(**{name: read_table(kind, tables[name], name, base)
                       for name, kind in types.items()})
 
+    @property
+    def keys_path(self) -> Path:
+        """The client keys file of ``[auth] mode = "keys"`` (server/keys.py)."""
+        return self.auth.keys_file or Path(self.run.dir) / "keys.json"
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data (TOML and JSON types) that ``from_dict`` reads back to an equal config."""
         return {f.name: table_of(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -61,13 +61,17 @@ from server.config import RunConfig
 from server.errors import (
     BadReport,
     Excluded,
+    JoinsTooFast,
+    NameTaken,
     ResumeError,
     RunDirectoryUnavailable,
+    RunFull,
     SessionInvalid,
     StaleRound,
     UpdatesPruned,
     WrongTokenCount,
 )
+from server.keys import KeyHolder
 from server.ledger import TrainedLedger
 from server.limits import SubmissionLimits, clip_to_peers
 from server.membership import Member, Membership
@@ -126,6 +130,7 @@ class Coordinator:
         # Joins, leaves and refusals change state.json without a round: they are written
         # together by advance, so a burst of joins does not rewrite the file once each.
         self._unsaved, self._saved_at = False, -math.inf
+        self._join_bucket = (float(config.faults.max_joins_per_minute), clock())  # (level, at)
         policy = config.tiers.build(self.model_config)
         if saved is None:
             self.state = RunState(run_id=config.run.id, data_fingerprint=self.reader.fingerprint,
@@ -165,19 +170,76 @@ class Coordinator:
 
     # -- calls from clients -------------------------------------------------------------
 
-    def join(self, capabilities: Capabilities) -> tuple[Member, TierAssignment, str]:
-        """Admit a client: its member record, tier assignment and session token."""
+    def join(self, capabilities: Capabilities, *, key: KeyHolder | None = None,
+             previous_session: str | None = None) -> tuple[Member, TierAssignment, str]:
+        """Admit a client: its member record, tier assignment and session token.
+
+        ``key`` (``[auth] mode = "keys"``) names the member, whatever name it reports.
+        ``previous_session`` is the session token of the member this client was before (a
+        restarted client presents it). A name belongs to one live member: a join under the
+        name of a member heard from within ``heartbeat_timeout_s`` is refused (NameTaken)
+        unless it proves to be that member, by its key or its previous session; the member
+        it proves to be, or one gone silent, is replaced. A key or a previous session that
+        was excluded is refused with the exclusion's reason."""
         with self._lock:
-            if capabilities.name in self.membership.excluded_names.values():
-                raise Excluded(f"a client named {capabilities.name!r} was excluded from this "
-                               "run; ask the run's operator.")
-            joined = self.membership.join(capabilities, now=self.clock())
+            now = self.clock()
+            before = (self.membership.sessions.client_of(previous_session)
+                      if previous_session else None)
+            if key is not None:
+                capabilities = dataclasses.replace(capabilities, name=key.name)
+                reason = self.membership.excluded_keys.get(key.key_hash)
+                if reason is not None:
+                    raise Excluded(f"the key of {key.name!r} was excluded from the run: "
+                                   f"{reason}")
+            if before in self.membership.excluded:
+                raise Excluded(f"{before} was excluded from the run: "
+                               f"{self.membership.excluded[before]}")
+            holder = self.membership.named(capabilities.name)
+            if holder is not None:
+                proven = key is not None or before == holder.client_id
+                silent = now - holder.last_seen
+                if not proven and silent <= self.config.faults.heartbeat_timeout_s:
+                    raise NameTaken(
+                        f"a live member of this run is named {capabilities.name!r}; choose "
+                        "another --name (a restarted client proves its name with the session "
+                        "it saved in its --state-dir).")
+                self._remove(holder, f"replaced by a new join as {holder.name!r}"
+                             if proven else f"silent for {silent:.0f} s; its name was taken "
+                             "by a new join")
+            self._admit_check(now)
+            joined = self.membership.join(capabilities, now=now,
+                                          key_hash=key.key_hash if key else "")
             member, tier, _ = joined
             self._event("join", member.client_id,
                         f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")
             self._unsaved = True  # written by advance, at most every SAVE_INTERVAL_S
             self.advance()
             return joined
+
+    def _admit_check(self, now: float) -> None:
+        """RunFull beyond [faults] max_members, JoinsTooFast beyond max_joins_per_minute
+        (a bucket of that many joins, refilled over a minute)."""
+        faults = self.config.faults
+        if len(self.membership.members) >= faults.max_members:
+            raise RunFull(f"the run has {faults.max_members} members, the most it admits "
+                          "([faults] max_members); try again when one has left.")
+        rate = faults.max_joins_per_minute / 60
+        level, at = self._join_bucket
+        level = min(faults.max_joins_per_minute, level + (now - at) * rate)
+        if level < 1:
+            raise JoinsTooFast(f"more than {faults.max_joins_per_minute} joins in a minute "
+                               "([faults] max_joins_per_minute); retry in "
+                               f"{(1 - level) / rate:.0f} s.")
+        self._join_bucket = (level - 1, now)
+
+    def _remove(self, member: Member, why: str, *, dropped: str | None = None) -> None:
+        """Take a member out of the run (it left, or a new join replaced it): its session
+        ends, its unsubmitted sequences go back to the queue (``dropped``: the round's record
+        of why, else ``why``)."""
+        self.membership.leave(member.client_id)
+        self._drop_from_round(member.client_id, dropped or why)
+        self._departed(member, why)
+        self._event("leave", member.client_id, why)
 
     def heartbeat(self, client_id: str, *, tokens_per_second: float | None = None
                   ) -> RoundAssignment | None:
@@ -195,10 +257,8 @@ class Coordinator:
     def leave(self, client_id: str, reason: str = "") -> None:
         """Remove a member; its unsubmitted sequences of the open round go back to the queue."""
         with self._lock:
-            member = self.membership.leave(client_id)
-            self._drop_from_round(client_id, "left the run")
-            self._departed(member, reason or "left the run")
-            self._event("leave", client_id, reason or "left the run")
+            self._remove(self.membership.get(client_id), reason or "left the run",
+                         dropped="left the run")
             self._unsaved = True
             self.advance()
 

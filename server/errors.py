@@ -49,6 +49,11 @@ class MissingFile(ServerConfigError, FileNotFoundError):
     """A file the config names (run.toml itself, a model config, a TLS certificate) is absent."""
 
 
+class PortUnavailable(ServerError):
+    """The server cannot listen where [server] says (a port in use, an address not this
+    machine's)."""
+
+
 class TierAssignmentError(ServerError):
     """No tier can be given to a joining client. ``code`` is the gRPC status ``Join`` answers
     with: ``context.abort(err.code, str(err))``."""
@@ -193,9 +198,29 @@ class SessionInvalid(CoordinatorError):
 
 
 class Excluded(CoordinatorError):
-    """A call from (or a Join under the name of) a client excluded from the run."""
+    """A call from a client excluded from the run: by its session token, or a Join with an
+    excluded client key or an excluded member's session token."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class NameTaken(CoordinatorError):
+    """A Join under the name of a live member that it cannot prove to be (by a client key or
+    that member's session token)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class RunFull(CoordinatorError):
+    """A Join while the run has [faults] max_members members."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class JoinsTooFast(CoordinatorError):
+    """A Join beyond [faults] max_joins_per_minute: transient, so clients retry it."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class FileNotServed(ServerError):
@@ -214,21 +239,29 @@ class ServedFileDamaged(ServerError):
 
 class CallRefused(ServerError):
     """A call refused or ended so that no member holds more of the server's worker threads
-    than its share (server/call_slots.py); the service answers each with its own status."""
+    than its share (server/call_slots.py); ``code`` is the status the service answers with."""
 
 
 class TooManyCalls(CallRefused):
     """A member started a call while holding as many calls (or streams) as one member may."""
 
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
 
 class NoStreamSlot(CallRefused):
     """Every stream slot of the server is in use: a call worth retrying in a few seconds."""
+
+    code = grpc.StatusCode.UNAVAILABLE  # clients retry it
 
 
 class StreamIdle(CallRefused):
     """A stream whose peer sent or took nothing for ``CallLimits.idle_s``; it was ended."""
 
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
 
 class RepeatedSequenceIds(ServerError):
     """A FetchSequences request that names one id more than once: each assigned sequence is
     served once per request, so no request holds more ids than the assignment."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT

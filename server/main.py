@@ -40,8 +40,9 @@ from protocol.health import add_health
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from server.config import RunConfig, read_toml
 from server.coordinator import Coordinator
-from server.errors import InvalidValue, WrongType
+from server.errors import InvalidValue, PortUnavailable, WrongType
 from server.http import build_app
+from server.keys import KeyFile
 from server.service import CoordinatorService
 
 TICK_S = 0.5  # how often the coordinator checks deadlines on its own
@@ -72,6 +73,11 @@ class RunningServer:
               http_port: int | None = None) -> RunningServer:
         """Build the coordinator (resuming config.run.dir) and start serving."""
         host, tls, limits = bind_host(config), config.tls, config.faults.call_limits()
+        if config.auth.mode == "keys":
+            issued = len(KeyFile(config.keys_path).entries())  # KeyFileError if unreadable
+            log.log(logging.INFO if issued else logging.WARNING,
+                    '[auth] mode = "keys": %d client keys in %s%s', issued, config.keys_path,
+                    "" if issued else "; issue one with matformer-server keys add NAME")
         service = CoordinatorService(Coordinator(config), limits)
         grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers),
                                   options=server_options(config))
@@ -79,17 +85,24 @@ class RunningServer:
         add_health(grpc_server)
         port = config.server.grpc_port if grpc_port is None else grpc_port
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # IPv6 in brackets
-        if tls.enabled:
-            credentials = grpc.ssl_server_credentials([(tls.key.read_bytes(),
-                                                        tls.cert.read_bytes())])
-            bound_grpc = grpc_server.add_secure_port(address, credentials)
-        else:
-            bound_grpc = grpc_server.add_insecure_port(address)
-        grpc_server.start()
-
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, config.server.http_port if http_port is None else http_port))
+        try:
+            http_address = (host, config.server.http_port if http_port is None else http_port)
+            sock.bind(http_address)
+            if tls.enabled:
+                credentials = grpc.ssl_server_credentials([(tls.key.read_bytes(),
+                                                            tls.cert.read_bytes())])
+                bound_grpc = grpc_server.add_secure_port(address, credentials)
+            else:
+                bound_grpc = grpc_server.add_insecure_port(address)
+        except (OSError, RuntimeError) as err:  # grpc raises RuntimeError for a taken port
+            sock.close()
+            raise PortUnavailable(
+                f"cannot listen on {host} (gRPC port {port}, HTTP port {http_address[1]}): "
+                f"{err}. Another process holds the port, or the address is not this "
+                "machine's; stop it or choose [server] grpc_port / http_port.") from None
+        grpc_server.start()
         http_server = uvicorn.Server(uvicorn.Config(
             build_app(service), log_level="warning",
             ssl_certfile=tls.cert if tls.enabled else None,
@@ -169,6 +182,7 @@ def server_options(config: RunConfig) -> tuple[tuple[str, int], ...]:
     limit = config.faults.max_message_bytes
     return (*((k, limit if k == "grpc.max_receive_message_length" else v)
               for k, v in GRPC_OPTIONS),
+            ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
             ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000))
 
@@ -221,9 +235,49 @@ def load_config(path: Path, overrides: list[str] = ()) -> RunConfig:
                                base=path.resolve().parent)
 
 
+def keys_main(argv: list[str]) -> int:
+    """``matformer-server keys add|remove|list``: the run's client keys (server/keys.py)."""
+    parser = argparse.ArgumentParser(
+        prog="matformer-server keys",
+        description="Issue, remove and list the client keys of a run with [auth] mode = \"keys\".")
+    parser.add_argument("action", choices=("add", "remove", "list"))
+    parser.add_argument("name", nargs="?", help="the member name the key carries (add, remove)")
+    parser.add_argument("--config", type=Path, required=True, help="the run's run.toml")
+    args = parser.parse_args(argv)
+    if args.action != "list" and not args.name:
+        parser.error(f"keys {args.action} needs a NAME")
+    try:
+        config = load_config(args.config)
+        keys = KeyFile(config.keys_path)
+        if args.action == "add":
+            key = keys.add(args.name)
+            print(f"{key}\n\nThe key for {args.name!r}: give it to its holder once, to pass as "
+                  f"--join-token (or $MATFORMER_JOIN_TOKEN). {keys.path} keeps only its hash.")
+        elif args.action == "remove":
+            keys.remove(args.name)
+            print(f"removed the key of {args.name!r}; its holder can no longer join (a member "
+                  "joined with it stays until it leaves or is excluded).")
+        else:
+            for name, entry in sorted(keys.entries().items()):
+                issued = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry["issued"]))
+                print(f"{name}\tissued {issued} UTC")
+    except MatformerError as err:
+        print(f"matformer-server keys: {err}", file=sys.stderr)
+        return 2
+    if config.auth.mode != "keys":
+        print(f"note: {args.config} has [auth] mode = \"{config.auth.mode}\"; the coordinator "
+              "checks keys only with mode = \"keys\".", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="matformer-server",
-                                     description="Coordinate a federated Matformer run.")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["keys"]:
+        return keys_main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="matformer-server", description="Coordinate a federated Matformer run.",
+        epilog="matformer-server keys add|remove|list NAME --config run.toml manages the "
+               "client keys of a run with [auth] mode = \"keys\".")
     parser.add_argument("--config", type=Path, required=True, help="the run's run.toml")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE",

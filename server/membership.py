@@ -40,6 +40,7 @@ class Member:
     last_round_tokens: int = 0  # its tokens in that round
     last_round_share: float = 0.0  # ... as a fraction of the round's tokens
     last_round_seconds: float = 0.0  # from the round's opening to its submission
+    key_hash: str = ""  # the hash of the client key it joined with ([auth] mode = "keys")
 
 
 class Membership:
@@ -48,15 +49,18 @@ class Membership:
     def __init__(self, policy: TierPolicy, *, members: Sequence[Member] = (),
                  sessions: dict[str, str] | None = None, next_id: int = 0,
                  excluded: dict[str, str] | None = None,
-                 excluded_names: dict[str, str] | None = None) -> None:
+                 excluded_names: dict[str, str] | None = None,
+                 excluded_keys: dict[str, str] | None = None) -> None:
         self.policy = policy
         self.members = {m.client_id: m for m in members}
         self.sessions = SessionTokens(sessions)
         self.excluded = dict(excluded or {})  # client id → why it was excluded from the run
         self.excluded_names = dict(excluded_names or {})  # client id → the name it joined as
+        self.excluded_keys = dict(excluded_keys or {})  # client key hash → why it was excluded
         self._next_id = next_id
 
-    def join(self, capabilities: Capabilities, *, now: float) -> tuple[Member, TierAssignment, str]:
+    def join(self, capabilities: Capabilities, *, now: float, key_hash: str = ""
+             ) -> tuple[Member, TierAssignment, str]:
         """A new member (its tier from the policy), its assignment and its session token."""
         assignment = self.policy.assign(capabilities, [m.tier for m in self.members.values()])
         client_id = f"client-{self._next_id}"
@@ -68,9 +72,13 @@ class Membership:
                         tokens_per_second=capabilities.tokens_per_second, last_seen=now,
                         memory_bytes=capabilities.memory_bytes,
                         microbatch_tokens=capabilities.microbatch_tokens,
-                        requested_tier=capabilities.requested_tier)
+                        requested_tier=capabilities.requested_tier, key_hash=key_hash)
         self.members[client_id] = member
         return member, assignment, self.sessions.issue(client_id)
+
+    def named(self, name: str) -> Member | None:
+        """The member called ``name``, if any (the coordinator keeps names unique)."""
+        return next((m for m in self.members.values() if m.name == name), None)
 
     def get(self, client_id: str) -> Member:
         if client_id not in self.members:
@@ -91,12 +99,15 @@ class Membership:
 
     def exclude(self, client_id: str, reason: str) -> Member:
         """Remove a member for good. Its session token stays known, so that its later calls
-        are told ``reason`` (PERMISSION_DENIED) instead of being asked to rejoin; a token
-        that was never issued learns nothing."""
+        (and a Join presenting it) are told ``reason`` (PERMISSION_DENIED) instead of being
+        asked to rejoin; a token that was never issued learns nothing. A member that joined
+        with a client key loses the key too."""
         member = self.get(client_id)
         del self.members[client_id]
         self.excluded[client_id] = reason
         self.excluded_names[client_id] = member.name
+        if member.key_hash:
+            self.excluded_keys[member.key_hash] = reason
         return member
 
     def reported(self, client_id: str, tokens_per_second: float) -> None:
@@ -124,11 +135,13 @@ class Membership:
         return {"next_id": self._next_id,
                 "members": [dataclasses.asdict(m) for m in self.members.values()],
                 "sessions": self.sessions.as_dict(), "excluded": dict(self.excluded),
-                "excluded_names": dict(self.excluded_names)}
+                "excluded_names": dict(self.excluded_names),
+                "excluded_keys": dict(self.excluded_keys)}
 
     @classmethod
     def from_dict(cls, policy: TierPolicy, data: dict[str, Any]) -> Membership:
         return cls(policy, members=[Member(**m) for m in data["members"]],
                    sessions=data["sessions"], next_id=data["next_id"],
                    excluded=data.get("excluded", {}),
-                   excluded_names=data.get("excluded_names", {}))
+                   excluded_names=data.get("excluded_names", {}),
+                   excluded_keys=data.get("excluded_keys", {}))

@@ -290,35 +290,44 @@ class CheckpointSection:
                  f"[checkpoint] every_rounds must be >= 1, got {self.every_rounds}.")
 
 
-AUTH_MODES = ("token", "none")
+AUTH_MODES = ("token", "keys", "none")
 
 
 @dataclass(kw_only=True, slots=True)
 class AuthSection:
     """Who may join and who may change the run. Each token is written here or (better) read
-    from an environment variable. ``mode = "none"`` admits any client without a join token,
-    and the server then listens on loopback only, whatever [server] host says."""
+    from an environment variable. ``mode = "keys"`` admits only holders of a client key the
+    operator issued (``matformer-server keys add NAME``; server/keys.py), each under its key's
+    name. ``mode = "none"`` admits any client without a join token, and the server then
+    listens on loopback only, whatever [server] host says."""
 
-    mode: str = "token"  # token: Join needs the join token | none: no join token, loopback only
+    # token: Join needs the join token | keys: a client key | none: nothing, loopback only
+    mode: str = "token"
     join_token: str | None = field(default=None, repr=False, metadata={"secret": True})
     join_token_env: str | None = None  # name of the environment variable holding the token
     # The operator token unlocks the HTTP side's writes (POST ...); without one it is read-only.
     operator_token: str | None = field(default=None, repr=False, metadata={"secret": True})
     operator_token_env: str | None = None
+    keys_file: Path | None = None  # mode = "keys": the client keys; None: keys.json in [run] dir
 
     def __post_init__(self) -> None:
         _require(self.mode in AUTH_MODES,
                  f"[auth] mode {self.mode!r} is unknown; choose \"token\" (clients present the "
-                 "join token) or \"none\" (no join token; the server listens on loopback only).")
+                 "join token), \"keys\" (clients present keys issued with `matformer-server "
+                 "keys add NAME`) or \"none\" (no join token; the server listens on loopback "
+                 "only).")
         for key in ("join_token", "operator_token"):
             if getattr(self, key) is not None and getattr(self, f"{key}_env") is not None:
                 raise ConflictingKeys(f"[auth] gives both {key} and {key}_env; keep one.")
             _require(getattr(self, key) != "", f"[auth] {key} is empty; set a token.")
         join_keys = [k for k in ("join_token", "join_token_env") if getattr(self, k) is not None]
-        if self.mode == "none" and join_keys:
-            raise ConflictingKeys(f"[auth] mode = \"none\" admits clients without a join token, "
-                                  f"but {join_keys[0]} is given; remove it, or set "
+        if self.mode != "token" and join_keys:
+            raise ConflictingKeys(f"[auth] mode = \"{self.mode}\" admits clients without the "
+                                  f"join token, but {join_keys[0]} is given; remove it, or set "
                                   "mode = \"token\" to require the token.")
+        if self.mode != "keys" and self.keys_file is not None:
+            raise ConflictingKeys(f"[auth] keys_file is given but mode = \"{self.mode}\" does "
+                                  "not read it; set mode = \"keys\" or remove keys_file.")
         if self.mode == "token" and not join_keys:
             raise MissingKey("[auth] needs join_token_env (the name of an environment variable "
                              "holding the join token) or join_token; "
@@ -331,8 +340,8 @@ class AuthSection:
 
     def token(self) -> str:
         """The join token, read from the environment now when ``join_token_env`` names it."""
-        if self.mode == "none":  # callers check the mode first; never compare against nothing
-            raise InvalidValue("[auth] mode = \"none\" has no join token.")
+        if self.mode != "token":  # callers check the mode first; never compare against nothing
+            raise InvalidValue(f"[auth] mode = \"{self.mode}\" has no join token.")
         return self._secret("join_token")
 
     def operator(self) -> str | None:
@@ -409,6 +418,8 @@ class FaultsSection:
     max_streams_per_member: int = 2
     max_streams: int = 16  # of all members together; the pool has as many threads again
     stream_idle_s: float = 120.0  # a stream waiting this long on its peer is ended
+    max_members: int = 512  # members at once (silent ones count until session_ttl_s)
+    max_joins_per_minute: int = 60  # admissions; a burst of this many, then one per 60/N s
 
     def __post_init__(self) -> None:
         for key in ("heartbeat_s", "heartbeat_timeout_s", "session_ttl_s"):
@@ -434,6 +445,8 @@ class FaultsSection:
                  f"[faults] needs 1 <= max_streams_per_member ({self.max_streams_per_member}) "
                  f"<= max_calls_per_member ({self.max_calls_per_member}) <= 64.")
         _within("[faults] max_streams", self.max_streams, 1, 1024)
+        _within("[faults] max_members", self.max_members, 1, 100_000)
+        _within("[faults] max_joins_per_minute", self.max_joins_per_minute, 1, 100_000)
         _within("[faults] stream_idle_s", self.stream_idle_s, 0, MAX_SECONDS, above=True,
                 unit=" seconds")
         _require(self.peer_clip == 0 or 1 <= self.peer_clip <= 100,

@@ -19,6 +19,7 @@ long. A submission's header is checked before any of its results is read.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -35,7 +36,7 @@ from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.checkpoint.schema import canonical_schema_hash
 from modeling.compression import Aggregate, Region, region_slices
 from modeling.errors import CompressionError
-from protocol.auth import check_join_token, presented_session
+from protocol.auth import SESSION_METADATA_KEY, check_join_token, presented_session
 from protocol.errors import MalformedStream, ProtocolError
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -49,28 +50,23 @@ from server.errors import (
     CallRefused,
     CoordinatorError,
     FileNotServed,
-    NoStreamSlot,
     RepeatedSequenceIds,
     ServedFileDamaged,
     StaleRound,
-    StreamIdle,
     SubmissionTooLarge,
     TierAssignmentError,
-    TooManyCalls,
 )
+from server.keys import KeyFile, KeyFileError, KeyHolder
 from server.served_files import served_files
 from server.tiers import Capabilities
+
+log = logging.getLogger("matformer.server")
 
 RETRY_AFTER_S = 0.5  # how soon a waiting client asks GetRound again
 
 T = TypeVar("T")
 _REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentError,
             CallRefused, RepeatedSequenceIds)
-# The status of each refusal that names none itself: transport stays here, at the edge.
-_STATUS = {TooManyCalls: grpc.StatusCode.RESOURCE_EXHAUSTED,
-           NoStreamSlot: grpc.StatusCode.UNAVAILABLE,  # clients retry it
-           StreamIdle: grpc.StatusCode.DEADLINE_EXCEEDED,
-           RepeatedSequenceIds: grpc.StatusCode.INVALID_ARGUMENT}
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
@@ -83,8 +79,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         c = self.coordinator
+        key = None
         if c.config.auth.mode == "token":  # "none" admits anyone; the server is loopback-only
             check_join_token(context, request.join_token, c.config.auth.token())
+        elif c.config.auth.mode == "keys":
+            key = self._key_holder(request.join_token, context)
         if request.run_id and request.run_id != c.config.run.id:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this server runs {c.config.run.id!r}, not {request.run_id!r}; "
@@ -105,7 +104,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # A client that does not say runs at least one sequence per pass.
             microbatch_tokens=caps.microbatch_tokens or c.config.data.max_seq_len,
             device_name=caps.device_name[:200])
-        member, tier, token = _call(context, lambda: c.join(capabilities))
+        # a restarted client presents the session it had, to take its name back at once
+        previous = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
+        member, tier, token = _call(context, lambda: c.join(capabilities, key=key,
+                                                            previous_session=previous))
         return pb.JoinReply(client_id=member.client_id, session_token=token, tier=tier.tier,
                             ffn_width=tier.ffn_width, tier_reason=tier.reason,
                             round=c.state.round, checkpoint=self._checkpoint_ref(tier.tier),
@@ -279,6 +281,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # -- helpers ------------------------------------------------------------------------
 
+    def _key_holder(self, presented: str, context: grpc.ServicerContext) -> KeyHolder:
+        """Whose client key the Join presents; UNAUTHENTICATED for a key the keys file does
+        not hold, UNAVAILABLE (the reason logged, not told) when the file cannot be read."""
+        try:
+            holder = KeyFile(self.coordinator.config.keys_path).holder(presented)
+        except KeyFileError as err:
+            log.error("%s", err)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator cannot read its client "
+                          "keys; tell the run's operator.")
+        if holder is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "unknown client key; this run admits only clients with a key its "
+                          "operator issued (matformer-server keys add NAME): pass it as "
+                          "--join-token.")
+        return holder
+
     def _session(self, context: grpc.ServicerContext) -> str:
         """The calling client's id, from its session token; aborts UNAUTHENTICATED for a
         missing, unknown or expired token and PERMISSION_DENIED for an excluded client."""
@@ -376,4 +394,4 @@ def _end(context: grpc.ServicerContext, err: Exception) -> None:
 
 
 def _status(err: Exception) -> grpc.StatusCode:
-    return _STATUS.get(type(err)) or getattr(err, "code", grpc.StatusCode.INVALID_ARGUMENT)
+    return getattr(err, "code", grpc.StatusCode.INVALID_ARGUMENT)

@@ -151,9 +151,15 @@ def check_speed(tokens_per_second: float, who: str) -> None:
             f"0..{MAX_TOKENS_PER_SECOND:g}.")
 
 
+def valid_name(name: str) -> bool:
+    """A member name (a client's --name, a client key's name): 1-64 letters, digits or
+    . _ @ + -, starting with a letter or digit."""
+    return _NAME.fullmatch(name) is not None
+
+
 def check_capabilities(client: Capabilities) -> None:
     """BadCapabilities for a report the coordinator cannot take as it is."""
-    if not _NAME.fullmatch(client.name):
+    if not valid_name(client.name):
         raise BadCapabilities(
             f"client name {client.name[:64]!r}{'...' if len(client.name) > 64 else ''} "
             f"({len(client.name)} characters) is not 1-64 letters, digits or . _ @ + -, "

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny configs that build in milliseconds, and a clean registry state."""
+"""Shared fixtures: tiny configs that build in milliseconds, a small MDAT, and a clean
+registry state."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from modeling import ModelConfig, registry
-from modeling.mdat import Mdat
+from modeling.mdat import Mdat, build_default_mdat
 
 TAILS_STRATEGY = "fixed8"  # what ``mdat_with_one_token_tails`` pretokenizes: bytes, chunks of 8
 
@@ -37,6 +38,14 @@ def mdat_with_one_token_tails(path: Path, documents: int = 40) -> Path:
         mdat.add_records("tails", ({"text": t} for t in texts))
         mdat.add_strategy({"strategy_name": TAILS_STRATEGY, "chunk_size": 8})
         mdat.pretokenize(TAILS_STRATEGY)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mdat_path(tmp_path_factory) -> Path:
+    """The embedded default corpus's first 30 documents as an MDAT (a coordinator's data)."""
+    path = tmp_path_factory.mktemp("data") / "docs.mdat"
+    build_default_mdat(path, limit=30).close()
     return path
 
 

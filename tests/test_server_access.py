@@ -254,7 +254,12 @@ def test_operator_token_from_the_environment(monkeypatch):
     ({"mode": "nnone"}, InvalidValue, r"\[auth\] mode 'nnone' is unknown; choose \"token\""),
     ("open", InvalidValue, r"\[auth\] mode 'open' is unknown"),
     ({"mode": "none", "join_token": "t"}, ConflictingKeys,
-     r'mode = "none" admits clients without a join token, but join_token is given; remove it'),
+     r'mode = "none" admits clients without the join token, but join_token is given; '
+     r'remove it'),
+    ({"mode": "keys", "join_token": "t"}, ConflictingKeys,
+     r'mode = "keys" admits clients without the join token, but join_token is given'),
+    ({"join_token": "t", "keys_file": "k.json"}, ConflictingKeys,
+     r'keys_file is given but mode = "token" does not read it'),
     ({"mode": "none", "join_token_env": "T"}, ConflictingKeys, r"but join_token_env is given"),
     ({"mode": "token"}, MissingKey, r'needs join_token_env .* \(mode = "none" runs without'),
     ({"join_token": "t", "operator_token": "o", "operator_token_env": "O"}, ConflictingKeys,

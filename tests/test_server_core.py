@@ -14,7 +14,6 @@ import torch
 
 from modeling.checkpoint.files import read_weights
 from modeling.compression import CompressionConfig, SparseResult, region_shape
-from modeling.mdat import build_default_mdat
 from server.config import RunConfig
 from server.coordinator import Coordinator
 from server.errors import (
@@ -39,13 +38,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module")
-def mdat_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "docs.mdat"
-    build_default_mdat(path, limit=30).close()
-    return path
 
 
 def run_config(run_dir, mdat_path, **round_overrides) -> RunConfig:

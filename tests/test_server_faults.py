@@ -23,9 +23,7 @@ from server.errors import (
 from server.ledger import LEDGER_NAME, TrainedLedger, audit
 from server.sections import FaultsSection
 from server.state import RunState
-from tests.test_server_core import Clock, caps, gradient, mdat_path, results, run_config, same
-
-__all__ = ["mdat_path"]  # the module-scoped fixture, shared with test_server_core
+from tests.test_server_core import Clock, caps, gradient, results, run_config, same
 
 
 def config_with(run_dir, mdat, *, compression=None, **faults) -> RunConfig:
@@ -151,7 +149,7 @@ def test_submission_limits(tmp_path, mdat_path):
     assert c3.state.round == 1
 
 
-def test_rejections_exclude_a_client_and_its_name(tmp_path, mdat_path):
+def test_rejections_exclude_a_client_and_its_session(tmp_path, mdat_path):
     clock = Clock()
     c = Coordinator(config_with(tmp_path / "run", mdat_path, max_rejections=2), clock=clock)
     member, _, token = c.join(caps("mallory"))
@@ -167,8 +165,12 @@ def test_rejections_exclude_a_client_and_its_name(tmp_path, mdat_path):
     assert cid in c.membership.excluded and cid not in c.membership.members
     with pytest.raises(Excluded, match="2 submissions refused"):
         c.authenticate(token)
-    with pytest.raises(Excluded, match="'mallory' was excluded"):
-        c.join(caps("mallory"))
+    # a restarted client presenting the excluded session stays out, told why ...
+    with pytest.raises(Excluded, match=f"{cid} was excluded from the run: 2 submissions"):
+        c.join(caps("mallory"), previous_session=token)
+    # ... but under the shared join token a name proves nothing, so it binds nothing: a
+    # client called "mallory" without that session is a newcomer (client keys bind names)
+    assert c.join(caps("mallory"))[0].client_id != cid
     assert c.current_round is None or cid not in c.current_round.assignments
     # lateness is not misbehaviour: a stale round does not count
     honest = c.join(caps("honest"))[0].client_id
@@ -327,8 +329,8 @@ def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
         seen["a third bad submission"] = code_of(lambda: submit([good[0], good[0]]))
         seen["any call once excluded"] = code_of(lambda: stub.Heartbeat(
             pb.HeartbeatRequest(), metadata=auth))
-        seen["a new join under the excluded name"] = code_of(
-            lambda: stub.Join(join_request(server, name="mallory")))
+        seen["a join presenting the excluded session"] = code_of(
+            lambda: stub.Join(join_request(server, name="mallory"), metadata=auth))
         codes = {what: code for what, (code, _) in seen.items()}
         assert codes == {
             "another client's sequences": grpc.StatusCode.FAILED_PRECONDITION,
@@ -337,7 +339,7 @@ def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
             "a NaN value": grpc.StatusCode.INVALID_ARGUMENT,
             "a third bad submission": grpc.StatusCode.INVALID_ARGUMENT,
             "any call once excluded": grpc.StatusCode.PERMISSION_DENIED,
-            "a new join under the excluded name": grpc.StatusCode.PERMISSION_DENIED,
+            "a join presenting the excluded session": grpc.StatusCode.PERMISSION_DENIED,
         }
         assert "refusal 1 of 3" in seen["a submission over max_submission_mb"][1]
         assert "refusal 3 of 3: the client is excluded" in seen["a third bad submission"][1]

@@ -28,11 +28,8 @@ from server.errors import (
 from server.ledger import TrainedLedger, audit
 from server.state import RunState
 from server.update_log import UpdateLog
-from tests.test_server_core import Clock, caps, gradient, mdat_path, results, run_config, same
+from tests.test_server_core import Clock, caps, gradient, results, run_config, same
 from tests.test_server_faults import drive, events
-
-__all__ = ["mdat_path"]  # the module-scoped fixture, shared with test_server_core
-
 
 # -- 1. weights come from the assignment, not from what a client claims -----------------------
 
@@ -189,6 +186,7 @@ def test_names_and_device_kinds_are_short_printable_words(tmp_path, mdat_path, n
 def test_a_burst_of_joins_writes_state_json_once_per_interval(tmp_path, mdat_path,
                                                               monkeypatch):
     config = run_config(tmp_path / "run", mdat_path, min_clients=500)
+    config.faults.max_joins_per_minute = 1000  # the join-rate limit is tested on its own
     clock = Clock()
     c = Coordinator(config, clock=clock)
     saves = []
