@@ -254,6 +254,13 @@ class NoStreamSlot(CallRefused):
     code = grpc.StatusCode.UNAVAILABLE  # clients retry it
 
 
+class NoRequestSlot(CallRefused):
+    """Calls without a session (Join) already wait for their request as many at once as the
+    server takes: worth retrying in a few seconds."""
+
+    code = grpc.StatusCode.UNAVAILABLE  # clients retry it
+
+
 class StreamIdle(CallRefused):
     """A stream whose peer sent or took nothing for ``CallLimits.idle_s``; it was ended."""
 

@@ -38,6 +38,7 @@ from modeling.errors import MatformerError
 from protocol.channel import GRPC_OPTIONS
 from protocol.health import add_health
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from server.call_slots import RequestGate
 from server.config import RunConfig, read_toml
 from server.coordinator import Coordinator
 from server.errors import InvalidValue, PortUnavailable, WrongType
@@ -79,8 +80,10 @@ class RunningServer:
                     '[auth] mode = "keys": %d client keys in %s%s', issued, config.keys_path,
                     "" if issued else "; issue one with matformer-server keys add NAME")
         service = CoordinatorService(Coordinator(config), limits)
+        sessions = service.coordinator.membership.sessions
         grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers),
-                                  options=server_options(config))
+                                  options=server_options(config),
+                                  interceptors=[RequestGate(service.slots, sessions.client_of)])
         pb_grpc.add_CoordinatorServicer_to_server(service, grpc_server)
         add_health(grpc_server)
         port = config.server.grpc_port if grpc_port is None else grpc_port

@@ -418,6 +418,7 @@ class FaultsSection:
     max_streams_per_member: int = 2
     max_streams: int = 16  # of all members together; the pool has as many threads again
     stream_idle_s: float = 120.0  # a stream waiting this long on its peer is ended
+    request_idle_s: float = 10.0  # a call whose request has not arrived in this long is ended
     max_members: int = 512  # members at once (silent ones count until session_ttl_s)
     max_joins_per_minute: int = 60  # admissions; a burst of this many, then one per 60/N s
 
@@ -447,8 +448,9 @@ class FaultsSection:
         _within("[faults] max_streams", self.max_streams, 1, 1024)
         _within("[faults] max_members", self.max_members, 1, 100_000)
         _within("[faults] max_joins_per_minute", self.max_joins_per_minute, 1, 100_000)
-        _within("[faults] stream_idle_s", self.stream_idle_s, 0, MAX_SECONDS, above=True,
-                unit=" seconds")
+        for key in ("stream_idle_s", "request_idle_s"):
+            _within(f"[faults] {key}", getattr(self, key), 0, MAX_SECONDS, above=True,
+                    unit=" seconds")
         _require(self.peer_clip == 0 or 1 <= self.peer_clip <= 100,
                  f"[faults] peer_clip must be 0 (off) or lie in 1..100, got {self.peer_clip}.")
         _require(self.norm_action in NORM_ACTIONS,
@@ -458,7 +460,8 @@ class FaultsSection:
     def call_limits(self) -> CallLimits:
         return CallLimits(per_member=self.max_calls_per_member,
                           streams_per_member=self.max_streams_per_member,
-                          streams=self.max_streams, idle_s=self.stream_idle_s)
+                          streams=self.max_streams, idle_s=self.stream_idle_s,
+                          request_s=self.request_idle_s)
 
     @property
     def max_submission_bytes(self) -> int:

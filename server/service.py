@@ -43,7 +43,7 @@ from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import read_submission
 from protocol.tensors import encode_tensor
 from protocol.updates import RoundUpdate, update_messages
-from server.call_slots import CallLimits, CallSlots, Watch
+from server.call_slots import CallLimits, CallSlots, Watch, end_call
 from server.coordinator import Coordinator
 from server.errors import (
     BadResult,
@@ -317,7 +317,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         """A stream slot of ``client_id`` and the watch on the call's waits for its peer; a
         refusal raised in the block (the watchdog's among them) ends the call with its status."""
         try:
-            with self.slots.stream(client_id, end=lambda err: _end(context, err)) as watch:
+            with self.slots.stream(client_id, end=lambda err: end_call(context, err)) as watch:
                 yield watch
         except _REFUSED as err:
             _abort(context, err)
@@ -379,18 +379,6 @@ def _call(context: grpc.ServicerContext, action: Callable[[], T]) -> T:
 def _abort(context: grpc.ServicerContext, err: Exception, more: str = "") -> NoReturn:
     context.abort(_status(err), str(err) + more)
     raise AssertionError("unreachable: context.abort raises")
-
-
-def _end(context: grpc.ServicerContext, err: Exception) -> None:
-    """End a call from outside its handler's thread (the handler waits on its peer) with
-    ``err``'s status and message. gRPC's public ``context.cancel()`` answers CANCELLED without
-    a reason, so this cancels the call under the context, with the status, instead (grpcio's
-    internals, checked by tests/test_server_bounds.py; another grpcio ends it without one)."""
-    call = getattr(getattr(context, "_rpc_event", None), "call", None)
-    if call is None:
-        context.cancel()
-        return
-    call.cancel(_status(err).value[0], str(err))
 
 
 def _status(err: Exception) -> grpc.StatusCode:

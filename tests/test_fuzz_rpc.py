@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import grpc
 import pytest
@@ -73,9 +74,9 @@ def test_an_accepted_input_that_breaks_the_run_later_is_a_crash(tmp_path, monkey
     name the accepted Join, and fuzzing must stop there."""
     join = Coordinator.join
 
-    def poisoned(self: Coordinator, capabilities: Capabilities
+    def poisoned(self: Coordinator, capabilities: Capabilities, **proof: Any
                  ) -> tuple[Member, TierAssignment, str]:
-        member, tier, token = join(self, capabilities)
+        member, tier, token = join(self, capabilities, **proof)
         if capabilities.name not in HONEST:
             poison(member)
         return member, tier, token

@@ -44,7 +44,7 @@ def serving(tmp_path, limits: CallLimits | None = None) -> Iterator[tuple[Runnin
         config = dataclasses.replace(config, faults=dataclasses.replace(
             config.faults, max_calls_per_member=limits.per_member,
             max_streams_per_member=limits.streams_per_member, max_streams=limits.streams,
-            stream_idle_s=limits.idle_s))
+            stream_idle_s=limits.idle_s, request_idle_s=limits.request_s))
     server = RunningServer.start(config, grpc_port=0, http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     try:
@@ -95,6 +95,53 @@ def test_stalled_streams_do_not_starve_honest_heartbeats(tmp_path):
         finally:
             for call in calls:
                 call.cancel()
+            release.set()
+
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+def stalled_unary(server, method: str, request_type, reply_type, release: threading.Event,
+                  metadata=(), count: int = 20) -> list[grpc.Future]:
+    """``count`` calls of a one-request ``method`` that send their headers and never their
+    request (a request stream that blocks until ``release``), on their own channel."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
+    call = channel.stream_unary(f"/{SERVICE}/{method}",
+                                request_serializer=request_type.SerializeToString,
+                                response_deserializer=reply_type.FromString)
+
+    def nothing():
+        release.wait()
+        yield from ()
+
+    return [call.future(nothing(), metadata=metadata, timeout=30) for _ in range(count)]
+
+
+def test_calls_whose_request_never_arrives_do_not_starve_honest_members(tmp_path):
+    with serving(tmp_path, CallLimits(request_s=2.0)) as (server, stub):
+        _, auth_m, _ = joined(stub, server, "mallory")
+        _, auth_a, _ = joined(stub, server, "alice")
+        release = threading.Event()
+        joins = stalled_unary(server, "Join", pb.JoinRequest, pb.JoinReply, release)
+        beats = stalled_unary(server, "Heartbeat", pb.HeartbeatRequest, pb.HeartbeatReply,
+                              release, metadata=auth_m)
+        try:
+            time.sleep(1.0)  # 40 calls: more than the pool's 32 threads, were they all taken
+            assert stub.Heartbeat(pb.HeartbeatRequest(), metadata=auth_a,
+                                  timeout=HONEST_TIMEOUT_S).round == 0
+            refused_joins = [c for c in joins if c.done()]
+            refused_beats = [c for c in beats if c.done()]
+            assert len(refused_joins) == 16 and len(refused_beats) == 16  # 4 of each wait
+            assert {c.code() for c in refused_joins} == {grpc.StatusCode.UNAVAILABLE}
+            assert "retry in a few seconds" in refused_joins[0].details()
+            assert {c.code() for c in refused_beats} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+            assert "calls waiting for their request" in refused_beats[0].details()
+            # the waits end after request_idle_s, and the slots are free again
+            waiting = [c for c in joins + beats if c not in refused_joins + refused_beats]
+            assert {c.code() for c in waiting} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+            assert "waited 2 s for its peer" in waiting[0].details()
+            assert stub.Join(join_request(server, name="carol"), timeout=HONEST_TIMEOUT_S)
+        finally:
             release.set()
 
 
