@@ -113,6 +113,8 @@ def parse_args() -> argparse.Namespace:
                              f"{DEFAULT_DATA}; else runs/python_docs-N.mdat)")
     parser.add_argument("--peer-clip", type=float, default=0.0,
                         help="[faults] peer_clip of the federated runs (0: off)")
+    parser.add_argument("--vote", choices=("mean", "majority"), default="mean",
+                        help="[update] vote of the federated runs")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="data.seed: shuffle and init")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (process-wide)")
@@ -150,7 +152,7 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
                   "tokens_per_round": args.tokens_per_round, "rounds": args.rounds},
         "compression": {"encoding": run.encoding, "value_dtype": run.value_dtype},
         "update": {"rule": "sign", "lr": args.lr, "warmup_rounds": args.warmup_rounds,
-                   "schedule": "cosine", "final_lr": args.lr / 10},
+                   "schedule": "cosine", "final_lr": args.lr / 10, "vote": args.vote},
         "checkpoint": {"every_rounds": args.rounds},
         "faults": {"peer_clip": args.peer_clip},
         "auth": {"join_token": TOKEN},

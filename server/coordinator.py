@@ -555,7 +555,8 @@ class Coordinator:
         clip = self.config.faults.peer_clip
         by_name = {name: clip_to_peers(results, clip) for name, results in by_name.items()}
         update = self.config.update.build(r, self.config.round.planned_rounds)
-        aggregates = {name: aggregate(results) for name, results in by_name.items()}
+        votes = self.config.update.vote == "majority"
+        aggregates = {name: aggregate(results, votes=votes) for name, results in by_name.items()}
         rule = update.build()
         master = dict(self.master)
         for name, agg in aggregates.items():

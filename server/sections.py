@@ -251,11 +251,19 @@ class UpdateSection:
     warmup_rounds: int = 0  # linear warmup from lr / warmup_rounds to lr
     schedule: str = "cosine"  # cosine | linear | constant, after warmup
     final_lr: float = 0.0  # learning rate at the last planned round (cosine, linear)
+    # mean: results weighted by their tokens | majority (rule = "sign"): one sign vote per
+    # result, so no member outweighs another whatever its share or magnitude
+    vote: str = "mean"
 
     def __post_init__(self) -> None:
         _require(self.rule in UPDATE_RULES,
                  f"[update] rule {self.rule!r} is unknown; choose one of "
                  f"{', '.join(UPDATE_RULES)}.")
+        _require(self.vote in VOTES,
+                 f"[update] vote {self.vote!r} is unknown; choose one of {', '.join(VOTES)}.")
+        _require(self.vote == "mean" or self.rule == "sign",
+                 f"[update] vote = \"majority\" counts signs, so it needs rule = \"sign\", not "
+                 f"{self.rule!r}.")
         _require(self.schedule in SCHEDULES,
                  f"[update] schedule {self.schedule!r} is unknown; choose one of "
                  f"{', '.join(SCHEDULES)}.")
@@ -290,6 +298,7 @@ class CheckpointSection:
                  f"[checkpoint] every_rounds must be >= 1, got {self.every_rounds}.")
 
 
+VOTES = ("mean", "majority")
 AUTH_MODES = ("token", "keys", "none")
 
 

@@ -55,6 +55,23 @@ def test_aggregate_is_token_weighted_and_coverage_normalised():
     assert update.covered.all()
 
 
+def test_majority_votes_count_each_result_once_whatever_its_tokens_or_magnitude():
+    loud = _dense([[1e6, 1e6, 1e6, 1e6], [1e6, -1e6, 1e6, 1e6]], ((0, 2), (0, 4)), tokens=10**6)
+    quiet_a = _dense([[-0.1, -0.1], [-0.1, 0.1]], ((0, 2), (0, 2)), tokens=1)
+    quiet_b = _dense([[-0.2, 0.3], [0.0, 0.2]], ((0, 2), (0, 2)), tokens=1)
+    update = aggregate([loud, quiet_a, quiet_b], votes=True)
+    # shared columns: the mean of three signs (a zero abstains); tail columns: the loud
+    # result alone votes
+    third = 1 / 3
+    expected = torch.tensor([[-third, third, 1, 1], [0, third, 1, 1]])
+    assert torch.allclose(update.values, expected)
+    assert torch.sign(update.values[0, 0]) == -1  # two quiet votes beat a million tokens
+    assert update.tokens.tolist() == aggregate([loud, quiet_a, quiet_b]).tokens.tolist()
+    tie = aggregate([_dense([[1.0, 1.0]] * 2, ((0, 2), (0, 2)), 5, shape=(2, 2)),
+                     _dense([[-1.0, 1.0]] * 2, ((0, 2), (0, 2)), 1, shape=(2, 2))], votes=True)
+    assert tie.values.tolist() == [[0, 1], [0, 1]]  # a tie moves nothing under the sign rule
+
+
 def test_aggregation_decodes_each_result_once(monkeypatch):
     calls = []
     monkeypatch.setattr(aggregation, "decode", lambda r: calls.append(r) or decode(r))

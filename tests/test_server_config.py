@@ -170,6 +170,10 @@ def test_wrong_types(data, pattern):
     (with_keys("run", id="my run"), r"rename it"),
     (with_keys("update", rule="adam"), r"choose one of sgd, sign"),
     (with_keys("update", schedule="step"), r"choose one of cosine, linear, constant"),
+    (with_keys("update", vote="median"), r"\[update\] vote 'median' is unknown; choose one of "
+                                         r"mean, majority"),
+    (with_keys("update", rule="sgd", vote="majority"), r'vote = "majority" counts signs, so it '
+                                                        r'needs rule = "sign", not \'sgd\''),
     (with_keys("update", final_lr=1.0), r"final_lr must lie in \[0, lr=0\.001\]"),
     (with_keys("update", warmup_rounds=11), r"warmup_rounds 11 exceeds the 10 rounds"),
     (with_keys("compression", encoding="zip"), r"\[compression\] .*zip"),

@@ -78,13 +78,18 @@ def test_an_impossible_speed_is_refused_and_the_run_goes_on(tmp_path, mdat_path,
     assert resumed.current_round is not None
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
-def test_peer_clip_keeps_a_loud_member_from_steering(tmp_path, mdat_path, clip):
+@pytest.mark.parametrize(("rule", "clip", "vote", "steered"), [
+    ("sgd", 0.0, "mean", True), ("sgd", 1.0, "mean", False),
+    ("sign", 0.0, "mean", True), ("sign", 0.0, "majority", False)])
+def test_a_loud_member_steers_unless_clipped_or_outvoted(tmp_path, mdat_path, rule, clip, vote,
+                                                        steered):
     """An attacker with the tokens it was assigned but a million times the honest magnitude
-    steers every element it covers, unless [faults] peer_clip bounds its magnitude."""
+    steers every element it covers, unless [faults] peer_clip bounds its magnitude or
+    [update] vote = "majority" gives it one vote of three."""
     config = run_config(tmp_path / "run", mdat_path, min_clients=3)
-    config = dataclasses.replace(config, faults=dataclasses.replace(config.faults,
-                                                                    peer_clip=clip))
+    config = dataclasses.replace(
+        config, faults=dataclasses.replace(config.faults, peer_clip=clip),
+        update=dataclasses.replace(config.update, rule=rule, vote=vote, lr=1e-3))
     c = Coordinator(config, clock=Clock())
     members = [c.join(caps(name))[0].client_id for name in ("a", "b", "loud")]
     before = {n: t.clone() for n, t in c.master.items()}
@@ -95,9 +100,9 @@ def test_peer_clip_keeps_a_loud_member_from_steering(tmp_path, mdat_path, clip):
     c.submit(members[2], 0, loud)
     assert c.state.round == 1
     name = "model.layers.0.mlp.up_proj.weight"
-    moved = (before[name] - c.master[name]).sign()  # sgd: along the aggregate
+    moved = (before[name] - c.master[name]).sign()  # along the aggregate (or its sign)
     agrees = float((moved == gradient(c, name, 0).sign()).float().mean())
-    assert agrees > 0.99 if clip else agrees < 0.01
+    assert agrees < 0.01 if steered else agrees > 0.99
 
 
 def test_claiming_the_fastest_speed_wins_no_more_than_a_typical_share(tmp_path, mdat_path):

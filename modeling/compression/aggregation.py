@@ -34,10 +34,12 @@ class Aggregate:
         return self.tokens > 0
 
 
-def aggregate(results: Sequence[SparseResult]) -> Aggregate:
+def aggregate(results: Sequence[SparseResult], *, votes: bool = False) -> Aggregate:
     """Token-weighted, coverage-normalised mean of results for one parameter. Every result
     is validated before any arithmetic, so a bad one raises CompressionError and changes
-    nothing."""
+    nothing. ``votes``: each result is one vote of its values' signs instead, the mean of the
+    votes covering an element (signSGD with majority vote: under the sign rule, the majority
+    decides, and no result weighs more than another whatever its tokens or magnitude)."""
     if not results:
         raise CompressionError("aggregate needs at least one result; skip parameters with none.")
     validate_group(results)
@@ -46,9 +48,16 @@ def aggregate(results: Sequence[SparseResult]) -> Aggregate:
     tokens = torch.zeros(shape, device=device)  # Σ tokens over the clients covering each element
     for result in results:
         tokens[region_slices(result.region)] += result.tokens
+    voters = torch.zeros(shape, device=device)
+    if votes:
+        for result in results:
+            voters[region_slices(result.region)] += 1
     values = torch.zeros(shape, device=device)
     for result in results:
         where = region_slices(result.region)
+        if votes:
+            values[where] += torch.sign(decode(result)) / voters[where]
+            continue
         covering = tokens[where]
         share = torch.full_like(covering, result.tokens) / covering  # true division: t/t is 1.0
         values[where] += decode(result) * share
