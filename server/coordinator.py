@@ -529,10 +529,30 @@ class Coordinator:
         self._write_failure = None
         if master is not None:
             self.master = master
+        self._retire_checkpoints()
         try:
             self.log.prune(through=self._log_start() - 1)
         except OSError as err:  # a later close prunes again
             log.warning("pruning %s failed: %s", self.log.directory, err)
+
+    def _retire_checkpoints(self) -> None:
+        """Keep the newest [checkpoint] keep_last checkpoints (at least the latest, which a
+        resume needs, and the one before it, where the update log starts and which a client
+        that began loading it may still be reading). state.json stops listing the older ones
+        first, then their folders go: a crash in between leaves folders no state lists, which
+        the next start removes. A failed save keeps them all until the next close."""
+        keep = self.config.checkpoint.keep_last
+        retired = self.state.checkpoints[:-keep]
+        if not retired:
+            return
+        self.state.checkpoints = self.state.checkpoints[-keep:]
+        try:
+            self._save()
+        except RunDirectoryUnavailable as err:
+            self.state.checkpoints[:0] = retired
+            log.warning("keeping checkpoints %s for now: %s", retired, err)
+            return
+        self._remove_checkpoints(keep=set(self.state.checkpoints), why="retired (keep_last)")
 
     def _close_round(self, rnd: OpenRound) -> dict[str, Tensor] | None:
         """The work of ``_close`` up to the writes; the new master, or None when the round
@@ -798,15 +818,23 @@ class Coordinator:
 
     def _remove_unfinished_checkpoints(self) -> None:
         """Staging folders and checkpoint folders that state.json does not list: what a crash
-        in the middle of ``_checkpoint`` (or before state.json recorded it) left behind."""
+        in the middle of ``_checkpoint`` (or before state.json recorded it, or after it
+        stopped listing a retired one) left behind."""
+        self._remove_checkpoints(keep=set(self.state.checkpoints), level=logging.WARNING,
+                                 why="an unfinished or retired checkpoint from before a restart")
+
+    def _remove_checkpoints(self, *, keep: set[int], why: str, level: int = logging.INFO
+                            ) -> None:
+        """Every folder of ``checkpoints/`` but those of the rounds in ``keep`` (universal,
+        tier slices and Mix'n'Match slices alike), and every staging folder."""
         root = self.dir / "checkpoints"
         if not root.is_dir():
             return
-        kept = {f"round-{r}" for r in self.state.checkpoints}
-        for path in root.iterdir():
+        kept = {f"round-{r}" for r in keep}
+        for path in sorted(root.iterdir()):
             base = path.name.split("-tier")[0].split("-mix")[0]
             if path.name.startswith(STAGING_PREFIX) or (path.is_dir() and base not in kept):
-                log.warning("removing %s: an unfinished checkpoint from before a restart", path)
+                log.log(level, "removing %s: %s", path, why)
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def _initial(self, initial: Mapping[str, Tensor] | None) -> Mapping[str, Tensor]:

@@ -292,10 +292,14 @@ class UpdateSection:
 @dataclass(kw_only=True, slots=True)
 class CheckpointSection:
     every_rounds: int = 10  # universal + tier slices + manifest after every this many rounds
+    # the newest checkpoints kept; older ones are removed once a newer one is complete. At
+    # least 2: the update log starts at the one before the latest.
+    keep_last: int = 3
 
     def __post_init__(self) -> None:
         _require(self.every_rounds >= 1,
                  f"[checkpoint] every_rounds must be >= 1, got {self.every_rounds}.")
+        _within("[checkpoint] keep_last", self.keep_last, 2, 1_000_000)
 
 
 VOTES = ("mean", "majority")

@@ -1,0 +1,79 @@
+"""Checkpoint retention (issue 16, build 4): the newest [checkpoint] keep_last checkpoints stay,
+older ones go only once a newer one is complete and state.json no longer lists them, and
+what a resume or a loading client needs is never removed."""
+
+from __future__ import annotations
+
+import pytest
+
+import server.coordinator as coordinator_module
+from server.coordinator import Coordinator
+from server.errors import InvalidValue
+from server.sections import CheckpointSection
+from tests.test_server_core import Clock, caps, run_config, same
+from tests.test_server_faults import drive
+
+
+def folders(c: Coordinator) -> list[str]:
+    return sorted(p.name for p in (c.dir / "checkpoints").iterdir())
+
+
+def test_only_the_newest_checkpoints_stay_and_the_run_resumes_from_them(tmp_path, mdat_path):
+    config = run_config(tmp_path / "run", mdat_path)  # a checkpoint every 2 rounds
+    config.checkpoint.keep_last = 2
+    clock = Clock()
+    c = Coordinator(config, clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, 7)
+    assert c.state.checkpoints == [4, 6]
+    assert folders(c) == ["round-4", "round-4-tier1", "round-6", "round-6-tier1"]
+    # the update log starts at the checkpoint before the latest, so both stay loadable
+    assert [u.round for u in c.updates_since(4)] == [4, 5, 6]
+    assert c.checkpoint_for(1).round == 6
+    again = Coordinator(config, clock=clock)
+    assert again.state.round == 7 and same(again.master, c.master)
+    # one more checkpoint retires round 4 (listed state first, folders after)
+    drive(c, clock, cid, 1)
+    assert c.state.checkpoints == [6, 8] and folders(c)[0] == "round-6"
+
+
+def test_a_crash_between_retiring_and_removing_is_cleaned_up_on_start(tmp_path, mdat_path,
+                                                                     monkeypatch):
+    config = run_config(tmp_path / "run", mdat_path)
+    config.checkpoint.keep_last = 2
+    clock = Clock()
+    c = Coordinator(config, clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, 4)
+    monkeypatch.setattr(Coordinator, "_remove_checkpoints", lambda self, **_: None)  # "killed"
+    drive(c, clock, cid, 2)
+    assert c.state.checkpoints == [4, 6] and "round-2" in folders(c)
+    monkeypatch.undo()
+    again = Coordinator(config, clock=clock)
+    assert folders(again) == ["round-4", "round-4-tier1", "round-6", "round-6-tier1"]
+    assert same(again.master, c.master)
+
+
+def test_a_failed_save_while_retiring_keeps_every_checkpoint(tmp_path, mdat_path, monkeypatch):
+    config = run_config(tmp_path / "run", mdat_path)
+    config.checkpoint.keep_last = 2
+    clock = Clock()
+    c = Coordinator(config, clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, 4)
+    real = Coordinator._save
+
+    def full_when_retiring(self):  # the close's own save works; retiring's meets a full disk
+        if self.state.checkpoints == [4, 6]:
+            raise coordinator_module.RunDirectoryUnavailable("disk full")
+        return real(self)
+
+    monkeypatch.setattr(Coordinator, "_save", full_when_retiring)
+    drive(c, clock, cid, 2)
+    assert c.state.round == 6 and c.state.checkpoints == [2, 4, 6]
+    assert folders(c) == [f"round-{r}{t}" for r in (2, 4, 6) for t in ("", "-tier1")]
+
+
+def test_keep_last_below_two_is_refused():
+    with pytest.raises(InvalidValue, match=r"\[checkpoint\] keep_last must lie in \[2, "):
+        CheckpointSection(keep_last=1)
