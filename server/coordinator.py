@@ -538,18 +538,21 @@ class Coordinator:
     def _retire_checkpoints(self) -> None:
         """Keep the newest [checkpoint] keep_last checkpoints (at least the latest, which a
         resume needs, and the one before it, where the update log starts and which a client
-        that began loading it may still be reading). state.json stops listing the older ones
-        first, then their folders go: a crash in between leaves folders no state lists, which
-        the next start removes. A failed save keeps them all until the next close."""
-        keep = self.config.checkpoint.keep_last
-        retired = self.state.checkpoints[:-keep]
+        that began loading it may still be reading), and the first with keep_first.
+        state.json stops listing the others first, then their folders go: a crash in between
+        leaves folders no state lists, which the next start removes. A failed save keeps them
+        all until the next close."""
+        policy = self.config.checkpoint
+        listed = self.state.checkpoints
+        first = 1 if policy.keep_first else 0  # the run's starting weights, for comparisons
+        retired = listed[first:-policy.keep_last]
         if not retired:
             return
-        self.state.checkpoints = self.state.checkpoints[-keep:]
+        self.state.checkpoints = listed[:first] + listed[-policy.keep_last:]
         try:
             self._save()
         except RunDirectoryUnavailable as err:
-            self.state.checkpoints[:0] = retired
+            self.state.checkpoints = listed
             log.warning("keeping checkpoints %s for now: %s", retired, err)
             return
         self._remove_checkpoints(keep=set(self.state.checkpoints), why="retired (keep_last)")

@@ -295,6 +295,7 @@ class CheckpointSection:
     # the newest checkpoints kept; older ones are removed once a newer one is complete. At
     # least 2: the update log starts at the one before the latest.
     keep_last: int = 3
+    keep_first: bool = True  # also keep the run's first checkpoint (its starting weights)
 
     def __post_init__(self) -> None:
         _require(self.every_rounds >= 1,

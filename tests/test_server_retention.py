@@ -18,9 +18,22 @@ def folders(c: Coordinator) -> list[str]:
     return sorted(p.name for p in (c.dir / "checkpoints").iterdir())
 
 
+def test_the_first_checkpoint_stays_by_default(tmp_path, mdat_path):
+    config = run_config(tmp_path / "run", mdat_path)  # a checkpoint every 2 rounds
+    assert config.checkpoint.keep_first
+    config.checkpoint.keep_last = 2
+    clock = Clock()
+    c = Coordinator(config, clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, 8)
+    assert c.state.checkpoints == [0, 6, 8]
+    assert folders(c) == [f"round-{r}{t}" for r in (0, 6, 8) for t in ("", "-tier1")]
+
+
 def test_only_the_newest_checkpoints_stay_and_the_run_resumes_from_them(tmp_path, mdat_path):
     config = run_config(tmp_path / "run", mdat_path)  # a checkpoint every 2 rounds
     config.checkpoint.keep_last = 2
+    config.checkpoint.keep_first = False
     clock = Clock()
     c = Coordinator(config, clock=clock)
     cid = c.join(caps("a", tier=1))[0].client_id
@@ -41,6 +54,7 @@ def test_a_crash_between_retiring_and_removing_is_cleaned_up_on_start(tmp_path, 
                                                                      monkeypatch):
     config = run_config(tmp_path / "run", mdat_path)
     config.checkpoint.keep_last = 2
+    config.checkpoint.keep_first = False
     clock = Clock()
     c = Coordinator(config, clock=clock)
     cid = c.join(caps("a", tier=1))[0].client_id
@@ -57,6 +71,7 @@ def test_a_crash_between_retiring_and_removing_is_cleaned_up_on_start(tmp_path, 
 def test_a_failed_save_while_retiring_keeps_every_checkpoint(tmp_path, mdat_path, monkeypatch):
     config = run_config(tmp_path / "run", mdat_path)
     config.checkpoint.keep_last = 2
+    config.checkpoint.keep_first = False
     clock = Clock()
     c = Coordinator(config, clock=clock)
     cid = c.join(caps("a", tier=1))[0].client_id
