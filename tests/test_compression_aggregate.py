@@ -72,12 +72,52 @@ def test_majority_votes_count_each_result_once_whatever_its_tokens_or_magnitude(
     assert tie.values.tolist() == [[0, 1], [0, 1]]  # a tie moves nothing under the sign rule
 
 
-def test_aggregation_decodes_each_result_once(monkeypatch):
+def test_dense_aggregation_decodes_each_result_once(monkeypatch):
     calls = []
     monkeypatch.setattr(aggregation, "decode", lambda r: calls.append(r) or decode(r))
     results = [_dense([[1.0, 2.0]], ((0, 1), (0, 2)), tokens=t, shape=(1, 4)) for t in range(1, 9)]
     aggregate(results)
     assert calls == results  # one pass per client: linear in the number of clients
+
+
+def _decoded_reference(results) -> torch.Tensor:
+    """Decode every result, then the token-weighted, coverage-normalised mean, in float64."""
+    shape = results[0].shape
+    tokens = torch.zeros(shape, dtype=torch.float64)
+    for r in results:
+        tokens[region_slices(r.region)] += r.tokens
+    values = torch.zeros(shape, dtype=torch.float64)
+    for r in results:
+        where = region_slices(r.region)
+        values[where] += decode(r).double() * r.tokens / tokens[where]
+    return values
+
+
+@pytest.mark.parametrize("encoding", ["dct", "topk"])
+@pytest.mark.parametrize(("widths", "decoded"), [
+    ((256, 128, 64), 0),  # tier widths on the 32-grid: every chunk summed as coefficients
+    ((256, 128, 80), 9),  # width 80 cuts a chunk that all 9 results touch: all decoded there
+])
+def test_coefficient_domain_aggregation_equals_decode_then_aggregate(monkeypatch, encoding,
+                                                                     widths, decoded):
+    """Tiers 0, 1, 2 of a (96, 256) down_proj (the FFN width in columns; 96 rows make a
+    partial edge chunk of the universal grid) with several clients per tier, DeMo-style
+    top-k per 32 x 32 chunk in bfloat16."""
+    compressor = CompressionConfig(encoding=encoding, chunk=32, topk=24,
+                                   value_dtype="bfloat16").build()
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for i, width in enumerate(w for w in widths for _ in range(3)):
+        values = torch.randn(96, width, generator=gen)
+        results.append(compressor.encode("down", values, shape=(96, 256),
+                                         region=((0, 96), (0, width)), tokens=100 + 37 * i))
+    calls = []
+    monkeypatch.setattr(aggregation, "decode", lambda r: calls.append(r) or decode(r))
+    update = aggregate(results)
+    assert len(calls) == decoded  # only results touching a chunk that one of them cuts
+    reference = _decoded_reference(results)
+    assert torch.allclose(update.values.double(), reference, rtol=1e-5, atol=1e-5)
+    assert update.values.abs().max() > 0.1  # not trivially zero
 
 
 def test_elements_nobody_covered_stay_zero_and_uncovered():
