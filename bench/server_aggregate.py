@@ -65,7 +65,7 @@ from server.coordinator import Coordinator
 from server.main import RunningServer
 
 JOIN_TOKEN = "bench"
-RESULT_TOKENS = 512  # the token count every result claims (its aggregation weight)
+RESULT_TOKENS = 512  # the count encoded at first; each round sends its assignment's count
 STEPS = ("aggregate", "hash", "log + save")  # timed inside close; "apply + rest" is the remainder
 
 
@@ -125,6 +125,9 @@ def run_config(args: argparse.Namespace, clients: int, folder: Path, mdat: Path)
         "compression": {"encoding": args.encoding, "chunk": args.chunk, "topk": args.topk,
                         "value_dtype": args.value_dtype},
         "checkpoint": {"every_rounds": 10**9},
+        # a close of a large model outlasts the default heartbeat timeout (these clients do
+        # not heartbeat while they wait), and all N join at once
+        "faults": {"heartbeat_timeout_s": 3600.0, "max_joins_per_minute": 100_000},
         "auth": {"join_token": JOIN_TOKEN},
     }
     return RunConfig.from_dict(tables, base=folder)
@@ -160,11 +163,16 @@ class Client:
     auth: tuple[tuple[str, str], ...]  # session metadata
     messages: list[pb.SubmitMessage]
 
-    def stream(self, round_index: int, assignment_id: str) -> Iterator[pb.SubmitMessage]:
+    def stream(self, round_index: int, assignment_id: str, tokens: int
+               ) -> Iterator[pb.SubmitMessage]:
+        """The submission of one round, weighted by the tokens the round assigned (the
+        coordinator refuses any other count; a real client counts its sequences)."""
         header = pb.SubmitHeader(round=round_index, client_id=self.client_id,
-                                 tokens=RESULT_TOKENS, loss=3.0, assignment_id=assignment_id)
+                                 tokens=tokens, loss=3.0, assignment_id=assignment_id)
         yield pb.SubmitMessage(header=header)
-        yield from self.messages
+        for message in self.messages:
+            message.result.tokens = tokens  # in place: the tensors are not copied
+            yield message
 
 
 @dataclass(slots=True)
@@ -247,7 +255,8 @@ def join(stub: pb_grpc.CoordinatorStub, running: RunningServer, index: int, tier
                   submissions.messages(index, reply.tier))
 
 
-def play_round(stub: pb_grpc.CoordinatorStub, clients: list[Client]) -> tuple[int, float]:
+def play_round(stub: pb_grpc.CoordinatorStub, clients: list[Client],
+               coordinator: Coordinator) -> tuple[int, float]:
     """Every client fetches its assignment, then every client submits; (round, seconds)."""
     start = time.perf_counter()
     rounds, assignments = set(), {}
@@ -260,7 +269,8 @@ def play_round(stub: pb_grpc.CoordinatorStub, clients: list[Client]) -> tuple[in
         rounds.add(work.round)
     (round_index,) = rounds
     for client in clients:
-        stub.SubmitResult(client.stream(round_index, assignments[client.client_id]),
+        tokens = coordinator.assignment_for(client.client_id).tokens
+        stub.SubmitResult(client.stream(round_index, assignments[client.client_id], tokens),
                           metadata=client.auth)
     return round_index, time.perf_counter() - start
 
@@ -281,10 +291,10 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         stub = pb_grpc.CoordinatorStub(channel)
         members = [join(stub, running, i, tiers[i % len(tiers)], submissions)
                    for i in range(clients)]
-        play_round(stub, members)  # warm-up
+        play_round(stub, members, running.service.coordinator)  # warm-up
         walls, received = [], []
         for _ in range(args.rounds):
-            round_index, seconds = play_round(stub, members)
+            round_index, seconds = play_round(stub, members, running.service.coordinator)
             walls.append(seconds)
             record = running.service.coordinator.state.rounds[-1]
             assert record["round"] == round_index
