@@ -195,12 +195,11 @@ class CloseTimer:
         coordinator.log.append = self._step("log + save", coordinator.log.append)
         coordinator._save = self._step("log + save", coordinator._save)
 
-    def _close(self, close: Callable[[], None]) -> Callable[[], None]:
-        def timed() -> None:
-            rnd = self._coordinator.current_round
-            self._current = CloseTimes(clients=len(rnd.submissions) if rnd else 0)
+    def _close(self, close: Callable[[Any], None]) -> Callable[[Any], None]:
+        def timed(closing: Any) -> None:  # the detached round (server.coordinator._Closing)
+            self._current = CloseTimes(clients=len(closing.delivered))
             start = time.perf_counter()
-            close()
+            close(closing)
             self._current.steps["close"] = time.perf_counter() - start
             self.closes.append(self._current)
             self._current = None

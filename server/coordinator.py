@@ -32,9 +32,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 from torch import Tensor
@@ -46,6 +46,7 @@ from modeling.checkpoint.pretrained import load_state_into
 from modeling.compression import (
     Region,
     SparseResult,
+    UpdateConfig,
     aggregate,
     region_shape,
     tier_regions,
@@ -125,6 +126,10 @@ class Coordinator:
         self.ledger = TrainedLedger(self.dir)
         self.limits = SubmissionLimits(config.compression, config.faults)
         self._open: OpenRound | None = None
+        self._closing: _Closing | None = None  # the round whose close is under way
+        # called (lock held) after each round that moved the master, e.g. by tests and
+        # benchmarks that watch rounds; a hook must be quick and must not call back in
+        self.round_closed: list[Callable[[ClosedRound], None]] = []
         self._write_failure: str | None = None  # the last failed close's error, logged once
         self._waiting_for_disk = False  # a round waits for free space (said once)
         # Joins, leaves and refusals change state.json without a round: they are written
@@ -146,7 +151,8 @@ class Coordinator:
             self.ledger.truncate(0)
             self.master = self._tied({n: t.detach().clone()
                                       for n, t in self._initial(initial).items()})
-            self._checkpoint()
+            self._checkpoint(0, self.master)
+            self.state.checkpoints.append(0)
             self._save()
         else:
             self.state = saved
@@ -251,8 +257,8 @@ class Coordinator:
             self.membership.heartbeat(client_id, now=self.clock())
             if tokens_per_second is not None:
                 self.membership.reported(client_id, tokens_per_second)
-            self.advance()
-            return self.assignment_for(client_id)
+        self.advance()  # without the lock: a close it starts holds nobody else up
+        return self.assignment_for(client_id)
 
     def leave(self, client_id: str, reason: str = "") -> None:
         """Remove a member; its unsubmitted sequences of the open round go back to the queue."""
@@ -281,9 +287,10 @@ class Coordinator:
         the time since the round opened does (which also counts waiting and transfers).
         ``wire_bytes``: the submission's size as received, for the round's record."""
         with self._lock:
+            self.membership.heartbeat(client_id, now=self.clock())
+        self.advance()  # a round past its deadline closes before late results are looked at
+        with self._lock:
             now = self.clock()
-            self.membership.heartbeat(client_id, now=now)
-            self.advance()  # a round past its deadline closes before late results are looked at
             if self._open is None or self.state.finished:
                 raise StaleRound(f"no round is being collected (round {round_index} is over); "
                                  "wait for the next assignment.")
@@ -301,7 +308,7 @@ class Coordinator:
             measured = (train_seconds if train_seconds is not None and train_seconds > 0
                         else now - rnd.opened_at)
             self.membership.measured(client_id, tokens, measured)
-            self.advance()
+        self.advance()  # without the lock: the last submission closes the round
 
     def check_header(self, client_id: str, round_index: int,
                      assignment_id: str | None = None) -> RoundAssignment:
@@ -380,28 +387,50 @@ class Coordinator:
     def phase(self) -> str:
         if self.state.finished:
             return "finished"
-        return "waiting" if self._open is None else "collecting"
+        return "waiting" if self._open is None and self._closing is None else "collecting"
 
     @property
     def current_round(self) -> OpenRound | None:
         return self._open
 
     def advance(self) -> None:
-        """Close the open round if complete or past its deadline; open the next if possible."""
-        with self._lock:
-            now = self.clock()
-            self._expire_sessions(now)
-            while not self.state.finished:
+        """Close the open round if complete or past its deadline; open the next if possible.
+
+        A close's heavy part (aggregation, the new master, hashes, the update log, ledger and
+        checkpoint writes) runs outside the lock, in the thread that found the round ready;
+        meanwhile every other call is served (GetRound answers WAIT) and other threads'
+        ``advance`` returns at once. Called without the lock held, as every frequent caller
+        does, nothing heavy ever holds it."""
+        while True:
+            with self._lock:
+                closing = self._next_close()
+            if closing is None:
+                return
+            self._close(closing)
+
+    def _next_close(self) -> _Closing | None:
+        """(lock held) Expire sessions, open a round if none is open, drop the silent; the
+        round to close now (detached: no longer open, not yet closed), or None."""
+        now = self.clock()
+        self._expire_sessions(now)
+        closing = None
+        while self._closing is None and not self.state.finished:
+            if self._open is None:
+                self._open = self._open_round(now)
                 if self._open is None:
-                    self._open = self._open_round(now)
-                    if self._open is None:
-                        break
-                self._drop_silent(now)
-                if not (self._open.complete() or now >= self._open.deadline):
                     break
-                self._close()
-            if now - self._saved_at >= SAVE_INTERVAL_S:
-                self.flush()
+            self._drop_silent(now)
+            if not (self._open.complete() or now >= self._open.deadline):
+                break
+            rnd, self._open = self._open, None
+            if any(c in rnd.submissions for c in rnd.assignments):
+                closing = self._closing = _Closing.of(self, rnd)
+                break
+            self._settle(rnd)  # nobody delivered: round r opens again with whoever is there
+            self._save()
+        if closing is None and now - self._saved_at >= SAVE_INTERVAL_S:
+            self.flush()
+        return closing
 
     def flush(self) -> None:
         """Write state.json now if joins, leaves or refusals changed it since the last write
@@ -501,39 +530,70 @@ class Coordinator:
             self._event("disk", None, f"no round opens: {why}")
         return False
 
-    def _close(self) -> None:
-        """Close the open round as a transaction: the new master is computed beside the
-        current one, then the update log, ledger, checkpoint and state.json are written, and
-        only then does the coordinator take the new master. If a write fails (disk full, I/O
-        error), memory and disk are put back as they were before the close, the round stays
-        open, and RunDirectoryUnavailable names the error; the next call tries again."""
-        rnd = self._open
-        before = _Before.take(self, rnd)
+    def _close(self, closing: _Closing) -> None:
+        """Close a detached round as a transaction: the new master is computed beside the
+        current one and the update log, ledger and checkpoint written without the lock; then,
+        under it, the round's records and state.json, and only then does the coordinator take
+        the new master. If a write fails (disk full, I/O error), memory and disk are put back
+        as they were before the close, the round is open again, and RunDirectoryUnavailable
+        names the error; the next call tries again."""
+        rnd = closing.rnd
         try:
-            master = self._close_round(rnd)
+            master = self._compute(closing)
         except Exception as err:
-            before.restore(self, rnd)
-            cause = err.__cause__ if isinstance(err, RunDirectoryUnavailable) else err
-            if not isinstance(cause, OSError):
-                raise
-            why = f"{type(cause).__name__}: {cause.strerror or cause}"
-            if why != self._write_failure:
-                self._write_failure = why
-                log.error("round %d could not be written to %s (%s); it stays open and closes "
-                          "once the run directory can be written", rnd.index, self.dir, why)
-                self._event("disk", None, f"round {rnd.index} could not be saved ({why}); "
-                            "it closes once the run directory can be written")
-            raise RunDirectoryUnavailable(
-                f"the coordinator cannot write its run directory ({why}); round {rnd.index} "
-                "closes once it can. Retry shortly.") from err
-        self._write_failure = None
-        if master is not None:
-            self.master = master
-        self._retire_checkpoints()
+            with self._lock:
+                self._undo_disk(closing)
+                self._open, self._closing = rnd, None
+                self._close_failed(rnd, err)
+        with self._lock:
+            before = _Before.take(self, rnd)
+            try:
+                self._commit(closing, master)
+            except Exception as err:
+                before.restore(self, rnd)
+                self._undo_disk(closing)
+                self._closing = None
+                self._close_failed(rnd, err)
+            self._closing = None
+            self._write_failure = None
+            if master is not None:
+                closed = ClosedRound(round=closing.round, before=self.master, after=master,
+                                     tiers={a.tier for a in closing.delivered.values()})
+                self.master = master
+                for hook in self.round_closed:
+                    hook(closed)
+            self._retire_checkpoints()
+            try:
+                self.log.prune(through=self._log_start() - 1)
+            except OSError as err:  # a later close prunes again
+                log.warning("pruning %s failed: %s", self.log.directory, err)
+
+    def _close_failed(self, rnd: OpenRound, err: Exception) -> NoReturn:
+        """(lock held) Re-raise a failed close: an error writing the run directory becomes
+        RunDirectoryUnavailable (said once per distinct error), anything else as it is."""
+        cause = err.__cause__ if isinstance(err, RunDirectoryUnavailable) else err
+        if not isinstance(cause, OSError):
+            raise err
+        why = f"{type(cause).__name__}: {cause.strerror or cause}"
+        if why != self._write_failure:
+            self._write_failure = why
+            log.error("round %d could not be written to %s (%s); it stays open and closes "
+                      "once the run directory can be written", rnd.index, self.dir, why)
+            self._event("disk", None, f"round {rnd.index} could not be saved ({why}); "
+                        "it closes once the run directory can be written")
+        raise RunDirectoryUnavailable(
+            f"the coordinator cannot write its run directory ({why}); round {rnd.index} "
+            "closes once it can. Retry shortly.") from err
+
+    def _undo_disk(self, closing: _Closing) -> None:
+        """(lock held) Remove what a failed close wrote: its logged update, ledger line and
+        checkpoint (none of which needs free space)."""
         try:
-            self.log.prune(through=self._log_start() - 1)
-        except OSError as err:  # a later close prunes again
-            log.warning("pruning %s failed: %s", self.log.directory, err)
+            self.log.discard(closing.round)
+            self.ledger.rewind(closing.ledger_bytes)
+            self._remove_unfinished_checkpoints()
+        except OSError as err:  # a restart repairs the disk side from state.json
+            log.warning("undoing round %d on disk failed: %s", closing.round, err)
 
     def _retire_checkpoints(self) -> None:
         """Keep the newest [checkpoint] keep_last checkpoints (at least the latest, which a
@@ -557,61 +617,66 @@ class Coordinator:
             return
         self._remove_checkpoints(keep=set(self.state.checkpoints), why="retired (keep_last)")
 
-    def _close_round(self, rnd: OpenRound) -> dict[str, Tensor] | None:
-        """The work of ``_close`` up to the writes; the new master, or None when the round
-        trained nothing (it opens again)."""
-        self._open = None
+    def _settle(self, rnd: OpenRound) -> None:
+        """(lock held) The members' side of a round that ended: who missed it (their
+        sequences back to the queue, a smaller share next time) and who was early."""
         for client in [c for c in rnd.assignments if c not in rnd.submissions]:
             self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
             rnd.dropped[client] = f"missed the deadline ({self.config.round.deadline_s:g} s)"
             self._missed(client, f"missed the round {rnd.index} deadline "
                                  f"({self.config.round.deadline_s:g} s)")
         self._pace(rnd)
-        if not rnd.submissions:
-            self._save()
-            return None  # nobody delivered: round r opens again with whoever is there
-        r = self.state.round
-        by_name: dict[str, list[SparseResult]] = {}
-        for client in rnd.assignments:  # assignment order: aggregation order is deterministic
-            for name, result in rnd.submissions[client].results.items():
-                by_name.setdefault(name, []).append(result)
+
+    def _compute(self, closing: _Closing) -> dict[str, Tensor] | None:
+        """(no lock) The new master, with the update logged, the ledger line and any
+        checkpoint written; None when the update would make a weight not finite (nothing is
+        written then). Reads only what no other thread changes while a round closes."""
+        by_name = closing.by_name
         clip = self.config.faults.peer_clip
         by_name = {name: clip_to_peers(results, clip) for name, results in by_name.items()}
-        update = self.config.update.build(r, self.config.round.planned_rounds)
         votes = self.config.update.vote == "majority"
         aggregates = {name: aggregate(results, votes=votes) for name, results in by_name.items()}
-        rule = update.build()
+        rule = closing.update.build()
         master = dict(self.master)
         for name, agg in aggregates.items():
             master[name] = rule.apply(master[name], agg)
         master = self._tied(master)
-        broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
-        if broken:  # the limits on results make this unreachable; never serve such weights
+        closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
+        if closing.broken:  # the limits on results make this unreachable; never serve it
+            return None
+        r = closing.round
+        self.log.append(LoggedUpdate(
+            round=r, update=closing.update, aggregates=aggregates,
+            hashes=self.tier_hashes(sorted(closing.tiers), master),
+            coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()}))
+        self.ledger.record(r, [i for a in closing.delivered.values() for i in a.sequence_ids])
+        if closing.checkpoint:
+            self._checkpoint(r + 1, master)
+        return master
+
+    def _commit(self, closing: _Closing, master: dict[str, Tensor] | None) -> None:
+        """(lock held) The closed round in memory and state.json: the members' side, its
+        records, the round counter and tokens, any checkpoint; or, for an update that would
+        make a weight not finite, the round discarded and its sequences requeued."""
+        rnd, r = closing.rnd, closing.round
+        self._settle(rnd)
+        if master is None:
             for client in list(rnd.assignments):
                 self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            broken = closing.broken
             self._event("discard", None, f"round {r} discarded: its update makes {broken[0]} "
                         f"(and {len(broken) - 1} more) not finite; its sequences are requeued")
             self._save()
-            return None
-        # every allowed tier: a client of any tier may join later and replay this round
-        tiers = set(self.config.tiers.allowed) | {a.tier for a in rnd.assignments.values()}
-        self.log.append(LoggedUpdate(
-            round=r, update=update, aggregates=aggregates,
-            hashes=self.tier_hashes(list(tiers), master),
-            coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()}))
+            return
         self._record_loss(rnd)
-        self._record_round(rnd, by_name)
-        self.ledger.record(r, [i for a in rnd.assignments.values() for i in a.sequence_ids])
+        self._record_round(rnd, closing.by_name)
         self.state.round = r + 1
-        self.state.tokens += sum(a.tokens for a in rnd.assignments.values())
-        stop = self.config.round
-        self.state.finished = (stop.rounds is not None and self.state.round >= stop.rounds) or (
-            stop.tokens is not None and self.state.tokens >= stop.tokens)
-        if self.state.round % self.config.checkpoint.every_rounds == 0 or self.state.finished:
-            self._checkpoint(master)
-            self._event("checkpoint", None, f"checkpoints/round-{self.state.round}")
+        self.state.tokens = closing.tokens_after
+        self.state.finished = closing.finishes
+        if closing.checkpoint:
+            self.state.checkpoints.append(r + 1)
+            self._event("checkpoint", None, f"checkpoints/round-{r + 1}")
         self._save()
-        return master
 
     def _drop_silent(self, now: float) -> None:
         """Drop from the open round every assigned client silent for heartbeat_timeout_s
@@ -786,18 +851,18 @@ class Coordinator:
     def _checkpoint_dir(self, round_index: int) -> Path:
         return self.dir / "checkpoints" / f"round-{round_index}"
 
-    def _checkpoint(self, master: Mapping[str, Tensor] | None = None) -> None:
+    def _checkpoint(self, round_index: int, master: Mapping[str, Tensor]) -> None:
         """The master (or ``master``) as a universal checkpoint plus the slices of every
         allowed tier (so a client of any tier downloads only its slice), appearing whole or
         not at all: all of it is written in ``checkpoints/.staging-round-N/``, fsynced, then
         the slices and last the universal folder (which holds the manifest) are renamed into
         place."""
-        target = self._checkpoint_dir(self.state.round)
+        target = self._checkpoint_dir(round_index)
         staging = target.parent / f"{STAGING_PREFIX}{target.name}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         model = build_model(self.model_config)
-        load_canonical_state_dict(model, self.master if master is None else master)
+        load_canonical_state_dict(model, master)
         save_pretrained(model, staging / target.name)
         export_tiers(staging / target.name, [t for t in self.config.tiers.allowed if t > 0])
         fsync_tree(staging)
@@ -809,8 +874,6 @@ class Coordinator:
             part.rename(final)
         fsync_path(target.parent)
         staging.rmdir()
-        if self.state.round not in self.state.checkpoints:
-            self.state.checkpoints.append(self.state.round)
 
     def _remove_temp_files(self) -> None:
         """The temporary files and folders of atomic writes that a kill interrupted."""
@@ -879,17 +942,64 @@ class Coordinator:
         return len(self.reader[sequence_id])
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClosedRound:
+    """What ``Coordinator.round_closed`` hooks are told of a round that moved the master."""
+
+    round: int
+    tiers: set[int]  # the tiers of the clients whose results it aggregated
+    before: Mapping[str, Tensor]  # the master before (canonical names; never changed after)
+    after: Mapping[str, Tensor]  # ... and after the round
+
+
+@dataclass(kw_only=True, slots=True)
+class _Closing:
+    """A round taken out of collection to be closed: what its close reads, fixed under the
+    lock when it was detached, so the heavy part can run without it."""
+
+    rnd: OpenRound
+    round: int
+    delivered: dict[str, RoundAssignment]  # the submitters' assignments, in assignment order
+    by_name: dict[str, list[SparseResult]]  # canonical name → results, in that order
+    update: UpdateConfig
+    tiers: set[int]  # whose hashes the log records: every allowed tier and every trained one
+    tokens_after: int  # the run's tokens once this round counts
+    finishes: bool  # the run ends with this round
+    checkpoint: bool  # a checkpoint follows this round
+    ledger_bytes: int  # the ledger's size before this round's line
+    broken: list[str] = field(default_factory=list)  # parameters the update would break
+
+    @classmethod
+    def of(cls, c: Coordinator, rnd: OpenRound) -> _Closing:
+        r = c.state.round
+        delivered = {client: a for client, a in rnd.assignments.items()
+                     if client in rnd.submissions}
+        by_name: dict[str, list[SparseResult]] = {}
+        for client in delivered:  # assignment order: aggregation order is deterministic
+            for name, result in rnd.submissions[client].results.items():
+                by_name.setdefault(name, []).append(result)
+        tokens_after = c.state.tokens + sum(a.tokens for a in delivered.values())
+        stop = c.config.round
+        finishes = (stop.rounds is not None and r + 1 >= stop.rounds) or (
+            stop.tokens is not None and tokens_after >= stop.tokens)
+        return cls(rnd=rnd, round=r, delivered=delivered, by_name=by_name,
+                   update=c.config.update.build(r, stop.planned_rounds),
+                   tiers=set(c.config.tiers.allowed) | {a.tier for a in delivered.values()},
+                   tokens_after=tokens_after, finishes=finishes,
+                   checkpoint=finishes or (r + 1) % c.config.checkpoint.every_rounds == 0,
+                   ledger_bytes=c.ledger.size())
+
+
 @dataclass(slots=True)
 class _Before:
-    """What closing a round may change, as it was: restored when the close cannot be
-    written. Record lists are copied shallowly (records are never changed once written)."""
+    """What committing a close changes in memory, as it was: restored when state.json cannot
+    be written. Record lists are copied shallowly (records are never changed once written)."""
 
     state: RunState
     queue: dict[str, Any]
     members: dict[str, Member]
     assignments: dict[str, RoundAssignment]
     dropped: dict[str, str]
-    ledger_bytes: int
 
     @classmethod
     def take(cls, c: Coordinator, rnd: OpenRound) -> _Before:
@@ -899,23 +1009,15 @@ class _Before:
             events=list(s.events), checkpoints=list(s.checkpoints), departed=list(s.departed))
         return cls(state=state, queue=c.queue.to_dict(),
                    members=copy.deepcopy(c.membership.members),
-                   assignments=dict(rnd.assignments), dropped=dict(rnd.dropped),
-                   ledger_bytes=c.ledger.size())
+                   assignments=dict(rnd.assignments), dropped=dict(rnd.dropped))
 
     def restore(self, c: Coordinator, rnd: OpenRound) -> None:
-        """Memory as before the close, the round open again; then the disk: a logged update,
-        ledger line or checkpoint of the round removed (none of which needs free space)."""
+        """Memory as before the commit, the round open again."""
         c.state = self.state
         c.queue = WorkQueue(c.queue.order, **self.queue)
         c.membership.members = self.members
         rnd.assignments, rnd.dropped = self.assignments, self.dropped
         c._open = rnd
-        try:
-            c.log.discard(rnd.index)
-            c.ledger.rewind(self.ledger_bytes)
-            c._remove_unfinished_checkpoints()
-        except OSError as err:  # a restart repairs the disk side from state.json
-            log.warning("undoing round %d on disk failed: %s", rnd.index, err)
 
 
 def _trusted_speeds(members: Sequence[Member]) -> list[tuple[str, float]]:

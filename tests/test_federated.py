@@ -193,16 +193,8 @@ def test_heterogeneous_run_tail_moves_only_with_tier0_and_hashes_agree(tmp_path,
     server = start(tmp_path, mdat, min_clients=2, rounds=5, tokens_per_round=1536, every=2)
     coordinator = server.service.coordinator
     rounds = []  # (tiers that submitted, master before, master after)
-    close = coordinator._close
-
-    def recorded_close():
-        rnd = coordinator._open
-        tiers = {rnd.assignments[c].tier for c in rnd.submissions}
-        before = {n: t.clone() for n, t in coordinator.master.items()}
-        close()
-        rounds.append((tiers, before, {n: t.clone() for n, t in coordinator.master.items()}))
-
-    coordinator._close = recorded_close
+    coordinator.round_closed.append(
+        lambda closed: rounds.append((closed.tiers, closed.before, closed.after)))
     try:
         clients = [client(server, tmp_path, "mid", tier=1), client(server, tmp_path, "small",
                                                                     tier=2)]
