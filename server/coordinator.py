@@ -361,15 +361,21 @@ class Coordinator:
             rnd = self._open
             return None if rnd is None else rnd.assignments.get(client_id)
 
-    def updates_since(self, round_index: int) -> list[LoggedUpdate]:
-        """The logged updates of rounds ``round_index``, ..., the last completed one."""
+    def logged_rounds(self, round_index: int) -> range:
+        """Rounds ``round_index``, ..., the last completed one: those a client replays. Raises
+        UpdatesPruned when the log no longer starts that early."""
         with self._lock:
             base = self._log_start()
             if round_index < base:
                 latest = self.state.checkpoints[-1]
                 raise UpdatesPruned(f"updates before round {base} are pruned; load checkpoint "
                                     f"round-{latest} (checkpoint_for) and ask again.")
-            return [self.log.read(r) for r in range(round_index, self.state.round)]
+            return range(round_index, self.state.round)
+
+    def updates_since(self, round_index: int) -> list[LoggedUpdate]:
+        """The logged updates of rounds ``round_index``, ..., the last completed one, read
+        without the lock (a close prunes the log only after its checkpoint is listed)."""
+        return [self.log.read(r) for r in self.logged_rounds(round_index)]
 
     def checkpoint_for(self, tier: int) -> CheckpointRef:
         """The latest checkpoint, as the slice of ``tier`` when one was exported."""
@@ -558,7 +564,8 @@ class Coordinator:
             self._write_failure = None
             if master is not None:
                 closed = ClosedRound(round=closing.round, before=self.master, after=master,
-                                     tiers={a.tier for a in closing.delivered.values()})
+                                     tiers={a.tier for a in closing.delivered.values()},
+                                     update=closing.logged)
                 self.master = master
                 for hook in self.round_closed:
                     hook(closed)
@@ -645,10 +652,11 @@ class Coordinator:
         if closing.broken:  # the limits on results make this unreachable; never serve it
             return None
         r = closing.round
-        self.log.append(LoggedUpdate(
+        closing.logged = LoggedUpdate(
             round=r, update=closing.update, aggregates=aggregates,
             hashes=self.tier_hashes(sorted(closing.tiers), master),
-            coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()}))
+            coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()})
+        self.log.append(closing.logged)
         self.ledger.record(r, [i for a in closing.delivered.values() for i in a.sequence_ids])
         if closing.checkpoint:
             self._checkpoint(r + 1, master)
@@ -950,6 +958,7 @@ class ClosedRound:
     tiers: set[int]  # the tiers of the clients whose results it aggregated
     before: Mapping[str, Tensor]  # the master before (canonical names; never changed after)
     after: Mapping[str, Tensor]  # ... and after the round
+    update: LoggedUpdate  # what the update log holds of the round
 
 
 @dataclass(kw_only=True, slots=True)
@@ -968,6 +977,7 @@ class _Closing:
     checkpoint: bool  # a checkpoint follows this round
     ledger_bytes: int  # the ledger's size before this round's line
     broken: list[str] = field(default_factory=list)  # parameters the update would break
+    logged: LoggedUpdate | None = None  # what _compute logged
 
     @classmethod
     def of(cls, c: Coordinator, rnd: OpenRound) -> _Closing:

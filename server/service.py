@@ -34,15 +34,13 @@ import torch
 from modeling.checkpoint.export import read_manifest
 from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.checkpoint.schema import canonical_schema_hash
-from modeling.compression import Aggregate, Region, region_slices
-from modeling.errors import CompressionError
+from modeling.errors import CheckpointError, CompressionError
 from protocol.auth import SESSION_METADATA_KEY, check_join_token, presented_session
 from protocol.errors import MalformedStream, ProtocolError
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import read_submission
 from protocol.tensors import encode_tensor
-from protocol.updates import RoundUpdate, update_messages
 from server.call_slots import CallLimits, CallSlots, Watch, end_call
 from server.coordinator import Coordinator
 from server.errors import (
@@ -55,10 +53,12 @@ from server.errors import (
     StaleRound,
     SubmissionTooLarge,
     TierAssignmentError,
+    UpdatesPruned,
 )
 from server.keys import KeyFile, KeyFileError, KeyHolder
 from server.served_files import served_files
 from server.tiers import Capabilities
+from server.update_cache import UpdateCache
 
 log = logging.getLogger("matformer.server")
 
@@ -73,6 +73,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, coordinator: Coordinator, limits: CallLimits) -> None:
         self.coordinator = coordinator
         self.slots = CallSlots(limits)
+        # GetUpdates from memory: each round encoded once per tier, fed by every close
+        self.updates = UpdateCache(read=coordinator.log.read, regions=coordinator.regions)
+        coordinator.round_closed.append(lambda closed: self.updates.put(closed.update))
         self.schema_hash = canonical_schema_hash(coordinator.model_config, coordinator.shapes)
 
     # -- join and membership ------------------------------------------------------------
@@ -242,15 +245,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         client_id = self._session(context)
         with self._stream(context, client_id) as watch:
             tier = _call(context, lambda: c.membership.get(client_id).tier)
-            logged = _call(context, lambda: c.updates_since(request.since_round))
+            rounds = _call(context, lambda: c.logged_rounds(request.since_round))
             context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
-            regions = c.regions(tier)
-            yield from watch.sent(update_messages(
-                RoundUpdate(round=u.round, learning_rate=u.update.lr,
-                            weight_hash=u.hashes.get(tier, ""),
-                            parameters=_within(u.aggregates, regions),
-                            signs_only=u.update.rule == "sign")
-                for u in logged))
+            for round_index in rounds:
+                try:
+                    messages = self.updates.messages(round_index, tier)
+                except (OSError, CheckpointError):  # pruned since: a checkpoint holds it now
+                    _abort(context, UpdatesPruned(
+                        f"round {round_index} left the update log while it was being sent; "
+                        "load the latest checkpoint (GetCheckpoint) and ask again."))
+                yield from watch.sent(messages)
 
     def GetCheckpoint(self, request: pb.GetCheckpointRequest,
                       context: grpc.ServicerContext) -> pb.CheckpointRef:
@@ -346,22 +350,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             data_fingerprint=self.coordinator.reader.fingerprint,
             data_strategy=cfg.data.strategy, data_view=cfg.data.view or "",
             heartbeat_seconds=cfg.faults.heartbeat_s)
-
-
-def _within(aggregates: dict[str, Aggregate], regions: dict[str, Region]
-            ) -> dict[str, Aggregate]:
-    """The aggregates cut to a tier's regions: a client downloads only what it holds."""
-    cut = {}
-    for name, agg in aggregates.items():
-        where = region_slices(regions[name])
-        if tuple(agg.tokens[where].shape) == tuple(agg.tokens.shape):
-            cut[name] = agg
-            continue
-        tokens = torch.zeros_like(agg.tokens)
-        tokens[where] = agg.tokens[where]
-        if bool((tokens > 0).any()):
-            cut[name] = Aggregate(values=agg.values, tokens=tokens)
-    return cut
 
 
 class _NotYourSession(ProtocolError):

@@ -6,8 +6,14 @@ from __future__ import annotations
 import threading
 
 import server.coordinator as coordinator_module
+from protocol.matformer.v1 import coordinator_pb2 as pb
+from protocol.submission import submission_messages
+from protocol.updates import read_updates
 from server.coordinator import Coordinator
+from server.update_cache import UpdateCache
+from tests.test_server_bounds import header_of, joined, serving
 from tests.test_server_core import Clock, caps, results, run_config
+from tests.test_server_service import results as dense_results
 
 WAIT_S = 30.0  # a generous bound on a wait that, with the lock taken, would never end
 
@@ -60,3 +66,53 @@ def test_round_closed_hooks_see_each_round_that_moved_the_master(tmp_path, mdat_
         c.submit(cid, r, results(c, cid))
     assert [(s.round, s.tiers) for s in seen] == [(0, {1}), (1, {1}), (2, {1})]
     assert seen[-1].after is c.master and seen[1].after is seen[2].before
+
+
+# -- GetUpdates from memory ----------------------------------------------------------------
+
+
+def logged_rounds(c: Coordinator, count: int) -> list:
+    """The logged update of each of ``count`` rounds, as the closes hand them over."""
+    logged = []
+    c.round_closed.append(lambda closed: logged.append(closed.update))
+    cid = c.join(caps("a", tier=1))[0].client_id
+    for r in range(count):
+        c.submit(cid, r, results(c, cid))
+    return logged
+
+
+def test_each_round_is_read_and_encoded_once_per_tier(tmp_path, mdat_path):
+    c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=Clock())
+    logged = logged_rounds(c, 4)
+    reads = []
+    cache = UpdateCache(read=lambda r: reads.append(r) or logged[r], regions=c.regions,
+                        rounds=2)
+    cache.put(logged[3])  # as the close hands it over
+    first = cache.messages(3, 1)
+    assert reads == [] and cache.messages(3, 1) is first  # from memory, encoded once
+    assert cache.messages(3, 0) is not first  # each tier its own cut
+    header = first[0].header
+    assert (header.round, header.weight_hash) == (3, logged[3].hashes[1])
+    assert cache.messages(2, 1)[0].header.round == 2 and reads == [2]
+    cache.messages(2, 1)
+    assert reads == [2]
+    cache.messages(0, 1)  # older than the newest 2: read again each time it is asked for
+    cache.messages(0, 1)
+    assert reads == [2, 0, 0]
+
+
+def test_get_updates_serves_recent_rounds_without_the_log_files(tmp_path):
+    with serving(tmp_path) as (server, stub):
+        member, auth, work = joined(stub, server, "alice")
+        c = server.service.coordinator
+        for _ in range(2):
+            stub.SubmitResult(submission_messages(header_of(member, work),
+                                                  dense_results(c, member.client_id)),
+                              metadata=auth, timeout=10)
+            work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
+        for path in (c.dir / "updates").glob("round-*.safetensors"):
+            path.unlink()  # what is served now comes from memory
+        updates = list(read_updates(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0),
+                                                    metadata=auth, timeout=10)))
+        assert [u.round for u in updates] == [0, 1]
+        assert updates[1].weight_hash == c.tier_hashes([0])[0]  # the master after round 1
