@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            help="comma-separated smaller tiers trained in the same step")
     federated.add_argument("--latency-ms", type=float, default=0.0,
                            help="delay every call by this much (simulates a slow network)")
+    federated.add_argument("--bandwidth-mbit", type=float, default=0.0,
+                           help="limit uploads and downloads to this many Mbit/s each "
+                                "(simulates a slow link; 0: no limit)")
     federated.add_argument("--max-rounds", type=int, default=None,
                            help="leave after training this many rounds")
     federated.add_argument("--no-progress", action="store_true",
@@ -64,7 +67,8 @@ def federated_options(args: argparse.Namespace) -> FederatedOptions:
         join_token=args.join_token, run_id=args.run_id, state_dir=args.state_dir,
         tls_ca=args.tls_ca, microbatch_tokens=args.microbatch_tokens,
         also_train=tuple(int(t) for t in args.also_train.split(",") if t.strip()),
-        latency_ms=args.latency_ms, max_rounds=args.max_rounds,
+        latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit,
+        max_rounds=args.max_rounds,
         progress=False if args.no_progress else None)
     if args.name:
         options.name = args.name

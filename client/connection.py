@@ -38,6 +38,7 @@ from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import submission_messages
 from protocol.tensors import decode_tensor
+from protocol.throttle import throttled
 from protocol.updates import RoundUpdate, read_updates
 
 T = TypeVar("T")
@@ -62,13 +63,16 @@ class Unreachable(ClientError):
 
 class Connection:
     def __init__(self, address: str, *, tls_ca: Path | None = None, latency_s: float = 0.0,
-                 patience_s: float = 60.0) -> None:
-        """``latency_s`` delays every call by that much (local-testnet's simulated WAN)."""
+                 bandwidth_mbit: float = 0.0, patience_s: float = 60.0) -> None:
+        """``latency_s`` delays every call by that much and ``bandwidth_mbit`` limits each
+        direction (local-testnet's simulated WAN; 0: no limit)."""
         if tls_ca is not None:
             credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
             self.channel = grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)
         else:
             self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        if bandwidth_mbit > 0:
+            self.channel = throttled(self.channel, mbit_per_s=bandwidth_mbit)
         self.address = address
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.latency_s = latency_s

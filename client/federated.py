@@ -85,6 +85,7 @@ class FederatedOptions:
     microbatch_tokens: int = 2048  # padded tokens per forward/backward pass (shrinks on OOM)
     also_train: tuple[int, ...] = ()  # smaller nested tiers trained in the same step
     latency_ms: float = 0.0  # added before every call: local-testnet's simulated WAN
+    bandwidth_mbit: float = 0.0  # each way, on every message (protocol/throttle.py); 0: none
     max_rounds: int | None = None  # leave after training this many rounds; None: until the end
     progress: bool | None = None  # a progress bar; None: when stderr is a terminal
 
@@ -115,7 +116,8 @@ class FederatedClient:
         self.device = torch.device(options.device)
         self.state_dir = options.state_dir or Path("runs/clients") / options.name
         self.connection = Connection(options.server, tls_ca=options.tls_ca,
-                                     latency_s=options.latency_ms / 1000)
+                                     latency_s=options.latency_ms / 1000,
+                                     bandwidth_mbit=options.bandwidth_mbit)
         self.replica: Replica | None = None
         self.local_round: LocalRound | None = None
         self.summary: ClientSummary | None = None

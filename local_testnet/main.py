@@ -2,6 +2,7 @@
 
     local-testnet --num-clients 3 --tiers 0,1,2                  # the embedded default run
     local-testnet --config run.toml --rounds 20 --kill-client-at 5 --latency-ms 50
+    local-testnet --bandwidth-mbit 20 --latency-ms 50      # every client on a home link
     local-testnet --chaos 7                    # seeded client kills and one server kill
 
 It starts ``matformer-server`` and the clients on loopback, streams their logs with
@@ -67,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "sequence was trained exactly once and the replicas agree")
     parser.add_argument("--latency-ms", type=float, default=0.0,
                         help="delay every client call by this much (a simulated WAN)")
+    parser.add_argument("--bandwidth-mbit", type=float, default=0.0,
+                        help="limit each client's upload and download to this many Mbit/s "
+                             "(a simulated home link; 0: no limit)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in runs/testnet instead of replacing it")
     # undocumented knobs of the embedded run, for tests and quick looks
@@ -161,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             f"round {e.round} {e.target}" for e in events))
     net = Testnet(TestnetPlan(
         config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
-        run_dir=run_dir, clients=clients, latency_ms=args.latency_ms, events=events,
+        run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
+        bandwidth_mbit=args.bandwidth_mbit, events=events,
         tls_ca=config.tls.cert, env=env))
     try:
         status = net.run()

@@ -60,6 +60,7 @@ class TestnetPlan:
     run_dir: Path
     clients: list[ClientSpec]
     latency_ms: float = 0.0
+    bandwidth_mbit: float = 0.0  # each client's upload and download limit; 0: none
     events: list[ChaosEvent] = field(default_factory=list)  # kills, in round order
     tls_ca: Path | None = None
     env: dict[str, str] = field(default_factory=dict)  # the join token, for every child
@@ -139,6 +140,8 @@ class Testnet:
             "--state-dir", str(p.run_dir / "clients" / spec.name), "--no-progress")
         if p.latency_ms:
             argv += ["--latency-ms", str(p.latency_ms)]
+        if p.bandwidth_mbit:
+            argv += ["--bandwidth-mbit", str(p.bandwidth_mbit)]
         if p.tls_ca is not None:
             argv += ["--tls-ca", str(p.tls_ca)]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -29,6 +30,7 @@ from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import encode_sparse_result
 from protocol.submission import read_submission, submission_messages
+from protocol.throttle import Bucket, throttled
 from protocol.updates import RoundUpdate, read_updates, update_messages
 
 JOIN_TOKEN = "join-secret"
@@ -225,3 +227,48 @@ def test_health_reports_serving(served) -> None:
     for service in ("", COORDINATOR_SERVICE):
         reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("direction", ["download", "upload"])
+def test_a_throttled_channel_moves_data_at_its_bandwidth(served, tmp_path: Path, direction):
+    """``--bandwidth-mbit``: bytes ÷ seconds of a transfer within 20% of the limit."""
+    coordinator, channel = served
+    reply, _ = _authed(channel)
+    limit_mbit = 40.0
+    slow = pb_grpc.CoordinatorStub(throttled(channel, mbit_per_s=limit_mbit))
+    auth = session_metadata(reply.session_token)
+    if direction == "download":
+        source = coordinator.checkpoints / "round-9" / "model.safetensors"
+        source.parent.mkdir(exist_ok=True)
+        source.write_bytes(os.urandom(4 << 20))
+        request = pb.DownloadCheckpointRequest(path="round-9/model.safetensors")
+        start = time.perf_counter()
+        moved = sum(m.ByteSize() for m in slow.DownloadCheckpoint(request, metadata=auth,
+                                                                   timeout=30))
+    else:
+        compressor = CompressionConfig(encoding="dense").build()
+        results = [compressor.encode(f"w{i}", torch.randn(256, 256), shape=(256, 256),
+                                     region=((0, 256), (0, 256)), tokens=1) for i in range(8)]
+        messages = list(submission_messages(pb.SubmitHeader(round=0, client_id=reply.client_id,
+                                                            tokens=1), results))
+        start = time.perf_counter()
+        assert slow.SubmitResult(iter(messages), metadata=auth, timeout=30).accepted == 8
+        moved = sum(m.ByteSize() for m in messages)
+    seconds = time.perf_counter() - start
+    assert moved > 2 << 20
+    assert 0.8 <= moved * 8 / 1e6 / seconds / limit_mbit <= 1.2, (moved, seconds)
+
+
+def test_a_bucket_spaces_messages_by_their_size():
+    now, slept = [0.0], []
+
+    def sleep(s):
+        slept.append(round(s, 6))
+        now[0] += s
+
+    bucket = Bucket(1000.0, clock=lambda: now[0], sleep=sleep)
+    for size in (500, 500, 2000):
+        bucket.take(size)
+    now[0] += 10.0  # an idle link saves nothing up: no burst after a pause
+    bucket.take(1000)
+    assert slept == [0.5, 0.5, 2.0, 1.0] and bucket.carried == 4000
