@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,11 +35,11 @@ from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
 from protocol.errors import ChecksumMismatch, MalformedStream
 from protocol.files import receive_file
+from protocol.link import metered
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import submission_messages
 from protocol.tensors import decode_tensor
-from protocol.throttle import throttled
 from protocol.updates import RoundUpdate, read_updates
 
 T = TypeVar("T")
@@ -71,13 +72,14 @@ class Connection:
             self.channel = grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)
         else:
             self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-        if bandwidth_mbit > 0:
-            self.channel = throttled(self.channel, mbit_per_s=bandwidth_mbit)
+        # every message counted each way (``meter``), and held to bandwidth_mbit if set
+        self.channel, self.meter = metered(self.channel, mbit_per_s=bandwidth_mbit)
         self.address = address
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.latency_s = latency_s
         self.patience_s = patience_s
         self.metadata: tuple[tuple[str, str], ...] = ()
+        self.call_seconds: Counter[str] = Counter()  # RPC name → seconds in its calls
         self.update_bytes = 0  # received in GetUpdates messages
 
     def close(self) -> None:
@@ -172,6 +174,7 @@ class Connection:
         give_up = time.monotonic() + patience_s
         backoff = RETRY_FIRST_S
         while True:
+            start = time.perf_counter()
             if self.latency_s:
                 time.sleep(self.latency_s)
             try:
@@ -185,6 +188,8 @@ class Connection:
                         f"the coordinator at {self.address} did not answer {name} for "
                         f"{patience_s:.0f} s ({err.details()}); check --server and that "
                         "matformer-server is running.") from None
+            finally:
+                self.call_seconds[name] += time.perf_counter() - start
             time.sleep(backoff * random.uniform(0.5, 1.5))
             backoff = min(backoff * 2, RETRY_MAX_S)
 

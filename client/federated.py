@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
 import sys
@@ -48,7 +49,13 @@ from modeling.checkpoint.files import write_json_atomic
 from modeling.checkpoint.loader import STRATEGIES, load, resolve
 from modeling.checkpoint.repository import HubRepository, LocalRepository
 from modeling.checkpoint.schema import canonical_schema_hash
-from modeling.compression import CompressionConfig, UpdateConfig
+from modeling.compression import (
+    DENSE_BYTES_PER_VALUE,
+    CompressionConfig,
+    UpdateConfig,
+    region_shape,
+    tier_regions,
+)
 from modeling.matformer import tier_label
 from modeling.mdat import Mdat
 from modeling.training import TierSchedule
@@ -64,6 +71,7 @@ SESSION_FILE = "session.json"
 NAME_PATIENCE_S = 90.0  # how long a Join waits for its name to be freed (ALREADY_EXISTS)
 NAME_RETRY_S = 5.0
 MAX_REJOINS = 3  # joins in a row after the coordinator forgot this client's session
+DOWNLOADS = ("GetUpdates", "FetchSequences", "DownloadCheckpoint")  # the calls that download
 # The coordinator ended this round for the client (it closed, restarted or dropped the
 # client): results not accepted, nothing sent, on to the next assignment.
 ROUND_OVER = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
@@ -103,6 +111,30 @@ class ClientSummary:
     finished: bool = False  # the coordinator said the run is over
     weight_hash: str = ""  # the replica's, at its tier, after ``rounds_applied`` rounds
     rejoins: int = 0  # times it joined again after its session ended
+    # What it cost, over the whole process (rejoins included): every message each way as
+    # serialized (before gRPC's gzip), against float32 of the tier's weights per round
+    # trained (up) and applied (down); seconds training, sending results, downloading
+    # (updates, sequences, checkpoint files), waiting for a round, and in all.
+    bytes_up: int = 0
+    bytes_down: int = 0
+    dense_bytes_up: int = 0
+    dense_bytes_down: int = 0
+    compute_s: float = 0.0
+    up_s: float = 0.0
+    down_s: float = 0.0
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+
+
+@dataclass
+class _Cost:
+    """What the summary's cost fields add up, kept across rejoins."""
+
+    started: float = field(default_factory=time.monotonic)
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    dense_up: int = 0  # float32 bytes of the tier's weights, per round trained
+    dense_down: int = 0  # ... per round applied
 
 
 class FederatedClient:
@@ -123,6 +155,7 @@ class FederatedClient:
         self.summary: ClientSummary | None = None
         self.settings = pb.TrainingSettings()
         self._reader = None
+        self._cost = _Cost()
 
     # -- the run ------------------------------------------------------------------------
 
@@ -229,7 +262,9 @@ class FederatedClient:
                 if assignment.state != pb.ROUND_STATE_TRAIN:
                     if assignment.round > self.applied:
                         self._catch_up()
-                    time.sleep(max(assignment.retry_after_seconds, 0.05))
+                    pause = max(assignment.retry_after_seconds, 0.05)
+                    time.sleep(pause)
+                    self._cost.wait_s += pause
                     continue
                 if assignment.round > self.applied:
                     self._catch_up()
@@ -273,6 +308,8 @@ class FederatedClient:
                 self._restore_feedback()
                 return
         self.local_round.feedback.save(self._feedback_path())
+        self._cost.compute_s += work.seconds
+        self._cost.dense_up += self._dense_bytes()
         self.summary.rounds_trained += 1
         self.summary.bytes_sent += sent
         self.summary.losses.append((assignment.round, loss))
@@ -337,12 +374,18 @@ class FederatedClient:
         self.summary.rounds_applied = self.applied
         self.summary.update_bytes = self.connection.update_bytes
 
+    def _dense_bytes(self) -> int:
+        """float32 bytes of the weights this client's tier holds: a dense gradient's size."""
+        regions = tier_regions(self.replica.shapes, self.replica.config, self.tier)
+        return DENSE_BYTES_PER_VALUE * sum(math.prod(region_shape(r)) for r in regions.values())
+
     def _apply(self, update: RoundUpdate) -> None:
         s = self.settings
         rule = UpdateConfig(rule=s.update_rule, lr=update.learning_rate,
                             weight_decay=s.weight_decay).build()
         self.replica.apply(update.parameters, rule)
         self.applied = update.round + 1
+        self._cost.dense_down += self._dense_bytes()
 
     def _build_local_round(self) -> None:
         s = self.settings
@@ -427,6 +470,15 @@ class FederatedClient:
             return
         if self.replica is not None:
             self.summary.weight_hash = self.replica.hash(self.tier)
+        cost, seconds = self._cost, self.connection.call_seconds
+        summary = self.summary
+        summary.bytes_up = self.connection.meter.bytes_up
+        summary.bytes_down = self.connection.meter.bytes_down
+        summary.dense_bytes_up, summary.dense_bytes_down = cost.dense_up, cost.dense_down
+        summary.compute_s, summary.wait_s = round(cost.compute_s, 3), round(cost.wait_s, 3)
+        summary.up_s = round(seconds["SubmitResult"], 3)
+        summary.down_s = round(sum(seconds[n] for n in DOWNLOADS), 3)
+        summary.wall_s = round(time.monotonic() - cost.started, 3)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / SUMMARY_FILE
         path.write_text(json.dumps(dataclasses.asdict(self.summary), indent=1) + "\n")

@@ -29,7 +29,14 @@ from local_testnet.chaos import ChaosEvent, chaos_plan, check_run, format_chaos
 from local_testnet.default_run import ensure_default_data, write_default_run
 from local_testnet.held_out import HeldOut
 from local_testnet.processes import free_port, say
-from local_testnet.report import format_table, tier_reports, write_plot, write_summary
+from local_testnet.report import (
+    client_costs,
+    format_costs,
+    format_table,
+    tier_reports,
+    write_plot,
+    write_summary,
+)
 from local_testnet.testnet import (
     RESTART_AFTER_S,
     ClientSpec,
@@ -232,9 +239,13 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
         f"{status.get('tokens', 0):,} tokens in {train_s:.0f} s; held-out loss of {first.name} "
         f"→ {last.name}\n")
     say(format_table(reports))
+    costs = client_costs(run_dir / "clients", sorted(tiers_seen))
+    if costs:
+        say("\n" + format_costs(costs))
     plot = write_plot(status, run_dir / "loss.png")
     summary = write_summary(run_dir / "summary.json", reports, status, wall_s=round(train_s, 1),
-                            first_checkpoint=first.name, final_checkpoint=last.name)
+                            first_checkpoint=first.name, final_checkpoint=last.name,
+                            clients=costs)
     say(f"\nwrote {plot}, {summary}; checkpoints, tier slices and manifest in {last.parent}")
     worse = [r.tier for r in reports if r.tier in final and not r.improved]
     if worse:

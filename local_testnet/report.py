@@ -123,6 +123,38 @@ def write_summary(path: Path, reports: list[TierReport], status: dict[str, Any],
     return path
 
 
+COST_KEYS = ("bytes_up", "bytes_down", "dense_bytes_up", "dense_bytes_down", "compute_s",
+             "up_s", "down_s", "wait_s", "wall_s")
+
+
+def client_costs(clients_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each client's cost as its ``summary.json`` (in its state dir) records it: bytes each
+    way against dense float32 each way, and seconds computing, moving, waiting and in all."""
+    costs = {}
+    for name in names:
+        path = clients_dir / name / "summary.json"
+        if path.is_file():
+            saved = json.loads(path.read_text())
+            costs[name] = {"tier": saved["tier"], **{k: saved.get(k, 0) for k in COST_KEYS}}
+    return costs
+
+
+def format_costs(costs: dict[str, dict[str, Any]]) -> str:
+    """One line per client: MiB up and down, how far below dense float32 both ways, and the
+    share of its wall time spent computing."""
+    lines = []
+    for name, c in costs.items():
+        moved = c["bytes_up"] + c["bytes_down"]
+        below = (c["dense_bytes_up"] + c["dense_bytes_down"]) / moved if moved else NAN
+        busy = c["compute_s"] / c["wall_s"] if c["wall_s"] else NAN
+        lines.append(
+            f"{name} (tier {c['tier']}): up {c['bytes_up'] / 2**20:,.1f} MiB, down "
+            f"{c['bytes_down'] / 2**20:,.1f} MiB, {below:,.1f}x below dense float32 both "
+            f"ways; computing {busy:.0%} of {c['wall_s']:,.0f} s (up {c['up_s']:,.1f} s, "
+            f"down {c['down_s']:,.1f} s, waiting {c['wait_s']:,.1f} s)")
+    return "\n".join(lines)
+
+
 def _finite(row: dict[str, Any]) -> dict[str, Any]:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v
             for k, v in row.items()}

@@ -44,6 +44,7 @@ from modeling.checkpoint.export import export_tiers
 from modeling.checkpoint.files import read_weights
 from modeling.checkpoint.pretrained import load_state_into
 from modeling.compression import (
+    DENSE_BYTES_PER_VALUE,
     Region,
     SparseResult,
     UpdateConfig,
@@ -85,7 +86,6 @@ from server.work import WorkQueue, work_order
 MAX_EVENTS = 1000  # the newest events state.json keeps
 MAX_DEPARTED = 100  # the newest departed members state.json keeps
 MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 bytes each)
-DENSE_BYTES_PER_VALUE = 4  # a round's results as float32 tensors of their whole regions
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
 SAVE_INTERVAL_S = 1.0  # joins, leaves and refusals reach state.json at most this often
 MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about 10

@@ -190,7 +190,8 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
     result = subprocess.run(
         [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
-         "--config", str(config), "--kill-client-at", "2", "--latency-ms", "150"],
+         "--config", str(config), "--kill-client-at", "2", "--latency-ms", "150",
+         "--bandwidth-mbit", "20"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
@@ -202,6 +203,15 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path):
     assert (run / "loss.png").read_bytes().startswith(b"\x89PNG")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rounds"] == 8 and all(t["improved"] for t in summary["tiers"])
+    for name, cost in summary["clients"].items():  # what each client's link carried
+        assert cost["bytes_up"] > 0 and cost["bytes_down"] > 0, name
+        assert cost["dense_bytes_up"] > 0 and cost["dense_bytes_down"] > 0, name
+        assert 0 < cost["compute_s"] < cost["wall_s"], name
+        # never faster than the 20 Mbit/s link, up or down (the time also holds latency)
+        assert cost["bytes_down"] * 8 / 1e6 / cost["down_s"] <= 20 * 1.05, name
+        assert cost["bytes_up"] * 8 / 1e6 / (cost["up_s"] + cost["down_s"]) <= 20 * 1.05
+    assert sorted(summary["clients"]) == ["client-0", "client-1"]
+    assert "x below dense float32 both ways; computing" in log
     assert "[testnet] killed client-1" in log
     assert "replaced by a new join as 'client-1'" in log  # no wait for the dead one's silence
     assert "[testnet] client-1 rejoined the run" in log

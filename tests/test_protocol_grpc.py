@@ -26,11 +26,11 @@ from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
 from protocol.errors import ProtocolError
 from protocol.files import receive_file, resolve_inside, send_file
 from protocol.health import add_health
+from protocol.link import Bucket, metered
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import encode_sparse_result
 from protocol.submission import read_submission, submission_messages
-from protocol.throttle import Bucket, throttled
 from protocol.updates import RoundUpdate, read_updates, update_messages
 
 JOIN_TOKEN = "join-secret"
@@ -235,7 +235,8 @@ def test_a_throttled_channel_moves_data_at_its_bandwidth(served, tmp_path: Path,
     coordinator, channel = served
     reply, _ = _authed(channel)
     limit_mbit = 40.0
-    slow = pb_grpc.CoordinatorStub(throttled(channel, mbit_per_s=limit_mbit))
+    link, meter = metered(channel, mbit_per_s=limit_mbit)
+    slow = pb_grpc.CoordinatorStub(link)
     auth = session_metadata(reply.session_token)
     if direction == "download":
         source = coordinator.checkpoints / "round-9" / "model.safetensors"
@@ -256,6 +257,7 @@ def test_a_throttled_channel_moves_data_at_its_bandwidth(served, tmp_path: Path,
         moved = sum(m.ByteSize() for m in messages)
     seconds = time.perf_counter() - start
     assert moved > 2 << 20
+    assert (meter.bytes_down if direction == "download" else meter.bytes_up) == moved
     assert 0.8 <= moved * 8 / 1e6 / seconds / limit_mbit <= 1.2, (moved, seconds)
 
 

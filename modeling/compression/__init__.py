@@ -45,7 +45,7 @@ sgd, sign, UPDATE_RULES; UpdateConfig(rule, lr, weight_decay).build() -> UpdateR
 UpdateRule.apply(weight, update), .apply_to_slice(weight_slice, update, region) (update.py)
 weight_hash(state, regions=None) -> str (hashing.py)
     The per-tier hash of the weights that the coordinator publishes and clients compare.
-index_dtype(bound), payload_bytes(result) (wire.py)
+DENSE_BYTES_PER_VALUE, index_dtype(bound), payload_bytes(result) (wire.py)
     Smallest integer dtypes for ids and positions, bytes on the wire.
 
 Errors (modeling.errors, all CompressionError): CompressionConfigError, UnknownEncoding,
@@ -75,9 +75,10 @@ from modeling.compression.regions import (
 from modeling.compression.sparse import ENCODINGS, SparseResult
 from modeling.compression.update import UPDATE_RULES, UpdateConfig, UpdateRule, sgd, sign
 from modeling.compression.validation import validate, validate_group
-from modeling.compression.wire import index_dtype, payload_bytes
+from modeling.compression.wire import DENSE_BYTES_PER_VALUE, index_dtype, payload_bytes
 
 __all__ = [
+    "DENSE_BYTES_PER_VALUE",
     "ENCODERS",
     "ENCODINGS",
     "UPDATE_RULES",

@@ -15,6 +15,8 @@ from modeling.compression.grid import ChunkGrid
 from modeling.compression.sparse import SparseResult
 
 _SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
+# what ratios of bytes moved are taken against: float32 tensors of whole regions
+DENSE_BYTES_PER_VALUE = 4
 
 
 def index_dtype(bound: int) -> torch.dtype:
