@@ -1,5 +1,4 @@
-"""The coordinator's work at the close of a round for 1, 4, 16 and 64 clients: does it grow at
-most linearly in the number of clients?
+"""A round at scale: what the coordinator and each client spend for 1, 4, 16 and 64 clients.
 
 One process starts a real ``matformer-server`` (``RunningServer.start`` on loopback, ports 0)
 for each client count N, with ``min_clients = N``, and drives N simulated clients through the
@@ -7,40 +6,50 @@ real gRPC stubs: Join (each asks for tier ``i % 3``), then per round GetRound an
 SubmitResult. The clients train nothing: before any timing, each encodes a random gradient
 of its tier's region of every parameter through error feedback, as a client does
 (``CompressionConfig`` defaults unless flags override them: DCT, chunk 64, top 32, bfloat16
-values), and the encoded messages are sent again every round with a new header.
+values), and the encoded messages are sent again every round with a new header and the
+round's assigned token count.
 
-What is timed, on the server, by wrapping the coordinator instance's methods (server code is
-untouched): ``close``, the whole of ``Coordinator._close`` (aggregate every parameter over the
-clients' results, apply the update rule to the master, hash the master per tier, log the
-update, save state.json), and inside it ``aggregate`` (``modeling.compression.aggregate``
-over all parameters), ``hash`` (``tier_hashes``), ``log + save`` (update log and state.json),
-and ``apply + rest`` (what remains: mostly the update rule). Checkpoints are kept out: the
-run's checkpoint interval is larger than the run, which is also longer than the rounds played.
-``round wall`` is the client side: the first GetRound to the return of the last
-SubmitResult, which closes the round (and opens the next) before it answers. ``received``
-is the bytes of accepted submissions per round (the round's record, ``bytes_sent``);
-``update`` the bytes of one round's GetUpdates stream, which every client downloads, and the
-time one client takes to read it.
+On the coordinator (its instance's methods wrapped; server code untouched): ``close``, the
+whole close of a round (``Coordinator._close``: aggregate every parameter over the clients'
+results, apply the update rule to the master, hash it per tier, log the update, save
+state.json), and inside it ``aggregate``, ``hash`` (``tier_hashes``), ``log + save`` and
+``apply + rest``. Checkpoints are kept out (the interval is longer than the run). While each
+timed round closes, a prober thread sends Heartbeat and GetRound in turn and records how long
+each takes to answer: ``hb p99``, the 99th percentile over every timed round.
+
+Per round, for a tier-0 client (the largest): ``up``, the bytes of its submission;
+``down``, the bytes of one round's GetUpdates as it downloads them; ``dense``, float32 of its
+weights (what a dense gradient up or dense weights down would take), and ``x below dense``,
+(dense up + dense down) / (up + down). ``apply s``: a tier-0 client's seconds to fetch one
+round's update and apply it to its weights. ``rss MiB``: the peak resident memory of this
+process (server and simulated clients together).
 
 Each client count plays one untimed warm-up round, then ``--rounds`` timed ones; medians are
-shown. The coordinator would measure each client's speed from its submission time and share
-the next round's sequences by it; these clients submit one after another without training, so
-the benchmark keeps their reported speeds (``membership.measured`` is a no-op here) and every
-client gets an equal share of every round. ``ms per client`` at N over at 1 client should stay
-at or below 1 (the per-round costs, hashing and logging, are shared by more clients; the check
-allows 1.25 for noise), and the marginal cost of one more client should not rise with N.
+shown. The benchmark keeps the clients' reported speeds (``membership.measured`` is a no-op:
+they submit one after another without training), so every client gets an equal share.
+``--json OUT`` writes one object per N with ``clients``, ``close_ms``, ``bytes_up``,
+``bytes_down``, ``dense_bytes_up``, ``dense_bytes_down``, ``update_apply_s``,
+``heartbeat_p99_ms`` (and ``getround_p99_ms``, ``peak_rss_mib``). Targets (issue 16): up +
+down at least 100x below dense at every N, close at 64 clients at most 3x close at 1,
+heartbeat p99 at most 50 ms.
 
-    python bench/server_aggregate.py                      # 1, 4, 16, 64 clients (about 40 s)
-    python bench/server_aggregate.py --clients 1,8,32 --rounds 5 --hidden-size 512
+    python bench/scale.py                      # 4M parameters, 1, 4, 16, 64 clients (1 min)
+    python bench/scale.py --shape 150m --clients 1,4,16,64 --json runs/scale.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
+import json
+import math
 import os
+import resource
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,19 +62,31 @@ from harness import print_table
 
 import server.coordinator
 from modeling import ModelConfig
-from modeling.compression import CompressionConfig, region_shape, tier_regions, universal_shapes
+from modeling.compression import (
+    DENSE_BYTES_PER_VALUE,
+    CompressionConfig,
+    UpdateConfig,
+    region_shape,
+    tier_regions,
+    universal_shapes,
+)
 from modeling.mdat import build_default_mdat
 from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import encode_sparse_result
+from protocol.updates import read_updates
 from server.config import RunConfig
 from server.coordinator import Coordinator
 from server.main import RunningServer
 
+NAN = float("nan")
 JOIN_TOKEN = "bench"
 RESULT_TOKENS = 512  # the count encoded at first; each round sends its assignment's count
+SHAPES = {"150m": {"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 12,
+                  "intermediate_size": 3072, "vocab_size": 32000}}
+PROBE_S = 0.005  # the prober's pause between calls while a round closes
 STEPS = ("aggregate", "hash", "log + save")  # timed inside close; "apply + rest" is the remainder
 
 
@@ -73,6 +94,9 @@ def parse_args() -> argparse.Namespace:
     defaults = CompressionConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model = parser.add_argument_group("model")
+    model.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                       help="a named shape; sets the five flags below (150m: 162M parameters, "
+                            "hidden 768, 12 layers, FFN 3072, vocab 32000)")
     model.add_argument("--vocab-size", type=int, default=260)
     model.add_argument("--hidden-size", type=int, default=256)
     model.add_argument("--layers", type=int, default=4)
@@ -93,7 +117,11 @@ def parse_args() -> argparse.Namespace:
     run.add_argument("--sequences-per-client", type=int, default=4,
                      help="round token budget = clients x this x --seq-len")
     run.add_argument("--threads", type=int, default=None)
-    return parser.parse_args()
+    run.add_argument("--json", type=Path, default=None, help="write the figures per N here")
+    args = parser.parse_args()
+    for key, value in SHAPES.get(args.shape, {}).items():
+        setattr(args, key, value)
+    return args
 
 
 def tiers_of(args: argparse.Namespace) -> list[int]:
@@ -230,8 +258,24 @@ class Row:
     closes: list[CloseTimes]
     walls: list[float]  # seconds, client side
     received: list[int]  # bytes of all submissions per round
-    update_bytes: int  # GetUpdates of one round, as each client downloads it
-    update_s: float  # and the seconds that download took
+    update_bytes: int  # GetUpdates of one round, as a tier-0 client downloads it
+    update_s: float  # and the seconds that download and applying it took
+    probes: dict[str, list[float]]  # RPC → seconds of each answer while a round closed
+    up_bytes: int  # a tier-0 client's submission
+    dense: int  # float32 bytes of a tier-0 client's weights
+    rss_mib: float
+
+    def p99_ms(self, rpc: str) -> float:
+        times = sorted(self.probes[rpc])
+        return times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3 if times else NAN
+
+    def figures(self) -> dict[str, float]:
+        """The JSON keys of one client count."""
+        return {"clients": self.clients, "close_ms": self.close_s() * 1e3,
+                "bytes_up": self.up_bytes, "bytes_down": self.update_bytes,
+                "dense_bytes_up": self.dense, "dense_bytes_down": self.dense,
+                "update_apply_s": self.update_s, "heartbeat_p99_ms": self.p99_ms("Heartbeat"),
+                "getround_p99_ms": self.p99_ms("GetRound"), "peak_rss_mib": self.rss_mib}
 
     def close_s(self, step: str = "close") -> float:
         return statistics.median(c.steps.get(step, 0.0) for c in self.closes)
@@ -255,7 +299,8 @@ def join(stub: pb_grpc.CoordinatorStub, running: RunningServer, index: int, tier
 
 
 def play_round(stub: pb_grpc.CoordinatorStub, clients: list[Client],
-               coordinator: Coordinator) -> tuple[int, float]:
+               coordinator: Coordinator, probes: dict[str, list[float]] | None = None
+               ) -> tuple[int, float]:
     """Every client fetches its assignment, then every client submits; (round, seconds)."""
     start = time.perf_counter()
     rounds, assignments = set(), {}
@@ -267,11 +312,43 @@ def play_round(stub: pb_grpc.CoordinatorStub, clients: list[Client],
                              f"(state {work.state}); raise --sequences-per-client.")
         rounds.add(work.round)
     (round_index,) = rounds
-    for client in clients:
+    for i, client in enumerate(clients):
         tokens = coordinator.assignment_for(client.client_id).tokens
-        stub.SubmitResult(client.stream(round_index, assignments[client.client_id], tokens),
-                          metadata=client.auth)
+        submit = functools.partial(
+            stub.SubmitResult, client.stream(round_index, assignments[client.client_id], tokens),
+            metadata=client.auth)
+        if i < len(clients) - 1 or probes is None:
+            submit()
+            continue
+        with probing(stub, clients[0].auth, probes):  # the last submission closes the round
+            submit()
     return round_index, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def probing(stub: pb_grpc.CoordinatorStub, auth: tuple, probes: dict[str, list[float]]
+            ) -> Iterator[None]:
+    """While the block runs, Heartbeat and GetRound in turn, each answer's seconds kept."""
+    done = threading.Event()
+    calls = {"Heartbeat": lambda: stub.Heartbeat(pb.HeartbeatRequest(), metadata=auth),
+             "GetRound": lambda: stub.GetRound(pb.GetRoundRequest(), metadata=auth)}
+
+    def probe() -> None:
+        for name in itertools.cycle(calls):
+            if done.is_set():
+                return
+            start = time.perf_counter()
+            calls[name]()
+            probes.setdefault(name, []).append(time.perf_counter() - start)
+            time.sleep(PROBE_S)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
@@ -291,27 +368,51 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         members = [join(stub, running, i, tiers[i % len(tiers)], submissions)
                    for i in range(clients)]
         play_round(stub, members, running.service.coordinator)  # warm-up
-        walls, received = [], []
+        walls, received, probes = [], [], {}
         for _ in range(args.rounds):
-            round_index, seconds = play_round(stub, members, running.service.coordinator)
+            round_index, seconds = play_round(stub, members, running.service.coordinator,
+                                              probes)
             walls.append(seconds)
             record = running.service.coordinator.state.rounds[-1]
             assert record["round"] == round_index
             received.append(record["bytes_sent"])
-        start = time.perf_counter()
-        update = stub.GetUpdates(pb.GetUpdatesRequest(since_round=round_index),
-                                 metadata=members[0].auth)
-        update_bytes = sum(message.ByteSize() for message in update)
-        update_s = time.perf_counter() - start
+        update_bytes, update_s = fetch_and_apply(stub, members[0], coordinator, round_index)
         timed = timer.closes[1:]
         if any(c.clients != clients for c in timed):
             raise SystemExit(f"a round closed with {[c.clients for c in timed]} submissions, "
                              f"not {clients}; every client should submit every round.")
-        return Row(clients, timed, walls, received, update_bytes, update_s)
+        dense = DENSE_BYTES_PER_VALUE * sum(math.prod(region_shape(r))
+                                            for r in coordinator.regions(tiers[0]).values())
+        up = sum(m.ByteSize() for m in members[0].messages)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        return Row(clients, timed, walls, received, update_bytes, update_s, probes, up, dense,
+                   rss)
     finally:
         server.coordinator.aggregate = aggregate
         channel.close()
         running.stop()
+
+
+def fetch_and_apply(stub: pb_grpc.CoordinatorStub, client: Client, coordinator: Coordinator,
+                    round_index: int) -> tuple[int, float]:
+    """A tier-0 client's download of one round's update and its application to a copy of
+    the weights it holds: (bytes, seconds)."""
+    weights = {name: tensor.clone() for name, tensor in coordinator.master.items()}
+    settings = coordinator.config.update
+    start = time.perf_counter()
+    messages = list(stub.GetUpdates(pb.GetUpdatesRequest(since_round=round_index),
+                                    metadata=client.auth))
+    (update,) = read_updates(messages)
+    rule = UpdateConfig(rule=settings.rule, lr=update.learning_rate,
+                        weight_decay=settings.weight_decay).build()
+    for name, aggregate in update.parameters.items():
+        weights[name] = rule.apply(weights[name], aggregate)
+    return sum(m.ByteSize() for m in messages), time.perf_counter() - start
+
+
+def below_dense(f: dict[str, float]) -> float:
+    """How many times less a client moves, up and down, than dense float32 both ways."""
+    return (f["dense_bytes_up"] + f["dense_bytes_down"]) / (f["bytes_up"] + f["bytes_down"])
 
 
 def main() -> None:
@@ -340,18 +441,33 @@ def main() -> None:
         rows = [measure(args, n, folder, mdat, submissions) for n in counts]
     print_table(
         ["clients", "close ms", "ms/client", "aggregate ms", "hash ms", "log + save ms",
-         "apply + rest ms", "round wall ms", "received KiB", "update KiB",
-         "update ms"],
+         "apply + rest ms", "round wall ms", "hb p99 ms", "GetRound p99 ms"],
         [[str(r.clients), f"{r.close_s() * 1e3:,.1f}", f"{r.close_s() * 1e3 / r.clients:,.2f}",
           *(f"{r.close_s(s) * 1e3:,.1f}" for s in STEPS), f"{r.rest_s() * 1e3:,.1f}",
-          f"{statistics.median(r.walls) * 1e3:,.0f}",
-          f"{statistics.median(r.received) / 2**10:,.0f}",
-          f"{r.update_bytes / 2**10:,.0f}", f"{r.update_s * 1e3:,.0f}"] for r in rows],
+          f"{statistics.median(r.walls) * 1e3:,.0f}", f"{r.p99_ms('Heartbeat'):,.1f}",
+          f"{r.p99_ms('GetRound'):,.1f}"] for r in rows],
     )
+    figures = [r.figures() for r in rows]
+    print()
+    print_table(
+        ["clients", "up KiB", "down KiB", "dense KiB", "x below dense", "apply s", "rss MiB"],
+        [[str(f["clients"]), f"{f['bytes_up'] / 2**10:,.1f}", f"{f['bytes_down'] / 2**10:,.1f}",
+          f"{f['dense_bytes_up'] / 2**10:,.0f}", f"{below_dense(f):,.1f}",
+          f"{f['update_apply_s']:,.2f}", f"{f['peak_rss_mib']:,.0f}"] for f in figures],
+    )
+    below = min(below_dense(f) for f in figures)
+    worst_p99 = max(f["heartbeat_p99_ms"] for f in figures)
+    print(f"targets: up + down >= 100x below dense at every N: {below:,.1f}x "
+          f"({'met' if below >= 100 else 'not met'}); heartbeat p99 <= 50 ms: "
+          f"{worst_p99:,.1f} ms ({'met' if worst_p99 <= 50 else 'not met'})")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"wrote {args.json}")
     first, last = rows[0], rows[-1]
-    ratio = (last.close_s() / last.clients) / (first.close_s() / first.clients)
-    print(f"ms per client at {last.clients} / at {first.clients}: {ratio:.2f} "
-          f"(at most linear: {'yes' if ratio <= 1.25 else 'no'})")
+    growth = last.close_s() / first.close_s()
+    print(f"close at {last.clients} clients / at {first.clients}: {growth:.2f} "
+          f"(target <= 3 at 64 / 1: {'met' if growth <= 3 else 'not met'})")
     marginal = [f"{a.clients}->{b.clients}: "
                 f"{(b.close_s() - a.close_s()) * 1e3 / (b.clients - a.clients):,.2f}"
                 for a, b in itertools.pairwise(rows)]
