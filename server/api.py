@@ -108,6 +108,16 @@ class ClientInfo(Strict):
                                            "heartbeat_timeout_s)")
     rejections: int = Field(description="submissions refused as bad results")
     missed: int = Field(description="rounds missed in a row")
+    bytes_up: int = Field(description="bytes of its submissions since it joined, as received")
+    bytes_down: int = Field(description="bytes sent to it since it joined: updates, sequences "
+                                        "and checkpoint files (before gRPC's compression)")
+    dense_bytes_up: int = Field(description="float32 of its tier's weights per submission: "
+                                            "what dense gradients would have taken")
+    dense_bytes_down: int = Field(description="float32 of its tier's weights per round update "
+                                              "it downloaded: what dense weights would take")
+    compute_utilization: float | None = Field(
+        description="training seconds it reported for its last round over that round's "
+                    "seconds from opening to its results; null before its first round")
 
 
 class ExcludedClient(Strict):
@@ -262,7 +272,10 @@ def clients_info(snap: dict[str, Any], operator: bool) -> Clients:
             last_round=m["last_round"], last_round_share=m["last_round_share"],
             last_round_seconds=m["last_round_seconds"], last_seen=m["last_seen"],
             last_seen_s_ago=age, state=state, rejections=m["rejections"],
-            missed=m["missed"]))
+            missed=m["missed"], bytes_up=m["bytes_up"], bytes_down=m["bytes_down"],
+            dense_bytes_up=m["dense_bytes_up"], dense_bytes_down=m["dense_bytes_down"],
+            compute_utilization=(min(m["last_round_compute_s"] / m["last_round_seconds"], 1.0)
+                                 if m["last_round_seconds"] > 0 else None)))
     excluded = [ExcludedClient(**{**e, "reason": e["reason"] if operator else WITHHELD})
                 for e in snap["excluded"]]
     return Clients(members=members, excluded=excluded,

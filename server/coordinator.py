@@ -305,6 +305,10 @@ class Coordinator:
             results = self.limits.check(results)
             rnd.submissions[client_id] = Submission({r.name: r for r in results}, loss, now,
                                                     wire_bytes)
+            member.bytes_up += wire_bytes
+            member.dense_bytes_up += self.dense_bytes(tier)
+            member.compute_s += train_seconds or 0.0
+            member.last_round_compute_s = train_seconds or 0.0
             measured = (train_seconds if train_seconds is not None and train_seconds > 0
                         else now - rnd.opened_at)
             self.membership.measured(client_id, tokens, measured)
@@ -481,6 +485,19 @@ class Coordinator:
                     self.state.rounds, since_round, lambda r: r["round"]),
                 "events": [] if events_after is None else _tail(
                     self.state.events, events_after + 1, lambda e: e["seq"])}
+
+    def downloaded(self, client_id: str, nbytes: int, *, rounds: int = 0) -> None:
+        """Count what the service sent a member (``rounds``: round updates among it)."""
+        with self._lock:
+            member = self.membership.members.get(client_id)
+            if member is not None:
+                member.bytes_down += nbytes
+                member.dense_bytes_down += rounds * self.dense_bytes(member.tier)
+
+    def dense_bytes(self, tier: int) -> int:
+        """float32 bytes of the weights a tier holds: a dense gradient's, or weights', size."""
+        return DENSE_BYTES_PER_VALUE * sum(math.prod(region_shape(r))
+                                           for r in self.regions(tier).values())
 
     def regions(self, tier: int) -> dict[str, Region]:
         """Canonical name → the region of the universal tensor that ``tier`` covers."""

@@ -41,6 +41,15 @@ class Member:
     last_round_share: float = 0.0  # ... as a fraction of the round's tokens
     last_round_seconds: float = 0.0  # from the round's opening to its submission
     key_hash: str = ""  # the hash of the client key it joined with ([auth] mode = "keys")
+    # What it cost, since it joined: bytes each way as the service sent and received them,
+    # against float32 of its tier's weights per submission (up) and per round update
+    # served (down); the training seconds it reported, in all and in its last round.
+    bytes_up: int = 0
+    bytes_down: int = 0
+    dense_bytes_up: int = 0
+    dense_bytes_down: int = 0
+    compute_s: float = 0.0
+    last_round_compute_s: float = 0.0
 
 
 class Membership:

@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -181,9 +181,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 raise RepeatedSequenceIds(
                     f"the request names sequence ids {repeated[:5]} more than once ({len(ids)} "
                     f"ids, {len(counts)} distinct); ask for each assigned id once.")
-            yield from watch.sent(
+            yield from watch.sent(self._counted(client_id, (
                 pb.Sequence(id=i, tokens=encode_tensor(torch.from_numpy(reader[i].copy())))
-                for i in ids)
+                for i in ids)))
 
     def SubmitResult(self, request_iterator: Iterator[pb.SubmitMessage],
                      context: grpc.ServicerContext) -> pb.SubmitReply:
@@ -254,7 +254,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     _abort(context, UpdatesPruned(
                         f"round {round_index} left the update log while it was being sent; "
                         "load the latest checkpoint (GetCheckpoint) and ask again."))
-                yield from watch.sent(messages)
+                yield from watch.sent(self._counted(client_id, messages, rounds=1))
 
     def GetCheckpoint(self, request: pb.GetCheckpointRequest,
                       context: grpc.ServicerContext) -> pb.CheckpointRef:
@@ -271,7 +271,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         client_id = self._session(context)
         with self._stream(context, client_id) as watch:
             try:
-                yield from watch.sent(served_files(self.checkpoints).chunks(request.path))
+                yield from watch.sent(self._counted(
+                    client_id, served_files(self.checkpoints).chunks(request.path)))
             except (ProtocolError, FileNotServed, ServedFileDamaged) as err:
                 _abort(context, err)
             except OSError as err:  # whatever else the file system refuses: not a served file
@@ -284,6 +285,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return self.coordinator.dir / "checkpoints"
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _counted(self, client_id: str, messages: Iterable[T], *, rounds: int = 0
+                 ) -> Iterator[T]:
+        """``messages``, their bytes counted as downloaded by ``client_id`` once the stream
+        ends or breaks off (``rounds``: round updates it holds, when sent whole)."""
+        sent, whole = 0, False
+        try:
+            for message in messages:
+                sent += message.ByteSize()
+                yield message
+            whole = True
+        finally:
+            self.coordinator.downloaded(client_id, sent, rounds=rounds if whole else 0)
 
     def _key_holder(self, presented: str, context: grpc.ServicerContext) -> KeyHolder:
         """Whose client key the Join presents; UNAUTHENTICATED for a key the keys file does

@@ -361,3 +361,22 @@ def test_events_saved_before_they_were_numbered_get_numbers_on_load(tmp_path):
     loaded = RunState.load(tmp_path)
     assert [(e["seq"], e["detail"]) for e in loaded.events] == [(0, "a"), (1, "b")]
     assert loaded.rounds == [] and loaded.departed == []
+
+
+def test_each_members_bytes_both_ways_against_dense(run):
+    server, replies, sent, live = run
+    c = server.service.coordinator
+    alice = next(m for m in live["/api/clients"]["members"] if m["name"] == "alice")
+    assert alice["bytes_up"] == sent[0]["alice"] + sent[1]["alice"]
+    assert alice["dense_bytes_up"] == 2 * c.dense_bytes(0) == 2 * 4 * sum(
+        math.prod(b - a for a, b in region) for region in c.regions(0).values())
+    assert (alice["bytes_down"], alice["dense_bytes_down"]) == (0, 0)
+    assert alice["compute_utilization"] == 0.0  # it reported no training seconds
+    auth = session_metadata(replies["alice"].session_token)
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+    got = list(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0), metadata=auth))
+    rounds = sum(1 for m in got if m.WhichOneof("item") == "header")
+    now = next(m for m in get(server, "/api/clients")["members"] if m["name"] == "alice")
+    assert rounds == c.state.round == 2
+    assert now["bytes_down"] == sum(m.ByteSize() for m in got)
+    assert now["dense_bytes_down"] == rounds * c.dense_bytes(0)

@@ -12,6 +12,7 @@ const EVENTS_KEPT = 200; // rows of the events table
 const TIER_COLORS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#0891b2",
                      "#ca8a04", "#4b5563"];
 const GIB = 2 ** 30;
+const MIB = 2 ** 20;
 
 const ROUND_SERIES = ["bytes_sent", "bytes_dense", "duration_s", "slowest_s"];
 
@@ -164,6 +165,14 @@ function clientRow(m) {
   row.append(speed);
   row.append(numCell("last_round_share", m.last_round_share,
                      `${fmt(m.last_round_share * 100, 1)} %`));
+  const moved = m.bytes_up + m.bytes_down;
+  const below = moved ? (m.dense_bytes_up + m.dense_bytes_down) / moved : null;
+  row.append(numCell("bytes_moved", moved,
+                     `${fmt(m.bytes_up / MIB, 1)} / ${fmt(m.bytes_down / MIB, 1)} MiB` +
+                     (below === null ? "" : ` (${fmt(below, 1)}×)`)));
+  row.append(numCell("compute_utilization", m.compute_utilization,
+                     m.compute_utilization === null ? "–"
+                       : `${fmt(m.compute_utilization * 100, 0)} %`));
   row.append(numCell("last_seen_s_ago", m.last_seen_s_ago, `${fmt(m.last_seen_s_ago, 1)} s ago`));
   row.append(numCell("rejections", m.rejections, fmt(m.rejections, 0)));
   row.append(node("td", { "data-field": "state", class: `state state-${m.state}` }, m.state));
@@ -173,7 +182,7 @@ function clientRow(m) {
 function renderClients(clients) {
   const rows = [...clients.members]
     .sort((a, b) => a.tier - b.tier || a.name.localeCompare(b.name)).map(clientRow);
-  if (!rows.length) rows.push(emptyRow(9, "no clients have joined"));
+  if (!rows.length) rows.push(emptyRow(11, "no clients have joined"));
   $("#clients tbody").replaceChildren(...rows);
   const excluded = clients.excluded.map((e) => {
     const item = node("li", { "data-client-id": e.client_id });
