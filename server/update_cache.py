@@ -1,10 +1,12 @@
 """GetUpdates served from memory: the encoded messages of recent rounds, per tier.
 
 Every client of a tier downloads the same messages for a round, so each (round, tier) is
-encoded once, when the first client asks, from the update the close handed over (``put``) or,
-for an older round, read once from the update log. The newest ``rounds`` rounds stay; older
-ones are read and encoded again if a client replays that far. Nothing here takes the
-coordinator's lock, so a download never holds up a heartbeat or a close.
+encoded once, when the first client asks, from the update the close handed over (``put``:
+the newest round only, since a decoded update holds two float32 tensors of the model's size)
+or read from the update log. Encoded messages stay for the newest rounds as long as they fit
+in ``budget`` bytes (at least the newest round's, whatever its size); a round that left is
+read and encoded again if a client replays that far. Nothing here takes the coordinator's
+lock, so a download never holds up a heartbeat or a close.
 
     cache = UpdateCache(read=log.read, regions=coordinator.regions)
     coordinator.round_closed.append(lambda closed: cache.put(closed.update))
@@ -14,7 +16,6 @@ coordinator's lock, so a download never holds up a heartbeat or a close.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -24,26 +25,25 @@ from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.updates import RoundUpdate, update_messages
 from server.update_log import LoggedUpdate
 
-CACHED_ROUNDS = 8  # a client this far behind replays from memory; one further reads the log
+CACHE_BYTES = 512 * 2**20  # encoded messages kept, newest rounds first
 
 
 class UpdateCache:
     def __init__(self, *, read: Callable[[int], LoggedUpdate],
-                 regions: Callable[[int], dict[str, Region]], rounds: int = CACHED_ROUNDS
+                 regions: Callable[[int], dict[str, Region]], budget: int = CACHE_BYTES
                  ) -> None:
         self._read = read
         self._regions = regions
-        self._rounds = rounds
-        self._logged: OrderedDict[int, LoggedUpdate] = OrderedDict()
-        self._encoded: dict[tuple[int, int], list[pb.UpdateMessage]] = {}
+        self._budget = budget
+        self._newest: LoggedUpdate | None = None
+        self._encoded: dict[tuple[int, int], tuple[list[pb.UpdateMessage], int]] = {}
         self._lock = threading.Lock()
         self._encoding: dict[tuple[int, int], threading.Lock] = {}  # one encoder per key
 
     def put(self, update: LoggedUpdate) -> None:
         """A round the close just logged: served without reading it back."""
         with self._lock:
-            self._logged[update.round] = update
-            self._evict()
+            self._newest = update
 
     def messages(self, round_index: int, tier: int) -> list[pb.UpdateMessage]:
         """The round's header and parameter updates cut to ``tier``'s regions. Raises what
@@ -51,13 +51,14 @@ class UpdateCache:
         key = (round_index, tier)
         with self._lock:
             if key in self._encoded:
-                return self._encoded[key]
+                return self._encoded[key][0]
             encoder = self._encoding.setdefault(key, threading.Lock())
         with encoder:  # clients of one tier asking at once: the first encodes, the rest wait
             with self._lock:
                 if key in self._encoded:
-                    return self._encoded[key]
-                logged = self._logged.get(round_index)
+                    return self._encoded[key][0]
+                newest = self._newest
+            logged = newest if newest is not None and newest.round == round_index else None
             if logged is None:
                 logged = self._read(round_index)
             messages = list(update_messages([RoundUpdate(
@@ -66,20 +67,20 @@ class UpdateCache:
                 parameters=_within(logged.aggregates, self._regions(tier)),
                 signs_only=logged.update.rule == "sign")]))
             with self._lock:
-                self._encoded[key] = messages
-                self._logged.setdefault(round_index, logged)
+                self._encoded[key] = (messages, sum(m.ByteSize() for m in messages))
                 self._evict()
                 self._encoding.pop(key, None)
             return messages
 
     def _evict(self) -> None:
-        """(lock held) Keep the newest ``rounds`` rounds, decoded and encoded."""
-        newest = sorted(self._logged, reverse=True)[:self._rounds]
-        keep = set(newest)
-        for round_index in [r for r in self._logged if r not in keep]:
-            del self._logged[round_index]
-        for key in [k for k in self._encoded if k[0] not in keep]:
-            del self._encoded[key]
+        """(lock held) Drop the oldest rounds' messages while they exceed the budget; the
+        newest round's stay."""
+        newest = max(r for r, _ in self._encoded)
+        total = sum(size for _, size in self._encoded.values())
+        for key in sorted(self._encoded):  # oldest round first
+            if total <= self._budget or key[0] == newest:
+                break
+            total -= self._encoded.pop(key)[1]
 
 
 def _within(aggregates: dict[str, Aggregate], regions: dict[str, Region]

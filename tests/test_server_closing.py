@@ -85,23 +85,39 @@ def test_each_round_is_read_and_encoded_once_per_tier(tmp_path, mdat_path):
     c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=Clock())
     logged = logged_rounds(c, 4)
     reads = []
-    cache = UpdateCache(read=lambda r: reads.append(r) or logged[r], regions=c.regions,
-                        rounds=2)
+    cache = UpdateCache(read=lambda r: reads.append(r) or logged[r], regions=c.regions)
     cache.put(logged[3])  # as the close hands it over
     first = cache.messages(3, 1)
     assert reads == [] and cache.messages(3, 1) is first  # from memory, encoded once
     assert cache.messages(3, 0) is not first  # each tier its own cut
     header = first[0].header
     assert (header.round, header.weight_hash) == (3, logged[3].hashes[1])
-    assert cache.messages(2, 1)[0].header.round == 2 and reads == [2]
+    assert cache.messages(2, 1)[0].header.round == 2 and reads == [2]  # not handed over
     cache.messages(2, 1)
     assert reads == [2]
-    cache.messages(0, 1)  # older than the newest 2: read again each time it is asked for
-    cache.messages(0, 1)
-    assert reads == [2, 0, 0]
 
 
-def test_get_updates_serves_recent_rounds_without_the_log_files(tmp_path):
+def test_the_cache_keeps_the_newest_rounds_within_its_budget(tmp_path, mdat_path):
+    c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=Clock())
+    logged = logged_rounds(c, 4)
+    sizes = [sum(m.ByteSize() for m in UpdateCache(read=logged.__getitem__,
+                                                   regions=c.regions).messages(r, 0))
+             for r in range(4)]
+    reads = []
+    cache = UpdateCache(read=lambda r: reads.append(r) or logged[r], regions=c.regions,
+                        budget=sizes[2] + sizes[3])  # the newest two rounds of tier 0
+    for r in range(4):
+        cache.messages(r, 0)
+    cache.messages(3, 0), cache.messages(2, 0)  # the newest two stayed
+    assert reads == [0, 1, 2, 3]
+    cache.messages(0, 0)  # left: read again, and it pushes round 2 out
+    assert reads == [0, 1, 2, 3, 0]
+    tiny = UpdateCache(read=lambda r: reads.append(r) or logged[r], regions=c.regions,
+                       budget=1)
+    assert tiny.messages(3, 0) is tiny.messages(3, 0)  # the newest round stays whatever size
+
+
+def test_a_second_download_of_a_round_does_not_read_the_log(tmp_path):
     with serving(tmp_path) as (server, stub):
         member, auth, work = joined(stub, server, "alice")
         c = server.service.coordinator
@@ -110,9 +126,13 @@ def test_get_updates_serves_recent_rounds_without_the_log_files(tmp_path):
                                                   dense_results(c, member.client_id)),
                               metadata=auth, timeout=10)
             work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
+        first = list(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0), metadata=auth,
+                                     timeout=10))
         for path in (c.dir / "updates").glob("round-*.safetensors"):
-            path.unlink()  # what is served now comes from memory
-        updates = list(read_updates(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0),
-                                                    metadata=auth, timeout=10)))
+            path.unlink()  # what is served to the next client comes from memory
+        again = list(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0), metadata=auth,
+                                     timeout=10))
+        assert again == first
+        updates = list(read_updates(again))
         assert [u.round for u in updates] == [0, 1]
         assert updates[1].weight_hash == c.tier_hashes([0])[0]  # the master after round 1
