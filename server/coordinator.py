@@ -201,18 +201,19 @@ class Coordinator:
                 raise Excluded(f"{before} was excluded from the run: "
                                f"{self.membership.excluded[before]}")
             holder = self.membership.named(capabilities.name)
+            proven = holder is not None and (key is not None or before == holder.client_id)
+            silent = now - holder.last_seen if holder is not None else 0.0
+            if holder is not None and not proven and (
+                    silent <= self.config.faults.heartbeat_timeout_s):
+                raise NameTaken(
+                    f"a live member of this run is named {capabilities.name!r}; choose "
+                    "another --name (a restarted client proves its name with the session it "
+                    "saved in its --state-dir).")
+            self._admit_check(now, replacing=holder is not None)
             if holder is not None:
-                proven = key is not None or before == holder.client_id
-                silent = now - holder.last_seen
-                if not proven and silent <= self.config.faults.heartbeat_timeout_s:
-                    raise NameTaken(
-                        f"a live member of this run is named {capabilities.name!r}; choose "
-                        "another --name (a restarted client proves its name with the session "
-                        "it saved in its --state-dir).")
                 self._remove(holder, f"replaced by a new join as {holder.name!r}"
                              if proven else f"silent for {silent:.0f} s; its name was taken "
                              "by a new join")
-            self._admit_check(now)
             joined = self.membership.join(capabilities, now=now,
                                           key_hash=key.key_hash if key else "")
             member, tier, _ = joined
@@ -222,11 +223,12 @@ class Coordinator:
             self.advance()
             return joined
 
-    def _admit_check(self, now: float) -> None:
-        """RunFull beyond [faults] max_members, JoinsTooFast beyond max_joins_per_minute
-        (a bucket of that many joins, refilled over a minute)."""
+    def _admit_check(self, now: float, *, replacing: bool) -> None:
+        """RunFull beyond [faults] max_members (``replacing``: the join takes a member's
+        place), JoinsTooFast beyond max_joins_per_minute (a bucket of that many joins,
+        refilled over a minute). Checked before anything changes."""
         faults = self.config.faults
-        if len(self.membership.members) >= faults.max_members:
+        if len(self.membership.members) - replacing >= faults.max_members:
             raise RunFull(f"the run has {faults.max_members} members, the most it admits "
                           "([faults] max_members); try again when one has left.")
         rate = faults.max_joins_per_minute / 60

@@ -150,8 +150,18 @@ def test_joins_are_rate_limited_and_capped(tmp_path, mdat_path):
     clock.now += 60.0
     with pytest.raises(RunFull, match="the run has 11 members, the most it admits"):
         c.join(caps("m11"))
+    # a join under a silent member's name takes its place, even in a full run
     c.leave("client-0")
     c.join(caps("m11"))
+    c.membership.members["client-11"].last_seen = -1000.0
+    assert c.join(caps("m11"))[0].client_id == "client-12" and len(c.membership.members) == 11
+    # a refused join changes nothing: the member it would replace stays
+    config.faults.max_members, config.faults.max_joins_per_minute = 20, 1
+    clock.now += 60.0
+    held, _, token = c.join(caps("m13"))
+    with pytest.raises(JoinsTooFast):
+        c.join(caps("m13"), previous_session=token)
+    assert c.membership.named("m13") is held and c.authenticate(token) == held.client_id
 
 
 # -- over gRPC, with the operator's command -----------------------------------------------
