@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from modeling.compression.encodings import ChunkTopK, decode, get_encoding
-from modeling.compression.grid import ChunkGrid, full_region, region_slices
+from modeling.compression.grid import ChunkGrid, Region, full_region, region_slices
 from modeling.compression.sparse import SparseResult
 from modeling.compression.validation import validate_group
 from modeling.errors import CompressionError
@@ -54,8 +54,11 @@ def aggregate(results: Sequence[SparseResult], *, votes: bool = False) -> Aggreg
     validate_group(results)
     shape = results[0].shape
     tokens = torch.zeros(shape, device=results[0].values.device)  # Σ tokens covering each
+    by_region: dict[Region, int] = {}  # clients of one tier share a region: one pass each
     for result in results:
-        tokens[region_slices(result.region)] += result.tokens
+        by_region[result.region] = by_region.get(result.region, 0) + result.tokens
+    for region, count in by_region.items():
+        tokens[region_slices(region)] += count
     layout = {(r.encoding, r.chunk) for r in results}
     encoding = get_encoding(results[0].encoding)
     if votes or len(layout) > 1 or not isinstance(encoding, ChunkTopK):
