@@ -93,7 +93,7 @@ class FederatedOptions:
     microbatch_tokens: int = 2048  # padded tokens per forward/backward pass (shrinks on OOM)
     also_train: tuple[int, ...] = ()  # smaller nested tiers trained in the same step
     latency_ms: float = 0.0  # added before every call: local-testnet's simulated WAN
-    bandwidth_mbit: float = 0.0  # each way, on every message (protocol/throttle.py); 0: none
+    bandwidth_mbit: float = 0.0  # each way, on every message (protocol/link.py); 0: none
     max_rounds: int | None = None  # leave after training this many rounds; None: until the end
     progress: bool | None = None  # a progress bar; None: when stderr is a terminal
 
