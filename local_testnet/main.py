@@ -242,7 +242,7 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
     costs = client_costs(run_dir / "clients", sorted(tiers_seen))
     if costs:
         say("\n" + format_costs(costs))
-    plot = write_plot(status, run_dir / "loss.png")
+    plot = write_plot(status, run_dir / "loss.png", costs)
     summary = write_summary(run_dir / "summary.json", reports, status, wall_s=round(train_s, 1),
                             first_checkpoint=first.name, final_checkpoint=last.name,
                             clients=costs)

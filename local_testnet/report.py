@@ -73,10 +73,14 @@ def format_table(reports: list[TierReport]) -> str:
     return "\n".join(lines)
 
 
-def write_plot(status: dict[str, Any], path: Path) -> Path:
-    """Training loss per tier over rounds, and the bytes of each round's results: as sent
-    (compressed) against dense float32 (the dashboard's two charts)."""
-    fig, (losses, sent) = plt.subplots(1, 2, figsize=(11, 4))
+def write_plot(status: dict[str, Any], path: Path,
+               costs: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Training loss per tier over rounds, the bytes of each round's results as sent
+    (compressed) against dense float32 (the dashboard's two charts), and with ``costs``
+    (``client_costs``) what each client moved up and down against dense both ways."""
+    costs = costs or {}
+    fig, axes = plt.subplots(1, 3 if costs else 2, figsize=(16 if costs else 11, 4))
+    losses, sent = axes[:2]
     curves = {t: c for t, c in sorted(training_curves(status).items()) if c}
     for tier, curve in curves.items():
         rounds, values = zip(*curve, strict=True)
@@ -101,11 +105,37 @@ def write_plot(status: dict[str, Any], path: Path) -> Path:
     ratio = (f" (dense / sent: {drawn[0] / drawn[1]:.1f}×)" if len(drawn) == 2 and drawn[1]
              else "")
     sent.set(xlabel="round", ylabel="KiB", title=f"results per round{ratio}")
+    if costs:
+        _cost_bars(axes[2], costs)
     fig.suptitle(f"run {status.get('run_id', '')}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def moved_mib(costs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per client, MiB up, down, and dense float32 both ways: the cost panel's bars."""
+    return {name: {"up": c["bytes_up"] / 2**20, "down": c["bytes_down"] / 2**20,
+                   "dense": (c["dense_bytes_up"] + c["dense_bytes_down"]) / 2**20}
+            for name, c in costs.items()}
+
+
+def _cost_bars(axis: Any, costs: dict[str, dict[str, Any]]) -> None:
+    bars = moved_mib(costs)
+    names = list(bars)
+    width = 0.27
+    for i, (key, label, colour) in enumerate([("up", "sent", "tab:blue"),
+                                              ("down", "received", "tab:orange"),
+                                              ("dense", "dense float32 both ways", "tab:gray")]):
+        axis.bar([n + (i - 1) * width for n in range(len(names))],
+                 [bars[name][key] for name in names], width, label=label, color=colour)
+    axis.set_xticks(range(len(names)), [f"{n}\ntier {costs[n]['tier']}" for n in names])
+    axis.set_yscale("log")
+    top = max(max(b.values()) for b in bars.values())
+    axis.set_ylim(top=top * 30)  # room above the bars for the legend
+    axis.set(ylabel="MiB", title="what each client moved, whole run")
+    axis.legend(fontsize="small", loc="upper left", ncols=3)
 
 
 def write_summary(path: Path, reports: list[TierReport], status: dict[str, Any],

@@ -15,6 +15,7 @@ import pytest
 from local_testnet.chaos import chaos_plan
 from local_testnet.report import (
     format_table,
+    moved_mib,
     tier_reports,
     training_curves,
     write_plot,
@@ -72,6 +73,16 @@ def test_plot_is_a_png(tmp_path):
     path = write_plot(STATUS, tmp_path / "loss.png")
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def test_the_plot_shows_what_each_client_moved_both_ways(tmp_path):
+    costs = {"client-0": {"tier": 0, "bytes_up": 2**20, "bytes_down": 3 * 2**20,
+                          "dense_bytes_up": 40 * 2**20, "dense_bytes_down": 60 * 2**20}}
+    assert moved_mib(costs) == {"client-0": {"up": 1.0, "down": 3.0, "dense": 100.0}}
+    plain = write_plot(STATUS, tmp_path / "plain.png").read_bytes()
+    with_costs = write_plot(STATUS, tmp_path / "costs.png", costs).read_bytes()
+    width = lambda png: int.from_bytes(png[16:20], "big")  # noqa: E731 (the IHDR width)
+    assert (width(plain), width(with_costs)) == (1100, 1600)  # a third panel, the costs
 
 
 def test_plot_of_a_run_without_rounds(tmp_path):
