@@ -18,32 +18,33 @@ def folders(c: Coordinator) -> list[str]:
     return sorted(p.name for p in (c.dir / "checkpoints").iterdir())
 
 
-def test_the_first_checkpoint_stays_by_default(tmp_path, mdat_path):
-    config = run_config(tmp_path / "run", mdat_path)  # a checkpoint every 2 rounds
-    assert config.checkpoint.keep_first
+def retaining(tmp_path, mdat_path, *, keep_first: bool) -> tuple[Coordinator, Clock, str]:
+    """A run that checkpoints every 2 rounds and keeps the newest 2, and its one member."""
+    config = run_config(tmp_path / "run", mdat_path)
     config.checkpoint.keep_last = 2
+    config.checkpoint.keep_first = keep_first
     clock = Clock()
     c = Coordinator(config, clock=clock)
-    cid = c.join(caps("a", tier=1))[0].client_id
+    return c, clock, c.join(caps("a", tier=1))[0].client_id
+
+
+def test_the_first_checkpoint_stays_by_default(tmp_path, mdat_path):
+    assert run_config(tmp_path / "defaults", mdat_path).checkpoint.keep_first
+    c, clock, cid = retaining(tmp_path, mdat_path, keep_first=True)
     drive(c, clock, cid, 8)
     assert c.state.checkpoints == [0, 6, 8]
     assert folders(c) == [f"round-{r}{t}" for r in (0, 6, 8) for t in ("", "-tier1")]
 
 
 def test_only_the_newest_checkpoints_stay_and_the_run_resumes_from_them(tmp_path, mdat_path):
-    config = run_config(tmp_path / "run", mdat_path)  # a checkpoint every 2 rounds
-    config.checkpoint.keep_last = 2
-    config.checkpoint.keep_first = False
-    clock = Clock()
-    c = Coordinator(config, clock=clock)
-    cid = c.join(caps("a", tier=1))[0].client_id
+    c, clock, cid = retaining(tmp_path, mdat_path, keep_first=False)
     drive(c, clock, cid, 7)
     assert c.state.checkpoints == [4, 6]
     assert folders(c) == ["round-4", "round-4-tier1", "round-6", "round-6-tier1"]
     # the update log starts at the checkpoint before the latest, so both stay loadable
     assert [u.round for u in c.updates_since(4)] == [4, 5, 6]
     assert c.checkpoint_for(1).round == 6
-    again = Coordinator(config, clock=clock)
+    again = Coordinator(c.config, clock=clock)
     assert again.state.round == 7 and same(again.master, c.master)
     # one more checkpoint retires round 4 (listed state first, folders after)
     drive(c, clock, cid, 1)
@@ -52,29 +53,19 @@ def test_only_the_newest_checkpoints_stay_and_the_run_resumes_from_them(tmp_path
 
 def test_a_crash_between_retiring_and_removing_is_cleaned_up_on_start(tmp_path, mdat_path,
                                                                      monkeypatch):
-    config = run_config(tmp_path / "run", mdat_path)
-    config.checkpoint.keep_last = 2
-    config.checkpoint.keep_first = False
-    clock = Clock()
-    c = Coordinator(config, clock=clock)
-    cid = c.join(caps("a", tier=1))[0].client_id
+    c, clock, cid = retaining(tmp_path, mdat_path, keep_first=False)
     drive(c, clock, cid, 4)
     monkeypatch.setattr(Coordinator, "_remove_checkpoints", lambda self, **_: None)  # "killed"
     drive(c, clock, cid, 2)
     assert c.state.checkpoints == [4, 6] and "round-2" in folders(c)
     monkeypatch.undo()
-    again = Coordinator(config, clock=clock)
+    again = Coordinator(c.config, clock=clock)
     assert folders(again) == ["round-4", "round-4-tier1", "round-6", "round-6-tier1"]
     assert same(again.master, c.master)
 
 
 def test_a_failed_save_while_retiring_keeps_every_checkpoint(tmp_path, mdat_path, monkeypatch):
-    config = run_config(tmp_path / "run", mdat_path)
-    config.checkpoint.keep_last = 2
-    config.checkpoint.keep_first = False
-    clock = Clock()
-    c = Coordinator(config, clock=clock)
-    cid = c.join(caps("a", tier=1))[0].client_id
+    c, clock, cid = retaining(tmp_path, mdat_path, keep_first=False)
     drive(c, clock, cid, 4)
     real = Coordinator._save
 
