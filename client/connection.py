@@ -29,7 +29,7 @@ from client.errors import ClientError, DamagedOnServer, DamagedTransfer
 from modeling.checkpoint.files import read_json
 from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
 from modeling.checkpoint.repository import normalize
-from modeling.compression import SparseResult
+from modeling.compression import RoundUpdate, SparseResult
 from modeling.errors import MatformerError
 from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
@@ -40,7 +40,7 @@ from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import submission_messages
 from protocol.tensors import decode_tensor
-from protocol.updates import RoundUpdate, read_updates
+from protocol.updates import read_updates
 
 T = TypeVar("T")
 RETRY_FIRST_S = 0.2  # first backoff; doubles per attempt up to RETRY_MAX_S, with jitter
@@ -140,9 +140,10 @@ class Connection:
             counted(), metadata=self.metadata).accepted)
         return accepted, sent
 
-    def updates(self, since_round: int) -> list[RoundUpdate]:
-        """The logged round updates from ``since_round`` to the last completed round;
-        ``update_bytes`` counts their messages (before gRPC's gzip on the wire)."""
+    def updates(self, since_round: int, tier: int) -> list[RoundUpdate]:
+        """The logged round updates from ``since_round`` to the last completed round, cut to
+        this client's ``tier``; ``update_bytes`` counts their messages (before gRPC's gzip on
+        the wire)."""
 
         def counted(stream: Iterator[pb.UpdateMessage]) -> Iterator[pb.UpdateMessage]:
             for message in stream:
@@ -150,7 +151,7 @@ class Connection:
                 yield message
 
         return self._call("GetUpdates", lambda: list(read_updates(counted(self.stub.GetUpdates(
-            pb.GetUpdatesRequest(since_round=since_round), metadata=self.metadata)))))
+            pb.GetUpdatesRequest(since_round=since_round), metadata=self.metadata)), tier)))
 
     def get_checkpoint(self) -> pb.CheckpointRef:
         """The coordinator's latest checkpoint, with the manifest entry for this client's tier."""

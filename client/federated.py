@@ -52,7 +52,7 @@ from modeling.checkpoint.schema import canonical_schema_hash
 from modeling.compression import (
     DENSE_BYTES_PER_VALUE,
     CompressionConfig,
-    UpdateConfig,
+    RoundUpdate,
     region_shape,
     tier_regions,
 )
@@ -60,7 +60,6 @@ from modeling.matformer import tier_label
 from modeling.mdat import Mdat
 from modeling.training import TierSchedule
 from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.updates import RoundUpdate
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 FEEDBACK_FILE = "error_feedback.safetensors"
@@ -351,7 +350,7 @@ class FederatedClient:
         """Apply every logged update since ``applied``; reload the latest checkpoint when the
         log no longer reaches back that far or the replica's hash disagrees."""
         try:
-            updates = self.connection.updates(self.applied)
+            updates = self.connection.updates(self.applied, self.tier)
         except Refused as err:
             if err.code != grpc.StatusCode.OUT_OF_RANGE or reloaded:
                 raise
@@ -361,7 +360,8 @@ class FederatedClient:
             if update.round < self.applied:
                 continue
             self._apply(update)
-            if update.weight_hash and self.replica.hash(self.tier) != update.weight_hash:
+            published = update.hashes.get(self.tier)
+            if published and self.replica.hash(self.tier) != published:
                 self.summary.resynchronisations += 1
                 if reloaded:
                     raise ReplicaDiverged(
@@ -380,10 +380,7 @@ class FederatedClient:
         return DENSE_BYTES_PER_VALUE * sum(math.prod(region_shape(r)) for r in regions.values())
 
     def _apply(self, update: RoundUpdate) -> None:
-        s = self.settings
-        rule = UpdateConfig(rule=s.update_rule, lr=update.learning_rate,
-                            weight_decay=s.weight_decay).build()
-        self.replica.apply(update.parameters, rule)
+        self.replica.apply(update)
         self.applied = update.round + 1
         self._cost.dense_down += self._dense_bytes()
 

@@ -1,8 +1,8 @@
 """The client's replica of its tier slice, kept equal to the coordinator's master.
 
-Weights never travel after the first load: each round the coordinator broadcasts the
-aggregate (canonical name → ``Aggregate`` over the universal shape) and every client applies
-the run's update rule to the region it holds (DESIGN.md §5.5). The per-tier weight hash the
+Weights never travel after the first load: each round the coordinator broadcasts its
+``RoundUpdate`` (a step per canonical name, cut to the client's tier) and every client applies
+the round's update rule to the region it holds (DESIGN.md §5.5). The per-tier weight hash the
 coordinator publishes tells the client whether its replica still agrees; on a mismatch the
 caller reloads (``resynchronise``) and replays the logged updates.
 
@@ -20,9 +20,8 @@ from torch import Tensor, nn
 
 from client.errors import UnknownParameter
 from modeling.compression import (
-    Aggregate,
     Region,
-    UpdateRule,
+    RoundUpdate,
     region_slices,
     tier_regions,
     universal_shapes,
@@ -63,26 +62,27 @@ class Replica:
         }
         self.aliases = frozenset(self.shapes) - frozenset(self.parameters)
 
-    def apply(self, update: Mapping[str, Aggregate], rule: UpdateRule) -> None:
-        """Apply the broadcast ``update`` to the held slices with the run's ``rule``."""
-        unknown = sorted(set(update) - set(self.parameters) - self.aliases)
+    def apply(self, update: RoundUpdate) -> None:
+        """Apply a round's broadcast ``update`` to the held slices."""
+        unknown = sorted(set(update.steps) - set(self.parameters) - self.aliases)
         if unknown:
             raise UnknownParameter(
                 "the update names parameters this replica does not hold: "
                 f"{', '.join(unknown[:8])}; the server runs another model: rejoin so the "
                 "schema hashes are compared."
             )
+        rule = update.update.build()
         with torch.no_grad():
-            for name, aggregate in update.items():
+            for name, step in update.steps.items():
                 if name in self.aliases:
                     continue
                 parameter = self.parameters[name]
-                if aggregate.values.device != parameter.device:
-                    aggregate = Aggregate(
-                        values=aggregate.values.to(parameter.device),
-                        tokens=aggregate.tokens.to(parameter.device),
-                    )
-                parameter.copy_(rule.apply_to_slice(parameter, aggregate, self.regions[name]))
+                if tuple(step.shape) != self.shapes[name]:
+                    raise UnknownParameter(
+                        f"the update of {name!r} has universal shape {list(step.shape)}, this "
+                        f"replica's is {list(self.shapes[name])}; the server runs another "
+                        "model: rejoin so the schema hashes are compared.")
+                parameter.copy_(rule.apply(parameter, step, self.regions[name]))
 
     def hash(self, tier: Tier | None = None) -> str:
         """``weight_hash`` of the replica at ``tier`` (default: all it holds), the digest the

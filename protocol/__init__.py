@@ -7,9 +7,8 @@
 - ``protocol.sparse``: ``encode_sparse_result`` / ``decode_sparse_result`` (validated with
   ``modeling.compression.validate``).
 - ``protocol.submission``: ``submission_messages`` (client) / ``read_submission`` (server).
-- ``protocol.updates``: ``RoundUpdate`` (aggregates by parameter name), ``update_messages``
-  (server) / ``read_updates`` (client), ``encode_parameter_update`` /
-  ``decode_parameter_update``.
+- ``protocol.updates``: ``update_messages`` (server) / ``read_updates`` (client) of
+  ``modeling.compression.RoundUpdate`` records, ``encode_step`` / ``decode_step``.
 - ``protocol.files``: ``send_file`` / ``receive_file`` (chunks of ``CHUNK_BYTES``, sha256,
   atomic), ``resolve_inside``.
 - ``protocol.auth``: ``SESSION_METADATA_KEY``, ``SessionTokens``, ``check_join_token``,

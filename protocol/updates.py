@@ -1,142 +1,182 @@
-"""The ``GetUpdates`` stream: per round, one ``RoundUpdateHeader`` then as many
-``ParameterUpdate`` messages as it announces, one per updated parameter.
+"""The ``GetUpdates`` stream: per round, one ``RoundUpdateHeader`` (round, rule, lr, weight
+decay, the requesting tier's weight hash) then as many ``ParameterUpdate`` messages as it
+announces, one ``modeling.compression`` step per updated parameter.
 
-A parameter's update is a ``modeling.compression.Aggregate`` (values and covering tokens over
-the universal shape). It travels as a dense ``SparseResult`` over the smallest region holding
-every covered element, plus the tokens there as coverage, and is rebuilt exactly; a sparse
-encoding is decoded with ``modeling.compression.decode``. The coordinator can keep the same
-messages as its update log; a client replays them to catch up.
+A round travels as the record the coordinator logged (``RoundUpdate``), cut to the tier's
+regions (``RoundUpdate.cut``); every field of a step has a message field, so decoding gives
+back the same step, checked throughout: a client applies nothing it cannot apply exactly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 
-from modeling.compression import Aggregate, SparseResult, decode, region_shape, region_slices
-from protocol.errors import MalformedStream, ProtocolError
+from modeling.compression import (
+    UPDATE_RULES,
+    ChunkGrid,
+    CoefficientStep,
+    DenseStep,
+    Region,
+    RoundUpdate,
+    Step,
+    UpdateConfig,
+    bounding_box,
+    pack_bits,
+    position_bits,
+    region_shape,
+    unpack_bits,
+)
+from modeling.errors import CompressionError
+from protocol.errors import MalformedStream
 from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.sparse import decode_sparse_result, encode_sparse_result
 from protocol.tensors import decode_tensor, encode_tensor
 
 
-@dataclass(frozen=True, slots=True)
-class RoundUpdate:
-    round: int
-    learning_rate: float  # the rate the update rule used in this round
-    weight_hash: str  # of the master weights after this round's update
-    parameters: dict[str, Aggregate]  # canonical name → the parameter's aggregate
-    # The update rule reads only the sign of the values and which elements are covered
-    # (rule "sign"): they travel as int8 signs and a 0/1 coverage, 1 byte per element or less
-    # instead of 8, and decode to an aggregate that rule applies identically.
-    signs_only: bool = False
-
-
 def update_messages(updates: Iterable[RoundUpdate]) -> Iterator[pb.UpdateMessage]:
-    """The coordinator's response stream, encoded one parameter at a time."""
+    """The coordinator's response stream, encoded one parameter at a time. Each update is
+    already cut to one tier (``RoundUpdate.cut``): its one hash goes in the header."""
     for update in updates:
+        weight_hash = next(iter(update.hashes.values())) if len(update.hashes) == 1 else ""
         yield pb.UpdateMessage(header=pb.RoundUpdateHeader(
-            round=update.round, learning_rate=update.learning_rate,
-            weight_hash=update.weight_hash, parameters=len(update.parameters)))
-        for name, aggregate in update.parameters.items():
-            yield pb.UpdateMessage(parameter=encode_parameter_update(
-                name, aggregate, signs_only=update.signs_only))
+            round=update.round, learning_rate=update.update.lr, weight_hash=weight_hash,
+            parameters=len(update.steps), rule=update.update.rule,
+            weight_decay=update.update.weight_decay))
+        for name, step in update.steps.items():
+            yield pb.UpdateMessage(parameter=encode_step(name, step))
 
 
-def read_updates(messages: Iterable[pb.UpdateMessage]) -> Iterator[RoundUpdate]:
-    """Checked round updates, each yielded once its last parameter has arrived. Raises
-    ``MalformedStream`` for a parameter outside its round, a round cut short, a parameter
-    twice in one round or rounds out of order, ``ProtocolError`` for a bad parameter."""
-    header, parameters, last_round = None, {}, None
+def read_updates(messages: Iterable[pb.UpdateMessage], tier: int = 0) -> Iterator[RoundUpdate]:
+    """Checked round updates for a client of ``tier`` (the tier its header's hash is of),
+    each yielded once its last parameter has arrived. Raises ``MalformedStream`` for a
+    parameter outside its round, a round cut short, a parameter twice in one round or rounds
+    out of order or a bad header or parameter."""
+    header, steps, last_round = None, {}, None
     for message in messages:
         if message.WhichOneof("item") == "header":
             if header is not None:
-                raise _cut_short(header, len(parameters))
+                raise _cut_short(header, len(steps))
             header = message.header
             if last_round is not None and header.round <= last_round:
                 raise MalformedStream(f"round {header.round} arrives after round {last_round}.")
         elif header is None:
             raise MalformedStream("a parameter update arrived before its round's header.")
         else:
-            name, aggregate = decode_parameter_update(message.parameter)
-            if name in parameters:
+            name, step = decode_step(message.parameter)
+            if name in steps:
                 raise MalformedStream(f"round {header.round} updates {name!r} twice.")
-            parameters[name] = aggregate
-        if header is not None and len(parameters) == header.parameters:
-            yield RoundUpdate(round=header.round, learning_rate=header.learning_rate,
-                              weight_hash=header.weight_hash, parameters=parameters)
-            header, parameters, last_round = None, {}, header.round
+            steps[name] = step
+        if header is not None and len(steps) == header.parameters:
+            yield RoundUpdate(round=header.round, update=_rule(header), steps=steps,
+                              hashes={tier: header.weight_hash} if header.weight_hash else {})
+            header, steps, last_round = None, {}, header.round
     if header is not None:
-        raise _cut_short(header, len(parameters))
+        raise _cut_short(header, len(steps))
 
 
-def encode_parameter_update(name: str, aggregate: Aggregate, *, signs_only: bool = False
-                            ) -> pb.ParameterUpdate:
-    """One parameter's update; ``signs_only``: as int8 signs and a 0/1 coverage (for rules
-    that read nothing else). Coverage is left out when it is the same all over the region."""
-    region = _covered_box(name, aggregate.covered)
-    where = region_slices(region)
-    empty = torch.zeros(0, dtype=torch.int64)
-    values, coverage = aggregate.values[where], aggregate.tokens[where]
-    if signs_only:
-        values = values.sign().to(torch.int8)
-        coverage = (coverage > 0).to(torch.uint8)
-    result = SparseResult(
-        name=name, shape=tuple(aggregate.values.shape), region=region, encoding="dense",
-        chunk=(), chunks=empty, indices=empty, values=values,
-        tokens=round(float(coverage.max())),
-    )
-    message = pb.ParameterUpdate(aggregate=encode_sparse_result(result))
-    if not bool((coverage == coverage.flatten()[0]).all()):
-        message.coverage.CopyFrom(encode_tensor(coverage))
+def encode_step(name: str, step: Step) -> pb.ParameterUpdate:
+    message = pb.ParameterUpdate(
+        name=name, shape=step.shape, box=_ranges(step.box),
+        covered=[pb.Box(range=_ranges(box)) for box in step.covered])
+    if isinstance(step, DenseStep):
+        message.values.CopyFrom(encode_tensor(step.values))
+    else:
+        bits = position_bits(step.grid.chunk_numel)
+        message.coefficients.CopyFrom(pb.Coefficients(
+            chunk=step.chunk, positions=pack_bits(step.positions, bits),
+            levels=encode_tensor(step.levels), scales=encode_tensor(step.scales)))
     return message
 
 
-def decode_parameter_update(message: pb.ParameterUpdate) -> tuple[str, Aggregate]:
-    """Message → (name, the aggregate over the universal shape); checked throughout."""
-    if not message.HasField("aggregate"):
-        raise MalformedStream("a parameter update has no aggregate.")
-    if message.aggregate.values.dtype == "int8":  # signs_only: checked, then read as floats
-        name = message.aggregate.name
-        signs = decode_tensor(message.aggregate.values, f"signs of {name!r}")
-        if bool((signs.abs() > 1).any()):
+def decode_step(message: pb.ParameterUpdate) -> tuple[str, Step]:
+    """Message → (name, step); raises ``MalformedStream`` unless every field is consistent
+    (boxes inside the shape, the box bounding them, sizes, dtypes and value ranges)."""
+    name, shape = message.name, tuple(message.shape)
+    what = f"the update of {name!r}"
+    if not shape or any(n < 1 for n in shape):
+        raise MalformedStream(f"{what} has shape {list(shape)}; every dimension must be >= 1.")
+    covered = tuple(_region(box.range, shape, what) for box in message.covered)
+    box = _region(message.box, shape, what)
+    if not covered or box != bounding_box(covered):
+        raise MalformedStream(f"{what}: its box {box} is not the bounding box of the regions "
+                              f"it covers {covered}.")
+    form = message.WhichOneof("form")
+    if form == "values":
+        values = decode_tensor(message.values, f"{what}: values")
+        if tuple(values.shape) != region_shape(box):
+            raise MalformedStream(f"{what}: values of shape {list(values.shape)} do not fill "
+                                  f"its box of shape {list(region_shape(box))}.")
+        if values.dtype == torch.int8 and bool((values.abs() > 1).any()):
             raise MalformedStream(f"the signs of {name!r} are not all -1, 0 or 1.")
-        as_floats = pb.ParameterUpdate()
-        as_floats.CopyFrom(message)
-        as_floats.aggregate.values.CopyFrom(encode_tensor(signs.float()))
-        message = as_floats
-    result = decode_sparse_result(message.aggregate)
-    where = region_slices(result.region)
-    values = torch.zeros(result.shape)
-    values[where] = decode(result).float()
-    tokens = torch.zeros(result.shape)
-    if message.HasField("coverage"):
-        coverage = decode_tensor(message.coverage, f"coverage of {result.name!r}")
-        if tuple(coverage.shape) != region_shape(result.region):
-            raise MalformedStream(
-                f"coverage of {result.name!r} has shape {list(coverage.shape)}; its region's "
-                f"shape is {list(region_shape(result.region))}."
-            )
-        valid = bool(torch.isfinite(coverage).all()) and not bool((coverage < 0).any())
-        if coverage.dtype == torch.bool or not valid:
-            raise MalformedStream(f"coverage of {result.name!r} is not finite token counts.")
-        tokens[where] = coverage.float()
-    else:
-        tokens[where] = float(result.tokens)
-    return result.name, Aggregate(values=values, tokens=tokens)
+        if values.dtype not in (torch.int8, torch.float32) or not bool(
+                torch.isfinite(values.float()).all()):
+            raise MalformedStream(f"{what}: values must be finite float32 or int8 signs.")
+        return name, DenseStep(shape=shape, covered=covered, box=box, values=values)
+    if form != "coefficients":
+        raise MalformedStream(f"{what} carries neither values nor coefficients.")
+    return name, _coefficients(message.coefficients, shape, covered, box, what)
 
 
-def _covered_box(name: str, covered: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """[start, stop) per dimension of the smallest box holding every covered element."""
-    if not bool(covered.any()):
-        raise ProtocolError(f"the aggregate of {name!r} covers nothing; leave it out.")
-    box = []
-    for dim, size in enumerate(covered.shape):
-        hit = covered.movedim(dim, 0).reshape(size, -1).any(dim=1).nonzero()  # (m, 1) indices
-        box.append((int(hit[0]), int(hit[-1]) + 1))
-    return tuple(box)
+def _coefficients(message: pb.Coefficients, shape: tuple[int, ...], covered: tuple[Region, ...],
+                  box: Region, what: str) -> CoefficientStep:
+    chunk = tuple(message.chunk)
+    if len(chunk) != len(shape) or not all(1 <= c <= n for c, n in zip(chunk, shape,
+                                                                        strict=True)):
+        raise MalformedStream(f"{what}: chunk {list(chunk)} does not fit shape {list(shape)}.")
+    grid = ChunkGrid(shape=shape, chunk=chunk)
+    try:
+        grid.check_region(box)
+    except CompressionError as err:
+        raise MalformedStream(f"{what}: {err}") from None
+    levels = decode_tensor(message.levels, f"{what}: levels")
+    scales = decode_tensor(message.scales, f"{what}: scales")
+    rows = len(grid.chunk_ids(box))
+    if levels.dtype != torch.int8 or levels.ndim != 2 or len(levels) != rows:
+        raise MalformedStream(f"{what}: levels must be int8 of shape ({rows}, k), one row per "
+                              f"chunk of its box, got {levels.dtype} {list(levels.shape)}.")
+    if not 1 <= levels.shape[1] <= grid.chunk_numel or bool((levels == -128).any()):
+        raise MalformedStream(f"{what}: levels must number 1..{grid.chunk_numel} per chunk and "
+                              "lie in [-127, 127].")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (rows,) or not bool(
+            (torch.isfinite(scales) & (scales >= 0)).all()):
+        raise MalformedStream(f"{what}: scales must be {rows} finite float32 values >= 0.")
+    try:
+        positions = unpack_bits(message.positions, position_bits(grid.chunk_numel),
+                                levels.numel()).reshape(levels.shape)
+    except ValueError as err:
+        raise MalformedStream(f"{what}: positions: {err}") from None
+    ordered = positions.sort(dim=1).values
+    if bool((positions >= grid.chunk_numel).any()) or bool(
+            (ordered[:, 1:] == ordered[:, :-1]).any()):
+        raise MalformedStream(f"{what}: positions must be distinct within a chunk and below "
+                              f"{grid.chunk_numel}.")
+    return CoefficientStep(shape=shape, covered=covered, box=box, chunk=chunk,
+                           positions=positions, levels=levels, scales=scales)
+
+
+def _ranges(region: Region) -> list[pb.Range]:
+    return [pb.Range(start=start, stop=stop) for start, stop in region]
+
+
+def _region(ranges: Iterable[pb.Range], shape: tuple[int, ...], what: str) -> Region:
+    region = tuple((r.start, r.stop) for r in ranges)
+    if len(region) != len(shape) or not all(
+            0 <= start < stop <= n for (start, stop), n in zip(region, shape, strict=True)):
+        raise MalformedStream(f"{what}: region {region} is empty or outside shape "
+                              f"{list(shape)}.")
+    return region
+
+
+def _rule(header: pb.RoundUpdateHeader) -> UpdateConfig:
+    if header.rule not in UPDATE_RULES:
+        raise MalformedStream(f"round {header.round} names update rule {header.rule!r}; this "
+                              f"client applies {', '.join(UPDATE_RULES)}: upgrade it.")
+    try:
+        return UpdateConfig(rule=header.rule, lr=header.learning_rate,
+                            weight_decay=header.weight_decay)
+    except CompressionError as err:
+        raise MalformedStream(f"round {header.round}: {err}") from None
 
 
 def _cut_short(header: pb.RoundUpdateHeader, received: int) -> MalformedStream:

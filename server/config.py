@@ -4,7 +4,7 @@
     config.model.build()                        # -> ModelConfig (universal)
     config.tiers.build(config.model.build())    # -> TierPolicy
     config.compression.build()                  # -> modeling's Compressor
-    config.update.build(r, config.round.planned_rounds)  # -> UpdateConfig of round r
+    config.update.build(r, config.round.planned_rounds, config.compression)  # round r's rule
     config.auth.token()                         # the join token (never in repr/str)
     config.auth.operator()                      # the operator token (HTTP writes), or None
     RunConfig.from_dict(config.to_dict()) == config
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from modeling.compression import CompressionConfig
-from modeling.errors import TierError
+from modeling.compression import Broadcast, CompressionConfig, universal_shapes
+from modeling.errors import CompressionConfigError, TierError
 from modeling.matformer import tier_width
 from server.errors import InvalidToml, InvalidValue, MissingFile
 from server.sections import (
@@ -90,6 +90,14 @@ class RunConfig:
                 f"[round] tokens_per_round {self.round.tokens_per_round} is less than one "
                 f"sequence ([data] max_seq_len {self.data.max_seq_len}); raise it."
             )
+        if self.update.broadcast(self.compression):
+            broadcast = Broadcast(topk=self.update.broadcast(self.compression),
+                                  chunk=self.compression.chunk)
+            try:
+                for shape in universal_shapes(model).values():
+                    broadcast.check(shape)
+            except CompressionConfigError as err:
+                raise InvalidValue(f"[update] broadcast_topk: {err}") from err
         if self.update.warmup_rounds > self.round.planned_rounds:
             raise InvalidValue(
                 f"[update] warmup_rounds {self.update.warmup_rounds} exceeds the "

@@ -46,9 +46,9 @@ from modeling.checkpoint.pretrained import load_state_into
 from modeling.compression import (
     DENSE_BYTES_PER_VALUE,
     Region,
+    RoundUpdate,
     SparseResult,
     UpdateConfig,
-    aggregate,
     region_shape,
     tier_regions,
     universal_shapes,
@@ -80,7 +80,7 @@ from server.membership import Member, Membership
 from server.rounds import OpenRound, RoundAssignment, Submission
 from server.state import RunState
 from server.tiers import MAX_TOKENS_PER_SECOND, Capabilities, TierAssignment, check_speed
-from server.update_log import LoggedUpdate, UpdateLog
+from server.update_log import UpdateLog
 from server.work import WorkQueue, work_order
 
 MAX_EVENTS = 1000  # the newest events state.json keeps
@@ -125,6 +125,9 @@ class Coordinator:
         self.log = UpdateLog(self.dir / "updates")
         self.ledger = TrainedLedger(self.dir)
         self.limits = SubmissionLimits(config.compression, config.faults)
+        # The broadcast's error feedback: per canonical name, what compressed steps left out
+        # (universal shape). Not saved: a restart begins it at zero (docs/architecture.md).
+        self.residual: dict[str, Tensor] = {}
         self._open: OpenRound | None = None
         self._closing: _Closing | None = None  # the round whose close is under way
         # called (lock held) after each round that moved the master, e.g. by tests and
@@ -378,7 +381,7 @@ class Coordinator:
                                     f"round-{latest} (checkpoint_for) and ask again.")
             return range(round_index, self.state.round)
 
-    def updates_since(self, round_index: int) -> list[LoggedUpdate]:
+    def updates_since(self, round_index: int) -> list[RoundUpdate]:
         """The logged updates of rounds ``round_index``, ..., the last completed one, read
         without the lock (a close prunes the log only after its checkpoint is listed)."""
         return [self.log.read(r) for r in self.logged_rounds(round_index)]
@@ -585,7 +588,7 @@ class Coordinator:
                 closed = ClosedRound(round=closing.round, before=self.master, after=master,
                                      tiers={a.tier for a in closing.delivered.values()},
                                      update=closing.logged)
-                self.master = master
+                self.master, self.residual = master, closing.residual
                 for hook in self.round_closed:
                     hook(closed)
             self._retire_checkpoints()
@@ -661,18 +664,19 @@ class Coordinator:
         clip = self.config.faults.peer_clip
         by_name = {name: clip_to_peers(results, clip) for name, results in by_name.items()}
         votes = self.config.update.vote == "majority"
-        aggregates = {name: aggregate(results, votes=votes) for name, results in by_name.items()}
         rule = closing.update.build()
+        steps, residual = rule.steps(by_name, self.residual, votes=votes)
         master = dict(self.master)
-        for name, agg in aggregates.items():
-            master[name] = rule.apply(master[name], agg)
+        for name, step in steps.items():
+            master[name] = rule.apply(master[name], step)
         master = self._tied(master)
         closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
         if closing.broken:  # the limits on results make this unreachable; never serve it
             return None
+        closing.residual = residual
         r = closing.round
-        closing.logged = LoggedUpdate(
-            round=r, update=closing.update, aggregates=aggregates,
+        closing.logged = RoundUpdate(
+            round=r, update=closing.update, steps=steps,
             hashes=self.tier_hashes(sorted(closing.tiers), master),
             coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()})
         self.log.append(closing.logged)
@@ -977,7 +981,7 @@ class ClosedRound:
     tiers: set[int]  # the tiers of the clients whose results it aggregated
     before: Mapping[str, Tensor]  # the master before (canonical names; never changed after)
     after: Mapping[str, Tensor]  # ... and after the round
-    update: LoggedUpdate  # what the update log holds of the round
+    update: RoundUpdate  # what the update log holds of the round
 
 
 @dataclass(kw_only=True, slots=True)
@@ -996,7 +1000,8 @@ class _Closing:
     checkpoint: bool  # a checkpoint follows this round
     ledger_bytes: int  # the ledger's size before this round's line
     broken: list[str] = field(default_factory=list)  # parameters the update would break
-    logged: LoggedUpdate | None = None  # what _compute logged
+    logged: RoundUpdate | None = None  # what _compute logged
+    residual: dict[str, Tensor] = field(default_factory=dict)  # the broadcast's, after it
 
     @classmethod
     def of(cls, c: Coordinator, rnd: OpenRound) -> _Closing:
@@ -1012,7 +1017,7 @@ class _Closing:
         finishes = (stop.rounds is not None and r + 1 >= stop.rounds) or (
             stop.tokens is not None and tokens_after >= stop.tokens)
         return cls(rnd=rnd, round=r, delivered=delivered, by_name=by_name,
-                   update=c.config.update.build(r, stop.planned_rounds),
+                   update=c.config.update.build(r, stop.planned_rounds, c.config.compression),
                    tiers=set(c.config.tiers.allowed) | {a.tier for a in delivered.values()},
                    tokens_after=tokens_after, finishes=finishes,
                    checkpoint=finishes or (r + 1) % c.config.checkpoint.every_rounds == 0,

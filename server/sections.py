@@ -46,6 +46,9 @@ MAX_TIER = MAX_DIMENSION.bit_length() - 1  # a tier halves the FFN width: 24 hal
 MAX_SECONDS = 30 * 24 * 3600.0  # deadlines, heartbeats and session lifetimes
 MAX_LR = 10.0  # a step of 10·sign(aggregate) already wipes out any trained weight
 MIB = 1024 * 1024
+# Broadcast coefficients per 64 × 64 chunk: with DeMo's 32 per chunk sent up, a tier-0
+# client moves about 1/128 of dense float32 both ways (bench/scale.py)
+DEFAULT_BROADCAST_TOPK = 48
 MAX_MESSAGE_MB = MAX_MESSAGE_BYTES / MIB  # no client sends a larger message (protocol.channel)
 MAX_SUBMISSION_MB = 1024.0 * 1024  # 1 TiB: a dense float32 submission of 270 G parameters
 UINT32_MAX = 2**32 - 1  # chunk and topk travel to clients as uint32 (TrainingSettings)
@@ -254,6 +257,11 @@ class UpdateSection:
     # mean: results weighted by their tokens | majority (rule = "sign"): one sign vote per
     # result, so no member outweighs another whatever its share or magnitude
     vote: str = "mean"
+    # What clients download: the top broadcast_topk DCT coefficients per [compression] chunk
+    # of the aggregate, as int8 levels that every replica decodes to the same bits, with the
+    # rest carried to the next round (0: the exact aggregate, 1 byte per element or 4 under
+    # sgd). Default: 48 when clients send top-k or DCT results, 0 for dense ones.
+    broadcast_topk: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.rule in UPDATE_RULES,
@@ -276,6 +284,14 @@ class UpdateSection:
                  "of the weights.")
         _require(self.warmup_rounds >= 0,
                  f"[update] warmup_rounds must be >= 0, got {self.warmup_rounds}.")
+        if self.broadcast_topk is not None:
+            _within("[update] broadcast_topk", self.broadcast_topk, 0, UINT32_MAX)
+
+    def broadcast(self, compression: CompressionConfig) -> int:
+        """Coefficients per chunk in the broadcast (0: exact), the default resolved."""
+        if self.broadcast_topk is not None:
+            return self.broadcast_topk
+        return 0 if compression.encoding == "dense" else DEFAULT_BROADCAST_TOPK
 
     def lr_at(self, round_index: int, planned_rounds: int) -> float:
         """Learning rate of round ``round_index`` (0-based)."""
@@ -283,10 +299,13 @@ class UpdateSection:
                                    total_steps=planned_rounds, schedule=self.schedule,
                                    min_ratio=self.final_lr / self.lr)
 
-    def build(self, round_index: int, planned_rounds: int) -> UpdateConfig:
-        """The update rule's config for one round."""
+    def build(self, round_index: int, planned_rounds: int,
+              compression: CompressionConfig) -> UpdateConfig:
+        """The update rule's config for one round of a run compressing with
+        ``compression``."""
         return UpdateConfig(rule=self.rule, lr=self.lr_at(round_index, planned_rounds),
-                            weight_decay=self.weight_decay)
+                            weight_decay=self.weight_decay,
+                            broadcast_topk=self.broadcast(compression), chunk=compression.chunk)
 
 
 @dataclass(kw_only=True, slots=True)

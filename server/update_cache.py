@@ -2,11 +2,11 @@
 
 Every client of a tier downloads the same messages for a round, so each (round, tier) is
 encoded once, when the first client asks, from the update the close handed over (``put``:
-the newest round only, since a decoded update holds two float32 tensors of the model's size)
-or read from the update log. Encoded messages stay for the newest rounds as long as they fit
-in ``budget`` bytes (at least the newest round's, whatever its size); a round that left is
-read and encoded again if a client replays that far. Nothing here takes the coordinator's
-lock, so a download never holds up a heartbeat or a close.
+the newest round only) or read from the update log, cut to the tier's regions. Encoded
+messages stay for the newest rounds as long as they fit in ``budget`` bytes (at least the
+newest round's, whatever its size); a round that left is read and encoded again if a client
+replays that far. Nothing here takes the coordinator's lock, so a download never holds up a
+heartbeat or a close.
 
     cache = UpdateCache(read=log.read, regions=coordinator.regions)
     coordinator.round_closed.append(lambda closed: cache.put(closed.update))
@@ -18,29 +18,26 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-import torch
-
-from modeling.compression import Aggregate, Region, region_slices
+from modeling.compression import Region, RoundUpdate
 from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.updates import RoundUpdate, update_messages
-from server.update_log import LoggedUpdate
+from protocol.updates import update_messages
 
 CACHE_BYTES = 512 * 2**20  # encoded messages kept, newest rounds first
 
 
 class UpdateCache:
-    def __init__(self, *, read: Callable[[int], LoggedUpdate],
+    def __init__(self, *, read: Callable[[int], RoundUpdate],
                  regions: Callable[[int], dict[str, Region]], budget: int = CACHE_BYTES
                  ) -> None:
         self._read = read
         self._regions = regions
         self._budget = budget
-        self._newest: LoggedUpdate | None = None
+        self._newest: RoundUpdate | None = None
         self._encoded: dict[tuple[int, int], tuple[list[pb.UpdateMessage], int]] = {}
         self._lock = threading.Lock()
         self._encoding: dict[tuple[int, int], threading.Lock] = {}  # one encoder per key
 
-    def put(self, update: LoggedUpdate) -> None:
+    def put(self, update: RoundUpdate) -> None:
         """A round the close just logged: served without reading it back."""
         with self._lock:
             self._newest = update
@@ -61,11 +58,7 @@ class UpdateCache:
             logged = newest if newest is not None and newest.round == round_index else None
             if logged is None:
                 logged = self._read(round_index)
-            messages = list(update_messages([RoundUpdate(
-                round=logged.round, learning_rate=logged.update.lr,
-                weight_hash=logged.hashes.get(tier, ""),
-                parameters=_within(logged.aggregates, self._regions(tier)),
-                signs_only=logged.update.rule == "sign")]))
+            messages = list(update_messages([logged.cut(tier, self._regions(tier))]))
             with self._lock:
                 self._encoded[key] = (messages, sum(m.ByteSize() for m in messages))
                 self._evict()
@@ -82,18 +75,3 @@ class UpdateCache:
                 break
             total -= self._encoded.pop(key)[1]
 
-
-def _within(aggregates: dict[str, Aggregate], regions: dict[str, Region]
-            ) -> dict[str, Aggregate]:
-    """The aggregates cut to a tier's regions: a client downloads only what it holds."""
-    cut = {}
-    for name, agg in aggregates.items():
-        where = region_slices(regions[name])
-        if tuple(agg.tokens[where].shape) == tuple(agg.tokens.shape):
-            cut[name] = agg
-            continue
-        tokens = torch.zeros_like(agg.tokens)
-        tokens[where] = agg.tokens[where]
-        if bool((tokens > 0).any()):
-            cut[name] = Aggregate(values=agg.values, tokens=tokens)
-    return cut

@@ -21,8 +21,8 @@ from modeling.checkpoint.pretrained import save_pretrained
 from modeling.checkpoint.slicing import slice_state
 from modeling.compression import (
     CompressionConfig,
+    RoundUpdate,
     UpdateConfig,
-    aggregate,
     region_slices,
     tier_regions,
     universal_shapes,
@@ -70,15 +70,21 @@ def _standalone_sgd(model, schedule, rounds):
 def _federated(replica, schedule, rounds, master=None):
     """One client: local round → aggregate → apply to the replica (and the master)."""
     local = LocalRound(replica, DENSE.build(), schedule, _limits())
-    rule = SGD.build()
     for step, sequences in enumerate(rounds):
-        work = local.run(sequences, step)
-        update = {result.name: aggregate([result]) for result in work.results}
-        replica.apply(update, rule)
+        update, _ = _update(SGD, local.run(sequences, step).results)
+        replica.apply(update)
         if master is not None:
-            for name, values in update.items():
-                master[name] = rule.apply(master[name], values)
+            master.update(update.apply(master))
     return canonical_state_dict(replica.model)
+
+
+def _update(config, results, residual=None):
+    """The round update the coordinator makes of ``results`` (and its broadcast residual)."""
+    by_name = {}
+    for result in results:
+        by_name.setdefault(result.name, []).append(result)
+    steps, residual = config.build().steps(by_name, residual)
+    return RoundUpdate(round=0, update=config, steps=steps, hashes={}), residual
 
 
 def _assert_equal(a, b):
@@ -143,25 +149,31 @@ def test_hash_matches_master_after_the_same_update_and_detects_drift():
     assert replica.check(published).matches
 
 
-def test_heterogeneous_compressed_round_keeps_every_replica_equal_to_the_master():
+@pytest.mark.parametrize("broadcast_topk", [0, 20])
+def test_heterogeneous_compressed_round_keeps_every_replica_equal_to_the_master(broadcast_topk):
+    """Tiers 0, 1 and 2 train, the coordinator aggregates and broadcasts (exact, or top-k
+    coefficients with its residual carried over), and every replica's hash is the master's
+    at its tier every round."""
     universal = AutoregressiveModel(tiny_config())
     config = universal.config
     shapes = universal_shapes(config)
     compressor = CompressionConfig(encoding="dct", chunk=16, topk=8).build()
-    rule = UpdateConfig(rule="sign", lr=1e-3).build()
+    rule = UpdateConfig(rule="sign", lr=1e-3, broadcast_topk=broadcast_topk, chunk=16)
     master = {k: v.clone() for k, v in canonical_state_dict(universal).items()}
     replicas = {tier: Replica(_sliced(universal, tier)) for tier in (0, 1, 2)}
     rounds = {tier: LocalRound(r, compressor, TierSchedule(tiers=[tier]), _limits())
               for tier, r in replicas.items()}
-    for step in range(2):
+    residual = {}
+    for step in range(3):
         results = [w for t, local in rounds.items() for w in local.run(_sequences(t + 10 * step),
                                                                         step).results]
-        update = {name: aggregate([r for r in results if r.name == name]) for name in master}
-        for name in master:
-            master[name] = rule.apply(master[name], update[name])
+        update, residual = _update(rule, results, residual)
+        master.update(update.apply(master))
         for tier, replica in replicas.items():
-            replica.apply(update, rule)
-            assert replica.check(weight_hash(master, tier_regions(shapes, config, tier))).matches
+            regions = tier_regions(shapes, config, tier)
+            replica.apply(update.cut(tier, regions))
+            assert replica.check(weight_hash(master, regions)).matches, (step, tier)
+    assert bool(residual) == bool(broadcast_topk)
 
 
 def test_error_feedback_survives_a_restart(tmp_path):
@@ -187,7 +199,7 @@ def test_an_update_for_an_unknown_parameter_is_refused():
     result = DENSE.build().encode("model.extra.weight", torch.ones(2, 2), shape=(2, 2),
                                   region=((0, 2), (0, 2)), tokens=1)
     with pytest.raises(UnknownParameter, match=r"model\.extra\.weight"):
-        replica.apply({result.name: aggregate([result])}, SGD.build())
+        replica.apply(_update(SGD, [result])[0])
 
 
 @pytest.mark.parametrize("strategy", ["sliced", "universal"])

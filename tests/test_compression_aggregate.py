@@ -217,11 +217,14 @@ def test_sgd_and_sign_move_covered_elements_only():
     update = _dense([[0.5, -2.0]], ((0, 1), (0, 2)), tokens=1, shape=(1, 4))
     agg = aggregate([update])
     sgd = UpdateConfig(rule="sgd", lr=0.5).build()
-    assert sgd.apply(weight.reshape(1, 4), agg).tolist() == [[0.75, 3.0, 3.0, 4.0]]
+    step, _ = sgd.step(agg, [update.region])
+    assert sgd.apply(weight.reshape(1, 4), step).tolist() == [[0.75, 3.0, 3.0, 4.0]]
     sign = UpdateConfig(rule="sign", lr=0.5, weight_decay=0.1).build()
+    step, _ = sign.step(agg, [update.region])
+    assert step.values.dtype == torch.int8  # the sign rule reads signs only: 1 byte each
     # w·(1 − 0.05) − 0.5·sign(agg) on the covered two; the tail keeps its value (no decay)
     expected = [[1.0 * 0.95 - 0.5, 2.0 * 0.95 + 0.5, 3.0, 4.0]]
-    torch.testing.assert_close(sign.apply(weight.reshape(1, 4), agg), torch.tensor(expected))
+    torch.testing.assert_close(sign.apply(weight.reshape(1, 4), step), torch.tensor(expected))
 
 
 @pytest.mark.parametrize("rule", ["sgd", "sign"])
@@ -237,14 +240,14 @@ def test_a_client_updating_its_slice_stays_equal_to_the_master(rule):
             for r, t in ((tier_regions(shapes, config, tier)[name], 10 + tier)
                          for tier in (1, 2))
         ]
-        update = aggregate(results)
+        step, _ = apply.step(aggregate(results), [r.region for r in results])
         master = torch.randn(shapes[name])
         region = tier_regions(shapes, config, 1)[name]
         client = master[region_slices(region)].clone()
-        after = apply.apply(master, update)
-        assert torch.equal(apply.apply_to_slice(client, update, region),
+        after = apply.apply(master, step)
+        assert torch.equal(apply.apply(client, step.cut(region), region),
                            after[region_slices(region)])
-        tail = ~update.covered
+        tail = ~step.mask(full_region(shapes[name]))
         assert tail.any() and torch.equal(after[tail], master[tail])
 
 
@@ -268,8 +271,9 @@ def test_federated_without_compression_equals_standalone_sgd(tier):
         for name, param in federated.named_parameters():
             where = region_slices(regions[name])
             state = compressor.feedback(name, tuple(param.shape), regions[name])
-            update = aggregate([state.step(param.grad[where], tokens=24)])
-            param.copy_(sgd.apply(param, update))
+            result = state.step(param.grad[where], tokens=24)
+            step, _ = sgd.step(aggregate([result]), [result.region])
+            param.copy_(sgd.apply(param, step))
     for name, param in standalone.named_parameters():
         assert torch.equal(param, federated.get_parameter(name)), name
 

@@ -190,7 +190,9 @@ def test_one_token_sequences_are_left_out_of_the_run_and_its_audit(tmp_path):
 
 
 def test_heterogeneous_run_tail_moves_only_with_tier0_and_hashes_agree(tmp_path, mdat):
-    server = start(tmp_path, mdat, min_clients=2, rounds=5, tokens_per_round=1536, every=2)
+    # chunks of 16 rows: tier 2's 16 FFN rows are a chunk fewer than tier 1's 32
+    server = start(tmp_path, mdat, min_clients=2, rounds=5, tokens_per_round=1536, every=2,
+                   chunk=16)
     coordinator = server.service.coordinator
     rounds = []  # (tiers that submitted, master before, master after)
     coordinator.round_closed.append(

@@ -14,7 +14,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from modeling.compression import CompressionConfig, SparseResult, aggregate
+from modeling.compression import (
+    CompressionConfig,
+    RoundUpdate,
+    SparseResult,
+    UpdateConfig,
+    aggregate,
+)
 from protocol.auth import (
     SessionTokens,
     check_join_token,
@@ -31,7 +37,7 @@ from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import encode_sparse_result
 from protocol.submission import read_submission, submission_messages
-from protocol.updates import RoundUpdate, read_updates, update_messages
+from protocol.updates import read_updates, update_messages
 
 JOIN_TOKEN = "join-secret"
 MANIFEST = "round-2/matformer_manifest.json"
@@ -195,13 +201,17 @@ def test_a_malformed_result_is_invalid_argument(served) -> None:
 def test_get_updates_since_a_round(served) -> None:
     coordinator, channel = served
     _, stub = _authed(channel)
-    norm = aggregate(_results()[3:])
-    coordinator.updates = [RoundUpdate(r, 0.01 * r, f"{r:064x}", {"model.norm.weight": norm})
-                           for r in (1, 2, 3)]
-    received = list(read_updates(stub.GetUpdates(pb.GetUpdatesRequest(since_round=1), timeout=5)))
-    assert [(u.round, u.weight_hash) for u in received] == [(2, f"{2:064x}"), (3, f"{3:064x}")]
+    norm = _results()[3]
+    rule = UpdateConfig(rule="sgd", lr=0.01)
+    step, _ = rule.build().step(aggregate([norm]), [norm.region])
+    coordinator.updates = [RoundUpdate(round=r, update=rule, steps={norm.name: step},
+                                       hashes={1: f"{r:064x}"}) for r in (1, 2, 3)]
+    received = list(read_updates(stub.GetUpdates(pb.GetUpdatesRequest(since_round=1), timeout=5),
+                                 tier=1))
+    assert [(u.round, u.hashes) for u in received] == [(2, {1: f"{2:064x}"}),
+                                                      (3, {1: f"{3:064x}"})]
     for update in received:
-        assert torch.equal(update.parameters["model.norm.weight"].values, norm.values)
+        assert torch.equal(update.steps[norm.name].values, step.values)
 
 
 def test_checkpoint_file_streams_in_chunks_with_sha256(served, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""SparseResult ↔ message field by field, decode checks, and the submission and update streams."""
+"""SparseResult ↔ message field by field, decode checks, and the submission stream (the update
+stream: test_update_steps.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,11 @@ import torch
 from modeling.compression import (
     CompressionConfig,
     SparseResult,
-    UpdateConfig,
-    aggregate,
     payload_bytes,
 )
 from protocol.errors import (
     MalformedSparseResult,
     MalformedStream,
-    ProtocolError,
     TooManyResults,
     UnknownDtype,
 )
@@ -26,13 +24,6 @@ from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.sparse import decode_sparse_result, encode_sparse_result
 from protocol.submission import read_submission, submission_messages
 from protocol.tensors import encode_tensor
-from protocol.updates import (
-    RoundUpdate,
-    decode_parameter_update,
-    encode_parameter_update,
-    read_updates,
-    update_messages,
-)
 
 UP = "model.layers.0.mlp.up_proj.weight"
 SHAPE = (16, 12)  # universal up_proj; tier 1 covers rows [0, 8)
@@ -179,97 +170,3 @@ def test_a_submission_holds_one_result_per_parameter_at_most() -> None:
         next(stream)  # an empty message: decoding it would raise MalformedSparseResult
 
 
-def _aggregates() -> dict[str, object]:
-    tier0 = _result("dct", region=((0, 16), (0, 12)), tokens=300)
-    tier1 = _result("topk", tokens=100)
-    norm = dataclasses.replace(DENSE, name="model.norm.weight", shape=(12,),
-                               region=((0, 12),), values=torch.randn(12))
-    return {UP: aggregate([tier0, tier1]), "model.norm.weight": aggregate([norm]),
-            "tier1.only": aggregate([dataclasses.replace(tier1, name="tier1.only")])}
-
-
-def _assert_same_aggregate(a, b) -> None:
-    assert torch.equal(a.values, b.values) and torch.equal(a.tokens, b.tokens)
-
-
-def test_an_aggregate_round_trips_exactly() -> None:
-    for name, sent in _aggregates().items():
-        message = pb.ParameterUpdate.FromString(
-            encode_parameter_update(name, sent).SerializeToString())
-        got_name, got = decode_parameter_update(message)
-        assert got_name == name
-        _assert_same_aggregate(got, sent)
-    tail_free = encode_parameter_update("tier1.only", _aggregates()["tier1.only"])
-    assert [(r.start, r.stop) for r in tail_free.aggregate.region] == [(0, 8), (0, 12)]
-
-
-def test_signs_only_updates_apply_exactly_like_the_full_aggregate() -> None:
-    rule = UpdateConfig(rule="sign", lr=0.01, weight_decay=0.1).build()
-    for name, sent in _aggregates().items():
-        full = encode_parameter_update(name, sent)
-        compact = encode_parameter_update(name, sent, signs_only=True)
-        assert compact.aggregate.values.dtype == "int8"
-        assert len(compact.aggregate.values.data) * 4 == len(full.aggregate.values.data)
-        assert len(compact.coverage.data) * 4 <= len(full.coverage.data)
-        _, got = decode_parameter_update(pb.ParameterUpdate.FromString(
-            compact.SerializeToString()))
-        weight = torch.randn(sent.values.shape)
-        assert torch.equal(rule.apply(weight, got), rule.apply(weight, sent))
-    forged = encode_parameter_update(UP, _aggregates()[UP], signs_only=True)
-    forged.aggregate.values.data = bytes([2]) + forged.aggregate.values.data[1:]
-    with pytest.raises(ProtocolError, match="-1, 0 or 1"):
-        decode_parameter_update(forged)
-
-
-def test_a_sparse_aggregate_without_coverage_decodes() -> None:
-    name, got = decode_parameter_update(pb.ParameterUpdate(aggregate=encode_sparse_result(TOPK)))
-    assert name == UP and got.tokens[:8].eq(512).all() and not got.covered[8:].any()
-    assert got.values[8:].eq(0).all()
-
-
-def test_an_aggregate_covering_nothing_is_not_sent() -> None:
-    empty = aggregate([TOPK])
-    empty.tokens.zero_()
-    with pytest.raises(ProtocolError, match="covers nothing"):
-        encode_parameter_update(UP, empty)
-
-
-def _rounds() -> list[RoundUpdate]:
-    aggregates = _aggregates()
-    return [
-        RoundUpdate(4, 0.01, "ab" * 32, aggregates),
-        RoundUpdate(5, 0.02, "cd" * 32, {}),
-        RoundUpdate(7, 0.03, "ef" * 32, {UP: aggregates[UP]}),
-    ]
-
-
-def test_updates_round_trip() -> None:
-    sent = _rounds()
-    wire = [pb.UpdateMessage.FromString(m.SerializeToString()) for m in update_messages(sent)]
-    received = list(read_updates(wire))
-    assert [(u.round, u.learning_rate, u.weight_hash) for u in received] == [
-        (u.round, u.learning_rate, u.weight_hash) for u in sent]
-    for got, want in zip(received, sent, strict=True):
-        assert list(got.parameters) == list(want.parameters)
-        for name in want.parameters:
-            _assert_same_aggregate(got.parameters[name], want.parameters[name])
-
-
-def test_malformed_update_streams_are_refused() -> None:
-    messages = list(update_messages(_rounds()))  # 4 = header + 3, 5 = header, 7 = header + 1
-    cases = {
-        "moved on after 2": messages[:3] + messages[4:],  # round 4 loses a parameter
-        "announced 3 parameter updates": messages[:2],  # the stream ends mid-round
-        "before its round's header": messages[1:],
-        "arrives after round 5": messages[:5] + messages[4:5],  # round 5 twice
-        "updates 'model.norm.weight' twice": messages[:2] + messages[2:3] * 2,
-    }
-    for match, stream in cases.items():
-        with pytest.raises(MalformedStream, match=match):
-            list(read_updates(stream))
-    message = encode_parameter_update(UP, _aggregates()[UP])
-    for coverage, match in ((torch.ones(4), r"shape \[4\]"),
-                            (-torch.ones(16, 12), "not finite token counts")):
-        message.coverage.CopyFrom(encode_tensor(coverage))
-        with pytest.raises(MalformedStream, match=match):
-            decode_parameter_update(message)

@@ -286,8 +286,12 @@ def test_update_schedule_in_rounds():
     update = UpdateSection(lr=0.1, warmup_rounds=2, schedule="linear", final_lr=0.0)
     assert [update.lr_at(r, 12) for r in (0, 1, 2, 7, 12)] == pytest.approx(
         [0.05, 0.1, 0.1, 0.05, 0.0])
-    built = update.build(7, 12)
+    built = update.build(7, 12, CompressionConfig(chunk=32))
     assert (built.rule, built.lr) == ("sign", pytest.approx(0.05))
+    assert (built.broadcast_topk, built.chunk) == (48, 32)  # compressed results: compressed down
+    assert update.build(7, 12, CompressionConfig(encoding="dense")).broadcast_topk == 0
+    exact = UpdateSection(broadcast_topk=0).build(0, 1, CompressionConfig())
+    assert exact.broadcast_topk == 0 and exact.build().broadcast is None
 
 
 def test_auth_token_sources(monkeypatch):

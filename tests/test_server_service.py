@@ -209,9 +209,9 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
         results(c, alice.client_id)), metadata=auth_a))[0] == grpc.StatusCode.INVALID_ARGUMENT
 
     (update,) = read_updates(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0),
-                                             metadata=auth_a))
-    assert update.round == 0 and update.weight_hash == c.tier_hashes([0])[0]
-    assert set(update.parameters) == set(c.shapes)
+                                             metadata=auth_a), tier=0)
+    assert update.round == 0 and update.hashes == c.tier_hashes([0])
+    assert set(update.steps) == set(c.shapes)
 
     manifest = tmp_path / "manifest.json"
     receive_file(stub.DownloadCheckpoint(pb.DownloadCheckpointRequest(

@@ -7,13 +7,14 @@ A client, per parameter and round (``rule`` is the run's, the same on every side
     regions = tier_regions(universal_shapes(config), config, tier)
     state = compressor.feedback(name, shape, regions[name])    # once per parameter
     result = state.step(grad_slice, tokens)                     # → SparseResult, sent
-    weight_slice = rule.apply_to_slice(weight_slice, update, regions[name])
+    weight_slice = rule.apply(weight_slice, step, regions[name])   # the broadcast step
 
 The coordinator, per parameter::
 
-    rule = UpdateConfig(rule="sign", lr=1e-3).build()
+    rule = UpdateConfig(rule="sign", lr=1e-3, broadcast_topk=48).build()
     update = aggregate(results_from_all_clients)   # validates, then token-weighted mean
-    master = rule.apply(master, update)
+    step, residual = rule.step(update, [r.region for r in results], residual)
+    master = rule.apply(master, step)              # a client: rule.apply(slice, step, region)
 
 Public API:
 
@@ -41,12 +42,19 @@ validate(result), validate_group(results) (validation.py)
 aggregate(results) -> Aggregate(values, tokens).covered; scatter(result) -> Aggregate
 (aggregation.py)
     Coverage-normalised, token-weighted mean over the universal shape.
-sgd, sign, UPDATE_RULES; UpdateConfig(rule, lr, weight_decay).build() -> UpdateRule;
-UpdateRule.apply(weight, update), .apply_to_slice(weight_slice, update, region) (update.py)
+sgd, sign, UPDATE_RULES; UpdateConfig(rule, lr, weight_decay, broadcast_topk, chunk).build()
+-> UpdateRule; UpdateRule.step(aggregate, covered, residual) -> (Step, residual),
+.apply(weight, step, region=None); RoundUpdate(round, update, steps, hashes) .apply(state),
+.cut(tier, regions) (update.py)
+    The rules, and the one record of a round's update that is logged, sent and applied.
+DenseStep, CoefficientStep, Step, dense_step, Broadcast(topk, chunk).encode(values, covered,
+residual), intersect, bounding_box (steps.py)
+    A parameter's update: exact, or top-k DCT levels decoded with exact integer arithmetic.
 weight_hash(state, regions=None) -> str (hashing.py)
     The per-tier hash of the weights that the coordinator publishes and clients compare.
-DENSE_BYTES_PER_VALUE, index_dtype(bound), payload_bytes(result) (wire.py)
-    Smallest integer dtypes for ids and positions, bytes on the wire.
+DENSE_BYTES_PER_VALUE, index_dtype(bound), payload_bytes(result), position_bits(numel),
+pack_bits(values, bits), unpack_bits(data, bits, count) (wire.py)
+    Smallest integer dtypes for ids and positions, bit packing, bytes on the wire.
 
 Errors (modeling.errors, all CompressionError): CompressionConfigError, UnknownEncoding,
 RegionError, ChunkIdError, ChunkIndexError, NonFiniteValues, ResultShapeMismatch,
@@ -73,9 +81,32 @@ from modeling.compression.regions import (
     universal_shapes,
 )
 from modeling.compression.sparse import ENCODINGS, SparseResult
-from modeling.compression.update import UPDATE_RULES, UpdateConfig, UpdateRule, sgd, sign
+from modeling.compression.steps import (
+    Broadcast,
+    CoefficientStep,
+    DenseStep,
+    Step,
+    bounding_box,
+    dense_step,
+    intersect,
+)
+from modeling.compression.update import (
+    UPDATE_RULES,
+    RoundUpdate,
+    UpdateConfig,
+    UpdateRule,
+    sgd,
+    sign,
+)
 from modeling.compression.validation import validate, validate_group
-from modeling.compression.wire import DENSE_BYTES_PER_VALUE, index_dtype, payload_bytes
+from modeling.compression.wire import (
+    DENSE_BYTES_PER_VALUE,
+    index_dtype,
+    pack_bits,
+    payload_bytes,
+    position_bits,
+    unpack_bits,
+)
 
 __all__ = [
     "DENSE_BYTES_PER_VALUE",
@@ -84,23 +115,33 @@ __all__ = [
     "UPDATE_RULES",
     "VALUE_DTYPES",
     "Aggregate",
+    "Broadcast",
     "ChunkGrid",
+    "CoefficientStep",
     "CompressionConfig",
     "Compressor",
+    "DenseStep",
     "ErrorFeedback",
     "Region",
+    "RoundUpdate",
     "SparseResult",
+    "Step",
     "UpdateConfig",
     "UpdateRule",
     "aggregate",
+    "bounding_box",
     "dct",
     "dct_matrix",
     "decode",
+    "dense_step",
     "full_region",
     "get_encoding",
     "idct",
     "index_dtype",
+    "intersect",
+    "pack_bits",
     "payload_bytes",
+    "position_bits",
     "region_shape",
     "region_slices",
     "scatter",
@@ -110,6 +151,7 @@ __all__ = [
     "tier_regions",
     "universal_config",
     "universal_shapes",
+    "unpack_bits",
     "validate",
     "validate_group",
     "weight_hash",

@@ -42,3 +42,37 @@ def _along_chunk_dims(blocks: Tensor, *, inverse: bool) -> Tensor:
         # x @ Dᵀ transforms the last dimension; x @ D applies the inverse
         out = (out.movedim(dim, -1) @ (matrix if inverse else matrix.T)).movedim(-1, dim)
     return out
+
+
+# The broadcast's exact inverse. Levels are integers of magnitude <= LEVEL_MAX and the
+# integer DCT matrix is round(D·2^bits): every product and partial sum of the inverse is then
+# an integer below 2^53, which float64 holds exactly, so the result has the same bits in any
+# summation order, on any machine, BLAS and thread count (DESIGN.md §5.5).
+LEVEL_MAX = 127  # int8 levels
+_EXACT = 2**53
+
+
+def exact_bits(chunk: tuple[int, ...]) -> int:
+    """Fraction bits of the integer DCT matrices for ``chunk``: the most (up to 20) that keep
+    every sum of the inverse below 2^53."""
+    numel = math.prod(chunk)
+    bits = 20
+    while bits > 0 and numel * LEVEL_MAX * 2 ** (bits * len(chunk)) >= _EXACT:
+        bits -= 1
+    return bits
+
+
+@functools.cache
+def integer_dct_matrix(n: int, bits: int) -> Tensor:
+    """round(D·2^bits) for the (n, n) DCT-II matrix, as float64 integers."""
+    return torch.round(dct_matrix(n, torch.float64) * 2.0**bits)
+
+
+def exact_idct(levels: Tensor, bits: int) -> Tensor:
+    """(n, *chunk) integer levels (any dtype) → their inverse transform times 2^(bits·ndim),
+    float64 integers with the same bits everywhere; divide by that power for the values."""
+    out = levels.to(torch.float64)
+    for dim in range(1, levels.ndim):
+        matrix = integer_dct_matrix(levels.shape[dim], bits).to(levels.device)
+        out = (out.movedim(dim, -1) @ matrix).movedim(-1, dim)
+    return out

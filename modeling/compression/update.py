@@ -3,21 +3,25 @@
 - ``sgd``:  w ← w·(1 − lr·wd) − lr·agg
 - ``sign``: w ← w·(1 − lr·wd) − lr·sign(agg)   (DeMo, decoupled weight decay)
 
-Only covered elements change. Rules work element by element, so the coordinator applying a
-rule to the master weights and a client applying it to its tier slice compute the same
-numbers: replicas stay equal without sending weights.
+Only covered elements change. A rule moves weights along a step's direction (``steps.py``)
+element by element, so the coordinator applying it to the master weights and a client
+applying it to its tier slice compute the same numbers: replicas stay equal without sending
+weights. The rule also decides the step's form (``UpdateRule.step``): exact, or compressed
+for the broadcast; ``RoundUpdate`` is the record of a round that every side shares.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from modeling.compression.aggregation import Aggregate
-from modeling.compression.grid import Region, region_slices
+from modeling.compression.aggregation import Aggregate, aggregate
+from modeling.compression.grid import Region, full_region
+from modeling.compression.sparse import SparseResult
+from modeling.compression.steps import Broadcast, Step, dense_step
 from modeling.errors import CompressionConfigError
 
 Rule = Callable[..., Tensor]  # (weight, values, covered, *, lr, weight_decay) → new weight
@@ -47,6 +51,10 @@ class UpdateConfig:
     rule: str = "sign"  # one of UPDATE_RULES
     lr: float  # step size of the update
     weight_decay: float = 0.0  # decoupled: w ← w·(1 − lr·wd) on covered elements
+    # The coordinator's broadcast: top-k DCT coefficients per chunk of ``chunk`` (steps.py);
+    # 0: the exact aggregate (float32, or int8 signs under ``sign``). Clients need neither.
+    broadcast_topk: int = 0
+    chunk: int = 64
 
     def __post_init__(self) -> None:
         if self.rule not in UPDATE_RULES:
@@ -57,28 +65,88 @@ class UpdateConfig:
             raise CompressionConfigError(
                 f"lr must be > 0 and weight_decay >= 0, got {self.lr} and {self.weight_decay}."
             )
+        if self.broadcast_topk < 0:
+            raise CompressionConfigError(
+                f"broadcast_topk must be >= 0 (0: exact), got {self.broadcast_topk}.")
 
     def build(self) -> UpdateRule:
-        return UpdateRule(rule=UPDATE_RULES[self.rule], lr=self.lr, weight_decay=self.weight_decay)
+        broadcast = Broadcast(topk=self.broadcast_topk, chunk=self.chunk) \
+            if self.broadcast_topk else None
+        return UpdateRule(name=self.rule, rule=UPDATE_RULES[self.rule], lr=self.lr,
+                          weight_decay=self.weight_decay, broadcast=broadcast)
 
 
 @dataclass(frozen=True, slots=True)
 class UpdateRule:
+    name: str  # the key of ``rule`` in UPDATE_RULES
     rule: Rule
     lr: float
     weight_decay: float
+    broadcast: Broadcast | None = None  # None: steps are exact (DenseStep)
 
-    def apply(self, weight: Tensor, update: Aggregate) -> Tensor:
-        """The universal (master) weight after the update."""
-        return self.rule(
-            weight, update.values, update.covered, lr=self.lr, weight_decay=self.weight_decay
-        )
+    def step(self, aggregate: Aggregate, covered: Sequence[Region],
+             residual: Tensor | None = None) -> tuple[Step, Tensor | None]:
+        """(coordinator) The step that carries ``aggregate`` (over the union of ``covered``,
+        the regions of the results behind it) to every replica, and the broadcast's new
+        residual (None for an exact step, which leaves nothing out)."""
+        if self.broadcast is None:
+            return dense_step(aggregate.values, covered, signs=self.name == "sign"), residual
+        return self.broadcast.encode(aggregate.values, covered, residual)
 
-    def apply_to_slice(self, weight: Tensor, update: Aggregate, region: Region) -> Tensor:
-        """A client's tier slice (``region`` of the universal tensor) after the update; equal
-        to ``apply(master, update)[region_slices(region)]``."""
-        where = region_slices(region)
-        return self.rule(
-            weight, update.values[where], update.covered[where], lr=self.lr,
-            weight_decay=self.weight_decay,
-        )
+    def steps(self, by_name: Mapping[str, Sequence[SparseResult]],
+              residual: Mapping[str, Tensor] | None = None, *, votes: bool = False
+              ) -> tuple[dict[str, Step], dict[str, Tensor]]:
+        """(coordinator) A round's steps from the results of each canonical name (validated,
+        aggregated, ``votes``: by majority vote), and the broadcast's residual after them."""
+        residual = dict(residual or {})
+        steps = {}
+        for name, results in by_name.items():
+            steps[name], left = self.step(aggregate(results, votes=votes),
+                                          [r.region for r in results], residual.get(name))
+            if left is not None:
+                residual[name] = left
+        return steps, residual
+
+    def apply(self, weight: Tensor, step: Step, region: Region | None = None) -> Tensor:
+        """``weight`` (``region`` of the universal tensor; default: all of it) after
+        ``step``: a new tensor of its dtype, equal to the same cut of the updated master."""
+        region = full_region(step.shape) if region is None else region
+        device = weight.device
+        return self.rule(weight, step.direction(region).to(device), step.mask(region).to(device),
+                         lr=self.lr, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True, slots=True)
+class RoundUpdate:
+    """A round's update: logged by the coordinator, cut to a tier and sent, applied by every
+    replica and replayed on resume; one record throughout."""
+
+    round: int
+    update: UpdateConfig  # rule, lr and weight decay it is applied with
+    steps: dict[str, Step]  # canonical name → the parameter's step
+    hashes: dict[int, str]  # tier → weight hash of the master after it
+    coverage_tokens: dict[str, int] = field(default_factory=dict)  # Σ tokens behind a step
+
+    def apply(self, state: Mapping[str, Tensor],
+              regions: Mapping[str, Region] | None = None) -> dict[str, Tensor]:
+        """``state`` (canonical names; ``regions[name]`` of each universal tensor, default
+        all of it) after this update; names it does not touch unchanged."""
+        rule = self.update.build()
+        return {name: rule.apply(weight, self.steps[name],
+                                 None if regions is None else regions[name])
+                if name in self.steps else weight for name, weight in state.items()}
+
+    def cut(self, tier: int, regions: Mapping[str, Region]) -> RoundUpdate:
+        """What a client of ``tier`` holding ``regions`` downloads: its steps cut to them
+        and its tier's hash."""
+        steps = {}
+        for name, step in self.steps.items():
+            cut = step.cut(regions[name])
+            if cut is not None:
+                steps[name] = cut
+        hashes = {tier: self.hashes[tier]} if tier in self.hashes else {}
+        return RoundUpdate(round=self.round, update=self.update, steps=steps, hashes=hashes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(step.nbytes for step in self.steps.values())

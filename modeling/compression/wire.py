@@ -5,10 +5,14 @@ signed integer type that holds its range: positions inside a 64 × 64 chunk (< 4
 int16, inside a 64-long 1-D chunk in int8; chunk ids are bounded by the grid's chunk count.
 Values travel in their own dtype (bfloat16 by default for topk/dct, see ``compressor.py``).
 Fixed fields (name, shape, region, chunk, tokens) are a few dozen bytes and not counted.
+The broadcast's positions are packed to the bits they need (``pack_bits``): 12 for 4096.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from modeling.compression.grid import ChunkGrid
@@ -33,3 +37,27 @@ def payload_bytes(result: SparseResult) -> int:
     ids = result.chunks.numel() * index_dtype(grid.size).itemsize
     positions = result.indices.numel() * index_dtype(grid.chunk_numel).itemsize
     return ids + positions + values
+
+
+def position_bits(chunk_numel: int) -> int:
+    """Bits a position inside a chunk of ``chunk_numel`` elements needs."""
+    return max(1, math.ceil(math.log2(chunk_numel)))
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> bytes:
+    """Non-negative integers below 2^bits, ``bits`` each, little-endian, in ⌈n·bits / 8⌉
+    bytes (the last byte zero-padded)."""
+    flat = values.reshape(-1).to(torch.int64).numpy().astype(np.uint32)
+    planes = (flat[:, None] >> np.arange(bits, dtype=np.uint32)) & 1  # (n, bits), low bit first
+    return np.packbits(planes.astype(np.uint8).reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_bits(data: bytes, bits: int, count: int) -> torch.Tensor:
+    """Inverse of ``pack_bits``: (count,) int64. Raises ValueError when ``data`` is not
+    exactly the size ``count`` values need."""
+    need = -(-count * bits // 8)
+    if len(data) != need:
+        raise ValueError(f"{count} values of {bits} bits take {need} bytes, got {len(data)}.")
+    planes = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
+    planes = planes[:count * bits].reshape(count, bits).astype(np.int64)
+    return torch.from_numpy((planes << np.arange(bits, dtype=np.int64)).sum(axis=1))

@@ -267,24 +267,54 @@ class GetUpdatesRequest(_message.Message):
     def __init__(self, since_round: _Optional[int] = ...) -> None: ...
 
 class RoundUpdateHeader(_message.Message):
-    __slots__ = ("round", "learning_rate", "weight_hash", "parameters")
+    __slots__ = ("round", "learning_rate", "weight_hash", "parameters", "rule", "weight_decay")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_HASH_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     round: int
     learning_rate: float
     weight_hash: str
     parameters: int
-    def __init__(self, round: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_hash: _Optional[str] = ..., parameters: _Optional[int] = ...) -> None: ...
+    rule: str
+    weight_decay: float
+    def __init__(self, round: _Optional[int] = ..., learning_rate: _Optional[float] = ..., weight_hash: _Optional[str] = ..., parameters: _Optional[int] = ..., rule: _Optional[str] = ..., weight_decay: _Optional[float] = ...) -> None: ...
+
+class Box(_message.Message):
+    __slots__ = ("range",)
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    range: _containers.RepeatedCompositeFieldContainer[Range]
+    def __init__(self, range: _Optional[_Iterable[_Union[Range, _Mapping]]] = ...) -> None: ...
 
 class ParameterUpdate(_message.Message):
-    __slots__ = ("aggregate", "coverage")
-    AGGREGATE_FIELD_NUMBER: _ClassVar[int]
-    COVERAGE_FIELD_NUMBER: _ClassVar[int]
-    aggregate: SparseResult
-    coverage: Tensor
-    def __init__(self, aggregate: _Optional[_Union[SparseResult, _Mapping]] = ..., coverage: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    __slots__ = ("name", "shape", "covered", "box", "values", "coefficients")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    COVERED_FIELD_NUMBER: _ClassVar[int]
+    BOX_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    COEFFICIENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    covered: _containers.RepeatedCompositeFieldContainer[Box]
+    box: _containers.RepeatedCompositeFieldContainer[Range]
+    values: Tensor
+    coefficients: Coefficients
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., covered: _Optional[_Iterable[_Union[Box, _Mapping]]] = ..., box: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., coefficients: _Optional[_Union[Coefficients, _Mapping]] = ...) -> None: ...
+
+class Coefficients(_message.Message):
+    __slots__ = ("chunk", "positions", "levels", "scales")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    LEVELS_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    chunk: _containers.RepeatedScalarFieldContainer[int]
+    positions: bytes
+    levels: Tensor
+    scales: Tensor
+    def __init__(self, chunk: _Optional[_Iterable[int]] = ..., positions: _Optional[bytes] = ..., levels: _Optional[_Union[Tensor, _Mapping]] = ..., scales: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class UpdateMessage(_message.Message):
     __slots__ = ("header", "parameter")
