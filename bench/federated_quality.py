@@ -7,6 +7,8 @@ the same sequences of the stdlib-docstrings MDAT:
      compression (``CompressionConfig`` defaults: DCT, chunk 64, top 32, bfloat16), rule sign
   B  the same, all 3 clients at tier 0
   C  as A with compression none: the dense float32 gradient, rule sign at the same lr
+  E  as A with the exact broadcast ([update] broadcast_topk = 0): the aggregate's signs, one
+     byte per element down, where A downloads the top 48 coefficients per chunk
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
 
 The coordinator hands out the run's order (``server.work.work_order``: the shuffle of seed
@@ -59,12 +61,14 @@ class FederatedRun:
     tiers: tuple[int, ...]  # one client per entry
     encoding: str  # [compression] encoding
     value_dtype: str  # [compression] value_dtype
+    broadcast_topk: int | None = None  # [update] broadcast_topk (None: the default)
 
 
 RUNS = {
     "A": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16"),
     "B": FederatedRun(tiers=(0, 0, 0), encoding="dct", value_dtype="bfloat16"),
     "C": FederatedRun(tiers=(0, 1, 2), encoding="none", value_dtype="float32"),
+    "E": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", broadcast_topk=0),
 }
 STANDALONE = "D"
 
@@ -99,7 +103,7 @@ class Outcome:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", default="A,B,C,D", help="any of A, B, C, D")
+    parser.add_argument("--runs", default="A,B,C,D,E", help="any of A, B, C, D, E")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--tokens-per-round", type=int, default=8192)
     parser.add_argument("--lr", type=float, default=0.02, help="sign rule's peak lr (A, B, C)")
@@ -152,7 +156,9 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
                   "tokens_per_round": args.tokens_per_round, "rounds": args.rounds},
         "compression": {"encoding": run.encoding, "value_dtype": run.value_dtype},
         "update": {"rule": "sign", "lr": args.lr, "warmup_rounds": args.warmup_rounds,
-                   "schedule": "cosine", "final_lr": args.lr / 10, "vote": args.vote},
+                   "schedule": "cosine", "final_lr": args.lr / 10, "vote": args.vote,
+                   **({} if run.broadcast_topk is None
+                      else {"broadcast_topk": run.broadcast_topk})},
         "checkpoint": {"every_rounds": args.rounds},
         "faults": {"peer_clip": args.peer_clip},
         "auth": {"join_token": TOKEN},
@@ -268,7 +274,7 @@ def main() -> None:
     names = [n.strip().upper() for n in args.runs.split(",")]
     unknown = set(names) - {*RUNS, STANDALONE}
     if unknown:
-        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from A, B, C, D")
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from A, B, C, D, E")
     data = data_path(args.documents)
     with Mdat.open(data) as mdat:
         # Every run's coordinator hands out the same order: A's config stands for them all.
@@ -321,7 +327,7 @@ def main() -> None:
             print(f"{name}: sent KiB/round by client: {each}")
     for note in notes:
         print(note)
-    for other in ["B", "C", STANDALONE]:
+    for other in ["B", "C", STANDALONE, "E"]:
         if "A" in outcomes and other in outcomes:
             ratios = ", ".join(f"tier {t} {outcomes['A'].final[t] / outcomes[other].final[t]:.3f}"
                                for t in labels)

@@ -11,8 +11,9 @@ round's assigned token count.
 
 On the coordinator (its instance's methods wrapped; server code untouched): ``close``, the
 whole close of a round (``Coordinator._close``: aggregate every parameter over the clients'
-results, apply the update rule to the master, hash it per tier, log the update, save
-state.json), and inside it ``aggregate``, ``hash`` (``tier_hashes``), ``log + save`` and
+results and compress it for the broadcast, apply the update rule to the master, hash it per
+tier, log the update, save state.json), and inside it ``aggregate`` (``UpdateRule.steps``:
+the aggregates and the broadcast's steps), ``hash`` (``tier_hashes``), ``log + save`` and
 ``apply + rest``. Checkpoints are kept out (the interval is longer than the run). While each
 timed round closes, a prober thread sends Heartbeat and GetRound in turn and records how long
 each takes to answer: ``hb p99``, the 99th percentile over every timed round.
@@ -60,13 +61,13 @@ import grpc
 import torch
 from harness import print_table
 
-import server.coordinator
 from modeling import ModelConfig
 from modeling.compression import (
     DENSE_BYTES_PER_VALUE,
     CompressionConfig,
-    UpdateConfig,
+    UpdateRule,
     region_shape,
+    region_slices,
     tier_regions,
     universal_shapes,
 )
@@ -110,6 +111,8 @@ def parse_args() -> argparse.Namespace:
     run.add_argument("--tiers", default="0,1,2", help="client i asks for tier tiers[i % len]")
     run.add_argument("--rounds", type=int, default=3, help="timed rounds per client count")
     run.add_argument("--rule", choices=["sign", "sgd"], default="sign")
+    run.add_argument("--broadcast-topk", type=int, default=None,
+                     help="[update] broadcast_topk (default: the run's; 0: exact broadcast)")
     run.add_argument("--encoding", choices=["dense", "topk", "dct"], default=defaults.encoding)
     run.add_argument("--chunk", type=int, default=defaults.chunk)
     run.add_argument("--topk", type=int, default=defaults.topk)
@@ -149,7 +152,9 @@ def run_config(args: argparse.Namespace, clients: int, folder: Path, mdat: Path)
         # (the last round always checkpoints).
         "round": {"min_clients": clients, "deadline_s": 3600.0, "rounds": args.rounds + 2,
                   "tokens_per_round": clients * args.sequences_per_client * args.seq_len},
-        "update": {"rule": args.rule, "lr": 1e-3, "schedule": "constant"},
+        "update": {"rule": args.rule, "lr": 1e-3, "schedule": "constant",
+                   **({} if args.broadcast_topk is None
+                      else {"broadcast_topk": args.broadcast_topk})},
         "compression": {"encoding": args.encoding, "chunk": args.chunk, "topk": args.topk,
                         "value_dtype": args.value_dtype},
         "checkpoint": {"every_rounds": 10**9},
@@ -188,6 +193,7 @@ class Submissions:
 @dataclass(slots=True)
 class Client:
     client_id: str
+    tier: int
     auth: tuple[tuple[str, str], ...]  # session metadata
     messages: list[pb.SubmitMessage]
 
@@ -248,7 +254,7 @@ class CloseTimer:
         return timed
 
     def aggregate(self, work: Callable[..., Any]) -> Callable[..., Any]:
-        """``modeling.compression.aggregate``, timed; installed by ``measure`` for a run."""
+        """``UpdateRule.steps``, timed; installed by ``measure`` for a run."""
         return self._step("aggregate", work)
 
 
@@ -294,7 +300,7 @@ def join(stub: pb_grpc.CoordinatorStub, running: RunningServer, index: int, tier
         capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**40, requested_tier=tier,
                                      tokens_per_second=1000.0, load_strategy="auto"),
         schema=pb.Schema(canonical_hash=running.service.schema_hash)))
-    return Client(reply.client_id, session_metadata(reply.session_token),
+    return Client(reply.client_id, reply.tier, session_metadata(reply.session_token),
                   submissions.messages(index, reply.tier))
 
 
@@ -360,8 +366,8 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
     timer = CloseTimer(coordinator)
     # These clients do no work, so the speeds their submission times suggest mean nothing.
     coordinator.membership.measured = lambda *_args, **_kwargs: None
-    aggregate = server.coordinator.aggregate
-    server.coordinator.aggregate = timer.aggregate(aggregate)
+    steps = UpdateRule.steps
+    UpdateRule.steps = timer.aggregate(steps)
     channel = grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}", options=GRPC_OPTIONS)
     try:
         stub = pb_grpc.CoordinatorStub(channel)
@@ -388,7 +394,7 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         return Row(clients, timed, walls, received, update_bytes, update_s, probes, up, dense,
                    rss)
     finally:
-        server.coordinator.aggregate = aggregate
+        UpdateRule.steps = steps
         channel.close()
         running.stop()
 
@@ -397,16 +403,14 @@ def fetch_and_apply(stub: pb_grpc.CoordinatorStub, client: Client, coordinator: 
                     round_index: int) -> tuple[int, float]:
     """A tier-0 client's download of one round's update and its application to a copy of
     the weights it holds: (bytes, seconds)."""
-    weights = {name: tensor.clone() for name, tensor in coordinator.master.items()}
-    settings = coordinator.config.update
+    regions = coordinator.regions(client.tier)
+    weights = {name: coordinator.master[name][region_slices(region)].clone()
+               for name, region in regions.items()}
     start = time.perf_counter()
     messages = list(stub.GetUpdates(pb.GetUpdatesRequest(since_round=round_index),
                                     metadata=client.auth))
-    (update,) = read_updates(messages)
-    rule = UpdateConfig(rule=settings.rule, lr=update.learning_rate,
-                        weight_decay=settings.weight_decay).build()
-    for name, aggregate in update.parameters.items():
-        weights[name] = rule.apply(weights[name], aggregate)
+    (update,) = read_updates(messages, tier=client.tier)
+    update.apply(weights, regions)
     return sum(m.ByteSize() for m in messages), time.perf_counter() - start
 
 
