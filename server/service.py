@@ -355,12 +355,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _settings(self) -> pb.TrainingSettings:
         cfg = self.coordinator.config
-        compression, update = cfg.compression, cfg.update
+        compression = cfg.compression
         return pb.TrainingSettings(
             encoding=compression.encoding, chunk=compression.chunk, topk=compression.topk,
             value_dtype=compression.value_dtype, decay=compression.decay,
-            compression_lr=compression.lr, update_rule=update.rule,
-            weight_decay=update.weight_decay, sequence_length=cfg.data.max_seq_len,
+            compression_lr=compression.lr, sequence_length=cfg.data.max_seq_len,
             data_fingerprint=self.coordinator.reader.fingerprint,
             data_strategy=cfg.data.strategy, data_view=cfg.data.view or "",
             heartbeat_seconds=cfg.faults.heartbeat_s)

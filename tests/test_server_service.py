@@ -159,7 +159,7 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
     c = server.service.coordinator
     alice = stub.Join(join_request(server))
     assert alice.tier == 0 and alice.ffn_width == 64 and alice.tier_reason
-    assert alice.settings.encoding == "dense" and alice.settings.update_rule == "sgd"
+    assert alice.settings.encoding == "dense"
     auth_a = session_metadata(alice.session_token)
     waiting = stub.GetRound(pb.GetRoundRequest(), metadata=auth_a)
     assert waiting.state == pb.ROUND_STATE_WAIT  # min_clients = 2
