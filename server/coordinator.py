@@ -39,10 +39,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 from torch import Tensor
 
-from modeling.checkpoint import load_pretrained, save_pretrained
-from modeling.checkpoint.export import export_tiers
-from modeling.checkpoint.files import read_weights
-from modeling.checkpoint.pretrained import load_state_into
+from modeling.checkpoint import load_pretrained
 from modeling.compression import (
     DENSE_BYTES_PER_VALUE,
     Region,
@@ -55,10 +52,10 @@ from modeling.compression import (
     weight_hash,
 )
 from modeling.mdat import Mdat, assign
-from modeling.mdat.atomic import fsync_path, fsync_tree
 from modeling.models import build_model
-from modeling.naming import canonical_state_dict, load_canonical_state_dict
+from modeling.naming import canonical_state_dict
 from modeling.training import target_tokens
+from server.checkpoints import CheckpointRef, CheckpointStore
 from server.config import RunConfig
 from server.errors import (
     BadReport,
@@ -86,7 +83,6 @@ from server.work import WorkQueue, work_order
 MAX_EVENTS = 1000  # the newest events state.json keeps
 MAX_DEPARTED = 100  # the newest departed members state.json keeps
 MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 bytes each)
-STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
 SAVE_INTERVAL_S = 1.0  # joins, leaves and refusals reach state.json at most this often
 MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about 10
 # Free space a round needs before it opens, in multiples of the master's size: the update
@@ -97,15 +93,6 @@ CLOSE_RESERVE = 3
 TEMP_NAME = re.compile(r"\..+\.(tmp|old)(-[0-9a-f]{8})?")
 log = logging.getLogger("matformer.server")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointRef:
-    """Which checkpoint a joining client loads, then replays ``updates_since(round)`` on."""
-
-    round: int  # rounds it contains
-    path: Path  # the tier's slice when exported, else the universal checkpoint
-    sliced: bool  # False: the client slices the universal checkpoint to its tier itself
 
 
 class Coordinator:
@@ -123,6 +110,8 @@ class Coordinator:
         saved = RunState.load(self.dir)
         self.reader, order = work_order(Mdat.open(config.data.path), config, saved)
         self.log = UpdateLog(self.dir / "updates")
+        self.checkpoints = CheckpointStore(self.dir / "checkpoints", self.model_config,
+                                           config.tiers.allowed)
         self.ledger = TrainedLedger(self.dir)
         self.limits = SubmissionLimits(config.compression, config.faults)
         # The broadcast's error feedback: per canonical name, what compressed steps left out
@@ -154,7 +143,7 @@ class Coordinator:
             self.ledger.truncate(0)
             self.master = self._tied({n: t.detach().clone()
                                       for n, t in self._initial(initial).items()})
-            self._checkpoint(0, self.master)
+            self.checkpoints.write(0, self.master)
             self.state.checkpoints.append(0)
             self._save()
         else:
@@ -389,12 +378,7 @@ class Coordinator:
     def checkpoint_for(self, tier: int) -> CheckpointRef:
         """The latest checkpoint, as the slice of ``tier`` when one was exported."""
         with self._lock:
-            r = self.state.checkpoints[-1]
-            universal = self._checkpoint_dir(r)
-            sliced = universal.parent / f"{universal.name}-tier{tier}"
-            if tier > 0 and sliced.is_dir():
-                return CheckpointRef(round=r, path=sliced, sliced=True)
-            return CheckpointRef(round=r, path=universal, sliced=False)
+            return self.checkpoints.ref(self.state.checkpoints[-1], tier)
 
     # -- the state machine --------------------------------------------------------------
 
@@ -644,7 +628,7 @@ class Coordinator:
             self.state.checkpoints = listed
             log.warning("keeping checkpoints %s for now: %s", retired, err)
             return
-        self._remove_checkpoints(keep=set(self.state.checkpoints), why="retired (keep_last)")
+        self.checkpoints.keep_only(self.state.checkpoints, why="retired (keep_last)")
 
     def _settle(self, rnd: OpenRound) -> None:
         """(lock held) The members' side of a round that ended: who missed it (their
@@ -682,7 +666,7 @@ class Coordinator:
         self.log.append(closing.logged)
         self.ledger.record(r, [i for a in closing.delivered.values() for i in a.sequence_ids])
         if closing.checkpoint:
-            self._checkpoint(r + 1, master)
+            self.checkpoints.write(r + 1, master)
         return master
 
     def _commit(self, closing: _Closing, master: dict[str, Tensor] | None) -> None:
@@ -879,33 +863,6 @@ class Coordinator:
         up from the log instead of downloading the new checkpoint."""
         return self.state.checkpoints[-2 if len(self.state.checkpoints) > 1 else -1]
 
-    def _checkpoint_dir(self, round_index: int) -> Path:
-        return self.dir / "checkpoints" / f"round-{round_index}"
-
-    def _checkpoint(self, round_index: int, master: Mapping[str, Tensor]) -> None:
-        """The master (or ``master``) as a universal checkpoint plus the slices of every
-        allowed tier (so a client of any tier downloads only its slice), appearing whole or
-        not at all: all of it is written in ``checkpoints/.staging-round-N/``, fsynced, then
-        the slices and last the universal folder (which holds the manifest) are renamed into
-        place."""
-        target = self._checkpoint_dir(round_index)
-        staging = target.parent / f"{STAGING_PREFIX}{target.name}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        model = build_model(self.model_config)
-        load_canonical_state_dict(model, master)
-        save_pretrained(model, staging / target.name)
-        export_tiers(staging / target.name, [t for t in self.config.tiers.allowed if t > 0])
-        fsync_tree(staging)
-        parts = sorted(staging.iterdir(), key=lambda p: p.name == target.name)  # universal last
-        for part in parts:
-            final = target.parent / part.name
-            if final.exists():  # left by a crash before state.json recorded this checkpoint
-                shutil.rmtree(final)
-            part.rename(final)
-        fsync_path(target.parent)
-        staging.rmdir()
-
     def _remove_temp_files(self) -> None:
         """The temporary files and folders of atomic writes that a kill interrupted."""
         for path in sorted(self.dir.rglob(".*"), key=lambda p: len(p.parts), reverse=True):
@@ -915,24 +872,10 @@ class Coordinator:
 
     def _remove_unfinished_checkpoints(self) -> None:
         """Staging folders and checkpoint folders that state.json does not list: what a crash
-        in the middle of ``_checkpoint`` (or before state.json recorded it, or after it
-        stopped listing a retired one) left behind."""
-        self._remove_checkpoints(keep=set(self.state.checkpoints), level=logging.WARNING,
-                                 why="an unfinished or retired checkpoint from before a restart")
-
-    def _remove_checkpoints(self, *, keep: set[int], why: str, level: int = logging.INFO
-                            ) -> None:
-        """Every folder of ``checkpoints/`` but those of the rounds in ``keep`` (universal,
-        tier slices and Mix'n'Match slices alike), and every staging folder."""
-        root = self.dir / "checkpoints"
-        if not root.is_dir():
-            return
-        kept = {f"round-{r}" for r in keep}
-        for path in sorted(root.iterdir()):
-            base = path.name.split("-tier")[0].split("-mix")[0]
-            if path.name.startswith(STAGING_PREFIX) or (path.is_dir() and base not in kept):
-                log.log(level, "removing %s: %s", path, why)
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        in the middle of writing one (or before state.json recorded it, or after it stopped
+        listing a retired one) left behind."""
+        self.checkpoints.keep_only(self.state.checkpoints, level=logging.WARNING,
+                                   why="an unfinished or retired checkpoint from before a restart")
 
     def _initial(self, initial: Mapping[str, Tensor] | None) -> Mapping[str, Tensor]:
         if initial is not None:
@@ -945,13 +888,11 @@ class Coordinator:
     def _replayed(self) -> dict[str, Tensor]:
         """The master of the saved state: latest checkpoint, then the logged updates since."""
         base = self.state.checkpoints[-1]
-        directory = self._checkpoint_dir(base)
-        if not directory.is_dir():
-            raise ResumeError(f"state.json names checkpoint {directory}, which is missing; "
-                              "restore it, or start a new run directory.")
-        model = build_model(self.model_config)
-        load_state_into(model, read_weights(directory), directory)  # restores a tied head
-        master = {n: t.detach().clone() for n, t in canonical_state_dict(model).items()}
+        try:
+            master = self.checkpoints.read(base)
+        except FileNotFoundError as err:
+            raise ResumeError(f"state.json names checkpoint {err}, which is missing; "
+                              "restore it, or start a new run directory.") from None
         entries = [self.log.read(r) for r in range(base, self.state.round)]
         for entry in entries:
             master = self._tied(entry.apply(master))

@@ -135,4 +135,4 @@ def test_a_second_download_of_a_round_does_not_read_the_log(tmp_path):
         assert again == first
         updates = list(read_updates(again, tier=0))
         assert [u.round for u in updates] == [0, 1]
-        assert updates[1].hashes == c.tier_hashes([0])  # the master after round 1  # the master after round 1
+        assert updates[1].hashes == c.tier_hashes([0])  # the master after round 1

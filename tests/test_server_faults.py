@@ -9,10 +9,12 @@ import math
 import pytest
 import torch
 
+import server.checkpoints as checkpoints_module
 import server.coordinator as coordinator_module
 from modeling.compression import CompressionConfig
+from server.checkpoints import STAGING_PREFIX
 from server.config import RunConfig
-from server.coordinator import STAGING_PREFIX, Coordinator
+from server.coordinator import Coordinator
 from server.errors import (
     Excluded,
     NormTooLarge,
@@ -226,15 +228,15 @@ def test_a_crash_anywhere_in_a_close_resumes_to_the_same_weights(
 
     with monkeypatch.context() as patch:
         if crash_point == "slices":  # the universal folder is staged, slices half done
-            patch.setattr(coordinator_module, "export_tiers", crash)
+            patch.setattr(checkpoints_module, "export_tiers", crash)
         elif crash_point == "universal rename":  # slices in place, the universal not yet
-            real = coordinator_module.Path.rename
+            real = checkpoints_module.Path.rename
 
             def rename(self, target):
                 if self.name == "round-4":
                     raise Crash(crash_point)
                 return real(self, target)
-            patch.setattr(coordinator_module.Path, "rename", rename)
+            patch.setattr(checkpoints_module.Path, "rename", rename)
         elif crash_point == "state.json":  # checkpoint whole, state.json still at round 3
             patch.setattr(RunState, "save", crash)
         else:  # the update log is written, the ledger line is not

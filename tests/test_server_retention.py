@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import server.coordinator as coordinator_module
+from server.checkpoints import CheckpointStore
 from server.coordinator import Coordinator
 from server.errors import InvalidValue
 from server.sections import CheckpointSection
@@ -55,7 +56,7 @@ def test_a_crash_between_retiring_and_removing_is_cleaned_up_on_start(tmp_path, 
                                                                      monkeypatch):
     c, clock, cid = retaining(tmp_path, mdat_path, keep_first=False)
     drive(c, clock, cid, 4)
-    monkeypatch.setattr(Coordinator, "_remove_checkpoints", lambda self, **_: None)  # "killed"
+    monkeypatch.setattr(CheckpointStore, "keep_only", lambda self, *_, **__: None)  # "killed"
     drive(c, clock, cid, 2)
     assert c.state.checkpoints == [4, 6] and "round-2" in folders(c)
     monkeypatch.undo()

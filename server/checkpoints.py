@@ -1,0 +1,105 @@
+"""The run's checkpoints: ``<run dir>/checkpoints/round-N`` (universal, Hugging Face layout,
+with the manifest) and ``round-N-tier<t>`` (the slice of every allowed tier > 0), written so
+that each appears whole or not at all. Which rounds are kept is the coordinator's call (it
+lists them in state.json); the store writes, reads and removes folders.
+
+    store = CheckpointStore(run_dir / "checkpoints", model_config, tiers=[0, 1, 2])
+    store.write(10, master)              # staging folder, fsync, renames: universal last
+    store.ref(10, tier=1).path           # what a client of tier 1 loads
+    store.keep_only({8, 10}, why="retired (keep_last)")
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import Tensor
+
+from modeling.checkpoint import save_pretrained
+from modeling.checkpoint.export import export_tiers
+from modeling.checkpoint.files import read_weights
+from modeling.checkpoint.pretrained import load_state_into
+from modeling.config import ModelConfig
+from modeling.mdat.atomic import fsync_path, fsync_tree
+from modeling.models import build_model
+from modeling.naming import canonical_state_dict, load_canonical_state_dict
+
+STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
+log = logging.getLogger("matformer.server")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRef:
+    """Which checkpoint a joining client loads, then replays ``updates_since(round)`` on."""
+
+    round: int  # rounds it contains
+    path: Path  # the tier's slice when exported, else the universal checkpoint
+    sliced: bool  # False: the client slices the universal checkpoint to its tier itself
+
+
+class CheckpointStore:
+    def __init__(self, root: Path, model_config: ModelConfig, tiers: Sequence[int]) -> None:
+        self.root = Path(root)
+        self.model_config = model_config
+        self.sliced_tiers = [t for t in tiers if t > 0]  # exported beside the universal
+
+    def path(self, round_index: int) -> Path:
+        """The universal checkpoint after ``round_index`` rounds."""
+        return self.root / f"round-{round_index}"
+
+    def ref(self, round_index: int, tier: int) -> CheckpointRef:
+        """The checkpoint of ``round_index`` as the slice of ``tier`` when one was exported."""
+        universal = self.path(round_index)
+        sliced = universal.parent / f"{universal.name}-tier{tier}"
+        if tier > 0 and sliced.is_dir():
+            return CheckpointRef(round=round_index, path=sliced, sliced=True)
+        return CheckpointRef(round=round_index, path=universal, sliced=False)
+
+    def write(self, round_index: int, master: Mapping[str, Tensor]) -> None:
+        """``master`` (canonical names) as a universal checkpoint plus the slices of every
+        allowed tier (so a client of any tier downloads only its slice), appearing whole or
+        not at all: all of it is written in ``.staging-round-N/``, fsynced, then the slices
+        and last the universal folder (which holds the manifest) are renamed into place."""
+        target = self.path(round_index)
+        staging = target.parent / f"{STAGING_PREFIX}{target.name}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        model = build_model(self.model_config)
+        load_canonical_state_dict(model, master)
+        save_pretrained(model, staging / target.name)
+        export_tiers(staging / target.name, self.sliced_tiers)
+        fsync_tree(staging)
+        parts = sorted(staging.iterdir(), key=lambda p: p.name == target.name)  # universal last
+        for part in parts:
+            final = target.parent / part.name
+            if final.exists():  # left by a crash before state.json recorded this checkpoint
+                shutil.rmtree(final)
+            part.rename(final)
+        fsync_path(target.parent)
+        staging.rmdir()
+
+    def read(self, round_index: int) -> dict[str, Tensor]:
+        """The universal checkpoint's weights by canonical name (a tied head restored).
+        Raises FileNotFoundError when it is missing."""
+        directory = self.path(round_index)
+        if not directory.is_dir():
+            raise FileNotFoundError(directory)
+        model = build_model(self.model_config)
+        load_state_into(model, read_weights(directory), directory)
+        return {n: t.detach().clone() for n, t in canonical_state_dict(model).items()}
+
+    def keep_only(self, keep: Collection[int], *, why: str, level: int = logging.INFO) -> None:
+        """Remove every folder but those of the rounds in ``keep`` (universal, tier slices
+        and Mix'n'Match slices alike), and every staging folder, logging ``why``."""
+        if not self.root.is_dir():
+            return
+        kept = {f"round-{r}" for r in keep}
+        for path in sorted(self.root.iterdir()):
+            base = path.name.split("-tier")[0].split("-mix")[0]
+            if path.name.startswith(STAGING_PREFIX) or (path.is_dir() and base not in kept):
+                log.log(level, "removing %s: %s", path, why)
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
