@@ -30,7 +30,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from server.coordinator import MAX_DEPARTED, Coordinator
+from server.coordinator import Coordinator
+from server.history import MAX_DEPARTED
 from server.operator_access import operator_reader
 
 EVENTS_LIMIT = 200  # the most events one response carries unless asked for fewer

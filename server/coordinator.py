@@ -19,7 +19,6 @@ method holds one lock: a gRPC servicer may call them from its worker threads.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
 import hashlib
@@ -70,6 +69,7 @@ from server.errors import (
     UpdatesPruned,
     WrongTokenCount,
 )
+from server.history import RunHistory
 from server.keys import KeyHolder
 from server.ledger import TrainedLedger
 from server.limits import SubmissionLimits, clip_to_peers
@@ -80,9 +80,6 @@ from server.tiers import MAX_TOKENS_PER_SECOND, Capabilities, TierAssignment, ch
 from server.update_log import UpdateLog
 from server.work import WorkQueue, work_order
 
-MAX_EVENTS = 1000  # the newest events state.json keeps
-MAX_DEPARTED = 100  # the newest departed members state.json keeps
-MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 bytes each)
 SAVE_INTERVAL_S = 1.0  # joins, leaves and refusals reach state.json at most this often
 MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about 10
 # Free space a round needs before it opens, in multiples of the master's size: the update
@@ -107,6 +104,7 @@ class Coordinator:
         self.shapes = universal_shapes(self.model_config)
         self._regions: dict[int, dict[str, Region]] = {}
         self._lock = threading.RLock()
+        self.history = RunHistory(lambda: self.state, clock)
         saved = RunState.load(self.dir)
         self.reader, order = work_order(Mdat.open(config.data.path), config, saved)
         self.log = UpdateLog(self.dir / "updates")
@@ -133,9 +131,10 @@ class Coordinator:
             self.state = RunState(run_id=config.run.id, data_fingerprint=self.reader.fingerprint,
                                   sequences=len(order))
             if len(order) < len(self.reader):
-                self._event("data", None, f"left out {len(self.reader) - len(order):,} of "
-                            f"{len(self.reader):,} sequences, of fewer than "
-                            f"{target_tokens(self.model_config)} tokens: they carry no target")
+                self.history.event(
+                    "data", None, f"left out {len(self.reader) - len(order):,} of "
+                    f"{len(self.reader):,} sequences, of fewer than "
+                    f"{target_tokens(self.model_config)} tokens: they carry no target")
             self.membership = Membership(policy)
             self.queue = WorkQueue(order)
             self._remove_temp_files()
@@ -164,7 +163,7 @@ class Coordinator:
             self._remove_unfinished_checkpoints()
             self.ledger.truncate(saved.round)
             self.master = self._replayed()
-            self._event("resume", None, f"resumed at round {saved.round}")
+            self.history.event("resume", None, f"resumed at round {saved.round}")
 
     # -- calls from clients -------------------------------------------------------------
 
@@ -209,8 +208,9 @@ class Coordinator:
             joined = self.membership.join(capabilities, now=now,
                                           key_hash=key.key_hash if key else "")
             member, tier, _ = joined
-            self._event("join", member.client_id,
-                        f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")
+            self.history.event(
+                "join", member.client_id,
+                f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")
             self._unsaved = True  # written by advance, at most every SAVE_INTERVAL_S
             self.advance()
             return joined
@@ -238,8 +238,8 @@ class Coordinator:
         of why, else ``why``)."""
         self.membership.leave(member.client_id)
         self._drop_from_round(member.client_id, dropped or why)
-        self._departed(member, why)
-        self._event("leave", member.client_id, why)
+        self.history.departed(member, why)
+        self.history.event("leave", member.client_id, why)
 
     def heartbeat(self, client_id: str, *, tokens_per_second: float | None = None
                   ) -> RoundAssignment | None:
@@ -269,7 +269,7 @@ class Coordinator:
         with self._lock:
             self.membership.exclude(client_id, reason)
             self._drop_from_round(client_id, f"excluded: {reason}")
-            self._event("exclude", client_id, reason)
+            self.history.event("exclude", client_id, reason)
             self._save()
             self.advance()
 
@@ -331,9 +331,9 @@ class Coordinator:
             member = self.membership.get(client_id)
             member.rejections += 1
             limit = self.config.faults.max_rejections
-            self._event("reject", client_id, f"refused submission {member.rejections}"
-                        f"{f' of {limit}' if limit else ''}: {type(error).__name__}: "
-                        f"{str(error)[:200]}")
+            self.history.event("reject", client_id, f"refused submission {member.rejections}"
+                               f"{f' of {limit}' if limit else ''}: {type(error).__name__}: "
+                               f"{str(error)[:200]}")
             if limit and member.rejections >= limit:
                 self.exclude(client_id, f"{member.rejections} submissions refused, the last: "
                                         f"{str(error)[:200]}")
@@ -461,19 +461,10 @@ class Coordinator:
                 "allowed_tiers": list(self.config.tiers.allowed),
                 "checkpoints": list(self.state.checkpoints), "open_round": opened,
                 "members": [dataclasses.asdict(m) for m in self.membership.members.values()],
-                "departed": list(self.state.departed),
                 "excluded": [{"client_id": c, "reason": why,
                               "name": self.membership.excluded_names.get(c, "")}
                              for c, why in self.membership.excluded.items()],
-                "last_loss": {tier: points[-1] for tier, points in self.state.loss.items()
-                              if points},
-                "loss": {} if since_round is None else {
-                    tier: _tail(points, since_round, lambda p: p[0])
-                    for tier, points in self.state.loss.items()},
-                "rounds": [] if since_round is None else _tail(
-                    self.state.rounds, since_round, lambda r: r["round"]),
-                "events": [] if events_after is None else _tail(
-                    self.state.events, events_after + 1, lambda e: e["seq"])}
+                **self.history.since(round_index=since_round, events_after=events_after)}
 
     def downloaded(self, client_id: str, nbytes: int, *, rounds: int = 0) -> None:
         """Count what the service sent a member (``rounds``: round updates among it)."""
@@ -539,7 +530,7 @@ class Coordinator:
             why = (f"{free / 2**20:,.0f} MiB free in the run directory, {need / 2**20:,.0f} MiB "
                    "needed to close a round")
             log.error("no round opens: %s; free some space", why)
-            self._event("disk", None, f"no round opens: {why}")
+            self.history.event("disk", None, f"no round opens: {why}")
         return False
 
     def _close(self, closing: _Closing) -> None:
@@ -592,8 +583,8 @@ class Coordinator:
             self._write_failure = why
             log.error("round %d could not be written to %s (%s); it stays open and closes "
                       "once the run directory can be written", rnd.index, self.dir, why)
-            self._event("disk", None, f"round {rnd.index} could not be saved ({why}); "
-                        "it closes once the run directory can be written")
+            self.history.event("disk", None, f"round {rnd.index} could not be saved ({why}); "
+                               "it closes once the run directory can be written")
         raise RunDirectoryUnavailable(
             f"the coordinator cannot write its run directory ({why}); round {rnd.index} "
             "closes once it can. Retry shortly.") from err
@@ -679,18 +670,18 @@ class Coordinator:
             for client in list(rnd.assignments):
                 self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
             broken = closing.broken
-            self._event("discard", None, f"round {r} discarded: its update makes {broken[0]} "
-                        f"(and {len(broken) - 1} more) not finite; its sequences are requeued")
+            self.history.event(
+                "discard", None, f"round {r} discarded: its update makes {broken[0]} (and "
+                f"{len(broken) - 1} more) not finite; its sequences are requeued")
             self._save()
             return
-        self._record_loss(rnd)
         self._record_round(rnd, closing.by_name)
         self.state.round = r + 1
         self.state.tokens = closing.tokens_after
         self.state.finished = closing.finishes
         if closing.checkpoint:
             self.state.checkpoints.append(r + 1)
-            self._event("checkpoint", None, f"checkpoints/round-{r + 1}")
+            self.history.event("checkpoint", None, f"checkpoints/round-{r + 1}")
         self._save()
 
     def _drop_silent(self, now: float) -> None:
@@ -713,16 +704,17 @@ class Coordinator:
         for member in [m for m in self.membership.members.values() if now - m.last_seen > ttl]:
             self.membership.leave(member.client_id)
             self._drop_from_round(member.client_id, "its session expired")
-            self._departed(member, f"silent for {now - member.last_seen:.0f} s: its session "
-                                   "expired")
-            self._event("expire", member.client_id,
-                        f"silent for {now - member.last_seen:.0f} s (session_ttl_s {ttl:g}): "
-                        "its session expired; it must join again")
+            self.history.departed(member, f"silent for {now - member.last_seen:.0f} s: its session "
+                                        "expired")
+            self.history.event(
+                "expire", member.client_id,
+                f"silent for {now - member.last_seen:.0f} s (session_ttl_s {ttl:g}): "
+                "its session expired; it must join again")
 
     def _missed(self, client_id: str, why: str) -> None:
         """A client dropped from a round: a smaller share next time (its speed estimate is
         halved) and, after [faults] miss_limit misses in a row, the next smaller tier."""
-        self._event("drop", client_id, why)
+        self.history.event("drop", client_id, why)
         member = self.membership.members.get(client_id)
         if member is None:
             return
@@ -771,16 +763,7 @@ class Coordinator:
         member.tier = tier
         member.missed = member.early = 0
         member.tier_reason = f"moved from tier {old} to tier {tier}: {why}"
-        self._event("retier", member.client_id, member.tier_reason)
-
-    def _departed(self, member: Member, why: str) -> None:
-        """Keep what the status API showed of a member that left, with why."""
-        self.state.departed.append({
-            "client_id": member.client_id, "name": member.name, "tier": member.tier,
-            "device_kind": member.device_kind, "device_name": member.device_name,
-            "tokens_per_second": member.tokens_per_second, "last_round": member.last_round,
-            "left_at": self.clock(), "round": self.state.round, "reason": why})
-        del self.state.departed[:-MAX_DEPARTED]
+        self.history.event("retier", member.client_id, member.tier_reason)
 
     def _drop_from_round(self, client_id: str, why: str) -> None:
         """Hand a client's unsubmitted sequences of the open round back to the queue."""
@@ -790,57 +773,19 @@ class Coordinator:
                 self.queue.requeue(dropped.sequence_ids)
                 self._open.dropped[client_id] = why
 
-    def _event(self, kind: str, client_id: str | None, detail: str) -> None:
-        """One line of the run's history (joins, leaves, drops, re-tierings, exclusions,
-        checkpoints, sequences left out of the data), kept in state.json for the status API;
-        the log gets it too."""
-        seq = self.state.events[-1]["seq"] + 1 if self.state.events else 0  # RunState.load
-        self.state.events.append({"seq": seq, "time": self.clock(), "round": self.state.round,
-                                  "kind": kind, "client_id": client_id, "detail": detail})
-        del self.state.events[:-MAX_EVENTS]
-        log.info("round %d: %s %s: %s", self.state.round, kind, client_id or "-", detail)
-
-    def _record_loss(self, rnd: OpenRound) -> None:
-        """Per tier, the token-weighted mean loss its clients reported this round."""
-        sums: dict[int, list[float]] = {}
-        for client, sub in rnd.submissions.items():
-            if sub.loss is not None:
-                a = rnd.assignments[client]
-                total = sums.setdefault(a.tier, [0.0, 0.0])
-                total[0] += sub.loss * a.tokens
-                total[1] += a.tokens
-        for tier, (weighted, tokens) in sorted(sums.items()):
-            self.state.loss.setdefault(str(tier), []).append([rnd.index, weighted / tokens])
-
     def _record_round(self, rnd: OpenRound, by_name: Mapping[str, Sequence[SparseResult]]
                       ) -> None:
-        """The completed round for the status API: duration, slowest client, bytes as sent
-        against their dense float32 size, who was dropped; and each member's share of it."""
-        now = self.clock()
+        """The completed round in the run's history, and each member's share of it."""
         tokens = sum(a.tokens for a in rnd.assignments.values())
-        took = {c: s.received_at - rnd.opened_at for c, s in rnd.submissions.items()}
-        slowest = max(took, key=took.__getitem__)
-        for client, seconds in took.items():
+        for client, submission in rnd.submissions.items():
             member = self.membership.members.get(client)
             if member is not None:
                 member.last_round = rnd.index
                 member.last_round_tokens = rnd.assignments[client].tokens
                 member.last_round_share = member.last_round_tokens / tokens if tokens else 0.0
-                member.last_round_seconds = seconds
-        names = rnd.names  # a member that left since keeps its name here
-        self.state.rounds.append({
-            "round": rnd.index, "opened_at": rnd.opened_at, "closed_at": now,
-            "duration_s": now - rnd.opened_at, "tokens": tokens,
-            "clients": len(rnd.assignments),
-            "slowest_client_id": slowest, "slowest_name": names.get(slowest, slowest),
-            "slowest_s": took[slowest],
-            "bytes_sent": sum(s.wire_bytes for s in rnd.submissions.values()),
-            "bytes_dense": sum(DENSE_BYTES_PER_VALUE * math.prod(region_shape(r.region))
-                               for results in by_name.values() for r in results),
-            "dropped": [{"client_id": c, "name": names.get(c, c), "reason": why}
-                        for c, why in rnd.dropped.items()],
-        })
-        del self.state.rounds[:-MAX_ROUND_RECORDS]
+                member.last_round_seconds = submission.received_at - rnd.opened_at
+        self.history.loss(rnd)
+        self.history.round(rnd, by_name)
 
     # -- persistence --------------------------------------------------------------------
 
@@ -1026,11 +971,6 @@ def _check_reports(results: Sequence[SparseResult], tokens: int, loss: float | N
         raise BadReport(f"train_seconds {train_seconds} for {tokens} tokens is not a time a "
                         f"machine can take (at most {MAX_TOKENS_PER_SECOND:g} tokens/s); "
                         "report the seconds the training took.")
-
-
-def _tail(records: list[T], first: int, key: Callable[[T], int]) -> list[T]:
-    """The records whose key is ``first`` or more, of a list in ascending key order."""
-    return records[bisect.bisect_left(records, first, key=key):]
 
 
 def _round_seed(data_seed: int, round_index: int) -> int:

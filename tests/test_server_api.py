@@ -238,8 +238,8 @@ def test_no_answer_holds_a_path_of_this_machine(tmp_path):
             alice, bob = (stub.Join(join_request(server, name=n)) for n in ("alice", "bob"))
         c.leave(alice.client_id, f"moved to {tmp_path}/elsewhere")
         c.exclude(bob.client_id, f"sent garbage, kept in {c.dir}/quarantine/bob.bin")
-        c._event("disk", None, f"round 3 could not be saved ([Errno 28] No space left on "
-                               f"device: '{c.dir / 'state.json'}')")  # as an OSError says it
+        c.history.event("disk", None, f"round 3 could not be saved ([Errno 28] No space left on "
+                        f"device: '{c.dir / 'state.json'}')")  # as an OSError says it
         public = {p: http_get(server, p)[1].decode() for p in (*API, "/status", "/metrics")}
         operator = {p: json.dumps(get_as(server, p, OPERATOR_TOKEN)[1], ensure_ascii=False)
                     for p in API}

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+import server.checkpoints as checkpoints_module
 import server.coordinator as coordinator_module
 from modeling.compression import SparseResult
 from server.coordinator import Coordinator
@@ -230,7 +231,7 @@ def disk_full(*_, **__):
 WRITES = {
     "update log": (UpdateLog, "append"),
     "ledger": (TrainedLedger, "record"),
-    "checkpoint": (coordinator_module, "save_pretrained"),
+    "checkpoint": (checkpoints_module, "save_pretrained"),
     "state.json": (RunState, "save"),
 }
 

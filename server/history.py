@@ -1,0 +1,115 @@
+"""The run's history as the status API shows it: events, per-tier loss, round records and
+departed members, kept (bounded) in state.json's lists.
+
+Records are plain dicts (state.json holds them as they are) built here only, so their keys
+have one home; ``server/api.py`` validates them into its response models. A record is never
+changed once appended, so copies of the lists may be shallow.
+
+    history = RunHistory(lambda: coordinator.state, clock)
+    history.event("join", client_id, "joined at tier 1")
+    history.round(rnd, by_name)        # the closed round's record
+    history.since(round_index=5, events_after=12)
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+from modeling.compression import DENSE_BYTES_PER_VALUE, SparseResult, region_shape
+from server.membership import Member
+from server.rounds import OpenRound
+from server.state import RunState
+
+EventKind = Literal["join", "leave", "drop", "retier", "exclude", "expire", "reject",
+                    "checkpoint", "data", "disk", "discard", "resume"]
+MAX_EVENTS = 1000  # the newest events state.json keeps
+MAX_DEPARTED = 100  # the newest departed members state.json keeps
+MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 bytes each)
+log = logging.getLogger("matformer.server")
+T = TypeVar("T")
+
+
+class RunHistory:
+    def __init__(self, state: Callable[[], RunState], clock: Callable[[], float]) -> None:
+        self._state = state  # the coordinator's current RunState (a failed close swaps it)
+        self._clock = clock
+
+    def event(self, kind: EventKind, client_id: str | None, detail: str) -> None:
+        """One line of the run's history (joins, leaves, drops, re-tierings, exclusions,
+        checkpoints, sequences left out of the data); the log gets it too."""
+        state = self._state()
+        seq = state.events[-1]["seq"] + 1 if state.events else 0
+        state.events.append({"seq": seq, "time": self._clock(), "round": state.round,
+                             "kind": kind, "client_id": client_id, "detail": detail})
+        del state.events[:-MAX_EVENTS]
+        log.info("round %d: %s %s: %s", state.round, kind, client_id or "-", detail)
+
+    def departed(self, member: Member, why: str) -> None:
+        """What the status API showed of a member that left, with why."""
+        state = self._state()
+        state.departed.append({
+            "client_id": member.client_id, "name": member.name, "tier": member.tier,
+            "device_kind": member.device_kind, "device_name": member.device_name,
+            "tokens_per_second": member.tokens_per_second, "last_round": member.last_round,
+            "left_at": self._clock(), "round": state.round, "reason": why})
+        del state.departed[:-MAX_DEPARTED]
+
+    def loss(self, rnd: OpenRound) -> None:
+        """Per tier, the token-weighted mean loss its clients reported in ``rnd``."""
+        sums: dict[int, list[float]] = {}
+        for client, sub in rnd.submissions.items():
+            if sub.loss is not None:
+                a = rnd.assignments[client]
+                total = sums.setdefault(a.tier, [0.0, 0.0])
+                total[0] += sub.loss * a.tokens
+                total[1] += a.tokens
+        state = self._state()
+        for tier, (weighted, tokens) in sorted(sums.items()):
+            state.loss.setdefault(str(tier), []).append([rnd.index, weighted / tokens])
+
+    def round(self, rnd: OpenRound, by_name: Mapping[str, Sequence[SparseResult]]) -> None:
+        """The completed round: duration, slowest client, bytes as sent against their dense
+        float32 size, who was dropped."""
+        now = self._clock()
+        took = {c: s.received_at - rnd.opened_at for c, s in rnd.submissions.items()}
+        slowest = max(took, key=took.__getitem__)
+        names = rnd.names  # a member that left since keeps its name here
+        state = self._state()
+        state.rounds.append({
+            "round": rnd.index, "opened_at": rnd.opened_at, "closed_at": now,
+            "duration_s": now - rnd.opened_at,
+            "tokens": sum(a.tokens for a in rnd.assignments.values()),
+            "clients": len(rnd.assignments),
+            "slowest_client_id": slowest, "slowest_name": names.get(slowest, slowest),
+            "slowest_s": took[slowest],
+            "bytes_sent": sum(s.wire_bytes for s in rnd.submissions.values()),
+            "bytes_dense": sum(DENSE_BYTES_PER_VALUE * math.prod(region_shape(r.region))
+                               for results in by_name.values() for r in results),
+            "dropped": [{"client_id": c, "name": names.get(c, c), "reason": why}
+                        for c, why in rnd.dropped.items()],
+        })
+        del state.rounds[:-MAX_ROUND_RECORDS]
+
+    def since(self, *, round_index: int | None, events_after: int | None) -> dict[str, Any]:
+        """Shallow copies for a snapshot: loss points and round records from
+        ``round_index`` on, events after seq ``events_after``; None leaves them out."""
+        state = self._state()
+        return {
+            "departed": list(state.departed),
+            "last_loss": {tier: points[-1] for tier, points in state.loss.items() if points},
+            "loss": {} if round_index is None else {
+                tier: _tail(points, round_index, lambda p: p[0])
+                for tier, points in state.loss.items()},
+            "rounds": [] if round_index is None else _tail(
+                state.rounds, round_index, lambda r: r["round"]),
+            "events": [] if events_after is None else _tail(
+                state.events, events_after + 1, lambda e: e["seq"])}
+
+
+def _tail(records: list[T], first: int, key: Callable[[T], int]) -> list[T]:
+    """The records whose key is ``first`` or more, of a list in ascending key order."""
+    return records[bisect.bisect_left(records, first, key=key):]
