@@ -742,23 +742,16 @@ class Coordinator:
                                          f"{faults.early_fraction:.0%} of the deadline")
 
     def _retier(self, member: Member, step: int, why: str) -> None:
-        """Move ``member`` one allowed tier smaller (step +1) or larger (step -1) when its
-        pin, request and memory allow; logged as an event with the reason."""
-        policy = self.membership.policy
-        if member.name in policy.pins:
+        """Move ``member`` one allowed tier smaller (step +1) or larger (step -1) when the
+        tier policy allows; logged as an event with the reason."""
+        tier = self.membership.policy.moved(
+            name=member.name, tier=member.tier, step=step, requested_tier=member.requested_tier,
+            memory_bytes=member.memory_bytes,
+            microbatch_tokens=member.microbatch_tokens or self.config.data.max_seq_len)
+        if tier is None:
+            if step < 0:
+                member.early = 0  # no larger tier fits: count early rounds afresh
             return
-        allowed = policy.allowed
-        here = allowed.index(member.tier) if member.tier in allowed else None
-        if here is None or not 0 <= here + step < len(allowed):
-            return
-        tier = allowed[here + step]
-        if step < 0:
-            floor = member.requested_tier or 0
-            need = policy.memory.training_bytes(tier, member.microbatch_tokens or
-                                                self.config.data.max_seq_len)
-            if tier < floor or (member.memory_bytes and need > member.memory_bytes):
-                member.early = 0
-                return
         old = member.tier
         member.tier = tier
         member.missed = member.early = 0

@@ -60,6 +60,23 @@ class TierPolicy:
         self.pins = dict(pins)
         self.mix = dict(mix)
 
+    def moved(self, *, name: str, tier: int, step: int, requested_tier: int | None,
+              memory_bytes: int, microbatch_tokens: int) -> int | None:
+        """The allowed tier one step smaller (``step`` +1) or larger (-1) than ``tier`` for a
+        member that is not pinned, when its request and memory allow (``memory_bytes`` 0:
+        unknown); None when it stays."""
+        if name in self.pins or tier not in self.allowed:
+            return None
+        here = self.allowed.index(tier) + step
+        if not 0 <= here < len(self.allowed):
+            return None
+        moved = self.allowed[here]
+        if step < 0:
+            need = self.memory.training_bytes(moved, microbatch_tokens)
+            if moved < (requested_tier or 0) or (memory_bytes and need > memory_bytes):
+                return None
+        return moved
+
     def assign(self, client: Capabilities, members: Sequence[int] = ()) -> TierAssignment:
         """The tier for ``client``, given the tiers of the current ``members``."""
         check_capabilities(client)
