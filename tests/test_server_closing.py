@@ -3,18 +3,27 @@ aggregates, hashes and writes, every other call is answered."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
+import pytest
+
 import modeling.compression.update as update_module
+from modeling.compression import CoefficientStep, CompressionConfig
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.submission import submission_messages
 from protocol.updates import read_updates
 from server.coordinator import Coordinator
+from server.errors import RunDirectoryUnavailable
 from server.update_cache import UpdateCache
+from server.update_log import UpdateLog
 from tests.test_server_bounds import header_of, joined, serving
-from tests.test_server_core import Clock, caps, results, run_config
+from tests.test_server_core import Clock, caps, results, run_config, same
+from tests.test_server_faults import drive
+from tests.test_server_hostile import disk_full
 from tests.test_server_service import results as dense_results
 
+UP = "model.layers.0.mlp.up_proj.weight"
 WAIT_S = 30.0  # a generous bound on a wait that, with the lock taken, would never end
 
 
@@ -136,3 +145,35 @@ def test_a_second_download_of_a_round_does_not_read_the_log(tmp_path):
         updates = list(read_updates(again, tier=0))
         assert [u.round for u in updates] == [0, 1]
         assert updates[1].hashes == c.tier_hashes([0])  # the master after round 1
+
+
+def _compressed_broadcast(run_dir, mdat_path):
+    """A run whose clients send dense results and whose broadcast keeps 8 DCT coefficients
+    per 16 × 16 chunk."""
+    base = run_config(run_dir, mdat_path)
+    return dataclasses.replace(base, compression=CompressionConfig(encoding="dense", chunk=16),
+                               update=dataclasses.replace(base.update, broadcast_topk=8))
+
+
+def test_a_failed_close_keeps_the_broadcast_residual_and_a_restart_stays_exact(
+        tmp_path, mdat_path, monkeypatch):
+    clock = Clock()
+    straight = Coordinator(_compressed_broadcast(tmp_path / "a", mdat_path), clock=clock)
+    cid = straight.join(caps("a", tier=1))[0].client_id
+    drive(straight, clock, cid, 4)
+    assert straight.residual and isinstance(straight.log.read(3).steps[UP], CoefficientStep)
+
+    clock = Clock()
+    c = Coordinator(_compressed_broadcast(tmp_path / "b", mdat_path), clock=clock)
+    c.join(caps("a", tier=1))
+    drive(c, clock, cid, 3)
+    residual = {n: t.clone() for n, t in c.residual.items()}
+    with monkeypatch.context() as patch:
+        patch.setattr(UpdateLog, "append", disk_full)
+        with pytest.raises(RunDirectoryUnavailable):
+            drive(c, clock, cid, 1)
+    assert same(c.residual, residual) and c.state.round == 3
+    c.advance()  # the disk has room again: round 3 closes as it would have
+    assert same(c.master, straight.master) and same(c.residual, straight.residual)
+    resumed = Coordinator(c.config, clock=clock)  # replays the logged (compressed) steps
+    assert same(resumed.master, c.master) and resumed.residual == {}
