@@ -640,10 +640,7 @@ class Coordinator:
         by_name = {name: clip_to_peers(results, clip) for name, results in by_name.items()}
         votes = self.config.update.vote == "majority"
         rule = closing.update.build()
-        steps, residual = rule.steps(by_name, self.residual, votes=votes)
-        master = dict(self.master)
-        for name, step in steps.items():
-            master[name] = rule.apply(master[name], step)
+        master, steps, residual = rule.close(self.master, by_name, self.residual, votes=votes)
         master = self._tied(master)
         closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
         if closing.broken:  # the limits on results make this unreachable; never serve it

@@ -46,9 +46,14 @@ def _results(seed: int = 0):
     return {UP: ups, NORM: [norm]}
 
 
+MASTER = {UP: torch.randn(SHAPE, generator=torch.Generator().manual_seed(1)),
+          NORM: torch.randn(NORM_SHAPE, generator=torch.Generator().manual_seed(2))}
+
+
 def _update(rule="sign", topk=48, residual=None, seed=0):
+    """A round closed by the coordinator's code: its record and the residual after it."""
     config = UpdateConfig(rule=rule, lr=0.01, weight_decay=0.1, broadcast_topk=topk, chunk=64)
-    steps, residual = config.build().steps(_results(seed), residual)
+    _, steps, residual = config.build().close(MASTER, _results(seed), residual)
     return RoundUpdate(round=3, update=config, steps=steps, hashes={0: "ab" * 32}), residual
 
 
@@ -101,9 +106,11 @@ def test_broadcast_decode_is_bit_identical_across_thread_counts_and_paths():
 
 @pytest.mark.parametrize("rule", ["sign", "sgd"])
 def test_every_tier_applying_its_download_holds_the_masters_slice(rule):
-    update, _ = _update(rule)
-    master = {UP: torch.randn(SHAPE), NORM: torch.randn(NORM_SHAPE)}
-    after = update.apply(master)
+    config = UpdateConfig(rule=rule, lr=0.01, weight_decay=0.1, broadcast_topk=48, chunk=64)
+    master = MASTER
+    after, steps, _ = config.build().close(master, _results())
+    update = RoundUpdate(round=3, update=config, steps=steps, hashes={})
+    assert all(torch.equal(after[n], t) for n, t in update.apply(master).items())  # replayed
     for tier, region in TIERS.items():
         regions = {UP: region, NORM: ((0, 130),)}
         mine = {name: master[name][region_slices(regions[name])].clone() for name in master}

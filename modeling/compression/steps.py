@@ -187,11 +187,12 @@ class Broadcast:
                 "chunk, or set [update] broadcast_topk = 0 for an uncompressed broadcast.")
 
     def encode(self, values: Tensor, covered: Sequence[Region], residual: Tensor | None
-               ) -> tuple[CoefficientStep, Tensor]:
+               ) -> tuple[CoefficientStep, Tensor, Tensor]:
         """The step for a universal-shaped aggregate ``values`` over ``covered``, with
         ``residual`` (what earlier broadcasts left out, universal shape; None: nothing) added
-        on covered elements first. Returns the step and the new residual (a new tensor):
-        what it left out, where covered; the old residual elsewhere."""
+        on covered elements first. Returns the step, the new residual (a new tensor: what it
+        left out, where covered; the old residual elsewhere) and the step's direction over
+        its box (``step.direction(step.box)``, computed here anyway)."""
         covered = tuple(sorted(set(covered)))
         grid = ChunkGrid.of(values.shape, self.chunk)
         box = bounding_box(covered)
@@ -213,7 +214,8 @@ class Broadcast:
             shape=tuple(values.shape), covered=covered, box=box, chunk=grid.chunk,
             positions=positions, scales=scales,
             levels=levels.round().clamp(-LEVEL_MAX, LEVEL_MAX).to(torch.int8))
+        decoded = step.direction(box)
         left = torch.zeros_like(values, dtype=torch.float32) if residual is None \
             else residual.clone()
-        left[where] = torch.where(mask, pending - step.direction(box), left[where])
-        return step, left
+        left[where] = torch.where(mask, pending - decoded, left[where])
+        return step, left, decoded

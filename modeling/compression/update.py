@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from modeling.compression.aggregation import Aggregate, aggregate
-from modeling.compression.grid import Region, full_region
+from modeling.compression.grid import Region, full_region, region_slices
 from modeling.compression.sparse import SparseResult
 from modeling.compression.steps import Broadcast, Step, dense_step
 from modeling.errors import CompressionConfigError
@@ -89,30 +89,48 @@ class UpdateRule:
         """(coordinator) The step that carries ``aggregate`` (over the union of ``covered``,
         the regions of the results behind it) to every replica, and the broadcast's new
         residual (None for an exact step, which leaves nothing out)."""
+        step, residual, _ = self._step(aggregate, covered, residual)
+        return step, residual
+
+    def _step(self, aggregate: Aggregate, covered: Sequence[Region], residual: Tensor | None
+              ) -> tuple[Step, Tensor | None, Tensor | None]:
+        """``step``, and a compressed step's direction over its box (None for exact)."""
         if self.broadcast is None:
-            return dense_step(aggregate.values, covered, signs=self.name == "sign"), residual
+            step = dense_step(aggregate.values, covered, signs=self.name == "sign")
+            return step, residual, None
         return self.broadcast.encode(aggregate.values, covered, residual)
 
-    def steps(self, by_name: Mapping[str, Sequence[SparseResult]],
+    def close(self, master: Mapping[str, Tensor], by_name: Mapping[str, Sequence[SparseResult]],
               residual: Mapping[str, Tensor] | None = None, *, votes: bool = False
-              ) -> tuple[dict[str, Step], dict[str, Tensor]]:
-        """(coordinator) A round's steps from the results of each canonical name (validated,
-        aggregated, ``votes``: by majority vote), and the broadcast's residual after them."""
-        residual = dict(residual or {})
+              ) -> tuple[dict[str, Tensor], dict[str, Step], dict[str, Tensor]]:
+        """(coordinator) A round: each canonical name's results (validated, aggregated;
+        ``votes``: by majority vote) become its step, applied to ``master``. Returns the new
+        master (names without results unchanged), the steps, and the broadcast's residual
+        after them. Inputs are not changed."""
+        master, residual = dict(master), dict(residual or {})
         steps = {}
         for name, results in by_name.items():
-            steps[name], left = self.step(aggregate(results, votes=votes),
-                                          [r.region for r in results], residual.get(name))
+            step, left, decoded = self._step(aggregate(results, votes=votes),
+                                             [r.region for r in results], residual.get(name))
             if left is not None:
                 residual[name] = left
-        return steps, residual
+            direction = None
+            if decoded is not None:  # spare decoding it again over the whole tensor
+                direction = torch.zeros(step.shape, device=decoded.device)
+                direction[region_slices(step.box)] = decoded
+            master[name] = self.apply(master[name], step, direction=direction)
+            steps[name] = step
+        return master, steps, residual
 
-    def apply(self, weight: Tensor, step: Step, region: Region | None = None) -> Tensor:
+    def apply(self, weight: Tensor, step: Step, region: Region | None = None, *,
+              direction: Tensor | None = None) -> Tensor:
         """``weight`` (``region`` of the universal tensor; default: all of it) after
-        ``step``: a new tensor of its dtype, equal to the same cut of the updated master."""
+        ``step``: a new tensor of its dtype, equal to the same cut of the updated master.
+        ``direction``: ``step.direction(region)`` when the caller has it already."""
         region = full_region(step.shape) if region is None else region
         device = weight.device
-        return self.rule(weight, step.direction(region).to(device), step.mask(region).to(device),
+        direction = step.direction(region) if direction is None else direction
+        return self.rule(weight, direction.to(device), step.mask(region).to(device),
                          lr=self.lr, weight_decay=self.weight_decay)
 
 
