@@ -46,9 +46,9 @@ from modeling.compression import (
     SparseResult,
     UpdateConfig,
     region_shape,
+    tier_hashes,
     tier_regions,
     universal_shapes,
-    weight_hash,
 )
 from modeling.mdat import Mdat, assign
 from modeling.models import build_model
@@ -490,7 +490,7 @@ class Coordinator:
         """Weight hash of the master (or ``master``) at each tier: what a client of that tier
         must match."""
         master = self.master if master is None else master
-        return {t: weight_hash(master, self.regions(t)) for t in sorted(set(tiers))}
+        return tier_hashes(master, {t: self.regions(t) for t in sorted(set(tiers))})
 
     def _open_round(self, now: float) -> OpenRound | None:
         cfg = self.config.round

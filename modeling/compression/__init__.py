@@ -50,7 +50,7 @@ sgd, sign, UPDATE_RULES; UpdateConfig(rule, lr, weight_decay, broadcast_topk, ch
 DenseStep, CoefficientStep, Step, dense_step, Broadcast(topk, chunk).encode(values, covered,
 residual), intersect, bounding_box (steps.py)
     A parameter's update: exact, or top-k DCT levels decoded with exact integer arithmetic.
-weight_hash(state, regions=None) -> str (hashing.py)
+weight_hash(state, regions=None) -> str; tier_hashes(state, regions_by_tier) (hashing.py)
     The per-tier hash of the weights that the coordinator publishes and clients compare.
 DENSE_BYTES_PER_VALUE, index_dtype(bound), payload_bytes(result), position_bits(numel),
 pack_bits(values, bits), unpack_bits(data, bits, count) (wire.py)
@@ -73,7 +73,7 @@ from modeling.compression.grid import (
     region_shape,
     region_slices,
 )
-from modeling.compression.hashing import weight_hash
+from modeling.compression.hashing import tier_hashes, weight_hash
 from modeling.compression.regions import (
     tier_region,
     tier_regions,
@@ -147,6 +147,7 @@ __all__ = [
     "scatter",
     "sgd",
     "sign",
+    "tier_hashes",
     "tier_region",
     "tier_regions",
     "universal_config",
