@@ -12,9 +12,9 @@ round's assigned token count.
 On the coordinator (its instance's methods wrapped; server code untouched): ``close``, the
 whole close of a round (``Coordinator._close``: aggregate every parameter over the clients'
 results and compress it for the broadcast, apply the update rule to the master, hash it per
-tier, log the update, save state.json), and inside it ``aggregate`` (``UpdateRule.steps``:
-the aggregates and the broadcast's steps), ``hash`` (``tier_hashes``), ``log + save`` and
-``apply + rest``. Checkpoints are kept out (the interval is longer than the run). While each
+tier, log the update, save state.json), and inside it ``aggregate + step``
+(``UpdateRule.close``: the aggregates, the broadcast's steps, the new master), ``hash``
+(``tier_hashes``), ``log + save`` and ``rest``. Checkpoints are kept out (the interval is longer than the run). While each
 timed round closes, a prober thread sends Heartbeat and GetRound in turn and records how long
 each takes to answer: ``hb p99``, the 99th percentile over every timed round.
 
@@ -88,7 +88,7 @@ RESULT_TOKENS = 512  # the count encoded at first; each round sends its assignme
 SHAPES = {"150m": {"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 12,
                   "intermediate_size": 3072, "vocab_size": 32000}}
 PROBE_S = 0.005  # the prober's pause between calls while a round closes
-STEPS = ("aggregate", "hash", "log + save")  # timed inside close; "apply + rest" is the remainder
+STEPS = ("aggregate + step", "hash", "log + save")  # timed inside close; "rest" is the remainder
 
 
 def parse_args() -> argparse.Namespace:
@@ -254,8 +254,8 @@ class CloseTimer:
         return timed
 
     def aggregate(self, work: Callable[..., Any]) -> Callable[..., Any]:
-        """``UpdateRule.steps``, timed; installed by ``measure`` for a run."""
-        return self._step("aggregate", work)
+        """``UpdateRule.close``, timed; installed by ``measure`` for a run."""
+        return self._step("aggregate + step", work)
 
 
 @dataclass(slots=True)
@@ -366,8 +366,8 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
     timer = CloseTimer(coordinator)
     # These clients do no work, so the speeds their submission times suggest mean nothing.
     coordinator.membership.measured = lambda *_args, **_kwargs: None
-    steps = UpdateRule.steps
-    UpdateRule.steps = timer.aggregate(steps)
+    close = UpdateRule.close
+    UpdateRule.close = timer.aggregate(close)
     channel = grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}", options=GRPC_OPTIONS)
     try:
         stub = pb_grpc.CoordinatorStub(channel)
@@ -394,7 +394,7 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         return Row(clients, timed, walls, received, update_bytes, update_s, probes, up, dense,
                    rss)
     finally:
-        UpdateRule.steps = steps
+        UpdateRule.close = close
         channel.close()
         running.stop()
 
@@ -444,8 +444,8 @@ def main() -> None:
         print(f"encoded {max(counts)} clients' results in {time.perf_counter() - start:.1f} s")
         rows = [measure(args, n, folder, mdat, submissions) for n in counts]
     print_table(
-        ["clients", "close ms", "ms/client", "aggregate ms", "hash ms", "log + save ms",
-         "apply + rest ms", "round wall ms", "hb p99 ms", "GetRound p99 ms"],
+        ["clients", "close ms", "ms/client", "aggregate + step ms", "hash ms", "log + save ms",
+         "rest ms", "round wall ms", "hb p99 ms", "GetRound p99 ms"],
         [[str(r.clients), f"{r.close_s() * 1e3:,.1f}", f"{r.close_s() * 1e3 / r.clients:,.2f}",
           *(f"{r.close_s(s) * 1e3:,.1f}" for s in STEPS), f"{r.rest_s() * 1e3:,.1f}",
           f"{statistics.median(r.walls) * 1e3:,.0f}", f"{r.p99_ms('Heartbeat'):,.1f}",

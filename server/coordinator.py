@@ -115,6 +115,9 @@ class Coordinator:
         # The broadcast's error feedback: per canonical name, what compressed steps left out
         # (universal shape). Not saved: a restart begins it at zero (docs/architecture.md).
         self.residual: dict[str, Tensor] = {}
+        self._writing: int | None = None  # the checkpoint being written beside the rounds
+        self._writer: threading.Thread | None = None
+        self._writer_failed: BaseException | None = None
         self._open: OpenRound | None = None
         self._closing: _Closing | None = None  # the round whose close is under way
         # called (lock held) after each round that moved the master, e.g. by tests and
@@ -427,13 +430,15 @@ class Coordinator:
                 break
             self._settle(rnd)  # nobody delivered: round r opens again with whoever is there
             self._save()
-        if closing is None and now - self._saved_at >= SAVE_INTERVAL_S:
-            self.flush()
+        if closing is None and self._unsaved and now - self._saved_at >= SAVE_INTERVAL_S:
+            self._save()
         return closing
 
     def flush(self) -> None:
-        """Write state.json now if joins, leaves or refusals changed it since the last write
-        (``advance`` does so at most every SAVE_INTERVAL_S; a server stopping calls this)."""
+        """Finish the checkpoint being written, and write state.json now if joins, leaves or
+        refusals changed it since the last write (``advance`` does so at most every
+        SAVE_INTERVAL_S; a server stopping calls this)."""
+        self._wait_for_checkpoint()
         with self._lock:
             if self._unsaved:
                 self._save()
@@ -566,6 +571,12 @@ class Coordinator:
                 self.master, self.residual = master, closing.residual
                 for hook in self.round_closed:
                     hook(closed)
+                if closing.checkpoint and not closing.finishes:
+                    self._writing = closing.round + 1
+                    self._writer = threading.Thread(
+                        target=self._write_checkpoint, args=(self._writing, master),
+                        name=f"checkpoint-{self._writing}", daemon=True)
+                    self._writer.start()
             self._retire_checkpoints()
             try:
                 self.log.prune(through=self._log_start() - 1)
@@ -619,7 +630,7 @@ class Coordinator:
             self.state.checkpoints = listed
             log.warning("keeping checkpoints %s for now: %s", retired, err)
             return
-        self.checkpoints.keep_only(self.state.checkpoints, why="retired (keep_last)")
+        self._keep_checkpoints(why="retired (keep_last)")
 
     def _settle(self, rnd: OpenRound) -> None:
         """(lock held) The members' side of a round that ended: who missed it (their
@@ -654,7 +665,9 @@ class Coordinator:
         self.log.append(closing.logged)
         self.ledger.record(r, [i for a in closing.delivered.values() for i in a.sequence_ids])
         if closing.checkpoint:
-            self.checkpoints.write(r + 1, master)
+            self._wait_for_checkpoint()  # one write at a time; also before the last one
+            if closing.finishes:  # the run's last weights are listed before it is finished
+                self.checkpoints.write(r + 1, master)
         return master
 
     def _commit(self, closing: _Closing, master: dict[str, Tensor] | None) -> None:
@@ -676,10 +689,64 @@ class Coordinator:
         self.state.round = r + 1
         self.state.tokens = closing.tokens_after
         self.state.finished = closing.finishes
-        if closing.checkpoint:
+        if closing.checkpoint and closing.finishes:
             self.state.checkpoints.append(r + 1)
             self.history.event("checkpoint", None, f"checkpoints/round-{r + 1}")
         self._save()
+
+    def _write_checkpoint(self, round_index: int, master: Mapping[str, Tensor]) -> None:
+        """(a thread of its own, started once a round is committed) Write the checkpoint of
+        ``round_index`` while the next rounds go on, then list it in state.json, retire the
+        old ones and prune the log. One that cannot be written is said and left out: the
+        log keeps the rounds since the last listed checkpoint, and the next one tries again.
+        Anything else (a kill) leaves a staging folder the next start removes."""
+        try:
+            self.checkpoints.write(round_index, master)
+        except OSError as err:
+            with self._lock:
+                why = f"{type(err).__name__}: {err.strerror or err}"
+                log.error("checkpoint round-%d could not be written: %s", round_index, why)
+                self.history.event("disk", None, f"checkpoint round-{round_index} could not "
+                                   f"be written ({why}); the next checkpoint tries again")
+                self._writing = None
+                self._keep_checkpoints(why="a checkpoint that could not be written")
+            return
+        except BaseException as err:  # a crash (kill -9 in tests): flush re-raises it
+            self._writer_failed = err
+            return
+        with self._lock:
+            self._writing = None
+            self.state.checkpoints.append(round_index)
+            try:
+                self._save()
+            except RunDirectoryUnavailable as err:
+                self.state.checkpoints.remove(round_index)
+                log.warning("checkpoint round-%d is written but not listed: %s", round_index,
+                            err)
+                return
+            self.history.event("checkpoint", None, f"checkpoints/round-{round_index}")
+            self._retire_checkpoints()
+            try:
+                self.log.prune(through=self._log_start() - 1)
+            except OSError as err:  # a later close prunes again
+                log.warning("pruning %s failed: %s", self.log.directory, err)
+
+    def _wait_for_checkpoint(self) -> None:
+        """(no lock) Until the checkpoint being written, if any, is done; re-raise what
+        killed its writer."""
+        writer = self._writer
+        if writer is not None:
+            writer.join()
+        failed, self._writer_failed = self._writer_failed, None
+        if failed is not None:
+            raise failed
+
+    def _keep_checkpoints(self, *, why: str, level: int = logging.INFO) -> None:
+        """(lock held) Remove the checkpoint folders state.json does not list, but the one
+        being written."""
+        keep = {*self.state.checkpoints, *([self._writing] if self._writing is not None
+                                            else [])}
+        self.checkpoints.keep_only(keep, why=why, level=level)
 
     def _drop_silent(self, now: float) -> None:
         """Drop from the open round every assigned client silent for heartbeat_timeout_s
@@ -809,8 +876,8 @@ class Coordinator:
         """Staging folders and checkpoint folders that state.json does not list: what a crash
         in the middle of writing one (or before state.json recorded it, or after it stopped
         listing a retired one) left behind."""
-        self.checkpoints.keep_only(self.state.checkpoints, level=logging.WARNING,
-                                   why="an unfinished or retired checkpoint from before a restart")
+        self._keep_checkpoints(level=logging.WARNING,
+                               why="an unfinished or retired checkpoint from before a restart")
 
     def _initial(self, initial: Mapping[str, Tensor] | None) -> Mapping[str, Tensor]:
         if initial is not None:

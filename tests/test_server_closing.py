@@ -9,6 +9,7 @@ import threading
 import pytest
 
 import modeling.compression.update as update_module
+import server.checkpoints as checkpoints_module
 from modeling.compression import CoefficientStep, CompressionConfig
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.submission import submission_messages
@@ -177,3 +178,56 @@ def test_a_failed_close_keeps_the_broadcast_residual_and_a_restart_stays_exact(
     assert same(c.master, straight.master) and same(c.residual, straight.residual)
     resumed = Coordinator(c.config, clock=clock)  # replays the logged (compressed) steps
     assert same(resumed.master, c.master) and resumed.residual == {}
+
+
+def test_checkpoints_are_written_while_the_next_rounds_go_on(tmp_path, mdat_path, monkeypatch):
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=clock)  # every 2 rounds
+    cid = c.join(caps("a"))[0].client_id
+    entered, release = threading.Event(), threading.Event()
+    real = checkpoints_module.export_tiers
+
+    def slow(*args, **kwargs):  # the universal folder is staged; held until the test says
+        entered.set()
+        release.wait(WAIT_S)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoints_module, "export_tiers", slow)
+    for _ in range(2):  # round 1's close starts writing checkpoint round-2
+        clock.now += 1.0
+        c.submit(cid, c.current_round.index, results(c, cid))
+    assert entered.wait(WAIT_S)
+    clock.now += 1.0
+    c.submit(cid, 2, results(c, cid))  # round 2 opened and closes meanwhile
+    assert c.state.round == 3 and c.state.checkpoints == [0]
+    assert sorted(p.name for p in (c.dir / "checkpoints").iterdir()) == [
+        ".staging-round-2", "round-0", "round-0-tier1"]  # retiring spares the one in progress
+    release.set()
+    c.flush()  # waits for the write: listed, in state.json too
+    assert c.state.checkpoints == [0, 2] and c.checkpoint_for(0).path.name == "round-2"
+    assert [e["detail"] for e in c.state.events if e["kind"] == "checkpoint"] == [
+        "checkpoints/round-2"]
+    resumed = Coordinator(c.config, clock=clock)
+    assert resumed.state.checkpoints == [0, 2] and same(resumed.master, c.master)
+
+
+def test_a_checkpoint_that_cannot_be_written_is_left_out_and_the_run_goes_on(
+        tmp_path, mdat_path, monkeypatch):
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=clock)
+    cid = c.join(caps("a"))[0].client_id
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoints_module, "save_pretrained", disk_full)
+        drive(c, clock, cid, 2)
+        c.flush()
+    assert c.state.round == 2 and c.state.checkpoints == [0]
+    assert [p.name for p in (c.dir / "checkpoints").iterdir() if "round-2" in p.name] == []
+    assert "checkpoint round-2 could not be written" in events_of(c, "disk")[-1]
+    drive(c, clock, cid, 2)
+    c.flush()  # the next checkpoint is written; the log kept every round since round-0
+    assert c.state.checkpoints == [0, 4]
+    assert same(Coordinator(c.config, clock=clock).master, c.master)
+
+
+def events_of(c, kind):
+    return [e["detail"] for e in c.state.events if e["kind"] == kind]
