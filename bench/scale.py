@@ -14,9 +14,10 @@ whole close of a round (``Coordinator._close``: aggregate every parameter over t
 results and compress it for the broadcast, apply the update rule to the master, hash it per
 tier, log the update, save state.json), and inside it ``aggregate + step``
 (``UpdateRule.close``: the aggregates, the broadcast's steps, the new master), ``hash``
-(``tier_hashes``), ``log + save`` and ``rest``. Checkpoints are kept out (the interval is longer than the run). While each
-timed round closes, a prober thread sends Heartbeat and GetRound in turn and records how long
-each takes to answer: ``hb p99``, the 99th percentile over every timed round.
+(``tier_hashes``), ``log + save`` and ``rest``. Checkpoints are kept out (the interval is
+longer than the run). While each timed round closes, a prober thread sends Heartbeat and
+GetRound in turn and records how long each takes to answer: ``hb p99``, the 99th percentile
+over every timed round.
 
 Per round, for a tier-0 client (the largest): ``up``, the bytes of its submission;
 ``down``, the bytes of one round's GetUpdates as it downloads them; ``dense``, float32 of its

@@ -2,9 +2,9 @@
 
 Weights never travel after the first load: each round the coordinator broadcasts its
 ``RoundUpdate`` (a step per canonical name, cut to the client's tier) and every client applies
-the round's update rule to the region it holds (DESIGN.md §5.5). The per-tier weight hash the
-coordinator publishes tells the client whether its replica still agrees; on a mismatch the
-caller reloads (``resynchronise``) and replays the logged updates.
+the round's update rule to the region it holds (docs/architecture.md, "The update record").
+The per-tier weight hash the coordinator publishes tells the client whether its replica still
+agrees; on a mismatch the caller reloads (``resynchronise``) and replays the logged updates.
 
 The replica holds whatever widths its model was built at (``config.stored_tiers()``): a tier
 slice from ``load_for_tier``, or the universal model under the ``universal`` strategy.

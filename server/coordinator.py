@@ -1,4 +1,5 @@
-"""The coordinator's core: the run state machine of DESIGN.md §5, driven by method calls.
+"""The coordinator's core: the run state machine (docs/architecture.md), driven by method
+calls.
 
     coordinator = Coordinator(config, clock=time.time)  # resumes if config.run.dir has a run
     member, tier, token = coordinator.join(capabilities)
@@ -10,11 +11,14 @@
 Phases: ``waiting`` (fewer than ``min_clients`` active members) → ``collecting`` (round r
 open: sequence ids split by measured tokens/s, lr from the schedule) → the round closes
 when every assigned client submitted or the deadline passed → per parameter aggregate,
-apply the update rule to the master, hash it per tier, log the update, checkpoint every K
-rounds, save state.json → the next round, until ``finished`` (N rounds or T tokens).
+the broadcast's step, the new master, its hash per tier, the update logged, state.json
+saved → the next round, until ``finished`` (N rounds or T tokens). Every K rounds a
+checkpoint is written beside the next rounds (``server/checkpoints.py``) and listed once
+whole. The run's history lives in ``server/history.py``, tier rules in ``server/tiers.py``.
 
 Time comes only from ``clock``, so tests drive deadlines without sleeping. Every public
-method holds one lock: a gRPC servicer may call them from its worker threads.
+method holds one lock, briefly: a gRPC servicer may call them from its worker threads, and
+a close does its heavy part without it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The update log: every round's update since the latest checkpoint (DESIGN.md §6).
+"""The update log: every round's update since the latest checkpoint (docs/architecture.md).
 
 Each round is the ``RoundUpdate`` record every side shares, in its compact form:
 ``updates/round-<r>.safetensors`` holds each step's tensors (``values/<name>`` for an exact

@@ -47,7 +47,8 @@ def _along_chunk_dims(blocks: Tensor, *, inverse: bool) -> Tensor:
 # The broadcast's exact inverse. Levels are integers of magnitude <= LEVEL_MAX and the
 # integer DCT matrix is round(D·2^bits): every product and partial sum of the inverse is then
 # an integer below 2^53, which float64 holds exactly, so the result has the same bits in any
-# summation order, on any machine, BLAS and thread count (DESIGN.md §5.5).
+# summation order, on any machine, BLAS and thread count (docs/architecture.md, "The update
+# record").
 LEVEL_MAX = 127  # int8 levels
 _EXACT = 2**53
 

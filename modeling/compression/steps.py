@@ -1,4 +1,5 @@
-"""One parameter's update in the one form it is logged, sent and applied (DESIGN.md §5.5).
+"""One parameter's update in the one form it is logged, sent and applied
+(docs/architecture.md, "The update record").
 
 A step holds a *direction* over the universal shape and the regions it *covers*; the update
 rule moves covered elements along the direction (``update.py``). Two forms:

@@ -1,4 +1,4 @@
-"""Update rules: how an aggregate moves the weights (DESIGN.md §5.5).
+"""Update rules: how an aggregate moves the weights (docs/architecture.md, "The update record").
 
 - ``sgd``:  w ← w·(1 − lr·wd) − lr·agg
 - ``sign``: w ← w·(1 − lr·wd) − lr·sign(agg)   (DeMo, decoupled weight decay)
