@@ -119,6 +119,7 @@ class Coordinator:
         # The broadcast's error feedback: per canonical name, what compressed steps left out
         # (universal shape). Not saved: a restart begins it at zero (docs/architecture.md).
         self.residual: dict[str, Tensor] = {}
+        self._close_s = self._close_started = 0.0  # the last close: seconds, start (clock)
         self._writing: int | None = None  # the checkpoint being written beside the rounds
         self._writer: threading.Thread | None = None
         self._writer_failed: BaseException | None = None
@@ -366,6 +367,27 @@ class Coordinator:
             rnd = self._open
             return None if rnd is None else rnd.assignments.get(client_id)
 
+    def next_work_in(self, client_id: str) -> float | None:
+        """Seconds until ``client_id`` is likely to have work again, when it has none now:
+        for a member that has submitted, until the slowest of the others submits (each as
+        long after the opening as its last round took) plus a close as long as the last;
+        during a close, what is left of it. None when nothing tells (a new member, a member
+        without work this round, an estimate already overdue)."""
+        with self._lock:
+            now, rnd = self.clock(), self._open
+            if self._closing is not None:
+                left = self._close_s - (now - self._close_started)
+            elif rnd is not None and client_id in rnd.submissions:
+                pending = [self.membership.members.get(c) for c in rnd.assignments
+                           if c not in rnd.submissions]
+                if any(m is None or not m.last_round_seconds for m in pending):
+                    return None
+                slowest = max((m.last_round_seconds for m in pending), default=0.0)
+                left = rnd.opened_at + slowest + self._close_s - now
+            else:
+                return None
+            return left if left > 0 else None
+
     def logged_rounds(self, round_index: int) -> range:
         """Rounds ``round_index``, ..., the last completed one: those a client replays. Raises
         UpdatesPruned when the log no longer starts that early."""
@@ -431,6 +453,7 @@ class Coordinator:
             rnd, self._open = self._open, None
             if any(c in rnd.submissions for c in rnd.assignments):
                 closing = self._closing = _Closing.of(self, rnd)
+                self._close_started = now
                 break
             self._settle(rnd)  # nobody delivered: round r opens again with whoever is there
             self._save()
@@ -568,6 +591,7 @@ class Coordinator:
                 self._close_failed(rnd, err)
             self._closing = None
             self._write_failure = None
+            self._close_s = self.clock() - self._close_started
             if master is not None:
                 closed = ClosedRound(round=closing.round, before=self.master, after=master,
                                      tiers={a.tier for a in closing.delivered.values()},

@@ -62,7 +62,8 @@ from server.update_cache import UpdateCache
 
 log = logging.getLogger("matformer.server")
 
-RETRY_AFTER_S = 0.5  # how soon a waiting client asks GetRound again
+RETRY_AFTER_S = 0.5  # how soon a waiting client asks GetRound again, at most
+MIN_RETRY_AFTER_S = 0.05  # ... and at least, when the coordinator expects work for it sooner
 
 T = TypeVar("T")
 _REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentError,
@@ -145,8 +146,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=c.state.round)
         rnd = c.current_round
         if assignment is None or rnd is None or client_id in rnd.submissions:
+            expected = c.next_work_in(client_id)
+            retry = RETRY_AFTER_S if expected is None else min(
+                RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, expected))
             return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=c.state.round,
-                                      retry_after_seconds=RETRY_AFTER_S)
+                                      retry_after_seconds=retry)
         return pb.RoundAssignment(
             state=pb.ROUND_STATE_TRAIN, round=assignment.round,
             sequence_ids=assignment.sequence_ids, tier=assignment.tier,

@@ -209,6 +209,14 @@ def number(text: str) -> float:
     return float(match.group().replace(",", ""))
 
 
+def _number(value: str | None) -> float | None:
+    """A cell's data-value as a number; None when it holds none (yet)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def shows(cell: dict | None, value: float | int, digits: int, label: str, *,
           scale: float = 1.0) -> list[str]:
     """Differences between a number cell and the API value: its data-value must be the value
@@ -216,7 +224,7 @@ def shows(cell: dict | None, value: float | int, digits: int, label: str, *,
     if cell is None:
         return [f"{label}: not on the page"]
     errors = []
-    if cell["value"] is None or float(cell["value"]) != value:
+    if _number(cell["value"]) != value:  # a cell not yet filled is a difference, retried
         errors.append(f"{label}: data-value {cell['value']!r}, the API says {value!r}")
     decimals = re.search(r"\d+(?:\.(\d+))?", cell["text"].replace(",", ""))
     if decimals is None or len(decimals.group(1) or "") != digits:
@@ -272,8 +280,12 @@ def compare(page: dict, api: dict) -> list[str]:
                         scale=100)
         errors += shows(row.get("rejections"), m["rejections"], 0, f"{who} rejections")
         seen = row.get("last_seen_s_ago")
-        errors += shows(seen, float(seen["value"]), 1, f"{who} last seen")
-        if abs(float(seen["value"]) - m["last_seen_s_ago"]) > LAST_SEEN_TOLERANCE_S:
+        shown = _number(seen["value"]) if seen is not None else None
+        if shown is None:
+            errors.append(f"{who} last seen: not on the page")
+            continue
+        errors += shows(seen, shown, 1, f"{who} last seen")
+        if abs(shown - m["last_seen_s_ago"]) > LAST_SEEN_TOLERANCE_S:
             errors.append(f"{who} last seen {seen['value']} s ago, the API says "
                           f"{m['last_seen_s_ago']}")
     excluded = {e["client_id"]: e["reason"] for e in api["clients"]["excluded"]}

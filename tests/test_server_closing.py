@@ -19,8 +19,7 @@ from server.errors import RunDirectoryUnavailable
 from server.update_cache import UpdateCache
 from server.update_log import UpdateLog
 from tests.test_server_bounds import header_of, joined, serving
-from tests.test_server_core import Clock, caps, results, run_config, same
-from tests.test_server_faults import drive
+from tests.test_server_core import Clock, caps, drive, results, run_config, same
 from tests.test_server_hostile import disk_full
 from tests.test_server_service import results as dense_results
 
@@ -175,6 +174,7 @@ def test_a_failed_close_keeps_the_broadcast_residual_and_a_restart_stays_exact(
             drive(c, clock, cid, 1)
     assert same(c.residual, residual) and c.state.round == 3
     c.advance()  # the disk has room again: round 3 closes as it would have
+    c.flush()  # (and writes its checkpoint) before another coordinator opens the directory
     assert same(c.master, straight.master) and same(c.residual, straight.residual)
     resumed = Coordinator(c.config, clock=clock)  # replays the logged (compressed) steps
     assert same(resumed.master, c.master) and resumed.residual == {}
@@ -231,3 +231,26 @@ def test_a_checkpoint_that_cannot_be_written_is_left_out_and_the_run_goes_on(
 
 def events_of(c, kind):
     return [e["detail"] for e in c.state.events if e["kind"] == kind]
+
+
+def test_a_member_that_submitted_is_told_when_work_is_likely(tmp_path, mdat_path):
+    """GetRound's WAIT carries the coordinator's estimate: until the slowest other member
+    submits (as long after the opening as its last round took) and a close like the last."""
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=2), clock=clock)
+    a = c.join(caps("a"))[0].client_id
+    b = c.join(caps("b"))[0].client_id
+    assert c.next_work_in(a) is None  # nothing submitted, nothing known
+    opened = clock.now
+    clock.now = opened + 1.0
+    c.submit(a, 0, results(c, a))
+    assert c.next_work_in(a) is None  # b has no last round to go by yet
+    clock.now = opened + 3.0
+    c.submit(b, 0, results(c, b))  # closes round 0 (no time passes on this clock), opens 1
+    assert c.state.round == 1
+    clock.now += 0.5
+    c.submit(a, 1, results(c, a))
+    assert c.next_work_in(a) == pytest.approx(3.0 - 0.5)  # b took 3 s last round
+    assert c.next_work_in(b) is None  # b has work now
+    clock.now += 5.0
+    assert c.next_work_in(a) is None  # overdue: no better guess than the default

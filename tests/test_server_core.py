@@ -211,9 +211,11 @@ def test_sgd_dense_one_client_is_master_minus_lr_grad(tmp_path, mdat_path):
 
 
 def drive(c: Coordinator, clock: Clock, client_id: str, rounds: int) -> None:
+    """``rounds`` rounds of ``client_id``'s results, each checkpoint they start written."""
     for _ in range(rounds):
         clock.now += 1.0
         c.submit(client_id, c.current_round.index, results(c, client_id), loss=1.0)
+        c.flush()
 
 
 def test_resume_equals_uninterrupted(tmp_path, mdat_path):

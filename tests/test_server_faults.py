@@ -25,7 +25,7 @@ from server.errors import (
 from server.ledger import LEDGER_NAME, TrainedLedger, audit
 from server.sections import FaultsSection
 from server.state import RunState
-from tests.test_server_core import Clock, caps, gradient, results, run_config, same
+from tests.test_server_core import Clock, caps, drive, gradient, results, run_config, same
 
 
 def config_with(run_dir, mdat, *, compression=None, **faults) -> RunConfig:
@@ -200,14 +200,6 @@ def test_sessions_expire_after_silence(tmp_path, mdat_path):
 class Crash(BaseException):
     """Stands for kill -9: nothing after the crash point runs (BaseException passes every
     ``except Exception``)."""
-
-
-def drive(c: Coordinator, clock: Clock, cid: str, rounds: int) -> None:
-    """``rounds`` rounds of ``cid``'s results, each checkpoint they start written."""
-    for _ in range(rounds):
-        clock.now += 1.0
-        c.submit(cid, c.current_round.index, results(c, cid), loss=1.0)
-        c.flush()
 
 
 @pytest.mark.parametrize("crash_point", ["slices", "universal rename", "state.json",

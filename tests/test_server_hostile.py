@@ -28,8 +28,8 @@ from server.errors import (
 from server.ledger import TrainedLedger, audit
 from server.state import RunState
 from server.update_log import UpdateLog
-from tests.test_server_core import Clock, caps, gradient, results, run_config, same
-from tests.test_server_faults import drive, events
+from tests.test_server_core import Clock, caps, drive, gradient, results, run_config, same
+from tests.test_server_faults import events
 
 # -- 1. weights come from the assignment, not from what a client claims -----------------------
 

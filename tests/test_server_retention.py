@@ -11,8 +11,7 @@ from server.checkpoints import CheckpointStore
 from server.coordinator import Coordinator
 from server.errors import InvalidValue
 from server.sections import CheckpointSection
-from tests.test_server_core import Clock, caps, run_config, same
-from tests.test_server_faults import drive
+from tests.test_server_core import Clock, caps, drive, run_config, same
 
 
 def folders(c: Coordinator) -> list[str]:
