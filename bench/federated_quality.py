@@ -1,6 +1,6 @@
 """Quality at equal tokens on the embedded corpus: final held-out loss per tier.
 
-Four runs train the same model (``client.standalone.TINY``) from the same initial weights on
+Five runs train the same model (``client.standalone.TINY``) from the same initial weights on
 the same sequences of the stdlib-docstrings MDAT:
 
   A  federated: a real coordinator and 3 ``FederatedClient``s at tiers 0, 1, 2; DeMo
