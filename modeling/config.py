@@ -7,13 +7,12 @@ Matformer config reads like a Llama config plus the ``matformer_*`` fields and a
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import ConfigError, HookPositionError
+from modeling.errors import ConfigError, HookPositionError, did_you_mean
 
 # Where a block calls hooks; see modeling/block.py for the exact points.
 HOOK_POSITIONS = ("pre_attn", "pre_mlp", "post_mlp", "pre_output")
@@ -23,9 +22,8 @@ def _reject_unknown(kind: str, given: dict[str, Any], cls: type) -> None:
     valid = [f.name for f in dataclasses.fields(cls)]
     for key in given:
         if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"unknown {kind} key {key!r}: {hint}valid keys: {', '.join(valid)}.")
+            raise ConfigError(f"unknown {kind} key {key!r}: {did_you_mean(key, valid)}valid "
+                              f"keys: {', '.join(valid)}.")
 
 
 @dataclass(kw_only=True, slots=True)

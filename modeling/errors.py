@@ -1,4 +1,24 @@
-"""Error types of the modeling package: each names what is wrong and how to fix it."""
+"""Error types of the modeling package: each names what is wrong and how to fix it; and
+``did_you_mean``, the hint every "unknown name" error gives."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+def closest(name: str, known: Iterable[str], *, cutoff: float = 0.6) -> str | None:
+    """The name of ``known`` most like a misspelt ``name``, if one is close (``difflib``'s
+    similarity of at least ``cutoff``)."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``"did you mean 'x'? "`` for the closest of ``known``, or ``""``: the hint an unknown
+    name's error puts before the list of valid ones."""
+    close = closest(name, known)
+    return f"did you mean {close!r}? " if close else ""
 
 
 class MatformerError(Exception):

@@ -14,7 +14,6 @@ back to the next rule, and the fallback is reported once, in one line, through `
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import logging
 import os
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import RegistryError
+from modeling.errors import RegistryError, did_you_mean
 
 log = logging.getLogger("matformer.registry")
 
@@ -62,10 +61,9 @@ def _env_key(category: str, variant: str) -> str:
 
 def _unknown(kind: str, name: str, known: Iterable[str]) -> RegistryError:
     known = sorted(known)
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
     listing = ", ".join(known) or "none"
-    return RegistryError(f"unknown {kind} {name!r}.{hint} Registered: {listing}.")
+    return RegistryError(f"unknown {kind} {name!r}; {did_you_mean(name, known)}registered: "
+                         f"{listing}.")
 
 
 class Registry:

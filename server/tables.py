@@ -15,14 +15,13 @@ A field with ``metadata={"secret": True}`` never has its value quoted in an erro
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import types
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from modeling.errors import MatformerError
+from modeling.errors import MatformerError, did_you_mean
 from server.errors import InvalidValue, MissingKey, ServerConfigError, UnknownKey, WrongType
 
 T = TypeVar("T")
@@ -33,11 +32,8 @@ def reject_unknown(where: str, given: Iterable[str], valid: list[str]) -> None:
     """UnknownKey for the first key of ``given`` not in ``valid``, with a did-you-mean."""
     for key in given:
         if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise UnknownKey(
-                f"{where} has no key {key!r}; {hint}valid keys: {', '.join(valid)}."
-            )
+            raise UnknownKey(f"{where} has no key {key!r}; {did_you_mean(key, valid)}valid "
+                             f"keys: {', '.join(valid)}.")
 
 
 def read_table(cls: type[T], table: Any, section: str, base: Path) -> T:

@@ -58,9 +58,9 @@ def test_bad_config_is_a_named_error(build, error, message, no_allocation):
     ("layer", "message"),
     [
         ({"normalization": "batchnorm"}, "unknown norm variant 'batchnorm'.*layernorm, rmsnorm"),
-        ({"ffn_activation": "swiglu2"}, "Did you mean 'swiglu'"),
+        ({"ffn_activation": "swiglu2"}, "did you mean 'swiglu'"),
         ({"positional_encoding": "rotary"}, "unknown positional variant 'rotary'"),
-        ({"attn_impl": "sdpa2"}, "Did you mean 'sdpa'"),
+        ({"attn_impl": "sdpa2"}, "did you mean 'sdpa'"),
         ({"hooks": {"pre_mlp": "no_such_hook"}}, "unknown hook variant 'no_such_hook'"),
         ({"normalization_position": "middle"}, "unknown block variant 'middle'.*post, pre"),
     ],

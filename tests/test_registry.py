@@ -58,9 +58,9 @@ def test_environment_override_of_unavailable_name_falls_back(monkeypatch):
     ("call", "expected"),
     [
         (lambda r: r.select("gadget", "spin"), ["unknown registry category 'gadget'", "widget"]),
-        (lambda r: r.select("widget", "spn"), ["Did you mean 'spin'", "Registered: spin"]),
+        (lambda r: r.select("widget", "spn"), ["did you mean 'spin'", "registered: spin"]),
         (lambda r: r.select("widget", "spin", "fsat"),
-         ["Did you mean 'fast'", "broken, fast, missing, slow"]),
+         ["did you mean 'fast'", "broken, fast, missing, slow"]),
         (lambda r: r.set_preferences({"widget": {"spin": "nope"}}), ["'nope'", "fast"]),
     ],
 )

@@ -16,11 +16,10 @@ does: the tier from ``matformer_base_intermediate_size / intermediate_size``.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Any
 
 from modeling.config import LayerConfig, ModelConfig
-from modeling.errors import ConfigError, TierError
+from modeling.errors import ConfigError, TierError, closest
 from modeling.matformer import tier_of_width
 
 # Keys Hugging Face writes that carry nothing Matformer needs (or that we check below).
@@ -102,9 +101,7 @@ def from_config_dict(data: dict[str, Any], *, tier: int | None = None,
             continue
         # Other Hugging Face bookkeeping is ignored, but a key that looks like a Matformer
         # field is kept so that from_dict rejects the misspelling and names the right one.
-        if key in fields or key.startswith("matformer_") or difflib.get_close_matches(
-            key, fields, n=1, cutoff=0.8
-        ):
+        if key in fields or key.startswith("matformer_") or closest(key, fields, cutoff=0.8):
             kept[key] = value
     return ModelConfig.from_dict(kept)
 

@@ -9,7 +9,6 @@ Decoding needs nothing but the result: the chunk shape, region and encoding trav
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,13 @@ from torch import Tensor
 from modeling.compression.dct import dct, idct
 from modeling.compression.grid import ChunkGrid, Region, region_shape
 from modeling.compression.sparse import SparseResult
-from modeling.errors import ChunkIdError, ChunkIndexError, ResultShapeMismatch, UnknownEncoding
+from modeling.errors import (
+    ChunkIdError,
+    ChunkIndexError,
+    ResultShapeMismatch,
+    UnknownEncoding,
+    did_you_mean,
+)
 
 Transform = Callable[[Tensor], Tensor]  # (n, *chunk) → (n, *chunk)
 
@@ -169,11 +174,8 @@ def get_encoding(name: str) -> Encoding:
     try:
         return ENCODERS[name]
     except KeyError:
-        close = difflib.get_close_matches(name, ENCODERS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UnknownEncoding(
-            f"unknown encoding {name!r}: {hint}registered: {', '.join(ENCODERS)}."
-        ) from None
+        raise UnknownEncoding(f"unknown encoding {name!r}: {did_you_mean(name, ENCODERS)}"
+                              f"registered: {', '.join(ENCODERS)}.") from None
 
 
 def decode(result: SparseResult) -> Tensor:

@@ -7,7 +7,6 @@ the tokenizer and splitter (`modeling.mdat.splitting`) checks that they exist.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from dataclasses import asdict, dataclass, fields
@@ -16,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from modeling.errors import InvalidName, StrategyError
+from modeling.errors import InvalidName, StrategyError, closest, did_you_mean
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 DOCUMENT_FIELDS = ("data", "meta")  # what a splitter may ask for in wants_from_db
@@ -71,11 +70,8 @@ class Strategy:
         valid = [spec.name for spec in fields(cls)]
         unknown = [key for key in definition if key not in valid]
         if unknown:
-            hints = [
-                f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
-                for key in unknown
-                for close in [difflib.get_close_matches(key, valid, n=1)]
-            ]
+            hints = [f"{key!r} ({did_you_mean(key, valid).strip()})"
+                     if closest(key, valid) else repr(key) for key in unknown]
             raise StrategyError(
                 f"unknown strategy field {', '.join(hints)}; valid fields: {', '.join(valid)}."
             )
