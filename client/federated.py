@@ -44,8 +44,8 @@ from client.errors import ClientError, DataMismatch, FeedbackStateMismatch, Repl
 from client.local_round import LocalRound
 from client.probe import device_name, measure_tokens_per_second, memory_bytes
 from client.replica import Replica
+from modeling.atomic import write_json_atomic
 from modeling.batching import AdaptiveLimitsConfig
-from modeling.checkpoint.files import write_json_atomic
 from modeling.checkpoint.loader import STRATEGIES, load, resolve
 from modeling.checkpoint.repository import HubRepository, LocalRepository
 from modeling.checkpoint.schema import canonical_schema_hash

@@ -9,7 +9,6 @@ metadata so a state saved at another tier is refused instead of misapplied.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from client.errors import FeedbackStateMismatch
+from modeling.atomic import built_aside
 from modeling.compression import Compressor, ErrorFeedback, Region
 
 FORMAT = "matformer-error-feedback-v1"
@@ -43,7 +43,7 @@ class FeedbackState:
         return {name: state.region for name, state in self.feedback.items()}
 
     def save(self, path: str | Path) -> None:
-        """Write the momenta atomically (temp file, then rename), so a crash mid-write
+        """Write the momenta atomically (temp file, fsync, rename), so a crash mid-write
         leaves the previous round's state."""
         path = Path(path)
         tensors = {
@@ -51,9 +51,8 @@ class FeedbackState:
             for name, state in self.feedback.items()
         }
         metadata = {"format": FORMAT, "regions": json.dumps(self.regions())}
-        temporary = path.with_name(path.name + ".tmp")
-        save_file(tensors, temporary, metadata=metadata)
-        os.replace(temporary, path)
+        with built_aside(path) as staging:
+            save_file(tensors, staging, metadata=metadata)
 
     def load(self, path: str | Path) -> None:
         """Restore the momenta saved by ``save``; refuses a state of other parameters or

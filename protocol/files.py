@@ -6,12 +6,11 @@ into place only once size and digest match, so a failed transfer leaves nothing 
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from modeling.atomic import built_aside
 from protocol.errors import ChecksumMismatch, MalformedStream, UnsafePath
 from protocol.matformer.v1 import coordinator_pb2 as pb
 
@@ -47,13 +46,9 @@ def receive_file(chunks: Iterable[pb.FileChunk], dest: Path,
     ``ChecksumMismatch`` when the data's digest is not the announced one (or
     ``expected_sha256``, e.g. the manifest's); after any failure ``dest`` is as it was.
     """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out:
+    with built_aside(dest) as staging:
+        with staging.open("xb") as out:
             actual, announced = _write_chunks(chunks, out, dest.name)
-            out.flush()
-            os.fsync(out.fileno())
         for source, wanted in (("the sender announced", announced),
                                ("the caller expected", expected_sha256)):
             if wanted is not None and wanted != actual:
@@ -61,10 +56,6 @@ def receive_file(chunks: Iterable[pb.FileChunk], dest: Path,
                     f"{dest.name}: the data received has sha256 {actual} but {source} "
                     f"{wanted}; nothing was kept. Download it again."
                 )
-        os.replace(temp, dest)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
     return actual
 
 

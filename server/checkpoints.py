@@ -19,12 +19,12 @@ from pathlib import Path
 
 from torch import Tensor
 
+from modeling.atomic import fsync_path, fsync_tree
 from modeling.checkpoint import save_pretrained
 from modeling.checkpoint.export import export_tiers
 from modeling.checkpoint.files import read_weights
 from modeling.checkpoint.pretrained import load_state_into
 from modeling.config import ModelConfig
-from modeling.mdat.atomic import fsync_path, fsync_tree
 from modeling.models import build_model
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
 

@@ -89,8 +89,8 @@ MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about
 # Free space a round needs before it opens, in multiples of the master's size: the update
 # (at most the master's size), a checkpoint and its tier slices (under twice), state.json.
 CLOSE_RESERVE = 3
-# Names that atomic writes give their temporary files and folders (".state.json.tmp-1a2b3c4d",
-# ".round-4.old-...", ".trained.jsonl.tmp"): what a kill during a write leaves behind.
+# Names that atomic writes (modeling/atomic.py) give their temporary files and folders
+# (".state.json.tmp-1a2b3c4d", ".round-4.old-1a2b3c4d"): what a kill during a write leaves.
 TEMP_NAME = re.compile(r"\..+\.(tmp|old)(-[0-9a-f]{8})?")
 log = logging.getLogger("matformer.server")
 T = TypeVar("T")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modeling.checkpoint.files import write_json_atomic
+from modeling.atomic import write_json_atomic
 from protocol.auth import token_hash, tokens_equal
 from server.errors import ServerError
 from server.tiers import valid_name

@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from modeling.atomic import built_aside
+
 LEDGER_NAME = "trained.jsonl"
 
 
@@ -74,12 +76,8 @@ class TrainedLedger:
         kept = [e for e in entries if e["round"] < completed_rounds]
         if len(kept) == len(entries) and (not text or text.endswith("\n")):
             return  # nothing to drop, no torn line
-        staging = self.path.with_name(f".{self.path.name}.tmp")
-        with staging.open("w") as handle:
+        with built_aside(self.path) as staging, staging.open("w") as handle:
             handle.writelines(json.dumps(e) + "\n" for e in kept)
-            handle.flush()
-            os.fsync(handle.fileno())
-        staging.replace(self.path)
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.checkpoint.files import write_json_atomic
+from modeling.atomic import write_json_atomic
 from server.errors import ResumeError
 
 STATE_NAME = "state.json"

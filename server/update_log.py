@@ -13,15 +13,14 @@ json is.
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from modeling.checkpoint.files import read_json, write_json_atomic
+from modeling.atomic import built_aside, write_json_atomic
+from modeling.checkpoint.files import read_json
 from modeling.compression import (
     ChunkGrid,
     CoefficientStep,
@@ -57,11 +56,8 @@ class UpdateLog:
             tensors[f"positions/{name}"] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
             tensors[f"levels/{name}"] = step.levels.contiguous()
             tensors[f"scales/{name}"] = step.scales.contiguous()
-        staging = tensors_path.with_name(f".{tensors_path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        save_file(tensors, str(staging))
-        with staging.open("rb") as handle:
-            os.fsync(handle.fileno())
-        staging.replace(tensors_path)
+        with built_aside(tensors_path) as staging:
+            save_file(tensors, str(staging))
         update = entry.update
         write_json_atomic(json_path, {
             "round": entry.round, "rule": update.rule, "lr": update.lr,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from local_testnet.chaos import chaos_plan
+from local_testnet.chaos import SERVER, chaos_plan
 from local_testnet.report import (
     format_table,
     moved_mib,
@@ -234,10 +234,13 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path):
 def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path):
     build_default_mdat(tmp_path / "d.mdat", limit=10).close()  # small: the run passes it over
     faults = "\n[faults]\nheartbeat_s = 0.5\nheartbeat_timeout_s = 3.0\n"
-    config = write_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=10,
+    # 30 short rounds: the server's kill (round 18 of this seed's plan) comes well after the
+    # clients' and well before the end, however fast rounds run
+    config = write_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=30,
                         extra=faults)
     seed = 3
-    planned = chaos_plan(seed, rounds=10, clients=["client-0", "client-1"])
+    planned = chaos_plan(seed, rounds=30, clients=["client-0", "client-1"])
+    assert [e.target for e in planned].count(SERVER) == 1 and planned[2].round == 18
     result = subprocess.run(
         [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
          "--config", str(config), "--chaos", str(seed)],
@@ -245,7 +248,7 @@ def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path):
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
     chaos = json.loads((tmp_path / "run" / "summary.json").read_text())["chaos"]
-    assert chaos["passed"] and chaos["rounds"] == 10
+    assert chaos["passed"] and chaos["rounds"] == 30
     assert chaos["sequences_lost"] == 0 and chaos["sequences_duplicated"] == 0
     assert chaos["passes_complete"] >= 1  # exactly once per pass, over a whole pass
     assert chaos["server_kills"] == 1 and len(chaos["restart_to_round_s"]) == 1

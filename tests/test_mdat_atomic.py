@@ -4,8 +4,8 @@ import os
 
 import pytest
 
+from modeling.atomic import built_aside
 from modeling.mdat import Mdat
-from modeling.mdat.atomic import built_aside
 
 
 @pytest.fixture

@@ -246,14 +246,14 @@ def test_resume_equals_uninterrupted(tmp_path, mdat_path):
 
 def test_state_json_is_private_and_keeps_no_session_token(tmp_path, mdat_path, monkeypatch):
     modes = []  # of each temp file, as written, before it becomes state.json
-    real = Path.replace
+    real = os.replace
 
     def replace(source, target):
         if Path(target).name == "state.json":
             modes.append(stat.S_IMODE(os.stat(source).st_mode))
         return real(source, target)
 
-    monkeypatch.setattr(Path, "replace", replace)
+    monkeypatch.setattr(os, "replace", replace)
     config = run_config(tmp_path / "run", mdat_path)
     c = Coordinator(config, clock=Clock())
     member, _, token = c.join(caps("a"))

@@ -162,7 +162,7 @@ def test_a_download_damaged_in_transit_is_refused_and_fetched_again(running, cor
     held = canonical_state_dict(model)
     up = "model.layers.0.mlp.up_proj.weight"
     assert held[up].equal(master[up][: held[up].shape[0]])
-    assert not list((tmp_path / "cache").rglob("*.part"))
+    assert not list((tmp_path / "cache").rglob(".*.tmp-*"))  # no download left half-made
 
 
 def test_a_download_damaged_every_time_fails_after_three_attempts(running, corrupting,

@@ -19,16 +19,15 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+from modeling.atomic import built_aside, write_json_atomic
 from modeling.checkpoint.files import (
     CONFIG_NAME,
     INDEX_NAME,
-    atomic_directory,
     copy_files,
     read_json,
     read_weights,
     weight_files,
     write_json,
-    write_json_atomic,
     write_weights,
 )
 from modeling.checkpoint.hf_config import to_config_dict
@@ -116,7 +115,8 @@ def export_tiers(
     with ExitStack() as stack:
         for tier, (layer_tiers, widths) in slices.items():
             target = source.parent / slice_folder(source.name, tier)
-            staging = stack.enter_context(atomic_directory(target))
+            staging = stack.enter_context(built_aside(target))
+            staging.mkdir()
             tier_config = dataclasses.replace(
                 config, intermediate_size=widths[0], matformer_tier=layer_tiers[0],
                 matformer_layer_tiers=layer_tiers if isinstance(tier, tuple) else None,

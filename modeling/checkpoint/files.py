@@ -9,11 +9,8 @@ not at all.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,60 +136,8 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            with path.open("rb") as handle:
-                os.fsync(handle.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def atomic_directory(target: Path) -> Iterator[Path]:
-    """Yield a temporary directory that replaces ``target`` only if the block succeeds."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
-        yield staging
-        _fsync_tree(staging)
-        if target.exists():
-            retired = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-            target.rename(retired)
-            staging.rename(target)
-            shutil.rmtree(retired)
-        else:
-            staging.rename(target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-
-
 def copy_files(names: list[str], source: Path, destination: Path) -> None:
     """Copy files by relative name, creating folders as needed."""
     for name in names:
         (destination / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(source / name, destination / name)
-
-
-def write_json_atomic(path: Path, data: dict[str, Any], *, mode: int = 0o644) -> None:
-    """Write JSON through a temporary file, fsync and rename: never a half-written file.
-    ``mode`` is the file's (its temporary file is created with it, so a private file is
-    never readable by others, not even while written); NaN and infinities are refused
-    (ValueError): JSON has no such numbers, and a reader would take them as text."""
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-    staging = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        staging.replace(path)
-    finally:
-        staging.unlink(missing_ok=True)

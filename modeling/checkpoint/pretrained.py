@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from modeling.atomic import built_aside
 from modeling.checkpoint.files import (
     CONFIG_NAME,
-    atomic_directory,
     read_json,
     read_weights,
     write_json,
@@ -34,7 +34,8 @@ def save_pretrained(
     state = canonical_state_dict(model)
     if config.tie_word_embeddings:
         state.pop(TIED_HEAD, None)  # stored once, as the embedding (as Hugging Face does)
-    with atomic_directory(directory) as staging:
+    with built_aside(directory) as staging:
+        staging.mkdir()
         write_json(staging / CONFIG_NAME, to_config_dict(config))
         write_weights(state, staging, max_shard_bytes)
     return directory

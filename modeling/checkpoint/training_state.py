@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from modeling.checkpoint.files import read_json, write_json_atomic
+from modeling.atomic import write_json_atomic
+from modeling.checkpoint.files import read_json
 from modeling.errors import CheckpointError
 
 STATE_TENSORS = "training_state.safetensors"

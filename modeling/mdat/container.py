@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from modeling.atomic import built_aside
 from modeling.errors import (
     InvalidName,
     MdatExists,
@@ -29,7 +30,6 @@ from modeling.errors import (
     SubmdatInUse,
     TokenizerChanged,
 )
-from modeling.mdat.atomic import built_aside
 from modeling.mdat.catalogue import (
     MAX_SUBMDATS,
     Catalogue,

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from modeling.atomic import built_aside
 from modeling.errors import MdatCorrupt, SaettaError
-from modeling.mdat.atomic import built_aside
 from modeling.mdat.npy_files import AppendableNpy, load_npy
 from modeling.mdat.sequences import SequenceReader
 

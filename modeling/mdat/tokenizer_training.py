@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from modeling.atomic import built_aside
 from modeling.errors import StrategyError
-from modeling.mdat.atomic import built_aside
 from modeling.mdat.submdat import Submdat
 
 DEFAULT_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<mask>")

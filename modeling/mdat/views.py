@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from modeling.atomic import built_aside
 from modeling.errors import QuotaError, QuotaTooLarge
-from modeling.mdat.atomic import built_aside
 from modeling.mdat.catalogue import SubmdatInfo
 
 Quota = int | float | str

@@ -1,0 +1,82 @@
+"""Files and folders that appear whole or not at all: the one home of every atomic write.
+
+What is written is built under a hidden sibling name (``.NAME.tmp-XXXXXXXX``), made durable
+(every file and folder under it fsynced), then renamed onto the target, and the parent
+folder is fsynced so that the rename itself survives a crash. A failed build leaves nothing
+behind; a kill during one leaves the sibling, whose name says what it is (a coordinator
+removes such leftovers when it starts).
+
+    with built_aside(path) as staging:      # a file or a folder, created by the block
+        save_file(tensors, str(staging))
+    write_json_atomic(path, data, mode=0o600)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def temporary_sibling(target: Path, kind: str = "tmp") -> Path:
+    """A fresh hidden name beside ``target``: ``.NAME.KIND-XXXXXXXX``."""
+    return target.with_name(f".{target.name}.{kind}-{uuid.uuid4().hex[:8]}")
+
+
+@contextmanager
+def built_aside(target: Path) -> Iterator[Path]:
+    """A fresh sibling path for the block to create a file or folder at; moved onto
+    ``target`` when the block succeeds. ``target`` may be missing, a file or a folder (a
+    folder is replaced whole: the old one is moved aside first and removed after)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    building = temporary_sibling(target)
+    try:
+        yield building
+        fsync_tree(building)
+        if target.is_dir() and not target.is_symlink():
+            retired = temporary_sibling(target, "old")
+            target.rename(retired)
+            building.rename(target)
+            shutil.rmtree(retired)
+        else:
+            os.replace(building, target)
+    finally:
+        if building.is_dir():
+            shutil.rmtree(building, ignore_errors=True)
+        else:
+            building.unlink(missing_ok=True)
+    fsync_path(target.parent)
+
+
+def write_json_atomic(path: Path, data: dict[str, Any], *, mode: int = 0o644) -> None:
+    """``data`` as JSON at ``path``, whole or not at all. ``mode`` is the file's (its
+    temporary file is created with it, so a private file is never readable by others, not
+    even while written); NaN and infinities are refused (ValueError): JSON has no such
+    numbers, and a reader would take them as text."""
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    with built_aside(Path(path)) as staging:
+        descriptor = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush a file, or a folder and everything under it, to disk (before a rename)."""
+    if path.is_dir():
+        for child in path.iterdir():
+            fsync_tree(child)
+    fsync_path(path)
+
+
+def fsync_path(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
