@@ -7,8 +7,8 @@ Public API:
 probe(model, tier=None, **warmup) -> Capabilities; device_name(device), memory_bytes(device),
 measure_tokens_per_second(model, tier, *, sequence_length, batch_tokens, steps, seed)
     What a client reports when it joins: device, memory, measured tokens/s (probe.py).
-Replica(model): .apply(update, rule), .hash(tier=None), .check(published, tier=None)
--> HashCheck(.matches), .resynchronise(state); .regions, .shapes, .parameters, .aliases
+Replica(model): .apply(round_update), .hash(tier=None); .regions, .shapes, .parameters,
+.aliases
     The tier slice it holds, kept equal to the master by applying broadcast updates
     (replica.py).
 LocalRound(replica, compressor, schedule, limits=None).run(sequences, step=0) -> RoundWork

@@ -4,7 +4,7 @@ Weights never travel after the first load: each round the coordinator broadcasts
 ``RoundUpdate`` (a step per canonical name, cut to the client's tier) and every client applies
 the round's update rule to the region it holds (docs/architecture.md, "The update record").
 The per-tier weight hash the coordinator publishes tells the client whether its replica still
-agrees; on a mismatch the caller reloads (``resynchronise``) and replays the logged updates.
+agrees; on a mismatch the client reloads the latest checkpoint and replays the logged updates.
 
 The replica holds whatever widths its model was built at (``config.stored_tiers()``): a tier
 slice from ``load_for_tier``, or the universal model under the ``universal`` strategy.
@@ -12,35 +12,19 @@ slice from ``load_for_tier``, or the universal model under the ``universal`` str
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from client.errors import UnknownParameter
 from modeling.compression import (
     Region,
     RoundUpdate,
-    region_slices,
     tier_regions,
     universal_shapes,
     weight_hash,
 )
 from modeling.matformer import Tier
 from modeling.naming import canonical_names, canonical_state_dict
-
-
-@dataclass(frozen=True, slots=True)
-class HashCheck:
-    """The replica's hash against the one the coordinator published for the same tier."""
-
-    local: str
-    published: str
-
-    @property
-    def matches(self) -> bool:
-        return self.local == self.published
 
 
 class Replica:
@@ -89,20 +73,3 @@ class Replica:
         coordinator computes on its master for that tier."""
         regions = self.regions if tier is None else tier_regions(self.shapes, self.config, tier)
         return weight_hash(canonical_state_dict(self.model), regions)
-
-    def check(self, published: str, tier: Tier | None = None) -> HashCheck:
-        """Compare with the coordinator's published hash; on a mismatch, resynchronise."""
-        return HashCheck(local=self.hash(tier), published=published)
-
-    def resynchronise(self, state: Mapping[str, Tensor]) -> None:
-        """Overwrite the held weights from a canonical ``state`` (universal or any slice at
-        least as wide as the replica), e.g. a freshly loaded checkpoint."""
-        missing = sorted(set(self.parameters) - set(state))
-        if missing:
-            raise UnknownParameter(
-                f"the state lacks parameters this replica holds: {', '.join(missing[:8])}; "
-                "load a checkpoint of the same model."
-            )
-        with torch.no_grad():
-            for name, parameter in self.parameters.items():
-                parameter.copy_(state[name][region_slices(self.regions[name])])
