@@ -14,7 +14,7 @@ from modeling.errors import (
     ShardError,
     UnknownName,
 )
-from modeling.mdat import Mdat, assign, round_ids
+from modeling.mdat import Mdat, assign
 
 DOCS = list(python_docs(limit=50))
 
@@ -109,7 +109,7 @@ def test_shards_of_a_view_shuffle_are_disjoint_covering_and_proportional(mdat) -
     shares = [("big", 3.0), ("small", 1.0), ("mid", 2.0)]
     handed_out = []
     for round_index in range(-(-count // 40)):
-        ids = round_ids(order, round_index, 40)
+        ids = order[round_index * 40:(round_index + 1) * 40]
         shards = assign(ids, shares)
         for client, share in shares:
             assert abs(len(shards[client]) - len(ids) * share / 6) < 1
@@ -126,10 +126,7 @@ def test_shard_sizes_follow_the_shares() -> None:
 
 
 def test_rounds_and_requeue() -> None:
-    order = np.arange(100, 200)
-    assert round_ids(order, 1, 30).tolist() == list(range(130, 160))
-    assert round_ids(order, 3, 30).tolist() == list(range(190, 200))
-    first = assign(round_ids(order, 0, 30), [("a", 1.0), ("b", 1.0), ("c", 1.0)])
+    first = assign(np.arange(100, 130), [("a", 1.0), ("b", 1.0), ("c", 1.0)])
     requeued = assign(first["b"], [("a", 1.0), ("c", 1.0)])  # b dropped out
     assert sorted(np.concatenate([first["a"], first["c"], *requeued.values()]).tolist()) == list(
         range(100, 130))
@@ -141,8 +138,3 @@ def test_rounds_and_requeue() -> None:
 def test_bad_shares(shares) -> None:
     with pytest.raises(ShardError):
         assign([1, 2, 3], shares)
-
-
-def test_bad_round() -> None:
-    with pytest.raises(ShardError, match=r"size >= 1"):
-        round_ids(np.arange(10), 0, 0)

@@ -41,7 +41,7 @@ Public API::
     order = mdat.shuffle(view, strategy, max_seq_len, seed) # a permutation of sequence ids
     order = mdat.load_shuffle(view, strategy, max_seq_len, seed)  # StaleShuffle if data moved
     mdat.fingerprint(strategy, max_seq_len, view=None)      # sha256: same data, same ids
-    assign(round_ids(order, round_index, round_size), [("client-a", 2.0), ("client-b", 1.0)])
+    assign(order[:round_size], [("client-a", 2.0), ("client-b", 1.0)])  # ids per client
     export_saetta(reader, order, out, seed=seed); SaettaReader(out)[i]
     train_tokenizer(mdat.submdat(name), "tokenizer.json", vocab_size=8000)
     build_default_mdat(path, limit=None)                    # stdlib docstrings, "bytes128"
@@ -56,7 +56,7 @@ from modeling.mdat.container import Mdat
 from modeling.mdat.default import DEFAULT_STRATEGY, DEFAULT_SUBMDAT, build_default_mdat
 from modeling.mdat.saetta import SaettaReader, export_saetta
 from modeling.mdat.sequences import SequenceLocation, SequenceReader
-from modeling.mdat.shards import assign, round_ids
+from modeling.mdat.shards import assign
 from modeling.mdat.strategy import Strategy
 from modeling.mdat.submdat import Submdat
 from modeling.mdat.tokenizer_training import train_tokenizer
@@ -78,6 +78,5 @@ __all__ = [
     "assign",
     "build_default_mdat",
     "export_saetta",
-    "round_ids",
     "train_tokenizer",
 ]

@@ -1,8 +1,9 @@
 """Splitting sequence ids among clients: deterministic, disjoint, covering.
 
-A coordinator takes a slice of a shuffled order per round (`round_ids`), then splits it by the
-clients' shares (`assign`). Ids a client dropped are handed out again by calling `assign` on
-them with the remaining clients. No randomness is involved: the order already is shuffled.
+A coordinator takes each round's ids from the front of a shuffled order (its work queue,
+``server/work.py``), then splits them by the clients' shares (`assign`). Ids a client
+dropped are handed out again by calling `assign` on them with the remaining clients. No
+randomness is involved: the order already is shuffled.
 """
 
 from __future__ import annotations
@@ -13,16 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from modeling.errors import ShardError
-
-
-def round_ids(order: np.ndarray, round_index: int, round_size: int) -> np.ndarray:
-    """The ids of round ``round_index``: ``order[round_index * round_size :][:round_size]``."""
-    if round_index < 0 or round_size < 1:
-        raise ShardError(
-            f"round {round_index} of size {round_size}: the round must be >= 0 and the size >= 1."
-        )
-    start = round_index * round_size
-    return np.asarray(order[start:start + round_size])
 
 
 def assign(
