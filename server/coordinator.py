@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import logging
 import math
 import re
@@ -533,8 +532,6 @@ class Coordinator:
         before = self.queue.to_dict()
         ids = self.queue.take(cfg.tokens_per_round, self._length)
         shares = assign(ids, _trusted_speeds(members))
-        lr = self.config.update.lr_at(r, cfg.planned_rounds)
-        seed = _round_seed(self.config.data.seed, r)
         deadline = now + cfg.deadline_s
         tiers = {m.client_id: m.tier for m in members}
         nonce = uuid.uuid4().hex[:12]  # a restarted coordinator's split of round r differs
@@ -542,7 +539,7 @@ class Coordinator:
             client: RoundAssignment(round=r, client_id=client, tier=tiers[client],
                                     sequence_ids=tuple(int(i) for i in chosen),
                                     tokens=sum(self._length(int(i)) for i in chosen),
-                                    lr=lr, seed=seed, deadline=deadline,
+                                    deadline=deadline,
                                     assignment_id=f"{r}.{nonce}.{client}")
             for client, chosen in shares.items() if len(chosen)
         }
@@ -1056,9 +1053,3 @@ def _check_reports(results: Sequence[SparseResult], tokens: int, loss: float | N
         raise BadReport(f"train_seconds {train_seconds} for {tokens} tokens is not a time a "
                         f"machine can take (at most {MAX_TOKENS_PER_SECOND:g} tokens/s); "
                         "report the seconds the training took.")
-
-
-def _round_seed(data_seed: int, round_index: int) -> int:
-    """A 63-bit seed per (run seed, round), the same on every restart."""
-    digest = hashlib.sha256(f"{data_seed}:{round_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1

@@ -36,8 +36,6 @@ class RoundAssignment:
     tier: int
     sequence_ids: tuple[int, ...]  # ids of the run's MDAT view, in training order
     tokens: int  # Σ lengths of those sequences
-    lr: float  # the update rule's learning rate this round
-    seed: int  # for any randomness the client's step needs (dropout, ...)
     deadline: float  # clock time by which the results must be in
     assignment_id: str = ""  # names this split of this round; a submission quotes it
 

@@ -154,8 +154,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return pb.RoundAssignment(
             state=pb.ROUND_STATE_TRAIN, round=assignment.round,
             sequence_ids=assignment.sequence_ids, tier=assignment.tier,
-            learning_rate=assignment.lr, seed=assignment.seed,
-            deadline_seconds=max(assignment.deadline - c.clock(), 0.0),
             assignment_id=assignment.assignment_id)
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,

@@ -6,7 +6,6 @@ import dataclasses
 import hashlib
 import http.client
 import json
-import math
 import urllib.error
 import urllib.request
 
@@ -168,7 +167,6 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
     auth_b = session_metadata(bob.session_token)
     work = stub.GetRound(pb.GetRoundRequest(), metadata=auth_a)
     assert work.state == pb.ROUND_STATE_TRAIN and work.round == 0 and work.sequence_ids
-    assert 0 < work.deadline_seconds <= 30.0 and math.isclose(work.learning_rate, 0.1)
 
     sequences = list(stub.FetchSequences(pb.FetchSequencesRequest(ids=work.sequence_ids),
                                          metadata=auth_a))

@@ -191,26 +191,20 @@ class GetRoundRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RoundAssignment(_message.Message):
-    __slots__ = ("state", "round", "sequence_ids", "tier", "learning_rate", "seed", "deadline_seconds", "retry_after_seconds", "assignment_id")
+    __slots__ = ("state", "round", "sequence_ids", "tier", "retry_after_seconds", "assignment_id")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
-    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     state: RoundState
     round: int
     sequence_ids: _containers.RepeatedScalarFieldContainer[int]
     tier: int
-    learning_rate: float
-    seed: int
-    deadline_seconds: float
     retry_after_seconds: float
     assignment_id: str
-    def __init__(self, state: _Optional[_Union[RoundState, str]] = ..., round: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[int] = ..., learning_rate: _Optional[float] = ..., seed: _Optional[int] = ..., deadline_seconds: _Optional[float] = ..., retry_after_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, state: _Optional[_Union[RoundState, str]] = ..., round: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[int] = ..., retry_after_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ...) -> None: ...
 
 class FetchSequencesRequest(_message.Message):
     __slots__ = ("ids",)
