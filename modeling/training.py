@@ -5,8 +5,8 @@ weights (the MatFormer paper's public code); ``sample`` draws one tier per step 
 probabilities (the paper's own recipe). Each tier's loss is backpropagated as soon as it is
 computed, which frees its graph and gives the same gradient as backpropagating the sum.
 
-``train_step`` takes one ready batch; ``train_step_on_examples`` takes the sequences of a
-token-budget batch and runs them in microbatches that adapt to out-of-memory errors.
+``train_step_on_examples`` takes the sequences of a token-budget batch and runs them in
+microbatches that adapt to out-of-memory errors.
 ``with_targets`` keeps the sequences that can train at all: a batch with no target token
 cannot (BatchError), so standalone and federated training plan only those.
 """
@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from modeling.batch import Batch
 from modeling.batching import MicrobatchRunner, accumulate_gradients
 from modeling.config import ModelConfig
 from modeling.errors import BatchError, ConfigError
@@ -69,28 +68,6 @@ class TierSchedule:
             return [(t, w) for t, w in zip(self.tiers, weights, strict=True) if w > 0]
         draw = random.Random(f"{self.seed}:{step}")
         return [(draw.choices(self.tiers, weights=self.probabilities)[0], 1.0)]
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: Any,
-    inputs: Tensor | Batch,
-    attention_mask: Tensor | None,
-    schedule: TierSchedule,
-    step: int,
-    max_grad_norm: float | None = None,
-) -> dict[str, float]:
-    """Forward/backward at the step's tiers, then one optimizer step; returns loss per tier."""
-    optimizer.zero_grad()
-    losses = {}
-    for tier, weight in schedule.step_tiers(step):
-        loss = model.loss(inputs, attention_mask, tier=tier)
-        (weight * loss).backward()
-        losses[tier_label(tier)] = loss.item()
-    if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-    return losses
 
 
 def train_step_on_examples(
