@@ -4,7 +4,7 @@ The core, without transport: the rounds a client runs and the replica it keeps.
 
 Public API:
 
-probe(model, tier=None, **warmup) -> Capabilities; device_name(device), memory_bytes(device),
+device_name(device), memory_bytes(device),
 measure_tokens_per_second(model, tier, *, sequence_length, batch_tokens, steps, seed)
     What a client reports when it joins: device, memory, measured tokens/s (probe.py).
 Replica(model): .apply(round_update), .hash(tier=None); .regions, .shapes, .parameters,

@@ -1,8 +1,9 @@
-"""The capability probe: what a client reports when it joins (Capabilities in the protocol).
+"""The capability probe: what a client reports when it joins (``Capabilities`` in the protocol).
 
 Device kind and name, the memory training may use, and the training tokens per second
 measured on a short warm-up with the actual model at the tier it will train. The coordinator
-picks the tier from the memory and sizes each round's work from the speed (DESIGN.md §5.1).
+picks the tier from the memory and sizes each round's work from the speed
+(docs/architecture.md, "One round").
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,15 +18,6 @@ import torch
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
 from modeling.matformer import Tier
 from modeling.models import AutoregressiveModel
-
-
-@dataclass(kw_only=True, slots=True)
-class Capabilities:
-    device_kind: str  # "cpu" | "cuda" | "mps"
-    device_name: str  # e.g. "NVIDIA H100 80GB HBM3", the CPU model, "Apple M2"
-    memory_bytes: int  # memory training may use on that device
-    tokens_per_second: float  # measured training throughput at ``tier``
-    tier: Tier  # the tier the throughput was measured at
 
 
 def device_name(device: torch.device) -> str:
@@ -80,20 +71,6 @@ def measure_tokens_per_second(
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     return steps * rows * length / seconds
-
-
-def probe(model: AutoregressiveModel, tier: Tier | None = None, **warmup: int) -> Capabilities:
-    """The capabilities of the device ``model`` lives on, its speed measured at ``tier``
-    (default: the model's stored tier); ``warmup`` goes to ``measure_tokens_per_second``."""
-    device = next(model.parameters()).device
-    return Capabilities(
-        device_kind=device.type,
-        device_name=device_name(device),
-        memory_bytes=memory_bytes(device),
-        tokens_per_second=measure_tokens_per_second(model, tier, **warmup),
-        tier=(model.config.matformer_layer_tiers or model.config.matformer_tier) if tier is None
-        else tier,
-    )
 
 
 def _synchronize(device: torch.device) -> None:
