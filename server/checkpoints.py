@@ -5,7 +5,7 @@ lists them in state.json); the store writes, reads and removes folders.
 
     store = CheckpointStore(run_dir / "checkpoints", model_config, tiers=[0, 1, 2])
     store.write(10, master)              # staging folder, fsync, renames: universal last
-    store.ref(10, tier=1).path           # what a client of tier 1 loads
+    store.ref(10).path                   # the universal folder; its manifest lists the slices
     store.keep_only({8, 10}, why="retired (keep_last)")
 """
 
@@ -34,11 +34,11 @@ log = logging.getLogger("matformer.server")
 
 @dataclass(frozen=True, slots=True)
 class CheckpointRef:
-    """Which checkpoint a joining client loads, then replays ``updates_since(round)`` on."""
+    """Which checkpoint a joining client loads (its manifest lists every tier's files), then
+    replays ``updates_since(round)`` on."""
 
     round: int  # rounds it contains
-    path: Path  # the tier's slice when exported, else the universal checkpoint
-    sliced: bool  # False: the client slices the universal checkpoint to its tier itself
+    path: Path  # the universal checkpoint's folder
 
 
 class CheckpointStore:
@@ -51,13 +51,8 @@ class CheckpointStore:
         """The universal checkpoint after ``round_index`` rounds."""
         return self.root / f"round-{round_index}"
 
-    def ref(self, round_index: int, tier: int) -> CheckpointRef:
-        """The checkpoint of ``round_index`` as the slice of ``tier`` when one was exported."""
-        universal = self.path(round_index)
-        sliced = universal.parent / f"{universal.name}-tier{tier}"
-        if tier > 0 and sliced.is_dir():
-            return CheckpointRef(round=round_index, path=sliced, sliced=True)
-        return CheckpointRef(round=round_index, path=universal, sliced=False)
+    def ref(self, round_index: int) -> CheckpointRef:
+        return CheckpointRef(round=round_index, path=self.path(round_index))
 
     def write(self, round_index: int, master: Mapping[str, Tensor]) -> None:
         """``master`` (canonical names) as a universal checkpoint plus the slices of every

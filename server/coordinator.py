@@ -6,7 +6,7 @@ calls.
     coordinator.assignment_for(member.client_id)        # -> RoundAssignment | None
     coordinator.submit(member.client_id, round_index, results, loss=2.3)
     coordinator.advance()                               # closes a round past its deadline
-    coordinator.updates_since(r); coordinator.checkpoint_for(tier)
+    coordinator.updates_since(r); coordinator.latest_checkpoint()
 
 Phases: ``waiting`` (fewer than ``min_clients`` active members) → ``collecting`` (round r
 open: sequence ids split by measured tokens/s, lr from the schedule) → the round closes
@@ -395,7 +395,7 @@ class Coordinator:
             if round_index < base:
                 latest = self.state.checkpoints[-1]
                 raise UpdatesPruned(f"updates before round {base} are pruned; load checkpoint "
-                                    f"round-{latest} (checkpoint_for) and ask again.")
+                                    f"round-{latest} (latest_checkpoint) and ask again.")
             return range(round_index, self.state.round)
 
     def updates_since(self, round_index: int) -> list[RoundUpdate]:
@@ -403,10 +403,10 @@ class Coordinator:
         without the lock (a close prunes the log only after its checkpoint is listed)."""
         return [self.log.read(r) for r in self.logged_rounds(round_index)]
 
-    def checkpoint_for(self, tier: int) -> CheckpointRef:
-        """The latest checkpoint, as the slice of ``tier`` when one was exported."""
+    def latest_checkpoint(self) -> CheckpointRef:
+        """The latest listed checkpoint, where a joining client starts."""
         with self._lock:
-            return self.checkpoints.ref(self.state.checkpoints[-1], tier)
+            return self.checkpoints.ref(self.state.checkpoints[-1])
 
     # -- the state machine --------------------------------------------------------------
 

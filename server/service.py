@@ -344,7 +344,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _checkpoint_ref(self, tier: int) -> pb.CheckpointRef:
         """The latest universal checkpoint's manifest and its entry for ``tier``."""
-        ref = self.coordinator.checkpoint_for(0)
+        ref = self.coordinator.latest_checkpoint()
         message = pb.CheckpointRef(round=ref.round,
                                    manifest_path=f"{ref.path.name}/{MANIFEST_NAME}")
         manifest = read_manifest(ref.path)

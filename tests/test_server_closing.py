@@ -204,7 +204,7 @@ def test_checkpoints_are_written_while_the_next_rounds_go_on(tmp_path, mdat_path
         ".staging-round-2", "round-0", "round-0-tier1"]  # retiring spares the one in progress
     release.set()
     c.flush()  # waits for the write: listed, in state.json too
-    assert c.state.checkpoints == [0, 2] and c.checkpoint_for(0).path.name == "round-2"
+    assert c.state.checkpoints == [0, 2] and c.latest_checkpoint().path.name == "round-2"
     assert [e["detail"] for e in c.state.events if e["kind"] == "checkpoint"] == [
         "checkpoints/round-2"]
     resumed = Coordinator(c.config, clock=clock)
