@@ -80,7 +80,7 @@ from modeling.compression.regions import (
     universal_config,
     universal_shapes,
 )
-from modeling.compression.sparse import ENCODINGS, SparseResult
+from modeling.compression.sparse import SparseResult
 from modeling.compression.steps import (
     Broadcast,
     CoefficientStep,
@@ -111,7 +111,6 @@ from modeling.compression.wire import (
 __all__ = [
     "DENSE_BYTES_PER_VALUE",
     "ENCODERS",
-    "ENCODINGS",
     "UPDATE_RULES",
     "VALUE_DTYPES",
     "Aggregate",

@@ -1,4 +1,4 @@
-"""Encodings of a region's values: one registry entry per name in ``sparse.ENCODINGS``.
+"""Encodings of a region's values, by name (``ENCODERS``, the one list of them).
 
 - ``dense``: the region's values as they are (no compression, exact).
 - ``topk``: per chunk, the k values of largest magnitude and their positions.

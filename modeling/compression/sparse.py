@@ -19,15 +19,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-ENCODINGS = ("dense", "topk", "dct")  # values as-is | top-k per chunk | top-k DCT coefficients
-
 
 @dataclass(frozen=True, slots=True)
 class SparseResult:
     name: str  # canonical parameter name, e.g. "model.layers.0.mlp.up_proj.weight"
     shape: tuple[int, ...]  # the parameter's universal (tier-0) shape
     region: tuple[tuple[int, int], ...]  # [start, stop) per dimension that this result covers
-    encoding: str  # one of ENCODINGS
+    encoding: str  # a name in encodings.ENCODERS: dense | topk | dct
     chunk: tuple[int, ...]  # chunk shape on the universal grid; () for "dense"
     chunks: Tensor  # (n,) int64 ids of the chunks sent, row-major on the universal grid
     indices: Tensor  # (n, k) int64 positions inside each chunk (row-major); empty for "dense"
