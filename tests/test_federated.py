@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 
 from client.errors import DataMismatch
 from client.federated import FederatedClient, FederatedOptions
@@ -23,7 +24,6 @@ from modeling.training import TierSchedule, train_step_on_examples
 from server.config import RunConfig
 from server.ledger import audit_run
 from server.main import RunningServer
-from tests.conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 from tests.test_server_service import toml_value
 
 TOKEN = "federated-test-token"

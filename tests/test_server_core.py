@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from conftest import tiny_config
 
 from modeling.checkpoint.files import read_weights
 from modeling.compression import CompressionConfig, SparseResult, region_shape
@@ -26,7 +27,6 @@ from server.errors import (
     WrongRegion,
 )
 from server.tiers import Capabilities
-from tests.conftest import tiny_config
 
 UP = "model.layers.0.mlp.up_proj.weight"  # (intermediate, hidden): tiers narrow its rows
 DENSE = CompressionConfig(encoding="dense").build()
@@ -310,10 +310,11 @@ def test_a_run_saved_before_orders_left_sequences_out_keeps_its_order(tmp_path):
     length changed since is refused."""
     import json
 
+    from conftest import TAILS_STRATEGY, mdat_with_one_token_tails
+
     from modeling.mdat import Mdat
     from server.errors import ResumeError
     from server.ledger import audit_run
-    from tests.conftest import TAILS_STRATEGY, mdat_with_one_token_tails
 
     data = mdat_with_one_token_tails(tmp_path / "tails.mdat")
     config = run_config(tmp_path / "run", data)

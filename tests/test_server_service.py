@@ -12,6 +12,7 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from conftest import tiny_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from modeling.checkpoint.manifest import MANIFEST_NAME
@@ -28,7 +29,6 @@ from protocol.tensors import decode_tensor
 from protocol.updates import read_updates
 from server.config import RunConfig
 from server.main import RunningServer, main
-from tests.conftest import tiny_config
 
 JOIN_TOKEN = "join-secret"
 DENSE = CompressionConfig(encoding="dense").build()
