@@ -38,12 +38,18 @@ from harness import print_table
 from torch import Tensor
 
 from client.federated import ClientSummary, FederatedClient, FederatedOptions
-from client.standalone import DEFAULT_DATA, TINY, evaluate
+from client.standalone import TINY, evaluate
 from modeling import MaskedBatch, ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 from modeling.checkpoint import load_pretrained
 from modeling.matformer import tier_label
-from modeling.mdat import DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
+from modeling.mdat import (
+    DEFAULT_DATA,
+    DEFAULT_STRATEGY,
+    Mdat,
+    SequenceReader,
+    build_default_mdat,
+)
 from modeling.naming import canonical_state_dict
 from modeling.optim import OptimizerConfig
 from modeling.training import TierSchedule, train_step_on_examples

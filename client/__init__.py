@@ -19,5 +19,5 @@ FeedbackState(compressor, shapes, regions): .save(path), .load(path)
     Every parameter's error-feedback momentum, as safetensors across restarts
     (feedback_state.py).
 
-Errors (client.errors, all ClientError): UnknownParameter, FeedbackStateMismatch.
+Errors (client.errors, all ClientError): ModelMismatch, FeedbackStateMismatch.
 """

@@ -7,8 +7,10 @@ class ClientError(MatformerError):
     """Base class of every error the client raises on purpose."""
 
 
-class UnknownParameter(ClientError, KeyError):
-    """A broadcast update or a saved state names a parameter this replica does not hold."""
+class ModelMismatch(ClientError, KeyError):
+    """A broadcast update names a parameter this replica does not hold, or gives it another
+    shape: the coordinator runs another model. (The coordinator's own ``UnknownParameter``
+    is a submission naming a parameter the run does not have.)"""
 
 
 class FeedbackStateMismatch(ClientError, ValueError):

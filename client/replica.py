@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from client.errors import UnknownParameter
+from client.errors import ModelMismatch
 from modeling.compression import (
     Region,
     RoundUpdate,
@@ -50,7 +50,7 @@ class Replica:
         """Apply a round's broadcast ``update`` to the held slices."""
         unknown = sorted(set(update.steps) - set(self.parameters) - self.aliases)
         if unknown:
-            raise UnknownParameter(
+            raise ModelMismatch(
                 "the update names parameters this replica does not hold: "
                 f"{', '.join(unknown[:8])}; the server runs another model: rejoin so the "
                 "schema hashes are compared."
@@ -62,7 +62,7 @@ class Replica:
                     continue
                 parameter = self.parameters[name]
                 if tuple(step.shape) != self.shapes[name]:
-                    raise UnknownParameter(
+                    raise ModelMismatch(
                         f"the update of {name!r} has universal shape {list(step.shape)}, this "
                         f"replica's is {list(self.shapes[name])}; the server runs another "
                         "model: rejoin so the schema hashes are compared.")

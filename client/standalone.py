@@ -23,11 +23,10 @@ from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batch
 from modeling.checkpoint import save_pretrained
 from modeling.errors import MatformerError
 from modeling.matformer import tier_label
-from modeling.mdat import DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
+from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
 from modeling.optim import OptimizerConfig
 from modeling.training import TierSchedule, target_tokens, train_step_on_examples, with_targets
 
-DEFAULT_DATA = Path("runs/python_docs.mdat")
 # A model that learns visibly in a minute on two CPU cores.
 TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=512, max_position_embeddings=512)

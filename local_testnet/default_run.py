@@ -9,10 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from modeling.mdat import build_default_mdat
+from modeling.mdat import DEFAULT_DATA, build_default_mdat
 from modeling.mdat.catalogue import CATALOGUE_NAME
-
-DEFAULT_DATA = Path("runs/python_docs.mdat")
 
 RUN_TOML = """\
 # run.toml written by local-testnet (the embedded default); the keys are those of

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from client.errors import FeedbackStateMismatch, UnknownParameter
+from client.errors import FeedbackStateMismatch, ModelMismatch
 from client.local_round import LocalRound
 from client.replica import Replica
 from modeling import AutoregressiveModel
@@ -200,7 +200,7 @@ def test_an_update_for_an_unknown_parameter_is_refused():
     replica = Replica(AutoregressiveModel(tiny_config()))
     result = DENSE.build().encode("model.extra.weight", torch.ones(2, 2), shape=(2, 2),
                                   region=((0, 2), (0, 2)), tokens=1)
-    with pytest.raises(UnknownParameter, match=r"model\.extra\.weight"):
+    with pytest.raises(ModelMismatch, match=r"model\.extra\.weight"):
         replica.apply(_update(SGD, [result])[0])
 
 

@@ -53,7 +53,12 @@ The command line is ``matformer-mdat`` (``scripts/mdat_cli.py``).
 
 from modeling.mdat.catalogue import PretokProgress, ShuffleInfo, SubmdatInfo
 from modeling.mdat.container import Mdat
-from modeling.mdat.default import DEFAULT_STRATEGY, DEFAULT_SUBMDAT, build_default_mdat
+from modeling.mdat.default import (
+    DEFAULT_DATA,
+    DEFAULT_STRATEGY,
+    DEFAULT_SUBMDAT,
+    build_default_mdat,
+)
 from modeling.mdat.saetta import SaettaReader, export_saetta
 from modeling.mdat.sequences import SequenceLocation, SequenceReader
 from modeling.mdat.shards import assign
@@ -63,6 +68,7 @@ from modeling.mdat.tokenizer_training import train_tokenizer
 from modeling.mdat.views import View
 
 __all__ = [
+    "DEFAULT_DATA",
     "DEFAULT_STRATEGY",
     "DEFAULT_SUBMDAT",
     "Mdat",

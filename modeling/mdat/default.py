@@ -15,6 +15,7 @@ from modeling.mdat.catalogue import CATALOGUE_NAME
 from modeling.mdat.container import Mdat
 
 DEFAULT_SUBMDAT = "python_docs"
+DEFAULT_DATA = Path("runs/python_docs.mdat")  # where the tools build it, relative to the cwd
 # Bytes, cut every 128: any max_seq_len of 128, 256, 512, ... reads from it unchanged.
 DEFAULT_STRATEGY = {
     "strategy_name": "bytes128",
