@@ -23,7 +23,6 @@ from modeling.compression import (
     CompressionConfig,
     RoundUpdate,
     UpdateConfig,
-    aggregate,
     region_slices,
     tier_regions,
     universal_shapes,
@@ -80,14 +79,13 @@ def _federated(replica, schedule, rounds, master=None):
 
 
 def _update(config, results, residual=None):
-    """The round update the coordinator makes of ``results`` (and its broadcast residual)."""
-    rule, residual, steps = config.build(), dict(residual or {}), {}
-    for name in dict.fromkeys(r.name for r in results):
-        mine = [r for r in results if r.name == name]
-        steps[name], left = rule.step(aggregate(mine), [r.region for r in mine],
-                                      residual.get(name))
-        if left is not None:
-            residual[name] = left
+    """The round update the coordinator's close makes of ``results`` (and its broadcast
+    residual); the master it closes on does not matter here."""
+    by_name = {}
+    for result in results:
+        by_name.setdefault(result.name, []).append(result)
+    scratch = {name: torch.zeros(rs[0].shape) for name, rs in by_name.items()}
+    _, steps, residual = config.build().close(scratch, by_name, residual)
     return RoundUpdate(round=0, update=config, steps=steps, hashes={}), residual
 
 
