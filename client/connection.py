@@ -1,39 +1,49 @@
 """The client's end of the coordinator protocol (protocol/matformer/v1/coordinator.proto).
 
     connection = Connection("127.0.0.1:7070")            # tls_ca=Path(...) for TLS
-    reply = connection.join(request)                     # remembers the session token
-    connection.get_round(); connection.fetch_sequences(ids); connection.submit(header, results)
-    connection.updates(since_round); connection.download(path, dest, sha256); connection.leave()
+    member = connection.join(name=..., join_token=..., ...)  # remembers the session token
+    work = connection.get_round()                        # Train | Wait | Finished
+    connection.fetch_sequences(work.sequence_ids); connection.submit(work, ...)
+    connection.updates(since_round, tier); connection.download(path, dest, sha256)
+    with connection.keep_alive(lambda: work.round): ...  # heartbeats while busy
+    connection.leave(reason)
 
-A call the network lost (``UNAVAILABLE``: the coordinator restarting, a dropped link) is
-retried with exponential backoff and jitter for up to ``patience_s``; any other status is
-the coordinator's answer and surfaces at once as ``Refused`` carrying the gRPC code and its
-message. ``CheckpointFiles`` is the repository the checkpoint loader reads through: the run's
-checkpoint files, downloaded once into a local cache and checked against the manifest.
+This module is the transport edge: it speaks protobuf and gRPC, and what it hands on are
+domain types (``Membership``, ``Train``, ``RoundUpdate``, ...) and domain errors
+(``client.errors``: ``RoundOver``, ``SessionEnded``, ``Excluded``, ...). Nothing past it
+sees a status code. A call the network lost (``UNAVAILABLE``: the coordinator restarting, a
+dropped link) is retried with exponential backoff and jitter for up to ``patience_s``; any
+other status is the coordinator's answer and surfaces at once.
 """
 
 from __future__ import annotations
 
 import random
-import shutil
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
 
-from client.errors import ClientError, DamagedOnServer, DamagedTransfer
-from modeling.checkpoint.files import read_json
-from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
-from modeling.checkpoint.repository import normalize
-from modeling.compression import RoundUpdate, SparseResult
-from modeling.errors import MatformerError
+from client.errors import (
+    DamagedOnServer,
+    Excluded,
+    NameTaken,
+    NotServed,
+    Refused,
+    RoundOver,
+    SessionEnded,
+    Unreachable,
+    UpdatesPruned,
+)
+from modeling.compression import CompressionConfig, RoundUpdate, SparseResult
 from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
-from protocol.errors import ChecksumMismatch, MalformedStream
 from protocol.files import receive_file
 from protocol.link import metered
 from protocol.matformer.v1 import coordinator_pb2 as pb
@@ -45,26 +55,123 @@ from protocol.updates import read_updates
 T = TypeVar("T")
 RETRY_FIRST_S = 0.2  # first backoff; doubles per attempt up to RETRY_MAX_S, with jitter
 RETRY_MAX_S = 5.0
-DOWNLOAD_ATTEMPTS = 3  # of a checkpoint file that arrives damaged, before giving up
+
+Code = grpc.StatusCode
+# What a status means, call by call: the coordinator's answers the client acts on. Any other
+# status is a plain ``Refused``.
+SESSION = {Code.UNAUTHENTICATED: SessionEnded, Code.PERMISSION_DENIED: Excluded}
+ROUND_OVER = {Code.INVALID_ARGUMENT: RoundOver, Code.FAILED_PRECONDITION: RoundOver}
+MEANINGS: dict[str, Mapping[Code, type[Refused]]] = {
+    # a bad join token is UNAUTHENTICATED too, and that is no session ending
+    "Join": {Code.ALREADY_EXISTS: NameTaken, Code.PERMISSION_DENIED: Excluded},
+    "Heartbeat": SESSION,
+    "GetRound": SESSION,
+    "FetchSequences": SESSION | ROUND_OVER,
+    "SubmitResult": SESSION | ROUND_OVER,
+    "GetUpdates": SESSION | {Code.OUT_OF_RANGE: UpdatesPruned},
+    "GetCheckpoint": SESSION,
+    "DownloadCheckpoint": SESSION | {Code.NOT_FOUND: NotServed, Code.DATA_LOSS: DamagedOnServer},
+    "Leave": SESSION,
+}
+ADVICE = {
+    Excluded: "Ask the run's operator why; this client cannot rejoin the run.",
+    DamagedOnServer: "Nothing was kept; tell the run's operator, whose checkpoint on disk is "
+                     "damaged, then run the client again.",
+}
 
 
-class Refused(ClientError):
-    """The coordinator answered a call with an error status (``code``, and its message)."""
-
-    def __init__(self, call: str, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{call} refused with {code.name}: {details}")
-        self.call = call
-        self.code = code
-        self.details = details
+# -- what the coordinator says, as the client uses it ---------------------------------------
 
 
-class Unreachable(ClientError):
-    """The coordinator did not answer within the connection's patience."""
+@dataclass(frozen=True, slots=True)
+class RunSettings:
+    """What a client needs to train as the run does."""
+
+    compression: CompressionConfig  # how results are compressed, with error feedback
+    sequence_length: int
+    data_strategy: str  # pretokenization strategy of the run's MDAT
+    data_view: str | None  # the view of it the run reads; None: the whole container
+    data_fingerprint: str  # of that view: a local copy (--data) must match it
+    heartbeat_s: float  # how often to heartbeat, also while training; 0: not asked
+
+    @classmethod
+    def from_proto(cls, s: pb.TrainingSettings) -> RunSettings:
+        compression = CompressionConfig(encoding=s.encoding, chunk=s.chunk, topk=s.topk,
+                                        value_dtype=s.value_dtype, decay=s.decay,
+                                        lr=s.compression_lr)
+        return cls(compression=compression, sequence_length=s.sequence_length,
+                   data_strategy=s.data_strategy, data_view=s.data_view or None,
+                   data_fingerprint=s.data_fingerprint, heartbeat_s=s.heartbeat_seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedCheckpoint:
+    """A checkpoint the coordinator wrote after ``round`` rounds: its folder in the run's
+    checkpoint directory. Replay the update log from ``round`` on top of it."""
+
+    round: int
+    folder: str
+
+    @classmethod
+    def from_proto(cls, ref: pb.CheckpointRef) -> PublishedCheckpoint:
+        return cls(round=ref.round, folder=ref.manifest_path.rpartition("/")[0])
+
+
+@dataclass(frozen=True, slots=True)
+class Membership:
+    """What joining gave: who this client is in the run and what it trains."""
+
+    client_id: str
+    tier: int
+    ffn_width: int  # FFN neurons at that tier
+    tier_reason: str  # why this tier, in words
+    round: int  # the coordinator's current round
+    checkpoint: PublishedCheckpoint | None  # None: none yet, the run's initial weights
+    settings: RunSettings
+    schema_hash: str  # canonical schema hash of the run's model
+
+
+@dataclass(frozen=True, slots=True)
+class Train:
+    """Train ``sequence_ids`` at ``tier`` for ``round`` and submit, quoting ``assignment_id``."""
+
+    round: int
+    tier: int
+    sequence_ids: tuple[int, ...]
+    assignment_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """No work for this client now; ask again after ``retry_after_s``."""
+
+    round: int
+    retry_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The run is over after ``round`` rounds."""
+
+    round: int
+
+
+def _work(reply: pb.RoundAssignment) -> Train | Wait | Finished:
+    if reply.state == pb.ROUND_STATE_FINISHED:
+        return Finished(round=reply.round)
+    if reply.state == pb.ROUND_STATE_TRAIN:
+        return Train(round=reply.round, tier=reply.tier, sequence_ids=tuple(reply.sequence_ids),
+                     assignment_id=reply.assignment_id)
+    return Wait(round=reply.round, retry_after_s=reply.retry_after_seconds)
+
+
+# -- the connection --------------------------------------------------------------------------
 
 
 class Connection:
     def __init__(self, address: str, *, tls_ca: Path | None = None, latency_s: float = 0.0,
-                 bandwidth_mbit: float = 0.0, patience_s: float = 60.0) -> None:
+                 bandwidth_mbit: float = 0.0, patience_s: float = 60.0,
+                 log: Callable[[str], None] = lambda line: None) -> None:
         """``latency_s`` delays every call by that much and ``bandwidth_mbit`` limits each
         direction (local-testnet's simulated WAN; 0: no limit)."""
         if tls_ca is not None:
@@ -78,36 +185,63 @@ class Connection:
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.latency_s = latency_s
         self.patience_s = patience_s
-        self.metadata: tuple[tuple[str, str], ...] = ()
+        self.log = log
+        self.metadata: tuple[tuple[str, str], ...] = ()  # the session, once joined
+        self.session_token = ""
+        self.heartbeat_s = 0.0  # the run's heartbeat interval, once joined
         self.call_seconds: Counter[str] = Counter()  # RPC name → seconds in its calls
         self.update_bytes = 0  # received in GetUpdates messages
+
+    @property
+    def joined(self) -> bool:
+        return bool(self.metadata)
 
     def close(self) -> None:
         self.channel.close()
 
     # -- the RPCs -----------------------------------------------------------------------
 
-    def join(self, request: pb.JoinRequest, previous_session: str | None = None
-             ) -> pb.JoinReply:
-        """Join; ``previous_session`` (the token this client held before a restart) proves
-        it is the member of that session, so it takes its name back without waiting."""
+    def join(self, *, name: str, run_id: str, join_token: str, device_kind: str,
+             device_name: str, memory_bytes: int, load_strategy: str, microbatch_tokens: int,
+             tier: int | None, previous_session: str | None = None) -> Membership:
+        """Join the run as ``name``, asking for ``tier`` or smaller (None: any).
+        ``previous_session`` (the token this client held before a restart) proves it is the
+        member of that session, so it takes its name back without waiting."""
+        capabilities = pb.Capabilities(
+            device_kind=device_kind, device_name=device_name, memory_bytes=memory_bytes,
+            load_strategy=load_strategy, microbatch_tokens=microbatch_tokens)
+        if tier is not None:
+            capabilities.requested_tier = tier
+        request = pb.JoinRequest(run_id=run_id, join_token=join_token, client_name=name,
+                                 capabilities=capabilities)
         metadata = session_metadata(previous_session) if previous_session else ()
         reply = self._call("Join", lambda: self.stub.Join(request, metadata=metadata))
+        self.session_token = reply.session_token
         self.metadata = session_metadata(reply.session_token)
-        return reply
+        self.heartbeat_s = reply.settings.heartbeat_seconds
+        checkpoint = (PublishedCheckpoint.from_proto(reply.checkpoint)
+                      if reply.HasField("checkpoint") else None)
+        return Membership(client_id=reply.client_id, tier=reply.tier,
+                          ffn_width=reply.ffn_width, tier_reason=reply.tier_reason,
+                          round=reply.round, checkpoint=checkpoint,
+                          settings=RunSettings.from_proto(reply.settings),
+                          schema_hash=reply.schema_hash)
 
     def heartbeat(self, round_index: int, tokens_per_second: float | None = None, *,
-                  patience_s: float | None = None) -> pb.HeartbeatReply:
+                  patience_s: float | None = None) -> None:
         request = pb.HeartbeatRequest(round=round_index)
         if tokens_per_second is not None:
             request.tokens_per_second = tokens_per_second
-        return self._call("Heartbeat",
-                          lambda: self.stub.Heartbeat(request, metadata=self.metadata),
-                          patience_s=patience_s)
+        self._call("Heartbeat", lambda: self.stub.Heartbeat(request, metadata=self.metadata),
+                   patience_s=patience_s)
 
-    def get_round(self) -> pb.RoundAssignment:
-        return self._call("GetRound", lambda: self.stub.GetRound(pb.GetRoundRequest(),
-                                                                  metadata=self.metadata))
+    def keep_alive(self, round_index: Callable[[], int]) -> Heartbeat:
+        """Heartbeats for ``round_index()`` while the ``with`` block runs."""
+        return Heartbeat(self, round_index)
+
+    def get_round(self) -> Train | Wait | Finished:
+        return _work(self._call("GetRound", lambda: self.stub.GetRound(
+            pb.GetRoundRequest(), metadata=self.metadata)))
 
     def fetch_sequences(self, ids: Sequence[int]) -> list[torch.Tensor]:
         """The token ids of ``ids``, in that order, as 1-D int64 tensors."""
@@ -118,15 +252,18 @@ class Connection:
             got = {m.id: decode_tensor(m.tokens, f"sequence {m.id}").long() for m in stream}
             missing = [i for i in ids if i not in got]
             if missing:
-                raise Refused("FetchSequences", grpc.StatusCode.DATA_LOSS,
+                raise Refused("FetchSequences", "DATA_LOSS",
                               f"sequences {missing[:5]} did not arrive.")
             return [got[i] for i in ids]
 
         return self._call("FetchSequences", fetch)
 
-    def submit(self, header: pb.SubmitHeader, results: Sequence[SparseResult]
-               ) -> tuple[int, int]:
-        """Stream one round's results: (results accepted, bytes sent)."""
+    def submit(self, work: Train, *, client_id: str, tokens: int, loss: float,
+               train_seconds: float, results: Sequence[SparseResult]) -> tuple[int, int]:
+        """Stream the results of ``work``: (results accepted, bytes sent)."""
+        header = pb.SubmitHeader(round=work.round, client_id=client_id, tokens=tokens,
+                                 loss=loss, train_seconds=train_seconds,
+                                 assignment_id=work.assignment_id)
         sent = 0
 
         def counted() -> Iterator[pb.SubmitMessage]:
@@ -153,10 +290,10 @@ class Connection:
         return self._call("GetUpdates", lambda: list(read_updates(counted(self.stub.GetUpdates(
             pb.GetUpdatesRequest(since_round=since_round), metadata=self.metadata)), tier)))
 
-    def get_checkpoint(self) -> pb.CheckpointRef:
-        """The coordinator's latest checkpoint, with the manifest entry for this client's tier."""
-        return self._call("GetCheckpoint", lambda: self.stub.GetCheckpoint(
-            pb.GetCheckpointRequest(), metadata=self.metadata))
+    def latest_checkpoint(self) -> PublishedCheckpoint:
+        """The coordinator's latest checkpoint."""
+        return PublishedCheckpoint.from_proto(self._call("GetCheckpoint", lambda: (
+            self.stub.GetCheckpoint(pb.GetCheckpointRequest(), metadata=self.metadata))))
 
     def download(self, path: str, dest: Path, sha256: str | None = None) -> str:
         """A file of the run's checkpoint directory to ``dest`` (atomically); its sha256."""
@@ -167,7 +304,7 @@ class Connection:
         self._call("Leave", lambda: self.stub.Leave(pb.LeaveRequest(reason=reason),
                                                     metadata=self.metadata))
 
-    # -- retries ------------------------------------------------------------------------
+    # -- retries and the meaning of a status --------------------------------------------
 
     def _call(self, name: str, action: Callable[[], T], *, patience_s: float | None = None
               ) -> T:
@@ -182,8 +319,8 @@ class Connection:
                 return action()
             except grpc.RpcError as err:
                 code = err.code()
-                if code != grpc.StatusCode.UNAVAILABLE:
-                    raise Refused(name, code, err.details() or "") from None
+                if code != Code.UNAVAILABLE:
+                    raise _refusal(name, code, err.details() or "") from None
                 if time.monotonic() + backoff > give_up:
                     raise Unreachable(
                         f"the coordinator at {self.address} did not answer {name} for "
@@ -195,83 +332,42 @@ class Connection:
             backoff = min(backoff * 2, RETRY_MAX_S)
 
 
-class CheckpointFiles:
-    """The run's ``checkpoints/`` directory as a repository for the checkpoint loader.
+def _refusal(call: str, code: Code, details: str) -> Refused:
+    kind = MEANINGS[call].get(code, Refused)
+    advice = ADVICE.get(kind)
+    return kind(call, code.name, f"{details} {advice}" if advice else details)
 
-    ``fetch(path)`` answers a local copy under ``cache``: a cached file whose sha256 the
-    manifest confirms, else one from ``mirror`` (a local folder or hub repository holding a
-    copy of the run's checkpoints) that the manifest confirms, else a download from the
-    coordinator. The manifest itself always comes from the coordinator. The loader checks
-    every sha256 again before use. A download that arrives damaged (its sha256 is not the
-    announced or the manifest's one, or it is cut short) is refused and fetched again, up to
-    ``DOWNLOAD_ATTEMPTS`` times; each retry goes to ``log``.
-    """
 
-    def __init__(self, connection: Connection, cache: Path, mirror: Any | None = None,
-                 log: Callable[[str], None] = lambda line: None) -> None:
+class Heartbeat:
+    """Heartbeats every ``connection.heartbeat_s`` on a background thread while a ``with``
+    block runs (loading, a round's training), so the coordinator tells a busy client from a
+    hung one. Failures are the coordinator's to notice (a missed heartbeat); the thread only
+    logs the first one."""
+
+    def __init__(self, connection: Connection, round_index: Callable[[], int]) -> None:
         self.connection = connection
-        self.log = log
-        self.cache = Path(cache)
-        self.mirror = mirror
-        self.expected: dict[str, str] = {}
-        self.downloaded: list[str] = []  # paths that came over gRPC, for the log
-        self.mirrored: list[str] = []  # paths copied from the mirror
+        self.interval_s = connection.heartbeat_s
+        self.round_index = round_index
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="matformer-heartbeat",
+                                        daemon=True)
 
-    def fetch(self, path: str) -> Path | None:
-        local = self.cache / path
-        if posix_name(path) == MANIFEST_NAME:
-            if not self._download(path, local, None):
-                return None
-            manifest = Manifest.from_dict(read_json(local), f"the coordinator's {path}")
-            folder = path.rpartition("/")[0]
-            self.expected = {normalize(name, folder): digest
-                             for name, digest in manifest.sha256.items()}
-            return local
-        wanted = self.expected.get(path)
-        if wanted is not None and local.is_file() and sha256_of(local) == wanted:
-            return local
-        if wanted is not None and self.mirror is not None:
-            found = self._from_mirror(path)
-            if found is not None and sha256_of(found) == wanted:
-                local.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(found, local)
-                self.mirrored.append(path)
-                return local
-        return local if self._download(path, local, wanted) else None
+    def __enter__(self) -> Heartbeat:
+        if self.interval_s > 0:
+            self._thread.start()
+        return self
 
-    def _from_mirror(self, path: str) -> Path | None:
-        try:
-            return self.mirror.fetch(path)
-        except (OSError, MatformerError):
-            return None
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=1.0)
 
-    def _download(self, path: str, local: Path, sha256: str | None) -> bool:
-        """Download ``path`` to ``local``; False if the coordinator does not serve it."""
-        for attempt in range(1, DOWNLOAD_ATTEMPTS + 1):
+    def _beat(self) -> None:
+        warned = False
+        while not self._stop.wait(self.interval_s):
             try:
-                self.connection.download(path, local, sha256)
-            except Refused as err:
-                if err.code == grpc.StatusCode.NOT_FOUND:
-                    return False
-                if err.code == grpc.StatusCode.DATA_LOSS:
-                    raise DamagedOnServer(
-                        f"the coordinator will not send {path}: {err.details} Nothing was "
-                        "kept; tell the run's operator, whose checkpoint on disk is damaged, "
-                        "then run the client again.") from None
-                raise
-            except (ChecksumMismatch, MalformedStream) as err:
-                damaged = err
-                self.log(f"refused download {attempt} of {DOWNLOAD_ATTEMPTS} of {path}, it "
-                         f"arrived damaged: {err}")
-                continue
-            self.downloaded.append(path)
-            return True
-        raise DamagedTransfer(
-            f"{path} arrived damaged on all {DOWNLOAD_ATTEMPTS} downloads (the last: {damaged}) "
-            "Something between the client and the coordinator corrupts data (a proxy, a faulty "
-            "link), or the checkpoint was rewritten meanwhile: check the connection and run the "
-            "client again.")
-
-
-def posix_name(path: str) -> str:
-    return path.rpartition("/")[2]
+                self.connection.heartbeat(self.round_index(), patience_s=self.interval_s)
+            except (Refused, Unreachable) as err:
+                if not warned:
+                    self.connection.log(f"heartbeat failed: {err}")
+                    warned = True

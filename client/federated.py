@@ -4,21 +4,21 @@
 
 1. Probe the device (kind, name, memory) and join with the run's join token. The coordinator
    assigns the tier, says why, and names its latest checkpoint.
-2. Resolve that checkpoint through its manifest for the assigned tier and ``--load-strategy``
-   (the slice when the manifest lists it, else the universal checkpoint sliced at load),
-   fetching each file from the coordinator, or from ``--checkpoint`` (a local or hub copy of
-   the run's checkpoints) when its sha256 matches the manifest. Check the model's canonical
-   schema hash against the run's, measure tokens/s at the tier on a short warm-up and report
-   it (the coordinator sizes this client's share by it), then replay the logged updates.
-3. Each round: fetch the assigned sequences (from the coordinator, or ``--data``, a local MDAT
-   whose fingerprint matches), accumulate gradients at the tier(s) in token-budget
-   microbatches, compress with error feedback, submit; then apply the broadcast update and
-   compare the replica's weight hash with the coordinator's; on a mismatch, reload the latest
-   checkpoint and replay. The error-feedback momentum is saved after every accepted round, so
-   a restarted client keeps the gradient it has not sent yet.
+2. Load that checkpoint for the tier (``client.checkpoints``: through its manifest, from the
+   coordinator or a ``--checkpoint`` mirror, checked against the run's schema hash), measure
+   tokens/s at the tier on a short warm-up and report it (the coordinator sizes this client's
+   share by it), then replay the logged updates.
+3. Each round: fetch the assigned sequences (``client.data``: from the coordinator, or a
+   local MDAT whose fingerprint matches), accumulate gradients at the tier(s) and compress
+   them with error feedback (``client.local_round``), submit; then apply the broadcast
+   updates and compare the replica's weight hash with the coordinator's. The error-feedback
+   momentum is saved after every accepted round, so a restarted client keeps the gradient it
+   has not sent yet.
 
-The model comes from the coordinator, so the speed is measured after joining and reported
-with the first heartbeat; until a round measures it, the coordinator uses that report.
+Catching up is one loop (``_catch_up``): replay the log; when the log no longer reaches back
+or a hash disagrees, load the latest checkpoint and replay once more; a second disagreement
+is damage, not drift (``ReplicaDiverged``). The coordinator's answers arrive as the domain
+errors of ``client.errors`` (``RoundOver``, ``SessionEnded``, ...), never as status codes.
 """
 
 from __future__ import annotations
@@ -29,37 +29,42 @@ import math
 import os
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-import numpy as np
 import torch
 
-from client.connection import CheckpointFiles, Connection, Refused, Unreachable
-from client.errors import ClientError, DataMismatch, FeedbackStateMismatch, ReplicaDiverged
+from client.checkpoints import load_replica, open_mirror
+from client.connection import (
+    Connection,
+    Finished,
+    Membership,
+    PublishedCheckpoint,
+    Train,
+    Wait,
+)
+from client.data import SequenceSource
+from client.errors import (
+    ClientError,
+    FeedbackStateMismatch,
+    NameTaken,
+    ReplicaDiverged,
+    RoundOver,
+    SessionEnded,
+    UpdatesPruned,
+)
 from client.local_round import LocalRound
 from client.probe import device_name, measure_tokens_per_second, memory_bytes
+from client.progress import Progress
 from client.replica import Replica
 from modeling.atomic import write_json_atomic
 from modeling.batching import AdaptiveLimitsConfig
-from modeling.checkpoint.loader import STRATEGIES, load, resolve
-from modeling.checkpoint.repository import HubRepository, LocalRepository
-from modeling.checkpoint.schema import canonical_schema_hash
-from modeling.compression import (
-    DENSE_BYTES_PER_VALUE,
-    CompressionConfig,
-    RoundUpdate,
-    region_shape,
-    tier_regions,
-)
+from modeling.checkpoint.loader import STRATEGIES
+from modeling.compression import DENSE_BYTES_PER_VALUE, RoundUpdate, region_shape, tier_regions
 from modeling.matformer import tier_label
-from modeling.mdat import Mdat
 from modeling.training import TierSchedule
-from protocol.matformer.v1 import coordinator_pb2 as pb
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 FEEDBACK_FILE = "error_feedback.safetensors"
@@ -71,9 +76,6 @@ NAME_PATIENCE_S = 90.0  # how long a Join waits for its name to be freed (ALREAD
 NAME_RETRY_S = 5.0
 MAX_REJOINS = 3  # joins in a row after the coordinator forgot this client's session
 DOWNLOADS = ("GetUpdates", "FetchSequences", "DownloadCheckpoint")  # the calls that download
-# The coordinator ended this round for the client (it closed, restarted or dropped the
-# client): results not accepted, nothing sent, on to the next assignment.
-ROUND_OVER = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
 
 @dataclass(kw_only=True)
@@ -146,15 +148,21 @@ class FederatedClient:
         self.log = log or (lambda line: print(line, flush=True))
         self.device = torch.device(options.device)
         self.state_dir = options.state_dir or Path("runs/clients") / options.name
+        self.mirror = open_mirror(options.checkpoint)
         self.connection = Connection(options.server, tls_ca=options.tls_ca,
                                      latency_s=options.latency_ms / 1000,
-                                     bandwidth_mbit=options.bandwidth_mbit)
-        self.replica: Replica | None = None
-        self.local_round: LocalRound | None = None
+                                     bandwidth_mbit=options.bandwidth_mbit, log=self.log)
+        self.member: Membership | None = None  # who this client is in the run, once joined
         self.summary: ClientSummary | None = None
-        self.settings = pb.TrainingSettings()
-        self._reader = None
+        self.replica: Replica | None = None
+        self.applied = 0  # the replica holds the weights after this many rounds
+        self.local_round: LocalRound | None = None
+        self.sequences: SequenceSource | None = None
         self._cost = _Cost()
+
+    @property
+    def tier(self) -> int:
+        return self.summary.tier
 
     # -- the run ------------------------------------------------------------------------
 
@@ -179,17 +187,12 @@ class FederatedClient:
     def _rounds_rejoining(self) -> None:
         """Train rounds; when the coordinator no longer knows the session (it expired while
         this machine slept, or the coordinator lost it), join again and go on."""
-        rejoins = 0
-        while True:
+        for rejoins in range(MAX_REJOINS + 1):
             try:
                 return self._train_rounds()
-            except Refused as err:
-                if err.code == grpc.StatusCode.PERMISSION_DENIED:
-                    raise ClientError(f"the coordinator excluded this client: {err.details}"
-                                      ) from None
-                if err.code != grpc.StatusCode.UNAUTHENTICATED or rejoins >= MAX_REJOINS:
+            except SessionEnded as err:
+                if rejoins == MAX_REJOINS:
                     raise
-                rejoins += 1
                 self.log(f"the coordinator ended this client's session ({err.details}); "
                          "joining again")
                 previous = self.summary
@@ -201,42 +204,40 @@ class FederatedClient:
 
     def _join(self) -> None:
         o = self.options
-        token = o.join_token if o.join_token is not None else os.environ.get(JOIN_TOKEN_ENV, "")
-        capabilities = pb.Capabilities(
-            device_kind=self.device.type, device_name=device_name(self.device),
-            memory_bytes=memory_bytes(self.device), load_strategy=o.load_strategy,
-            microbatch_tokens=o.microbatch_tokens)
-        if o.tier is not None:
-            capabilities.requested_tier = o.tier
-        request = pb.JoinRequest(run_id=o.run_id, join_token=token, capabilities=capabilities,
-                                 client_name=o.name)
         give_up = time.monotonic() + NAME_PATIENCE_S
         while True:
             try:
-                reply = self.connection.join(request, previous_session=self._previous_session())
+                member = self.connection.join(
+                    name=o.name, run_id=o.run_id, tier=o.tier,
+                    join_token=o.join_token if o.join_token is not None
+                    else os.environ.get(JOIN_TOKEN_ENV, ""),
+                    device_kind=self.device.type, device_name=device_name(self.device),
+                    memory_bytes=memory_bytes(self.device), load_strategy=o.load_strategy,
+                    microbatch_tokens=o.microbatch_tokens,
+                    previous_session=self._previous_session())
                 break
-            except Refused as err:
+            except NameTaken as err:
                 # a member of this name that died without its session reaching the disk
                 # here holds the name until the coordinator stops hearing from it
-                if err.code != grpc.StatusCode.ALREADY_EXISTS or time.monotonic() > give_up:
+                if time.monotonic() > give_up:
                     raise
                 self.log(f"{err.details} Retrying in {NAME_RETRY_S:g} s.")
                 time.sleep(NAME_RETRY_S)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.state_dir / SESSION_FILE,
-                          {"server": o.server, "session_token": reply.session_token}, mode=0o600)
-        self.settings = reply.settings
-        self.summary = ClientSummary(client_id=reply.client_id, tier=reply.tier)
-        self.log(f"joined as {reply.client_id} at tier {reply.tier} (FFN width "
-                 f"{reply.ffn_width}): {reply.tier_reason}")
-        self.schema_hash = reply.schema_hash
+                          {"server": o.server, "session_token": self.connection.session_token},
+                          mode=0o600)
+        self.member = member
+        self.summary = ClientSummary(client_id=member.client_id, tier=member.tier)
+        self.sequences = SequenceSource(self.connection, member.settings, local=o.data)
+        self.log(f"joined as {member.client_id} at tier {member.tier} (FFN width "
+                 f"{member.ffn_width}): {member.tier_reason}")
         # loading and the speed probe can take longer than the coordinator's heartbeat
         # timeout on a slow machine: keep the new member alive meanwhile
-        with _Heartbeat(self.connection, self.settings.heartbeat_seconds, lambda: reply.round,
-                        self.log):
-            self._load(reply.checkpoint if reply.HasField("checkpoint") else None)
+        with self.connection.keep_alive(lambda: member.round):
+            self._load(member.checkpoint or self.connection.latest_checkpoint())
             speed = measure_tokens_per_second(
-                self.replica.model, self.tier, sequence_length=self.settings.sequence_length,
+                self.replica.model, self.tier, sequence_length=member.settings.sequence_length,
                 batch_tokens=o.microbatch_tokens, steps=2)
         self.connection.heartbeat(self.applied, tokens_per_second=speed)
         self.log(f"measured {speed:,.0f} training tokens/s at tier {self.tier}; catching up "
@@ -246,209 +247,154 @@ class FederatedClient:
 
     def _train_rounds(self) -> None:
         o = self.options
-        progress = _Progress(self.log, o.progress if o.progress is not None
-                             else sys.stderr.isatty())
-        try:
+        bar = o.progress if o.progress is not None else sys.stderr.isatty()
+        with Progress(self.log, bar) as progress:
             while o.max_rounds is None or self.summary.rounds_trained < o.max_rounds:
-                assignment = self.connection.get_round()
-                if assignment.state == pb.ROUND_STATE_FINISHED:
+                work = self.connection.get_round()
+                if work.round > self.applied:
                     self._catch_up()
-                    self.summary.finished = True
-                    digest = self.replica.hash(self.tier)[:12]
-                    self.log(f"the run finished after round {assignment.round - 1}; replica "
-                             f"at round {self.applied}, weight hash {digest}")
-                    return
-                if assignment.state != pb.ROUND_STATE_TRAIN:
-                    if assignment.round > self.applied:
-                        self._catch_up()
-                    pause = max(assignment.retry_after_seconds, 0.05)
-                    time.sleep(pause)
-                    self._cost.wait_s += pause
-                    continue
-                if assignment.round > self.applied:
-                    self._catch_up()
-                if assignment.round != self.applied:
-                    continue  # the log lags the round that opened; ask again
-                if assignment.tier != self.tier:
-                    self.log(f"the coordinator moved this client from tier {self.tier} to "
-                             f"tier {assignment.tier}; reloading")
-                    self.summary.tier = assignment.tier
-                    self._reload()
-                    self._build_local_round()
-                self._train_one(assignment, progress)
-        finally:
-            progress.close()
+                match work:
+                    case Finished():
+                        self.summary.finished = True
+                        digest = self.replica.hash(self.tier)[:12]
+                        self.log(f"the run finished after round {work.round - 1}; replica "
+                                 f"at round {self.applied}, weight hash {digest}")
+                        return
+                    case Wait():
+                        pause = max(work.retry_after_s, 0.05)
+                        time.sleep(pause)
+                        self._cost.wait_s += pause
+                    case Train() if work.round != self.applied:
+                        continue  # the log lags the round that opened; ask again
+                    case Train():
+                        if work.tier != self.tier:
+                            self.log(f"the coordinator moved this client from tier "
+                                     f"{self.tier} to tier {work.tier}; reloading")
+                            self.summary.tier = work.tier
+                            self._catch_up(reload=True)
+                            self._build_local_round()
+                        self._train_one(work, progress)
 
-    def _train_one(self, assignment: pb.RoundAssignment, progress: _Progress) -> None:
-        ids = list(assignment.sequence_ids)
-        with _Heartbeat(self.connection, self.settings.heartbeat_seconds,
-                        lambda: assignment.round, self.log):
+    def _train_one(self, work: Train, progress: Progress) -> None:
+        with self.connection.keep_alive(lambda: work.round):
             try:
-                sequences = [s.to(self.device) for s in self._sequences(ids)]
-            except Refused as err:
-                if err.code not in ROUND_OVER:
-                    raise
-                self.log(f"round {assignment.round} is over for this client: {err.details}")
+                sequences = [s.to(self.device) for s in self.sequences.fetch(work.sequence_ids)]
+            except RoundOver as err:
+                self.log(f"round {work.round} is over for this client: {err.details}")
                 return
-            work = self.local_round.run(sequences, step=assignment.round)
-            loss = work.losses[tier_label(self.tier)]
-            header = pb.SubmitHeader(round=assignment.round, client_id=self.summary.client_id,
-                                     tokens=work.tokens, loss=loss, train_seconds=work.seconds,
-                                     assignment_id=assignment.assignment_id)
+            done = self.local_round.run(sequences, step=work.round)
+            loss = done.losses[tier_label(self.tier)]
             try:
-                accepted, sent = self.connection.submit(header, work.results)
-            except Refused as err:
-                if err.code not in ROUND_OVER:
-                    raise
+                accepted, sent = self.connection.submit(
+                    work, client_id=self.summary.client_id, tokens=done.tokens, loss=loss,
+                    train_seconds=done.seconds, results=done.results)
+            except RoundOver as err:
                 # Too late (the round closed at its deadline, or the coordinator restarted
                 # and split it anew) or refused: the gradient was not taken, so the momentum
                 # goes back to the last accepted round's.
-                self.log(f"round {assignment.round} not accepted: {err.details}")
+                self.log(f"round {work.round} not accepted: {err.details}")
                 self._restore_feedback()
                 return
         self.local_round.feedback.save(self._feedback_path())
-        self._cost.compute_s += work.seconds
+        self._cost.compute_s += done.seconds
         self._cost.dense_up += self._dense_bytes()
         self.summary.rounds_trained += 1
         self.summary.bytes_sent += sent
-        self.summary.losses.append((assignment.round, loss))
-        progress.update(assignment.round, self.tier, loss, work.tokens / work.seconds, sent,
-                        accepted)
+        self.summary.losses.append((work.round, loss))
+        progress.update(work.round, self.tier, loss, done.tokens / done.seconds, sent, accepted)
 
     # -- weights ------------------------------------------------------------------------
 
-    @property
-    def tier(self) -> int:
-        return self.summary.tier
+    def _load(self, checkpoint: PublishedCheckpoint) -> None:
+        self.replica = load_replica(
+            self.connection, checkpoint, self.tier, strategy=self.options.load_strategy,
+            cache=self.state_dir / "checkpoints", mirror=self.mirror, device=self.device,
+            schema_hash=self.member.schema_hash, log=self.log)
+        self.applied = checkpoint.round
 
-    def _load(self, ref: pb.CheckpointRef | None) -> None:
-        """Load the checkpoint ``ref`` names for the tier (or the latest, when None)."""
-        if ref is None:
-            ref = self.connection.get_checkpoint()
-        files = CheckpointFiles(self.connection, self.state_dir / "checkpoints", self._mirror(),
-                                log=self.log)
-        folder = ref.manifest_path.rpartition("/")[0]
-        resolved = resolve(folder, self.tier, self.options.load_strategy, repository=files)
-        model = load(resolved).to(self.device)
-        got = canonical_schema_hash(model.config, Replica(model).shapes)
-        if self.schema_hash and got != self.schema_hash:
-            raise ClientError(f"the checkpoint {folder} loads a model with canonical schema "
-                              f"hash {got}, the run's is {self.schema_hash}; its files do not "
-                              "belong to this run.")
-        self.replica = Replica(model)
-        self.applied = ref.round
-        fetched = f"{len(files.downloaded)} files downloaded" + (
-            f", {len(files.mirrored)} from {self.options.checkpoint}" if files.mirrored else "")
-        self.log(f"loaded {folder} ({resolved.used}: {resolved.reason}; {fetched}); "
-                 f"{sum(p.numel() for p in model.parameters()):,} parameters")
+    def _catch_up(self, *, reload: bool = False) -> None:
+        """Apply every logged update since ``applied``. Load the latest checkpoint first when
+        ``reload`` is set, when the log no longer reaches back to ``applied``, or when the
+        replica's hash disagrees with the coordinator's after an update; a second
+        disagreement after a reload means the files themselves are damaged."""
+        reloaded = False
+        while True:
+            if reload:
+                self._load(self.connection.latest_checkpoint())
+                reloaded = True
+            try:
+                updates = self.connection.updates(self.applied, self.tier)
+            except UpdatesPruned:
+                if reloaded:
+                    raise
+                self.log(f"updates since round {self.applied} are pruned; reloading the "
+                         "checkpoint")
+                reload = True
+                continue
+            diverged = self._replay(updates)
+            if diverged is None:
+                break
+            self.summary.resynchronisations += 1
+            if reloaded:
+                raise ReplicaDiverged(
+                    f"after reloading the latest checkpoint and replaying, the replica's "
+                    f"weight hash after round {diverged} still differs from the "
+                    "coordinator's; the checkpoint files or the update log are damaged.")
+            self.log(f"weight hash after round {diverged} differs from the coordinator's; "
+                     "reloading the checkpoint")
+            reload = True
+        self.summary.rounds_applied = self.applied
+        self.summary.update_bytes = self.connection.update_bytes
 
-    def _reload(self) -> None:
-        self._load(None)
-        self._catch_up(reloaded=True)
-
-    def _catch_up(self, reloaded: bool = False) -> None:
-        """Apply every logged update since ``applied``; reload the latest checkpoint when the
-        log no longer reaches back that far or the replica's hash disagrees."""
-        try:
-            updates = self.connection.updates(self.applied, self.tier)
-        except Refused as err:
-            if err.code != grpc.StatusCode.OUT_OF_RANGE or reloaded:
-                raise
-            self.log(f"updates since round {self.applied} are pruned; reloading the checkpoint")
-            return self._reload()
+    def _replay(self, updates: list[RoundUpdate]) -> int | None:
+        """Apply ``updates`` from round ``applied`` on; the first round after which the
+        replica's hash differs from the one the coordinator published, else None."""
         for update in updates:
             if update.round < self.applied:
                 continue
-            self._apply(update)
+            self.replica.apply(update)
+            self.applied = update.round + 1
+            self._cost.dense_down += self._dense_bytes()
             published = update.hashes.get(self.tier)
             if published and self.replica.hash(self.tier) != published:
-                self.summary.resynchronisations += 1
-                if reloaded:
-                    raise ReplicaDiverged(
-                        f"after reloading the latest checkpoint and replaying, the replica's "
-                        f"weight hash after round {update.round} still differs from the "
-                        "coordinator's; the checkpoint files or the update log are damaged.")
-                self.log(f"weight hash after round {update.round} differs from the "
-                         "coordinator's; reloading the checkpoint")
-                return self._reload()
-        self.summary.rounds_applied = self.applied
-        self.summary.update_bytes = self.connection.update_bytes
+                return update.round
+        return None
 
     def _dense_bytes(self) -> int:
         """float32 bytes of the weights this client's tier holds: a dense gradient's size."""
         regions = tier_regions(self.replica.shapes, self.replica.config, self.tier)
         return DENSE_BYTES_PER_VALUE * sum(math.prod(region_shape(r)) for r in regions.values())
 
-    def _apply(self, update: RoundUpdate) -> None:
-        self.replica.apply(update)
-        self.applied = update.round + 1
-        self._cost.dense_down += self._dense_bytes()
-
     def _build_local_round(self) -> None:
-        s = self.settings
-        compressor = CompressionConfig(encoding=s.encoding, chunk=s.chunk, topk=s.topk,
-                                       value_dtype=s.value_dtype, decay=s.decay,
-                                       lr=s.compression_lr).build()
         tiers = [self.tier, *sorted(t for t in set(self.options.also_train) if t > self.tier)]
         self.local_round = LocalRound(
-            self.replica, compressor, TierSchedule(tiers=tiers, mode="all"),
+            self.replica, self.member.settings.compression.build(),
+            TierSchedule(tiers=tiers, mode="all"),
             AdaptiveLimitsConfig(max_tokens=self.options.microbatch_tokens).build())
         self._restore_feedback(announce=True)
 
-    # -- error feedback -----------------------------------------------------------------
+    # -- state kept across restarts ---------------------------------------------------------
 
     def _feedback_path(self) -> Path:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         return self.state_dir / FEEDBACK_FILE
 
     def _restore_feedback(self, announce: bool = False) -> None:
+        """The error-feedback momentum of the last accepted round: from the state dir, or
+        zero when none was saved or the saved one does not fit (then it is deleted)."""
         path = self._feedback_path()
-        if not path.is_file():
-            for state in self.local_round.feedback.feedback.values():
-                state.momentum.zero_()
-            return
-        try:
-            self.local_round.feedback.load(path)
-        except FeedbackStateMismatch as err:
-            self.log(f"not restoring the error feedback: {err}")
-            path.unlink()
-            return self._restore_feedback()
-        if announce:
-            self.log(f"restored the error-feedback momentum from {path}")
-
-    # -- data ---------------------------------------------------------------------------
-
-    def _sequences(self, ids: list[int]) -> list[torch.Tensor]:
-        if self.options.data is None:
-            return self.connection.fetch_sequences(ids)
-        reader = self._local_reader()
-        return [torch.from_numpy(reader[i].astype(np.int64)) for i in ids]
-
-    def _local_reader(self):
-        if self._reader is None:
-            s = self.settings
-            mdat = Mdat.open(self.options.data)
-            reader = mdat.sequences(s.data_strategy, s.sequence_length, s.data_view or None)
-            if reader.fingerprint != s.data_fingerprint:
-                raise DataMismatch(
-                    f"--data {self.options.data} ({s.data_strategy}, view "
-                    f"{s.data_view or 'all'}) has fingerprint {reader.fingerprint}, the run's "
-                    f"data {s.data_fingerprint}; copy the run's MDAT, or leave out --data to "
-                    "fetch sequences from the coordinator.")
-            self._reader = reader
-        return self._reader
-
-    def _mirror(self):
-        source = self.options.checkpoint
-        if source == "server":
-            return None
-        if source.startswith("hf:"):
-            return HubRepository(source.removeprefix("hf:"))
-        path = Path(source).expanduser()
-        if not path.is_dir():
-            raise ClientError(f"--checkpoint {source} is neither 'server', a folder nor "
-                              "hf:ORG/NAME; point it at a copy of the run's checkpoints.")
-        return LocalRepository(path)
+        if path.is_file():
+            try:
+                self.local_round.feedback.load(path)
+            except FeedbackStateMismatch as err:
+                self.log(f"not restoring the error feedback: {err}")
+                path.unlink()
+            else:
+                if announce:
+                    self.log(f"restored the error-feedback momentum from {path}")
+                return
+        for state in self.local_round.feedback.feedback.values():
+            state.momentum.zero_()
 
     def _previous_session(self) -> str | None:
         """The session token this client held with this server before, if it kept one."""
@@ -478,76 +424,13 @@ class FederatedClient:
         summary.wall_s = round(time.monotonic() - cost.started, 3)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self.state_dir / SUMMARY_FILE
-        path.write_text(json.dumps(dataclasses.asdict(self.summary), indent=1) + "\n")
+        path.write_text(json.dumps(dataclasses.asdict(summary), indent=1) + "\n")
 
     def _leave(self, reason: str) -> None:
         try:
-            if self.connection.metadata:  # joined
+            if self.connection.joined:
                 self.connection.leave(reason)
         except ClientError:
             pass  # leaving is a courtesy: the coordinator drops silent members anyway
         finally:
             self.connection.close()
-
-
-class _Heartbeat:
-    """Heartbeats every ``interval_s`` on a background thread while a round is trained, so
-    the coordinator tells a busy client from a hung one. Failures are the coordinator's to
-    notice (a missed heartbeat); the thread only logs the first one."""
-
-    def __init__(self, connection: Connection, interval_s: float,
-                 round_index: Callable[[], int], log: Callable[[str], None]) -> None:
-        self.connection = connection
-        self.interval_s = interval_s
-        self.round_index = round_index
-        self.log = log
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="matformer-heartbeat",
-                                        daemon=True)
-
-    def __enter__(self) -> _Heartbeat:
-        if self.interval_s > 0:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=1.0)
-
-    def _beat(self) -> None:
-        warned = False
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.connection.heartbeat(self.round_index(), patience_s=self.interval_s)
-            except (Refused, Unreachable) as err:
-                if not warned:
-                    self.log(f"heartbeat failed: {err}")
-                    warned = True
-
-
-class _Progress:
-    """One line per round: a tqdm bar on a terminal, plain lines in a log."""
-
-    def __init__(self, log: Callable[[str], None], bar: bool) -> None:
-        self.log = log
-        self.bar = None
-        if bar:
-            from tqdm import tqdm
-
-            self.bar = tqdm(unit="round", dynamic_ncols=True)
-
-    def update(self, round_index: int, tier: int, loss: float, speed: float, sent: int,
-               accepted: int) -> None:
-        if self.bar is not None:
-            self.bar.set_description(f"round {round_index}")
-            self.bar.set_postfix(tier=tier, loss=f"{loss:.3f}", tok_s=f"{speed:,.0f}",
-                                 sent=f"{sent / 1024:.0f}KiB")
-            self.bar.update(1)
-        else:
-            self.log(f"round {round_index:>4}  tier {tier}  loss {loss:.3f}  {speed:,.0f} tok/s"
-                     f"  sent {sent / 1024:,.1f} KiB ({accepted} results)")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

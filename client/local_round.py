@@ -1,8 +1,9 @@
-"""One round of a client's local work (DESIGN.md §5.2-3): gradients, then compression.
+"""One round of a client's local work: gradients, then compression.
 
 The client accumulates the gradient of its assigned sequences at its tier(s) in token-budget
-microbatches, exactly as standalone training does (``train_step_on_examples``), but takes no
-optimizer step: the gradient is the result. Each parameter's gradient, cut to the region the
+microbatches (``tier_gradients``, as standalone training does before its optimizer step);
+the gradient is the result, the step is the coordinator's (docs/architecture.md, "One
+round"). Each parameter's gradient, cut to the region the
 client trains, goes through that parameter's error feedback and becomes one named
 ``SparseResult``; the coordinator aggregates them and broadcasts the update, which the
 client applies to its ``Replica`` like everyone else.
@@ -23,7 +24,7 @@ from modeling.batching import AdaptiveLimits, AdaptiveLimitsConfig, MicrobatchRu
 from modeling.compression import Compressor, Region, SparseResult, region_slices, tier_regions
 from modeling.config import ModelConfig
 from modeling.matformer import Tier
-from modeling.training import TierSchedule, train_step_on_examples
+from modeling.training import TierSchedule, tier_gradients
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,13 +35,6 @@ class RoundWork:
     losses: dict[str, float]  # tier label → mean loss per target token
     tokens: int  # real tokens trained on (the aggregation weight of every result)
     seconds: float  # wall time of the forward/backward passes and the compression
-
-
-class _GradientOnly:
-    """The optimizer slot of ``train_step_on_examples``: the step is the coordinator's."""
-
-    def step(self) -> None:
-        pass
 
 
 def trained_regions(
@@ -84,9 +78,7 @@ class LocalRound:
         """Gradients of ``sequences`` (1-D token ids) at the schedule's tiers for ``step``
         (the round number), compressed with error feedback into one result per parameter."""
         start = time.perf_counter()
-        losses = train_step_on_examples(
-            self.runner, _GradientOnly(), sequences, self.schedule, step
-        )
+        losses = tier_gradients(self.runner, sequences, self.schedule, step)
         tokens = sum(len(sequence) for sequence in sequences)
         results = []
         for name, parameter in self.replica.parameters.items():

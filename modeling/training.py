@@ -5,8 +5,9 @@ weights (the MatFormer paper's public code); ``sample`` draws one tier per step 
 probabilities (the paper's own recipe). Each tier's loss is backpropagated as soon as it is
 computed, which frees its graph and gives the same gradient as backpropagating the sum.
 
-``train_step_on_examples`` takes the sequences of a token-budget batch and runs them in
-microbatches that adapt to out-of-memory errors.
+``tier_gradients`` takes the sequences of a token-budget batch and accumulates their
+gradient in microbatches that adapt to out-of-memory errors; ``train_step_on_examples`` adds
+the optimizer step.
 ``with_targets`` keeps the sequences that can train at all: a batch with no target token
 cannot (BatchError), so standalone and federated training plan only those.
 """
@@ -26,6 +27,7 @@ from modeling.batching import MicrobatchRunner, accumulate_gradients
 from modeling.config import ModelConfig
 from modeling.errors import BatchError, ConfigError
 from modeling.matformer import Tier, layer_widths, tier_label
+from modeling.optim import LocalOptimizer
 
 MODES = ("all", "sample")
 
@@ -70,15 +72,12 @@ class TierSchedule:
         return [(draw.choices(self.tiers, weights=self.probabilities)[0], 1.0)]
 
 
-def train_step_on_examples(
-    runner: MicrobatchRunner,
-    optimizer: Any,
-    examples: Sequence[Tensor],
-    schedule: TierSchedule,
-    step: int,
-    max_grad_norm: float | None = None,
+def tier_gradients(
+    runner: MicrobatchRunner, examples: Sequence[Tensor], schedule: TierSchedule, step: int
 ) -> dict[str, float]:
-    """One optimizer step over ``examples`` (1-D token ids of any lengths) at the step's tiers.
+    """Accumulate the gradient of ``examples`` (1-D token ids of any lengths) at the step's
+    tiers into ``.grad``; the loss per tier label. No optimizer step: standalone training
+    takes one (``train_step_on_examples``), a federated client compresses the gradient.
 
     Each tier's gradient is accumulated over microbatches sized by the runner's limits and
     equals that of the whole batch at once; after an out-of-memory error the runner clears
@@ -93,7 +92,20 @@ def train_step_on_examples(
             for tier, weight in tiers
         }
 
-    losses = runner.run([len(example) for example in examples], attempt)
+    return runner.run([len(example) for example in examples], attempt)
+
+
+def train_step_on_examples(
+    runner: MicrobatchRunner,
+    optimizer: LocalOptimizer | torch.optim.Optimizer,
+    examples: Sequence[Tensor],
+    schedule: TierSchedule,
+    step: int,
+    max_grad_norm: float | None = None,
+) -> dict[str, float]:
+    """One optimizer step over ``examples`` at the step's tiers (``tier_gradients``, then
+    clipping to ``max_grad_norm`` when given); the loss per tier label."""
+    losses = tier_gradients(runner, examples, schedule, step)
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(runner.model.parameters(), max_grad_norm)
     optimizer.step()

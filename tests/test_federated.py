@@ -12,8 +12,10 @@ import pytest
 import torch
 from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 
-from client.errors import DataMismatch
+from client.connection import PublishedCheckpoint
+from client.errors import DataMismatch, ReplicaDiverged
 from client.federated import FederatedClient, FederatedOptions
+from client.replica import Replica
 from local_testnet.held_out import HeldOut
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
 from modeling.checkpoint import load_pretrained
@@ -88,9 +90,11 @@ def client(server, tmp_path, name, tier=None, **options):
 class Recording(FederatedClient):
     """Remembers the sequence ids of every round it trained."""
 
-    def _sequences(self, ids):
-        self.trained_ids = [*getattr(self, "trained_ids", []), list(ids)]
-        return super()._sequences(ids)
+    trained_ids: list[list[int]]
+
+    def _train_one(self, work, progress):
+        self.trained_ids = [*getattr(self, "trained_ids", []), list(work.sequence_ids)]
+        return super()._train_one(work, progress)
 
 
 def in_thread(target):
@@ -252,6 +256,56 @@ def test_leave_and_rejoin_ends_with_the_same_weights(tmp_path, mdat):
     assert back_summary.client_id != first.client_id  # a new member
     assert back_summary.rounds_applied == steady_summary.rounds_applied == 6
     assert same(held(back), held(steady)) and same(held(steady), final)
+
+
+def test_catching_up_reloads_once_when_the_log_is_pruned_or_a_hash_disagrees(tmp_path, mdat,
+                                                                             monkeypatch):
+    """The catch-up loop: a replica behind the log's start reloads the latest checkpoint; a
+    replica whose hash disagrees reloads and replays; a disagreement that survives the reload
+    is damage, and says so."""
+    server = start(tmp_path, mdat, rounds=6, every=1, deadline_s=300.0)
+    try:
+        client(server, tmp_path, "first", tier=1, max_rounds=3).run()
+        wait_for_round(server, 3)
+        logs: list[str] = []
+        late = FederatedClient(client(server, tmp_path, "late", tier=1).options,
+                               log=logs.append)
+        late._join()  # at the latest checkpoint, round 3; the log keeps rounds 2 on
+        coordinator = server.service.coordinator
+        published = coordinator.tier_hashes([late.tier])[late.tier]
+        assert late.applied == 3 and late.replica.hash(late.tier) == published
+
+        late.applied = 0  # as if this machine slept since round 0
+        late._catch_up()
+        assert any("updates since round 0 are pruned" in line for line in logs), logs
+        assert late.applied == 3 and late.summary.resynchronisations == 0
+        assert late.replica.hash(late.tier) == published
+
+        with torch.no_grad():  # a replica one round behind whose weights drifted
+            late.replica.parameters[UP][0, 0] += 1.0
+        late.applied = 2
+        late._catch_up()
+        assert any("differs from the coordinator's; reloading" in line for line in logs), logs
+        assert late.summary.resynchronisations == 1
+        assert late.replica.hash(late.tier) == published
+
+        apply = Replica.apply
+
+        def apply_and_drift(replica, update):  # the same drift after every reload, too
+            apply(replica, update)
+            with torch.no_grad():
+                replica.parameters[UP][0, 0] += 1.0
+
+        monkeypatch.setattr(Replica, "apply", apply_and_drift)
+        late.connection.latest_checkpoint = lambda: PublishedCheckpoint(round=2,
+                                                                        folder="round-2")
+        late.applied = 2
+        with pytest.raises(ReplicaDiverged, match="after reloading the latest checkpoint"):
+            late._catch_up()
+        assert late.summary.resynchronisations == 3
+        late._leave("done")
+    finally:
+        server.stop()
 
 
 def test_local_data_must_match_the_runs_fingerprint(tmp_path, mdat):

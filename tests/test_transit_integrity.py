@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 import server.served_files
-from client.connection import DOWNLOAD_ATTEMPTS, CheckpointFiles, Connection
+from client.checkpoints import DOWNLOAD_ATTEMPTS, CheckpointFiles
+from client.connection import Connection
 from client.errors import DamagedOnServer, DamagedTransfer
 from modeling.checkpoint.loader import load, resolve
 from modeling.checkpoint.manifest import MANIFEST_NAME
@@ -19,7 +20,7 @@ from protocol.files import receive_file
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from server.config import RunConfig
 from server.main import RunningServer
-from tests.test_server_service import code_of, http_get, join_request, write_run_toml
+from tests.test_server_service import JOIN_TOKEN, code_of, http_get, write_run_toml
 
 SLICE = "round-0-tier1/model.safetensors"  # listed only as ../round-0-tier1/... in round-0's
 
@@ -30,7 +31,9 @@ def running(tmp_path_factory):
     server = RunningServer.start(config, grpc_port=0, http_port=0)
     assert server.wait_until_http_ready()
     connection = Connection(f"127.0.0.1:{server.grpc_port}", patience_s=5.0)
-    connection.join(join_request(server))
+    connection.join(name="alice", run_id="svc-test", join_token=JOIN_TOKEN, device_kind="cpu",
+                    device_name="test", memory_bytes=2**34, load_strategy="auto",
+                    microbatch_tokens=2048, tier=0)
     yield server, connection
     connection.close()
     server.stop()
