@@ -1,9 +1,9 @@
 """Every parameter's error-feedback momentum on one client, saved across restarts.
 
-The momentum is the part of past gradients not yet sent (DESIGN.md §5.2); a client that
-restarts without it silently drops that gradient, so it is saved with each round as
-safetensors (never pickle): one float32 tensor per canonical name, and the regions in the
-metadata so a state saved at another tier is refused instead of misapplied.
+The momentum is the part of past gradients not yet sent (docs/architecture.md, "One
+round"); a client that restarts without it silently drops that gradient, so it is saved with
+each round as safetensors (never pickle): one float32 tensor per canonical name, and the
+regions in the metadata so a state saved at another tier is refused instead of misapplied.
 """
 
 from __future__ import annotations
