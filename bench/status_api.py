@@ -5,8 +5,9 @@ lock (which the gRPC threads wait on)?
 One process starts a real ``matformer-server`` (``RunningServer.start`` on loopback, ports 0)
 on a tiny model, with three members joined over gRPC. For each history length (rounds), the
 run's state is filled with that many round records, loss points per tier and events, shaped
-like those a real run writes (``_record_round``, ``_record_loss``, ``_event``). Then, over
-real HTTP, each of these is fetched ``--polls`` times, interleaved, and the median is shown:
+like those a real run writes (``Coordinator._record_round``, ``RunHistory.loss`` and
+``RunHistory.event``). Then, over real HTTP, each of these is fetched ``--polls`` times,
+interleaved, and the median is shown:
 
 - ``page poll``: what the dashboard asks each second once it has the history:
   ``/api/dashboard?since_round=<last>&events_after=<last>`` (members, the newest round);
@@ -36,7 +37,7 @@ from harness import print_table
 from protocol.channel import GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from server.config import RunConfig
-from server.coordinator import MAX_EVENTS
+from server.history import MAX_EVENTS
 from server.main import RunningServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -1,4 +1,4 @@
-"""Canonical parameter names (DESIGN.md §3).
+"""Canonical parameter names (docs/architecture.md, "Names, tiers, regions").
 
 A registered implementation may name its tensors as it likes and declare ``params_names``
 (own name → canonical name); checkpoints and the wire only ever carry canonical names.

@@ -1,4 +1,4 @@
-"""Join and session tokens (DESIGN.md §6).
+"""Join and session tokens (docs/architecture.md, "Transport").
 
 ``Join`` carries the run's join token in its request. Every other RPC carries the session
 token ``Join`` issued as the gRPC metadata entry ``SESSION_METADATA_KEY``: metadata reaches

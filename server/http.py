@@ -1,4 +1,4 @@
-"""The coordinator's HTTP side (DESIGN.md §6), on its own port:
+"""The coordinator's HTTP side (docs/architecture.md, "Transport"), on its own port:
 
 - ``GET /``: the dashboard (``server/static/``: plain HTML, JavaScript and SVG, nothing from
   the internet), which polls the status API;

@@ -1,5 +1,6 @@
 """``trained.jsonl``: which sequences each completed round trained, and the audit that proves
-every sequence handed out is trained exactly once (DESIGN.md §5.6).
+every sequence handed out is trained exactly once (docs/architecture.md, "Members that fail
+or misbehave").
 
     ledger = TrainedLedger(run_dir)
     ledger.record(round_index, sequence_ids)   # in the round's close, before state.json

@@ -1,4 +1,5 @@
-"""What a submission may hold beyond being well formed (DESIGN.md §5.3): the run's own
+"""What a submission may hold beyond being well formed (docs/architecture.md, "Members
+that fail or misbehave"): the run's own
 encoding, chunking and value dtype, at most ``topk`` values per chunk, no value beyond
 ``MAX_ABS_VALUE``, and an L2 norm within ``[faults] max_norm`` (clipped or refused, per
 ``norm_action``).

@@ -1,4 +1,5 @@
-"""One open round: who trains what, and the results that came in (DESIGN.md §5).
+"""One open round: who trains what, and the results that came in (docs/architecture.md,
+"One round").
 
 A submission is checked whole before any of it is kept, so a rejected one leaves the round
 (and later the aggregate) exactly as it was. Checks, in order: the round is the one being

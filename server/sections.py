@@ -245,8 +245,9 @@ class RoundSection:
 
 @dataclass(kw_only=True, slots=True)
 class UpdateSection:
-    """How the coordinator and every client apply the aggregate (DESIGN.md §5.5), with a
-    per-round learning-rate schedule (modeling.optim.lr_factor, counted in rounds)."""
+    """How the coordinator and every client apply the aggregate (docs/architecture.md, "The
+    update record"), with a per-round learning-rate schedule (modeling.optim.lr_factor,
+    counted in rounds)."""
 
     rule: str = "sign"  # sign (DeMo) | sgd
     lr: float = 1e-3  # peak learning rate, reached at the end of warmup
@@ -420,7 +421,8 @@ NORM_ACTIONS = ("clip", "reject")
 
 @dataclass(kw_only=True, slots=True)
 class FaultsSection:
-    """How the coordinator treats clients that die, hang, lag or misbehave (DESIGN.md §5.6).
+    """How the coordinator treats clients that die, hang, lag or misbehave (docs/architecture.md,
+    "Members that fail or misbehave").
 
     A member silent for ``heartbeat_timeout_s`` is dropped from the open round (its sequences
     go back to the queue) and counts as inactive until it calls again; silent for

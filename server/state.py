@@ -1,8 +1,9 @@
 """``state.json``: what a coordinator needs, besides checkpoints and the update log, to resume
-a run exactly (DESIGN.md §6). Written atomically (temp file, fsync, rename) after every
-round and every change of members; the round open at that moment is not in it (its ids are
-still in the queue), so a restart opens that round again. Readable by its owner only (mode
-0600, its temp file too): it names the members, and their session tokens' hashes.
+a run exactly (docs/architecture.md, "The run directory"). Written atomically (temp file,
+fsync, rename) after every round and every change of members; the round open at that moment
+is not in it (its ids are still in the queue), so a restart opens that round again. Readable
+by its owner only (mode 0600, its temp file too): it names the members, and their session
+tokens' hashes.
 """
 
 from __future__ import annotations

@@ -141,8 +141,8 @@ def wait_for_round(server, r, timeout=60):
 
 
 def test_one_client_dense_sgd_equals_standalone_sgd(tmp_path, mdat):
-    """The backbone (DESIGN.md §5): compression none + sgd + one client over gRPC gives
-    exactly the weights of plain SGD on the same sequences, bit for bit."""
+    """The backbone (docs/architecture.md, "One round"): compression dense + sgd + one client
+    over gRPC gives exactly the weights of plain SGD on the same sequences, bit for bit."""
     lr = 0.05
     server = start(tmp_path, mdat, encoding="none", rule="sgd", lr=lr, rounds=3,
                    value_dtype="float32")

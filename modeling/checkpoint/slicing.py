@@ -1,4 +1,4 @@
-"""Tier slices of a canonical state dict (DESIGN.md §4).
+"""Tier slices of a canonical state dict (docs/architecture.md, "Names, tiers, regions").
 
 Layer ``i`` keeps FFN rows [:w_i] of ``gate_proj``/``up_proj`` and columns [:, :w_i] of
 ``down_proj``; every other tensor is shared by all tiers and kept whole.

@@ -1,4 +1,5 @@
-"""Which region of each universal tensor a tier covers (DESIGN.md §4).
+"""Which region of each universal tensor a tier covers (docs/architecture.md, "Names, tiers,
+regions").
 
 The answer comes from ``modeling.checkpoint.slicing``, the one place that knows which
 canonical names are FFN weights and along which axis they narrow: a tier's region of a

@@ -11,7 +11,7 @@ rule moves covered elements along the direction (``update.py``). Two forms:
   arithmetic that float64 holds exactly (``dct.exact_idct``), so every replica and the
   coordinator's master get the same bits on any machine. Its size is k per chunk whatever
   the number of clients; the coordinator carries what it left out to the next round
-  (``BroadcastFeedback``).
+  (``Coordinator.residual``).
 
 ``cut(region)`` gives what a client holding ``region`` needs (a tier downloads only that),
 and ``direction(region)``/``mask(region)`` are the same numbers whatever was cut first.

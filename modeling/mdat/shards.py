@@ -1,9 +1,9 @@
 """Splitting sequence ids among clients: deterministic, disjoint, covering.
 
 A coordinator takes each round's ids from the front of a shuffled order (its work queue,
-``server/work.py``), then splits them by the clients' shares (`assign`). Ids a client
-dropped are handed out again by calling `assign` on them with the remaining clients. No
-randomness is involved: the order already is shuffled.
+``server/work.py``), then splits them by the clients' shares (`assign`). Ids a dropped client
+held go back to the front of the queue and are split again in a later round. No randomness
+is involved: the order already is shuffled.
 """
 
 from __future__ import annotations
