@@ -35,18 +35,17 @@ from torch import Tensor
 from modeling import ModelConfig
 from modeling.compression import (
     VALUE_DTYPES,
-    Aggregate,
     CompressionConfig,
     Compressor,
     Region,
     SparseResult,
-    aggregate,
     decode,
     payload_bytes,
     region_shape,
     tier_regions,
     universal_shapes,
 )
+from server.aggregation import Aggregate, aggregate
 
 
 def parse_args() -> argparse.Namespace:

@@ -9,15 +9,15 @@ of its tier's region of every parameter through error feedback, as a client does
 values), and the encoded messages are sent again every round with a new header and the
 round's assigned token count.
 
-On the coordinator (its instance's methods wrapped; server code untouched): ``close``, the
-whole close of a round (``Coordinator._close``: aggregate every parameter over the clients'
-results and compress it for the broadcast, apply the update rule to the master, hash it per
-tier, log the update, save state.json), and inside it ``aggregate + step``
-(``UpdateRule.close``: the aggregates, the broadcast's steps, the new master), ``hash``
-(``tier_hashes``), ``log + save`` and ``rest``. Checkpoints are kept out (the interval is
-longer than the run). While each timed round closes, a prober thread sends Heartbeat and
-GetRound in turn and records how long each takes to answer: ``hb p99``, the 99th percentile
-over every timed round.
+On the coordinator (its instance's methods and its module's ``close_round`` wrapped; server
+code untouched): ``close``, the whole close of a round (``Coordinator._close``: aggregate
+every parameter over the clients' results and compress it for the broadcast, apply the update
+rule to the master, hash it per tier, log the update, save state.json), and inside it
+``aggregate + step`` (``close_round``: the aggregates, the broadcast's steps, the new
+master), ``hash`` (``tier_hashes``), ``log + save`` and ``rest``. Checkpoints are kept out
+(the interval is longer than the run). While each timed round closes, a prober thread sends
+Heartbeat and GetRound in turn and records how long each takes to answer: ``hb p99``, the
+99th percentile over every timed round.
 
 Per round, for a tier-0 client (the largest): ``up``, the bytes of its submission;
 ``down``, the bytes of one round's GetUpdates as it downloads them; ``dense``, float32 of its
@@ -62,11 +62,11 @@ import grpc
 import torch
 from harness import print_table
 
+import server.coordinator as coordinator_module
 from modeling import ModelConfig
 from modeling.compression import (
     DENSE_BYTES_PER_VALUE,
     CompressionConfig,
-    UpdateRule,
     region_shape,
     region_slices,
     tier_regions,
@@ -255,7 +255,7 @@ class CloseTimer:
         return timed
 
     def aggregate(self, work: Callable[..., Any]) -> Callable[..., Any]:
-        """``UpdateRule.close``, timed; installed by ``measure`` for a run."""
+        """``close_round``, timed; installed by ``measure`` for a run."""
         return self._step("aggregate + step", work)
 
 
@@ -367,8 +367,8 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
     timer = CloseTimer(coordinator)
     # These clients do no work, so the speeds their submission times suggest mean nothing.
     coordinator.membership.measured = lambda *_args, **_kwargs: None
-    close = UpdateRule.close
-    UpdateRule.close = timer.aggregate(close)
+    close = coordinator_module.close_round
+    coordinator_module.close_round = timer.aggregate(close)
     channel = grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}", options=GRPC_OPTIONS)
     try:
         stub = pb_grpc.CoordinatorStub(channel)
@@ -395,7 +395,7 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         return Row(clients, timed, walls, received, update_bytes, update_s, probes, up, dense,
                    rss)
     finally:
-        UpdateRule.close = close
+        coordinator_module.close_round = close
         channel.close()
         running.stop()
 

@@ -81,6 +81,7 @@ from server.rounds import OpenRound, RoundAssignment, Submission
 from server.state import RunState
 from server.tiers import MAX_TOKENS_PER_SECOND, Capabilities, TierAssignment, check_speed
 from server.update_log import UpdateLog
+from server.update_steps import close_round
 from server.work import WorkQueue, work_order
 
 SAVE_INTERVAL_S = 1.0  # joins, leaves and refusals reach state.json at most this often
@@ -675,8 +676,8 @@ class Coordinator:
         clip = self.config.faults.peer_clip
         by_name = {name: clip_to_peers(results, clip) for name, results in by_name.items()}
         votes = self.config.update.vote == "majority"
-        rule = closing.update.build()
-        master, steps, residual = rule.close(self.master, by_name, self.residual, votes=votes)
+        master, steps, residual = close_round(closing.update.build(), self.master, by_name,
+                                              self.residual, votes=votes)
         master = self._tied(master)
         closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
         if closing.broken:  # the limits on results make this unreachable; never serve it

@@ -31,6 +31,7 @@ from modeling.compression import (
 from modeling.matformer import layer_widths
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
 from modeling.training import TierSchedule, train_step_on_examples
+from server.update_steps import close_round
 
 LR = 0.1
 DENSE = CompressionConfig(encoding="dense", decay=0.0, lr=1.0)
@@ -85,7 +86,7 @@ def _update(config, results, residual=None):
     for result in results:
         by_name.setdefault(result.name, []).append(result)
     scratch = {name: torch.zeros(rs[0].shape) for name, rs in by_name.items()}
-    _, steps, residual = config.build().close(scratch, by_name, residual)
+    _, steps, residual = close_round(config.build(), scratch, by_name, residual)
     return RoundUpdate(round=0, update=config, steps=steps, hashes={}), residual
 
 

@@ -13,12 +13,9 @@ from modeling.compression import (
     CompressionConfig,
     SparseResult,
     UpdateConfig,
-    aggregate,
-    aggregation,
     decode,
     full_region,
     region_slices,
-    scatter,
     tier_regions,
     universal_shapes,
 )
@@ -33,6 +30,9 @@ from modeling.errors import (
     ResultShapeMismatch,
     UnknownEncoding,
 )
+from server import aggregation
+from server.aggregation import aggregate, scatter
+from server.update_steps import update_step
 
 DOWN = (2, 4)  # a down_proj: FFN width 4 in columns; tier 1 covers columns [:2]
 
@@ -217,10 +217,10 @@ def test_sgd_and_sign_move_covered_elements_only():
     update = _dense([[0.5, -2.0]], ((0, 1), (0, 2)), tokens=1, shape=(1, 4))
     agg = aggregate([update])
     sgd = UpdateConfig(rule="sgd", lr=0.5).build()
-    step, _ = sgd.step(agg, [update.region])
+    step, _ = update_step(sgd, agg, [update.region])
     assert sgd.apply(weight.reshape(1, 4), step).tolist() == [[0.75, 3.0, 3.0, 4.0]]
     sign = UpdateConfig(rule="sign", lr=0.5, weight_decay=0.1).build()
-    step, _ = sign.step(agg, [update.region])
+    step, _ = update_step(sign, agg, [update.region])
     assert step.values.dtype == torch.int8  # the sign rule reads signs only: 1 byte each
     # w·(1 − 0.05) − 0.5·sign(agg) on the covered two; the tail keeps its value (no decay)
     expected = [[1.0 * 0.95 - 0.5, 2.0 * 0.95 + 0.5, 3.0, 4.0]]
@@ -240,7 +240,7 @@ def test_a_client_updating_its_slice_stays_equal_to_the_master(rule):
             for r, t in ((tier_regions(shapes, config, tier)[name], 10 + tier)
                          for tier in (1, 2))
         ]
-        step, _ = apply.step(aggregate(results), [r.region for r in results])
+        step, _ = update_step(apply, aggregate(results), [r.region for r in results])
         master = torch.randn(shapes[name])
         region = tier_regions(shapes, config, 1)[name]
         client = master[region_slices(region)].clone()
@@ -272,7 +272,7 @@ def test_federated_without_compression_equals_standalone_sgd(tier):
             where = region_slices(regions[name])
             state = compressor.feedback(name, tuple(param.shape), regions[name])
             result = state.step(param.grad[where], tokens=24)
-            step, _ = sgd.step(aggregate([result]), [result.region])
+            step, _ = update_step(sgd, aggregate([result]), [result.region])
             param.copy_(sgd.apply(param, step))
     for name, param in standalone.named_parameters():
         assert torch.equal(param, federated.get_parameter(name)), name

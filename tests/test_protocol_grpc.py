@@ -19,7 +19,6 @@ from modeling.compression import (
     RoundUpdate,
     SparseResult,
     UpdateConfig,
-    aggregate,
 )
 from protocol.auth import (
     SessionTokens,
@@ -38,6 +37,8 @@ from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import encode_sparse_result
 from protocol.submission import read_submission, submission_messages
 from protocol.updates import read_updates, update_messages
+from server.aggregation import aggregate
+from server.update_steps import update_step
 
 JOIN_TOKEN = "join-secret"
 MANIFEST = "round-2/matformer_manifest.json"
@@ -203,7 +204,7 @@ def test_get_updates_since_a_round(served) -> None:
     _, stub = _authed(channel)
     norm = _results()[3]
     rule = UpdateConfig(rule="sgd", lr=0.01)
-    step, _ = rule.build().step(aggregate([norm]), [norm.region])
+    step, _ = update_step(rule.build(), aggregate([norm]), [norm.region])
     coordinator.updates = [RoundUpdate(round=r, update=rule, steps={norm.name: step},
                                        hashes={1: f"{r:064x}"}) for r in (1, 2, 3)]
     received = list(read_updates(stub.GetUpdates(pb.GetUpdatesRequest(since_round=1), timeout=5),

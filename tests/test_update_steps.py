@@ -15,7 +15,6 @@ from modeling.compression import (
     CompressionConfig,
     RoundUpdate,
     UpdateConfig,
-    aggregate,
     full_region,
     pack_bits,
     region_slices,
@@ -26,7 +25,9 @@ from modeling.errors import CompressionConfigError
 from protocol.errors import MalformedStream
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.updates import decode_step, encode_step, read_updates, update_messages
+from server.aggregation import aggregate
 from server.update_log import UpdateLog
+from server.update_steps import close_round, update_step
 
 UP = "model.layers.0.mlp.up_proj.weight"
 SHAPE = (192, 130)  # FFN rows × hidden: partial edge chunks along both dimensions
@@ -53,7 +54,7 @@ MASTER = {UP: torch.randn(SHAPE, generator=torch.Generator().manual_seed(1)),
 def _update(rule="sign", topk=48, residual=None, seed=0):
     """A round closed by the coordinator's code: its record and the residual after it."""
     config = UpdateConfig(rule=rule, lr=0.01, weight_decay=0.1, broadcast_topk=topk, chunk=64)
-    _, steps, residual = config.build().close(MASTER, _results(seed), residual)
+    _, steps, residual = close_round(config.build(), MASTER, _results(seed), residual)
     return RoundUpdate(round=3, update=config, steps=steps, hashes={0: "ab" * 32}), residual
 
 
@@ -108,7 +109,7 @@ def test_broadcast_decode_is_bit_identical_across_thread_counts_and_paths():
 def test_every_tier_applying_its_download_holds_the_masters_slice(rule):
     config = UpdateConfig(rule=rule, lr=0.01, weight_decay=0.1, broadcast_topk=48, chunk=64)
     master = MASTER
-    after, steps, _ = config.build().close(master, _results())
+    after, steps, _ = close_round(config.build(), master, _results())
     update = RoundUpdate(round=3, update=config, steps=steps, hashes={})
     assert all(torch.equal(after[n], t) for n, t in update.apply(master).items())  # replayed
     for tier, region in TIERS.items():
@@ -128,7 +129,8 @@ def test_the_residual_carries_exactly_what_the_broadcast_left_out():
     for seed in range(3):
         results = _results(seed)[UP]
         agg = aggregate(results)
-        step, residual[UP] = rule.step(agg, [r.region for r in results], residual.get(UP))
+        step, residual[UP] = update_step(rule, agg, [r.region for r in results],
+                                       residual.get(UP))
         sent += step.direction(full_region(SHAPE))
         total += agg.values
     torch.testing.assert_close(sent + residual[UP], total, atol=1e-5, rtol=0)

@@ -1,10 +1,10 @@
-"""The arithmetic of a federated round (docs/architecture.md, "One round" and "The update
-record"): what a client sends (chunks on universal shapes, encodings, error feedback), how
-results are aggregated, the update rules and steps every replica applies, and the per-tier
-weight hash that proves replicas equal.
+"""The arithmetic a federated round shares between coordinator and clients (docs/architecture.md,
+"One round" and "The update record"): what a client sends (chunks on universal shapes,
+encodings, error feedback), the update rules and steps every replica applies, and the per-tier
+weight hash that proves replicas equal. Aggregation and choosing a round's steps are the
+coordinator's alone (``server/aggregation.py``, ``server/update_steps.py``).
 """
 
-from modeling.compression.aggregation import Aggregate, aggregate, scatter
 from modeling.compression.compressor import VALUE_DTYPES, CompressionConfig, Compressor
 from modeling.compression.dct import dct, dct_matrix, idct
 from modeling.compression.encodings import ENCODERS, decode, get_encoding
@@ -56,7 +56,6 @@ __all__ = [
     "ENCODERS",
     "UPDATE_RULES",
     "VALUE_DTYPES",
-    "Aggregate",
     "Broadcast",
     "ChunkGrid",
     "CoefficientStep",
@@ -70,7 +69,6 @@ __all__ = [
     "Step",
     "UpdateConfig",
     "UpdateRule",
-    "aggregate",
     "bounding_box",
     "dct",
     "dct_matrix",
@@ -86,7 +84,6 @@ __all__ = [
     "position_bits",
     "region_shape",
     "region_slices",
-    "scatter",
     "sgd",
     "sign",
     "tier_hashes",

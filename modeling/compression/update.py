@@ -6,22 +6,21 @@
 Only covered elements change. A rule moves weights along a step's direction (``steps.py``)
 element by element, so the coordinator applying it to the master weights and a client
 applying it to its tier slice compute the same numbers: replicas stay equal without sending
-weights. The rule also decides the step's form (``UpdateRule.step``): exact, or compressed
-for the broadcast; ``RoundUpdate`` is the record of a round that every side shares.
+weights. ``RoundUpdate`` is the record of a round that every side shares. What only the
+coordinator computes, the step's form (exact, or compressed for the broadcast) from a round's
+aggregate, lives in ``server/update_steps.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from modeling.compression.aggregation import Aggregate, aggregate
-from modeling.compression.grid import Region, full_region, region_slices
-from modeling.compression.sparse import SparseResult
-from modeling.compression.steps import Broadcast, Step, dense_step
+from modeling.compression.grid import Region, full_region
+from modeling.compression.steps import Broadcast, Step
 from modeling.errors import CompressionConfigError
 
 Rule = Callable[..., Tensor]  # (weight, values, covered, *, lr, weight_decay) → new weight
@@ -82,45 +81,8 @@ class UpdateRule:
     rule: Rule
     lr: float
     weight_decay: float
-    broadcast: Broadcast | None = None  # None: steps are exact (DenseStep)
-
-    def step(self, aggregate: Aggregate, covered: Sequence[Region],
-             residual: Tensor | None = None) -> tuple[Step, Tensor | None]:
-        """(coordinator) The step that carries ``aggregate`` (over the union of ``covered``,
-        the regions of the results behind it) to every replica, and the broadcast's new
-        residual (None for an exact step, which leaves nothing out)."""
-        step, residual, _ = self._step(aggregate, covered, residual)
-        return step, residual
-
-    def _step(self, aggregate: Aggregate, covered: Sequence[Region], residual: Tensor | None
-              ) -> tuple[Step, Tensor | None, Tensor | None]:
-        """``step``, and a compressed step's direction over its box (None for exact)."""
-        if self.broadcast is None:
-            step = dense_step(aggregate.values, covered, signs=self.name == "sign")
-            return step, residual, None
-        return self.broadcast.encode(aggregate.values, covered, residual)
-
-    def close(self, master: Mapping[str, Tensor], by_name: Mapping[str, Sequence[SparseResult]],
-              residual: Mapping[str, Tensor] | None = None, *, votes: bool = False
-              ) -> tuple[dict[str, Tensor], dict[str, Step], dict[str, Tensor]]:
-        """(coordinator) A round: each canonical name's results (validated, aggregated;
-        ``votes``: by majority vote) become its step, applied to ``master``. Returns the new
-        master (names without results unchanged), the steps, and the broadcast's residual
-        after them. Inputs are not changed."""
-        master, residual = dict(master), dict(residual or {})
-        steps = {}
-        for name, results in by_name.items():
-            step, left, decoded = self._step(aggregate(results, votes=votes),
-                                             [r.region for r in results], residual.get(name))
-            if left is not None:
-                residual[name] = left
-            direction = None
-            if decoded is not None:  # spare decoding it again over the whole tensor
-                direction = torch.zeros(step.shape, device=decoded.device)
-                direction[region_slices(step.box)] = decoded
-            master[name] = self.apply(master[name], step, direction=direction)
-            steps[name] = step
-        return master, steps, residual
+    # how the coordinator compresses its steps (server/update_steps.py); None: exact steps
+    broadcast: Broadcast | None = None
 
     def apply(self, weight: Tensor, step: Step, region: Region | None = None, *,
               direction: Tensor | None = None) -> Tensor:

@@ -1,4 +1,5 @@
-"""Aggregation of one parameter's results from several clients (coordinator side).
+"""Aggregation of one parameter's results from several clients: the first step of a round's
+close (docs/architecture.md, "One round").
 
 Element by element, over the clients whose region covers that element:
 ``agg = Σ tokens_i · value_i / Σ tokens_i``. Elements nobody covered stay 0 with ``covered``
