@@ -169,10 +169,6 @@ class QuotaTooLarge(QuotaError):
     """A view quota asks for more documents or bytes than its submdat holds."""
 
 
-class ShardError(MdatError, ValueError):
-    """Shard shares are empty, negative or name a client twice."""
-
-
 class SaettaError(MdatError):
     """A saetta folder is missing a file, or its files disagree with each other."""
 

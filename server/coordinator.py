@@ -53,7 +53,7 @@ from modeling.compression import (
     tier_regions,
     universal_shapes,
 )
-from modeling.mdat import Mdat, assign
+from modeling.mdat import Mdat
 from modeling.models import build_model
 from modeling.naming import canonical_state_dict
 from modeling.training import target_tokens
@@ -82,7 +82,7 @@ from server.state import RunState
 from server.tiers import MAX_TOKENS_PER_SECOND, Capabilities, TierAssignment, check_speed
 from server.update_log import UpdateLog
 from server.update_steps import close_round
-from server.work import WorkQueue, work_order
+from server.work import WorkQueue, assign, work_order
 
 SAVE_INTERVAL_S = 1.0  # joins, leaves and refusals reach state.json at most this often
 MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about 10

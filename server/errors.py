@@ -54,6 +54,10 @@ class PortUnavailable(ServerError):
     machine's)."""
 
 
+class ShardError(ServerError, ValueError):
+    """Shares to split a round's ids by are empty, negative, all 0, or name a client twice."""
+
+
 class TierAssignmentError(ServerError):
     """No tier can be given to a joining client. ``code`` is the gRPC status ``Join`` answers
     with: ``context.abort(err.code, str(err))``."""

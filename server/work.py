@@ -1,4 +1,5 @@
-"""The run's work queue: sequence ids in the order of the run's shuffle, plus ids handed back.
+"""The run's work queue: sequence ids in the order of the run's shuffle, plus ids handed back;
+and how a round's ids are split among members (`assign`).
 
 Each round takes ids from the front until the round's token budget is met: first the ids
 that came back from dropped clients (the latest handed back first), then fresh ids from the
@@ -10,11 +11,16 @@ gives the same rounds.
 The order is ``work_order``'s: the shuffle without the sequences that carry no target (a
 one-token document tail, for a causal model), so no client is handed a batch it cannot
 train. The coordinator, the ledger's audit and the held-out tail all take it from there.
+
+A round's ids are split into consecutive runs, one per member, sized in proportion to the
+speed it has shown (`assign`): deterministic, disjoint and covering, with no randomness of
+its own, since the order already is shuffled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +28,7 @@ import numpy as np
 from modeling.mdat import Mdat, SequenceReader
 from modeling.training import with_targets
 from server.config import RunConfig
+from server.errors import ShardError
 from server.state import RunState
 
 
@@ -73,3 +80,27 @@ class WorkQueue:
 
     def to_dict(self) -> dict[str, Any]:
         return {"position": self.position, "requeued": list(self.requeued)}
+
+
+def assign(
+    ids: Sequence[int] | np.ndarray, shares: Sequence[tuple[str, float]]
+) -> dict[str, np.ndarray]:
+    """Split ``ids`` into consecutive runs, one per client, sized in proportion to its share.
+
+    Sizes are rounded by largest remainder (ties to the earlier client), so they sum to
+    ``len(ids)`` exactly; clients keep the order given. Every id goes to exactly one client.
+    """
+    clients = [client for client, _ in shares]
+    weights = [share for _, share in shares]
+    if not shares or len(set(clients)) != len(clients):
+        raise ShardError(f"shares must name at least one client, each once; got {clients}.")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ShardError(f"shares must be finite, >= 0 and not all 0; got {weights}.")
+    ids = np.asarray(ids)
+    exact = [len(ids) * w / sum(weights) for w in weights]
+    sizes = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: (sizes[i] - exact[i], i))
+    for i in by_remainder[: len(ids) - sum(sizes)]:
+        sizes[i] += 1
+    bounds = np.cumsum([0, *sizes])
+    return {client: ids[bounds[i]:bounds[i + 1]] for i, client in enumerate(clients)}

@@ -14,7 +14,6 @@ from modeling.mdat.default import (
 )
 from modeling.mdat.saetta import SaettaReader, export_saetta
 from modeling.mdat.sequences import SequenceLocation, SequenceReader
-from modeling.mdat.shards import assign
 from modeling.mdat.strategy import Strategy
 from modeling.mdat.submdat import Submdat
 from modeling.mdat.tokenizer_training import train_tokenizer
@@ -34,7 +33,6 @@ __all__ = [
     "Submdat",
     "SubmdatInfo",
     "View",
-    "assign",
     "build_default_mdat",
     "export_saetta",
     "train_tokenizer",
