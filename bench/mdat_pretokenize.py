@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from modeling.corpus import python_docs
-from modeling.mdat import Mdat, train_tokenizer
+from modeling.mdat import Mdat
+from modeling.tokenizers import train_tokenizer
 
 
 def main() -> None:

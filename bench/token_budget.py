@@ -40,7 +40,7 @@ from modeling.batching import (
 )
 from modeling.corpus import python_docs
 from modeling.optim import OptimizerConfig
-from modeling.tokenizer import ByteTokenizer
+from modeling.tokenizers import ByteTokenizer
 
 Plan = list[tuple[list[int], list[list[int]]]]  # per step: batch indices, its microbatches
 

@@ -16,10 +16,9 @@ from modeling.mdat import (
     SubmdatInfo,
     build_default_mdat,
     export_saetta,
-    train_tokenizer,
 )
-from modeling.mdat.tokenizer_training import DEFAULT_SPECIAL_TOKENS
 from modeling.mdat.views import Quota
+from modeling.tokenizers import DEFAULT_SPECIAL_TOKENS, train_tokenizer
 
 Command = Callable[[argparse.Namespace], None]
 

@@ -8,7 +8,7 @@ import pytest
 from modeling.corpus import python_docs
 from modeling.errors import PretokIncomplete, SequenceLengthError
 from modeling.mdat import Mdat, SequenceLocation
-from modeling.tokenizer import ByteTokenizer
+from modeling.tokenizers import ByteTokenizer
 
 DOCS = list(python_docs(limit=40))
 CHUNK = 32

@@ -17,8 +17,8 @@ from modeling.errors import (
 from modeling.mdat import Mdat, Strategy
 from modeling.mdat.splitters import SentenceChunks, pack_sentences
 from modeling.mdat.splitting import DocumentSplitter
-from modeling.mdat.text_tokenizers import BytesTokenizer
 from modeling.registry import registry
+from modeling.tokenizers import BytesTokenizer
 
 SEED_EXAMPLE = {
     "strategy_name": "Bytes64",

@@ -8,7 +8,8 @@ from tokenizers import Tokenizer
 
 from modeling.corpus import python_docs
 from modeling.errors import StrategyError, TokenizerChanged
-from modeling.mdat import Mdat, train_tokenizer
+from modeling.mdat import Mdat
+from modeling.tokenizers import train_tokenizer
 
 DOCS = list(python_docs(limit=80))
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from modeling.corpus import python_docs, python_docs_tokens
-from modeling.tokenizer import ByteTokenizer
+from modeling.tokenizers import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -16,7 +16,6 @@ from modeling.mdat.saetta import SaettaReader, export_saetta
 from modeling.mdat.sequences import SequenceLocation, SequenceReader
 from modeling.mdat.strategy import Strategy
 from modeling.mdat.submdat import Submdat
-from modeling.mdat.tokenizer_training import train_tokenizer
 from modeling.mdat.views import View
 
 __all__ = [
@@ -35,5 +34,4 @@ __all__ = [
     "View",
     "build_default_mdat",
     "export_saetta",
-    "train_tokenizer",
 ]

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from modeling.mdat.text_tokenizers import TextTokenizer
 from modeling.registry import registry
+from modeling.tokenizers import TextTokenizer
 
 # A sentence ends after . ! or ? (and any closing quotes or brackets) that whitespace follows;
 # a paragraph ends before a blank line. The whitespace goes with the next sentence, as

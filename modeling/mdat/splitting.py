@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from modeling.errors import RegistryError, SplitterError, StrategyError, UnknownSplitter
+from modeling.errors import SplitterError, StrategyError, UnknownSplitter
 from modeling.mdat import splitters as _builtin_splitters  # noqa: F401  (registers built-ins)
-from modeling.mdat import text_tokenizers as _builtin_tokenizers  # noqa: F401
 from modeling.mdat.strategy import Strategy
 from modeling.registry import registry
+from modeling.tokenizers import build_text_tokenizer
 
 
 class DocumentSplitter:
@@ -30,13 +30,14 @@ class DocumentSplitter:
     def __init__(self, strategy: Strategy, functions: Path, tokenizer_file: Path | None) -> None:
         registry.load_modules(functions)
         self.strategy = strategy
-        self.tokenizer = _build_tokenizer(strategy, tokenizer_file)
+        self.tokenizer = build_text_tokenizer(strategy.tokenizer_type, tokenizer_file)
         self._tokenizer_file = tokenizer_file
         self._splitter = _build_splitter(strategy, self.tokenizer, functions)
 
     def resolved(self) -> Strategy:
         """The strategy with what it left open filled in: the vocabulary size, the special
-        ids the tokenizer file names (`text_tokenizers`) and the tokenizer file's sha256."""
+        ids the tokenizer file names (`modeling.tokenizers.text`) and the tokenizer file's
+        sha256."""
         s, tok = self.strategy, self.tokenizer
         if s.vocab_size is not None and s.vocab_size < tok.vocab_size:
             raise StrategyError(
@@ -113,21 +114,6 @@ def _result_arrays(strategy: Strategy, result: Any) -> tuple[np.ndarray, np.ndar
 def _file_sha256(path: Path) -> str:
     with open(path, "rb") as file:
         return hashlib.file_digest(file, "sha256").hexdigest()
-
-
-def _build_tokenizer(strategy: Strategy, tokenizer_file: Path | None) -> Any:
-    try:
-        types = registry.variants("mdat_tokenizer")
-        if strategy.tokenizer_type not in types:
-            raise StrategyError(
-                f"unknown tokenizer_type {strategy.tokenizer_type!r}; available: "
-                f"{', '.join(types)}."
-            )
-        return registry.create("mdat_tokenizer", strategy.tokenizer_type, tokenizer_file)
-    except RegistryError as err:
-        raise StrategyError(
-            f"tokenizer {strategy.tokenizer_type!r} cannot run here: {err}"
-        ) from err
 
 
 def _build_splitter(strategy: Strategy, tokenizer: Any, functions: Path) -> Any:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from modeling.atomic import built_aside
 from modeling.errors import StrategyError
-from modeling.mdat.submdat import Submdat
+
+if TYPE_CHECKING:
+    from modeling.mdat.submdat import Submdat
 
 DEFAULT_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<mask>")
 _BATCH = 256  # documents read per cursor pass

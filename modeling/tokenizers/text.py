@@ -1,4 +1,5 @@
-"""Tokenizers a strategy can name (``tokenizer_type``), as registry entries of ``mdat_tokenizer``.
+"""Tokenizers an MDAT strategy can name (``tokenizer_type``), as registry entries of
+``mdat_tokenizer``, and the one place a strategy's tokenizer is built from them.
 
 A splitter needs token ids and, to align chunks with sentences, the character at which each
 token starts. Both implementations give the two from one call. A new tokenizer type is a new
@@ -9,13 +10,13 @@ container's ``functions/`` folder.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from modeling.errors import StrategyError, TokenizerNotFound
+from modeling.errors import RegistryError, StrategyError, TokenizerNotFound
 from modeling.registry import registry
-from modeling.tokenizer import ByteTokenizer
+from modeling.tokenizers.byte_level import ByteTokenizer
 
 
 class TextTokenizer(Protocol):
@@ -31,7 +32,7 @@ class TextTokenizer(Protocol):
 
 @registry.register("mdat_tokenizer", "bytes", "default")
 class BytesTokenizer:
-    """`modeling.tokenizer.ByteTokenizer`'s ids: one token per UTF-8 byte, needs no file."""
+    """`ByteTokenizer`'s ids: one token per UTF-8 byte, needs no file."""
 
     vocab_size = ByteTokenizer.vocab_size
     bos_token_id = ByteTokenizer.bos_token_id
@@ -94,3 +95,17 @@ class HuggingFaceTokenizer:
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
         starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
         return np.array(encoding.ids, dtype=np.int64), starts
+
+
+def build_text_tokenizer(tokenizer_type: str, tokenizer_file: Path | None) -> Any:
+    """The ``mdat_tokenizer`` registered as ``tokenizer_type``, reading ``tokenizer_file``;
+    StrategyError names the types there are, or why this one cannot run here."""
+    try:
+        types = registry.variants("mdat_tokenizer")
+        if tokenizer_type not in types:
+            raise StrategyError(
+                f"unknown tokenizer_type {tokenizer_type!r}; available: {', '.join(types)}."
+            )
+        return registry.create("mdat_tokenizer", tokenizer_type, tokenizer_file)
+    except RegistryError as err:
+        raise StrategyError(f"tokenizer {tokenizer_type!r} cannot run here: {err}") from err
