@@ -27,7 +27,7 @@ FLAKY_SPLITTER = '''
 import os
 import time
 
-from modeling.mdat.splitters import fixed_lengths
+from modeling.mdat.builtin_splitters import fixed_lengths
 from modeling.registry import registry
 
 

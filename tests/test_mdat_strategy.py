@@ -15,8 +15,8 @@ from modeling.errors import (
     UnknownSplitter,
 )
 from modeling.mdat import Mdat, Strategy
-from modeling.mdat.splitters import SentenceChunks, pack_sentences
-from modeling.mdat.splitting import DocumentSplitter
+from modeling.mdat.builtin_splitters import SentenceChunks, pack_sentences
+from modeling.mdat.document_splitter import DocumentSplitter
 from modeling.registry import registry
 from modeling.tokenizers import BytesTokenizer
 

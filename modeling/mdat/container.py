@@ -38,6 +38,7 @@ from modeling.mdat.catalogue import (
     SubmdatInfo,
     unknown,
 )
+from modeling.mdat.document_splitter import DocumentSplitter
 from modeling.mdat.fingerprints import describe, digest
 from modeling.mdat.importer import import_records
 from modeling.mdat.npy_files import load_npy
@@ -51,7 +52,6 @@ from modeling.mdat.pretokenize import pretokenize
 from modeling.mdat.records import dict_records, folder_records, jsonl_records
 from modeling.mdat.sequences import SequenceReader, chunks_per_sequence
 from modeling.mdat.shuffles import read_shuffle, shuffle_name, shuffle_path, write_shuffle
-from modeling.mdat.splitting import DocumentSplitter
 from modeling.mdat.strategy import Strategy, check_name
 from modeling.mdat.submdat import Submdat
 from modeling.mdat.views import DEFAULT_VIEW, Quota, View, quota_documents, view_folder, write_view

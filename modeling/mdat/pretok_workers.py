@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from modeling.mdat.catalogue import SubmdatInfo
+from modeling.mdat.document_splitter import DocumentSplitter
 from modeling.mdat.pretok_files import TOKENIZER_FILE, strategy_folder
-from modeling.mdat.splitting import DocumentSplitter
 from modeling.mdat.strategy import Strategy
 from modeling.mdat.submdat import Submdat
 

@@ -2,7 +2,7 @@
 
 The fields follow the MDAT design (``strategy_name``, ``tokenizer_type``, ``splitter_class``,
 ``chunk_size``, ...). `Strategy.from_dict` checks names and types of the plain data; building
-the tokenizer and splitter (`modeling.mdat.splitting`) checks that they exist.
+the tokenizer and splitter (`modeling.mdat.document_splitter`) checks that they exist.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""A strategy made runnable: its tokenizer and splitter built, and their output checked.
+"""A strategy made runnable (``DocumentSplitter``): its tokenizer and splitter built, and their
+output checked.
 
-Splitters come from the registry (built-ins in `modeling.mdat.splitters`, custom ones from
-``.py`` files in the container's ``functions/`` folder, loaded when a strategy is built).
-Whatever a splitter returns is checked before it is stored, so a buggy custom splitter fails
-on the document that exposed it instead of corrupting sequences later: the keys must be
-exactly the strategy's ``returns``. Only ``tokens`` and ``chunks`` are stored; any other key
-``returns`` lists is checked to be present, then dropped.
+Splitters come from the registry (built-ins in `modeling.mdat.builtin_splitters`, custom
+ones from ``.py`` files in the container's ``functions/`` folder, loaded when a strategy is
+built). Whatever a splitter returns is checked before it is stored, so a buggy custom
+splitter fails on the document that exposed it instead of corrupting sequences later: the
+keys must be exactly the strategy's ``returns``. Only ``tokens`` and ``chunks`` are stored;
+any other key ``returns`` lists is checked to be present, then dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from modeling.errors import SplitterError, StrategyError, UnknownSplitter
-from modeling.mdat import splitters as _builtin_splitters  # noqa: F401  (registers built-ins)
+from modeling.mdat import builtin_splitters as _builtin  # noqa: F401  (registers built-ins)
 from modeling.mdat.strategy import Strategy
 from modeling.registry import registry
 from modeling.tokenizers import build_text_tokenizer
