@@ -40,8 +40,9 @@ from server.config import RunConfig
 from server.history import MAX_EVENTS
 from server.main import RunningServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.test_server_service import join_request, write_run_toml
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers import served_run_toml
+from wire import join_request
 
 TIERS = (0, 1, 2)
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.rounds.split(",")]
     with tempfile.TemporaryDirectory() as folder:
-        toml = write_run_toml(Path(folder), min_clients=4)  # 3 join: no round opens
+        toml = served_run_toml(Path(folder), min_clients=4)  # 3 join: no round opens
         server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
         try:
             assert server.wait_until_http_ready()

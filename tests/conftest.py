@@ -1,8 +1,9 @@
-"""Shared fixtures: tiny configs that build in milliseconds, a small MDAT, and a clean
-registry state."""
+"""Shared fixtures: tiny configs that build in milliseconds, a tiny universal model (and
+its logits, and its manifests edited in place), a small MDAT, and a clean registry state."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling import ModelConfig, registry
+from modeling import AutoregressiveModel, ModelConfig, registry
+from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.mdat import Mdat, build_default_mdat
 
 TAILS_STRATEGY = "fixed8"  # what ``mdat_with_one_token_tails`` pretokenizes: bytes, chunks of 8
@@ -27,6 +29,19 @@ def tiny_config(**overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def logits(model, tier=None):
+    ids = torch.arange(3, 15)[None]
+    with torch.no_grad():
+        return model(ids, tier=tier)
+
+
+def edit_manifest(source, change):
+    path = source / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
 def mdat_with_one_token_tails(path: Path, documents: int = 40) -> Path:
     """An MDAT of ``documents`` texts of 8k + 1 bytes (k = 1, 2, 3), pretokenized as
     ``TAILS_STRATEGY``: at ``max_seq_len`` 8 each document ends in a one-token sequence, which
@@ -39,6 +54,12 @@ def mdat_with_one_token_tails(path: Path, documents: int = 40) -> Path:
         mdat.add_strategy({"strategy_name": TAILS_STRATEGY, "chunk_size": 8})
         mdat.pretokenize(TAILS_STRATEGY)
     return path
+
+
+@pytest.fixture
+def universal():
+    torch.manual_seed(0)
+    return AutoregressiveModel(tiny_config()).eval()
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import local_testnet_toml
+from openapi import api_paths, response_errors
 
 from local_testnet import testnet
 from local_testnet.main import join_token_env
 from local_testnet.processes import free_port
 from modeling.mdat import build_default_mdat
-from tests.openapi import api_paths, response_errors
-from tests.test_local_testnet import write_toml
 
 STATIC = Path(__file__).resolve().parents[1] / "server" / "static"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -104,7 +104,7 @@ class LiveRun:
 
     def __init__(self, tmp_path: Path) -> None:
         build_default_mdat(tmp_path / "d.mdat", limit=150).close()
-        config = write_toml(tmp_path / "run.toml", deadline=20.0, rounds=ROUNDS)
+        config = local_testnet_toml(tmp_path / "run.toml", deadline=20.0, rounds=ROUNDS)
         grpc_port, http_port = free_port(), free_port()
         while http_port == grpc_port:
             http_port = free_port()

@@ -10,7 +10,8 @@ import time
 
 import pytest
 import torch
-from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
+from conftest import TAILS_STRATEGY, mdat_with_one_token_tails
+from helpers import run_tables, write_run_toml
 
 from client.connection import PublishedCheckpoint
 from client.errors import DataMismatch, ReplicaDiverged
@@ -26,7 +27,6 @@ from modeling.training import TierSchedule, train_step_on_examples
 from server.config import RunConfig
 from server.ledger import audit_run
 from server.main import RunningServer
-from tests.test_server_service import toml_value
 
 TOKEN = "federated-test-token"
 UP = "model.layers.0.mlp.up_proj.weight"
@@ -43,40 +43,17 @@ def mdat(tmp_path_factory):
 def start(tmp_path, mdat, *, min_clients=1, rounds=3, encoding="dct", rule="sign", lr=0.01,
           tokens_per_round=1024, deadline_s=30.0, every=100, tiers=(0, 1, 2),
           strategy=DEFAULT_STRATEGY["strategy_name"], max_seq_len=128, **compression):
-    model = dataclasses.asdict(tiny_config(vocab_size=260, max_position_embeddings=128))
-    extra = "".join(f"{k} = {toml_value(v)}\n" for k, v in compression.items())
-    (tmp_path / "run.toml").write_text(f"""
-[run]
-id = "fed"
-dir = "run"
-[model]
-inline = {toml_value(model)}
-[data]
-path = "{mdat}"
-strategy = "{strategy}"
-max_seq_len = {max_seq_len}
-[tiers]
-allowed = {list(tiers)}
-[round]
-min_clients = {min_clients}
-deadline_s = {deadline_s}
-tokens_per_round = {tokens_per_round}
-rounds = {rounds}
-[update]
-rule = "{rule}"
-lr = {lr}
-schedule = "constant"
-[compression]
-encoding = "{encoding}"
-{extra}
-[checkpoint]
-every_rounds = {every}
-[auth]
-join_token = "{TOKEN}"
-""")
-    server = RunningServer.start(RunConfig.load(tmp_path / "run.toml"), grpc_port=0,
-                                 http_port=0)
-    return server
+    tables = run_tables(
+        mdat, run={"id": "fed", "dir": "run"},
+        data={"path": str(mdat), "strategy": strategy, "max_seq_len": max_seq_len},
+        tiers={"allowed": list(tiers)},
+        round={"min_clients": min_clients, "deadline_s": deadline_s,
+               "tokens_per_round": tokens_per_round, "rounds": rounds},
+        update={"rule": rule, "lr": lr, "schedule": "constant"},
+        compression={"encoding": encoding, **compression},
+        checkpoint={"every_rounds": every}, auth={"join_token": TOKEN})
+    return RunningServer.start(RunConfig.load(write_run_toml(tmp_path / "run.toml", tables)),
+                               grpc_port=0, http_port=0)
 
 
 def client(server, tmp_path, name, tier=None, **options):
@@ -144,7 +121,7 @@ def test_one_client_dense_sgd_equals_standalone_sgd(tmp_path, mdat):
     """The backbone (docs/architecture.md, "One round"): compression dense + sgd + one client
     over gRPC gives exactly the weights of plain SGD on the same sequences, bit for bit."""
     lr = 0.05
-    server = start(tmp_path, mdat, encoding="none", rule="sgd", lr=lr, rounds=3,
+    server = start(tmp_path, mdat, encoding="dense", rule="sgd", lr=lr, rounds=3,
                    value_dtype="float32")
     try:
         federated = Recording(client(server, tmp_path, "solo", tier=0).options,
@@ -361,7 +338,7 @@ def test_bad_results_are_refused_over_grpc_and_change_nothing(tmp_path, mdat, fa
     from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
     from protocol.submission import submission_messages
 
-    server = start(tmp_path, mdat, encoding="none", rule="sgd", rounds=2)
+    server = start(tmp_path, mdat, encoding="dense", rule="sgd", rounds=2)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     try:
         stub, c = pb_grpc.CoordinatorStub(channel), server.service.coordinator

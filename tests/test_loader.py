@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import edit_manifest, logits, tiny_config
 
 from modeling import AutoregressiveModel
 from modeling.checkpoint import save_pretrained
@@ -32,12 +32,6 @@ from modeling.naming import canonical_names
 
 
 @pytest.fixture
-def universal():
-    torch.manual_seed(0)
-    return AutoregressiveModel(tiny_config()).eval()
-
-
-@pytest.fixture
 def exported(tmp_path, universal):
     source = save_pretrained(universal, tmp_path / "tiny", max_shard_bytes=8_000)
     (source / "tokenizer.json").write_text("{}")
@@ -49,19 +43,6 @@ def tier_file(source, tier, number):
     """The repository path of the ``number``-th weights shard of ``tier`` in the manifest."""
     files = json.loads((source / MANIFEST_NAME).read_text())["tiers"][tier]["files"]
     return normalize(files[1 + number], source.name)
-
-
-def logits(model, tier=None):
-    ids = torch.arange(3, 15)[None]
-    with torch.no_grad():
-        return model(ids, tier=tier)
-
-
-def edit_manifest(source, change):
-    path = source / MANIFEST_NAME
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
 
 
 @pytest.mark.parametrize(

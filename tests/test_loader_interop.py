@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import edit_manifest, logits, tiny_config
 
 from modeling import AutoregressiveModel
 from modeling.checkpoint import save_pretrained
@@ -30,9 +30,6 @@ from modeling.errors import (
     SliceMismatch,
 )
 from scripts.export_matformer_tiers import main as export_main
-from tests.test_loader import edit_manifest, logits, universal
-
-__all__ = ["universal"]  # the fixture, shared with test_loader
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import local_testnet_toml
 
 from local_testnet.chaos import SERVER, chaos_plan
 from local_testnet.report import (
@@ -105,50 +106,6 @@ def test_summary_holds_the_table_numbers(tmp_path):
 
 # -- matformer-server --set ------------------------------------------------------------------
 
-RUN_TOML = """\
-[run]
-id = "t"
-dir = "run"
-
-[model.inline]
-vocab_size = 260
-hidden_size = 32
-num_hidden_layers = 1
-num_attention_heads = 2
-num_key_value_heads = 1
-intermediate_size = 64
-max_position_embeddings = 128
-
-[data]
-path = "{data}"
-max_seq_len = 128
-
-[tiers]
-allowed = [0, 1]
-
-[round]
-min_clients = 2
-deadline_s = {deadline}
-tokens_per_round = {tokens}
-rounds = {rounds}
-
-[update]
-rule = "sign"
-lr = 0.005
-
-[auth]
-{auth}
-"""
-
-
-def write_toml(path: Path, *, data: str = "d.mdat", deadline: float = 60.0, tokens: int = 1024,
-               rounds: int = 5, auth: str = 'join_token = "secret-token-for-tests"',
-               extra: str = "") -> Path:
-    path.write_text(RUN_TOML.format(data=data, deadline=deadline, tokens=tokens, rounds=rounds,
-                                    auth=auth) + extra)
-    return path
-
-
 def test_parse_override_reads_toml_values_and_bare_words():
     assert parse_override("round.rounds=5") == (["round", "rounds"], 5)
     assert parse_override("tiers.allowed=[0, 1]") == (["tiers", "allowed"], [0, 1])
@@ -161,7 +118,7 @@ def test_parse_override_reads_toml_values_and_bare_words():
 
 
 def test_override_takes_effect(tmp_path):
-    path = write_toml(tmp_path / "run.toml")
+    path = local_testnet_toml(tmp_path / "run.toml")
     config = load_config(path, ["round.rounds=7", "server.grpc_port=7100",
                                 "model.inline.hidden_size=64", 'run.dir="other"'])
     assert config.round.rounds == 7 and config.server.grpc_port == 7100
@@ -172,19 +129,19 @@ def test_override_takes_effect(tmp_path):
 
 def test_typo_in_an_override_reads_like_a_typo_in_the_file(tmp_path):
     with pytest.raises(UnknownKey) as from_file:
-        load_config(write_toml(tmp_path / "typo.toml", extra="\n[checkpoint]\nevry_rounds = 2\n"))
+        load_config(local_testnet_toml(tmp_path / "typo.toml", checkpoint={"evry_rounds": 2}))
     with pytest.raises(UnknownKey) as from_set:
-        load_config(write_toml(tmp_path / "run.toml"), ["checkpoint.evry_rounds=2"])
+        load_config(local_testnet_toml(tmp_path / "run.toml"), ["checkpoint.evry_rounds=2"])
     assert str(from_set.value) == str(from_file.value)
     assert "did you mean 'every_rounds'" in str(from_set.value)
     with pytest.raises(UnknownKey, match="valid keys: run, model"):
-        load_config(write_toml(tmp_path / "run.toml"), ["rond.rounds=2"])
+        load_config(local_testnet_toml(tmp_path / "run.toml"), ["rond.rounds=2"])
     with pytest.raises(WrongType, match=r"round\.rounds is not a table"):
-        load_config(write_toml(tmp_path / "run.toml"), ["round.rounds.x=2"])
+        load_config(local_testnet_toml(tmp_path / "run.toml"), ["round.rounds.x=2"])
 
 
 def test_server_refuses_a_bad_override_before_serving(tmp_path, capsys):
-    path = write_toml(tmp_path / "run.toml")
+    path = local_testnet_toml(tmp_path / "run.toml")
     assert server_main(["--config", str(path), "--set", "round.roundz=3"]) == 2
     assert "has no key 'roundz'; did you mean 'rounds'?" in capsys.readouterr().err
 
@@ -196,8 +153,8 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path):
     # The restarted client proves its name with the session it saved, so the coordinator
     # hands its sequences back at once and client-0 goes on alone: rounds slowed by a WAN's
     # latency leave the restarted one time to load, rejoin and train again.
-    config = write_toml(tmp_path / "run.toml", deadline=8.0, tokens=1024, rounds=8,
-                        auth='join_token_env = "TESTNET_JOIN_TOKEN"')
+    config = local_testnet_toml(tmp_path / "run.toml", deadline=8.0, tokens=1024, rounds=8,
+                                auth={"join_token_env": "TESTNET_JOIN_TOKEN"})
     env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
     result = subprocess.run(
         [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
@@ -233,11 +190,11 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path):
 
 def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path):
     build_default_mdat(tmp_path / "d.mdat", limit=10).close()  # small: the run passes it over
-    faults = "\n[faults]\nheartbeat_s = 0.5\nheartbeat_timeout_s = 3.0\n"
+    faults = {"heartbeat_s": 0.5, "heartbeat_timeout_s": 3.0}
     # 30 short rounds: the server's kill (round 18 of this seed's plan) comes well after the
     # clients' and well before the end, however fast rounds run
-    config = write_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=30,
-                        extra=faults)
+    config = local_testnet_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=30,
+                                faults=faults)
     seed = 3
     planned = chaos_plan(seed, rounds=30, clients=["client-0", "client-1"])
     assert [e.target for e in planned].count(SERVER) == 1 and planned[2].round == 18

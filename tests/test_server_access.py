@@ -16,6 +16,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from certs import self_signed
+from helpers import JOIN_TOKEN, OPERATOR_TOKEN, checked_tables, served_run_toml
+from wire import code_of, join_request
 
 from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
@@ -24,20 +27,6 @@ from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from server.config import RunConfig
 from server.errors import ConflictingKeys, InvalidValue, MissingKey, MissingSecret
 from server.main import RunningServer, bind_host
-from tests.certs import self_signed
-from tests.test_server_service import JOIN_TOKEN, code_of, join_request, write_run_toml
-
-OPERATOR_TOKEN = "operator-secret"
-AUTH_TABLE = f'[auth]\njoin_token = "{JOIN_TOKEN}"\n'
-MODEL = {"vocab_size": 260, "hidden_size": 64, "num_attention_heads": 4,
-         "intermediate_size": 256, "max_position_embeddings": 256}
-
-
-def run_config(**changes) -> dict:
-    """A small run.toml as data, with whole sections (or ``auth``'s shorthand) replaced."""
-    return {"run": {"id": "r1", "dir": "out"}, "model": {"inline": dict(MODEL)},
-            "data": {"path": "data.mdat"}, "round": {"rounds": 10},
-            "auth": {"join_token": JOIN_TOKEN}, **changes}
 
 
 def listening_addresses(port: int) -> set[str]:
@@ -76,9 +65,8 @@ def secured(tmp_path_factory):
     """A run with a join token, an operator token and TLS on both servers."""
     folder = tmp_path_factory.mktemp("secured")
     cert, _ = self_signed(folder)
-    path = write_run_toml(folder)
-    path.write_text(path.read_text().replace(AUTH_TABLE, AUTH_TABLE + (
-        f'operator_token = "{OPERATOR_TOKEN}"\n[tls]\ncert = "cert.pem"\nkey = "key.pem"\n')))
+    auth = {"join_token": JOIN_TOKEN, "operator_token": OPERATOR_TOKEN}
+    path = served_run_toml(folder, auth=auth, tls={"cert": "cert.pem", "key": "key.pem"})
     server = RunningServer.start(RunConfig.load(path), grpc_port=0, http_port=0)
     assert server.wait_until_http_ready()
     credentials = grpc.ssl_channel_credentials(cert.read_bytes())
@@ -94,9 +82,7 @@ def secured(tmp_path_factory):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the listening sockets in /proc/net")
 def test_auth_none_joins_anyone_on_loopback_only(tmp_path, caplog):
-    path = write_run_toml(tmp_path)
-    path.write_text('auth = "none"\n' + path.read_text().replace(
-        AUTH_TABLE, '[server]\nhost = "0.0.0.0"\n'))
+    path = served_run_toml(tmp_path, auth="none", server={"host": "0.0.0.0"})
     config = RunConfig.load(path)
     assert config.auth.mode == "none" and config.server.host == "0.0.0.0"
     with caplog.at_level(logging.WARNING, logger="matformer.server"):
@@ -128,7 +114,7 @@ def test_auth_none_joins_anyone_on_loopback_only(tmp_path, caplog):
                                              ("localhost", "127.0.0.1"), ("::1", "::1"),
                                              ("127.0.0.1", "127.0.0.1")])
 def test_auth_none_bind_host(host, bound, caplog):
-    config = RunConfig.from_dict(run_config(auth="none", server={"host": host}))
+    config = RunConfig.from_dict(checked_tables(auth="none", server={"host": host}))
     with caplog.at_level(logging.WARNING, logger="matformer.server"):
         assert bind_host(config) == bound
     (warning,) = caplog.records
@@ -140,7 +126,7 @@ def test_auth_none_bind_host(host, bound, caplog):
     ("localhost", False), ("::1", False), ("127.0.0.1", False), ("127.0.0.2", False)])
 def test_a_host_beyond_loopback_without_tls_is_warned_about(host, beyond_loopback, tmp_path,
                                                             caplog):
-    plaintext = RunConfig.from_dict(run_config(server={"host": host}))
+    plaintext = RunConfig.from_dict(checked_tables(server={"host": host}))
     with caplog.at_level(logging.WARNING, logger="matformer.server"):
         assert bind_host(plaintext) == host
     warnings = [r.getMessage() for r in caplog.records]
@@ -151,8 +137,8 @@ def test_a_host_beyond_loopback_without_tls_is_warned_about(host, beyond_loopbac
     caplog.clear()
     (tmp_path / "cert.pem").write_text("cert")
     (tmp_path / "key.pem").write_text("key")
-    tls = RunConfig.from_dict(run_config(server={"host": host},
-                                         tls={"cert": "cert.pem", "key": "key.pem"}),
+    tls = RunConfig.from_dict(checked_tables(server={"host": host},
+                                             tls={"cert": "cert.pem", "key": "key.pem"}),
                               base=tmp_path)
     with caplog.at_level(logging.WARNING, logger="matformer.server"):
         assert bind_host(tls) == host
@@ -228,22 +214,22 @@ def test_read_routes_refuse_writes(secured, method):
 
 
 def test_auth_config_round_trips():
-    for data in (run_config(auth="none"), run_config(auth={"mode": "none"}),
-                 run_config(auth={"join_token": JOIN_TOKEN, "operator_token": OPERATOR_TOKEN})):
+    for data in (checked_tables(auth="none"), checked_tables(auth={"mode": "none"}),
+                 checked_tables(auth={"join_token": JOIN_TOKEN, "operator_token": OPERATOR_TOKEN})):
         config = RunConfig.from_dict(data)
         assert RunConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
-    none = RunConfig.from_dict(run_config(auth="none"))
+    none = RunConfig.from_dict(checked_tables(auth="none"))
     assert none.to_dict()["auth"] == {"mode": "none"} and none.auth.operator() is None
     with pytest.raises(InvalidValue, match=r'mode = "none" has no join token'):
         none.auth.token()
-    secured = RunConfig.from_dict(run_config(auth={"join_token": JOIN_TOKEN,
-                                                   "operator_token": OPERATOR_TOKEN}))
+    secured = RunConfig.from_dict(checked_tables(auth={"join_token": JOIN_TOKEN,
+                                                       "operator_token": OPERATOR_TOKEN}))
     assert secured.auth.operator() == OPERATOR_TOKEN and secured.auth.token() == JOIN_TOKEN
     assert OPERATOR_TOKEN not in repr(secured)
 
 
 def test_operator_token_from_the_environment(monkeypatch):
-    data = run_config(auth={"join_token": JOIN_TOKEN, "operator_token_env": "MATFORMER_OP"})
+    data = checked_tables(auth={"join_token": JOIN_TOKEN, "operator_token_env": "MATFORMER_OP"})
     with pytest.raises(MissingSecret, match=r"operator_token_env names \$MATFORMER_OP, which "):
         RunConfig.from_dict(data)
     monkeypatch.setenv("MATFORMER_OP", OPERATOR_TOKEN)
@@ -268,4 +254,4 @@ def test_operator_token_from_the_environment(monkeypatch):
 ])
 def test_auth_config_errors(auth, error, pattern):
     with pytest.raises(error, match=pattern):
-        RunConfig.from_dict(run_config(auth=auth))
+        RunConfig.from_dict(checked_tables(auth=auth))

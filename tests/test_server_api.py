@@ -12,6 +12,9 @@ import urllib.request
 import grpc
 import pytest
 import torch
+from helpers import JOIN_TOKEN, OPERATOR_TOKEN, served_run_toml
+from openapi import api_paths, response_errors
+from wire import http_get, join_request
 
 from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
@@ -22,12 +25,10 @@ from server.api import WITHHELD, hide_paths, rounds_info
 from server.config import RunConfig
 from server.main import RunningServer
 from server.state import RunState
-from tests.openapi import api_paths, response_errors
-from tests.test_server_service import JOIN_TOKEN, http_get, join_request, write_run_toml
 
 API = ("/api/run", "/api/clients", "/api/loss", "/api/rounds", "/api/events",
        "/api/dashboard")
-OPERATOR_TOKEN = "operator-secret"
+OPERATED = {"join_token": JOIN_TOKEN, "operator_token": OPERATOR_TOKEN}  # [auth] with an operator
 
 
 def compressed(coordinator, client_id, salt: float) -> list:
@@ -70,20 +71,12 @@ def get_as(server, path: str, token: str) -> tuple[int, dict]:
         return err.code, json.loads(err.read())
 
 
-def with_operator_token(toml):
-    """The run.toml at ``toml``, given an operator token; returns ``toml``."""
-    auth = f'join_token = "{JOIN_TOKEN}"'
-    toml.write_text(toml.read_text().replace(auth, f'{auth}\noperator_token = "{OPERATOR_TOKEN}"'))
-    return toml
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Round 0: alice (tier 0) and bob (tier 1) submit. Round 1: alice submits, bob leaves.
     Then carol joins and is excluded. The bytes each submission took, by round and name."""
-    toml = with_operator_token(write_run_toml(tmp_path_factory.mktemp("api")))
-    toml.write_text(toml.read_text().replace('encoding = "none"',
-                                             'encoding = "dct"\nchunk = 8\ntopk = 4'))
+    toml = served_run_toml(tmp_path_factory.mktemp("api"), auth=OPERATED,
+                           compression={"encoding": "dct", "chunk": 8, "topk": 4})
     server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
     assert server.wait_until_http_ready()
     c = server.service.coordinator
@@ -227,7 +220,7 @@ def test_a_round_record_withholds_an_exclusion_reason_but_no_other():
 
 
 def test_no_answer_holds_a_path_of_this_machine(tmp_path):
-    server = RunningServer.start(RunConfig.load(with_operator_token(write_run_toml(tmp_path))),
+    server = RunningServer.start(RunConfig.load(served_run_toml(tmp_path, auth=OPERATED)),
                                  grpc_port=0, http_port=0)
     try:
         assert server.wait_until_http_ready()
@@ -332,7 +325,7 @@ def test_a_silent_member_shows_as_silent_and_a_joined_one_with_its_device(run):
 
 
 def test_device_name_and_memory_come_from_the_join(tmp_path):
-    toml = write_run_toml(tmp_path, min_clients=3)
+    toml = served_run_toml(tmp_path, min_clients=3)
     server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
     try:
         assert server.wait_until_http_ready()

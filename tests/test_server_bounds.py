@@ -6,7 +6,6 @@ submission's header checked before its results, one result per parameter at most
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import socket
 import subprocess
 import sys
@@ -18,6 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from helpers import served_run_toml
+from rounds import flat_results
+from wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, joined, serving
 
 from modeling.compression import CompressionConfig
 from protocol.auth import session_metadata
@@ -27,43 +29,7 @@ from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import encode_sparse_result
 from protocol.submission import submission_messages
 from server.call_slots import CallLimits, CallSlots
-from server.config import RunConfig
 from server.errors import NoStreamSlot, StaleRound, StreamIdle, TooManyCalls
-from server.main import RunningServer
-from tests.test_server_service import code_of, join_request, write_run_toml
-from tests.test_server_service import results as dense_results
-
-HONEST_TIMEOUT_S = 5.0  # what an honest call is given, client side
-
-
-@contextlib.contextmanager
-def serving(tmp_path, limits: CallLimits | None = None) -> Iterator[tuple[RunningServer, object]]:
-    """A one-client run (the first member to join trains round 0 alone) and a stub."""
-    config = RunConfig.load(write_run_toml(tmp_path, min_clients=1))
-    if limits is not None:
-        config = dataclasses.replace(config, faults=dataclasses.replace(
-            config.faults, max_calls_per_member=limits.per_member,
-            max_streams_per_member=limits.streams_per_member, max_streams=limits.streams,
-            stream_idle_s=limits.idle_s, request_idle_s=limits.request_s))
-    server = RunningServer.start(config, grpc_port=0, http_port=0)
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
-    try:
-        yield server, pb_grpc.CoordinatorStub(channel)
-    finally:
-        channel.close()
-        server.stop()
-
-
-def joined(stub, server, name: str) -> tuple[pb.JoinReply, tuple, pb.RoundAssignment]:
-    reply = stub.Join(join_request(server, name=name), timeout=HONEST_TIMEOUT_S)
-    auth = session_metadata(reply.session_token)
-    return reply, auth, stub.GetRound(pb.GetRoundRequest(), metadata=auth)
-
-
-def header_of(member: pb.JoinReply, work: pb.RoundAssignment, **changes) -> pb.SubmitHeader:
-    fields = {"round": work.round, "client_id": member.client_id, "loss": 2.0,
-              "assignment_id": work.assignment_id, **changes}
-    return pb.SubmitHeader(**fields)
 
 
 def stalled(header: pb.SubmitHeader, release: threading.Event) -> Iterator[pb.SubmitMessage]:
@@ -159,7 +125,7 @@ def test_a_stream_that_waits_on_its_peer_is_ended_with_its_reason(tmp_path):
         # nothing of it was kept, it is not counted, and the slot is free: a submission passes
         c = server.service.coordinator
         accepted = stub.SubmitResult(submission_messages(header_of(mallory, work),
-                                                         dense_results(c, mallory.client_id)),
+                                                         flat_results(c, mallory.client_id)),
                                      metadata=auth, timeout=HONEST_TIMEOUT_S)
         assert accepted.accepted == len(c.shapes) and c.state.round == 1
 
@@ -233,11 +199,11 @@ def test_a_header_is_checked_before_any_result_is_read(tmp_path):
         code, details = submit(header_of(mallory, work, round=7), garbage)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "round 7" in details
         c = server.service.coordinator
-        good = [encode_sparse_result(r) for r in dense_results(c, mallory.client_id)]
+        good = [encode_sparse_result(r) for r in flat_results(c, mallory.client_id)]
         assert submit(header_of(mallory, work), good[:1] * 2)[0] == (
             grpc.StatusCode.INVALID_ARGUMENT)  # a result twice: the header was fine
         stub.SubmitResult(submission_messages(header_of(mallory, work),
-                                              dense_results(c, mallory.client_id)),
+                                              flat_results(c, mallory.client_id)),
                           metadata=auth)
         code, details = submit(header_of(mallory, work), garbage)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "round 0" in details
@@ -276,7 +242,7 @@ def tiny_results(header: pb.SubmitHeader, count: int) -> Iterator[pb.SubmitMessa
 def test_a_stream_of_tiny_results_is_refused_early_with_bounded_memory(tmp_path):
     """200,000 tiny results (14 MB on the wire) decode to ~450 MiB of tensors: the server, a
     child process here, refuses the stream at result len(shapes) + 1 and barely grows."""
-    path = write_run_toml(tmp_path, min_clients=1)
+    path = served_run_toml(tmp_path, min_clients=1)
     grpc_port, http_port = free_ports(2)
     with open(tmp_path / "server.log", "w") as log:
         child = subprocess.Popen(

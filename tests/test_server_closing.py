@@ -7,9 +7,12 @@ import dataclasses
 import threading
 
 import pytest
+from helpers import Clock, run_config
+from rounds import caps, disk_full, drive, flat_results, results, same
+from wire import header_of, joined, serving
 
-import modeling.compression.update as update_module
 import server.checkpoints as checkpoints_module
+import server.update_steps as update_steps_module
 from modeling.compression import CoefficientStep, CompressionConfig
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.submission import submission_messages
@@ -18,10 +21,6 @@ from server.coordinator import Coordinator
 from server.errors import RunDirectoryUnavailable
 from server.update_cache import UpdateCache
 from server.update_log import UpdateLog
-from tests.test_server_bounds import header_of, joined, serving
-from tests.test_server_core import Clock, caps, drive, results, run_config, same
-from tests.test_server_hostile import disk_full
-from tests.test_server_service import results as dense_results
 
 UP = "model.layers.0.mlp.up_proj.weight"
 WAIT_S = 30.0  # a generous bound on a wait that, with the lock taken, would never end
@@ -32,14 +31,14 @@ def test_calls_are_answered_while_a_close_is_under_way(tmp_path, mdat_path, monk
     a = c.join(caps("a"))[0].client_id
     b = c.join(caps("b"))[0].client_id
     entered, release = threading.Event(), threading.Event()
-    real = update_module.aggregate
+    real = update_steps_module.aggregate
 
     def slow(results, **kwargs):  # the close's heavy part, held until the test lets it go
         entered.set()
         release.wait(WAIT_S)
         return real(results, **kwargs)
 
-    monkeypatch.setattr(update_module, "aggregate", slow)
+    monkeypatch.setattr(update_steps_module, "aggregate", slow)
     c.submit(a, 0, results(c, a))
     closer = threading.Thread(target=c.submit, args=(b, 0, results(c, b)))
     closer.start()  # b's submission completes the round: this thread closes it
@@ -132,7 +131,7 @@ def test_a_second_download_of_a_round_does_not_read_the_log(tmp_path):
         c = server.service.coordinator
         for _ in range(2):
             stub.SubmitResult(submission_messages(header_of(member, work),
-                                                  dense_results(c, member.client_id)),
+                                                  flat_results(c, member.client_id)),
                               metadata=auth, timeout=10)
             work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
         first = list(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0), metadata=auth,

@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers import CHECKED_MODEL as MODEL
+from helpers import checked_tables
 
 from modeling.checkpoint.hf_config import is_llama_shaped
 from modeling.compression import CompressionConfig
@@ -40,8 +42,6 @@ from server.tables import table_of
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "run.toml"
 TOKEN = "s3cret-join-token"
-MODEL = {"vocab_size": 260, "hidden_size": 64, "num_attention_heads": 4,
-         "intermediate_size": 256, "max_position_embeddings": 256}
 
 
 @pytest.fixture(autouse=True)
@@ -50,16 +50,9 @@ def join_token(monkeypatch):
 
 
 def minimal(**changes: dict) -> dict:
-    """The smallest valid run.toml as data, with whole sections replaced by ``changes``."""
-    data = {
-        "run": {"id": "r1", "dir": "out"},
-        "model": {"inline": dict(MODEL)},
-        "data": {"path": "data.mdat"},
-        "round": {"rounds": 10},
-        "auth": {"join_token_env": "MATFORMER_JOIN_TOKEN"},
-    }
-    data.update(changes)
-    return data
+    """The smallest valid run.toml as data, its join token from the environment, with whole
+    sections replaced by ``changes``."""
+    return checked_tables(**{"auth": {"join_token_env": "MATFORMER_JOIN_TOKEN"}, **changes})
 
 
 def with_keys(section: str, **keys) -> dict:

@@ -11,11 +11,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import Clock, run_config
+from rounds import caps, drive, gradient, results, same
 
 from modeling.checkpoint.files import read_weights
-from modeling.compression import CompressionConfig, SparseResult, region_shape
-from server.config import RunConfig
 from server.coordinator import Coordinator
 from server.errors import (
     BadResult,
@@ -26,69 +25,12 @@ from server.errors import (
     UpdatesPruned,
     WrongRegion,
 )
-from server.tiers import Capabilities
 
 UP = "model.layers.0.mlp.up_proj.weight"  # (intermediate, hidden): tiers narrow its rows
-DENSE = CompressionConfig(encoding="dense").build()
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def run_config(run_dir, mdat_path, **round_overrides) -> RunConfig:
-    model = dataclasses.asdict(tiny_config(vocab_size=260, max_position_embeddings=128))
-    model = {k: v for k, v in model.items() if v is not None}
-    return RunConfig.from_dict({
-        "run": {"id": "test", "dir": str(run_dir)},
-        "model": {"inline": model},
-        "data": {"path": str(mdat_path), "max_seq_len": 128},
-        "tiers": {"allowed": [0, 1]},
-        "round": {"min_clients": 1, "deadline_s": 10.0, "tokens_per_round": 1024,
-                  "rounds": 20, **round_overrides},
-        "update": {"rule": "sgd", "lr": 0.1, "schedule": "constant"},
-        "checkpoint": {"every_rounds": 2},
-        "compression": {"encoding": "none"},  # the tests submit dense results
-        "auth": {"join_token": "secret"},
-    })
-
-
-def caps(name: str, tier: int = 0, tps: float = 1000.0) -> Capabilities:
-    return Capabilities(name=name, device_kind="cpu", memory_bytes=2**34, requested_tier=tier,
-                        tokens_per_second=tps, microbatch_tokens=128)
-
-
-def gradient(coordinator: Coordinator, name: str, round_index: int, salt: int = 0):
-    """A deterministic universal-shape 'gradient' per (parameter, round, client salt)."""
-    gen = torch.Generator().manual_seed(hash((name, round_index, salt)) % 2**31)
-    return torch.randn(coordinator.shapes[name], generator=gen)
-
-
-def results(coordinator, client_id, *, salt=0, names=None, tokens=None) -> list[SparseResult]:
-    """Dense results of one client at its tier, for every (or the named) parameter."""
-    assignment = coordinator.assignment_for(client_id)
-    regions = coordinator.regions(assignment.tier)
-    out = []
-    for name in names or sorted(coordinator.shapes):
-        grad = gradient(coordinator, name, assignment.round, salt)
-        region = regions[name]
-        values = grad[tuple(slice(a, b) for a, b in region)]
-        assert tuple(values.shape) == region_shape(region)
-        out.append(DENSE.encode(name, values, shape=coordinator.shapes[name], region=region,
-                                tokens=tokens or assignment.tokens))
-    return out
 
 
 def snapshot(coordinator):
     return {n: t.clone() for n, t in coordinator.master.items()}
-
-
-def same(a, b) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
 def test_assignment_is_proportional_to_tokens_per_second(tmp_path, mdat_path):
@@ -208,14 +150,6 @@ def test_sgd_dense_one_client_is_master_minus_lr_grad(tmp_path, mdat_path):
         assert torch.equal(weight, torch.add(before[name], gradient(c, name, 0), alpha=-lr))
     logged = c.log.read(0)
     assert logged.hashes == c.tier_hashes(c.config.tiers.allowed) and logged.update.lr == lr
-
-
-def drive(c: Coordinator, clock: Clock, client_id: str, rounds: int) -> None:
-    """``rounds`` rounds of ``client_id``'s results, each checkpoint they start written."""
-    for _ in range(rounds):
-        clock.now += 1.0
-        c.submit(client_id, c.current_round.index, results(c, client_id), loss=1.0)
-        c.flush()
 
 
 def test_resume_equals_uninterrupted(tmp_path, mdat_path):

@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from helpers import Clock, run_config
+from rounds import caps, drive, events, gradient, results, same
 
 import server.checkpoints as checkpoints_module
 import server.coordinator as coordinator_module
@@ -25,7 +27,6 @@ from server.errors import (
 from server.ledger import LEDGER_NAME, TrainedLedger, audit
 from server.sections import FaultsSection
 from server.state import RunState
-from tests.test_server_core import Clock, caps, drive, gradient, results, run_config, same
 
 
 def config_with(run_dir, mdat, *, compression=None, **faults) -> RunConfig:
@@ -35,10 +36,6 @@ def config_with(run_dir, mdat, *, compression=None, **faults) -> RunConfig:
     if compression is not None:
         changes["compression"] = compression
     return dataclasses.replace(config, **changes)
-
-
-def events(c: Coordinator, kind: str) -> list[dict]:
-    return [e for e in c.state.events if e["kind"] == kind]
 
 
 # -- hung, slow and fast clients --------------------------------------------------------------
@@ -288,6 +285,9 @@ def test_the_audit_finds_lost_and_duplicated_sequences():
 
 def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
     import grpc
+    from helpers import served_run_toml
+    from rounds import flat_results
+    from wire import code_of, join_request
 
     from protocol.auth import session_metadata
     from protocol.channel import GRPC_OPTIONS
@@ -295,12 +295,9 @@ def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
     from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
     from protocol.submission import submission_messages
     from server.main import RunningServer
-    from tests.test_server_service import code_of, join_request, write_run_toml
-    from tests.test_server_service import results as dense_results
 
-    path = write_run_toml(tmp_path, min_clients=1)
-    path.write_text(path.read_text() + "\n[faults]\nmax_rejections = 3\n"
-                    "max_submission_mb = 1\n")
+    path = served_run_toml(tmp_path, min_clients=1,
+                           faults={"max_rejections": 3, "max_submission_mb": 1})
     server = RunningServer.start(RunConfig.load(path), grpc_port=0, http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     try:
@@ -312,7 +309,7 @@ def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
         seen = {}
         seen["another client's sequences"] = code_of(lambda: list(stub.FetchSequences(
             pb.FetchSequencesRequest(ids=foreign), metadata=auth)))
-        good = dense_results(c, joined.client_id)
+        good = flat_results(c, joined.client_id)
 
         def submit(results, assignment_id=work.assignment_id):
             header = pb.SubmitHeader(round=work.round, client_id=joined.client_id, loss=2.0,
@@ -323,8 +320,8 @@ def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
         big = dataclasses.replace(good[0], values=torch.zeros(600, 600),
                                   shape=(600, 600), region=((0, 600), (0, 600)))
         seen["a submission over max_submission_mb"] = code_of(lambda: submit([big]))
-        seen["a NaN value"] = code_of(lambda: submit(dense_results(c, joined.client_id,
-                                                                   poison=True)))
+        seen["a NaN value"] = code_of(lambda: submit(flat_results(c, joined.client_id,
+                                                                  poison=True)))
         seen["a third bad submission"] = code_of(lambda: submit([good[0], good[0]]))
         seen["any call once excluded"] = code_of(lambda: stub.Heartbeat(
             pb.HeartbeatRequest(), metadata=auth))

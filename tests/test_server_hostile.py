@@ -5,12 +5,13 @@ and the coordinator's share of 6)."""
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 
 import pytest
 import torch
+from helpers import Clock, run_config
+from rounds import caps, disk_full, drive, events, gradient, results, same
 
 import server.coordinator as coordinator_module
 from modeling.compression import SparseResult
@@ -28,8 +29,6 @@ from server.errors import (
 from server.ledger import TrainedLedger, audit
 from server.state import RunState
 from server.update_log import UpdateLog
-from tests.test_server_core import Clock, caps, drive, gradient, results, run_config, same
-from tests.test_server_faults import events
 
 # -- 1. weights come from the assignment, not from what a client claims -----------------------
 
@@ -221,10 +220,6 @@ def test_only_the_excluded_members_own_token_is_told_why(tmp_path, mdat_path):
 
 
 # -- 4. a run directory that cannot be written ---------------------------------------------
-
-
-def disk_full(*_, **__):
-    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 WRITES = {

@@ -12,6 +12,9 @@ import sys
 
 import grpc
 import pytest
+from helpers import Clock, run_config, served_run_toml
+from rounds import caps
+from wire import code_of, join_request
 
 from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
@@ -28,8 +31,6 @@ from server.errors import (
 )
 from server.keys import KeyFile, KeyFileError
 from server.main import RunningServer, load_config, main
-from tests.test_server_core import Clock, caps, run_config
-from tests.test_server_service import code_of, join_request, write_run_toml
 
 # -- the keys file --------------------------------------------------------------------
 
@@ -168,9 +169,7 @@ def test_joins_are_rate_limited_and_capped(tmp_path, mdat_path):
 
 
 def keys_toml(tmp_path):
-    path = write_run_toml(tmp_path, min_clients=1)
-    path.write_text(path.read_text().replace('join_token = "join-secret"', 'mode = "keys"'))
-    return path
+    return served_run_toml(tmp_path, min_clients=1, auth={"mode": "keys"})
 
 
 def test_keys_mode_over_grpc_with_keys_issued_by_the_command(tmp_path):
@@ -203,7 +202,7 @@ def test_keys_mode_over_grpc_with_keys_issued_by_the_command(tmp_path):
 
 
 def test_name_and_rate_refusals_carry_their_codes_over_grpc(tmp_path):
-    config = load_config(write_run_toml(tmp_path, min_clients=5),
+    config = load_config(served_run_toml(tmp_path, min_clients=5),
                          ["faults.max_joins_per_minute=2"])
     server = RunningServer.start(config, grpc_port=0, http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
@@ -227,7 +226,7 @@ def test_a_taken_port_is_a_named_error_not_a_traceback(tmp_path, capsys):
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     port = holder.getsockname()[1]
-    toml = write_run_toml(tmp_path)
+    toml = served_run_toml(tmp_path)
     try:
         with pytest.raises(PortUnavailable, match=f"gRPC port {port}.*choose \\[server\\]"):
             RunningServer.start(load_config(toml), grpc_port=port, http_port=0)

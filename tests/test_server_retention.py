@@ -5,13 +5,14 @@ what a resume or a loading client needs is never removed."""
 from __future__ import annotations
 
 import pytest
+from helpers import Clock, run_config
+from rounds import caps, drive, same
 
 import server.coordinator as coordinator_module
 from server.checkpoints import CheckpointStore
 from server.coordinator import Coordinator
 from server.errors import InvalidValue
 from server.sections import CheckpointSection
-from tests.test_server_core import Clock, caps, drive, run_config, same
 
 
 def folders(c: Coordinator) -> list[str]:

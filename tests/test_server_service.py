@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import http.client
 import json
-import urllib.error
-import urllib.request
 
 import grpc
 import pytest
 import torch
-from conftest import tiny_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import served_run_toml
+from rounds import flat_results
+from wire import code_of, http_get, join_request, schema_hash
 
 from modeling.checkpoint.manifest import MANIFEST_NAME
-from modeling.checkpoint.schema import canonical_schema_hash
-from modeling.compression import CompressionConfig
-from modeling.mdat import build_default_mdat
 from protocol.auth import session_metadata
 from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
 from protocol.files import receive_file
@@ -30,99 +26,16 @@ from protocol.updates import read_updates
 from server.config import RunConfig
 from server.main import RunningServer, main
 
-JOIN_TOKEN = "join-secret"
-DENSE = CompressionConfig(encoding="dense").build()
-
-
-def write_run_toml(tmp_path, min_clients: int = 2):
-    mdat = tmp_path / "docs.mdat"
-    build_default_mdat(mdat, limit=30).close()
-    model = dataclasses.asdict(tiny_config(vocab_size=260, max_position_embeddings=128))
-    inline = toml_value(model)
-    path = tmp_path / "run.toml"
-    path.write_text(f"""
-[run]
-id = "svc-test"
-dir = "run"
-
-[model]
-inline = {inline}
-
-[data]
-path = "docs.mdat"
-max_seq_len = 128
-
-[tiers]
-allowed = [0, 1]
-
-[round]
-min_clients = {min_clients}
-deadline_s = 30.0
-tokens_per_round = 1024
-rounds = 5
-
-[update]
-rule = "sgd"
-lr = 0.1
-schedule = "constant"
-
-[compression]
-encoding = "none"
-
-[auth]
-join_token = "{JOIN_TOKEN}"
-""")
-    return path
-
-
-def toml_value(value) -> str:
-    """An inline TOML value; None entries of tables are left out (TOML has no null)."""
-    if isinstance(value, dict):
-        pairs = (f"{k} = {toml_value(v)}" for k, v in value.items() if v is not None)
-        return "{ " + ", ".join(pairs) + " }"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return json.dumps(value)
-
 
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
-    config = RunConfig.load(write_run_toml(tmp_path_factory.mktemp("svc")))
+    config = RunConfig.load(served_run_toml(tmp_path_factory.mktemp("svc")))
     server = RunningServer.start(config, grpc_port=0, http_port=0)
     assert server.wait_until_http_ready()
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     yield server, pb_grpc.CoordinatorStub(channel), channel
     channel.close()
     server.stop()
-
-
-def schema_hash(server) -> str:
-    c = server.service.coordinator
-    return canonical_schema_hash(c.model_config, c.shapes)
-
-
-def join_request(server, *, token=JOIN_TOKEN, schema=None, name="alice") -> pb.JoinRequest:
-    return pb.JoinRequest(
-        run_id="svc-test", join_token=token, client_name=name,
-        capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**34, requested_tier=0,
-                                     tokens_per_second=1000.0, load_strategy="auto"),
-        schema=pb.Schema(canonical_hash=schema_hash(server) if schema is None else schema))
-
-
-def code_of(call) -> tuple[grpc.StatusCode, str]:
-    """The status a call ends with (streaming calls: the lambda drains the stream)."""
-    with pytest.raises(grpc.RpcError) as err:
-        call()
-    return err.value.code(), err.value.details()
-
-
-def http_get(server, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}{path}",
-                                    timeout=5) as reply:
-            return reply.status, reply.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
 
 
 def test_join_rejections(running):
@@ -179,7 +92,7 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
 
     # A NaN in a result: INVALID_ARGUMENT, and neither the master nor the round changes.
     before = {n: t.clone() for n, t in c.master.items()}
-    bad = results(c, alice.client_id, poison=True)
+    bad = flat_results(c, alice.client_id, poison=True)
     header = pb.SubmitHeader(round=0, client_id=alice.client_id, tokens=1, loss=3.0,
                              assignment_id=work.assignment_id)
     code, details = code_of(lambda: stub.SubmitResult(submission_messages(header, bad),
@@ -190,11 +103,11 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
     # Someone else's client id in the header: refused too.
     code, _ = code_of(lambda: stub.SubmitResult(
         submission_messages(pb.SubmitHeader(round=0, client_id=bob.client_id, loss=3.0),
-                            results(c, alice.client_id)), metadata=auth_a))
+                            flat_results(c, alice.client_id)), metadata=auth_a))
     assert code == grpc.StatusCode.PERMISSION_DENIED
 
     for reply, auth, loss in ((alice, auth_a, 3.0), (bob, auth_b, 4.0)):
-        good = results(c, reply.client_id)
+        good = flat_results(c, reply.client_id)
         assigned = stub.GetRound(pb.GetRoundRequest(), metadata=auth).assignment_id
         header = pb.SubmitHeader(round=0, client_id=reply.client_id, loss=loss,
                                  assignment_id=assigned)
@@ -204,7 +117,7 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
     stale = stub.SubmitResult
     assert code_of(lambda: stale(submission_messages(
         pb.SubmitHeader(round=0, client_id=alice.client_id, loss=1.0),
-        results(c, alice.client_id)), metadata=auth_a))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        flat_results(c, alice.client_id)), metadata=auth_a))[0] == grpc.StatusCode.INVALID_ARGUMENT
 
     (update,) = read_updates(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0),
                                              metadata=auth_a), tier=0)
@@ -272,17 +185,3 @@ def test_head_on_files_answers_like_get_without_the_body(running):
 def test_main_reports_a_bad_config(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "missing.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
-
-
-def results(coordinator, client_id, *, poison=False):
-    """Dense results of one client at its tier for every parameter; one NaN if ``poison``."""
-    assignment = coordinator.assignment_for(client_id)
-    regions = coordinator.regions(assignment.tier)
-    out = []
-    for name in sorted(coordinator.shapes):
-        values = torch.full([b - a for a, b in regions[name]], 0.01)
-        if poison and not out:
-            values.view(-1)[0] = float("nan")
-        out.append(DENSE.encode(name, values, shape=coordinator.shapes[name],
-                                region=regions[name], tokens=assignment.tokens))
-    return out

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers import JOIN_TOKEN, served_run_toml
+from wire import code_of, http_get
 
 import server.served_files
 from client.checkpoints import DOWNLOAD_ATTEMPTS, CheckpointFiles
@@ -20,14 +22,13 @@ from protocol.files import receive_file
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from server.config import RunConfig
 from server.main import RunningServer
-from tests.test_server_service import JOIN_TOKEN, code_of, http_get, write_run_toml
 
 SLICE = "round-0-tier1/model.safetensors"  # listed only as ../round-0-tier1/... in round-0's
 
 
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
-    config = RunConfig.load(write_run_toml(tmp_path_factory.mktemp("transit")))
+    config = RunConfig.load(served_run_toml(tmp_path_factory.mktemp("transit")))
     server = RunningServer.start(config, grpc_port=0, http_port=0)
     assert server.wait_until_http_ready()
     connection = Connection(f"127.0.0.1:{server.grpc_port}", patience_s=5.0)

@@ -1,0 +1,76 @@
+"""A coordinator driven in-process, as the server tests drive it: members' capabilities,
+dense results of an assignment, whole rounds, and a disk that is full."""
+
+from __future__ import annotations
+
+import errno
+
+import torch
+from helpers import Clock
+
+from modeling.compression import CompressionConfig, SparseResult, region_shape
+from server.coordinator import Coordinator
+from server.tiers import Capabilities
+
+DENSE = CompressionConfig(encoding="dense").build()
+
+
+def caps(name: str, tier: int = 0, tps: float = 1000.0) -> Capabilities:
+    return Capabilities(name=name, device_kind="cpu", memory_bytes=2**34, requested_tier=tier,
+                        tokens_per_second=tps, microbatch_tokens=128)
+
+
+def gradient(coordinator: Coordinator, name: str, round_index: int, salt: int = 0):
+    """A deterministic universal-shape 'gradient' per (parameter, round, client salt)."""
+    gen = torch.Generator().manual_seed(hash((name, round_index, salt)) % 2**31)
+    return torch.randn(coordinator.shapes[name], generator=gen)
+
+
+def results(coordinator, client_id, *, salt=0, names=None, tokens=None) -> list[SparseResult]:
+    """Dense results of one client at its tier, for every (or the named) parameter."""
+    assignment = coordinator.assignment_for(client_id)
+    regions = coordinator.regions(assignment.tier)
+    out = []
+    for name in names or sorted(coordinator.shapes):
+        grad = gradient(coordinator, name, assignment.round, salt)
+        region = regions[name]
+        values = grad[tuple(slice(a, b) for a, b in region)]
+        assert tuple(values.shape) == region_shape(region)
+        out.append(DENSE.encode(name, values, shape=coordinator.shapes[name], region=region,
+                                tokens=tokens or assignment.tokens))
+    return out
+
+
+def flat_results(coordinator, client_id, *, poison=False):
+    """Dense results of one client at its tier for every parameter, each value 0.01; one NaN
+    if ``poison``."""
+    assignment = coordinator.assignment_for(client_id)
+    regions = coordinator.regions(assignment.tier)
+    out = []
+    for name in sorted(coordinator.shapes):
+        values = torch.full([b - a for a, b in regions[name]], 0.01)
+        if poison and not out:
+            values.view(-1)[0] = float("nan")
+        out.append(DENSE.encode(name, values, shape=coordinator.shapes[name],
+                                region=regions[name], tokens=assignment.tokens))
+    return out
+
+
+def drive(c: Coordinator, clock: Clock, client_id: str, rounds: int) -> None:
+    """``rounds`` rounds of ``client_id``'s results, each checkpoint they start written."""
+    for _ in range(rounds):
+        clock.now += 1.0
+        c.submit(client_id, c.current_round.index, results(c, client_id), loss=1.0)
+        c.flush()
+
+
+def same(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def events(c: Coordinator, kind: str) -> list[dict]:
+    return [e for e in c.state.events if e["kind"] == kind]
+
+
+def disk_full(*_, **__):
+    raise OSError(errno.ENOSPC, "No space left on device")
