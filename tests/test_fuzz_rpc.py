@@ -1,4 +1,4 @@
-"""scripts/fuzz_rpc.py with a small, seeded budget: every RPC survives random and mutated
+"""tests/fuzz_rpc.py with a small, seeded budget: every RPC survives random and mutated
 requests, a refused call leaves the run as it was, and honest members complete a round
 between the cases; an accepted input that breaks a later round is a crash."""
 
@@ -10,14 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-
-from protocol.auth import session_metadata
-from protocol.channel import COORDINATOR_SERVICE
-from protocol.errors import UnsafePath
-from protocol.files import resolve_inside
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from scripts.fuzz_rpc import (
+from fuzz_rpc import (
     HONEST,
     ROUND_EVERY,
     fuzz,
@@ -26,6 +19,13 @@ from scripts.fuzz_rpc import (
     snapshot,
     valid_submission,
 )
+
+from protocol.auth import session_metadata
+from protocol.channel import COORDINATOR_SERVICE
+from protocol.errors import UnsafePath
+from protocol.files import resolve_inside
+from protocol.matformer.v1 import coordinator_pb2 as pb
+from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from server.coordinator import Coordinator
 from server.membership import Member
 from server.tiers import Capabilities, TierAssignment

@@ -1,7 +1,7 @@
 """Fuzz every Coordinator RPC with random and mutated messages against a real server on
 loopback: the server must never crash, and a call it rejects must leave the run as it was.
 
-    python scripts/fuzz_rpc.py --examples 2000 --seconds 120 --seed 0
+    python tests/fuzz_rpc.py --examples 2000 --seconds 120 --seed 0
 
 Each case (drawn by hypothesis) picks an RPC, a session (none, forged, garbage, revoked, a
 live member's, or one with work in the open round) and a request: random fields, a valid
@@ -53,14 +53,15 @@ from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import Clock, served_run_toml
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyStrategyDefinition
+from rounds import DENSE
 
 from modeling.checkpoint.manifest import MANIFEST_NAME
-from modeling.compression import CompressionConfig, weight_hash
-from modeling.mdat import build_default_mdat
+from modeling.compression import weight_hash
 from protocol.auth import session_metadata
 from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2 as pb
@@ -76,56 +77,11 @@ CALL_TIMEOUT_S = 30.0
 UNPARSEABLE = "Exception deserializing request!"  # gRPC's own answer to bytes that do not parse
 METHODS = pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name
 RPCS = sorted(METHODS)
-DENSE = CompressionConfig(encoding="dense").build()
 HONEST = ("honest-0", "honest-1")  # the fuzzer's own members: together they open a round
 ROUND_EVERY = 10  # cases between honest rounds (one round costs about two cases' time)
 HONEST_DEADLINES = 8  # deadlines an honest round may take: members that never deliver lose
 # half their share at each, so the honest members' share grows
 SPEED = 1000.0  # tokens/s, as the fuzzer's members report and show it
-
-# A run whose clients are never excluded, so the honest members keep their sessions. Its
-# clock stands still while fuzzing (``StillClock``): no call changes state by the clock; each
-# honest round moves it at most one deadline on, far less than a member's timeouts.
-RUN_TOML = f"""
-[run]
-id = "{RUN_ID}"
-dir = "run"
-
-[model]
-inline = {{ vocab_size = 260, hidden_size = 32, num_hidden_layers = 2, num_attention_heads = 4, \
-num_key_value_heads = 2, intermediate_size = 64, max_position_embeddings = 128, \
-pad_token_id = 0, bos_token_id = 1, eos_token_id = 2, mask_token_id = 95 }}
-
-[data]
-path = "docs.mdat"
-max_seq_len = 128
-
-[tiers]
-allowed = [0, 1]
-
-[round]
-min_clients = 2
-deadline_s = 60.0
-tokens_per_round = 1024
-rounds = 1000000
-
-[update]
-rule = "sgd"
-lr = 0.1
-schedule = "constant"
-
-[compression]
-encoding = "none"
-
-[faults]
-heartbeat_timeout_s = 3600.0
-session_ttl_s = 7200.0
-max_rejections = 0
-
-[auth]
-join_token = "{JOIN_TOKEN}"
-"""
-
 
 @dataclass
 class FuzzReport:
@@ -153,12 +109,18 @@ class FuzzReport:
 
 @contextlib.contextmanager
 def fuzz_server(directory: Path) -> Iterator[RunningServer]:
-    """A coordinator on loopback (ephemeral ports) for a tiny run in ``directory``."""
+    """A coordinator on loopback (ephemeral ports) for a tiny run in ``directory``. Its
+    clients are never excluded, so the honest members keep their sessions. Its clock stands
+    still while fuzzing (``Clock``): no call changes state by the clock; each honest round
+    moves it at most one deadline on, far less than a member's timeouts."""
     directory.mkdir(parents=True, exist_ok=True)
-    build_default_mdat(directory / "docs.mdat", limit=30).close()
-    (directory / "run.toml").write_text(RUN_TOML)
-    server = RunningServer.start(RunConfig.load(directory / "run.toml"), grpc_port=0,
-                                 http_port=0)
+    toml = served_run_toml(
+        directory, run={"id": RUN_ID, "dir": "run"},
+        round={"min_clients": 2, "deadline_s": 60.0, "tokens_per_round": 1024,
+               "rounds": 1000000},
+        faults={"heartbeat_timeout_s": 3600.0, "session_ttl_s": 7200.0, "max_rejections": 0},
+        auth={"join_token": JOIN_TOKEN})
+    server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
     try:
         yield server
     finally:
@@ -381,16 +343,6 @@ def _invoke(channel: grpc.Channel, rpc: str, payload: bytes | list[bytes],
     return "OK", reply
 
 
-class StillClock:
-    """The coordinator's clock while it is fuzzed: it moves only when the fuzzer moves it."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class _Unserved(Exception):
     """An honest member's call failed, or the run it left behind is damaged."""
 
@@ -424,7 +376,7 @@ class _Fuzzer:
         self.revoked: list[str] = []
         c = server.service.coordinator
         self.names = sorted(c.shapes)
-        self.clock = c.clock = StillClock(c.clock())
+        self.clock = c.clock = Clock(c.clock())
         self.honest: dict[str, pb.JoinReply] = {}  # name → its Join's answer
         # client id → session token, of every Join answered OK: the coordinator keeps only
         # their hashes
@@ -719,7 +671,7 @@ def fuzz(server: RunningServer, *, examples: int, seconds: float, seed: int = 0,
          round_every: int = ROUND_EVERY) -> FuzzReport:
     """Up to ``examples`` cases, stopping after ``seconds``, with an honest round before the
     first, after every ``round_every`` cases and after the last; the same cases for a seed.
-    The server's coordinator keeps the fuzzer's ``StillClock``."""
+    The server's coordinator keeps the fuzzer's ``Clock``, which stands still."""
     report = FuzzReport()
     stop_at = time.monotonic() + seconds
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS) as channel:
