@@ -6,7 +6,7 @@ the same sequences of the stdlib-docstrings MDAT:
   A  federated: a real coordinator and 3 ``FederatedClient``s at tiers 0, 1, 2; DeMo
      compression (``CompressionConfig`` defaults: DCT, chunk 64, top 32, bfloat16), rule sign
   B  the same, all 3 clients at tier 0
-  C  as A with compression none: the dense float32 gradient, rule sign at the same lr
+  C  as A with encoding dense: the dense float32 gradient, rule sign at the same lr
   E  as A with the exact broadcast ([update] broadcast_topk = 0): the aggregate's signs, one
      byte per element down, where A downloads the top 48 coefficients per chunk
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
@@ -73,7 +73,7 @@ class FederatedRun:
 RUNS = {
     "A": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16"),
     "B": FederatedRun(tiers=(0, 0, 0), encoding="dct", value_dtype="bfloat16"),
-    "C": FederatedRun(tiers=(0, 1, 2), encoding="none", value_dtype="float32"),
+    "C": FederatedRun(tiers=(0, 1, 2), encoding="dense", value_dtype="float32"),
     "E": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", broadcast_topk=0),
 }
 STANDALONE = "D"

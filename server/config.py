@@ -10,10 +10,9 @@
     RunConfig.from_dict(config.to_dict()) == config
 
 Relative paths resolve against the TOML file's folder. ``examples/run.toml`` shows every key
-with its default. Compression encodings take modeling's names (``dense | topk | dct``);
-run.toml also accepts DESIGN.md's ``none`` for ``dense`` and ``demo`` for ``dct``, and
-``to_dict`` writes the canonical (modeling) names. ``auth = "none"`` is short for
-``[auth] mode = "none"``; ``to_dict`` writes the table.
+with its default. Compression encodings take modeling's names (``dense | topk | dct``); the
+old ``none`` and ``demo`` are refused with the name to write instead. ``auth = "none"`` is
+short for ``[auth] mode = "none"``; ``to_dict`` writes the table.
 
 ``to_dict`` holds ``auth.join_token`` (and ``operator_token``) when run.toml wrote the token
 inline (it must, to round trip); keep such a dict where run.toml itself may be read, or use
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from modeling.compression import Broadcast, CompressionConfig, universal_shapes
+from modeling.compression import ENCODERS, Broadcast, CompressionConfig, universal_shapes
 from modeling.errors import CompressionConfigError, TierError
 from modeling.matformer import tier_width
 from server.errors import InvalidToml, InvalidValue, MissingFile
@@ -48,7 +47,7 @@ from server.sections import (
 )
 from server.tables import read_table, reject_unknown, table_of
 
-ENCODING_ALIASES = {"none": "dense", "demo": "dct"}  # DESIGN.md's names → modeling's
+RENAMED_ENCODINGS = {"none": "dense", "demo": "dct"}  # names run.toml once took → today's
 
 
 @dataclass(kw_only=True, slots=True)
@@ -117,10 +116,8 @@ class RunConfig:
         tables = {name: data.get(name, {}) for name in types}
         if isinstance(tables["auth"], str):  # auth = "none": short for [auth] mode = "none"
             tables["auth"] = {"mode": tables["auth"]}
-        compression = tables["compression"]
-        if isinstance(compression, dict) and compression.get("encoding") in ENCODING_ALIASES:
-            tables["compression"] = {**compression,
-                                     "encoding": ENCODING_ALIASES[compression["encoding"]]}
+        if isinstance(tables["compression"], dict):
+            _refuse_renamed_encoding(tables["compression"].get("encoding"))
         base = Path(base).resolve()
         return cls(**{name: read_table(kind, tables[name], name, base)
                       for name, kind in types.items()})
@@ -133,6 +130,17 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (TOML and JSON types) that ``from_dict`` reads back to an equal config."""
         return {f.name: table_of(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _refuse_renamed_encoding(encoding: Any) -> None:
+    """InvalidValue for an encoding under a name it no longer has, naming the new one (the
+    generic "unknown encoding" error would not)."""
+    if isinstance(encoding, str) and encoding in RENAMED_ENCODINGS:
+        raise InvalidValue(
+            f"[compression] encoding {encoding!r} is not one of {', '.join(ENCODERS)}; "
+            f"{encoding!r} is now called {RENAMED_ENCODINGS[encoding]!r}: write "
+            f'encoding = "{RENAMED_ENCODINGS[encoding]}".'
+        )
 
 
 def read_toml(path: Path) -> dict[str, Any]:

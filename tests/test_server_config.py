@@ -267,12 +267,15 @@ def test_model_from_a_checkpoint_folder_must_be_universal(tmp_path):
         RunConfig.from_dict(minimal(model={"checkpoint": "ckpt"}), base=tmp_path)
 
 
-def test_compression_accepts_design_names_and_writes_modeling_names():
-    config = RunConfig.from_dict(with_keys("compression", encoding="none"))
+def test_compression_takes_one_name_per_encoding_and_names_the_renamed_ones():
+    config = RunConfig.from_dict(with_keys("compression", encoding="dense"))
     assert config.compression.encoding == "dense"
     assert config.to_dict()["compression"]["encoding"] == "dense"
-    assert RunConfig.from_dict(with_keys("compression", encoding="demo")).compression.encoding \
-        == "dct"
+    for old, new in (("none", "dense"), ("demo", "dct")):
+        with pytest.raises(InvalidValue, match=(
+                rf"\[compression\] encoding '{old}' is not one of dense, topk, dct; '{old}' is "
+                rf"now called '{new}': write encoding = \"{new}\"")):
+            RunConfig.from_dict(with_keys("compression", encoding=old))
 
 
 def test_update_schedule_in_rounds():
