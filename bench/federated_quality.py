@@ -9,6 +9,10 @@ the same sequences of the stdlib-docstrings MDAT:
   C  as A with encoding dense: the dense float32 gradient, rule sign at the same lr
   E  as A with the exact broadcast ([update] broadcast_topk = 0): the aggregate's signs, one
      byte per element down, where A downloads the top 48 coefficients per chunk
+  L  local steps: 3 clients at tiers 0, 1, 2 each train their share of a round as AdamW
+     steps of ``--batch-tokens`` (D's batch) and send the DCT-compressed pseudo-gradient; the
+     coordinator's outer step is DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9). The same
+     tokens in ``--local-rounds`` rounds
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
 
 The coordinator hands out the run's order (``server.work.work_order``: the shuffle of seed
@@ -19,13 +23,20 @@ same order, in steps of ``--batch-tokens``. Held out: the last 5% of the same or
 initial and final universal checkpoints are evaluated at tiers 0, 1, 2; B's tiers 1 and 2
 are MatFormer slices of a model only ever trained at tier 0.
 
+Bytes are every message a client sent and received (``ClientSummary.bytes_up/bytes_down``,
+the join's checkpoint download included), per client and round. Against L stands what
+data-parallel training would move for D's steps: a ring all-reduce of the float32 gradient
+among 3 workers sends and receives 2·(3−1)/3 of the model's bytes per step and worker.
+
     python bench/federated_quality.py
     python bench/federated_quality.py --runs A,B --rounds 15 --lr 0.01
+    python bench/federated_quality.py --runs L,D --json quality.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import threading
 import time
@@ -37,7 +48,9 @@ import torch
 from harness import print_table
 from torch import Tensor
 
+from client.connection import Train
 from client.federated import ClientSummary, FederatedClient, FederatedOptions
+from client.progress import Progress
 from client.standalone import TINY, evaluate
 from modeling import MaskedBatch, ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
@@ -68,6 +81,7 @@ class FederatedRun:
     encoding: str  # [compression] encoding
     value_dtype: str  # [compression] value_dtype
     broadcast_topk: int | None = None  # [update] broadcast_topk (None: the default)
+    local_steps: bool = False  # [inner] steps of --batch-tokens, DiLoCo's outer step
 
 
 RUNS = {
@@ -75,7 +89,9 @@ RUNS = {
     "B": FederatedRun(tiers=(0, 0, 0), encoding="dct", value_dtype="bfloat16"),
     "C": FederatedRun(tiers=(0, 1, 2), encoding="dense", value_dtype="float32"),
     "E": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", broadcast_topk=0),
+    "L": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", local_steps=True),
 }
+DP_WORKERS = 3  # data-parallel reference: a ring all-reduce among this many workers
 STANDALONE = "D"
 
 
@@ -109,7 +125,7 @@ class Outcome:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", default="A,B,C,D,E", help="any of A, B, C, D, E")
+    parser.add_argument("--runs", default="A,B,C,D,E,L", help="any of A, B, C, D, E, L")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--tokens-per-round", type=int, default=8192)
     parser.add_argument("--lr", type=float, default=0.02, help="sign rule's peak lr (A, B, C)")
@@ -118,6 +134,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--adamw-lr", type=float, default=3e-3, help="D's peak lr")
     parser.add_argument("--batch-tokens", type=int, default=1024,
                         help="D's tokens per optimizer step (as matformer-train)")
+    parser.add_argument("--local-rounds", type=int, default=6,
+                        help="L's rounds, of rounds × tokens-per-round / local-rounds tokens")
+    parser.add_argument("--inner-lr", type=float, default=None,
+                        help="L's AdamW lr (default: --adamw-lr)")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write per run: final loss per tier, bytes up and down per "
+                             "client per round")
     parser.add_argument("--documents", type=int, default=None,
                         help="docstrings in the corpus (default: all, in "
                              f"{DEFAULT_DATA}; else runs/python_docs-N.mdat)")
@@ -142,30 +165,45 @@ def data_path(documents: int | None) -> Path:
     return path
 
 
-def planned_rounds(order: np.ndarray, reader: SequenceReader, args: argparse.Namespace
+def rounds_of(run: FederatedRun, args: argparse.Namespace) -> tuple[int, int]:
+    """(rounds, tokens per round) of a run: L takes the same tokens in fewer rounds."""
+    if run.local_steps:
+        return args.local_rounds, args.rounds * args.tokens_per_round // args.local_rounds
+    return args.rounds, args.tokens_per_round
+
+
+def planned_rounds(order: np.ndarray, reader: SequenceReader, rounds: int, tokens: int
                    ) -> list[list[int]]:
     """The sequence ids of each round, as the coordinator's queue takes them when no client
     drops out (each run checks it did)."""
     queue = WorkQueue(order)
-    return [queue.take(args.tokens_per_round, lambda i: len(reader[i]))
-            for _ in range(args.rounds)]
+    return [queue.take(tokens, lambda i: len(reader[i])) for _ in range(rounds)]
 
 
 def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespace) -> RunConfig:
+    rounds, tokens = rounds_of(run, args)
+    if run.local_steps:  # no [update] rule: DiLoCo's outer Nesterov SGD (server.sections)
+        update = {"warmup_rounds": 0}
+        inner = {"batch_tokens": args.batch_tokens, "lr": args.inner_lr or args.adamw_lr,
+                 "weight_decay": 0.01}
+    else:
+        update = {"rule": "sign", "lr": args.lr, "warmup_rounds": args.warmup_rounds,
+                  "schedule": "cosine", "final_lr": args.lr / 10, "vote": args.vote}
+        inner = {}
+    if run.broadcast_topk is not None:
+        update["broadcast_topk"] = run.broadcast_topk
     return RunConfig.from_dict({
         "run": {"id": f"quality-{name}", "dir": str(args.out / name)},
         "model": {"inline": {**TINY, "vocab_size": 260}},
         "data": {"path": str(data), "strategy": STRATEGY, "max_seq_len": args.seq_len,
                  "seed": args.seed},
         "tiers": {"allowed": TIERS},
-        "round": {"min_clients": len(run.tiers), "deadline_s": 600.0,
-                  "tokens_per_round": args.tokens_per_round, "rounds": args.rounds},
+        "round": {"min_clients": len(run.tiers), "deadline_s": 3600.0,
+                  "tokens_per_round": tokens, "rounds": rounds},
         "compression": {"encoding": run.encoding, "value_dtype": run.value_dtype},
-        "update": {"rule": "sign", "lr": args.lr, "warmup_rounds": args.warmup_rounds,
-                   "schedule": "cosine", "final_lr": args.lr / 10, "vote": args.vote,
-                   **({} if run.broadcast_topk is None
-                      else {"broadcast_topk": run.broadcast_topk})},
-        "checkpoint": {"every_rounds": args.rounds},
+        "update": update,
+        "inner": inner,
+        "checkpoint": {"every_rounds": rounds},
         "faults": {"peer_clip": args.peer_clip},
         "auth": {"join_token": TOKEN},
     })
@@ -176,9 +214,9 @@ class _Recording(FederatedClient):
 
     trained: list[int]
 
-    def _sequences(self, ids: list[int]) -> list[Tensor]:
-        self.trained = [*getattr(self, "trained", []), *ids]
-        return super()._sequences(ids)
+    def _train_one(self, work: Train, progress: Progress) -> None:
+        self.trained = [*getattr(self, "trained", []), *work.sequence_ids]
+        return super()._train_one(work, progress)
 
 
 def run_federated(name: str, run: FederatedRun, data: Path, held_out: set[int],
@@ -224,7 +262,7 @@ def run_federated(name: str, run: FederatedRun, data: Path, held_out: set[int],
     checkpoints = args.out / name / "checkpoints"
     return Outcome(tokens=tokens, seconds=seconds, summaries=summaries,
                    initial=held.start(load_pretrained(checkpoints / "round-0")),
-                   final=held.final(load_pretrained(checkpoints / f"round-{args.rounds}")))
+                   final=held.final(load_pretrained(checkpoints / f"round-{len(planned)}")))
 
 
 def initial_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
@@ -280,14 +318,15 @@ def main() -> None:
     names = [n.strip().upper() for n in args.runs.split(",")]
     unknown = set(names) - {*RUNS, STANDALONE}
     if unknown:
-        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from A, B, C, D, E")
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from A, B, C, D, E, L")
     data = data_path(args.documents)
     with Mdat.open(data) as mdat:
         # Every run's coordinator hands out the same order: A's config stands for them all.
         reader, order = work_order(mdat, run_config("A", RUNS["A"], data, args))
         held_out = order[-max(1, len(order) // 20):]  # as client.standalone holds out
-        planned = planned_rounds(order, reader, args)
-        if sum(map(len, planned)) > len(order) - len(held_out):
+        planned = planned_rounds(order, reader, args.rounds, args.tokens_per_round)
+        local = planned_rounds(order, reader, *rounds_of(RUNS["L"], args))
+        if max(sum(map(len, planned)), sum(map(len, local))) > len(order) - len(held_out):
             raise SystemExit(f"{args.rounds} rounds of {args.tokens_per_round} tokens reach "
                              "the held-out tail of the order; lower --rounds or "
                              "--tokens-per-round, or raise --documents.")
@@ -307,7 +346,8 @@ def main() -> None:
     for name in names:
         if name in RUNS:
             outcomes[name] = run_federated(name, RUNS[name], data, {int(i) for i in held_out},
-                                           planned, held, args)
+                                           local if RUNS[name].local_steps else planned, held,
+                                           args)
         else:
             outcomes[name], note = run_standalone(reader, planned, held, args)
             notes.append(note)
@@ -333,11 +373,44 @@ def main() -> None:
             print(f"{name}: sent KiB/round by client: {each}")
     for note in notes:
         print(note)
-    for other in ["B", "C", STANDALONE, "E"]:
-        if "A" in outcomes and other in outcomes:
-            ratios = ", ".join(f"tier {t} {outcomes['A'].final[t] / outcomes[other].final[t]:.3f}"
-                               for t in labels)
-            print(f"final loss A / {other}: {ratios} (< 1: A is better)")
+    for first, other in [("A", "B"), ("A", "C"), ("A", STANDALONE), ("A", "E"),
+                         ("L", STANDALONE), ("L", "A")]:
+        if first in outcomes and other in outcomes:
+            ratios = ", ".join(
+                f"tier {t} {outcomes[first].final[t] / outcomes[other].final[t]:.3f}"
+                for t in labels)
+            print(f"final loss {first} / {other}: {ratios} (< 1: {first} is better)")
+    steps = len(plan_batches([len(reader[i]) for r in planned for i in r], args.batch_tokens,
+                             sort_window=0))
+    parameters = sum(p.numel() for p in build_model(ModelConfig(**TINY, vocab_size=260))
+                     .parameters())
+    # ring all-reduce of float32 gradients: each worker sends and receives 2(N-1)/N of them
+    dp_each_way = steps * 4 * parameters * 2 * (DP_WORKERS - 1) / DP_WORKERS
+    if "L" in outcomes:
+        moved = float(np.mean([s.bytes_up + s.bytes_down for s in outcomes["L"].summaries]))
+        print(f"L moved {moved / 2**20:,.2f} MiB per client (up + down, whole run); "
+              f"data-parallel training of D's {steps} steps among {DP_WORKERS} workers moves "
+              f"{2 * dp_each_way / 2**20:,.1f} MiB per worker: {2 * dp_each_way / moved:,.0f}x "
+              "more")
+    if args.json is not None:
+        report = {name: {"final": {str(t): o.final[tier_label(t)] for t in TIERS},
+                         "bytes_up": _bytes(o.summaries, "bytes_up", "rounds_trained"),
+                         "bytes_down": _bytes(o.summaries, "bytes_down", "rounds_applied"),
+                         "tokens": o.tokens, "seconds": round(o.seconds, 1)}
+                  for name, o in outcomes.items()}
+        if STANDALONE in report:  # no messages: what data parallelism would move instead
+            report[STANDALONE]["data_parallel"] = {
+                "workers": DP_WORKERS, "steps": steps, "bytes_up": dp_each_way,
+                "bytes_down": dp_each_way}
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+def _bytes(summaries: list[ClientSummary], field: str, rounds: str) -> float | None:
+    """Mean over clients of ``field`` bytes per round (None for a standalone run)."""
+    if not summaries:
+        return None
+    return float(np.mean([asdict(s)[field] / max(1, asdict(s)[rounds]) for s in summaries]))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,9 @@ from client.errors import (
     Unreachable,
     UpdatesPruned,
 )
+from client.local_round import LocalSteps
 from modeling.compression import CompressionConfig, RoundUpdate, SparseResult
+from modeling.optim import OptimizerConfig
 from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
 from protocol.files import receive_file
@@ -93,15 +95,25 @@ class RunSettings:
     data_view: str | None  # the view of it the run reads; None: the whole container
     data_fingerprint: str  # of that view: a local copy (--data) must match it
     heartbeat_s: float  # how often to heartbeat, also while training; 0: not asked
+    local_steps: LocalSteps | None  # None: one gradient per round
 
     @classmethod
     def from_proto(cls, s: pb.TrainingSettings) -> RunSettings:
         compression = CompressionConfig(encoding=s.encoding, chunk=s.chunk, topk=s.topk,
                                         value_dtype=s.value_dtype, decay=s.decay,
                                         lr=s.compression_lr)
+        local_steps = None
+        if s.HasField("inner"):
+            i = s.inner
+            optimizer = OptimizerConfig(
+                name=i.name, lr=i.lr, weight_decay=i.weight_decay, betas=(i.beta1, i.beta2),
+                eps=i.eps, warmup_steps=i.warmup_steps, total_steps=max(i.warmup_steps, 1),
+                schedule="constant")
+            local_steps = LocalSteps(optimizer=optimizer, batch_tokens=i.batch_tokens)
         return cls(compression=compression, sequence_length=s.sequence_length,
                    data_strategy=s.data_strategy, data_view=s.data_view or None,
-                   data_fingerprint=s.data_fingerprint, heartbeat_s=s.heartbeat_seconds)
+                   data_fingerprint=s.data_fingerprint, heartbeat_s=s.heartbeat_seconds,
+                   local_steps=local_steps)
 
 
 @dataclass(frozen=True, slots=True)

@@ -293,9 +293,9 @@ class FederatedClient:
                 # and split it anew) or refused: the gradient was not taken, so the momentum
                 # goes back to the last accepted round's.
                 self.log(f"round {work.round} not accepted: {err.details}")
-                self._restore_feedback()
+                self._restore_state()
                 return
-        self.local_round.feedback.save(self._feedback_path())
+        self.local_round.save(self._state_path())
         self._cost.compute_s += done.seconds
         self._cost.dense_up += self._dense_bytes()
         self.summary.rounds_trained += 1
@@ -367,25 +367,27 @@ class FederatedClient:
 
     def _build_local_round(self) -> None:
         tiers = [self.tier, *sorted(t for t in set(self.options.also_train) if t > self.tier)]
+        settings = self.member.settings
         self.local_round = LocalRound(
-            self.replica, self.member.settings.compression.build(),
-            TierSchedule(tiers=tiers, mode="all"),
-            AdaptiveLimitsConfig(max_tokens=self.options.microbatch_tokens).build())
-        self._restore_feedback(announce=True)
+            self.replica, settings.compression.build(), TierSchedule(tiers=tiers, mode="all"),
+            AdaptiveLimitsConfig(max_tokens=self.options.microbatch_tokens).build(),
+            steps=settings.local_steps)
+        self._restore_state(announce=True)
 
     # -- state kept across restarts ---------------------------------------------------------
 
-    def _feedback_path(self) -> Path:
+    def _state_path(self) -> Path:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         return self.state_dir / FEEDBACK_FILE
 
-    def _restore_feedback(self, announce: bool = False) -> None:
-        """The error-feedback momentum of the last accepted round: from the state dir, or
-        zero when none was saved or the saved one does not fit (then it is deleted)."""
-        path = self._feedback_path()
+    def _restore_state(self, announce: bool = False) -> None:
+        """The error-feedback momentum (and inner optimizer state) of the last accepted
+        round: from the state dir, or fresh when none was saved or the saved one does not
+        fit (then it is deleted)."""
+        path = self._state_path()
         if path.is_file():
             try:
-                self.local_round.feedback.load(path)
+                self.local_round.restore(path)
             except FeedbackStateMismatch as err:
                 self.log(f"not restoring the error feedback: {err}")
                 path.unlink()
@@ -393,8 +395,7 @@ class FederatedClient:
                 if announce:
                     self.log(f"restored the error-feedback momentum from {path}")
                 return
-        for state in self.local_round.feedback.feedback.values():
-            state.momentum.zero_()
+        self.local_round.reset()
 
     def _previous_session(self) -> str | None:
         """The session token this client held with this server before, if it kept one."""

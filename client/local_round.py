@@ -1,10 +1,12 @@
-"""One round of a client's local work: gradients, then compression.
+"""One round of a client's local work: a gradient or a pseudo-gradient, then compression.
 
-The client accumulates the gradient of its assigned sequences at its tier(s) in token-budget
-microbatches (``tier_gradients``, as standalone training does before its optimizer step);
-the gradient is the result, the step is the coordinator's (docs/architecture.md, "One
-round"). Each parameter's gradient, cut to the region the
-client trains, goes through that parameter's error feedback and becomes one named
+Without local steps the client accumulates the gradient of its assigned sequences at its
+tier(s) in token-budget microbatches (``tier_gradients``, as standalone training does before
+its optimizer step); the gradient is the result, the step is the coordinator's
+(docs/architecture.md, "One round"). With local steps (``LocalSteps``) it trains the
+sequences as batches, one inner optimizer step each, and the result is how far its weights
+moved (docs/architecture.md, "Local steps"). Either way each parameter's result, cut to the
+region the client trains, goes through that parameter's error feedback and becomes one named
 ``SparseResult``; the coordinator aggregates them and broadcasts the update, which the
 client applies to its ``Replica`` like everyone else.
 """
@@ -14,16 +16,23 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from client.feedback_state import FeedbackState
 from client.replica import Replica
-from modeling.batching import AdaptiveLimits, AdaptiveLimitsConfig, MicrobatchRunner
+from modeling.batching import (
+    AdaptiveLimits,
+    AdaptiveLimitsConfig,
+    MicrobatchRunner,
+    plan_batches,
+)
 from modeling.compression import Compressor, Region, SparseResult, region_slices, tier_regions
 from modeling.config import ModelConfig
 from modeling.matformer import Tier
+from modeling.optim import LocalOptimizer, OptimizerConfig
 from modeling.training import TierSchedule, tier_gradients
 
 
@@ -50,8 +59,23 @@ def trained_regions(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class LocalSteps:
+    """Local steps: a round's sequences trained as token-budget batches of ``batch_tokens``,
+    one step of ``optimizer`` each; the result is the pseudo-gradient."""
+
+    optimizer: OptimizerConfig
+    batch_tokens: int
+
+
 class LocalRound:
-    """Runs rounds of local work on a replica; the error feedback persists across rounds.
+    """Runs rounds of local work on a replica; the error feedback (and under local steps
+    the inner optimizer's state) persists across rounds.
+
+    Without ``steps`` the result is the round's gradient. With ``steps`` the client takes
+    one inner optimizer step per batch and the result is its pseudo-gradient, the weights
+    before the round minus after; the replica's weights are then put back, since it moves
+    only by the coordinator's broadcast (docs/architecture.md, "Local steps").
 
     With ``TierSchedule(mode="sample")`` the results still claim the region of the
     schedule's widest tier, so prefer ``mode="all"`` (weighted nested tiers) in a federated
@@ -64,30 +88,83 @@ class LocalRound:
         compressor: Compressor,
         schedule: TierSchedule,
         limits: AdaptiveLimits | None = None,
+        steps: LocalSteps | None = None,
     ) -> None:
         schedule.check(replica.config)  # every tier within the widths the replica holds
         self.replica = replica
         self.schedule = schedule
+        self.steps = steps
         self.runner = MicrobatchRunner(replica.model, limits or AdaptiveLimitsConfig().build())
         regions = trained_regions(replica.shapes, replica.config, schedule.tiers)
         self.feedback = FeedbackState(
             compressor, replica.shapes, {name: regions[name] for name in replica.parameters}
         )
+        self.dtype = compressor.momentum_dtype  # of the gradient handed to error feedback
+        self.optimizer = self._fresh_optimizer()
 
     def run(self, sequences: Sequence[Tensor], step: int = 0) -> RoundWork:
-        """Gradients of ``sequences`` (1-D token ids) at the schedule's tiers for ``step``
+        """The results of ``sequences`` (1-D token ids) at the schedule's tiers for ``step``
         (the round number), compressed with error feedback into one result per parameter."""
         start = time.perf_counter()
-        losses = tier_gradients(self.runner, sequences, self.schedule, step)
         tokens = sum(len(sequence) for sequence in sequences)
+        if self.steps is None:
+            losses = tier_gradients(self.runner, sequences, self.schedule, step)
+            change = {name: p.grad for name, p in self.replica.parameters.items()}
+        else:
+            losses, change = self._local_steps(sequences, step)
         results = []
         for name, parameter in self.replica.parameters.items():
             feedback = self.feedback[name]
             where = region_slices(feedback.region)
-            grad = parameter.grad
+            grad = change[name]
             grad = torch.zeros_like(parameter[where]) if grad is None else grad[where]
-            results.append(feedback.step(grad, tokens))
+            results.append(feedback.step(grad.to(self.dtype), tokens))
         self.replica.model.zero_grad(set_to_none=True)
         return RoundWork(
             results=results, losses=losses, tokens=tokens, seconds=time.perf_counter() - start
         )
+
+    def _local_steps(self, sequences: Sequence[Tensor], step: int
+                     ) -> tuple[dict[str, float], dict[str, Tensor]]:
+        """(loss per tier label, averaged over the batches by tokens; the pseudo-gradient
+        per canonical name), the replica's weights left as they were."""
+        parameters = self.replica.parameters
+        before = {name: p.detach().clone() for name, p in parameters.items()}
+        plan = plan_batches([len(s) for s in sequences], self.steps.batch_tokens)
+        sums: dict[str, float] = {}
+        for batch in plan:
+            examples = [sequences[i] for i in batch]
+            losses = tier_gradients(self.runner, examples, self.schedule, step)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            weight = sum(len(example) for example in examples)
+            for label, loss in losses.items():
+                sums[label] = sums.get(label, 0.0) + loss * weight
+        tokens = sum(len(sequence) for sequence in sequences)
+        change = {}
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                # in the feedback's dtype: float64 keeps the difference of float32s exact
+                change[name] = before[name].to(self.dtype) - parameter.to(self.dtype)
+                parameter.copy_(before[name])
+        return {label: total / tokens for label, total in sums.items()}, change
+
+    def _fresh_optimizer(self) -> LocalOptimizer | None:
+        return None if self.steps is None else self.steps.optimizer.build(self.replica.model)
+
+    # -- state kept across rounds and restarts --------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """The error feedback and the inner optimizer's state, atomically."""
+        self.feedback.save(path, self.optimizer)
+
+    def restore(self, path: Path) -> None:
+        """Back to what ``save`` wrote (FeedbackStateMismatch if it does not fit, leaving
+        the current state)."""
+        self.feedback.load(path, self.optimizer)
+
+    def reset(self) -> None:
+        """Zero momentum and a fresh inner optimizer: a client's state before any round."""
+        for state in self.feedback.feedback.values():
+            state.momentum.zero_()
+        self.optimizer = self._fresh_optimizer()

@@ -13,7 +13,8 @@ from protocol.errors import ProtocolError, TensorSizeMismatch, UnknownDtype
 from protocol.matformer.v1 import coordinator_pb2 as pb
 
 DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
     "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
     "uint16": torch.uint16, "uint8": torch.uint8, "bool": torch.bool,
 }

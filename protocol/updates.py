@@ -109,9 +109,10 @@ def decode_step(message: pb.ParameterUpdate) -> tuple[str, Step]:
                                   f"its box of shape {list(region_shape(box))}.")
         if values.dtype == torch.int8 and bool((values.abs() > 1).any()):
             raise MalformedStream(f"the signs of {name!r} are not all -1, 0 or 1.")
-        if values.dtype not in (torch.int8, torch.float32) or not bool(
-                torch.isfinite(values.float()).all()):
-            raise MalformedStream(f"{what}: values must be finite float32 or int8 signs.")
+        if values.dtype not in (torch.int8, torch.float32, torch.float64) or not bool(
+                torch.isfinite(values).all()):
+            raise MalformedStream(f"{what}: values must be finite float32 (float64 from a "
+                                  "float64 dense run) or int8 signs.")
         return name, DenseStep(shape=shape, covered=covered, box=box, values=values)
     if form != "coefficients":
         raise MalformedStream(f"{what} carries neither values nor coefficients.")

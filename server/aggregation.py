@@ -35,7 +35,7 @@ from modeling.errors import CompressionError
 
 @dataclass(frozen=True, slots=True)
 class Aggregate:
-    values: Tensor  # float32, universal shape; 0 where not covered
+    values: Tensor  # float32 (float64 from float64 results), universal shape; 0 uncovered
     tokens: Tensor  # float32, universal shape: Σ tokens of the results covering each element
 
     @property
@@ -75,7 +75,8 @@ def _decoded_mean(results: Sequence[SparseResult], tokens: Tensor, *, votes: boo
     if votes:
         for result in results:
             voters[region_slices(result.region)] += 1
-    values = torch.zeros_like(tokens)
+    wide = any(result.values.dtype == torch.float64 for result in results)
+    values = torch.zeros_like(tokens, dtype=torch.float64 if wide else torch.float32)
     for result in results:
         where = region_slices(result.region)
         if votes:

@@ -11,7 +11,9 @@
 
 Relative paths resolve against the TOML file's folder. ``examples/run.toml`` shows every key
 with its default. Compression encodings take modeling's names (``dense | topk | dct``); the
-old ``none`` and ``demo`` are refused with the name to write instead. ``auth = "none"`` is
+old ``none`` and ``demo`` are refused with the name to write instead. ``[inner]`` with
+``batch_tokens`` > 0 (local steps) and no ``[update] rule`` takes DiLoCo's outer optimizer
+(``sections.OUTER_DEFAULTS``) for the keys ``[update]`` leaves out. ``auth = "none"`` is
 short for ``[auth] mode = "none"``; ``to_dict`` writes the table.
 
 ``to_dict`` holds ``auth.join_token`` (and ``operator_token``) when run.toml wrote the token
@@ -32,10 +34,12 @@ from modeling.errors import CompressionConfigError, TierError
 from modeling.matformer import tier_width
 from server.errors import InvalidToml, InvalidValue, MissingFile
 from server.sections import (
+    OUTER_DEFAULTS,
     AuthSection,
     CheckpointSection,
     DataSection,
     FaultsSection,
+    InnerSection,
     ModelSection,
     RoundSection,
     RunSection,
@@ -61,6 +65,7 @@ class RunConfig:
     tiers: TiersSection = field(default_factory=TiersSection)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     update: UpdateSection = field(default_factory=UpdateSection)
+    inner: InnerSection = field(default_factory=InnerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     tls: TlsSection = field(default_factory=TlsSection)
     faults: FaultsSection = field(default_factory=FaultsSection)
@@ -97,6 +102,10 @@ class RunConfig:
                     broadcast.check(shape)
             except CompressionConfigError as err:
                 raise InvalidValue(f"[update] broadcast_topk: {err}") from err
+        if self.inner.enabled and self.inner.batch_tokens < self.data.max_seq_len:
+            raise InvalidValue(
+                f"[inner] batch_tokens {self.inner.batch_tokens} is less than one sequence "
+                f"([data] max_seq_len {self.data.max_seq_len}); raise it.")
         if self.update.warmup_rounds > self.round.planned_rounds:
             raise InvalidValue(
                 f"[update] warmup_rounds {self.update.warmup_rounds} exceeds the "
@@ -118,6 +127,9 @@ class RunConfig:
             tables["auth"] = {"mode": tables["auth"]}
         if isinstance(tables["compression"], dict):
             _refuse_renamed_encoding(tables["compression"].get("encoding"))
+        if _local_steps(tables["inner"]) and isinstance(tables["update"], dict) \
+                and "rule" not in tables["update"]:
+            tables["update"] = {**OUTER_DEFAULTS, **tables["update"]}
         base = Path(base).resolve()
         return cls(**{name: read_table(kind, tables[name], name, base)
                       for name, kind in types.items()})
@@ -130,6 +142,12 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain data (TOML and JSON types) that ``from_dict`` reads back to an equal config."""
         return {f.name: table_of(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _local_steps(inner: Any) -> bool:
+    """Whether an [inner] table, as written, asks for local steps."""
+    steps = inner.get("batch_tokens", 0) if isinstance(inner, dict) else 0
+    return isinstance(steps, int) and not isinstance(steps, bool) and steps > 0
 
 
 def _refuse_renamed_encoding(encoding: Any) -> None:

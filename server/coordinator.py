@@ -81,7 +81,7 @@ from server.rounds import OpenRound, RoundAssignment, Submission
 from server.state import RunState
 from server.tiers import MAX_TOKENS_PER_SECOND, Capabilities, TierAssignment, check_speed
 from server.update_log import UpdateLog
-from server.update_steps import close_round
+from server.update_steps import Carried, close_round
 from server.work import WorkQueue, assign, work_order
 
 SAVE_INTERVAL_S = 1.0  # joins, leaves and refusals reach state.json at most this often
@@ -116,9 +116,10 @@ class Coordinator:
                                            config.tiers.allowed)
         self.ledger = TrainedLedger(self.dir)
         self.limits = SubmissionLimits(config.compression, config.faults)
-        # The broadcast's error feedback: per canonical name, what compressed steps left out
-        # (universal shape). Not saved: a restart begins it at zero (docs/architecture.md).
-        self.residual: dict[str, Tensor] = {}
+        # What one round's steps carry to the next: the broadcast's error feedback (what
+        # compressed steps left out) and the outer momentum, per canonical name. Not saved: a
+        # restart begins both at zero (docs/architecture.md, "The update record").
+        self.carried = Carried()
         self._close_s = self._close_started = 0.0  # the last close: seconds, start (clock)
         self._writing: int | None = None  # the checkpoint being written beside the rounds
         self._writer: threading.Thread | None = None
@@ -594,7 +595,7 @@ class Coordinator:
                 closed = ClosedRound(round=closing.round, before=self.master, after=master,
                                      tiers={a.tier for a in closing.delivered.values()},
                                      update=closing.logged)
-                self.master, self.residual = master, closing.residual
+                self.master, self.carried = master, closing.carried
                 for hook in self.round_closed:
                     hook(closed)
                 if closing.checkpoint and not closing.finishes:
@@ -676,13 +677,14 @@ class Coordinator:
         clip = self.config.faults.peer_clip
         by_name = {name: clip_to_peers(results, clip) for name, results in by_name.items()}
         votes = self.config.update.vote == "majority"
-        master, steps, residual = close_round(closing.update.build(), self.master, by_name,
-                                              self.residual, votes=votes)
+        master, steps, carried = close_round(closing.update.build(), self.master, by_name,
+                                             self.carried, votes=votes,
+                                             momentum=self.config.update.momentum_of())
         master = self._tied(master)
         closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
         if closing.broken:  # the limits on results make this unreachable; never serve it
             return None
-        closing.residual = residual
+        closing.carried = carried
         r = closing.round
         closing.logged = RoundUpdate(
             round=r, update=closing.update, steps=steps,
@@ -970,7 +972,7 @@ class _Closing:
     ledger_bytes: int  # the ledger's size before this round's line
     broken: list[str] = field(default_factory=list)  # parameters the update would break
     logged: RoundUpdate | None = None  # what _compute logged
-    residual: dict[str, Tensor] = field(default_factory=dict)  # the broadcast's, after it
+    carried: Carried = field(default_factory=Carried)  # residual and momentum after it
 
     @classmethod
     def of(cls, c: Coordinator, rnd: OpenRound) -> _Closing:

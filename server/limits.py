@@ -17,8 +17,6 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-import torch
-
 from modeling.compression import CompressionConfig, SparseResult, region_shape
 from modeling.compression.grid import ChunkGrid
 from server.errors import NormTooLarge, TooManyCoefficients, ValueTooLarge, WrongEncoding
@@ -64,7 +62,7 @@ class SubmissionLimits:
         if result.encoding != c.encoding_name:
             raise WrongEncoding(f"{name} is encoded as {result.encoding!r}, the run uses "
                                 f"{c.encoding_name!r}; take the settings from JoinReply.")
-        want_dtype = torch.float32 if c.encoding_name == "dense" else c.value_dtype
+        want_dtype = c.momentum_dtype if c.encoding_name == "dense" else c.value_dtype
         if result.values.dtype != want_dtype:
             raise WrongEncoding(f"{name}: values are {result.values.dtype}, the run sends "
                                 f"{want_dtype}; take value_dtype from JoinReply.settings.")

@@ -22,7 +22,7 @@ from modeling.compression import UPDATE_RULES, CompressionConfig, UpdateConfig, 
 from modeling.config import ModelConfig
 from modeling.errors import MatformerError
 from modeling.mdat import DEFAULT_STRATEGY
-from modeling.optim import SCHEDULES, lr_factor
+from modeling.optim import SCHEDULES, OptimizerConfig, lr_factor
 from protocol.channel import MAX_MESSAGE_BYTES
 from server.call_slots import CallLimits
 from server.errors import (
@@ -34,6 +34,7 @@ from server.errors import (
 )
 from server.tables import INT64, reject_unknown
 from server.tiers import TierPolicy
+from server.update_steps import Momentum
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # Fractions of a target mix may be written to a few digits: 0.33 + 0.33 + 0.34.
@@ -252,6 +253,12 @@ class UpdateSection:
     rule: str = "sign"  # sign (DeMo) | sgd
     lr: float = 1e-3  # peak learning rate, reached at the end of warmup
     weight_decay: float = 0.0  # decoupled, on covered elements
+    # rule = "sgd": momentum of the step, torch.optim.SGD's (buf ← μ·buf + aggregate), kept
+    # by the coordinator; nesterov: step along aggregate + μ·buf. With [inner] local steps
+    # and no [update] rule given, DiLoCo's outer optimizer: sgd, lr 0.7 (constant), momentum
+    # 0.9, nesterov.
+    momentum: float = 0.0
+    nesterov: bool = False
     warmup_rounds: int = 0  # linear warmup from lr / warmup_rounds to lr
     schedule: str = "cosine"  # cosine | linear | constant, after warmup
     final_lr: float = 0.0  # learning rate at the last planned round (cosine, linear)
@@ -283,6 +290,13 @@ class UpdateSection:
                  f"[update] weight_decay must lie in [0, 1 / lr] = [0, {1 / self.lr:g}], got "
                  f"{self.weight_decay}: beyond 1 / lr the decay w ← w·(1 − lr·wd) flips the sign "
                  "of the weights.")
+        _require(0 <= self.momentum < 1,
+                 f"[update] momentum must lie in [0, 1), got {self.momentum}.")
+        _require(self.momentum == 0 or self.rule == "sgd",
+                 f"[update] momentum needs rule = \"sgd\" (the sign rule reads only the "
+                 f"aggregate's signs), not {self.rule!r}.")
+        _require(not self.nesterov or self.momentum > 0,
+                 "[update] nesterov needs a momentum > 0.")
         _require(self.warmup_rounds >= 0,
                  f"[update] warmup_rounds must be >= 0, got {self.warmup_rounds}.")
         if self.broadcast_topk is not None:
@@ -293,6 +307,10 @@ class UpdateSection:
         if self.broadcast_topk is not None:
             return self.broadcast_topk
         return 0 if compression.encoding == "dense" else DEFAULT_BROADCAST_TOPK
+
+    def momentum_of(self) -> Momentum | None:
+        """The outer step's momentum, None without one."""
+        return Momentum(self.momentum, self.nesterov) if self.momentum else None
 
     def lr_at(self, round_index: int, planned_rounds: int) -> float:
         """Learning rate of round ``round_index`` (0-based)."""
@@ -307,6 +325,46 @@ class UpdateSection:
         return UpdateConfig(rule=self.rule, lr=self.lr_at(round_index, planned_rounds),
                             weight_decay=self.weight_decay,
                             broadcast_topk=self.broadcast(compression), chunk=compression.chunk)
+
+
+# [update] when [inner] enables local steps and gives no rule: DiLoCo's outer optimizer
+OUTER_DEFAULTS = {"rule": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True,
+                  "schedule": "constant"}
+
+
+@dataclass(kw_only=True, slots=True)
+class InnerSection:
+    """Local steps (docs/architecture.md, "Local steps"): with ``batch_tokens`` > 0 each
+    client trains its assigned sequences as token-budget batches of that many tokens, one
+    step of this optimizer each, and submits its pseudo-gradient, the change of its tier's
+    weights over the round. 0: one gradient per round, the coordinator's step alone."""
+
+    batch_tokens: int = 0  # tokens per inner step (padded, as matformer-train's budget)
+    optimizer: str = "adamw"  # adamw | adam | muon
+    lr: float = 1e-3  # the inner optimizer's learning rate (constant after warmup)
+    weight_decay: float = 0.1  # on matrices (ndim >= 2), as matformer-train applies it
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 0  # each client's own steps, counted across rounds
+
+    def __post_init__(self) -> None:
+        _within("[inner] batch_tokens", self.batch_tokens, 0, UINT32_MAX)
+        _within("[inner] warmup_steps", self.warmup_steps, 0, UINT32_MAX)
+        try:
+            self.build()
+        except MatformerError as err:
+            raise InvalidValue(f"[inner] {err}") from err
+
+    @property
+    def enabled(self) -> bool:
+        return self.batch_tokens > 0
+
+    def build(self) -> OptimizerConfig:
+        """The inner optimizer's config, as every client builds it."""
+        return OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay,
+                               betas=tuple(self.betas), eps=self.eps,
+                               warmup_steps=self.warmup_steps,
+                               total_steps=max(self.warmup_steps, 1), schedule="constant")
 
 
 @dataclass(kw_only=True, slots=True)

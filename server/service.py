@@ -357,14 +357,20 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _settings(self) -> pb.TrainingSettings:
         cfg = self.coordinator.config
-        compression = cfg.compression
-        return pb.TrainingSettings(
+        compression, inner = cfg.compression, cfg.inner
+        settings = pb.TrainingSettings(
             encoding=compression.encoding, chunk=compression.chunk, topk=compression.topk,
             value_dtype=compression.value_dtype, decay=compression.decay,
             compression_lr=compression.lr, sequence_length=cfg.data.max_seq_len,
             data_fingerprint=self.coordinator.reader.fingerprint,
             data_strategy=cfg.data.strategy, data_view=cfg.data.view or "",
             heartbeat_seconds=cfg.faults.heartbeat_s)
+        if inner.enabled:
+            settings.inner.CopyFrom(pb.InnerOptimizer(
+                name=inner.optimizer, lr=inner.lr, weight_decay=inner.weight_decay,
+                beta1=inner.betas[0], beta2=inner.betas[1], eps=inner.eps,
+                warmup_steps=inner.warmup_steps, batch_tokens=inner.batch_tokens))
+        return settings
 
 
 class _NotYourSession(ProtocolError):

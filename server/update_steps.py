@@ -4,17 +4,20 @@ the master moves by that step.
 
 The rule's ``broadcast`` decides the step's form: None gives the exact aggregate
 (``DenseStep``, its signs alone under ``sign``); a ``Broadcast`` gives top-k DCT levels and a
-residual, what they left out, that is added to the next round's aggregate. Replicas never
+residual, what they left out, that is added to the next round's aggregate. With ``[update]
+momentum`` the aggregate first goes through the outer momentum (``Momentum``), as DiLoCo's
+outer Nesterov SGD does with pseudo-gradients. Replicas never
 compute a step, they only apply one (``UpdateRule.apply``, in ``modeling``), so this half
 lives with the coordinator.
 
     rule = UpdateConfig(rule="sign", lr=1e-3, broadcast_topk=48).build()
-    master, steps, residual = close_round(rule, master, results_by_name, residual)
+    master, steps, carried = close_round(rule, master, results_by_name, carried)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -41,19 +44,55 @@ def _step(rule: UpdateRule, aggregate: Aggregate, covered: Sequence[Region],
     return rule.broadcast.encode(aggregate.values, covered, residual)
 
 
+@dataclass(frozen=True, slots=True)
+class Momentum:
+    """The outer step's momentum, as ``torch.optim.SGD`` keeps it (dampening 0): per element
+    ``buf ← μ·buf + agg``, and the direction is ``buf``, or ``agg + μ·buf`` with Nesterov
+    (DiLoCo's outer optimizer: μ = 0.9, Nesterov). Only covered elements take part: an
+    element no result covered keeps its buffer and does not move."""
+
+    factor: float  # μ
+    nesterov: bool = False
+
+    def direction(self, values: Tensor, covered: Tensor, buffer: Tensor | None
+                  ) -> tuple[Tensor, Tensor]:
+        """(direction, new buffer) for an aggregate's ``values`` where ``covered``."""
+        previous = torch.zeros_like(values, dtype=torch.float32) if buffer is None else buffer
+        buffer = torch.where(covered, previous * self.factor + values, previous)
+        direction = values + buffer * self.factor if self.nesterov else buffer
+        return torch.where(covered, direction, 0.0), buffer
+
+
+@dataclass(slots=True)
+class Carried:
+    """What the coordinator carries from one round's steps to the next, per canonical name
+    (universal shape, float32): the broadcast's residual (what it left out) and the outer
+    momentum buffer. Neither is logged, and a restart begins both at zero: replicas apply
+    only steps, so they never need either (docs/architecture.md, "The update record")."""
+
+    residual: dict[str, Tensor] = field(default_factory=dict)
+    momentum: dict[str, Tensor] = field(default_factory=dict)
+
+
 def close_round(rule: UpdateRule, master: Mapping[str, Tensor],
-                by_name: Mapping[str, Sequence[SparseResult]],
-                residual: Mapping[str, Tensor] | None = None, *, votes: bool = False
-                ) -> tuple[dict[str, Tensor], dict[str, Step], dict[str, Tensor]]:
+                by_name: Mapping[str, Sequence[SparseResult]], carried: Carried | None = None,
+                *, votes: bool = False, momentum: Momentum | None = None
+                ) -> tuple[dict[str, Tensor], dict[str, Step], Carried]:
     """A round: each canonical name's results (validated, aggregated; ``votes``: by majority
-    vote) become its step, applied to ``master``. Returns the new master (names without
-    results unchanged), the steps, and the broadcast's residual after them. Inputs are not
-    changed."""
-    master, residual = dict(master), dict(residual or {})
+    vote; through ``momentum`` when given) become its step, applied to ``master``. Returns the
+    new master (names without results unchanged), the steps, and what is carried to the next
+    round. Inputs are not changed."""
+    master = dict(master)
+    carried = carried or Carried()
+    residual, buffers = dict(carried.residual), dict(carried.momentum)
     steps = {}
     for name, results in by_name.items():
-        step, left, decoded = _step(rule, aggregate(results, votes=votes),
-                                    [r.region for r in results], residual.get(name))
+        mean = aggregate(results, votes=votes)
+        if momentum is not None:
+            values, buffers[name] = momentum.direction(mean.values, mean.covered,
+                                                       buffers.get(name))
+            mean = Aggregate(values=values, tokens=mean.tokens)
+        step, left, decoded = _step(rule, mean, [r.region for r in results], residual.get(name))
         if left is not None:
             residual[name] = left
         direction = None
@@ -62,4 +101,4 @@ def close_round(rule: UpdateRule, master: Mapping[str, Tensor],
             direction[region_slices(step.box)] = decoded
         master[name] = rule.apply(master[name], step, direction=direction)
         steps[name] = step
-    return master, steps, residual
+    return master, steps, Carried(residual=residual, momentum=buffers)

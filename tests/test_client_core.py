@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_config
 
 from client.errors import FeedbackStateMismatch, ModelMismatch
-from client.local_round import LocalRound
+from client.local_round import LocalRound, LocalSteps
 from client.replica import Replica
 from modeling import AutoregressiveModel
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
@@ -30,8 +30,9 @@ from modeling.compression import (
 )
 from modeling.matformer import layer_widths
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
+from modeling.optim import OptimizerConfig
 from modeling.training import TierSchedule, train_step_on_examples
-from server.update_steps import close_round
+from server.update_steps import Carried, close_round
 
 LR = 0.1
 DENSE = CompressionConfig(encoding="dense", decay=0.0, lr=1.0)
@@ -86,8 +87,9 @@ def _update(config, results, residual=None):
     for result in results:
         by_name.setdefault(result.name, []).append(result)
     scratch = {name: torch.zeros(rs[0].shape) for name, rs in by_name.items()}
-    _, steps, residual = close_round(config.build(), scratch, by_name, residual)
-    return RoundUpdate(round=0, update=config, steps=steps, hashes={}), residual
+    _, steps, carried = close_round(config.build(), scratch, by_name,
+                                   Carried(residual=residual or {}))
+    return RoundUpdate(round=0, update=config, steps=steps, hashes={}), carried.residual
 
 
 def _assert_equal(a, b):
@@ -193,6 +195,43 @@ def test_error_feedback_survives_a_restart(tmp_path):
     other_tier = LocalRound(Replica(universal), compressor, TierSchedule(tiers=[0]), _limits())
     with pytest.raises(FeedbackStateMismatch, match="another tier"):
         other_tier.feedback.load(tmp_path / "feedback.safetensors")
+
+
+def test_local_steps_keep_the_replica_and_save_the_inner_optimizer_with_the_feedback(tmp_path):
+    """Local steps leave the replica's weights where they were, and their result is the
+    weights' change; the inner optimizer's state is saved with the error feedback, and a
+    state saved without local steps is refused by a client that takes them."""
+    universal = AutoregressiveModel(tiny_config())
+    steps = LocalSteps(optimizer=OptimizerConfig(name="adamw", lr=1e-2, schedule="constant"),
+                       batch_tokens=64)
+
+    def local_round(steps):
+        return LocalRound(Replica(_sliced(universal, 1)), DENSE.build(),
+                          TierSchedule(tiers=[1]), _limits(), steps=steps)
+
+    first = local_round(steps)
+    before = {n: p.detach().clone() for n, p in first.replica.parameters.items()}
+    work = first.run(_sequences(1))
+    assert all(torch.equal(before[n], p) for n, p in first.replica.parameters.items())
+    moved = {r.name: r.values for r in work.results}
+    assert any(bool(v.abs().sum() > 0) for v in moved.values())
+    first.save(tmp_path / "state.safetensors")
+
+    restarted = local_round(steps)
+    restarted.restore(tmp_path / "state.safetensors")
+    saved, loaded = first.optimizer.state_dict(), restarted.optimizer.state_dict()
+    for a, b in zip(saved["optimizers"], loaded["optimizers"], strict=True):
+        for index, moments in a["state"].items():
+            assert all(torch.equal(t, b["state"][index][k]) for k, t in moments.items())
+    for a, b in zip(first.run(_sequences(2), 1).results, restarted.run(_sequences(2), 1).results,
+                    strict=True):
+        assert torch.equal(a.values, b.values)  # the same state, the same next round
+
+    gradient_only = local_round(None)
+    gradient_only.run(_sequences(1))
+    gradient_only.save(tmp_path / "plain.safetensors")
+    with pytest.raises(FeedbackStateMismatch, match="without local steps"):
+        local_round(steps).restore(tmp_path / "plain.safetensors")
 
 
 def test_an_update_for_an_unknown_parameter_is_refused():

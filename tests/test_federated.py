@@ -14,15 +14,16 @@ from conftest import TAILS_STRATEGY, mdat_with_one_token_tails
 from helpers import run_tables, write_run_toml
 
 from client.connection import PublishedCheckpoint
-from client.errors import DataMismatch, ReplicaDiverged
+from client.errors import DataMismatch, ReplicaDiverged, RoundOver
 from client.federated import FederatedClient, FederatedOptions
 from client.replica import Replica
 from local_testnet.held_out import HeldOut
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 from modeling.checkpoint import load_pretrained
 from modeling.compression import region_slices
 from modeling.mdat import DEFAULT_STRATEGY, build_default_mdat
 from modeling.naming import canonical_state_dict
+from modeling.optim import OptimizerConfig
 from modeling.training import TierSchedule, train_step_on_examples
 from server.config import RunConfig
 from server.ledger import audit_run
@@ -42,15 +43,16 @@ def mdat(tmp_path_factory):
 
 def start(tmp_path, mdat, *, min_clients=1, rounds=3, encoding="dct", rule="sign", lr=0.01,
           tokens_per_round=1024, deadline_s=30.0, every=100, tiers=(0, 1, 2),
-          strategy=DEFAULT_STRATEGY["strategy_name"], max_seq_len=128, **compression):
+          strategy=DEFAULT_STRATEGY["strategy_name"], max_seq_len=128, update=None,
+          inner=None, **compression):
     tables = run_tables(
         mdat, run={"id": "fed", "dir": "run"},
         data={"path": str(mdat), "strategy": strategy, "max_seq_len": max_seq_len},
         tiers={"allowed": list(tiers)},
         round={"min_clients": min_clients, "deadline_s": deadline_s,
                "tokens_per_round": tokens_per_round, "rounds": rounds},
-        update={"rule": rule, "lr": lr, "schedule": "constant"},
-        compression={"encoding": encoding, **compression},
+        update={"rule": rule, "lr": lr, "schedule": "constant", **(update or {})},
+        compression={"encoding": encoding, **compression}, inner=inner or {},
         checkpoint={"every_rounds": every}, auth={"join_token": TOKEN})
     return RunningServer.start(RunConfig.load(write_run_toml(tmp_path / "run.toml", tables)),
                                grpc_port=0, http_port=0)
@@ -65,13 +67,17 @@ def client(server, tmp_path, name, tier=None, **options):
 
 
 class Recording(FederatedClient):
-    """Remembers the sequence ids of every round it trained."""
+    """Remembers the sequence ids of every round it trained (the last time, if twice)."""
 
-    trained_ids: list[list[int]]
+    trained: dict[int, list[int]]
 
     def _train_one(self, work, progress):
-        self.trained_ids = [*getattr(self, "trained_ids", []), list(work.sequence_ids)]
+        self.trained = {**getattr(self, "trained", {}), work.round: list(work.sequence_ids)}
         return super()._train_one(work, progress)
+
+    @property
+    def trained_ids(self) -> list[list[int]]:
+        return [self.trained[r] for r in sorted(self.trained)]
 
 
 def in_thread(target):
@@ -170,10 +176,75 @@ def test_one_token_sequences_are_left_out_of_the_run_and_its_audit(tmp_path):
     assert math.isfinite(losses[0])
 
 
-def test_heterogeneous_run_tail_moves_only_with_tier0_and_hashes_agree(tmp_path, mdat):
+INNER = {"batch_tokens": 256, "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1}
+OUTER = {"momentum": 0.9, "nesterov": True}  # with rule sgd, lr 0.7: DiLoCo's outer step
+
+
+@pytest.mark.parametrize("interruption", [None, "restart", "refused"])
+def test_local_adamw_steps_under_outer_sgd_lr_1_equal_standalone_adamw(tmp_path, mdat,
+                                                                       interruption):
+    """One client, dense float64 results, H local AdamW steps per round and an outer SGD
+    step of lr 1 without momentum: the master is exactly where H standalone AdamW steps on
+    the same batches take the weights. The inner optimizer's state survives a client restart
+    and rolls back with a refused submission, or the weights would differ."""
+    server = start(tmp_path, mdat, encoding="dense", value_dtype="float64", rule="sgd", lr=1.0,
+                   rounds=4, tokens_per_round=1024, inner=INNER)
+    trained = {}
+    try:
+        first = Recording(client(server, tmp_path, "solo", tier=0,
+                                 max_rounds=2 if interruption == "restart" else None).options,
+                          log=lambda line: None)
+        if interruption == "refused":  # the second submission is refused after training
+            submit, calls = first.connection.submit, []
+
+            def refuse_once(work, **kwargs):
+                calls.append(work.round)
+                if len(calls) == 2:
+                    raise RoundOver("SubmitResult", "FAILED_PRECONDITION", "refused by the test")
+                return submit(work, **kwargs)
+
+            first.connection.submit = refuse_once
+        summaries = [first.run()]
+        trained |= first.trained
+        if interruption == "restart":
+            assert not summaries[0].finished
+            again = Recording(client(server, tmp_path, "solo", tier=0).options,
+                              log=lambda line: None)
+            summaries.append(again.run())
+            trained |= again.trained
+        master = {n: t.clone() for n, t in server.service.coordinator.master.items()}
+    finally:
+        server.stop()
+    assert summaries[-1].finished and sum(s.rounds_trained for s in summaries) == 4
+    assert all(s.resynchronisations == 0 for s in summaries)
+    if interruption == "refused":
+        assert calls == [0, 1, 1, 2, 3]  # round 1 trained again from the rolled-back state
+
+    reference = load_pretrained(tmp_path / "run" / "checkpoints" / "round-0")
+    runner = MicrobatchRunner(reference, AdaptiveLimitsConfig(max_tokens=256).build())
+    adamw = OptimizerConfig(name="adamw", lr=INNER["lr"], weight_decay=INNER["weight_decay"],
+                            betas=(0.9, 0.95), schedule="constant").build(reference)
+    reader = server.service.coordinator.reader
+    steps = 0
+    for r in sorted(trained):
+        examples = [torch.from_numpy(reader[i].copy()).long() for i in trained[r]]
+        for batch in plan_batches([len(e) for e in examples], INNER["batch_tokens"]):
+            train_step_on_examples(runner, adamw, [examples[i] for i in batch],
+                                   TierSchedule(tiers=[0]), r)
+            adamw.zero_grad()
+            steps += 1
+    assert steps > 4  # several inner steps per round
+    standalone = canonical_state_dict(reference)
+    assert all(torch.equal(master[n], standalone[n]) for n in standalone)
+
+
+@pytest.mark.parametrize("local_steps", [False, True])
+def test_heterogeneous_run_tail_moves_only_with_tier0_and_hashes_agree(tmp_path, mdat,
+                                                                       local_steps):
     # chunks of 16 rows: tier 2's 16 FFN rows are a chunk fewer than tier 1's 32
+    outer = dict(rule="sgd", lr=0.7, update=OUTER, inner=INNER) if local_steps else {}
     server = start(tmp_path, mdat, min_clients=2, rounds=5, tokens_per_round=1536, every=2,
-                   chunk=16)
+                   chunk=16, **outer)
     coordinator = server.service.coordinator
     rounds = []  # (tiers that submitted, master before, master after)
     coordinator.round_closed.append(

@@ -160,23 +160,23 @@ def test_a_failed_close_keeps_the_broadcast_residual_and_a_restart_stays_exact(
     straight = Coordinator(_compressed_broadcast(tmp_path / "a", mdat_path), clock=clock)
     cid = straight.join(caps("a", tier=1))[0].client_id
     drive(straight, clock, cid, 4)
-    assert straight.residual and isinstance(straight.log.read(3).steps[UP], CoefficientStep)
+    assert straight.carried.residual and isinstance(straight.log.read(3).steps[UP], CoefficientStep)
 
     clock = Clock()
     c = Coordinator(_compressed_broadcast(tmp_path / "b", mdat_path), clock=clock)
     c.join(caps("a", tier=1))
     drive(c, clock, cid, 3)
-    residual = {n: t.clone() for n, t in c.residual.items()}
+    residual = {n: t.clone() for n, t in c.carried.residual.items()}
     with monkeypatch.context() as patch:
         patch.setattr(UpdateLog, "append", disk_full)
         with pytest.raises(RunDirectoryUnavailable):
             drive(c, clock, cid, 1)
-    assert same(c.residual, residual) and c.state.round == 3
+    assert same(c.carried.residual, residual) and c.state.round == 3
     c.advance()  # the disk has room again: round 3 closes as it would have
     c.flush()  # (and writes its checkpoint) before another coordinator opens the directory
-    assert same(c.master, straight.master) and same(c.residual, straight.residual)
+    assert same(c.master, straight.master) and same(c.carried.residual, straight.carried.residual)
     resumed = Coordinator(c.config, clock=clock)  # replays the logged (compressed) steps
-    assert same(resumed.master, c.master) and resumed.residual == {}
+    assert same(resumed.master, c.master) and resumed.carried.residual == {}
 
 
 def test_checkpoints_are_written_while_the_next_rounds_go_on(tmp_path, mdat_path, monkeypatch):

@@ -31,6 +31,7 @@ from server.main import main
 from server.sections import (
     CheckpointSection,
     DataSection,
+    InnerSection,
     RoundSection,
     ServerSection,
     TiersSection,
@@ -80,8 +81,8 @@ def test_example_shows_every_key_with_its_default():
             shown = rf"^(#? ?{key.name} = |\[{section.name}\.{key.name}\])"
             assert re.search(shown, text, re.M), f"{section.name}.{key.name}"
     defaults = [ServerSection(), TiersSection(), CompressionConfig(), UpdateSection(),
-                CheckpointSection(), TlsSection()]
-    assert [getattr(config, n) for n in ("server", "tiers", "compression", "update",
+                InnerSection(), CheckpointSection(), TlsSection()]
+    assert [getattr(config, n) for n in ("server", "tiers", "compression", "update", "inner",
                                          "checkpoint", "tls")] == defaults
     data_defaults = DataSection(path=Path("x"))
     assert (config.data.strategy, config.data.view, config.data.seed) == (

@@ -27,7 +27,7 @@ from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.updates import decode_step, encode_step, read_updates, update_messages
 from server.aggregation import aggregate
 from server.update_log import UpdateLog
-from server.update_steps import close_round, update_step
+from server.update_steps import Carried, close_round, update_step
 
 UP = "model.layers.0.mlp.up_proj.weight"
 SHAPE = (192, 130)  # FFN rows × hidden: partial edge chunks along both dimensions
@@ -54,8 +54,9 @@ MASTER = {UP: torch.randn(SHAPE, generator=torch.Generator().manual_seed(1)),
 def _update(rule="sign", topk=48, residual=None, seed=0):
     """A round closed by the coordinator's code: its record and the residual after it."""
     config = UpdateConfig(rule=rule, lr=0.01, weight_decay=0.1, broadcast_topk=topk, chunk=64)
-    _, steps, residual = close_round(config.build(), MASTER, _results(seed), residual)
-    return RoundUpdate(round=3, update=config, steps=steps, hashes={0: "ab" * 32}), residual
+    _, steps, carried = close_round(config.build(), MASTER, _results(seed),
+                                   Carried(residual=residual or {}))
+    return RoundUpdate(round=3, update=config, steps=steps, hashes={0: "ab" * 32}), carried.residual
 
 
 def test_the_integer_dct_is_the_dct_to_its_fraction_bits():

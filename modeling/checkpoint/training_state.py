@@ -22,6 +22,18 @@ STATE_JSON = "training_state.json"
 _TENSOR = "__tensor__"
 
 
+def split_tensors(tree: Any, prefix: str = "state") -> tuple[Any, dict[str, torch.Tensor]]:
+    """(skeleton, tensors): ``tree`` with each tensor replaced by a reference to its key in
+    ``tensors`` (its path under ``prefix``); the skeleton is plain JSON data."""
+    tensors: dict[str, torch.Tensor] = {}
+    return _split(tree, prefix, tensors), tensors
+
+
+def join_tensors(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The tree ``split_tensors`` took apart; KeyError names a tensor ``tensors`` lacks."""
+    return _join(skeleton, tensors)
+
+
 def _split(tree: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, torch.Tensor):
         tensors[path] = tree.detach().contiguous()
@@ -50,8 +62,7 @@ def _join(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def save_training_state(directory: str | Path, state: dict[str, Any]) -> None:
     """Write a (nested) state dict, e.g. ``{"step": 10, "optimizer": opt.state_dict()}``."""
     directory = Path(directory)
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = _split(state, "state", tensors)
+    skeleton, tensors = split_tensors(state)
     save_file(tensors, directory / STATE_TENSORS)
     write_json_atomic(directory / STATE_JSON, {"state": skeleton})
 
@@ -61,7 +72,7 @@ def load_training_state(directory: str | Path) -> dict[str, Any]:
     tensors = load_file(directory / STATE_TENSORS) if (directory / STATE_TENSORS).is_file() else {}
     skeleton = read_json(directory / STATE_JSON)["state"]
     try:
-        return _join(skeleton, tensors)
+        return join_tensors(skeleton, tensors)
     except KeyError as err:
         raise CheckpointError(
             f"{directory / STATE_JSON} refers to tensor {err} missing from {STATE_TENSORS}; "

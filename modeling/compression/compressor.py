@@ -22,7 +22,11 @@ from modeling.errors import CompressionConfigError, ResultShapeMismatch
 
 # Value dtypes a result may travel in. bfloat16 keeps fp32's exponent range, which small
 # lr-scaled momenta need (float16 loses precision below 6e-5 and rounds values below 3e-8 to 0).
-VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# float64 is for dense results only: the exact reference path, where a pseudo-gradient
+# (float32 weights before minus after a client's local steps) travels without rounding, so
+# the coordinator's step lands on the client's float32 weights bit for bit.
+VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,7 +34,8 @@ class CompressionConfig:
     encoding: str = "dct"  # dense | topk | dct (modeling.compression.encodings)
     chunk: int = 64  # chunk side on the universal grid, clipped to smaller dimensions
     topk: int = 32  # values kept per chunk (topk, dct)
-    value_dtype: str = "bfloat16"  # dtype of the values sent (topk, dct); dense sends as-is
+    # dtype of the values sent (topk, dct); dense sends float32, or float64 when asked
+    value_dtype: str = "bfloat16"
     decay: float = 0.999  # momentum decay β in m ← β·m + lr·g; 1 accumulates without decay
     lr: float = 1.0  # gradient scale lr in m ← β·m + lr·g
 
@@ -41,6 +46,8 @@ class CompressionConfig:
             (self.topk >= 1, f"topk must be >= 1, got {self.topk}"),
             (self.value_dtype in VALUE_DTYPES,
              f"value_dtype must be one of {', '.join(VALUE_DTYPES)}, got {self.value_dtype!r}"),
+            (self.value_dtype != "float64" or self.encoding == "dense",
+             f"value_dtype float64 is for encoding dense (exact results), not {self.encoding}"),
             (0.0 <= self.decay <= 1.0, f"decay must lie in [0, 1], got {self.decay}"),
             (self.lr > 0.0, f"lr must be > 0, got {self.lr}"),
         ]
@@ -85,6 +92,11 @@ class Compressor:
             chunk=encoded.chunk, chunks=encoded.chunks, indices=encoded.indices,
             values=encoded.values, tokens=tokens,
         )
+
+    @property
+    def momentum_dtype(self) -> torch.dtype:
+        """Error-feedback momentum (and what dense sends): float64 when asked, else float32."""
+        return torch.float64 if self.value_dtype == torch.float64 else torch.float32
 
     def feedback(self, name: str, shape: Sequence[int], region: Region) -> ErrorFeedback:
         """Fresh error-feedback state (zero momentum) for one parameter's region."""

@@ -57,8 +57,8 @@ class Encoding(Protocol):
 
 
 class Dense:
-    """Values as they are (a copy); decoding returns them as float32, without a copy when
-    they are float32 already."""
+    """Values as they are (a copy); decoding returns them as float32 (float64 ones as they
+    are), without a copy when they are that already."""
 
     def encode(
         self, values: Tensor, grid: ChunkGrid, region: Region, *, topk: int,
@@ -68,7 +68,8 @@ class Dense:
         return Encoded((), empty, empty.reshape(0, 0), values.detach().clone())
 
     def decode(self, result: SparseResult) -> Tensor:
-        return result.values.float()
+        values = result.values
+        return values if values.dtype == torch.float64 else values.float()
 
     def check(self, result: SparseResult) -> None:
         ChunkGrid.of(result.shape, 1).check_region(result.region)

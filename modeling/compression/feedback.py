@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 
 class ErrorFeedback:
-    """Momentum (float32, shaped like the region) of one parameter on one client."""
+    """Momentum (float32, or float64 for float64 dense results; shaped like the region) of
+    one parameter on one client."""
 
     def __init__(
         self, compressor: Compressor, *, name: str, shape: tuple[int, ...], region: Region
@@ -32,7 +33,7 @@ class ErrorFeedback:
         self.name = name
         self.shape = shape
         self.region = region
-        self.momentum = torch.zeros(region_shape(region))
+        self.momentum = torch.zeros(region_shape(region), dtype=compressor.momentum_dtype)
 
     def step(self, grad: Tensor, tokens: int) -> SparseResult:
         """Fold this round's region-shaped gradient into the momentum and encode it."""

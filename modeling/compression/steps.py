@@ -68,14 +68,16 @@ class DenseStep:
     shape: tuple[int, ...]  # the parameter's universal shape
     covered: tuple[Region, ...]  # boxes whose union is updated; nothing else moves
     box: Region  # bounding box of covered: where values lie
-    values: Tensor  # box-shaped: float32 direction, or int8 signs (-1, 0, 1)
+    # box-shaped: float32 direction (float64 in a float64 dense run), or int8 signs (-1, 0, 1)
+    values: Tensor
 
     def direction(self, region: Region) -> Tensor:
-        """Region-shaped float32 direction (0 outside the box)."""
-        out = torch.zeros(region_shape(region), device=self.values.device)
+        """Region-shaped float32 direction, float64 if the values are (0 outside the box)."""
+        dtype = torch.float64 if self.values.dtype == torch.float64 else torch.float32
+        out = torch.zeros(region_shape(region), dtype=dtype, device=self.values.device)
         inside = intersect(self.box, region)
         if inside is not None:
-            out[_within(inside, region)] = self.values[_within(inside, self.box)].float()
+            out[_within(inside, region)] = self.values[_within(inside, self.box)].to(dtype)
         return out
 
     def mask(self, region: Region) -> Tensor:
@@ -159,7 +161,10 @@ def dense_step(values: Tensor, covered: Sequence[Region], *, signs: bool) -> Den
     covered = tuple(sorted(set(covered)))
     box = bounding_box(covered)
     inside = values[region_slices(box)]
-    inside = inside.sign().to(torch.int8) if signs else inside.float().clone()
+    if signs:
+        inside = inside.sign().to(torch.int8)
+    else:  # float64 stays float64: a float64 dense run's exact step
+        inside = inside.clone() if inside.dtype == torch.float64 else inside.float().clone()
     return DenseStep(shape=tuple(values.shape), covered=covered, box=box, values=inside)
 
 
