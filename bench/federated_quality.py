@@ -11,8 +11,8 @@ the same sequences of the stdlib-docstrings MDAT:
      byte per element down, where A downloads the top 48 coefficients per chunk
   L  local steps: 3 clients at tiers 0, 1, 2 each train their share of a round as AdamW
      steps of ``--batch-tokens`` (D's batch) and send the DCT-compressed pseudo-gradient; the
-     coordinator's outer step is DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9). The same
-     tokens in ``--local-rounds`` rounds
+     coordinator's outer step is SGD of ``--outer-lr`` with ``--outer-momentum`` (Nesterov).
+     The same tokens in ``--local-rounds`` rounds
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
 
 The coordinator hands out the run's order (``server.work.work_order``: the shuffle of seed
@@ -134,10 +134,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--adamw-lr", type=float, default=3e-3, help="D's peak lr")
     parser.add_argument("--batch-tokens", type=int, default=1024,
                         help="D's tokens per optimizer step (as matformer-train)")
-    parser.add_argument("--local-rounds", type=int, default=6,
+    parser.add_argument("--local-rounds", type=int, default=30,
                         help="L's rounds, of rounds × tokens-per-round / local-rounds tokens")
     parser.add_argument("--inner-lr", type=float, default=None,
                         help="L's AdamW lr (default: --adamw-lr)")
+    # With ~3 inner steps per client and round, DiLoCo's outer Nesterov SGD (lr 0.7,
+    # momentum 0.9, the run's defaults under [inner]) diverges here; plain averaging is best
+    parser.add_argument("--outer-lr", type=float, default=1.0,
+                        help="L's outer lr (DiLoCo's: 0.7)")
+    parser.add_argument("--outer-momentum", type=float, default=0.0,
+                        help="L's outer Nesterov momentum (DiLoCo's: 0.9; 0: none)")
+    parser.add_argument("--local-topk", type=int, default=None,
+                        help="L's [compression] topk (default: DeMo's 32)")
+    parser.add_argument("--local-broadcast-topk", type=int, default=None,
+                        help="L's [update] broadcast_topk (default: 48)")
     parser.add_argument("--json", type=Path, default=None,
                         help="write per run: final loss per tier, bytes up and down per "
                              "client per round")
@@ -182,8 +192,17 @@ def planned_rounds(order: np.ndarray, reader: SequenceReader, rounds: int, token
 
 def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespace) -> RunConfig:
     rounds, tokens = rounds_of(run, args)
+    compression = {"encoding": run.encoding, "value_dtype": run.value_dtype}
     if run.local_steps:  # no [update] rule: DiLoCo's outer Nesterov SGD (server.sections)
         update = {"warmup_rounds": 0}
+        if args.outer_lr is not None or args.outer_momentum is not None:
+            momentum = 0.9 if args.outer_momentum is None else args.outer_momentum
+            update |= {"rule": "sgd", "lr": args.outer_lr or 0.7, "schedule": "constant",
+                       "momentum": momentum, "nesterov": momentum > 0}
+        if args.local_topk is not None:
+            compression["topk"] = args.local_topk
+        if args.local_broadcast_topk is not None:
+            update["broadcast_topk"] = args.local_broadcast_topk
         inner = {"batch_tokens": args.batch_tokens, "lr": args.inner_lr or args.adamw_lr,
                  "weight_decay": 0.01}
     else:
@@ -200,7 +219,7 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
         "tiers": {"allowed": TIERS},
         "round": {"min_clients": len(run.tiers), "deadline_s": 3600.0,
                   "tokens_per_round": tokens, "rounds": rounds},
-        "compression": {"encoding": run.encoding, "value_dtype": run.value_dtype},
+        "compression": compression,
         "update": update,
         "inner": inner,
         "checkpoint": {"every_rounds": rounds},
