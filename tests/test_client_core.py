@@ -28,7 +28,7 @@ from modeling.compression import (
     universal_shapes,
     weight_hash,
 )
-from modeling.matformer import layer_widths
+from modeling.matformer import layer_widths, tier_label
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
 from modeling.optim import OptimizerConfig
 from modeling.training import TierSchedule, train_step_on_examples
@@ -226,6 +226,12 @@ def test_local_steps_keep_the_replica_and_save_the_inner_optimizer_with_the_feed
     for a, b in zip(first.run(_sequences(2), 1).results, restarted.run(_sequences(2), 1).results,
                     strict=True):
         assert torch.equal(a.values, b.values)  # the same state, the same next round
+
+    nested = LocalRound(Replica(_sliced(universal, 1)), DENSE.build(),
+                        TierSchedule(tiers=[1, 2]), _limits(), steps=steps)  # --also-train 2
+    work = nested.run(_sequences(1))
+    assert set(work.losses) == {tier_label(1), tier_label(2)}
+    assert all(torch.isfinite(r.values).all() for r in work.results)
 
     gradient_only = local_round(None)
     gradient_only.run(_sequences(1))
