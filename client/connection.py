@@ -43,7 +43,7 @@ from client.errors import (
 )
 from client.local_round import LocalSteps
 from modeling.compression import CompressionConfig, RoundUpdate, SparseResult
-from modeling.optim import OptimizerConfig
+from modeling.optim import constant_after_warmup
 from protocol.auth import session_metadata
 from protocol.channel import GRPC_OPTIONS
 from protocol.files import receive_file
@@ -105,10 +105,9 @@ class RunSettings:
         local_steps = None
         if s.HasField("inner"):
             i = s.inner
-            optimizer = OptimizerConfig(
-                name=i.name, lr=i.lr, weight_decay=i.weight_decay, betas=(i.beta1, i.beta2),
-                eps=i.eps, warmup_steps=i.warmup_steps, total_steps=max(i.warmup_steps, 1),
-                schedule="constant")
+            optimizer = constant_after_warmup(
+                i.name, lr=i.lr, weight_decay=i.weight_decay, betas=(i.beta1, i.beta2),
+                eps=i.eps, warmup_steps=i.warmup_steps)
             local_steps = LocalSteps(optimizer=optimizer, batch_tokens=i.batch_tokens)
         return cls(compression=compression, sequence_length=s.sequence_length,
                    data_strategy=s.data_strategy, data_view=s.data_view or None,

@@ -175,6 +175,17 @@ class LocalOptimizer:
             sched.load_state_dict(sched_state)
 
 
+def constant_after_warmup(
+    name: str, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
+    warmup_steps: int,
+) -> OptimizerConfig:
+    """An optimizer whose lr is constant after ``warmup_steps``: a federated client's inner
+    optimizer under local steps, which has no planned end to decay towards."""
+    return OptimizerConfig(name=name, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps,
+                           warmup_steps=warmup_steps, total_steps=max(warmup_steps, 1),
+                           schedule="constant")
+
+
 def lr_factor(
     step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float
 ) -> float:

@@ -22,7 +22,7 @@ from modeling.compression import UPDATE_RULES, CompressionConfig, UpdateConfig, 
 from modeling.config import ModelConfig
 from modeling.errors import MatformerError
 from modeling.mdat import DEFAULT_STRATEGY
-from modeling.optim import SCHEDULES, OptimizerConfig, lr_factor
+from modeling.optim import SCHEDULES, OptimizerConfig, constant_after_warmup, lr_factor
 from protocol.channel import MAX_MESSAGE_BYTES
 from server.call_slots import CallLimits
 from server.errors import (
@@ -361,10 +361,9 @@ class InnerSection:
 
     def build(self) -> OptimizerConfig:
         """The inner optimizer's config, as every client builds it."""
-        return OptimizerConfig(name=self.optimizer, lr=self.lr, weight_decay=self.weight_decay,
-                               betas=tuple(self.betas), eps=self.eps,
-                               warmup_steps=self.warmup_steps,
-                               total_steps=max(self.warmup_steps, 1), schedule="constant")
+        return constant_after_warmup(self.optimizer, lr=self.lr, weight_decay=self.weight_decay,
+                                     betas=tuple(self.betas), eps=self.eps,
+                                     warmup_steps=self.warmup_steps)
 
 
 @dataclass(kw_only=True, slots=True)
