@@ -138,6 +138,8 @@ def parse_args() -> argparse.Namespace:
                         help="L's rounds, of rounds × tokens-per-round / local-rounds tokens")
     parser.add_argument("--inner-lr", type=float, default=None,
                         help="L's AdamW lr (default: --adamw-lr)")
+    parser.add_argument("--inner-schedule", choices=("cosine", "linear", "constant"),
+                        default="cosine", help="L's inner lr over the rounds, to lr/10")
     # With ~3 inner steps per client and round, DiLoCo's outer Nesterov SGD (lr 0.7,
     # momentum 0.9, the run's defaults under [inner]) diverges here; plain averaging is best
     parser.add_argument("--outer-lr", type=float, default=1.0,
@@ -203,8 +205,13 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
             compression["topk"] = args.local_topk
         if args.local_broadcast_topk is not None:
             update["broadcast_topk"] = args.local_broadcast_topk
-        inner = {"batch_tokens": args.batch_tokens, "lr": args.inner_lr or args.adamw_lr,
-                 "weight_decay": 0.01}
+        # D's schedule over the run: warmup for a tenth of a client's steps (about a third
+        # of D's), then cosine to lr / 10 over the rounds
+        inner_lr = args.inner_lr or args.adamw_lr
+        client_steps = rounds * tokens // args.batch_tokens // len(run.tiers)
+        inner = {"batch_tokens": args.batch_tokens, "lr": inner_lr, "weight_decay": 0.01,
+                 "warmup_steps": max(1, client_steps // 10), "schedule": args.inner_schedule,
+                 "final_lr": inner_lr / 10}
     else:
         update = {"rule": "sign", "lr": args.lr, "warmup_rounds": args.warmup_rounds,
                   "schedule": "cosine", "final_lr": args.lr / 10, "vote": args.vote}

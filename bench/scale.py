@@ -112,6 +112,8 @@ def parse_args() -> argparse.Namespace:
     run.add_argument("--tiers", default="0,1,2", help="client i asks for tier tiers[i % len]")
     run.add_argument("--rounds", type=int, default=3, help="timed rounds per client count")
     run.add_argument("--rule", choices=["sign", "sgd"], default="sign")
+    run.add_argument("--momentum", type=float, default=0.0,
+                     help="[update] momentum, Nesterov (rule sgd; DiLoCo's outer step: 0.9)")
     run.add_argument("--broadcast-topk", type=int, default=None,
                      help="[update] broadcast_topk (default: the run's; 0: exact broadcast)")
     run.add_argument("--encoding", choices=["dense", "topk", "dct"], default=defaults.encoding)
@@ -154,6 +156,7 @@ def run_config(args: argparse.Namespace, clients: int, folder: Path, mdat: Path)
         "round": {"min_clients": clients, "deadline_s": 3600.0, "rounds": args.rounds + 2,
                   "tokens_per_round": clients * args.sequences_per_client * args.seq_len},
         "update": {"rule": args.rule, "lr": 1e-3, "schedule": "constant",
+                   **({"momentum": args.momentum, "nesterov": True} if args.momentum else {}),
                    **({} if args.broadcast_topk is None
                       else {"broadcast_topk": args.broadcast_topk})},
         "compression": {"encoding": args.encoding, "chunk": args.chunk, "topk": args.topk,
@@ -431,7 +434,8 @@ def main() -> None:
         f"torch {torch.__version__} | cpu, {torch.get_num_threads()} threads | hidden "
         f"{args.hidden_size}, {args.layers} layers, ffn {args.intermediate_size}, vocab "
         f"{args.vocab_size} | {params:,} params | {args.encoding}, chunk {args.chunk}, top "
-        f"{args.topk}, values {args.value_dtype} | rule {args.rule} | tiers {args.tiers} | "
+        f"{args.topk}, values {args.value_dtype} | rule {args.rule}, momentum {args.momentum} | "
+        f"tiers {args.tiers} | "
         f"median of {args.rounds} rounds | load average {os.getloadavg()[0]:.2f}"
     )
     with tempfile.TemporaryDirectory(prefix="matformer-bench-") as tmp:

@@ -108,7 +108,9 @@ class RunSettings:
             optimizer = constant_after_warmup(
                 i.name, lr=i.lr, weight_decay=i.weight_decay, betas=(i.beta1, i.beta2),
                 eps=i.eps, warmup_steps=i.warmup_steps)
-            local_steps = LocalSteps(optimizer=optimizer, batch_tokens=i.batch_tokens)
+            local_steps = LocalSteps(optimizer=optimizer, batch_tokens=i.batch_tokens,
+                                     schedule=i.schedule or "constant", final_lr=i.final_lr,
+                                     planned_rounds=max(1, i.planned_rounds))
         return cls(compression=compression, sequence_length=s.sequence_length,
                    data_strategy=s.data_strategy, data_view=s.data_view or None,
                    data_fingerprint=s.data_fingerprint, heartbeat_s=s.heartbeat_seconds,

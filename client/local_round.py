@@ -32,7 +32,7 @@ from modeling.batching import (
 from modeling.compression import Compressor, Region, SparseResult, region_slices, tier_regions
 from modeling.config import ModelConfig
 from modeling.matformer import Tier
-from modeling.optim import LocalOptimizer, OptimizerConfig
+from modeling.optim import LocalOptimizer, OptimizerConfig, lr_factor
 from modeling.training import TierSchedule, tier_gradients
 
 
@@ -62,10 +62,22 @@ def trained_regions(
 @dataclass(frozen=True, slots=True)
 class LocalSteps:
     """Local steps: a round's sequences trained as token-budget batches of ``batch_tokens``,
-    one step of ``optimizer`` each; the result is the pseudo-gradient."""
+    one step of ``optimizer`` each; the result is the pseudo-gradient.
+
+    The inner lr is ``optimizer``'s (its warmup counted in the client's own steps) times a
+    factor of the round: ``schedule`` from 1 at round 0 to ``final_lr / optimizer.lr`` at
+    ``planned_rounds``, the run's clock, the same for every client whatever its speed."""
 
     optimizer: OptimizerConfig
     batch_tokens: int
+    schedule: str = "constant"  # cosine | linear | constant, over the run's rounds
+    final_lr: float = 0.0  # the inner lr at the last planned round (cosine, linear)
+    planned_rounds: int = 1
+
+    def lr_scale(self, round_index: int) -> float:
+        """The factor on the inner lr during round ``round_index`` (0-based)."""
+        return lr_factor(round_index, warmup_steps=0, total_steps=self.planned_rounds,
+                         schedule=self.schedule, min_ratio=self.final_lr / self.optimizer.lr)
 
 
 class LocalRound:
@@ -131,6 +143,7 @@ class LocalRound:
         parameters = self.replica.parameters
         before = {name: p.detach().clone() for name, p in parameters.items()}
         plan = plan_batches([len(s) for s in sequences], self.steps.batch_tokens)
+        self.optimizer.scale_lr(self.steps.lr_scale(step))
         sums: dict[str, float] = {}
         for batch in plan:
             examples = [sequences[i] for i in batch]

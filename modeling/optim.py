@@ -135,9 +135,24 @@ class LocalOptimizer:
         if not optimizers:
             raise OptimizerConfigError("LocalOptimizer needs at least one torch optimizer")
         self.optimizers = tuple(optimizers)
+        self.scale = 1.0  # a multiplier on the schedule's lr, set from outside (scale_lr)
+
+        def scaled(step: int) -> float:  # a plain function: LambdaLR saves no state of it
+            return lr_lambda(step) * self.scale
+
+        self._scaled = scaled
         self.schedulers = tuple(
-            torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) for opt in self.optimizers
+            torch.optim.lr_scheduler.LambdaLR(opt, scaled) for opt in self.optimizers
         )
+
+    def scale_lr(self, scale: float) -> None:
+        """Multiply the schedule's lr by ``scale`` from the next update on, until the next
+        call: a federated client's inner lr follows the run's rounds as well as its own steps.
+        Not part of ``state_dict``; whoever sets it sets it again after a restore."""
+        self.scale = scale
+        for sched in self.schedulers:
+            for group, base in zip(sched.optimizer.param_groups, sched.base_lrs, strict=True):
+                group["lr"] = base * self._scaled(sched.last_epoch)
 
     def step(self) -> None:
         for opt in self.optimizers:

@@ -341,23 +341,36 @@ class InnerSection:
 
     batch_tokens: int = 0  # tokens per inner step (padded, as matformer-train's budget)
     optimizer: str = "adamw"  # adamw | adam | muon
-    lr: float = 1e-3  # the inner optimizer's learning rate (constant after warmup)
+    lr: float = 1e-3  # the inner optimizer's peak learning rate
     weight_decay: float = 0.1  # on matrices (ndim >= 2), as matformer-train applies it
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    warmup_steps: int = 0  # each client's own steps, counted across rounds
+    warmup_steps: int = 0  # linear warmup over each client's own steps, counted across rounds
+    # after warmup: cosine | linear from lr at round 0 to final_lr at the last planned round
+    # ([round] rounds or tokens), the run's clock, the same for every client; or constant
+    schedule: str = "constant"
+    final_lr: float | None = None  # None: lr / 10, as matformer-train decays
 
     def __post_init__(self) -> None:
         _within("[inner] batch_tokens", self.batch_tokens, 0, UINT32_MAX)
         _within("[inner] warmup_steps", self.warmup_steps, 0, UINT32_MAX)
+        _require(self.schedule in SCHEDULES,
+                 f"[inner] schedule {self.schedule!r} is unknown; choose one of "
+                 f"{', '.join(SCHEDULES)}.")
         try:
             self.build()
         except MatformerError as err:
             raise InvalidValue(f"[inner] {err}") from err
+        _require(0 <= self.final_lr_value <= self.lr,
+                 f"[inner] final_lr must lie in [0, lr={self.lr}], got {self.final_lr}.")
 
     @property
     def enabled(self) -> bool:
         return self.batch_tokens > 0
+
+    @property
+    def final_lr_value(self) -> float:
+        return self.lr / 10 if self.final_lr is None else self.final_lr
 
     def build(self) -> OptimizerConfig:
         """The inner optimizer's config, as every client builds it."""

@@ -369,7 +369,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             settings.inner.CopyFrom(pb.InnerOptimizer(
                 name=inner.optimizer, lr=inner.lr, weight_decay=inner.weight_decay,
                 beta1=inner.betas[0], beta2=inner.betas[1], eps=inner.eps,
-                warmup_steps=inner.warmup_steps, batch_tokens=inner.batch_tokens))
+                warmup_steps=inner.warmup_steps, batch_tokens=inner.batch_tokens,
+                schedule=inner.schedule, final_lr=inner.final_lr_value,
+                planned_rounds=cfg.round.planned_rounds))
         return settings
 
 

@@ -23,7 +23,7 @@ from modeling.checkpoint import load_pretrained
 from modeling.compression import region_slices
 from modeling.mdat import DEFAULT_STRATEGY, build_default_mdat
 from modeling.naming import canonical_state_dict
-from modeling.optim import OptimizerConfig
+from modeling.optim import OptimizerConfig, lr_factor
 from modeling.training import TierSchedule, train_step_on_examples
 from server.config import RunConfig
 from server.ledger import audit_run
@@ -176,7 +176,8 @@ def test_one_token_sequences_are_left_out_of_the_run_and_its_audit(tmp_path):
     assert math.isfinite(losses[0])
 
 
-INNER = {"batch_tokens": 256, "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1}
+INNER = {"batch_tokens": 256, "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1,
+         "warmup_steps": 3, "schedule": "cosine", "final_lr": 2e-4}
 OUTER = {"momentum": 0.9, "nesterov": True}  # with rule sgd, lr 0.7: DiLoCo's outer step
 
 
@@ -185,8 +186,9 @@ def test_local_adamw_steps_under_outer_sgd_lr_1_equal_standalone_adamw(tmp_path,
                                                                        interruption):
     """One client, dense float64 results, H local AdamW steps per round and an outer SGD
     step of lr 1 without momentum: the master is exactly where H standalone AdamW steps on
-    the same batches take the weights. The inner optimizer's state survives a client restart
-    and rolls back with a refused submission, or the weights would differ."""
+    the same batches take the weights, with the same lr at each step (warmup over the
+    client's steps, cosine over the run's 4 rounds). The inner optimizer's state survives a
+    client restart and rolls back with a refused submission, or the weights would differ."""
     server = start(tmp_path, mdat, encoding="dense", value_dtype="float64", rule="sgd", lr=1.0,
                    rounds=4, tokens_per_round=1024, inner=INNER)
     trained = {}
@@ -223,10 +225,13 @@ def test_local_adamw_steps_under_outer_sgd_lr_1_equal_standalone_adamw(tmp_path,
     reference = load_pretrained(tmp_path / "run" / "checkpoints" / "round-0")
     runner = MicrobatchRunner(reference, AdaptiveLimitsConfig(max_tokens=256).build())
     adamw = OptimizerConfig(name="adamw", lr=INNER["lr"], weight_decay=INNER["weight_decay"],
-                            betas=(0.9, 0.95), schedule="constant").build(reference)
+                            betas=(0.9, 0.95), warmup_steps=INNER["warmup_steps"],
+                            schedule="constant").build(reference)
     reader = server.service.coordinator.reader
     steps = 0
     for r in sorted(trained):
+        adamw.scale_lr(lr_factor(r, warmup_steps=0, total_steps=4, schedule="cosine",
+                                 min_ratio=INNER["final_lr"] / INNER["lr"]))
         examples = [torch.from_numpy(reader[i].copy()).long() for i in trained[r]]
         for batch in plan_batches([len(e) for e in examples], INNER["batch_tokens"]):
             train_step_on_examples(runner, adamw, [examples[i] for i in batch],

@@ -153,7 +153,7 @@ class TrainingSettings(_message.Message):
     def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
-    __slots__ = ("name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "batch_tokens")
+    __slots__ = ("name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "batch_tokens", "schedule", "final_lr", "planned_rounds")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,9 @@ class InnerOptimizer(_message.Message):
     EPS_FIELD_NUMBER: _ClassVar[int]
     WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    FINAL_LR_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     lr: float
     weight_decay: float
@@ -170,7 +173,10 @@ class InnerOptimizer(_message.Message):
     eps: float
     warmup_steps: int
     batch_tokens: int
-    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    schedule: str
+    final_lr: float
+    planned_rounds: int
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., schedule: _Optional[str] = ..., final_lr: _Optional[float] = ..., planned_rounds: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings", "schema_hash")
