@@ -14,6 +14,9 @@ the same sequences of the stdlib-docstrings MDAT:
      coordinator's outer step is SGD of ``--outer-lr`` with ``--outer-momentum`` (Nesterov).
      The same tokens in ``--local-rounds`` rounds
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
+  P  as D in steps of 3 × ``--batch-tokens``: what data-parallel training by 3 workers at
+     L's inner batch computes, a third of D's steps. L replaces it, so L / P is the price of
+     local steps and compression over data parallelism; L / D adds the price of parallelism
 
 The coordinator hands out the run's order (``server.work.work_order``: the shuffle of seed
 ``data.seed`` without the sequences that carry no target) from its start,
@@ -30,7 +33,7 @@ among 3 workers sends and receives 2·(3−1)/3 of the model's bytes per step an
 
     python bench/federated_quality.py
     python bench/federated_quality.py --runs A,B --rounds 15 --lr 0.01
-    python bench/federated_quality.py --runs L,D --json quality.json
+    python bench/federated_quality.py --runs L,D,P --json quality.json
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ RUNS = {
 }
 DP_WORKERS = 3  # data-parallel reference: a ring all-reduce among this many workers
 STANDALONE = "D"
+DATA_PARALLEL = "P"  # standalone at the global batch of DP_WORKERS data-parallel workers
 
 
 class HeldOut:
@@ -125,7 +129,8 @@ class Outcome:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", default="A,B,C,D,E,L", help="any of A, B, C, D, E, L")
+    parser.add_argument("--runs", default="A,B,C,D,E,L,P",
+                        help="any of A, B, C, D, E, L, P")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--tokens-per-round", type=int, default=8192)
     parser.add_argument("--lr", type=float, default=0.02, help="sign rule's peak lr (A, B, C)")
@@ -309,13 +314,14 @@ def initial_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
 
 
 def run_standalone(reader: SequenceReader, planned: list[list[int]],
-                   held: HeldOut, args: argparse.Namespace) -> tuple[Outcome, str]:
+                   held: HeldOut, args: argparse.Namespace, batch_tokens: int,
+                   name: str) -> tuple[Outcome, str]:
     started = time.perf_counter()
     model, start = initial_model(args)
     ids = [i for r in planned for i in r]
     examples = [torch.from_numpy(reader[i].astype(np.int64)) for i in ids]
     # sort_window=0: in the order the rounds took them
-    steps = plan_batches([len(e) for e in examples], args.batch_tokens, sort_window=0)
+    steps = plan_batches([len(e) for e in examples], batch_tokens, sort_window=0)
     optimizer = OptimizerConfig(
         name="adamw", lr=args.adamw_lr, final_lr=args.adamw_lr / 10, weight_decay=0.01,
         warmup_steps=max(1, len(steps) // 10), total_steps=len(steps)).build(model)
@@ -327,7 +333,7 @@ def run_standalone(reader: SequenceReader, planned: list[list[int]],
                                max_grad_norm=1.0)
     final = held.final(model)
     tokens = sum(len(e) for e in examples)
-    note = f"D: {len(steps)} AdamW steps of <= {args.batch_tokens} tokens; start: {start}"
+    note = f"{name}: {len(steps)} AdamW steps of <= {batch_tokens} tokens; start: {start}"
     return Outcome(tokens, initial, final, time.perf_counter() - started, []), note
 
 
@@ -342,9 +348,9 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     names = [n.strip().upper() for n in args.runs.split(",")]
-    unknown = set(names) - {*RUNS, STANDALONE}
+    unknown = set(names) - {*RUNS, STANDALONE, DATA_PARALLEL}
     if unknown:
-        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from A, B, C, D, E, L")
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from A, B, C, D, E, L, P")
     data = data_path(args.documents)
     with Mdat.open(data) as mdat:
         # Every run's coordinator hands out the same order: A's config stands for them all.
@@ -375,7 +381,8 @@ def main() -> None:
                                            local if RUNS[name].local_steps else planned, held,
                                            args)
         else:
-            outcomes[name], note = run_standalone(reader, planned, held, args)
+            batch = args.batch_tokens * (DP_WORKERS if name == DATA_PARALLEL else 1)
+            outcomes[name], note = run_standalone(reader, planned, held, args, batch, name)
             notes.append(note)
         o = outcomes[name]
         print(f"run {name} done in {o.seconds:,.0f} s: final "
@@ -400,7 +407,7 @@ def main() -> None:
     for note in notes:
         print(note)
     for first, other in [("A", "B"), ("A", "C"), ("A", STANDALONE), ("A", "E"),
-                         ("L", STANDALONE), ("L", "A")]:
+                         ("L", STANDALONE), ("L", DATA_PARALLEL), ("L", "A")]:
         if first in outcomes and other in outcomes:
             ratios = ", ".join(
                 f"tier {t} {outcomes[first].final[t] / outcomes[other].final[t]:.3f}"

@@ -55,8 +55,6 @@ DEFAULT_RUN_DIR = Path("runs/testnet")
 # The embedded run: about two and a half minutes on two CPU cores with three clients.
 DEFAULT_ROUNDS = 150
 DEFAULT_TOKENS_PER_ROUND = 4096
-DEFAULT_LR = 4e-3
-DEFAULT_WARMUP = 5
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,8 +111,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str]]:
     data = ensure_default_data(args.documents, say)
     config = write_default_run(run_dir, data=data, min_clients=args.num_clients,
                                rounds=args.rounds or DEFAULT_ROUNDS,
-                               tokens_per_round=args.tokens_per_round, lr=DEFAULT_LR,
-                               warmup=DEFAULT_WARMUP)
+                               tokens_per_round=args.tokens_per_round)
     return config, overrides
 
 
