@@ -144,7 +144,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--inner-lr", type=float, default=None,
                         help="L's AdamW lr (default: --adamw-lr)")
     parser.add_argument("--inner-schedule", choices=("cosine", "linear", "constant"),
-                        default="cosine", help="L's inner lr over the rounds, to lr/10")
+                        default="constant",
+                        help="L's inner lr over the rounds (cosine, linear: to lr/10)")
     # With ~3 inner steps per client and round, DiLoCo's outer Nesterov SGD (lr 0.7,
     # momentum 0.9, the run's defaults under [inner]) diverges here; plain averaging is best
     parser.add_argument("--outer-lr", type=float, default=1.0,
