@@ -34,8 +34,8 @@ tier 2 no worse than the ``independent`` model of that size. The container, toke
 pretokenized sequences are kept in ``--dir`` and reused.
 
     python bench/tier_quality.py --json tier_quality.json     # defaults (12 min on 2 cores)
-    python bench/tier_quality.py --quick                      # smoke check (under 1 min)
-    python bench/tier_quality.py --joint-mode all             # joint sums the tiers (17 min)
+    python bench/tier_quality.py --quick                      # smoke check (about 1 min)
+    python bench/tier_quality.py --joint-mode all             # joint costs 3x (about 19 min)
 """
 
 from __future__ import annotations
