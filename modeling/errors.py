@@ -29,6 +29,10 @@ class ConfigError(MatformerError, ValueError):
     """A model or layer config is malformed (unknown key, impossible shape, bad value)."""
 
 
+class DeviceUnavailable(ConfigError):
+    """A device was asked for that this machine does not have (or that is no device)."""
+
+
 class RegistryError(MatformerError, LookupError):
     """A registry lookup named a component that does not exist or cannot run here."""
 
