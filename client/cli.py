@@ -35,7 +35,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            help="where checkpoint files come from: server (default), a folder "
                                 "or hf:ORG/NAME holding a copy of the run's checkpoints "
                                 "(files whose sha256 differs from the manifest are downloaded)")
-    federated.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     federated.add_argument("--join-token", default=None,
                            help=f"the run's join token (default: ${JOIN_TOKEN_ENV})")
     federated.add_argument("--name", default=None,

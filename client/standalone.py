@@ -18,14 +18,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modeling import MaskedBatch, ModelConfig, build_model
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
+from modeling import ModelConfig, build_model
+from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches, plan_packed
 from modeling.checkpoint import save_pretrained
+from modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
+from modeling.distributed import DataParallel
 from modeling.errors import MatformerError
-from modeling.matformer import tier_label
 from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
 from modeling.optim import OptimizerConfig
-from modeling.training import TierSchedule, target_tokens, train_step_on_examples, with_targets
+from modeling.training import (
+    StepOptions,
+    TierSchedule,
+    held_out_loss,
+    target_tokens,
+    train_step_on_examples,
+    with_targets,
+)
 
 # A model that learns visibly in a minute on two CPU cores.
 TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -65,6 +73,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/standalone"))
+    hardware = parser.add_argument_group("hardware (also under torchrun: data parallel)")
+    hardware.add_argument("--device", default="cpu",
+                          help="cpu | cuda | cuda:N | mps; a device this machine lacks is an "
+                               "error. Under torchrun, cuda means each rank's local GPU")
+    hardware.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                          help="fp32, or autocast to bf16/fp16 with float32 weights")
+    hardware.add_argument("--compile", action="store_true",
+                          help="torch.compile the model (needs a C++ compiler on CPU)")
+    hardware.add_argument("--batching", choices=("packed", "padded"), default="packed",
+                          help="packed: sequences end to end in rows of --seq-len tokens "
+                               "(almost no padding); padded: one sequence a row")
 
 
 def open_data(args: argparse.Namespace) -> Mdat:
@@ -75,20 +94,16 @@ def open_data(args: argparse.Namespace) -> Mdat:
     return build_default_mdat(DEFAULT_DATA, limit=args.documents)
 
 
-def sequences(reader: SequenceReader, ids: np.ndarray) -> list[torch.Tensor]:
-    return [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in ids]
+def sequences(reader: SequenceReader, ids: np.ndarray, device: torch.device
+              ) -> list[torch.Tensor]:
+    return [torch.from_numpy(reader[int(i)].astype(np.int64)).to(device) for i in ids]
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[MaskedBatch], tiers: list[int]
-             ) -> dict[str, float]:
-    """Mean loss per target token over ``batches``, per tier."""
-    model.eval()
-    targets = sum(model.num_targets(b) for b in batches)
-    losses = {tier_label(t): sum(model.loss(b, tier=t, reduction="sum").item()
-                                 for b in batches) / targets for t in tiers}
-    model.train()
-    return losses
+def plan(lengths: list[int], args: argparse.Namespace) -> list[list[list[int]]]:
+    """Each step's rows (index lists into ``lengths``): packed, or one sequence a row."""
+    if args.batching == "packed":
+        return plan_packed(lengths, args.batch_tokens, args.seq_len)
+    return [[[i] for i in batch] for batch in plan_batches(lengths, args.batch_tokens)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,17 +120,36 @@ def run(args: argparse.Namespace, program: str) -> None:
 
 
 def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """Run the training ``args`` describe; returns the metrics it also writes."""
+    """Run the training ``args`` describe; returns the metrics it also writes (rank 0)."""
+    device = resolve_device(args.device)
+    parallel = DataParallel.from_environment(device)
+    try:
+        return _train(args, parallel.device if parallel else device, parallel)
+    finally:
+        if parallel is not None:
+            parallel.close()
+
+
+def _train(args: argparse.Namespace, device: torch.device, parallel: DataParallel | None
+           ) -> dict[str, dict[str, float]]:
+    leader = parallel is None or parallel.leader
+    say = print if leader else (lambda *_, **__: None)
     torch.manual_seed(args.seed)
     config = ModelConfig.from_json(args.config) if args.config else ModelConfig(**TINY)
     tiers = [int(t) for t in args.tiers.split(",")]
     schedule = TierSchedule(tiers=tiers, mode=args.tier_mode, seed=args.seed)
     schedule.check(config)
-    model = build_model(config)
+    model = build_model(config).to(device)
+    if parallel is not None:
+        parallel.broadcast_parameters(model)
     optimizer = OptimizerConfig(
         name=args.optimizer, lr=args.lr, final_lr=args.lr / 10, weight_decay=0.01,
         warmup_steps=args.warmup_steps, total_steps=args.steps,
     ).build(model)
+    options = StepOptions(precision=Precision(args.precision, device), data_parallel=parallel,
+                          seed=args.seed)
+    if args.compile:
+        compile_model(model)
 
     with open_data(args) as mdat:
         reader = mdat.sequences(args.strategy, args.seq_len, args.view)
@@ -123,38 +157,54 @@ def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         order = with_targets(mdat.shuffle(args.view, args.strategy, args.seq_len, args.seed),
                              lengths, config)
         if len(order) < len(reader):
-            print(f"matformer-train: left out {len(reader) - len(order):,} sequences of fewer "
-                  f"than {target_tokens(config)} tokens: they carry no target")
+            say(f"matformer-train: left out {len(reader) - len(order):,} sequences of fewer "
+                f"than {target_tokens(config)} tokens: they carry no target")
         held_out = max(1, len(order) // 20)  # the shuffle's last 5% are never trained on
         train_ids, eval_ids = order[:-held_out], order[-held_out:]
-        plan = plan_batches(lengths[train_ids].tolist(), args.batch_tokens)
-        eval_batches = [MaskedBatch.from_list(sequences(reader, eval_ids[i]))
-                        for i in plan_batches(lengths[eval_ids].tolist(), args.batch_tokens)]
-        print(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters; "
-              f"{len(train_ids):,} training sequences of up to {args.seq_len} tokens in "
-              f"{len(plan)} batches of <= {args.batch_tokens} tokens; tiers {tiers} "
-              f"({args.tier_mode})")
+        steps = plan(lengths[train_ids].tolist(), args)
+        eval_examples = sequences(reader, eval_ids, device)
+        world = parallel.world_size if parallel else 1
+        say(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters on "
+            f"{device} ({args.precision}{', compiled' if args.compile else ''}"
+            f"{f', {world} data-parallel ranks' if parallel else ''}); {len(train_ids):,} "
+            f"training sequences of up to {args.seq_len} tokens in {len(steps)} {args.batching} "
+            f"batches of <= {args.batch_tokens} tokens; tiers {tiers} ({args.tier_mode})")
         runner = MicrobatchRunner(model, AdaptiveLimitsConfig(
             max_tokens=args.microbatch_tokens).build())
-        initial = evaluate(model, eval_batches, tiers)
+
+        def evaluate() -> dict[str, float]:
+            return held_out_loss(model, eval_examples, tiers, batch_tokens=args.batch_tokens,
+                                 precision=options.precision, seed=args.seed)
+
+        initial = evaluate() if leader else {}
         history = []
         started, tokens_seen = time.perf_counter(), 0
         for step in range(args.steps):
-            examples = sequences(reader, train_ids[plan[step % len(plan)]])
-            losses = train_step_on_examples(runner, optimizer, examples, schedule, step,
-                                            max_grad_norm=1.0)
+            rows = steps[step % len(steps)]
+            batch = [i for row in rows for i in row]
+            examples = sequences(reader, train_ids[batch], device)
+            position = {index: n for n, index in enumerate(batch)}
+            losses = train_step_on_examples(
+                runner, optimizer, examples, schedule, step, max_grad_norm=1.0,
+                rows=[[position[i] for i in row] for row in rows], options=options)
             tokens_seen += sum(len(e) for e in examples) * len(losses)
             history.append({"step": step, "lr": optimizer.lr, "loss": losses})
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
                 rate = tokens_seen / (time.perf_counter() - started)
                 shown = "  ".join(f"tier {t}: {loss:.3f}" for t, loss in losses.items())
-                print(f"step {step + 1:>5}  {shown}  lr {optimizer.lr:.2e}  {rate:,.0f} tok/s")
-    final = evaluate(model, eval_batches, tiers)
+                say(f"step {step + 1:>5}  {shown}  lr {optimizer.lr:.2e}  {rate:,.0f} tok/s")
+        seconds = time.perf_counter() - started
+    if not leader:
+        return {}
+    final = evaluate()
     for tier in initial:
         print(f"held-out loss tier {tier}: {initial[tier]:.3f} -> {final[tier]:.3f}")
 
     save_pretrained(model, args.out)
-    metrics = {"initial": initial, "final": final, "history": history}
+    metrics = {"initial": initial, "final": final, "history": history,
+               "world_size": world, "device": str(device), "precision": args.precision,
+               "compile": args.compile, "batching": args.batching,
+               "tokens_per_second": round(tokens_seen / seconds, 1)}
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print(f"wrote {args.out}/config.json, model.safetensors, metrics.json")
     return metrics

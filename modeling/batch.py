@@ -137,24 +137,50 @@ class PackedBatch:
                 "or cut the example into chunks first."
             )
         free: list[int] = []  # room left in each row
-        spans = []
-        for example in examples:
+        rows: list[list[int]] = []
+        for index, example in enumerate(examples):
             size = example.shape[0]
             row = next((r for r, room in enumerate(free) if room >= size), len(free))
             if row == len(free):
                 free.append(row_length)
-            spans.append((row, row_length - free[row], size))
+                rows.append([])
+            rows[row].append(index)
             free[row] -= size
+        return cls._place(examples, rows, row_length, pad_value)
+
+    @classmethod
+    def from_rows(
+        cls, examples: Sequence[Tensor], rows: Sequence[Sequence[int]], pad_value: float = 0
+    ) -> PackedBatch:
+        """Lay ``examples`` out as ``rows`` says: each row lists indices into ``examples``,
+        placed end to end in that order, and every example appears in exactly one row. Rows
+        are padded on the right to the longest row (a planner that packed them well leaves
+        little padding)."""
+        _check_examples(examples)
+        placed = sorted(i for row in rows for i in row)
+        if placed != list(range(len(examples))) or not all(rows):
+            raise BatchError(f"rows must place each of the {len(examples)} examples exactly "
+                             f"once and none may be empty; got {[list(r) for r in rows]}.")
+        longest = max(sum(examples[i].shape[0] for i in row) for row in rows)
+        return cls._place(examples, rows, longest, pad_value)
+
+    @classmethod
+    def _place(cls, examples: Sequence[Tensor], rows: Sequence[Sequence[int]],
+               row_length: int, pad_value: float) -> PackedBatch:
         first = examples[0]
-        data = first.new_full((len(free), row_length, *first.shape[1:]), pad_value)
-        segments = torch.zeros(len(free), row_length, dtype=torch.int32, device=first.device)
-        positions = torch.zeros(len(free), row_length, dtype=torch.long, device=first.device)
-        documents = [0] * len(free)
-        for example, (row, start, size) in zip(examples, spans, strict=True):
-            documents[row] += 1
-            data[row, start:start + size] = example
-            segments[row, start:start + size] = documents[row]
-            positions[row, start:start + size] = torch.arange(size, device=first.device)
+        data = first.new_full((len(rows), row_length, *first.shape[1:]), pad_value)
+        segments = torch.zeros(len(rows), row_length, dtype=torch.int32, device=first.device)
+        positions = torch.zeros(len(rows), row_length, dtype=torch.long, device=first.device)
+        spans = [(0, 0, 0)] * len(examples)  # in the examples' order
+        for row, indices in enumerate(rows):
+            start = 0
+            for document, index in enumerate(indices, start=1):
+                size = examples[index].shape[0]
+                data[row, start:start + size] = examples[index]
+                segments[row, start:start + size] = document
+                positions[row, start:start + size] = torch.arange(size, device=first.device)
+                spans[index] = (row, start, size)
+                start += size
         return cls(data, segments, positions, torch.tensor(spans, dtype=torch.long))
 
     @property

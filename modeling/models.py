@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from modeling.attention import AttentionContext
@@ -109,6 +110,18 @@ class TransformerWithLMHead(nn.Module):
     ) -> Tensor:
         return self.lm_head(self.model(inputs, attention_mask, position_ids, tier))
 
+    def example_targets(self, ids: Tensor, generator: torch.Generator | None = None
+                        ) -> tuple[Tensor, Tensor]:
+        """(what the model reads, the label of each position) for one document ``ids`` (T,);
+        IGNORE_INDEX where a position carries no loss. Training draws these per document
+        before batching, so padding, packing and microbatching never change them."""
+        raise NotImplementedError
+
+    def labelled_loss(self, inputs: Batch, labels: Tensor, tier: Tier | None = None,
+                      reduction: str = "mean") -> Tensor:
+        """Cross-entropy of ``inputs`` against ``labels`` (B, T) laid out as the batch is."""
+        return self.loss_fn(self(inputs, tier=tier), labels, reduction=reduction)
+
 
 class AutoregressiveModel(TransformerWithLMHead):
     """GPT-style: predict token t+1 from tokens ≤ t."""
@@ -133,6 +146,12 @@ class AutoregressiveModel(TransformerWithLMHead):
         # zero-fill a (B, T, V) gradient backward.
         labels = next_token_targets(tokens.data, tokens.segment_ids, IGNORE_INDEX)
         return self.loss_fn(logits, labels, reduction=reduction)
+
+    def example_targets(self, ids: Tensor, generator: torch.Generator | None = None
+                        ) -> tuple[Tensor, Tensor]:
+        """The document as it is, each position labelled with the next token; the last
+        position predicts nothing."""
+        return ids, F.pad(ids[1:], (0, 1), value=IGNORE_INDEX)
 
     def num_targets(self, inputs: Tensor | Batch, attention_mask: Tensor | None = None) -> int:
         """How many positions of ``inputs`` carry a loss (the divisor of the mean)."""
@@ -160,13 +179,31 @@ class BERTModel(TransformerWithLMHead):
         attention_mask: Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """(masked ids, labels): each real token is masked with ``masked_substitution_rate``."""
-        draw = torch.rand(input_ids.shape, generator=generator, device=input_ids.device)
+        """(masked ids, labels): each real token is masked with ``masked_substitution_rate``.
+
+        The draws come from ``generator`` on the CPU whatever the ids' device, so a seed
+        gives the same mask on every device."""
+        draw = torch.rand(input_ids.shape, generator=generator).to(input_ids.device)
         masked = draw < self.config.masked_substitution_rate
         if attention_mask is not None:
             masked &= attention_mask.to(torch.bool)
-        labels = torch.where(masked, input_ids, IGNORE_INDEX)
-        return input_ids.masked_fill(masked, self.config.mask_token_id), labels
+        return self._masked(input_ids, masked)
+
+    def example_targets(self, ids: Tensor, generator: torch.Generator | None = None
+                        ) -> tuple[Tensor, Tensor]:
+        """The document with tokens masked, labelled with the originals. A document the
+        draw leaves unmasked gets its most-likely-drawn token masked, so that every
+        document carries a target, as ``target_tokens`` promises."""
+        draw = torch.rand(ids.shape, generator=generator).to(ids.device)
+        masked = draw < self.config.masked_substitution_rate
+        if not bool(masked.any()):
+            masked[draw.argmin()] = True
+        return self._masked(ids, masked)
+
+    def _masked(self, ids: Tensor, masked: Tensor) -> tuple[Tensor, Tensor]:
+        """(``ids`` with the mask token where ``masked``, the original ids there as labels)."""
+        labels = torch.where(masked, ids, IGNORE_INDEX)
+        return ids.masked_fill(masked, self.config.mask_token_id), labels
 
     def loss(
         self,

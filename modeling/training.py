@@ -23,10 +23,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from modeling.batching import MicrobatchRunner, accumulate_gradients
+from modeling.batch import MaskedBatch
+from modeling.batching import MicrobatchRunner, accumulate_gradients, plan_batches
+from modeling.batching.accumulate import TrainingExamples
+from modeling.components.loss import IGNORE_INDEX
 from modeling.config import ModelConfig
+from modeling.devices import Precision
+from modeling.distributed import DataParallel
 from modeling.errors import BatchError, ConfigError
 from modeling.matformer import Tier, layer_widths, tier_label
+from modeling.models import TransformerWithLMHead
 from modeling.optim import LocalOptimizer
 
 MODES = ("all", "sample")
@@ -72,27 +78,75 @@ class TierSchedule:
         return [(draw.choices(self.tiers, weights=self.probabilities)[0], 1.0)]
 
 
+@dataclass(kw_only=True, slots=True)
+class StepOptions:
+    """How every training step runs, whatever its batch."""
+
+    precision: Precision = field(default_factory=Precision)  # autocast and fp16 loss scale
+    data_parallel: DataParallel | None = None  # this process's share of each batch, if any
+    seed: int = 0  # of the masks a masked model draws per document
+
+
 def tier_gradients(
-    runner: MicrobatchRunner, examples: Sequence[Tensor], schedule: TierSchedule, step: int
+    runner: MicrobatchRunner,
+    examples: Sequence[Tensor],
+    schedule: TierSchedule,
+    step: int,
+    *,
+    rows: Sequence[Sequence[int]] | None = None,
+    options: StepOptions | None = None,
 ) -> dict[str, float]:
     """Accumulate the gradient of ``examples`` (1-D token ids of any lengths) at the step's
     tiers into ``.grad``; the loss per tier label. No optimizer step: standalone training
     takes one (``train_step_on_examples``), a federated client compresses the gradient.
 
-    Each tier's gradient is accumulated over microbatches sized by the runner's limits and
-    equals that of the whole batch at once; after an out-of-memory error the runner clears
-    the gradients and retries every tier with smaller microbatches.
+    ``rows`` packs the examples (index lists, from ``pack_rows``); without it each example
+    is a padded row. Each tier's gradient is accumulated over microbatches of rows sized by
+    the runner's limits and equals that of the whole batch at once; after an out-of-memory
+    error the runner clears the gradients and retries every tier with smaller microbatches.
+
+    Under data parallelism this rank trains its share of the rows and the gradients and
+    losses are summed over the ranks: every rank ends with the whole batch's gradient. An
+    fp16 gradient that overflowed is computed again at half the loss scale.
     """
+    options = options or StepOptions()
+    model, parallel = runner.model, options.data_parallel
+    rows = [[i] for i in range(len(examples))] if rows is None else [list(r) for r in rows]
+    packed = any(len(row) > 1 for row in rows)
+    if parallel is not None:
+        rows = [rows[r] for r in parallel.share([sum(len(examples[i]) for i in row)
+                                                 for row in rows])]
+    mine = sorted(i for row in rows for i in row)
+    local = {index: position for position, index in enumerate(mine)}
+    rows = [[local[i] for i in row] for row in rows]
+    prepared = TrainingExamples.of(model, [examples[i] for i in mine], positions=mine,
+                                   seed=options.seed * 1_000_003 + step)
+    targets = prepared.targets
+    if parallel is not None:
+        targets = int(parallel.sum_(torch.tensor([targets], device=parallel.device)).item())
     tiers = schedule.step_tiers(step)
 
     def attempt(plan: list[list[int]]) -> dict[str, float]:
         return {
             tier_label(tier): accumulate_gradients(
-                runner.model, examples, plan, tier=tier, weight=weight).loss
+                model, prepared, plan, rows=rows if packed else None, tier=tier,
+                weight=weight, targets=targets, precision=options.precision).loss
             for tier, weight in tiers
         }
 
-    return runner.run([len(example) for example in examples], attempt)
+    while True:
+        if rows:
+            losses = runner.run([sum(len(prepared.inputs[i]) for i in r) for r in rows], attempt)
+        else:  # a data-parallel share with nothing in it: this rank adds zeros
+            model.zero_grad(set_to_none=True)
+            losses = {tier_label(tier): 0.0 for tier, _ in tiers}
+        if parallel is not None:
+            parallel.sum_gradients(model)
+            summed = parallel.sum_(torch.tensor(list(losses.values()), dtype=torch.float64,
+                                                device=parallel.device))
+            losses = dict(zip(losses, summed.tolist(), strict=True))
+        if options.precision.unscale(model.parameters()):
+            return losses
 
 
 def train_step_on_examples(
@@ -102,13 +156,50 @@ def train_step_on_examples(
     schedule: TierSchedule,
     step: int,
     max_grad_norm: float | None = None,
+    *,
+    rows: Sequence[Sequence[int]] | None = None,
+    options: StepOptions | None = None,
 ) -> dict[str, float]:
     """One optimizer step over ``examples`` at the step's tiers (``tier_gradients``, then
     clipping to ``max_grad_norm`` when given); the loss per tier label."""
-    losses = tier_gradients(runner, examples, schedule, step)
+    losses = tier_gradients(runner, examples, schedule, step, rows=rows, options=options)
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(runner.model.parameters(), max_grad_norm)
     optimizer.step()
+    return losses
+
+
+@torch.no_grad()
+def held_out_loss(
+    model: TransformerWithLMHead,
+    examples: Sequence[Tensor],
+    tiers: Sequence[Tier],
+    *,
+    batch_tokens: int,
+    precision: Precision | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Mean loss per target token of ``examples`` at each tier, in padded batches of
+    ``batch_tokens``; a masked model's masks are drawn from ``seed``, the same at every
+    tier and every call. The model is left in the mode it was in."""
+    precision = precision or Precision()
+    prepared = TrainingExamples.of(model, examples, seed=seed)
+    plan = plan_batches([len(e) for e in examples], batch_tokens)
+    batches = [
+        (MaskedBatch.from_list([prepared.inputs[i] for i in rows]),
+         MaskedBatch.from_list([prepared.labels[i] for i in rows], pad_value=IGNORE_INDEX).data)
+        for rows in plan
+    ]
+    training = model.training
+    model.eval()
+    losses = {}
+    for tier in tiers:
+        total = 0.0
+        for batch, labels in batches:
+            with precision.autocast():
+                total += model.labelled_loss(batch, labels, tier=tier, reduction="sum").item()
+        losses[tier_label(tier)] = total / prepared.targets
+    model.train(training)
     return losses
 
 

@@ -135,16 +135,16 @@ def test_accumulate_after_an_oom_mid_batch_equals_the_full_batch_gradient(
     reference = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
 
-    loss = model.loss
+    loss = model.labelled_loss
     calls = []
 
-    def flaky_loss(batch, **kwargs):
+    def flaky_loss(batch, labels, **kwargs):
         calls.append(batch.data.shape[0])
         if len(calls) == 2:  # the second microbatch of the first attempt, after a backward
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return loss(batch, **kwargs)
+        return loss(batch, labels, **kwargs)
 
-    monkeypatch.setattr(model, "loss", flaky_loss)
+    monkeypatch.setattr(model, "labelled_loss", flaky_loss)
     result = _runner(model, max_examples=4).accumulate(examples)
     assert calls == [4, 4, 2, 2, 2, 2]  # failed plan: 4+4 rows; retry: 2+2+2+2
     assert result.loss == pytest.approx(reference_loss.item(), rel=1e-6)

@@ -1,7 +1,9 @@
 """Token-budget batching: batches sized in tokens, split into microbatches that fit memory.
 
-Every budget counts *padded* tokens, rows × longest row (``cost.py`` says why). A typical
-loop, one optimizer step per batch::
+Every budget counts *padded* tokens, rows × longest row (``cost.py`` says why). Batches
+are padded (``plan_batches``: one sequence a row) or packed (``plan_packed``: sequences end
+to end in rows of a fixed length, almost no padding). A typical loop, one optimizer step
+per batch::
 
     from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 
@@ -11,7 +13,7 @@ loop, one optimizer step per batch::
         optimizer.step()
 """
 
-from modeling.batching.accumulate import AccumulatedLoss, accumulate_gradients
+from modeling.batching.accumulate import AccumulatedLoss, TrainingExamples, accumulate_gradients
 from modeling.batching.cost import padded_tokens
 from modeling.batching.limits import (
     AdaptiveLimits,
@@ -20,6 +22,7 @@ from modeling.batching.limits import (
     length_regime,
 )
 from modeling.batching.microbatches import split_microbatches
+from modeling.batching.pack import pack_rows, plan_packed
 from modeling.batching.plan import plan_batches
 from modeling.batching.runner import MicrobatchRunner
 
@@ -29,9 +32,12 @@ __all__ = [
     "AdaptiveLimitsConfig",
     "MicrobatchLimits",
     "MicrobatchRunner",
+    "TrainingExamples",
     "accumulate_gradients",
     "length_regime",
+    "pack_rows",
     "padded_tokens",
     "plan_batches",
+    "plan_packed",
     "split_microbatches",
 ]

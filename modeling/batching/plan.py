@@ -42,13 +42,13 @@ def plan_batches(
     if not sort_window:
         return _fill(range(len(sizes)), sizes, max_tokens)
     batches: list[list[int]] = []
-    for run in _runs(sizes, sort_window * max_tokens):
+    for run in window_runs(sizes, sort_window * max_tokens):
         order = sorted(run, key=lambda i: sizes[i], reverse=True)  # stable on ties
         batches.extend(sorted(batch) for batch in _fill(order, sizes, max_tokens))
     return batches
 
 
-def _runs(sizes: list[int], tokens: int) -> Iterator[range]:
+def window_runs(sizes: list[int], tokens: int) -> Iterator[range]:
     """Consecutive indices holding at most ``tokens`` tokens (or one sequence) each."""
     start = total = 0
     for index, size in enumerate(sizes):

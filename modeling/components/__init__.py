@@ -4,6 +4,7 @@ from modeling.components import (  # noqa: F401
     embedding,
     hooks,
     kernels,
+    liger,
     loss,
     mlp,
     norms,

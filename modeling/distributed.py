@@ -1,0 +1,127 @@
+"""Data parallelism across the processes ``torchrun`` starts: one batch, split by tokens.
+
+    torchrun --nproc-per-node 4 -m client.standalone ...   # or: torchrun ... matformer-train
+
+Each process (rank) trains its share of every batch and the gradients are summed across
+ranks before anyone uses them, so every rank holds the same gradient, takes the same step
+and keeps the same weights: the gradient of the whole batch, as one process would compute
+it. NCCL carries the tensors between GPUs, Gloo between CPU processes.
+
+Why the gradient is summed after the batch rather than by DDP's hooks during backward:
+a rank's microbatches adapt to its own out-of-memory errors (modeling/batching/runner.py)
+and one step may backpropagate several tiers, so ranks run different numbers of backward
+passes; a collective inside one of them would hang the others. One sum per step, after
+the rank's passes, is the same arithmetic DDP does (a bucketed all-reduce) with none of
+that coupling. The same sum serves a federated client's pseudo-gradients.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from modeling.errors import ConfigError
+
+BUCKET_VALUES = 1 << 24  # values per all-reduce call (64 MiB of float32), as DDP buckets
+
+
+@dataclass(frozen=True, slots=True)
+class DataParallel:
+    """This process's place in a data-parallel group that ``torch.distributed`` runs."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @classmethod
+    def from_environment(cls, device: torch.device) -> DataParallel | None:
+        """The group ``torchrun`` described in the environment (WORLD_SIZE > 1), joined, or
+        None for a single process. Under CUDA each rank takes ``cuda:LOCAL_RANK``."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        rank = int(os.environ["RANK"])
+        if device.type == "cuda":
+            if device.index not in (None, 0):
+                raise ConfigError(
+                    f"under torchrun each rank takes the GPU of its local rank; give --device "
+                    f"cuda, not {device}.")
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+        elif device.type != "cpu":
+            raise ConfigError(f"data parallelism runs on CUDA (NCCL) or CPU (Gloo), not "
+                              f"{device.type}.")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        return cls(rank=rank, world_size=world, device=device)
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one that logs, evaluates, saves and talks to a coordinator."""
+        return self.rank == 0
+
+    def share(self, sizes: Sequence[int]) -> list[int]:
+        """Which of the batch's items (rows, of ``sizes`` tokens each) this rank trains.
+
+        Longest first, each to the rank with the fewest tokens so far (ties to the lower
+        rank): every rank computes the same split, and the ranks' token counts differ by
+        at most one item."""
+        load = [0] * self.world_size
+        mine = []
+        for index in sorted(range(len(sizes)), key=lambda i: sizes[i], reverse=True):
+            rank = min(range(self.world_size), key=load.__getitem__)
+            load[rank] += sizes[index]
+            if rank == self.rank:
+                mine.append(index)
+        return sorted(mine)
+
+    def sum_(self, values: Tensor) -> Tensor:
+        """``values`` summed over the ranks, in place."""
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return values
+
+    def sum_gradients(self, model: nn.Module) -> None:
+        """Every parameter's gradient summed over the ranks, in buckets of one flat tensor
+        each; a rank that had nothing to train contributes zeros."""
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        for p in parameters:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket: list[Tensor] = []
+        for p in parameters:
+            bucket.append(p.grad)
+            if sum(g.numel() for g in bucket) >= BUCKET_VALUES:
+                self._sum_bucket(bucket)
+                bucket = []
+        if bucket:
+            self._sum_bucket(bucket)
+
+    def _sum_bucket(self, grads: list[Tensor]) -> None:
+        flat = self.sum_(torch.cat([g.reshape(-1) for g in grads]))
+        for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(part.view_as(grad))
+
+    def broadcast_parameters(self, model: nn.Module) -> None:
+        """Rank 0's weights (and buffers) on every rank, as DDP does when it wraps a model."""
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor, src=0)
+
+    def broadcast_object(self, value: Any = None) -> Any:
+        """Rank 0's ``value`` on every rank (pickled; for small control messages)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
