@@ -1,0 +1,82 @@
+"""Data parallelism on CPU with Gloo: 2 processes spawned by torchrun give 1 process's step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dp_gradient import step
+
+from modeling.batching.accumulate import TrainingExamples
+from modeling.distributed import DataParallel
+from modeling.mdat import build_default_mdat
+
+TESTS = Path(__file__).parent
+
+
+def torchrun(ranks: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone`` (a free port of its own) with ``ranks`` CPU processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={ranks}", *args],
+        cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.parametrize("objective", ["causal", "masked"])
+def test_two_ranks_sum_to_the_single_process_gradient(objective, tmp_path):
+    torchrun(2, str(TESTS / "dp_gradient.py"), str(tmp_path / "dp.pt"), objective)
+    parallel = torch.load(tmp_path / "dp.pt")
+    single = step(objective, None)
+    assert parallel["losses"] == pytest.approx(single["losses"], rel=1e-6)
+    for name, grad in single["grads"].items():
+        torch.testing.assert_close(parallel["grads"][name], grad, atol=1e-7, rtol=1e-5,
+                                   msg=name)
+
+
+def test_shares_split_rows_by_tokens_and_cover_the_batch():
+    sizes = [30, 2, 17, 9, 4, 11, 23]
+    shares = [DataParallel(rank=r, world_size=3, device=torch.device("cpu")).share(sizes)
+              for r in range(3)]
+    assert sorted(i for share in shares for i in share) == list(range(len(sizes)))
+    loads = [sum(sizes[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes)
+    assert DataParallel(rank=3, world_size=4, device=torch.device("cpu")).share([5, 5]) == []
+
+
+def test_masks_depend_on_the_documents_position_not_on_the_share():
+    from conftest import tiny_config
+
+    from modeling import BERTModel
+
+    model = BERTModel(tiny_config(is_causal=False))
+    docs = [torch.randint(3, 90, (40,)) for _ in range(4)]
+    whole = TrainingExamples.of(model, docs, seed=3)
+    part = TrainingExamples.of(model, docs[2:], seed=3, positions=[2, 3])
+    for a, b in zip(whole.inputs[2:], part.inputs, strict=True):
+        assert torch.equal(a, b)
+    assert all(bool((label != -100).any()) for label in whole.labels)
+
+
+def test_standalone_training_on_two_ranks_follows_the_one_rank_run(tmp_path):
+    data = tmp_path / "docs.mdat"
+    build_default_mdat(data, limit=120).close()
+    args = ["-m", "client.standalone", "--data", str(data), "--steps", "6",
+            "--warmup-steps", "2", "--batch-tokens", "512", "--seq-len", "128",
+            "--tiers", "0,2", "--log-every", "3"]
+    torchrun(2, *args, "--out", str(tmp_path / "two"))
+    torchrun(1, *args, "--out", str(tmp_path / "one"))
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    one = json.loads((tmp_path / "one" / "metrics.json").read_text())
+    assert (two["world_size"], one["world_size"]) == (2, 1)
+    assert (two["device"], two["precision"], two["batching"]) == ("cpu", "fp32", "packed")
+    for a, b in zip(two["history"], one["history"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert two["final"] == pytest.approx(one["final"], rel=1e-5)
