@@ -1,6 +1,7 @@
 """`matformer-client`: the command a participant runs.
 
-``matformer-client train --server HOST:PORT`` joins a federated run (client/federated.py);
+``matformer-client train --server HOST:PORT`` joins a federated run (client/federated.py),
+as one participant however many ranks ``torchrun`` starts (client/node.py);
 without ``--server`` it trains on one machine: the baseline a federated run is compared with,
 on the same data path (MDAT sequences, token-budget microbatches, several tiers per step).
 """
@@ -13,8 +14,11 @@ import sys
 from pathlib import Path
 
 from client.federated import JOIN_TOKEN_ENV, FederatedClient, FederatedOptions
+from client.node import follow
 from client.standalone import add_arguments, run
 from modeling.checkpoint.loader import STRATEGIES
+from modeling.devices import resolve_device
+from modeling.distributed import DataParallel
 from modeling.errors import MatformerError
 
 
@@ -63,6 +67,7 @@ def federated_options(args: argparse.Namespace) -> FederatedOptions:
     options = FederatedOptions(
         server=args.server, tier=args.tier, load_strategy=args.load_strategy,
         checkpoint=args.checkpoint, data=args.data, device=args.device,
+        precision=args.precision, batching=args.batching, compile=args.compile,
         join_token=args.join_token, run_id=args.run_id, state_dir=args.state_dir,
         tls_ca=args.tls_ca, microbatch_tokens=args.microbatch_tokens,
         also_train=tuple(int(t) for t in args.also_train.split(",") if t.strip()),
@@ -78,7 +83,14 @@ def run_federated(args: argparse.Namespace) -> int:
     # SIGTERM leaves the run like Ctrl-C does
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        summary = FederatedClient(federated_options(args)).run()
+        parallel = DataParallel.from_environment(resolve_device(args.device))
+        if parallel is not None and not parallel.leader:
+            follow(parallel)  # rank 0 talks to the coordinator; this rank trains its share
+            parallel.close()
+            return 0
+        summary = FederatedClient(federated_options(args), parallel=parallel).run()
+        if parallel is not None:
+            parallel.close()
     except MatformerError as error:
         print(f"matformer-client: error: {error}", file=sys.stderr)
         return 2

@@ -34,8 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from client.checkpoints import load_replica, open_mirror
 from client.connection import (
     Connection,
@@ -55,16 +53,17 @@ from client.errors import (
     SessionEnded,
     UpdatesPruned,
 )
-from client.local_round import LocalRound
+from client.local_round import LocalRound, RoundSetup
+from client.node import Node
 from client.probe import device_name, measure_tokens_per_second, memory_bytes
 from client.progress import Progress
 from client.replica import Replica
 from modeling.atomic import write_json_atomic
-from modeling.batching import AdaptiveLimitsConfig
 from modeling.checkpoint.loader import STRATEGIES
 from modeling.compression import DENSE_BYTES_PER_VALUE, RoundUpdate, region_shape, tier_regions
+from modeling.devices import compile_model, resolve_device
+from modeling.distributed import DataParallel
 from modeling.matformer import tier_label
-from modeling.training import TierSchedule
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 FEEDBACK_FILE = "error_feedback.safetensors"
@@ -85,7 +84,10 @@ class FederatedOptions:
     load_strategy: str = "auto"  # auto | sliced | universal
     checkpoint: str = "server"  # server | a folder | hf:ORG/NAME holding the run's checkpoints
     data: Path | None = None  # a local copy of the run's MDAT; None: sequences from the server
-    device: str = "cpu"
+    device: str = "cpu"  # cpu | cuda | cuda:N | mps (under torchrun: each rank's local GPU)
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; float32 weights and results)
+    batching: str = "packed"  # packed rows of the run's sequence length | padded
+    compile: bool = False  # torch.compile the replica's model
     join_token: str | None = None  # None: $MATFORMER_JOIN_TOKEN
     name: str = field(default_factory=socket.gethostname)
     run_id: str = ""  # when set, the coordinator refuses to admit the client to another run
@@ -112,6 +114,8 @@ class ClientSummary:
     finished: bool = False  # the coordinator said the run is over
     weight_hash: str = ""  # the replica's, at its tier, after ``rounds_applied`` rounds
     rejoins: int = 0  # times it joined again after its session ended
+    world_size: int = 1  # data-parallel ranks of this participant (torchrun)
+    rank_hashes: list[str] = field(default_factory=list)  # each rank's replica, at the end
     # What it cost, over the whole process (rejoins included): every message each way as
     # serialized (before gRPC's gzip), against float32 of the tier's weights per round
     # trained (up) and applied (down); seconds training, sending results, downloading
@@ -139,14 +143,17 @@ class _Cost:
 
 
 class FederatedClient:
-    def __init__(self, options: FederatedOptions, log: Callable[[str], None] | None = None
-                 ) -> None:
+    def __init__(self, options: FederatedOptions, log: Callable[[str], None] | None = None,
+                 parallel: DataParallel | None = None) -> None:
+        """``parallel``: this process is rank 0 of a data-parallel participant whose other
+        ranks run ``client.node.follow``."""
         if options.load_strategy not in STRATEGIES:
             raise ClientError(f"--load-strategy {options.load_strategy!r} is not one of "
                               f"{', '.join(STRATEGIES)}.")
         self.options = options
         self.log = log or (lambda line: print(line, flush=True))
-        self.device = torch.device(options.device)
+        self.device = parallel.device if parallel else resolve_device(options.device)
+        self.node = Node(parallel)
         self.state_dir = options.state_dir or Path("runs/clients") / options.name
         self.mirror = open_mirror(options.checkpoint)
         self.connection = Connection(options.server, tls_ca=options.tls_ca,
@@ -180,9 +187,22 @@ class FederatedClient:
             self._leave(f"failed: {err}"[:500])
             raise
         finally:
+            self._stop_followers()
             self._write_summary()
         self._leave("finished" if self.summary.finished else "done")
         return self.summary
+
+    def _stop_followers(self) -> None:
+        """The other ranks leave their loop; every rank's replica hash goes in the summary."""
+        own = self.replica.hash() if self.replica is not None else ""
+        hashes = self.node.stop(own)
+        if self.summary is not None:
+            self.summary.world_size = self.node.world_size
+            self.summary.rank_hashes = hashes
+
+    def _device_name(self) -> str:
+        name = device_name(self.device)
+        return name if self.node.world_size == 1 else f"{self.node.world_size} x {name}"
 
     def _rounds_rejoining(self) -> None:
         """Train rounds; when the coordinator no longer knows the session (it expired while
@@ -211,8 +231,9 @@ class FederatedClient:
                     name=o.name, run_id=o.run_id, tier=o.tier,
                     join_token=o.join_token if o.join_token is not None
                     else os.environ.get(JOIN_TOKEN_ENV, ""),
-                    device_kind=self.device.type, device_name=device_name(self.device),
-                    memory_bytes=memory_bytes(self.device), load_strategy=o.load_strategy,
+                    device_kind=self.device.type, device_name=self._device_name(),
+                    memory_bytes=self.node.memory(memory_bytes(self.device), self.device),
+                    load_strategy=o.load_strategy,
                     microbatch_tokens=o.microbatch_tokens,
                     previous_session=self._previous_session())
                 break
@@ -236,9 +257,10 @@ class FederatedClient:
         # timeout on a slow machine: keep the new member alive meanwhile
         with self.connection.keep_alive(lambda: member.round):
             self._load(member.checkpoint or self.connection.latest_checkpoint())
-            speed = measure_tokens_per_second(
-                self.replica.model, self.tier, sequence_length=member.settings.sequence_length,
-                batch_tokens=o.microbatch_tokens, steps=2)
+            probe = dict(tier=self.tier, sequence_length=member.settings.sequence_length,
+                         batch_tokens=o.microbatch_tokens, steps=2, precision=o.precision)
+            speed = self.node.speed(
+                lambda: measure_tokens_per_second(self.replica.model, **probe), probe)
         self.connection.heartbeat(self.applied, tokens_per_second=speed)
         self.log(f"measured {speed:,.0f} training tokens/s at tier {self.tier}; catching up "
                  f"from round {self.applied}")
@@ -282,6 +304,7 @@ class FederatedClient:
             except RoundOver as err:
                 self.log(f"round {work.round} is over for this client: {err.details}")
                 return
+            self.node.train(sequences, work.round)
             done = self.local_round.run(sequences, step=work.round)
             loss = done.losses[tier_label(self.tier)]
             try:
@@ -310,6 +333,9 @@ class FederatedClient:
             self.connection, checkpoint, self.tier, strategy=self.options.load_strategy,
             cache=self.state_dir / "checkpoints", mirror=self.mirror, device=self.device,
             schema_hash=self.member.schema_hash, log=self.log)
+        self.node.load(self.replica, self.options.compile)
+        if self.options.compile:
+            compile_model(self.replica.model)
         self.applied = checkpoint.round
 
     def _catch_up(self, *, reload: bool = False) -> None:
@@ -349,16 +375,21 @@ class FederatedClient:
     def _replay(self, updates: list[RoundUpdate]) -> int | None:
         """Apply ``updates`` from round ``applied`` on; the first round after which the
         replica's hash differs from the one the coordinator published, else None."""
-        for update in updates:
-            if update.round < self.applied:
-                continue
-            self.replica.apply(update)
-            self.applied = update.round + 1
-            self._cost.dense_down += self._dense_bytes()
-            published = update.hashes.get(self.tier)
-            if published and self.replica.hash(self.tier) != published:
-                return update.round
-        return None
+        applied = []
+        try:
+            for update in updates:
+                if update.round < self.applied:
+                    continue
+                self.replica.apply(update)
+                applied.append(update)
+                self.applied = update.round + 1
+                self._cost.dense_down += self._dense_bytes()
+                published = update.hashes.get(self.tier)
+                if published and self.replica.hash(self.tier) != published:
+                    return update.round
+            return None
+        finally:
+            self.node.apply(applied)
 
     def _dense_bytes(self) -> int:
         """float32 bytes of the weights this client's tier holds: a dense gradient's size."""
@@ -366,12 +397,15 @@ class FederatedClient:
         return DENSE_BYTES_PER_VALUE * sum(math.prod(region_shape(r)) for r in regions.values())
 
     def _build_local_round(self) -> None:
-        tiers = [self.tier, *sorted(t for t in set(self.options.also_train) if t > self.tier)]
-        settings = self.member.settings
-        self.local_round = LocalRound(
-            self.replica, settings.compression.build(), TierSchedule(tiers=tiers, mode="all"),
-            AdaptiveLimitsConfig(max_tokens=self.options.microbatch_tokens).build(),
-            steps=settings.local_steps)
+        o, settings = self.options, self.member.settings
+        setup = RoundSetup(
+            tiers=(self.tier, *sorted(t for t in set(o.also_train) if t > self.tier)),
+            microbatch_tokens=o.microbatch_tokens, steps=settings.local_steps,
+            precision=o.precision,
+            row_length=settings.sequence_length if o.batching == "packed" else None)
+        self.node.setup(setup)
+        self.local_round = setup.build(self.replica, settings.compression.build(),
+                                       self.node.parallel)
         self._restore_state(announce=True)
 
     # -- state kept across restarts ---------------------------------------------------------
@@ -394,8 +428,10 @@ class FederatedClient:
             else:
                 if announce:
                     self.log(f"restored the error-feedback momentum from {path}")
+                self.node.restore(self.local_round)
                 return
         self.local_round.reset()
+        self.node.restore(self.local_round)
 
     def _previous_session(self) -> str | None:
         """The session token this client held with this server before, if it kept one."""

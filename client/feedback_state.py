@@ -34,7 +34,7 @@ class FeedbackState:
 
     def __init__(
         self,
-        compressor: Compressor,
+        compressor: Compressor | None,  # None with no regions: an inner optimizer only
         shapes: Mapping[str, tuple[int, ...]],
         regions: Mapping[str, Region],
     ) -> None:

@@ -27,13 +27,17 @@ from modeling.batching import (
     AdaptiveLimits,
     AdaptiveLimitsConfig,
     MicrobatchRunner,
+    pack_rows,
     plan_batches,
+    plan_packed,
 )
 from modeling.compression import Compressor, Region, SparseResult, region_slices, tier_regions
 from modeling.config import ModelConfig
+from modeling.devices import Precision
+from modeling.distributed import DataParallel
 from modeling.matformer import Tier
 from modeling.optim import LocalOptimizer, OptimizerConfig, lr_factor
-from modeling.training import TierSchedule, tier_gradients
+from modeling.training import StepOptions, TierSchedule, tier_gradients
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,6 +84,29 @@ class LocalSteps:
                          schedule=self.schedule, min_ratio=self.final_lr / self.optimizer.lr)
 
 
+@dataclass(frozen=True, slots=True)
+class RoundSetup:
+    """How a client's local rounds train, whatever its weights: what rank 0 of a
+    data-parallel participant sends its followers so that every rank trains alike."""
+
+    tiers: tuple[int, ...]  # the client's tier first, then smaller ones trained alongside
+    microbatch_tokens: int
+    steps: LocalSteps | None = None
+    precision: str = "fp32"
+    row_length: int | None = None  # packed rows of this many tokens; None: padded
+    seed: int = 0  # of a masked model's draws
+
+    def build(self, replica: Replica, compressor: Compressor | None,
+              parallel: DataParallel | None = None) -> LocalRound:
+        device = next(replica.model.parameters()).device
+        return LocalRound(
+            replica, compressor, TierSchedule(tiers=list(self.tiers), mode="all"),
+            AdaptiveLimitsConfig(max_tokens=self.microbatch_tokens).build(), self.steps,
+            options=StepOptions(precision=Precision(self.precision, device),
+                                data_parallel=parallel, seed=self.seed),
+            row_length=self.row_length)
+
+
 class LocalRound:
     """Runs rounds of local work on a replica; the error feedback (and under local steps
     the inner optimizer's state) persists across rounds.
@@ -97,21 +124,33 @@ class LocalRound:
     def __init__(
         self,
         replica: Replica,
-        compressor: Compressor,
+        compressor: Compressor | None,  # None: a data-parallel follower
         schedule: TierSchedule,
         limits: AdaptiveLimits | None = None,
         steps: LocalSteps | None = None,
+        *,
+        options: StepOptions | None = None,
+        row_length: int | None = None,
     ) -> None:
+        """``options``: precision and data parallelism of every step. ``row_length``: pack
+        the sequences into rows of that many tokens (else one padded row each).
+        ``compressor`` None: a data-parallel follower, which trains its share of each step
+        and leaves the result (and the error feedback) to rank 0."""
         schedule.check(replica.config)  # every tier within the widths the replica holds
         self.replica = replica
         self.schedule = schedule
         self.steps = steps
+        self.options = options or StepOptions()
+        self.row_length = row_length
         self.runner = MicrobatchRunner(replica.model, limits or AdaptiveLimitsConfig().build())
+        self.follower = compressor is None
         regions = trained_regions(replica.shapes, replica.config, schedule.tiers)
-        self.feedback = FeedbackState(
-            compressor, replica.shapes, {name: regions[name] for name in replica.parameters}
+        self.feedback = FeedbackState(  # a follower's holds only its inner optimizer
+            compressor, replica.shapes,
+            {} if self.follower else {name: regions[name] for name in replica.parameters}
         )
-        self.dtype = compressor.momentum_dtype  # of the gradient handed to error feedback
+        # the dtype of the gradient handed to error feedback
+        self.dtype = torch.float32 if self.follower else compressor.momentum_dtype
         self.optimizer = self._fresh_optimizer()
 
     def run(self, sequences: Sequence[Tensor], step: int = 0) -> RoundWork:
@@ -120,12 +159,18 @@ class LocalRound:
         start = time.perf_counter()
         tokens = sum(len(sequence) for sequence in sequences)
         if self.steps is None:
-            losses = tier_gradients(self.runner, sequences, self.schedule, step)
+            rows = None
+            if self.row_length is not None:
+                rows = pack_rows([len(s) for s in sequences], self.row_length)
+            losses = tier_gradients(self.runner, sequences, self.schedule, step, rows=rows,
+                                    options=self.options)
             change = {name: p.grad for name, p in self.replica.parameters.items()}
         else:
             losses, change = self._local_steps(sequences, step)
         results = []
         for name, parameter in self.replica.parameters.items():
+            if self.follower:
+                break  # rank 0 compresses the gradient every rank holds
             feedback = self.feedback[name]
             where = region_slices(feedback.region)
             grad = change[name]
@@ -142,12 +187,20 @@ class LocalRound:
         per canonical name), the replica's weights left as they were."""
         parameters = self.replica.parameters
         before = {name: p.detach().clone() for name, p in parameters.items()}
-        plan = plan_batches([len(s) for s in sequences], self.steps.batch_tokens)
+        lengths, budget = [len(s) for s in sequences], self.steps.batch_tokens
+        if self.row_length is None:
+            plan = [[[i] for i in batch] for batch in plan_batches(lengths, budget)]
+        else:
+            plan = plan_packed(lengths, budget, self.row_length)
         self.optimizer.scale_lr(self.steps.lr_scale(step))
         sums: dict[str, float] = {}
-        for batch in plan:
+        for rows in plan:
+            batch = [i for row in rows for i in row]
             examples = [sequences[i] for i in batch]
-            losses = tier_gradients(self.runner, examples, self.schedule, step)
+            local = {index: n for n, index in enumerate(batch)}
+            losses = tier_gradients(self.runner, examples, self.schedule, step,
+                                    rows=[[local[i] for i in row] for row in rows],
+                                    positions=batch, options=self.options)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             weight = sum(len(example) for example in examples)

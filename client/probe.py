@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+from modeling.devices import Precision
 from modeling.matformer import Tier
 from modeling.models import AutoregressiveModel
 
@@ -51,22 +52,25 @@ def measure_tokens_per_second(
     batch_tokens: int = 4096,
     steps: int = 3,
     seed: int = 0,
+    precision: str = "fp32",
 ) -> float:
     """Training tokens/s of ``model`` at ``tier``: forward/backward on random ids in batches
-    of ``batch_tokens``, timed over ``steps`` after one untimed step (allocation, kernel
-    selection). The weights are not changed; the gradients are cleared afterwards."""
+    of ``batch_tokens`` under ``precision``, timed over ``steps`` after one untimed step
+    (allocation, kernel selection). The weights are not changed; the gradients are cleared
+    afterwards."""
     device = next(model.parameters()).device
+    autocast = Precision(precision, device)
     length = min(sequence_length, model.config.max_position_embeddings, batch_tokens)
     rows = max(1, batch_tokens // length)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (rows, length), generator=generator)
     examples = [row.to(device) for row in ids]
     runner = MicrobatchRunner(model, AdaptiveLimitsConfig(max_tokens=batch_tokens).build())
-    runner.accumulate(examples, tier=tier)
+    runner.accumulate(examples, tier=tier, precision=autocast)
     _synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
-        runner.accumulate(examples, tier=tier)
+        runner.accumulate(examples, tier=tier, precision=autocast)
     _synchronize(device)
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)

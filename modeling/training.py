@@ -94,6 +94,7 @@ def tier_gradients(
     step: int,
     *,
     rows: Sequence[Sequence[int]] | None = None,
+    positions: Sequence[int] | None = None,
     options: StepOptions | None = None,
 ) -> dict[str, float]:
     """Accumulate the gradient of ``examples`` (1-D token ids of any lengths) at the step's
@@ -104,6 +105,8 @@ def tier_gradients(
     is a padded row. Each tier's gradient is accumulated over microbatches of rows sized by
     the runner's limits and equals that of the whole batch at once; after an out-of-memory
     error the runner clears the gradients and retries every tier with smaller microbatches.
+    ``positions`` number the examples for a masked model's draws (default 0, 1, ...): give
+    each document of a round a position of its own when the round takes several steps.
 
     Under data parallelism this rank trains its share of the rows and the gradients and
     losses are summed over the ranks: every rank ends with the whole batch's gradient. An
@@ -119,8 +122,9 @@ def tier_gradients(
     mine = sorted(i for row in rows for i in row)
     local = {index: position for position, index in enumerate(mine)}
     rows = [[local[i] for i in row] for row in rows]
-    prepared = TrainingExamples.of(model, [examples[i] for i in mine], positions=mine,
-                                   seed=options.seed * 1_000_003 + step)
+    prepared = TrainingExamples.of(
+        model, [examples[i] for i in mine], seed=options.seed * 1_000_003 + step,
+        positions=mine if positions is None else [positions[i] for i in mine])
     targets = prepared.targets
     if parallel is not None:
         targets = int(parallel.sum_(torch.tensor([targets], device=parallel.device)).item())

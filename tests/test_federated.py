@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import TAILS_STRATEGY, mdat_with_one_token_tails
+from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 from helpers import run_tables, write_run_toml
 
 from client.connection import PublishedCheckpoint
@@ -18,7 +18,7 @@ from client.errors import DataMismatch, ReplicaDiverged, RoundOver
 from client.federated import FederatedClient, FederatedOptions
 from client.replica import Replica
 from local_testnet.held_out import HeldOut
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
+from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows, plan_packed
 from modeling.checkpoint import load_pretrained
 from modeling.compression import region_slices
 from modeling.mdat import DEFAULT_STRATEGY, build_default_mdat
@@ -30,6 +30,7 @@ from server.ledger import audit_run
 from server.main import RunningServer
 
 TOKEN = "federated-test-token"
+SEQ_LEN = 128  # the runs' sequence length: the row length a client packs into
 UP = "model.layers.0.mlp.up_proj.weight"
 DOWN = "model.layers.0.mlp.down_proj.weight"
 
@@ -43,10 +44,11 @@ def mdat(tmp_path_factory):
 
 def start(tmp_path, mdat, *, min_clients=1, rounds=3, encoding="dct", rule="sign", lr=0.01,
           tokens_per_round=1024, deadline_s=30.0, every=100, tiers=(0, 1, 2),
-          strategy=DEFAULT_STRATEGY["strategy_name"], max_seq_len=128, update=None,
-          inner=None, **compression):
+          strategy=DEFAULT_STRATEGY["strategy_name"], max_seq_len=SEQ_LEN, update=None,
+          inner=None, model=None, **compression):
+    extra = {} if model is None else {"model": {"inline": model}}
     tables = run_tables(
-        mdat, run={"id": "fed", "dir": "run"},
+        mdat, run={"id": "fed", "dir": "run"}, **extra,
         data={"path": str(mdat), "strategy": strategy, "max_seq_len": max_seq_len},
         tiers={"allowed": list(tiers)},
         round={"min_clients": min_clients, "deadline_s": deadline_s,
@@ -145,7 +147,8 @@ def test_one_client_dense_sgd_equals_standalone_sgd(tmp_path, mdat):
     reader = server.service.coordinator.reader
     for step, ids in enumerate(federated.trained_ids):
         examples = [torch.from_numpy(reader[i].copy()).long() for i in ids]
-        train_step_on_examples(runner, sgd, examples, TierSchedule(tiers=[0]), step)
+        rows = pack_rows([len(e) for e in examples], SEQ_LEN)  # as the client packs them
+        train_step_on_examples(runner, sgd, examples, TierSchedule(tiers=[0]), step, rows=rows)
     standalone = canonical_state_dict(reference)
     assert same(held(federated), standalone)
     assert all(torch.equal(master[n], standalone[n]) for n in standalone)
@@ -233,9 +236,12 @@ def test_local_adamw_steps_under_outer_sgd_lr_1_equal_standalone_adamw(tmp_path,
         adamw.scale_lr(lr_factor(r, warmup_steps=0, total_steps=4, schedule="cosine",
                                  min_ratio=INNER["final_lr"] / INNER["lr"]))
         examples = [torch.from_numpy(reader[i].copy()).long() for i in trained[r]]
-        for batch in plan_batches([len(e) for e in examples], INNER["batch_tokens"]):
+        for rows in plan_packed([len(e) for e in examples], INNER["batch_tokens"], SEQ_LEN):
+            batch = [i for row in rows for i in row]
+            position = {index: n for n, index in enumerate(batch)}
             train_step_on_examples(runner, adamw, [examples[i] for i in batch],
-                                   TierSchedule(tiers=[0]), r)
+                                   TierSchedule(tiers=[0]), r,
+                                   rows=[[position[i] for i in row] for row in rows])
             adamw.zero_grad()
             steps += 1
     assert steps > 4  # several inner steps per round
@@ -508,3 +514,61 @@ def test_the_client_command_leaves_the_run_on_ctrl_c_and_sigterm(tmp_path, mdat,
         if process.poll() is None:
             process.kill()
         server.stop()
+
+
+def test_a_masked_model_trains_in_a_one_client_federated_run(tmp_path, mdat):
+    model = dataclasses.asdict(tiny_config(vocab_size=260, max_position_embeddings=128,
+                                           is_causal=False, mask_token_id=259))
+    server = start(tmp_path, mdat, encoding="dense", rule="sgd", lr=0.5, rounds=8, tiers=(0,),
+                   model={k: v for k, v in model.items() if v is not None})
+    try:
+        summary = client(server, tmp_path, "bert", tier=0).run()
+    finally:
+        server.stop()
+    assert summary.finished and summary.rounds_trained == 8
+    losses = [loss for _, loss in summary.losses]
+    assert all(math.isfinite(loss) for loss in losses)
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5
+
+
+def test_a_two_rank_client_submits_what_one_rank_does_and_its_ranks_agree(tmp_path, mdat):
+    """torchrun with 2 Gloo ranks is one participant: rank 0 alone talks to the coordinator,
+    the round's rows are split over the ranks and the gradients summed before rank 0 sends
+    them, and every rank applies the broadcast updates: the follower's replica hash equals
+    rank 0's, which the coordinator's published hashes confirm each round."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    settings = dict(encoding="dense", value_dtype="float64", rule="sgd", lr=0.05, rounds=3,
+                    tiers=(0,))
+    masters = {}
+    for ranks in (2, 1):
+        run = tmp_path / f"ranks{ranks}"
+        run.mkdir()
+        server = start(run, mdat, **settings)
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={ranks}", "-m", "client.cli", "train", "--server",
+                 f"127.0.0.1:{server.grpc_port}", "--join-token", TOKEN, "--name", "node",
+                 "--tier", "0", "--microbatch-tokens", "256", "--state-dir", str(run / "node"),
+                 "--no-progress"],
+                env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                timeout=300)
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+            masters[ranks] = {n: t.clone() for n, t in
+                              server.service.coordinator.master.items()}
+        finally:
+            server.stop()
+        summary = json.loads((run / "node" / "summary.json").read_text())
+        assert summary["finished"] and summary["rounds_trained"] == 3
+        assert summary["resynchronisations"] == 0  # rank 0's hash was the coordinator's
+        assert summary["world_size"] == ranks
+        assert len(summary["rank_hashes"]) == ranks and len(set(summary["rank_hashes"])) == 1
+    start_weights = canonical_state_dict(load_pretrained(
+        tmp_path / "ranks1" / "run" / "checkpoints" / "round-0"))
+    assert not all(torch.equal(masters[1][n], start_weights[n]) for n in start_weights)
+    for name, weights in masters[1].items():
+        torch.testing.assert_close(masters[2][name], weights, atol=1e-7, rtol=1e-5, msg=name)

@@ -21,6 +21,7 @@ from modeling.batching.accumulate import AccumulatedLoss, accumulate_gradients
 from modeling.batching.cost import padded_tokens
 from modeling.batching.limits import AdaptiveLimits
 from modeling.batching.microbatches import split_microbatches
+from modeling.devices import Precision
 from modeling.errors import BatchDoesNotFit, BatchError
 from modeling.matformer import Tier
 from modeling.models import AutoregressiveModel
@@ -42,12 +43,13 @@ class MicrobatchRunner:
         *,
         tier: Tier | None = None,
         pad_value: int = 0,
+        precision: Precision | None = None,
     ) -> AccumulatedLoss:
         """The batch's gradient, from cleared gradients, with ``accumulate_gradients``."""
         return self.run(
             [len(example) for example in examples],
             lambda plan: accumulate_gradients(
-                self.model, examples, plan, tier=tier, pad_value=pad_value
+                self.model, examples, plan, tier=tier, pad_value=pad_value, precision=precision
             ),
         )
 
