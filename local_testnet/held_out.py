@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modeling import MaskedBatch
-from modeling.batching import plan_batches
 from modeling.checkpoint import load_pretrained
 from modeling.mdat import Mdat
+from modeling.training import held_out_loss
 from server.config import RunConfig
 from server.state import RunState
 from server.work import work_order
@@ -33,7 +32,7 @@ BATCH_TOKENS = 2048
 
 @dataclass(kw_only=True)
 class HeldOut:
-    batches: list[MaskedBatch]
+    examples: list[torch.Tensor]
     tail_start: int  # position in the order where the held-out tail begins
     size: int  # sequences in the order (one epoch)
 
@@ -44,18 +43,14 @@ class HeldOut:
             tail = order[len(order) - max(1, int(len(order) * HELD_OUT_FRACTION)):]
             ids = tail[-MAX_SEQUENCES:]
             examples = [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in ids]
-        plan = plan_batches([len(e) for e in examples], BATCH_TOKENS)
-        return cls(batches=[MaskedBatch.from_list([examples[i] for i in rows]) for rows in plan],
-                   tail_start=len(order) - len(tail), size=len(order))
+        return cls(examples=examples, tail_start=len(order) - len(tail), size=len(order))
 
     def reached_by(self, state: RunState | None) -> bool:
         """Whether the run handed out sequences from the held-out tail."""
         return state is not None and state.queue.get("position", 0) > self.tail_start
 
-    @torch.no_grad()
     def loss(self, checkpoint: Path, tiers: list[int]) -> dict[int, float]:
         """Mean loss per target token of the universal checkpoint at each tier."""
-        model = load_pretrained(checkpoint).eval()
-        targets = sum(model.num_targets(b) for b in self.batches)
-        return {t: sum(model.loss(b, tier=t, reduction="sum").item()
-                       for b in self.batches) / targets for t in tiers}
+        losses = held_out_loss(load_pretrained(checkpoint), self.examples, tiers,
+                               batch_tokens=BATCH_TOKENS)
+        return dict(zip(tiers, losses.values(), strict=True))
