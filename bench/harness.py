@@ -27,9 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from modeling import ModelConfig
+from modeling.devices import Precision
 from modeling.optim import LocalOptimizer
 
 Step = Callable[[], None]
@@ -38,6 +39,16 @@ Step = Callable[[], None]
 CPU_SHARE_FLOOR = 0.85
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Dense datasheet peaks in TFLOP/s, first matching name wins: (substring of the CUDA device
+# name, bf16/fp16 tensor cores, fp32 without TF32, which is torch's default for fp32 matmuls).
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0, 51.2),
+    ("H100 NVL", 835.0, 60.0),
+    ("H100", 989.4, 66.9),
+    ("H200", 989.4, 66.9),
+    ("A100", 312.0, 19.5),
+)
 
 
 def add_shape_args(parser: argparse.ArgumentParser) -> None:
@@ -119,6 +130,54 @@ def train_step(loss: Callable[[], Tensor], optimizer: LocalOptimizer) -> Step:
         optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def precision_step(
+    loss: Callable[[], Tensor], optimizer: LocalOptimizer, precision: Precision,
+    parameters: Sequence[nn.Parameter],
+) -> Step:
+    """``train_step`` under a mixed precision: the forward (and loss) under autocast with the
+    weights left float32; under fp16 the loss is multiplied by the loss scale before backward
+    and the gradients divided by it before the update, and a step whose gradients overflowed
+    is recomputed at half the scale (``modeling.devices.LossScale``). fp32 is ``train_step``."""
+    if precision.name == "fp32":
+        return train_step(loss, optimizer)
+
+    def step() -> None:
+        while True:
+            with precision.autocast():
+                value = loss()
+            if precision.loss_scale is not None:
+                value = value * precision.scale
+            value.backward()
+            if precision.unscale(parameters):
+                break
+            optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def step_flops(model: nn.Module, config: ModelConfig, tokens: int, seq_len: int) -> float:
+    """Model FLOPs of one training step, PaLM's count: 6 per token per weight of every
+    ``nn.Linear`` (2 forward, 4 backward; the embedding lookup is no product, a tied LM head
+    counts once as a Linear), plus 12·L·H·D·T per token for the attention scores and their
+    weighted sum, counted without the causal mask's savings as PaLM counts them."""
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    attention = (12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+                 * seq_len)
+    return float((6 * weights + attention) * tokens)
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype) -> tuple[str, float | None]:
+    """The device's name and its datasheet peak TFLOP/s for matmuls in ``dtype`` (None when
+    the device is not in PEAK_TFLOPS)."""
+    name = torch.cuda.get_device_name(device)
+    for key, half, single in PEAK_TFLOPS:
+        if key in name:
+            return name, single if dtype == torch.float32 else half
+    return name, None
 
 
 def _sync(device: torch.device) -> None:

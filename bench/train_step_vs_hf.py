@@ -6,36 +6,58 @@ timing, their losses on the batch must agree, so the two time the same computati
 step is forward + causal LM loss + backward + AdamW update; timings interleave the models
 in blocks and report medians. See bench/README.md for how to read the output.
 
+Both run under the same settings: ``--dtype`` casts the weights themselves (pure bf16);
+``--precision`` keeps float32 weights and runs both forwards under the same autocast
+(``modeling.devices.Precision``; fp16 with a loss scale, one per model, starting equal);
+``--compile`` compiles ours with ``modeling.devices.compile_model`` and HF's with the same
+``Module.compile(dynamic=True)``. On CUDA the run reports model FLOPs utilization.
+
     python bench/train_step_vs_hf.py                 # fp32 on CPU, default shapes
     python bench/train_step_vs_hf.py --dtype bf16 --steps 10
+    python bench/train_step_vs_hf.py --precision bf16 --compile --json runs/step.json
+    python bench/train_step_vs_hf.py --device cuda --precision bf16 --batch-size 16
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+import transformers
 from harness import (
+    Timing,
     add_shape_args,
     contention_warning,
     describe,
     mib,
     model_config,
+    peak_tflops,
+    precision_step,
     print_table,
     random_batch,
     setup,
+    step_flops,
     step_peak_bytes,
     time_interleaved,
-    train_step,
 )
+from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modeling import AutoregressiveModel, ModelConfig, canonical_state_dict
+from modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
+from modeling.errors import DeviceUnavailable
 from modeling.optim import OptimizerConfig
 
-# Largest |loss difference| at which the two models count as computing the same thing.
-LOSS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+# Largest |loss difference| at which the two models count as computing the same thing, by
+# the dtype the matmuls run in (the weights' under --dtype, autocast's under --precision).
+LOSS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def hf_twin(config: ModelConfig) -> LlamaForCausalLM:
@@ -60,11 +82,80 @@ def hf_twin(config: ModelConfig) -> LlamaForCausalLM:
     return LlamaForCausalLM(hf_config)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_args(parser)
+    both = parser.add_argument_group("settings both models share")
+    both.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                      help="autocast precision with float32 weights (fp16 adds a loss scale)")
+    both.add_argument("--compile", action="store_true",
+                      help="torch.compile both models (Module.compile(dynamic=True))")
+    both.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
-    device, dtype = setup(args)
+    if args.precision != "fp32" and args.dtype != "fp32":
+        parser.error("--precision runs float32 weights under autocast and --dtype casts the "
+                     "weights themselves; use one of them.")
+    return args
+
+
+def check_compiler(device: torch.device) -> None:
+    """Stop before compiling when inductor cannot build CPU kernels: it writes C++."""
+    if device.type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++")
+                                     or shutil.which("clang++")):
+        raise SystemExit("--compile on CPU needs a C++ compiler (g++, clang++ or $CXX) and "
+                         "none is on PATH: install one (apt-get install g++) or drop --compile.")
+
+
+def first_losses(
+    losses: dict[str, Callable[[], Tensor]], precision: Precision, compiled: bool
+) -> dict[str, float]:
+    """Each model's loss on the batch under the run's settings. With grad on, so that a
+    compiled model compiles the graph the timed steps reuse."""
+    values = {}
+    for name, loss in losses.items():
+        try:
+            with precision.autocast():
+                values[name] = loss().item()
+        except Exception as error:
+            if not compiled:
+                raise
+            print(f"torch.compile failed for {name} on this machine ({torch.__version__}): "
+                  f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}",
+                  file=sys.stderr)
+            raise SystemExit("no compiled figures: rerun without --compile, or fix the "
+                             "compiler error above (TORCHDYNAMO_VERBOSE=1 shows the "
+                             "traceback).") from None
+    return values
+
+
+def utilization(
+    flops: float, timings: dict[str, Timing], device: torch.device, dtype: torch.dtype
+) -> tuple[str, dict[str, float] | None]:
+    """A line on model FLOPs utilization and its value per model (None when not taken)."""
+    if device.type != "cuda":
+        return (f"model FLOPs utilization: skipped ({device.type} run; it is reported on "
+                "CUDA only, against the GPU's datasheet peak)."), None
+    name, peak = peak_tflops(device, dtype)
+    if peak is None:
+        return (f"model FLOPs utilization: peak of {name} unknown (add it to PEAK_TFLOPS in "
+                f"bench/harness.py); {flops / 1e12:.3f} TFLOP per step."), None
+    mfu = {model: flops / timing.median / (peak * 1e12) for model, timing in timings.items()}
+    return (f"model FLOPs utilization: ours {mfu['ours']:.1%}, hf {mfu['hf']:.1%} of {name}'s "
+            f"{peak:g} TFLOP/s {'fp32' if dtype == torch.float32 else 'bf16/fp16'} peak "
+            f"({flops / 1e12:.3f} TFLOP per step: 6·N·tokens + 12·L·H·D·T·tokens)"), mfu
+
+
+def main() -> None:
+    args = parse_args()
+    try:
+        device = resolve_device(args.device)
+    except DeviceUnavailable as error:
+        raise SystemExit(str(error)) from None
+    args.device = str(device)
+    _, dtype = setup(args)
+    # One Precision per model: under fp16 each keeps its own loss scale, both starting equal.
+    precisions = {name: Precision(args.precision, device) for name in ("ours", "hf")}
+    compute_dtype = precisions["ours"].dtype if args.precision != "fp32" else dtype
 
     config = model_config(args)
     ours = AutoregressiveModel(config)
@@ -72,25 +163,37 @@ def main() -> None:
     hf.load_state_dict(canonical_state_dict(ours), strict=True)
     ours.to(device, dtype).train()
     hf.to(device, dtype).train()
+    if args.compile:
+        check_compiler(device)
+        compile_model(ours)
+        hf.compile(dynamic=True)  # what compile_model does, on HF's module
     ids = random_batch(args, device)
+    models = {"ours": ours, "hf": hf}
+    losses = {
+        "ours": lambda: ours.loss(ids),
+        "hf": lambda: hf(input_ids=ids, labels=ids).loss,
+    }
 
-    with torch.no_grad():
-        loss_ours = ours.loss(ids).item()
-        loss_hf = hf(input_ids=ids, labels=ids).loss.item()
-    gap = abs(loss_ours - loss_hf)
     print(describe(args, device))
-    print(f"first-batch loss: ours {loss_ours:.6f}  hf {loss_hf:.6f}  |diff| {gap:.2e}")
-    if gap > LOSS_TOLERANCE[dtype]:
+    print(f"precision {args.precision} (weights {args.dtype}) | "
+          f"{'compiled' if args.compile else 'eager'}")
+    first = first_losses(losses, precisions["ours"], args.compile)
+    gap = abs(first["ours"] - first["hf"])
+    tolerance = LOSS_TOLERANCE[compute_dtype]
+    print(f"first-batch loss: ours {first['ours']:.6f}  hf {first['hf']:.6f}  |diff| {gap:.2e}"
+          f" (tolerance {tolerance:.0e})")
+    if gap > tolerance:
         raise SystemExit(
-            f"losses differ by {gap:.2e} (> {LOSS_TOLERANCE[dtype]:.0e}): the models do not "
+            f"losses differ by {gap:.2e} (> {tolerance:.0e}): the models do not "
             "compute the same function, so their timings are not comparable. Check that the "
             "config maps onto LlamaConfig (rope, norm eps, tied embeddings)."
         )
 
     optim = OptimizerConfig(name="adamw", lr=args.lr, total_steps=10**6, schedule="constant")
     steps = {
-        "ours": train_step(lambda: ours.loss(ids), optim.build(ours)),
-        "hf": train_step(lambda: hf(input_ids=ids, labels=ids).loss, optim.build(hf)),
+        name: precision_step(losses[name], optim.build(model), precisions[name],
+                             list(model.parameters()))
+        for name, model in models.items()
     }
     timings = time_interleaved(
         steps, device, timed=args.steps, repeats=args.repeats, warmup=args.warmup
@@ -120,14 +223,46 @@ def main() -> None:
             timings["ours"].block_medians(), timings["hf"].block_medians(), strict=True
         )
     ]
+    ratio = statistics.median(paired)
     print(
-        f"\nthroughput ours/hf: {statistics.median(paired):.3f} "
+        f"\nthroughput ours/hf: {ratio:.3f} "
         f"(per repetition: {', '.join(f'{r:.3f}' for r in paired)}; > 1 means ours is faster)"
     )
     print(f"step peak ours/hf: {peaks['ours'] / peaks['hf']:.3f} (< 1 means ours uses less)")
+    flops = step_flops(ours, config, tokens, args.seq_len)
+    line, mfu = utilization(flops, timings, device, compute_dtype)
+    print(line)
     warning = contention_warning(timings, device)
     if warning:
         print(f"\n{warning}")
+    if args.json is not None:
+        figures = {
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else f"{device.type}, {torch.get_num_threads()} threads"),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "first_loss": first,
+            "models": {
+                name: {
+                    "ms_per_step": timing.median * 1e3,
+                    "tokens_per_s": tokens / timing.median,
+                    "block_medians_ms": [t * 1e3 for t in timing.block_medians()],
+                    "step_peak_bytes": peaks[name],
+                    "min_cpu_share": min(timing.cpu_shares) if device.type == "cpu" else None,
+                    "mfu": None if mfu is None else mfu[name],
+                }
+                for name, timing in timings.items()
+            },
+            "throughput_ours_over_hf": ratio,
+            "per_repetition": paired,
+            "step_peak_ours_over_hf": peaks["ours"] / peaks["hf"],
+            "flops_per_step": flops,
+            "contention_warning": warning,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

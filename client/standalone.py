@@ -123,11 +123,10 @@ def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Run the training ``args`` describe; returns the metrics it also writes (rank 0)."""
     device = resolve_device(args.device)
     parallel = DataParallel.from_environment(device)
-    try:
-        return _train(args, parallel.device if parallel else device, parallel)
-    finally:
-        if parallel is not None:
-            parallel.close()
+    metrics = _train(args, parallel.device if parallel else device, parallel)
+    if parallel is not None:
+        parallel.close()
+    return metrics
 
 
 def _train(args: argparse.Namespace, device: torch.device, parallel: DataParallel | None

@@ -123,5 +123,8 @@ class DataParallel:
         dist.barrier()
 
     def close(self) -> None:
+        """Leave the group. Every rank waits for the others first: a rank that tears its
+        connections down while a peer still uses them makes Gloo abort that peer."""
         if dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
