@@ -1,12 +1,13 @@
 """Data parallelism on CPU: 2 Gloo processes against 1 process on the same global batch.
 
-The bench starts ``torchrun --standalone`` twice, with 1 and then 2 processes, and both
-train the same model from the same weights on the same global batches of packed rows
-(``tier_gradients`` with ``DataParallel``, then AdamW). The cores are shared fairly: the
-single process gets every core as torch threads, each of the two gets half. Per run: real
-tokens per second over the timed steps, the loss after them (the two runs must agree:
-they compute the same steps), and each process's peak resident memory (``ru_maxrss``:
-weights, optimizer state, activations, and torch's own footprint).
+The bench starts ``torchrun --standalone`` with 1 process, with 2 processes that each hold
+the model, and with 2 that share it in shards (``--fsdp``, FSDP2). All train the same model
+from the same weights on the same global batches of packed rows (``tier_gradients`` with
+``DataParallel``, then AdamW). The cores are shared fairly: the single process gets every
+core as torch threads, each of two gets half. Per run: real tokens per second over the
+timed steps, the loss after them (the runs must agree: they compute the same steps), and
+each process's peak resident memory (``ru_maxrss``: weights, optimizer state, activations,
+and torch's own footprint).
 
     python bench/data_parallel.py
     python bench/data_parallel.py --hidden-size 512 --layers 8 --json runs/dp.json
@@ -45,15 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiers", default="0,1", help="tiers trained each step")
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
-    parser.add_argument("--ranks", default="1,2", help="process counts to compare")
+    parser.add_argument("--runs", default="1,2,2fsdp",
+                        help="process counts to compare; 'fsdp' after one shards the model")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def worker(args: argparse.Namespace) -> None:
     """One rank's run under torchrun; rank 0 writes the run's figures to ``--worker``."""
-    parallel = DataParallel.from_environment(torch.device("cpu"))
+    parallel = DataParallel.from_environment(torch.device("cpu"), sharded=args.fsdp)
     world = parallel.world_size if parallel else 1
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(0)
@@ -62,6 +65,8 @@ def worker(args: argparse.Namespace) -> None:
                          num_key_value_heads=args.heads, intermediate_size=4 * args.hidden_size,
                          max_position_embeddings=args.seq_len)
     model = build_model(config)
+    if args.fsdp:
+        parallel.shard(model)
     optimizer = OptimizerConfig(name="adamw", lr=1e-3, schedule="constant",
                                 total_steps=10**6).build(model)
     runner = MicrobatchRunner(model, AdaptiveLimitsConfig(
@@ -92,7 +97,7 @@ def worker(args: argparse.Namespace) -> None:
     peaks = [float(peak)] if parallel is None else _gathered(parallel, peak)
     if parallel is None or parallel.leader:
         args.worker.write_text(json.dumps({
-            "ranks": world, "threads_per_rank": torch.get_num_threads(),
+            "ranks": world, "fsdp": args.fsdp, "threads_per_rank": torch.get_num_threads(),
             "parameters": sum(p.numel() for p in model.parameters()),
             "tokens_per_s": tokens / seconds, "seconds": seconds, "final_loss": losses,
             "peak_rss_bytes_per_rank": peaks}))
@@ -106,12 +111,14 @@ def _gathered(parallel: DataParallel, value: torch.Tensor) -> list[float]:
     return [float(v) for v in values]
 
 
-def launch(ranks: int, argv: list[str]) -> dict:
+def launch(run: str, argv: list[str]) -> dict:
+    ranks = int(run.removesuffix("fsdp"))
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "figures.json"
         subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc-per-node={ranks}", __file__, *argv, "--worker", str(out)],
+             f"--nproc-per-node={ranks}", __file__, *argv, "--worker", str(out),
+             *(["--fsdp"] if run.endswith("fsdp") else [])],
             check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         return json.loads(out.read_text())
 
@@ -124,22 +131,22 @@ def main() -> None:
     if "--json" in argv:
         at = argv.index("--json")
         del argv[at:at + 2]
-    runs = {int(n): launch(int(n), argv) for n in args.ranks.split(",")}
-    base = runs[min(runs)]
+    runs = {run: launch(run, argv) for run in args.runs.split(",")}
+    base = runs[args.runs.split(",")[0]]
     print(f"model: {base['parameters']:,} parameters; global batch {args.batch_tokens:,} "
           f"tokens of packed rows of {args.seq_len}; tiers {args.tiers}; {args.steps} timed "
           f"steps; {os.cpu_count()} cores")
-    print(f"{'ranks':>5}  {'threads/rank':>12}  {'tokens/s':>9}  {'vs 1 rank':>9}  "
+    print(f"{'run':>6}  {'threads/rank':>12}  {'tokens/s':>9}  {'vs 1 rank':>9}  "
           f"{'peak RSS per rank (MiB)':>24}  final loss")
-    for ranks, run in sorted(runs.items()):
+    for name, run in runs.items():
         peaks = ", ".join(f"{p / 2**20:,.0f}" for p in run["peak_rss_bytes_per_rank"])
         losses = " ".join(f"{v:.4f}" for v in run["final_loss"].values())
-        print(f"{ranks:>5}  {run['threads_per_rank']:>12}  {run['tokens_per_s']:>9,.0f}  "
+        print(f"{name:>6}  {run['threads_per_rank']:>12}  {run['tokens_per_s']:>9,.0f}  "
               f"{run['tokens_per_s'] / base['tokens_per_s']:>8.2f}x  {peaks:>24}  {losses}")
     if args.json:
         args.json.write_text(json.dumps(
             {"runs": runs, "tokens_per_s_ratio": {
-                str(n): r["tokens_per_s"] / base["tokens_per_s"] for n, r in runs.items()}},
+                name: r["tokens_per_s"] / base["tokens_per_s"] for name, r in runs.items()}},
             indent=1) + "\n")
 
 

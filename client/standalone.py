@@ -23,7 +23,7 @@ from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batch
 from modeling.checkpoint import save_pretrained
 from modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
 from modeling.distributed import DataParallel
-from modeling.errors import MatformerError
+from modeling.errors import ConfigError, MatformerError
 from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
 from modeling.optim import OptimizerConfig
 from modeling.training import (
@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="fp32, or autocast to bf16/fp16 with float32 weights")
     hardware.add_argument("--compile", action="store_true",
                           help="torch.compile the model (needs a C++ compiler on CPU)")
+    hardware.add_argument("--fsdp", action="store_true",
+                          help="under torchrun: shard weights, gradients and optimizer state "
+                               "over the ranks (FSDP2), for a model one device cannot hold")
     hardware.add_argument("--batching", choices=("packed", "padded"), default="packed",
                           help="packed: sequences end to end in rows of --seq-len tokens "
                                "(almost no padding); padded: one sequence a row")
@@ -122,7 +125,7 @@ def run(args: argparse.Namespace, program: str) -> None:
 def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Run the training ``args`` describe; returns the metrics it also writes (rank 0)."""
     device = resolve_device(args.device)
-    parallel = DataParallel.from_environment(device)
+    parallel = DataParallel.from_environment(device, sharded=args.fsdp)
     metrics = _train(args, parallel.device if parallel else device, parallel)
     if parallel is not None:
         parallel.close()
@@ -138,23 +141,24 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     tiers = [int(t) for t in args.tiers.split(",")]
     schedule = TierSchedule(tiers=tiers, mode=args.tier_mode, seed=args.seed)
     schedule.check(config)
+    if args.fsdp and (args.optimizer == "muon" or args.precision == "fp16"):
+        raise ConfigError("--fsdp trains with adam or adamw in fp32 or bf16; muon and fp16's "
+                          "loss scale need whole gradients on every rank.")
     model = build_model(config).to(device)
     if parallel is not None:
         parallel.broadcast_parameters(model)
-    optimizer = OptimizerConfig(
-        name=args.optimizer, lr=args.lr, final_lr=args.lr / 10, weight_decay=0.01,
-        warmup_steps=args.warmup_steps, total_steps=args.steps,
-    ).build(model)
     options = StepOptions(precision=Precision(args.precision, device), data_parallel=parallel,
                           seed=args.seed)
-    if args.compile:
-        compile_model(model)
 
+    if parallel is not None and not leader:
+        parallel.barrier()  # rank 0 builds the default container and the shuffle first
     with open_data(args) as mdat:
         reader = mdat.sequences(args.strategy, args.seq_len, args.view)
         lengths = reader.lengths()
         order = with_targets(mdat.shuffle(args.view, args.strategy, args.seq_len, args.seed),
                              lengths, config)
+        if parallel is not None and leader:
+            parallel.barrier()
         if len(order) < len(reader):
             say(f"matformer-train: left out {len(reader) - len(order):,} sequences of fewer "
                 f"than {target_tokens(config)} tokens: they carry no target")
@@ -171,11 +175,19 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         runner = MicrobatchRunner(model, AdaptiveLimitsConfig(
             max_tokens=args.microbatch_tokens).build())
 
-        def evaluate() -> dict[str, float]:
-            return held_out_loss(model, eval_examples, tiers, batch_tokens=args.batch_tokens,
+        def evaluate(whole: torch.nn.Module) -> dict[str, float]:
+            return held_out_loss(whole, eval_examples, tiers, batch_tokens=args.batch_tokens,
                                  precision=options.precision, seed=args.seed)
 
-        initial = evaluate() if leader else {}
+        initial = evaluate(model) if leader else {}
+        if args.fsdp:
+            parallel.shard(model)
+        if args.compile:
+            compile_model(model)
+        optimizer = OptimizerConfig(
+            name=args.optimizer, lr=args.lr, final_lr=args.lr / 10, weight_decay=0.01,
+            warmup_steps=args.warmup_steps, total_steps=args.steps,
+        ).build(model)
         history = []
         started, tokens_seen = time.perf_counter(), 0
         for step in range(args.steps):
@@ -193,16 +205,20 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                 shown = "  ".join(f"tier {t}: {loss:.3f}" for t, loss in losses.items())
                 say(f"step {step + 1:>5}  {shown}  lr {optimizer.lr:.2e}  {rate:,.0f} tok/s")
         seconds = time.perf_counter() - started
-    if not leader:
-        return {}
-    final = evaluate()
+        if args.fsdp:  # the whole weights, gathered from every rank's shards
+            full = parallel.full_state(model)
+            model = build_model(config)
+            model.load_state_dict(full)
+        if not leader:
+            return {}
+        final = evaluate(model.to(device))
     for tier in initial:
         print(f"held-out loss tier {tier}: {initial[tier]:.3f} -> {final[tier]:.3f}")
 
     save_pretrained(model, args.out)
     metrics = {"initial": initial, "final": final, "history": history,
                "world_size": world, "device": str(device), "precision": args.precision,
-               "compile": args.compile, "batching": args.batching,
+               "compile": args.compile, "batching": args.batching, "fsdp": args.fsdp,
                "tokens_per_second": round(tokens_seen / seconds, 1)}
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print(f"wrote {args.out}/config.json, model.safetensors, metrics.json")

@@ -13,6 +13,13 @@ and one step may backpropagate several tiers, so ranks run different numbers of 
 passes; a collective inside one of them would hang the others. One sum per step, after
 the rank's passes, is the same arithmetic DDP does (a bucketed all-reduce) with none of
 that coupling. The same sum serves a federated client's pseudo-gradients.
+
+``sharded`` (``--fsdp``) is for a model that does not fit one device: PyTorch's FSDP2
+(``fully_shard``) keeps each rank's shard of every weight, gradient and optimizer state and
+gathers a layer's weights only while it runs. Each forward pass then gathers and each
+backward pass reduces, so the ranks must run their passes in lockstep: every rank runs as
+many microbatches as the busiest one (the others add passes that contribute zero), and
+microbatches do not adapt to out-of-memory errors (``modeling/training.py``).
 """
 
 from __future__ import annotations
@@ -38,13 +45,18 @@ class DataParallel:
     rank: int
     world_size: int
     device: torch.device
+    sharded: bool = False  # FSDP2: weights, gradients and optimizer state in shards
 
     @classmethod
-    def from_environment(cls, device: torch.device) -> DataParallel | None:
+    def from_environment(cls, device: torch.device, sharded: bool = False
+                         ) -> DataParallel | None:
         """The group ``torchrun`` described in the environment (WORLD_SIZE > 1), joined, or
         None for a single process. Under CUDA each rank takes ``cuda:LOCAL_RANK``."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
+            if sharded:
+                raise ConfigError("--fsdp shards the model over the ranks torchrun starts; "
+                                  "start with torchrun --nproc-per-node N (N >= 2).")
             return None
         rank = int(os.environ["RANK"])
         if device.type == "cuda":
@@ -59,7 +71,7 @@ class DataParallel:
                               f"{device.type}.")
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return cls(rank=rank, world_size=world, device=device)
+        return cls(rank=rank, world_size=world, device=device, sharded=sharded)
 
     @property
     def leader(self) -> bool:
@@ -112,6 +124,32 @@ class DataParallel:
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 dist.broadcast(tensor, src=0)
+
+    def most(self, count: int) -> int:
+        """The largest of the ranks' ``count``."""
+        value = torch.tensor([count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
+    def shard(self, model: nn.Module) -> None:
+        """FSDP2 over the ranks: each block its own unit, the rest (embeddings, final norm,
+        output head) the root's. Gradients are summed, not averaged, over the ranks: every
+        rank already divides its loss by the whole batch's target count."""
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                # plain sums: Gloo has no pre-multiplied sum for a factor to ride on
+                module.set_force_sum_reduction_for_comms(True)
+                module.set_gradient_divide_factor(1.0)
+
+    def full_state(self, model: nn.Module) -> dict[str, Tensor]:
+        """The whole of every weight (a collective: every rank calls it), on the CPU."""
+        return {name: (value.full_tensor() if hasattr(value, "full_tensor") else value).cpu()
+                for name, value in model.state_dict().items()}
 
     def broadcast_object(self, value: Any = None) -> Any:
         """Rank 0's ``value`` on every rank (pickled; for small control messages)."""

@@ -15,7 +15,7 @@ cannot (BatchError), so standalone and federated training plan only those.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,13 +24,18 @@ import torch
 from torch import Tensor
 
 from modeling.batch import MaskedBatch
-from modeling.batching import MicrobatchRunner, accumulate_gradients, plan_batches
+from modeling.batching import (
+    MicrobatchRunner,
+    accumulate_gradients,
+    plan_batches,
+    split_microbatches,
+)
 from modeling.batching.accumulate import TrainingExamples
 from modeling.components.loss import IGNORE_INDEX
 from modeling.config import ModelConfig
 from modeling.devices import Precision
 from modeling.distributed import DataParallel
-from modeling.errors import BatchError, ConfigError
+from modeling.errors import BatchDoesNotFit, BatchError, ConfigError
 from modeling.matformer import Tier, layer_widths, tier_label
 from modeling.models import TransformerWithLMHead
 from modeling.optim import LocalOptimizer
@@ -138,19 +143,53 @@ def tier_gradients(
             for tier, weight in tiers
         }
 
+    sizes = [sum(len(prepared.inputs[i]) for i in r) for r in rows]
     while True:
-        if rows:
-            losses = runner.run([sum(len(prepared.inputs[i]) for i in r) for r in rows], attempt)
+        if parallel is not None and parallel.sharded:
+            losses = _lockstep(runner, parallel, sizes, attempt, tiers, examples[0])
+        elif rows:
+            losses = runner.run(sizes, attempt)
         else:  # a data-parallel share with nothing in it: this rank adds zeros
             model.zero_grad(set_to_none=True)
             losses = {tier_label(tier): 0.0 for tier, _ in tiers}
         if parallel is not None:
-            parallel.sum_gradients(model)
+            if not parallel.sharded:  # FSDP summed them during backward
+                parallel.sum_gradients(model)
             summed = parallel.sum_(torch.tensor(list(losses.values()), dtype=torch.float64,
                                                 device=parallel.device))
             losses = dict(zip(losses, summed.tolist(), strict=True))
         if options.precision.unscale(model.parameters()):
             return losses
+
+
+def _lockstep(runner: MicrobatchRunner, parallel: DataParallel, sizes: list[int],
+              attempt: Callable[[list[list[int]]], dict[str, float]],
+              tiers: list[tuple[Tier, float]], sample: Tensor) -> dict[str, float]:
+    """A sharded step's passes: this rank's microbatches, then passes that add nothing until
+    it has run as many as the busiest rank, at every tier; each gathers and reduces with
+    the others. The limits stay fixed: an out-of-memory error on one rank cannot be retried
+    without the others, so it ends the run with what to lower."""
+    model = runner.model
+    model.zero_grad(set_to_none=True)
+    plan = []
+    if sizes:
+        limits = runner.limits.limits(max(sizes))
+        plan = split_microbatches(sizes, max_tokens=limits.max_tokens,
+                                  max_examples=limits.max_examples)
+    idle = parallel.most(len(plan)) - len(plan)
+    try:
+        losses = attempt(plan) if plan else {tier_label(t): 0.0 for t, _ in tiers}
+        pad = sample[:2].new_zeros(2)
+        for tier, _ in tiers:
+            for _ in range(idle):
+                (model.labelled_loss(MaskedBatch.from_list([pad]), torch.full_like(
+                    pad, IGNORE_INDEX)[None], tier=tier, reduction="sum") * 0.0).backward()
+    except torch.OutOfMemoryError as error:
+        raise BatchDoesNotFit(
+            f"a microbatch ran out of memory under --fsdp, where microbatches cannot shrink "
+            f"on one rank alone; lower --microbatch-tokens (now {runner.limits.limits(1)})."
+        ) from error
+    return losses
 
 
 def train_step_on_examples(

@@ -65,18 +65,36 @@ def test_masks_depend_on_the_documents_position_not_on_the_share():
     assert all(bool((label != -100).any()) for label in whole.labels)
 
 
-def test_standalone_training_on_two_ranks_follows_the_one_rank_run(tmp_path):
-    data = tmp_path / "docs.mdat"
-    build_default_mdat(data, limit=120).close()
-    args = ["-m", "client.standalone", "--data", str(data), "--steps", "6",
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs.mdat"
+    build_default_mdat(path, limit=120).close()
+    return path
+
+
+@pytest.mark.parametrize("mode", ["replicated", "fsdp"])
+def test_standalone_training_on_two_ranks_follows_the_one_rank_run(mode, docs, tmp_path):
+    """Replicated: every rank holds the model, gradients summed after the step's passes.
+    FSDP2: every rank holds a shard, gathered and reduced in lockstep passes."""
+    args = ["-m", "client.standalone", "--data", str(docs), "--steps", "6",
             "--warmup-steps", "2", "--batch-tokens", "512", "--seq-len", "128",
             "--tiers", "0,2", "--log-every", "3"]
-    torchrun(2, *args, "--out", str(tmp_path / "two"))
+    torchrun(2, *args, *(["--fsdp"] if mode == "fsdp" else []), "--out", str(tmp_path / "two"))
     torchrun(1, *args, "--out", str(tmp_path / "one"))
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     one = json.loads((tmp_path / "one" / "metrics.json").read_text())
     assert (two["world_size"], one["world_size"]) == (2, 1)
+    assert two["fsdp"] is (mode == "fsdp")
     assert (two["device"], two["precision"], two["batching"]) == ("cpu", "fp32", "packed")
     for a, b in zip(two["history"], one["history"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
     assert two["final"] == pytest.approx(one["final"], rel=1e-5)
+
+
+def test_fsdp_needs_torchrun(docs, tmp_path, capsys):
+    from client.standalone import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(docs), "--fsdp", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--fsdp shards the model over the ranks torchrun starts" in capsys.readouterr().err

@@ -65,3 +65,22 @@ def test_fingerprint_covers_the_data_and_only_the_data(tmp_path) -> None:
         (info,) = one.shuffles()
         assert json.loads(info.dataset)["submdats"]["a"]["selection"].startswith(
             "5 documents, sha256 ")
+
+
+def test_two_processes_making_the_same_shuffle_at_once_both_get_it(tmp_path) -> None:
+    """Ranks of one torchrun (or two clients on one file) may both find the shuffle missing
+    and make it: the second record is the first one's twin and stands aside; a record that
+    describes other data is refused by name."""
+    import dataclasses
+
+    from modeling.errors import MdatError
+
+    build(tmp_path / "c").close()
+    with Mdat.open(tmp_path / "c") as first, Mdat.open(tmp_path / "c") as second:
+        order = first.shuffle(None, "s", 32, seed=5)
+        (info,) = first.shuffles()
+        second._catalogue.add_shuffle(info)  # what the slower process does after writing
+        assert np.array_equal(second.shuffle(None, "s", 32, seed=5), order)
+        other = dataclasses.replace(info, fingerprint="0" * len(info.fingerprint))
+        with pytest.raises(MdatError, match="recorded meanwhile for other data"):
+            second._catalogue.add_shuffle(other)

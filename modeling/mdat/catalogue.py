@@ -15,7 +15,14 @@ from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import MdatCorrupt, MdatFormatError, MdatNotFound, SubmdatLimit, UnknownName
+from modeling.errors import (
+    MdatCorrupt,
+    MdatError,
+    MdatFormatError,
+    MdatNotFound,
+    SubmdatLimit,
+    UnknownName,
+)
 
 CATALOGUE_NAME = "mdat.db"
 FORMAT_VERSION = "2"
@@ -260,8 +267,17 @@ class Catalogue:
         return [_row(ShuffleInfo, row) for row in rows]
 
     def add_shuffle(self, info: ShuffleInfo) -> None:
-        self._write((f"INSERT INTO shuffles ({_columns(ShuffleInfo)}) "
+        """Record ``info``. A shuffle is deterministic in its name's fields, so when another
+        process (a second rank, a second client on this file) recorded the same one first,
+        that row stands, provided it describes the same data."""
+        self._write((f"INSERT OR IGNORE INTO shuffles ({_columns(ShuffleInfo)}) "
                      f"VALUES ({_placeholders(ShuffleInfo)})", astuple(info)))
+        stored = {s.name: s for s in self.shuffles()}[info.name]
+        if stored != info:
+            raise MdatError(
+                f"shuffle {info.name!r} was recorded meanwhile for other data (fingerprint "
+                f"{stored.fingerprint}, this one {info.fingerprint}); the container changed "
+                "while it was being read: run again.")
 
 
 def unknown(kind: str, name: str, known: Any) -> UnknownName:
