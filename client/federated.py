@@ -294,10 +294,11 @@ class FederatedClient:
                                      f"{self.tier} to tier {work.tier}; reloading")
                             self.summary.tier = work.tier
                             self._catch_up(reload=True)
-                            self._build_local_round()
                         self._train_one(work, progress)
 
     def _train_one(self, work: Train, progress: Progress) -> None:
+        if self.local_round is None:
+            self._build_local_round()
         with self.connection.keep_alive(lambda: work.round):
             try:
                 sequences = [s.to(self.device) for s in self.sequences.fetch(work.sequence_ids)]
@@ -337,6 +338,7 @@ class FederatedClient:
         if self.options.compile:
             compile_model(self.replica.model)
         self.applied = checkpoint.round
+        self.local_round = None  # it trained the replica just replaced: built anew on use
 
     def _catch_up(self, *, reload: bool = False) -> None:
         """Apply every logged update since ``applied``. Load the latest checkpoint first when

@@ -339,6 +339,10 @@ def test_catching_up_reloads_once_when_the_log_is_pruned_or_a_hash_disagrees(tmp
         assert any("updates since round 0 are pruned" in line for line in logs), logs
         assert late.applied == 3 and late.summary.resynchronisations == 0
         assert late.replica.hash(late.tier) == published
+        # the rounds train the reloaded replica, not the one it replaced
+        assert late.local_round is None
+        late._build_local_round()
+        assert late.local_round.replica is late.replica
 
         with torch.no_grad():  # a replica one round behind whose weights drifted
             late.replica.parameters[UP][0, 0] += 1.0
