@@ -47,7 +47,7 @@ from harness import (
     step_peak_bytes,
     time_interleaved,
 )
-from torch import Tensor
+from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from modeling import AutoregressiveModel, ModelConfig, canonical_state_dict
@@ -107,20 +107,29 @@ def check_compiler(device: torch.device) -> None:
 
 
 def first_losses(
-    losses: dict[str, Callable[[], Tensor]], precision: Precision, compiled: bool
+    losses: dict[str, Callable[[], Tensor]], models: dict[str, nn.Module],
+    precision: Precision, compiled: bool,
 ) -> dict[str, float]:
-    """Each model's loss on the batch under the run's settings. With grad on, so that a
-    compiled model compiles the graph the timed steps reuse."""
+    """Each model's loss on the batch under the run's settings. A compiled model also runs
+    backward once (gradients then dropped), so that compiling its forward and backward
+    graphs happens here, where a compiler failure is reported as such."""
     values = {}
     for name, loss in losses.items():
         try:
+            if not compiled:
+                with torch.no_grad(), precision.autocast():
+                    values[name] = loss().item()
+                continue
             with precision.autocast():
-                values[name] = loss().item()
+                value = loss()
+            value.backward()
+            models[name].zero_grad(set_to_none=True)
+            values[name] = value.item()
         except Exception as error:
             if not compiled:
                 raise
-            print(f"torch.compile failed for {name} on this machine ({torch.__version__}): "
-                  f"{type(error).__name__}: {str(error).strip().splitlines()[-1]}",
+            print(f"torch.compile failed for {name} on this machine (torch {torch.__version__}"
+                  f"): {type(error).__name__}: {str(error).strip().splitlines()[0]}",
                   file=sys.stderr)
             raise SystemExit("no compiled figures: rerun without --compile, or fix the "
                              "compiler error above (TORCHDYNAMO_VERBOSE=1 shows the "
@@ -177,7 +186,7 @@ def main() -> None:
     print(describe(args, device))
     print(f"precision {args.precision} (weights {args.dtype}) | "
           f"{'compiled' if args.compile else 'eager'}")
-    first = first_losses(losses, precisions["ours"], args.compile)
+    first = first_losses(losses, models, precisions["ours"], args.compile)
     gap = abs(first["ours"] - first["hf"])
     tolerance = LOSS_TOLERANCE[compute_dtype]
     print(f"first-batch loss: ours {first['ours']:.6f}  hf {first['hf']:.6f}  |diff| {gap:.2e}"
@@ -232,6 +241,10 @@ def main() -> None:
     flops = step_flops(ours, config, tokens, args.seq_len)
     line, mfu = utilization(flops, timings, device, compute_dtype)
     print(line)
+    if args.precision == "fp16":
+        # A scale that fell means some steps overflowed and were computed again.
+        print(f"fp16 loss scale after the run: ours {precisions['ours'].scale:g}, "
+              f"hf {precisions['hf'].scale:g} (both started at {Precision('fp16').scale:g})")
     warning = contention_warning(timings, device)
     if warning:
         print(f"\n{warning}")
@@ -251,6 +264,7 @@ def main() -> None:
                     "step_peak_bytes": peaks[name],
                     "min_cpu_share": min(timing.cpu_shares) if device.type == "cpu" else None,
                     "mfu": None if mfu is None else mfu[name],
+                    "final_loss_scale": precisions[name].scale,
                 }
                 for name, timing in timings.items()
             },
