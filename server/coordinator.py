@@ -753,6 +753,7 @@ class Coordinator:
                             err)
                 return
             self.history.event("checkpoint", None, f"checkpoints/round-{round_index}")
+            self._unsaved = True  # the event reaches state.json with the next save or flush
             self._retire_checkpoints()
             try:
                 self.log.prune(through=self._log_start() - 1)
