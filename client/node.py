@@ -1,4 +1,6 @@
-"""A participant with several devices: ``torchrun --nproc-per-node N matformer-client train``.
+"""A participant with several devices, started by torchrun as one client:
+
+    torchrun --no-python --nproc-per-node N matformer-client train --server HOST:PORT ...
 
 Rank 0 is the client the coordinator knows: it alone joins, downloads, submits and checks
 hashes. The other ranks (followers) hold the same replica and train their share of each

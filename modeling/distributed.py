@@ -1,6 +1,6 @@
 """Data parallelism across the processes ``torchrun`` starts: one batch, split by tokens.
 
-    torchrun --nproc-per-node 4 -m client.standalone ...   # or: torchrun ... matformer-train
+    torchrun --no-python --nproc-per-node 4 matformer-train ...   # or -m client.standalone
 
 Each process (rank) trains its share of every batch and the gradients are summed across
 ranks before anyone uses them, so every rank holds the same gradient, takes the same step
