@@ -30,6 +30,7 @@ from modeling.training import (
     StepOptions,
     TierSchedule,
     held_out_loss,
+    split_held_out,
     target_tokens,
     train_step_on_examples,
     with_targets,
@@ -162,8 +163,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         if len(order) < len(reader):
             say(f"matformer-train: left out {len(reader) - len(order):,} sequences of fewer "
                 f"than {target_tokens(config)} tokens: they carry no target")
-        held_out = max(1, len(order) // 20)  # the shuffle's last 5% are never trained on
-        train_ids, eval_ids = order[:-held_out], order[-held_out:]
+        train_ids, eval_ids = split_held_out(order)  # the shuffle's last 5%: never trained
         steps = plan(lengths[train_ids].tolist(), args)
         eval_examples = sequences(reader, eval_ids, device)
         world = parallel.world_size if parallel else 1

@@ -24,12 +24,7 @@ import torch
 from torch import Tensor
 
 from modeling.batch import MaskedBatch
-from modeling.batching import (
-    MicrobatchRunner,
-    accumulate_gradients,
-    plan_batches,
-    split_microbatches,
-)
+from modeling.batching import MicrobatchRunner, accumulate_gradients, split_microbatches
 from modeling.batching.accumulate import TrainingExamples
 from modeling.components.loss import IGNORE_INDEX
 from modeling.config import ModelConfig
@@ -212,6 +207,16 @@ def train_step_on_examples(
     return losses
 
 
+HELD_OUT_FRACTION = 0.05  # the tail of a run's order that training never takes
+
+
+def split_held_out(order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(training ids, held-out ids) of a shuffled ``order``: its last 5% (at least one) are
+    held out, as standalone training and ``matformer-eval`` agree."""
+    held = max(1, int(len(order) * HELD_OUT_FRACTION))
+    return order[:-held], order[-held:]
+
+
 @torch.no_grad()
 def held_out_loss(
     model: TransformerWithLMHead,
@@ -219,31 +224,50 @@ def held_out_loss(
     tiers: Sequence[Tier],
     *,
     batch_tokens: int,
+    max_examples: int | None = None,
     precision: Precision | None = None,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Mean loss per target token of ``examples`` at each tier, in padded batches of
-    ``batch_tokens``; a masked model's masks are drawn from ``seed``, the same at every
-    tier and every call. The model is left in the mode it was in."""
+    """Mean loss per target token of ``examples`` at each tier, in padded microbatches of at
+    most ``batch_tokens`` tokens (and ``max_examples`` rows); a microbatch that runs out of
+    memory is split in two and each half run, down to single sequences. A masked model's
+    masks are drawn from ``seed``, the same at every tier and every call. The model is left
+    in the mode it was in."""
     precision = precision or Precision()
     prepared = TrainingExamples.of(model, examples, seed=seed)
-    plan = plan_batches([len(e) for e in examples], batch_tokens)
-    batches = [
-        (MaskedBatch.from_list([prepared.inputs[i] for i in rows]),
-         MaskedBatch.from_list([prepared.labels[i] for i in rows], pad_value=IGNORE_INDEX).data)
-        for rows in plan
-    ]
+    plan = split_microbatches([len(e) for e in examples], max_tokens=batch_tokens,
+                              max_examples=max_examples or len(examples))
     training = model.training
     model.eval()
     losses = {}
     for tier in tiers:
-        total = 0.0
-        for batch, labels in batches:
-            with precision.autocast():
-                total += model.labelled_loss(batch, labels, tier=tier, reduction="sum").item()
+        total = sum(_summed_loss(model, prepared, rows, tier, precision) for rows in plan)
         losses[tier_label(tier)] = total / prepared.targets
     model.train(training)
     return losses
+
+
+def _summed_loss(model: TransformerWithLMHead, prepared: TrainingExamples, rows: list[int],
+                 tier: Tier, precision: Precision) -> float:
+    """Σ token losses of ``rows`` at ``tier``; halves and retries after out of memory."""
+    try:
+        batch = MaskedBatch.from_list([prepared.inputs[i] for i in rows])
+        labels = MaskedBatch.from_list([prepared.labels[i] for i in rows],
+                                       pad_value=IGNORE_INDEX).data
+        with precision.autocast():
+            return model.labelled_loss(batch, labels, tier=tier, reduction="sum").item()
+    except torch.OutOfMemoryError as error:
+        error = error.with_traceback(None)  # free the failed pass's activations
+        if len(rows) == 1:
+            raise BatchDoesNotFit(
+                f"one sequence of {len(prepared.inputs[rows[0]])} tokens does not fit in "
+                "memory for evaluation; use a shorter sequence length or a larger device."
+            ) from error
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    half = len(rows) // 2
+    return (_summed_loss(model, prepared, rows[:half], tier, precision)
+            + _summed_loss(model, prepared, rows[half:], tier, precision))
 
 
 def target_tokens(config: ModelConfig) -> int:

@@ -1,0 +1,111 @@
+"""`matformer-eval`: held-out loss and perplexity of a checkpoint, per tier.
+
+    matformer-eval runs/standalone --data runs/python_docs.mdat --tiers 0,1,2
+    matformer-eval runs/testnet/checkpoints/round-150 --mix-n-match 0,0,1,2 --json eval.json
+
+By default it evaluates what ``matformer-train`` held out with the same ``--seed``,
+``--strategy``, ``--seq-len`` and ``--view``: the last 5% of the view's shuffle (sequences
+that carry a target), so its figures are the training run's held-out loss. ``--split all``
+evaluates every sequence of the view instead (a view kept apart for evaluation, say).
+Sequences go through in microbatches of ``--max-eval-tokens-per-microbatch`` padded tokens
+(and ``--max-examples-per-microbatch`` rows); one that runs out of memory is split in two
+and retried, so a budget too large for the device slows evaluation down rather than ending
+it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from modeling.checkpoint import load_pretrained
+from modeling.devices import PRECISIONS, Precision, resolve_device
+from modeling.errors import MatformerError
+from modeling.matformer import Tier
+from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY, Mdat
+from modeling.training import held_out_loss, split_held_out, with_targets
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="matformer-eval", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (config.json, weights)")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MDAT container")
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY["strategy_name"])
+    parser.add_argument("--view", default=None, help="view of the container (default: all)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--split", choices=("held-out", "all"), default="held-out",
+                        help="held-out: the tail matformer-train left out; all: the whole view")
+    parser.add_argument("--seed", type=int, default=0, help="of the shuffle (and of masks)")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate at most N sequences")
+    parser.add_argument("--tiers", default="0", help="comma-separated tiers")
+    parser.add_argument("--mix-n-match", nargs="*", default=[], metavar="T0,T1,...",
+                        help="per-layer tier lists, each evaluated too")
+    parser.add_argument("--max-eval-tokens-per-microbatch", type=int, default=8192)
+    parser.add_argument("--max-examples-per-microbatch", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    return parser.parse_args(argv)
+
+
+def tiers_of(args: argparse.Namespace) -> list[Tier]:
+    try:
+        tiers: list[Tier] = [int(t) for t in args.tiers.split(",") if t.strip()]
+        tiers += [[int(t) for t in spec.split(",")] for spec in args.mix_n_match]
+    except ValueError:
+        raise MatformerError(f"--tiers and --mix-n-match take comma-separated integers, got "
+                             f"{args.tiers!r} and {args.mix_n_match}.") from None
+    return tiers
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    """The figures ``args`` ask for, as ``--json`` writes them."""
+    device = resolve_device(args.device)
+    model = load_pretrained(args.checkpoint).to(device)
+    tiers = tiers_of(args)
+    with Mdat.open(args.data) as mdat:
+        reader = mdat.sequences(args.strategy, args.seq_len, args.view)
+        if args.split == "held-out":
+            order = with_targets(mdat.shuffle(args.view, args.strategy, args.seq_len,
+                                              args.seed), reader.lengths(), model.config)
+            ids = split_held_out(order)[1]
+        else:
+            ids = with_targets(np.arange(len(reader)), reader.lengths(), model.config)
+        ids = ids[:args.limit]
+        examples = [torch.from_numpy(reader[int(i)].astype(np.int64)).to(device) for i in ids]
+    losses = held_out_loss(
+        model, examples, tiers, batch_tokens=args.max_eval_tokens_per_microbatch,
+        max_examples=args.max_examples_per_microbatch,
+        precision=Precision(args.precision, device), seed=args.seed)
+    return {
+        "checkpoint": str(args.checkpoint), "data": str(args.data), "strategy": args.strategy,
+        "view": args.view, "seq_len": args.seq_len, "split": args.split, "seed": args.seed,
+        "sequences": len(examples), "tokens": sum(len(e) for e in examples),
+        "tiers": {label: {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
+                  for label, loss in losses.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        figures = evaluate(args)
+    except MatformerError as error:
+        print(f"matformer-eval: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"{figures['checkpoint']}: {figures['sequences']:,} {figures['split']} sequences, "
+          f"{figures['tokens']:,} tokens")
+    for label, row in figures["tiers"].items():
+        print(f"tier {label:<12}  loss {row['loss']:.4f}  perplexity {row['perplexity']:,.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
