@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from modeling.components.init import linear
 from modeling.components.kernels import SdpaAttention
 from modeling.components.positional import PositionalEncoding
+from modeling.generation_cache import KVCache
 from modeling.spec import ModuleSpec, build_module
 
 
@@ -21,6 +22,7 @@ class AttentionContext:
     positional_state: Any  # from positional.prepare (RoPE cos/sin, ALiBi bias...)
     causal: bool
     segment_ids: Tensor | None  # (B, T) int: attend within a segment; 0 = padding
+    cache: KVCache | None = None  # generation: the keys and values of earlier positions
 
 
 @dataclass(slots=True)
@@ -50,8 +52,13 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # q (B, H, T, D); k, v (B, Hkv, T, D)
         q, k = context.positional.rotate(q, k, context.positional_state)
+        causal = context.causal
+        if context.cache is not None:
+            k, v, past = context.cache.extend(self, k, v)  # (B, Hkv, past + T, D)
+            # one new position attends to every cached one; a prompt starts with none
+            causal = causal and past == 0
         out = self.kernel(
-            q, k, v, causal=context.causal, segment_ids=context.segment_ids,
+            q, k, v, causal=causal, segment_ids=context.segment_ids,
             bias=context.positional.score_bias(context.positional_state),
         )
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))  # (B, T, C)

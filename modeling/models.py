@@ -24,6 +24,7 @@ from modeling.components.init import linear
 from modeling.components.loss import IGNORE_INDEX
 from modeling.config import ModelConfig
 from modeling.errors import ConfigError
+from modeling.generation_cache import KVCache
 from modeling.layer_spec import ModelSpec, model_spec
 from modeling.matformer import Tier, layer_widths
 from modeling.spec import build_module
@@ -47,9 +48,11 @@ class NakedTransformer(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         tier: Tier | None = None,
+        cache: KVCache | None = None,
     ) -> Tensor:
         """``inputs``: a tensor, with an optional (B, T) ``attention_mask`` (1 = real token),
-        or a MaskedBatch / PackedBatch; ``tier`` picks the FFN widths."""
+        or a MaskedBatch / PackedBatch; ``tier`` picks the FFN widths; ``cache`` holds the
+        keys and values of earlier positions while generating (modeling/generation.py)."""
         tokens = layout(inputs, attention_mask, position_ids)
         widths = layer_widths(self.config, tier)
         hidden = self.input_embeddings(tokens.data)  # (B, T, C)
@@ -65,6 +68,7 @@ class NakedTransformer(nn.Module):
             positional_state=self.embed_positions.prepare(tokens.position_ids, hidden.dtype),
             causal=self.config.is_causal,
             segment_ids=tokens.segment_ids,
+            cache=cache,
         )
         for layer, width in zip(self.layers, widths, strict=True):
             hidden = layer(hidden, context, width)
@@ -107,8 +111,9 @@ class TransformerWithLMHead(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         tier: Tier | None = None,
+        cache: KVCache | None = None,
     ) -> Tensor:
-        return self.lm_head(self.model(inputs, attention_mask, position_ids, tier))
+        return self.lm_head(self.model(inputs, attention_mask, position_ids, tier, cache))
 
     def example_targets(self, ids: Tensor, generator: torch.Generator | None = None
                         ) -> tuple[Tensor, Tensor]:
