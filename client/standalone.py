@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from client import run_checkpoints
 from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches, plan_packed
 from modeling.checkpoint import save_pretrained
@@ -74,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/standalone"))
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="write OUT.checkpoints/step-N every N steps (0: none)")
+    parser.add_argument("--keep-last", type=int, default=2,
+                        help="how many of those checkpoints to keep")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="go on from OUT.checkpoints/step-N, as if never stopped")
     hardware = parser.add_argument_group("hardware (also under torchrun: data parallel)")
     hardware.add_argument("--device", default="cpu",
                           help="cpu | cuda | cuda:N | mps; a device this machine lacks is an "
@@ -179,7 +186,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             return held_out_loss(whole, eval_examples, tiers, batch_tokens=args.batch_tokens,
                                  precision=options.precision, seed=args.seed)
 
-        initial = evaluate(model) if leader else {}
+        initial = evaluate(model) if leader and args.resume is None else {}
         if args.fsdp:
             parallel.shard(model)
         if args.compile:
@@ -188,9 +195,19 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             name=args.optimizer, lr=args.lr, final_lr=args.lr / 10, weight_decay=0.01,
             warmup_steps=args.warmup_steps, total_steps=args.steps,
         ).build(model)
-        history = []
-        started, tokens_seen = time.perf_counter(), 0
-        for step in range(args.steps):
+        history, tokens_seen, first = [], 0, 0
+        if args.resume is not None:
+            if args.fsdp:
+                raise ConfigError("--resume does not take --fsdp runs yet: their checkpoints "
+                                  "are written whole by rank 0 only at the end.")
+            trainer = run_checkpoints.resume(args.resume, model, optimizer,
+                                             options.precision, args)
+            first, history, tokens_seen = trainer["step"], trainer["history"], \
+                trainer["tokens_seen"]
+            initial = trainer["initial"]
+            say(f"matformer-train: resuming from {args.resume} after step {first}")
+        started, before = time.perf_counter(), tokens_seen  # this process's rate
+        for step in range(first, args.steps):
             rows = steps[step % len(steps)]
             batch = [i for row in rows for i in row]
             examples = sequences(reader, train_ids[batch], device)
@@ -201,9 +218,14 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             tokens_seen += sum(len(e) for e in examples) * len(losses)
             history.append({"step": step, "lr": optimizer.lr, "loss": losses})
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                rate = tokens_seen / (time.perf_counter() - started)
+                rate = (tokens_seen - before) / (time.perf_counter() - started)
                 shown = "  ".join(f"tier {t}: {loss:.3f}" for t, loss in losses.items())
                 say(f"step {step + 1:>5}  {shown}  lr {optimizer.lr:.2e}  {rate:,.0f} tok/s")
+            if leader and args.save_every and (step + 1) % args.save_every == 0 \
+                    and not args.fsdp:
+                run_checkpoints.save(args.out, step + 1, model, optimizer, options.precision, {
+                    "history": history, "tokens_seen": tokens_seen, "initial": initial,
+                    "settings": run_checkpoints.settings(args)}, args.keep_last)
         seconds = time.perf_counter() - started
         if args.fsdp:  # the whole weights, gathered from every rank's shards
             full = parallel.full_state(model)
@@ -219,7 +241,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     metrics = {"initial": initial, "final": final, "history": history,
                "world_size": world, "device": str(device), "precision": args.precision,
                "compile": args.compile, "batching": args.batching, "fsdp": args.fsdp,
-               "tokens_per_second": round(tokens_seen / seconds, 1)}
+               "tokens_per_second": round((tokens_seen - before) / seconds, 1)}
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print(f"wrote {args.out}/config.json, model.safetensors, metrics.json")
     return metrics

@@ -153,3 +153,60 @@ def test_client_train_reports_a_bad_data_path_in_one_line(tmp_path, capsys):
     error = capsys.readouterr().err.strip()
     assert error.startswith("matformer-client: error:") and "missing.mdat" in error
     assert "\n" not in error
+
+
+def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(tmp_path):
+    """A run killed (SIGKILL) after a checkpoint and resumed from it ends with the weights,
+    history and held-out losses of the run that was never stopped."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    build_default_mdat(tmp_path / "docs.mdat", limit=120).close()
+    common = ["--data", str(tmp_path / "docs.mdat"), "--steps", "16", "--warmup-steps", "3",
+              "--batch-tokens", "512", "--seq-len", "128", "--tiers", "0,2", "--log-every", "1"]
+    main([*common, "--out", str(tmp_path / "straight")])
+
+    out = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "client.standalone", *common, "--out", str(out),
+         "--save-every", "4", "--keep-last", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    checkpoints = tmp_path / "killed.checkpoints"
+    while not (checkpoints / "step-8").is_dir() and process.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint within 2 minutes"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    saved = sorted(p.name for p in checkpoints.iterdir())
+    assert "step-8" in saved and len(saved) <= 2  # keep_last
+    assert not (out / "model.safetensors").exists()  # it never reached the end
+    latest = max(checkpoints.iterdir(), key=lambda p: int(p.name[5:]))
+    main([*common, "--out", str(out), "--resume", str(latest)])
+
+    straight = load_file(tmp_path / "straight" / "model.safetensors")
+    resumed = load_file(out / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    a = json.loads((tmp_path / "straight" / "metrics.json").read_text())
+    b = json.loads((out / "metrics.json").read_text())
+    assert a["history"] == b["history"] and a["final"] == b["final"]
+    assert a["initial"] == b["initial"]
+
+
+def test_resume_under_other_settings_is_refused_naming_them(tmp_path, capsys):
+    build_default_mdat(tmp_path / "docs.mdat", limit=60).close()
+    common = ["--data", str(tmp_path / "docs.mdat"), "--steps", "4", "--warmup-steps", "1",
+              "--batch-tokens", "512", "--seq-len", "128", "--tiers", "0",
+              "--out", str(tmp_path / "run"), "--save-every", "2"]
+    main(common)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*common, "--lr", "0.01", "--resume", str(tmp_path / "run.checkpoints/step-4")])
+    assert exit_info.value.code == 2
+    assert "--lr '0.003' (now '0.01')" in capsys.readouterr().err

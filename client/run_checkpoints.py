@@ -1,0 +1,101 @@
+"""A standalone run's checkpoints: what ``--resume`` needs to go on as if never stopped.
+
+    OUT.checkpoints/step-400/   config.json, model.safetensors (a loadable checkpoint),
+                                training_state.{json,safetensors} (optimizer and schedule,
+                                the next step, the history so far, the RNG and fp16 scale)
+
+They sit beside ``OUT``, not in it: ``OUT`` is the final model's folder, replaced whole when
+the run ends, as ``save_pretrained`` writes every checkpoint.
+
+Each folder is built aside and moved into place whole, so a kill mid-save leaves the
+previous checkpoints as they were. The data needs no position of its own: the plan of
+batches is a function of the seed, so the next step number says where the data goes on.
+A checkpoint records the settings that shape the training; resuming under others is
+refused naming them, since the result would match neither run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modeling.atomic import built_aside
+from modeling.checkpoint import save_pretrained
+from modeling.checkpoint.training_state import load_training_state, save_training_state
+from modeling.devices import Precision
+from modeling.errors import CheckpointError
+from modeling.naming import canonical_state_dict, load_canonical_state_dict
+from modeling.optim import LocalOptimizer
+
+# the options a resumed run must share with the one that saved (what it trains and how)
+SHAPING = ("config", "data", "strategy", "view", "seq_len", "batch_tokens", "steps", "tiers",
+           "tier_mode", "optimizer", "lr", "warmup_steps", "seed", "batching", "precision")
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: str(getattr(args, name)) for name in SHAPING}
+
+
+def folder(out: Path) -> Path:
+    """Where the run writing its final model to ``out`` keeps its checkpoints."""
+    return out.with_name(f"{out.name}.checkpoints")
+
+
+def save(out: Path, step: int, model: torch.nn.Module, optimizer: LocalOptimizer,
+         precision: Precision, trainer: dict[str, Any], keep_last: int) -> Path:
+    """``OUT.checkpoints/step-STEP`` (``step``: steps done), then only the ``keep_last``
+    newest kept."""
+    target = folder(out) / f"step-{step}"
+    with built_aside(target) as building:
+        building.mkdir(parents=True)
+        save_pretrained(model, building)
+        save_training_state(building, {
+            "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+            "loss_scale": _scale_of(precision), "trainer": {**trainer, "step": step}})
+    for old in sorted(_steps(folder(out)), key=_number)[:-keep_last]:
+        shutil.rmtree(old)
+    return target
+
+
+def resume(directory: Path, model: torch.nn.Module, optimizer: LocalOptimizer,
+           precision: Precision, args: argparse.Namespace) -> dict[str, Any]:
+    """Load what ``save`` wrote into ``model``, ``optimizer`` and ``precision``; the
+    trainer's record (``step``: steps done, ``history``, ...)."""
+    try:
+        state = load_training_state(directory)
+    except FileNotFoundError:
+        raise CheckpointError(f"--resume {directory}: no training state there; give a "
+                              "step-N folder of OUT.checkpoints/.") from None
+    trainer = state["trainer"]
+    now = settings(args)
+    differ = [f"--{name.replace('_', '-')} {saved!r} (now {now[name]!r})"
+              for name, saved in trainer["settings"].items() if now[name] != saved]
+    if differ:
+        listing = ", ".join(differ)
+        raise CheckpointError(f"--resume {directory}: it was saved with {listing}; resume "
+                              "with the same settings, or start a new run.")
+    from modeling.checkpoint import load_pretrained
+
+    load_canonical_state_dict(model, canonical_state_dict(load_pretrained(directory)))
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    if precision.loss_scale is not None:
+        precision.loss_scale.scale, precision.loss_scale.clean_steps = state["loss_scale"]
+    return trainer
+
+
+def _scale_of(precision: Precision) -> list[float] | None:
+    scale = precision.loss_scale
+    return None if scale is None else [scale.scale, scale.clean_steps]
+
+
+def _steps(folder: Path) -> list[Path]:
+    return [p for p in folder.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
+
+
+def _number(path: Path) -> int:
+    return int(path.name[5:])
