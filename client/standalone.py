@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from client import run_checkpoints
+from client.tracking import TRACKERS, NoTracker, open_tracker
 from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches, plan_packed
 from modeling.checkpoint import save_pretrained
@@ -79,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write OUT.checkpoints/step-N every N steps (0: none)")
     parser.add_argument("--keep-last", type=int, default=2,
                         help="how many of those checkpoints to keep")
+    parser.add_argument("--track", choices=TRACKERS, default="tensorboard",
+                        help="where the figures go as it trains: TensorBoard event files in "
+                             "OUT.tensorboard/ (default), trackio, wandb, or none")
     parser.add_argument("--resume", type=Path, default=None,
                         help="go on from OUT.checkpoints/step-N, as if never stopped")
     hardware = parser.add_argument_group("hardware (also under torchrun: data parallel)")
@@ -206,21 +210,30 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                 trainer["tokens_seen"]
             initial = trainer["initial"]
             say(f"matformer-train: resuming from {args.resume} after step {first}")
+        tracker = NoTracker() if not leader else open_tracker(
+            args.track, args.out.with_name(f"{args.out.name}.tensorboard"),
+            project="matformer", config={k: str(v) for k, v in vars(args).items()})
+        if args.resume is None:
+            tracker.log(0, {f"held_out/tier_{t}": loss for t, loss in initial.items()})
         started, before = time.perf_counter(), tokens_seen  # this process's rate
         for step in range(first, args.steps):
             rows = steps[step % len(steps)]
             batch = [i for row in rows for i in row]
             examples = sequences(reader, train_ids[batch], device)
             position = {index: n for n, index in enumerate(batch)}
+            lr, stats = optimizer.lr, {}
             losses = train_step_on_examples(
                 runner, optimizer, examples, schedule, step, max_grad_norm=1.0,
-                rows=[[position[i] for i in row] for row in rows], options=options)
+                rows=[[position[i] for i in row] for row in rows], options=options,
+                stats=stats)
             tokens_seen += sum(len(e) for e in examples) * len(losses)
-            history.append({"step": step, "lr": optimizer.lr, "loss": losses})
+            history.append({"step": step, "lr": lr, "loss": losses})
+            rate = (tokens_seen - before) / (time.perf_counter() - started)
+            tracker.log(step + 1, {**{f"loss/tier_{t}": v for t, v in losses.items()},
+                                   "lr": lr, "tokens_per_second": rate, **stats})
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                rate = (tokens_seen - before) / (time.perf_counter() - started)
                 shown = "  ".join(f"tier {t}: {loss:.3f}" for t, loss in losses.items())
-                say(f"step {step + 1:>5}  {shown}  lr {optimizer.lr:.2e}  {rate:,.0f} tok/s")
+                say(f"step {step + 1:>5}  {shown}  lr {lr:.2e}  {rate:,.0f} tok/s")
             if leader and args.save_every and (step + 1) % args.save_every == 0 \
                     and not args.fsdp:
                 run_checkpoints.save(args.out, step + 1, model, optimizer, options.precision, {
@@ -234,6 +247,8 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         if not leader:
             return {}
         final = evaluate(model.to(device))
+        tracker.log(args.steps, {f"held_out/tier_{t}": loss for t, loss in final.items()})
+        tracker.close()
     for tier in initial:
         print(f"held-out loss tier {tier}: {initial[tier]:.3f} -> {final[tier]:.3f}")
 

@@ -197,12 +197,17 @@ def train_step_on_examples(
     *,
     rows: Sequence[Sequence[int]] | None = None,
     options: StepOptions | None = None,
+    stats: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """One optimizer step over ``examples`` at the step's tiers (``tier_gradients``, then
-    clipping to ``max_grad_norm`` when given); the loss per tier label."""
+    clipping to ``max_grad_norm`` when given); the loss per tier label. ``stats``, when
+    given, receives ``grad_norm``: the gradient's norm before clipping."""
     losses = tier_gradients(runner, examples, schedule, step, rows=rows, options=options)
     if max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(runner.model.parameters(), max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(runner.model.parameters(), max_grad_norm)
+        if stats is not None:
+            stats["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor")
+                                       else norm)
     optimizer.step()
     return losses
 

@@ -210,3 +210,36 @@ def test_resume_under_other_settings_is_refused_naming_them(tmp_path, capsys):
         main([*common, "--lr", "0.01", "--resume", str(tmp_path / "run.checkpoints/step-4")])
     assert exit_info.value.code == 2
     assert "--lr '0.003' (now '0.01')" in capsys.readouterr().err
+
+
+def test_training_writes_tensorboard_events_with_the_expected_tags(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    build_default_mdat(tmp_path / "docs.mdat", limit=60).close()
+    main(["--data", str(tmp_path / "docs.mdat"), "--steps", "5", "--warmup-steps", "1",
+          "--batch-tokens", "512", "--seq-len", "128", "--tiers", "0,2",
+          "--out", str(tmp_path / "run")])
+    events = EventAccumulator(str(tmp_path / "run.tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags == {"loss/tier_0", "loss/tier_2", "lr", "tokens_per_second", "grad_norm",
+                    "held_out/tier_0", "held_out/tier_2"}
+    assert [e.step for e in events.Scalars("loss/tier_0")] == [1, 2, 3, 4, 5]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [e.value for e in events.Scalars("loss/tier_2")] == pytest.approx(
+        [h["loss"]["2"] for h in metrics["history"]], rel=1e-6)
+    assert [e.step for e in events.Scalars("held_out/tier_0")] == [0, 5]
+
+
+def test_asking_for_a_tracker_that_is_not_installed_is_a_named_error(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    build_default_mdat(tmp_path / "docs.mdat", limit=30).close()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data", str(tmp_path / "docs.mdat"), "--track", "wandb", "--steps", "2",
+              "--warmup-steps", "1", "--seq-len", "128", "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert "--track wandb needs the wandb package" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

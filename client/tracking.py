@@ -1,0 +1,83 @@
+"""Where a standalone run's figures go as it trains: TensorBoard event files by default,
+trackio or Weights & Biases when installed and asked for (``--track``).
+
+    tracker = open_tracker("tensorboard", Path("runs/standalone.tensorboard"), config={...})
+    tracker.log(step, {"loss/tier_0": 3.1, "lr": 3e-3})
+    tracker.close()
+
+Tags: ``loss/tier_<label>`` per trained tier, ``lr``, ``tokens_per_second``, ``grad_norm``
+(before clipping), and ``held_out/tier_<label>`` at the start and the end.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any, Protocol
+
+from modeling.errors import ConfigError
+
+TRACKERS = ("tensorboard", "trackio", "wandb", "none")
+
+
+class Tracker(Protocol):
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NoTracker:
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardTracker:
+    """Event files that ``tensorboard --logdir`` reads."""
+
+    def __init__(self, directory: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(directory))
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class RunLogger:
+    """trackio and wandb share one API: ``init(project, config)``, ``log(dict, step)``,
+    ``finish()``."""
+
+    def __init__(self, module: Any, project: str, config: dict[str, Any]) -> None:
+        self.module = module
+        module.init(project=project, config=config)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.module.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.module.finish()
+
+
+def open_tracker(kind: str, directory: Path, *, project: str, config: dict[str, Any]
+                 ) -> Tracker:
+    if kind == "none":
+        return NoTracker()
+    if kind == "tensorboard":
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("--track tensorboard needs the tensorboard package (pip install "
+                              "tensorboard), or --track none.")
+        return TensorBoardTracker(directory)
+    if kind in ("trackio", "wandb"):
+        if importlib.util.find_spec(kind) is None:
+            raise ConfigError(f"--track {kind} needs the {kind} package (pip install {kind}); "
+                              "--track tensorboard needs nothing more.")
+        return RunLogger(importlib.import_module(kind), project, config)
+    raise ConfigError(f"--track {kind!r} is not one of {', '.join(TRACKERS)}.")
