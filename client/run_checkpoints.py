@@ -32,8 +32,9 @@ from modeling.naming import canonical_state_dict, load_canonical_state_dict
 from modeling.optim import LocalOptimizer
 
 # the options a resumed run must share with the one that saved (what it trains and how)
-SHAPING = ("config", "data", "strategy", "view", "seq_len", "batch_tokens", "steps", "tiers",
-           "tier_mode", "optimizer", "lr", "warmup_steps", "seed", "batching", "precision")
+SHAPING = ("config", "data", "strategy", "view", "seq_len", "batch_tokens", "steps", "epochs",
+           "tiers", "tier_mode", "optimizer", "lr", "warmup_steps", "hold_steps", "schedule",
+           "final_lr", "weight_decay", "grad_clip", "seed", "batching", "precision")
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:

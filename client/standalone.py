@@ -27,7 +27,7 @@ from modeling.devices import PRECISIONS, Precision, compile_model, resolve_devic
 from modeling.distributed import DataParallel
 from modeling.errors import ConfigError, MatformerError
 from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
-from modeling.optim import OptimizerConfig
+from modeling.optim import SCHEDULES, OptimizerConfig
 from modeling.training import (
     StepOptions,
     TierSchedule,
@@ -38,6 +38,7 @@ from modeling.training import (
     with_targets,
 )
 
+DEFAULT_STEPS = 200
 # A model that learns visibly in a minute on two CPU cores.
 TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=512, max_position_embeddings=512)
@@ -66,13 +67,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget of one optimizer step (padded tokens)")
     parser.add_argument("--microbatch-tokens", type=int, default=512,
                         help="padded tokens per forward/backward pass (shrinks on OOM)")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"optimizer steps (default {DEFAULT_STEPS}; or give --epochs)")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="passes over the training sequences, each in a fresh order")
     parser.add_argument("--tiers", default="0,1,2", help="comma-separated tiers to train")
     parser.add_argument("--tier-mode", choices=["all", "sample"], default="all",
                         help="all: every tier each step (summed losses); sample: one per step")
     parser.add_argument("--optimizer", choices=["adam", "adamw", "muon"], default="adamw")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--warmup-steps", type=int, default=None,
+                        help="linear warmup (default 20, or the whole run when shorter)")
+    parser.add_argument("--hold-steps", type=int, default=0,
+                        help="steps at the peak lr after warmup, before the decay")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
+                        help="the decay after warmup and hold, to --final-lr at the last step")
+    parser.add_argument("--final-lr", type=float, default=None, help="default: lr / 10")
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--grad-clip", type=float, default=1.0,
+                        help="clip the gradient's norm to this (0: no clipping)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/standalone"))
@@ -119,6 +132,47 @@ def plan(lengths: list[int], args: argparse.Namespace) -> list[list[list[int]]]:
     if args.batching == "packed":
         return plan_packed(lengths, args.batch_tokens, args.seq_len)
     return [[[i] for i in batch] for batch in plan_batches(lengths, args.batch_tokens)]
+
+
+class Epochs:
+    """The steps of a run over ``ids`` (the training sequences in the shuffle's order), one
+    epoch after another: epoch 0 in that order, each later one in a fresh order drawn from
+    the seed and its number, so a run is the same every time it is run or resumed."""
+
+    def __init__(self, ids: np.ndarray, lengths: np.ndarray, args: argparse.Namespace) -> None:
+        self.ids, self.lengths, self.args = ids, lengths, args
+        self._epochs: list[tuple[np.ndarray, list[list[list[int]]]]] = []
+
+    def epoch(self, number: int) -> tuple[np.ndarray, list[list[list[int]]]]:
+        """(sequence ids in the epoch's order, its steps' rows as positions in that order)."""
+        while len(self._epochs) <= number:
+            n = len(self._epochs)
+            order = self.ids if n == 0 else np.random.default_rng(
+                [self.args.seed, n]).permutation(self.ids)
+            self._epochs.append((order, plan(self.lengths[order].tolist(), self.args)))
+        return self._epochs[number]
+
+    def steps(self) -> int:
+        """The run's steps: ``--steps``, or ``--epochs`` whole epochs, or 200."""
+        steps, epochs = self.args.steps, self.args.epochs
+        if steps is not None and epochs is not None:
+            raise ConfigError("give --steps or --epochs, not both.")
+        if epochs is not None:
+            if epochs < 1:
+                raise ConfigError(f"--epochs must be at least 1, got {epochs}.")
+            return sum(len(self.epoch(n)[1]) for n in range(epochs))
+        return DEFAULT_STEPS if steps is None else steps
+
+    def step(self, index: int) -> tuple[np.ndarray, list[list[int]]]:
+        """(the step's sequence ids, its rows as positions into those ids)."""
+        number = 0
+        while index >= len(self.epoch(number)[1]):
+            index -= len(self.epoch(number)[1])
+            number += 1
+        order, rows = self.epoch(number)
+        batch = [i for row in rows[index] for i in row]
+        position = {i: n for n, i in enumerate(batch)}
+        return order[batch], [[position[i] for i in row] for row in rows[index]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,14 +229,16 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             say(f"matformer-train: left out {len(reader) - len(order):,} sequences of fewer "
                 f"than {target_tokens(config)} tokens: they carry no target")
         train_ids, eval_ids = split_held_out(order)  # the shuffle's last 5%: never trained
-        steps = plan(lengths[train_ids].tolist(), args)
+        epochs = Epochs(train_ids, lengths, args)
+        total = epochs.steps()
         eval_examples = sequences(reader, eval_ids, device)
         world = parallel.world_size if parallel else 1
         say(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters on "
             f"{device} ({args.precision}{', compiled' if args.compile else ''}"
             f"{f', {world} data-parallel ranks' if parallel else ''}); {len(train_ids):,} "
-            f"training sequences of up to {args.seq_len} tokens in {len(steps)} {args.batching} "
-            f"batches of <= {args.batch_tokens} tokens; tiers {tiers} ({args.tier_mode})")
+            f"training sequences of up to {args.seq_len} tokens, {len(epochs.epoch(0)[1])} "
+            f"{args.batching} batches of <= {args.batch_tokens} tokens an epoch, {total} steps; "
+            f"tiers {tiers} ({args.tier_mode})")
         runner = MicrobatchRunner(model, AdaptiveLimitsConfig(
             max_tokens=args.microbatch_tokens).build())
 
@@ -196,8 +252,11 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         if args.compile:
             compile_model(model)
         optimizer = OptimizerConfig(
-            name=args.optimizer, lr=args.lr, final_lr=args.lr / 10, weight_decay=0.01,
-            warmup_steps=args.warmup_steps, total_steps=args.steps,
+            name=args.optimizer, lr=args.lr,
+            final_lr=args.lr / 10 if args.final_lr is None else args.final_lr,
+            weight_decay=args.weight_decay, schedule=args.schedule,
+            warmup_steps=min(20, total) if args.warmup_steps is None else args.warmup_steps,
+            hold_steps=args.hold_steps, total_steps=total,
         ).build(model)
         history, tokens_seen, first = [], 0, 0
         if args.resume is not None:
@@ -216,22 +275,19 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         if args.resume is None:
             tracker.log(0, {f"held_out/tier_{t}": loss for t, loss in initial.items()})
         started, before = time.perf_counter(), tokens_seen  # this process's rate
-        for step in range(first, args.steps):
-            rows = steps[step % len(steps)]
-            batch = [i for row in rows for i in row]
-            examples = sequences(reader, train_ids[batch], device)
-            position = {index: n for n, index in enumerate(batch)}
+        for step in range(first, total):
+            ids, rows = epochs.step(step)
+            examples = sequences(reader, ids, device)
             lr, stats = optimizer.lr, {}
             losses = train_step_on_examples(
-                runner, optimizer, examples, schedule, step, max_grad_norm=1.0,
-                rows=[[position[i] for i in row] for row in rows], options=options,
-                stats=stats)
+                runner, optimizer, examples, schedule, step,
+                max_grad_norm=args.grad_clip or None, rows=rows, options=options, stats=stats)
             tokens_seen += sum(len(e) for e in examples) * len(losses)
             history.append({"step": step, "lr": lr, "loss": losses})
             rate = (tokens_seen - before) / (time.perf_counter() - started)
             tracker.log(step + 1, {**{f"loss/tier_{t}": v for t, v in losses.items()},
                                    "lr": lr, "tokens_per_second": rate, **stats})
-            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            if (step + 1) % args.log_every == 0 or step + 1 == total:
                 shown = "  ".join(f"tier {t}: {loss:.3f}" for t, loss in losses.items())
                 say(f"step {step + 1:>5}  {shown}  lr {lr:.2e}  {rate:,.0f} tok/s")
             if leader and args.save_every and (step + 1) % args.save_every == 0 \
@@ -247,7 +303,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         if not leader:
             return {}
         final = evaluate(model.to(device))
-        tracker.log(args.steps, {f"held_out/tier_{t}": loss for t, loss in final.items()})
+        tracker.log(total, {f"held_out/tier_{t}": loss for t, loss in final.items()})
         tracker.close()
     for tier in initial:
         print(f"held-out loss tier {tier}: {initial[tier]:.3f} -> {final[tier]:.3f}")

@@ -44,6 +44,7 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.95)  # Adam moment decay rates
     eps: float = 1e-8  # Adam denominator floor
     warmup_steps: int = 0  # steps of linear warmup from ~0 to lr
+    hold_steps: int = 0  # steps at lr after warmup, before the decay begins
     total_steps: int = 1000  # step at which the decay reaches final_lr
     schedule: str = "cosine"  # one of SCHEDULES; the shape of the decay after warmup
     muon_momentum: float = 0.95  # Muon's momentum; only used when name == "muon"
@@ -69,11 +70,12 @@ class OptimizerConfig:
             ),
             (self.eps > 0, f"eps must be > 0, got {self.eps}"),
             (self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}"),
+            (self.hold_steps >= 0, f"hold_steps must be >= 0, got {self.hold_steps}"),
             (self.total_steps >= 1, f"total_steps must be >= 1, got {self.total_steps}"),
             (
-                self.warmup_steps <= self.total_steps,
-                f"warmup_steps ({self.warmup_steps}) must not exceed "
-                f"total_steps ({self.total_steps}); lower warmup or raise total_steps",
+                self.warmup_steps + self.hold_steps <= self.total_steps,
+                f"warmup_steps ({self.warmup_steps}) and hold_steps ({self.hold_steps}) must "
+                f"not exceed total_steps ({self.total_steps}); lower them or raise total_steps",
             ),
             (
                 0 <= self.muon_momentum < 1,
@@ -115,13 +117,12 @@ class OptimizerConfig:
             optimizers.append(adam_cls(groups, lr=self.lr, betas=self.betas, eps=self.eps))
 
         # Capture the values now so later edits to this config cannot move a running schedule.
-        warmup, total, shape = self.warmup_steps, self.total_steps, self.schedule
-        min_ratio = self.final_lr / self.lr
+        warmup, hold, total = self.warmup_steps, self.hold_steps, self.total_steps
+        shape, min_ratio = self.schedule, self.final_lr / self.lr
 
         def schedule(step: int) -> float:
-            return lr_factor(
-                step, warmup_steps=warmup, total_steps=total, schedule=shape, min_ratio=min_ratio
-            )
+            return lr_factor(step, warmup_steps=warmup, total_steps=total, schedule=shape,
+                             min_ratio=min_ratio, hold_steps=hold)
 
         return LocalOptimizer(optimizers, schedule)
 
@@ -202,23 +203,25 @@ def constant_after_warmup(
 
 
 def lr_factor(
-    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float,
+    hold_steps: int = 0,
 ) -> float:
     """Multiplier on the peak learning rate for update number `step` (0-based).
 
     Warmup is linear: step k < warmup_steps gives (k + 1) / warmup_steps, so the very first
     update already moves (by 1/warmup_steps of the peak) and step warmup_steps - 1 reaches 1.
-    After warmup, "cosine" and "linear" fall from 1 to `min_ratio` at `total_steps` and stay
-    there; "constant" stays at 1.
+    It holds at 1 for `hold_steps` more; then "cosine" and "linear" fall from 1 to
+    `min_ratio` at `total_steps` and stay there; "constant" stays at 1.
     """
     _check_schedule(schedule)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    if schedule == "constant":
+    decay_from = warmup_steps + hold_steps
+    if schedule == "constant" or step < decay_from:
         return 1.0
     if step >= total_steps:
         return min_ratio
-    progress = (step - warmup_steps) / (total_steps - warmup_steps)
+    progress = (step - decay_from) / (total_steps - decay_from)
     return min_ratio + (1.0 - min_ratio) * _DECAY_SHAPES[schedule](progress)
 
 

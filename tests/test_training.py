@@ -243,3 +243,77 @@ def test_asking_for_a_tracker_that_is_not_installed_is_a_named_error(tmp_path, c
     assert exit_info.value.code == 2
     assert "--track wandb needs the wandb package" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def small_docs(tmp_path_factory):
+    path = tmp_path_factory.mktemp("docs") / "docs.mdat"
+    build_default_mdat(path, limit=40).close()
+    return path
+
+
+def _weights_after(data, out, *extra):
+    from safetensors.torch import load_file
+
+    main(["--data", str(data), "--batch-tokens", "512", "--seq-len", "128", "--tiers", "0",
+          "--track", "none", "--out", str(out), *extra])
+    return load_file(out / "model.safetensors"), json.loads((out / "metrics.json").read_text())
+
+
+BASE = ["--steps", "6", "--warmup-steps", "2"]
+
+
+@pytest.mark.parametrize("field", [
+    ["--schedule", "linear"], ["--final-lr", "0.0"], ["--hold-steps", "2"],
+    ["--weight-decay", "0.5"], ["--grad-clip", "0.05"], ["--warmup-steps", "4"],
+    ["--lr", "0.001"], ["--seed", "3"], ["--optimizer", "adam"],
+], ids=lambda f: f[0])
+def test_each_training_setting_reaches_the_loop(small_docs, tmp_path, field):
+    base, _ = _weights_after(small_docs, tmp_path / "base", *BASE)
+    changed, _ = _weights_after(small_docs, tmp_path / "changed", *BASE, *field)
+    assert any(not torch.equal(base[k], changed[k]) for k in base), field
+
+
+def test_the_schedule_holds_then_decays_to_final_lr(small_docs, tmp_path):
+    _, metrics = _weights_after(small_docs, tmp_path / "run", "--steps", "8", "--warmup-steps",
+                                "2", "--hold-steps", "3", "--schedule", "linear",
+                                "--final-lr", "0.0", "--lr", "0.004")
+    lrs = [h["lr"] for h in metrics["history"]]
+    assert lrs[:5] == pytest.approx([0.002, 0.004, 0.004, 0.004, 0.004])
+    assert lrs[5:] == pytest.approx([0.004, 0.004 * 2 / 3, 0.004 / 3])
+
+
+def test_epochs_reshuffle_per_epoch_reproducibly_and_cover_every_sequence(small_docs, tmp_path):
+    from argparse import Namespace
+
+    from client.standalone import Epochs
+
+    ids, lengths = np.arange(100, 160), np.random.default_rng(0).integers(5, 120, 200)
+    args = Namespace(seed=1, batching="packed", batch_tokens=256, seq_len=128, steps=None,
+                     epochs=3)
+    epochs, again = Epochs(ids, lengths, args), Epochs(ids, lengths, args)
+    orders = [epochs.epoch(n)[0] for n in range(3)]
+    assert np.array_equal(orders[0], ids)  # the shuffle's own order first
+    assert not np.array_equal(orders[1], orders[2])
+    assert all(np.array_equal(a, again.epoch(n)[0]) for n, a in enumerate(orders))
+    other = Epochs(ids, lengths, Namespace(**{**vars(args), "seed": 2})).epoch(1)[0]
+    assert not np.array_equal(other, orders[1])
+    per_epoch = [len(epochs.epoch(n)[1]) for n in range(3)]
+    assert epochs.steps() == sum(per_epoch)
+    seen = [epochs.step(s)[0] for s in range(per_epoch[0], per_epoch[0] + per_epoch[1])]
+    assert sorted(np.concatenate(seen).tolist()) == list(range(100, 160))  # once each
+
+
+
+def test_epochs_set_the_runs_length_and_exclude_steps(small_docs, tmp_path, capsys):
+    import re
+
+    _, metrics = _weights_after(small_docs, tmp_path / "run", "--epochs", "2",
+                                "--warmup-steps", "1")
+    per_epoch, total = map(int, re.search(r"(\d+) packed batches of <= 512 tokens an epoch, "
+                                          r"(\d+) steps", capsys.readouterr().out).groups())
+    assert len(metrics["history"]) == total and per_epoch < total < 3 * per_epoch
+    with pytest.raises(SystemExit):
+        main(["--data", str(small_docs), "--steps", "3", "--epochs", "1", "--out",
+              str(tmp_path / "both")])
+    assert "give --steps or --epochs, not both" in capsys.readouterr().err
