@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from client import run_checkpoints
-from client.tracking import TRACKERS, NoTracker, open_tracker
 from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches, plan_packed
 from modeling.checkpoint import save_pretrained
@@ -28,6 +27,7 @@ from modeling.distributed import DataParallel
 from modeling.errors import ConfigError, MatformerError
 from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
 from modeling.optim import SCHEDULES, OptimizerConfig
+from modeling.tracking import TRACKERS, NoTracker, open_tracker
 from modeling.training import (
     StepOptions,
     TierSchedule,

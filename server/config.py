@@ -46,6 +46,7 @@ from server.sections import (
     ServerSection,
     TiersSection,
     TlsSection,
+    TrackingSection,
     UpdateSection,
     check_compression,
 )
@@ -69,6 +70,7 @@ class RunConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     tls: TlsSection = field(default_factory=TlsSection)
     faults: FaultsSection = field(default_factory=FaultsSection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
 
     def __post_init__(self) -> None:
         self.validate()

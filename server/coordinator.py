@@ -56,6 +56,7 @@ from modeling.compression import (
 from modeling.mdat import Mdat
 from modeling.models import build_model
 from modeling.naming import canonical_state_dict
+from modeling.tracking import NoTracker, Tracker, open_tracker
 from modeling.training import target_tokens
 from server.checkpoints import CheckpointRef, CheckpointStore
 from server.config import RunConfig
@@ -92,6 +93,9 @@ CLOSE_RESERVE = 3
 # Names that atomic writes (modeling/atomic.py) give their temporary files and folders
 # (".state.json.tmp-1a2b3c4d", ".round-4.old-1a2b3c4d"): what a kill during a write leaves.
 TEMP_NAME = re.compile(r"\..+\.(tmp|old)(-[0-9a-f]{8})?")
+# the round record's figures that go to the tracker, as round/<key>
+TRACKED = ("duration_s", "slowest_s", "tokens", "clients", "bytes_sent", "bytes_dense")
+
 log = logging.getLogger("matformer.server")
 T = TypeVar("T")
 
@@ -115,6 +119,7 @@ class Coordinator:
         self.checkpoints = CheckpointStore(self.dir / "checkpoints", self.model_config,
                                            config.tiers.allowed)
         self.ledger = TrainedLedger(self.dir)
+        self._tracker: Tracker | None = None  # opened with the first round it records
         self.limits = SubmissionLimits(config.compression, config.faults)
         # What one round's steps carry to the next: the broadcast's error feedback (what
         # compressed steps left out) and the outer momentum, per canonical name. Not saved: a
@@ -470,6 +475,14 @@ class Coordinator:
         with self._lock:
             if self._unsaved:
                 self._save()
+
+    def close(self) -> None:
+        """``flush``, then close the tracker: a server stopping calls this."""
+        self.flush()
+        with self._lock:
+            if self._tracker is not None:
+                self._tracker.close()
+                self._tracker = None
 
     def snapshot(self, *, since_round: int | None = 0, events_after: int | None = -1
                  ) -> dict[str, Any]:
@@ -872,6 +885,27 @@ class Coordinator:
                 member.last_round_seconds = submission.received_at - rnd.opened_at
         self.history.loss(rnd)
         self.history.round(rnd, by_name)
+        self._track(rnd.index)
+
+    def _track(self, round_index: int) -> None:
+        """(lock held) The round's record and losses to the run's tracker ([tracking]). A
+        tracker that fails is said once and dropped: the rounds go on without it."""
+        record = self.state.rounds[-1]
+        scalars = {f"round/{key}": float(record[key]) for key in TRACKED}
+        scalars |= {f"loss/tier_{tier}": points[-1][1] for tier, points in self.state.loss.items()
+                    if points and points[-1][0] == round_index}
+        try:
+            if self._tracker is None:
+                tracking = self.config.tracking
+                self._tracker = open_tracker(tracking.kind, self.dir / "tensorboard",
+                                             project=tracking.project,
+                                             config={"run": self.config.run.id})
+            self._tracker.log(round_index + 1, scalars)
+            self._tracker.flush()
+        except Exception as err:
+            log.warning("[tracking] %s failed (%s); going on without it",
+                        self.config.tracking.kind, err)
+            self._tracker = NoTracker()
 
     # -- persistence --------------------------------------------------------------------
 

@@ -139,7 +139,7 @@ class RunningServer:
         for thread in self._threads:
             thread.join(timeout=STOP_GRACE_S + 3)
         try:
-            self.service.coordinator.flush()  # joins and leaves of the last second
+            self.service.coordinator.close()  # joins and leaves of the last second
         except Exception:  # stopping goes on; the run resumes from the last good save
             log.exception("saving state.json on stop failed")
 

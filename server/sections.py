@@ -7,6 +7,7 @@ See ``examples/run.toml`` for every key, its default and what it does.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from modeling.config import ModelConfig
 from modeling.errors import MatformerError
 from modeling.mdat import DEFAULT_STRATEGY
 from modeling.optim import SCHEDULES, OptimizerConfig, constant_after_warmup, lr_factor
+from modeling.tracking import TRACKERS
 from protocol.channel import MAX_MESSAGE_BYTES
 from server.call_slots import CallLimits
 from server.errors import (
@@ -391,6 +393,22 @@ class CheckpointSection:
         _require(self.every_rounds >= 1,
                  f"[checkpoint] every_rounds must be >= 1, got {self.every_rounds}.")
         _within("[checkpoint] keep_last", self.keep_last, 2, 1_000_000)
+
+
+@dataclass(kw_only=True, slots=True)
+class TrackingSection:
+    """Where the coordinator's per-round figures go besides state.json."""
+
+    # tensorboard: event files in the run directory's tensorboard/ | trackio | wandb | none
+    kind: str = "tensorboard"
+    project: str = "matformer"  # trackio's and wandb's project name
+
+    def __post_init__(self) -> None:
+        _require(self.kind in TRACKERS,
+                 f"[tracking] kind {self.kind!r} is not one of {', '.join(TRACKERS)}.")
+        _require(self.kind == "none" or importlib.util.find_spec(self.kind) is not None,
+                 f"[tracking] kind {self.kind!r} needs the {self.kind} package (pip install "
+                 f"{self.kind}); or kind = \"none\".")
 
 
 VOTES = ("mean", "majority")

@@ -576,3 +576,22 @@ def test_a_two_rank_client_submits_what_one_rank_does_and_its_ranks_agree(tmp_pa
     assert not all(torch.equal(masters[1][n], start_weights[n]) for n in start_weights)
     for name, weights in masters[1].items():
         torch.testing.assert_close(masters[2][name], weights, atol=1e-7, rtol=1e-5, msg=name)
+
+
+def test_the_coordinator_writes_its_rounds_to_tensorboard(tmp_path, mdat):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    server = start(tmp_path, mdat, encoding="dense", rule="sgd", lr=0.05, rounds=3, tiers=(0,))
+    try:
+        client(server, tmp_path, "solo", tier=0).run()
+    finally:
+        server.stop()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags == {"loss/tier_0", "round/duration_s", "round/slowest_s", "round/tokens",
+                    "round/clients", "round/bytes_sent", "round/bytes_dense"}
+    assert [e.step for e in events.Scalars("round/tokens")] == [1, 2, 3]
+    losses = server.service.coordinator.state.loss["0"]
+    assert [e.value for e in events.Scalars("loss/tier_0")] == pytest.approx(
+        [loss for _, loss in losses])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 import re
@@ -177,6 +178,8 @@ def test_wrong_types(data, pattern):
     (with_keys("compression", encoding="zip"), r"\[compression\] .*zip"),
     (with_keys("compression", decay=2.0), r"\[compression\] decay must lie in \[0, 1\]"),
     (with_keys("checkpoint", every_rounds=0), r"every_rounds must be >= 1"),
+    (with_keys("tracking", kind="mlflow"), r"\[tracking\] kind 'mlflow' is not one of "
+                                           r"tensorboard, trackio, wandb, none"),
     (minimal(model={"inline": {**MODEL, "num_attention_heads": 5}}), r"\[model\.inline\]: "),
 ])
 def test_impossible_values(data, pattern):
@@ -339,3 +342,9 @@ def test_every_config_error_is_a_server_config_error_and_a_value_error():
     for error in (UnknownKey, WrongType, InvalidValue, MissingKey, ConflictingKeys,
                   MissingSecret, MissingFile, InvalidToml):
         assert issubclass(error, ServerConfigError) and issubclass(error, ValueError)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_a_tracker_whose_package_is_missing_is_refused_at_start(tmp_path):
+    with pytest.raises(InvalidValue, match=r"\[tracking\] kind 'wandb' needs the wandb package"):
+        RunConfig.from_dict(checked_tables(tracking={"kind": "wandb"}), base=tmp_path)

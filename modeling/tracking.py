@@ -1,12 +1,15 @@
-"""Where a standalone run's figures go as it trains: TensorBoard event files by default,
-trackio or Weights & Biases when installed and asked for (``--track``).
+"""Where a run's figures go as it trains: TensorBoard event files by default, trackio or
+Weights & Biases when installed and asked for (``--track``; run.toml's ``[tracking]``).
 
     tracker = open_tracker("tensorboard", Path("runs/standalone.tensorboard"), config={...})
     tracker.log(step, {"loss/tier_0": 3.1, "lr": 3e-3})
     tracker.close()
 
-Tags: ``loss/tier_<label>`` per trained tier, ``lr``, ``tokens_per_second``, ``grad_norm``
-(before clipping), and ``held_out/tier_<label>`` at the start and the end.
+Standalone training's tags: ``loss/tier_<label>`` per trained tier, ``lr``,
+``tokens_per_second``, ``grad_norm`` (before clipping), and ``held_out/tier_<label>`` at the
+start and the end. A coordinator's, per round: ``loss/tier_<tier>`` (the token-weighted mean
+its clients reported), ``round/duration_s``, ``round/slowest_s``, ``round/tokens``,
+``round/clients``, ``round/bytes_sent`` and ``round/bytes_dense``.
 """
 
 from __future__ import annotations
@@ -24,11 +27,16 @@ TRACKERS = ("tensorboard", "trackio", "wandb", "none")
 class Tracker(Protocol):
     def log(self, step: int, scalars: dict[str, float]) -> None: ...
 
+    def flush(self) -> None: ...  # what was logged reaches its destination now
+
     def close(self) -> None: ...
 
 
 class NoTracker:
     def log(self, step: int, scalars: dict[str, float]) -> None:
+        pass
+
+    def flush(self) -> None:
         pass
 
     def close(self) -> None:
@@ -47,6 +55,9 @@ class TensorBoardTracker:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
 
+    def flush(self) -> None:
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -61,6 +72,9 @@ class RunLogger:
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.module.log(scalars, step=step)
+
+    def flush(self) -> None:
+        pass  # both send in the background as they go
 
     def close(self) -> None:
         self.module.finish()
