@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client import run_checkpoints
+from client import run_checkpoints, train_config
 from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches, plan_packed
 from modeling.checkpoint import save_pretrained
@@ -52,7 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The standalone training options (shared by `matformer-train` and `matformer-client`)."""
-    parser.add_argument("--config", type=Path, help="model config JSON (default: a tiny model)")
+    parser.add_argument("--config", type=Path,
+                        help="a train.toml (every option below, in sections; "
+                             "examples/train.toml), or a model config JSON (default: a tiny "
+                             "model)")
+    parser.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
+                        help="override a key of the train.toml (repeatable)")
     parser.add_argument("--data", type=Path, default=None,
                         help=f"MDAT container (default: {DEFAULT_DATA}, built from the stdlib "
                              "docstrings on first use)")
@@ -190,6 +195,9 @@ def run(args: argparse.Namespace, program: str) -> None:
 
 def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Run the training ``args`` describe; returns the metrics it also writes (rank 0)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = train_config.apply(args, parser)
     device = resolve_device(args.device)
     parallel = DataParallel.from_environment(device, sharded=args.fsdp)
     metrics = _train(args, parallel.device if parallel else device, parallel)
@@ -203,7 +211,10 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     leader = parallel is None or parallel.leader
     say = print if leader else (lambda *_, **__: None)
     torch.manual_seed(args.seed)
-    config = ModelConfig.from_json(args.config) if args.config else ModelConfig(**TINY)
+    if getattr(args, "model_fields", None) is not None:
+        config = ModelConfig(**args.model_fields)
+    else:
+        config = ModelConfig.from_json(args.config) if args.config else ModelConfig(**TINY)
     tiers = [int(t) for t in args.tiers.split(",")]
     schedule = TierSchedule(tiers=tiers, mode=args.tier_mode, seed=args.seed)
     schedule.check(config)
