@@ -3,9 +3,10 @@
     matformer-generate runs/standalone --tier 2 --prompt "def read_file(path):"
     matformer-generate CHECKPOINT --tier 0 --prompt "..." --temperature 0 --max-new-tokens 200
 
-Text goes through bytes (``ByteTokenizer``, the embedded corpus's tokenizer) unless
-``--tokenizer`` names a ``tokenizer.json`` (the file of the MDAT strategy the model was
-trained on). Sampling: ``--temperature`` (0: greedy), ``--top-k``, ``--top-p``, ``--seed``.
+Text goes through the tokenizer of the MDAT strategy the model was trained on (``--data
+MDAT --strategy S``), else through bytes (``ByteTokenizer``, the embedded corpus's) or the
+``tokenizer.json`` that ``--tokenizer`` names. Sampling: ``--temperature`` (0: greedy),
+``--top-k``, ``--top-p``, ``--seed``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import torch
 
 from modeling.checkpoint import load_pretrained
 from modeling.devices import resolve_device
-from modeling.errors import MatformerError, TokenizerNotFound
+from modeling.errors import MatformerError
 from modeling.generation import generate
-from modeling.tokenizers import ByteTokenizer
+from modeling.mdat import DEFAULT_STRATEGY, Mdat
+from modeling.mdat.pretok_workers import build_splitter
+from modeling.tokenizers import build_text_tokenizer
+from modeling.tokenizers.text import TextTokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,43 +39,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default="bytes", help="bytes, or a tokenizer.json")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="an MDAT: use the tokenizer of its --strategy instead")
+    parser.add_argument("--strategy", default=DEFAULT_STRATEGY["strategy_name"])
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute every position at every step (for checking)")
     return parser.parse_args(argv)
 
 
-class _Text:
-    """encode/decode through bytes or a Hugging Face ``tokenizers`` file."""
-
-    def __init__(self, name: str) -> None:
-        self.eos_token_id: int | None = ByteTokenizer.eos_token_id
-        if name == "bytes":
-            self._bytes = ByteTokenizer()
-            return
-        from tokenizers import Tokenizer
-
-        if not Path(name).is_file():
-            raise TokenizerNotFound(f"--tokenizer {name!r} is neither 'bytes' nor a "
-                                    "tokenizer.json file.")
-        self._bytes = None
-        self._file = Tokenizer.from_file(name)
-        self.eos_token_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return self._bytes.encode(text) if self._bytes else self._file.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._bytes.decode(ids) if self._bytes else self._file.decode(ids)
+def text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
+    """The tokenizer of ``--data``'s ``--strategy`` (the one the model trained on), else
+    ``--tokenizer``'s."""
+    if args.data is not None:
+        with Mdat.open(args.data) as mdat:
+            return build_splitter(mdat.path, mdat.strategy(args.strategy)).tokenizer
+    if args.tokenizer == "bytes":
+        return build_text_tokenizer("bytes", None)
+    return build_text_tokenizer("huggingface", Path(args.tokenizer))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        text = _Text(args.tokenizer)
+        text = text_tokenizer(args)
         device = resolve_device(args.device)
         model = load_pretrained(args.checkpoint).to(device)
-        prompt = torch.tensor(text.encode(args.prompt), dtype=torch.long, device=device)
+        prompt = torch.tensor(text.encode(args.prompt)[0], dtype=torch.long, device=device)
         ids = generate(model, prompt, tier=args.tier, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                        eos_token_id=text.eos_token_id,

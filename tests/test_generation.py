@@ -90,4 +90,45 @@ def test_the_command_writes_the_same_greedy_text_with_and_without_the_cache(tmp_
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "model"), "--prompt", "x", "--tokenizer", "missing.json"])
     assert exit_info.value.code == 2
-    assert "neither 'bytes' nor a tokenizer.json" in capsys.readouterr().err
+    assert "tokenizer file missing.json does not exist" in capsys.readouterr().err
+
+
+def test_the_command_takes_the_tokenizer_of_the_models_mdat_strategy(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from modeling.checkpoint import save_pretrained
+    from modeling.mdat import Mdat, build_default_mdat
+    from scripts.generate import main
+
+    build_default_mdat(tmp_path / "docs.mdat", limit=20).close()
+    torch.manual_seed(0)
+    save_pretrained(AutoregressiveModel(tiny_config(vocab_size=260, mask_token_id=259)),
+                    tmp_path / "bytes-model")
+    runs = []
+    for extra in ([], ["--data", str(tmp_path / "docs.mdat")]):  # the default strategy: bytes
+        main([str(tmp_path / "bytes-model"), "--prompt", "x = ", "--temperature", "0",
+              "--max-new-tokens", "8", *extra])
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1]
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    texts = ["def read(path): return open(path).read()", "the value of x is returned"] * 20
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=90,
+                                                       special_tokens=["<unk>", "<eos>"]))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    with Mdat.create(tmp_path / "bpe.mdat") as mdat:
+        mdat.add_records("t", ({"text": t} for t in texts))
+        mdat.add_strategy({"strategy_name": "bpe", "tokenizer_type": "huggingface",
+                           "tokenizer_name": str(tmp_path / "tokenizer.json"),
+                           "chunk_size": 16})
+    vocab = bpe.get_vocab_size()
+    save_pretrained(AutoregressiveModel(tiny_config(vocab_size=vocab, mask_token_id=None,
+                                                    pad_token_id=0, bos_token_id=None,
+                                                    eos_token_id=None)), tmp_path / "bpe-model")
+    (tmp_path / "tokenizer.json").unlink()  # the container keeps its own copy
+    main([str(tmp_path / "bpe-model"), "--prompt", "def read", "--data",
+          str(tmp_path / "bpe.mdat"), "--strategy", "bpe", "--temperature", "0",
+          "--max-new-tokens", "6"])
+    out = capsys.readouterr().out
+    assert out.startswith("def read") and len(out.strip()) > len("def read")

@@ -29,6 +29,10 @@ class TextTokenizer(Protocol):
         """Token ids, and the index of the character each token starts at (both (n,))."""
         ...
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids`` (what a model generated), special tokens left out."""
+        ...
+
 
 @registry.register("mdat_tokenizer", "bytes", "default")
 class BytesTokenizer:
@@ -47,6 +51,9 @@ class BytesTokenizer:
         # Every byte but a UTF-8 continuation byte (0b10xxxxxx) starts a new character.
         starts = np.cumsum((ids & 0xC0) != 0x80) - 1
         return ids, starts
+
+    def decode(self, ids: list[int]) -> str:
+        return ByteTokenizer().decode(ids)
 
 
 # How common tokenizers spell their special tokens, by strategy field; `train_tokenizer`
@@ -95,6 +102,9 @@ class HuggingFaceTokenizer:
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
         starts = np.array([start for start, _ in encoding.offsets], dtype=np.int64)
         return np.array(encoding.ids, dtype=np.int64), starts
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def build_text_tokenizer(tokenizer_type: str, tokenizer_file: Path | None) -> Any:
