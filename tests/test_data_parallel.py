@@ -41,6 +41,17 @@ def test_two_ranks_sum_to_the_single_process_gradient(objective, tmp_path):
                                    msg=name)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL data parallelism needs 2 GPUs")
+def test_two_nccl_ranks_sum_to_the_single_gpu_gradient(tmp_path):
+    torchrun(2, str(TESTS / "dp_gradient.py"), str(tmp_path / "dp.pt"), "causal", "cuda")
+    parallel = torch.load(tmp_path / "dp.pt")
+    single = step("causal", None, torch.device("cuda"))
+    assert parallel["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    for name, grad in single["grads"].items():
+        torch.testing.assert_close(parallel["grads"][name], grad, atol=1e-6, rtol=1e-4,
+                                   msg=name)
+
+
 def test_shares_split_rows_by_tokens_and_cover_the_batch():
     sizes = [30, 2, 17, 9, 4, 11, 23]
     shares = [DataParallel(rank=r, world_size=3, device=torch.device("cpu")).share(sizes)

@@ -126,3 +126,15 @@ def test_a_masked_model_trains_standalone(docs, tmp_path, capsys):
     assert (metrics["world_size"], metrics["device"], metrics["precision"]) == (1, "cpu", "fp32")
     saved = json.loads((out / "config.json").read_text())
     assert saved["is_causal"] is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_training_on_cuda_keeps_float32_weights_and_falls(docs, tmp_path):
+    out = tmp_path / "run"
+    train_main(["--device", "cuda", "--precision", "bf16", "--data", str(docs),
+                "--seq-len", "128", "--batch-tokens", "512", "--steps", "30",
+                "--warmup-steps", "3", "--tiers", "0,1", "--track", "none", "--out", str(out)])
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["device"] == "cuda:0" and metrics["precision"] == "bf16"
+    for tier in ("0", "1"):
+        assert metrics["final"][tier] < metrics["initial"][tier] - 1.0
