@@ -25,10 +25,11 @@ import torch
 
 from modeling.atomic import built_aside
 from modeling.checkpoint import save_pretrained
+from modeling.checkpoint.files import read_weights
+from modeling.checkpoint.pretrained import load_state_into
 from modeling.checkpoint.training_state import load_training_state, save_training_state
 from modeling.devices import Precision
 from modeling.errors import CheckpointError
-from modeling.naming import canonical_state_dict, load_canonical_state_dict
 from modeling.optim import LocalOptimizer
 
 # the options a resumed run must share with the one that saved (what it trains and how)
@@ -79,9 +80,7 @@ def resume(directory: Path, model: torch.nn.Module, optimizer: LocalOptimizer,
         listing = ", ".join(differ)
         raise CheckpointError(f"--resume {directory}: it was saved with {listing}; resume "
                               "with the same settings, or start a new run.")
-    from modeling.checkpoint import load_pretrained
-
-    load_canonical_state_dict(model, canonical_state_dict(load_pretrained(directory)))
+    load_state_into(model, read_weights(directory), directory)  # no second model built
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
     if precision.loss_scale is not None:
