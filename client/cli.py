@@ -70,6 +70,7 @@ def federated_options(args: argparse.Namespace) -> FederatedOptions:
         precision=args.precision, batching=args.batching, compile=args.compile,
         join_token=args.join_token, run_id=args.run_id, state_dir=args.state_dir,
         tls_ca=args.tls_ca, microbatch_tokens=args.microbatch_tokens,
+        microbatch_examples=args.microbatch_examples,
         also_train=tuple(int(t) for t in args.also_train.split(",") if t.strip()),
         latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit,
         max_rounds=args.max_rounds,

@@ -94,6 +94,7 @@ class FederatedOptions:
     state_dir: Path | None = None  # cache and error feedback; None: runs/clients/<name>
     tls_ca: Path | None = None  # PEM certificate to trust; None: plaintext
     microbatch_tokens: int = 2048  # padded tokens per forward/backward pass (shrinks on OOM)
+    microbatch_examples: int = 64  # rows per forward/backward pass (shrinks on OOM)
     also_train: tuple[int, ...] = ()  # smaller nested tiers trained in the same step
     latency_ms: float = 0.0  # added before every call: local-testnet's simulated WAN
     bandwidth_mbit: float = 0.0  # each way, on every message (protocol/link.py); 0: none
@@ -402,7 +403,8 @@ class FederatedClient:
         o, settings = self.options, self.member.settings
         setup = RoundSetup(
             tiers=(self.tier, *sorted(t for t in set(o.also_train) if t > self.tier)),
-            microbatch_tokens=o.microbatch_tokens, steps=settings.local_steps,
+            microbatch_tokens=o.microbatch_tokens, microbatch_examples=o.microbatch_examples,
+            steps=settings.local_steps,
             precision=o.precision,
             row_length=settings.sequence_length if o.batching == "packed" else None)
         self.node.setup(setup)

@@ -91,6 +91,7 @@ class RoundSetup:
 
     tiers: tuple[int, ...]  # the client's tier first, then smaller ones trained alongside
     microbatch_tokens: int
+    microbatch_examples: int = 64
     steps: LocalSteps | None = None
     precision: str = "fp32"
     row_length: int | None = None  # packed rows of this many tokens; None: padded
@@ -101,7 +102,8 @@ class RoundSetup:
         device = next(replica.model.parameters()).device
         return LocalRound(
             replica, compressor, TierSchedule(tiers=list(self.tiers), mode="all"),
-            AdaptiveLimitsConfig(max_tokens=self.microbatch_tokens).build(), self.steps,
+            AdaptiveLimitsConfig(max_tokens=self.microbatch_tokens,
+                                 max_examples=self.microbatch_examples).build(), self.steps,
             options=StepOptions(precision=Precision(self.precision, device),
                                 data_parallel=parallel, seed=self.seed),
             row_length=self.row_length)

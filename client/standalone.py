@@ -25,7 +25,14 @@ from modeling.checkpoint import save_pretrained
 from modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
 from modeling.distributed import DataParallel
 from modeling.errors import ConfigError, MatformerError
-from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY, Mdat, SequenceReader, build_default_mdat
+from modeling.mdat import (
+    DEFAULT_DATA,
+    DEFAULT_STRATEGY,
+    Mdat,
+    SequenceReader,
+    build_default_mdat,
+    default_data_path,
+)
 from modeling.optim import SCHEDULES, OptimizerConfig
 from modeling.tracking import TRACKERS, NoTracker, open_tracker
 from modeling.training import (
@@ -72,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget of one optimizer step (padded tokens)")
     parser.add_argument("--microbatch-tokens", type=int, default=512,
                         help="padded tokens per forward/backward pass (shrinks on OOM)")
+    parser.add_argument("--microbatch-examples", type=int, default=64,
+                        help="rows per forward/backward pass (shrinks on OOM)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"optimizer steps (default {DEFAULT_STEPS}; or give --epochs)")
     parser.add_argument("--epochs", type=int, default=None,
@@ -122,9 +131,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def open_data(args: argparse.Namespace) -> Mdat:
     """The container ``--data`` names, or the default one, built (or finished) on first use."""
     if args.data is not None:
+        if args.documents is not None:
+            raise ConfigError("--documents limits the default container; with --data, train "
+                              "on a view of that container instead (--view).")
         return Mdat.open(args.data)
-    print(f"matformer-train: preparing the stdlib docstrings MDAT at {DEFAULT_DATA}")
-    return build_default_mdat(DEFAULT_DATA, limit=args.documents)
+    path = default_data_path(args.documents)
+    print(f"matformer-train: preparing the stdlib docstrings MDAT at {path}")
+    return build_default_mdat(path, limit=args.documents)
 
 
 def sequences(reader: SequenceReader, ids: np.ndarray, device: torch.device
@@ -218,6 +231,10 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     tiers = [int(t) for t in args.tiers.split(",")]
     schedule = TierSchedule(tiers=tiers, mode=args.tier_mode, seed=args.seed)
     schedule.check(config)
+    if args.seq_len > config.max_position_embeddings:
+        raise ConfigError(f"--seq-len {args.seq_len} is longer than the model's "
+                          f"max_position_embeddings {config.max_position_embeddings}; lower "
+                          "--seq-len or give a model config with more positions.")
     if args.fsdp and (args.optimizer == "muon" or args.precision == "fp16"):
         raise ConfigError("--fsdp trains with adam or adamw in fp32 or bf16; muon and fp16's "
                           "loss scale need whole gradients on every rank.")
@@ -251,7 +268,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             f"{args.batching} batches of <= {args.batch_tokens} tokens an epoch, {total} steps; "
             f"tiers {tiers} ({args.tier_mode})")
         runner = MicrobatchRunner(model, AdaptiveLimitsConfig(
-            max_tokens=args.microbatch_tokens).build())
+            max_tokens=args.microbatch_tokens, max_examples=args.microbatch_examples).build())
 
         def evaluate(whole: torch.nn.Module) -> dict[str, float]:
             return held_out_loss(whole, eval_examples, tiers, batch_tokens=args.batch_tokens,

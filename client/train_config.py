@@ -3,8 +3,8 @@
     [model]      config = "model.json", or the model's fields inline (hidden_size = 512, ...)
     [data]       path, documents, strategy, view, seq_len, batching
     [training]   steps | epochs, optimizer, lr, final_lr, warmup_steps, hold_steps, schedule,
-                 weight_decay, grad_clip, batch_tokens, microbatch_tokens, tiers, tier_mode,
-                 seed, save_every, keep_last
+                 weight_decay, grad_clip, batch_tokens, microbatch_tokens, microbatch_examples,
+                 tiers, tier_mode, seed, save_every, keep_last
     [hardware]   device, precision, compile, fsdp
     [logging]    track, log_every, out
 
@@ -31,7 +31,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "data": ("path", "documents", "strategy", "view", "seq_len", "batching"),
     "training": ("steps", "epochs", "optimizer", "lr", "final_lr", "warmup_steps", "hold_steps",
                  "schedule", "weight_decay", "grad_clip", "batch_tokens", "microbatch_tokens",
-                 "tiers", "tier_mode", "seed", "save_every", "keep_last"),
+                 "microbatch_examples", "tiers", "tier_mode", "seed", "save_every", "keep_last"),
     "hardware": ("device", "precision", "compile", "fsdp"),
     "logging": ("track", "log_every", "out"),
 }
@@ -48,9 +48,14 @@ def apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse
     tables = _read(args.config)
     for override in args.set or []:
         _override(tables, override)
+    model = tables.get("model", {})
+    if "config" in model and len(model) > 1:
+        raise ConfigError(f"{args.config}: [model] takes config = \"model.json\" or the "
+                          f"model's fields inline, not both (it has config and "
+                          f"{', '.join(k for k in model if k != 'config')}).")
     actions = {a.dest: a for a in parser._actions}
     defaults = {dest: action.default for dest, action in actions.items()}
-    args.model_fields = None
+    args.model_fields, model_config = None, None
     for section, table in tables.items():
         if section == "model" and "config" not in table:
             args.model_fields = _model_fields(table)
@@ -58,11 +63,11 @@ def apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse
         for key, value in table.items():
             dest = DESTINATIONS.get((section, key), key)
             converted = _converted(actions[dest], f"[{section}] {key}", value, args.config.parent)
-            if getattr(args, dest) == defaults[dest]:
+            if (section, key) == ("model", "config"):
+                model_config = converted  # --config itself names this file
+            elif getattr(args, dest) == defaults[dest]:
                 setattr(args, dest, converted)
-    if "config" in tables.get("model", {}) or args.model_fields is not None:
-        return args
-    args.config = None  # no [model]: the default tiny model
+    args.config = model_config  # None: inline fields, or no [model] (the default tiny model)
     return args
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from modeling.mdat import DEFAULT_DATA, build_default_mdat
+from modeling.mdat import build_default_mdat, default_data_path
 from modeling.mdat.catalogue import CATALOGUE_NAME
 
 RUN_TOML = """\
@@ -90,13 +90,6 @@ def write_default_run(run_dir: Path, *, data: Path, min_clients: int, rounds: in
         data=data.resolve().as_posix(), min_clients=min_clients, rounds=rounds,
         tokens_per_round=tokens_per_round))
     return path
-
-
-def default_data_path(documents: int | None) -> Path:
-    """runs/python_docs.mdat, or a container of its own for a ``--documents`` limit."""
-    if documents is None:
-        return DEFAULT_DATA
-    return DEFAULT_DATA.with_name(f"python_docs-{documents}.mdat")
 
 
 def ensure_default_data(documents: int | None, say: Callable[[str], None]) -> Path:

@@ -11,6 +11,7 @@ from modeling.mdat.default import (
     DEFAULT_STRATEGY,
     DEFAULT_SUBMDAT,
     build_default_mdat,
+    default_data_path,
 )
 from modeling.mdat.saetta import SaettaReader, export_saetta
 from modeling.mdat.sequences import SequenceLocation, SequenceReader
@@ -33,5 +34,6 @@ __all__ = [
     "SubmdatInfo",
     "View",
     "build_default_mdat",
+    "default_data_path",
     "export_saetta",
 ]

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from modeling.corpus import python_docs
+from modeling.errors import ConfigError
 from modeling.mdat.catalogue import CATALOGUE_NAME
 from modeling.mdat.container import Mdat
 
@@ -25,6 +26,13 @@ DEFAULT_STRATEGY = {
 }
 
 
+def default_data_path(documents: int | None) -> Path:
+    """runs/python_docs.mdat, or a container of its own for a ``--documents`` limit."""
+    if documents is None:
+        return DEFAULT_DATA
+    return DEFAULT_DATA.with_name(f"python_docs-{documents}.mdat")
+
+
 def build_default_mdat(
     path: str | os.PathLike[str], limit: int | None = None, *, processes: int = 1,
     progress: bool = False,
@@ -32,11 +40,15 @@ def build_default_mdat(
     """Create (or finish) ``path`` with submdat "python_docs", pretokenized as "bytes128"."""
     path = Path(path)
     mdat = Mdat.open(path) if (path / CATALOGUE_NAME).is_file() else Mdat.create(path)
-    done = {info.name: info.complete for info in mdat.submdats()}
-    if not done.get(DEFAULT_SUBMDAT):
+    source = f"modeling.corpus.python_docs({limit})"
+    built = {info.name: info for info in mdat.submdats()}.get(DEFAULT_SUBMDAT)
+    if built is not None and built.source != source:
+        mdat.close()
+        raise ConfigError(f"{path} already holds {built.source}, not {source}; give another "
+                          "path (default_data_path names one per limit) or delete it.")
+    if built is None or not built.complete:
         documents = ({"text": text} for text in python_docs(limit))
-        mdat.add_records(DEFAULT_SUBMDAT, documents, source=f"modeling.corpus.python_docs({limit})",
-                         progress=progress)
+        mdat.add_records(DEFAULT_SUBMDAT, documents, source=source, progress=progress)
     mdat.add_strategy(DEFAULT_STRATEGY)
     mdat.pretokenize(DEFAULT_STRATEGY["strategy_name"], processes=processes, progress=progress)
     return mdat

@@ -1,0 +1,224 @@
+"""Every key of train.toml reaches the training loop: one case per key, run through
+``--config train.toml --set SECTION.KEY=VALUE``, each checking an effect that disappears
+if the key were ignored (other weights, another plan of microbatches, files, an error)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import client.standalone
+import modeling.batching.runner
+from client.standalone import TINY, main
+from client.train_config import SECTIONS
+from modeling.errors import ConfigError
+from modeling.mdat import DEFAULT_STRATEGY, build_default_mdat
+
+SENTENCES = {**DEFAULT_STRATEGY, "strategy_name": "sentences128",
+             "splitter_class": "sentence_chunks"}
+MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 512}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Two containers: one with a second strategy and a view, one of other documents."""
+    folder = tmp_path_factory.mktemp("fields")
+    with build_default_mdat(folder / "docs.mdat", limit=40) as mdat:
+        mdat.add_strategy(SENTENCES)
+        mdat.pretokenize("sentences128")
+        mdat.create_view("half", {"python_docs": 0.5})
+    build_default_mdat(folder / "other.mdat", limit=25).close()
+    (folder / "model.json").write_text(json.dumps({**TINY, **MODEL, "hidden_size": 48}))
+    return folder
+
+
+def run(folder: Path, tmp_path: Path, *sets: str, drop: tuple[str, ...] = ()) -> dict:
+    """The base run, less the ``drop`` keys, with ``sets`` applied: its weights, metrics
+    and folder."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    config = tmp_path / "train.toml"
+    inline = "\n".join(f"{key} = {value}" for key, value in MODEL.items())
+    config.write_text(f"""
+[model]
+{inline}
+[data]
+path = "{folder / "docs.mdat"}"
+seq_len = 128
+[training]
+steps = 6
+warmup_steps = 2
+lr = 0.004
+tiers = "0"
+batch_tokens = 512
+[logging]
+out = "run"
+track = "none"
+log_every = 100
+""")
+    text = config.read_text()
+    for key in drop:
+        text = "\n".join(line for line in text.splitlines() if not line.startswith(key + " ="))
+    config.write_text(text)
+    main(["--config", str(config), *(f"--set={s}" for s in sets)])
+    named = [s.partition("=")[2].strip('"') for s in sets if s.startswith("logging.out=")]
+    out = tmp_path / (named[0] if named else "run")
+    return {"weights": load_file(out / "model.safetensors"), "out": out,
+            "metrics": json.loads((out / "metrics.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def base(data, tmp_path_factory):
+    return run(data, tmp_path_factory.mktemp("base"))
+
+
+def differs(a: dict, b: dict) -> bool:
+    return a.keys() != b.keys() or any(
+        a[k].shape != b[k].shape or not torch.equal(a[k], b[k]) for k in a)
+
+
+# keys whose value changes what is trained: the weights after six steps must differ
+WEIGHTS = {
+    "data.path": '"{folder}/other.mdat"',
+    "data.strategy": '"sentences128"',
+    "data.view": '"half"',
+    "data.seq_len": "256",
+    "training.optimizer": '"adam"',
+    "training.lr": "0.001",
+    "training.final_lr": "0.0",
+    "training.warmup_steps": "4",
+    "training.hold_steps": "2",
+    "training.schedule": '"linear"',
+    "training.weight_decay": "0.5",
+    "training.grad_clip": "0.05",
+    "training.batch_tokens": "256",
+    "training.seed": "3",
+    "hardware.precision": '"bf16"',
+}
+# the rest, each with its own observable effect below
+OTHERS = ("model.config", "data.documents", "data.batching", "training.steps",
+          "training.epochs", "training.tiers", "training.tier_mode",
+          "training.microbatch_tokens", "training.microbatch_examples",
+          "training.save_every", "training.keep_last", "hardware.device", "hardware.compile",
+          "hardware.fsdp", "logging.track", "logging.log_every", "logging.out")
+
+
+def test_every_key_has_a_case():
+    keys = {f"{section}.{key}" for section, names in SECTIONS.items() for key in names}
+    assert keys == set(WEIGHTS) | set(OTHERS)
+
+
+@pytest.mark.parametrize("key", sorted(WEIGHTS))
+def test_the_key_changes_what_is_trained(data, base, tmp_path, key):
+    changed = run(data, tmp_path, f"{key}={WEIGHTS[key].format(folder=data)}")
+    assert differs(base["weights"], changed["weights"]), key
+
+
+def test_model_config_names_the_model(data, base, tmp_path, capsys):
+    bigger = run(data, tmp_path, f'model.config="{data}/model.json"', drop=tuple(MODEL))
+    assert bigger["weights"]["model.embed_tokens.weight"].shape[1] == 48
+    with pytest.raises(SystemExit):  # a file and inline fields at once: which is meant?
+        run(data, tmp_path / "both", f'model.config="{data}/model.json"')
+    assert "[model] takes config = \"model.json\" or the model's fields inline, not both" \
+        in capsys.readouterr().err
+
+
+def test_batching_packs_short_sequences_together(data, tmp_path):
+    # at rows of 128 nearly every sequence fills its row alone; at 512 short ones share rows
+    packed = run(data, tmp_path / "packed", "data.seq_len=512", "training.batch_tokens=2048")
+    padded = run(data, tmp_path / "padded", "data.seq_len=512", "training.batch_tokens=2048",
+                 'data.batching="padded"')
+    assert differs(packed["weights"], padded["weights"])
+    assert (packed["metrics"]["batching"], padded["metrics"]["batching"]) == ("packed", "padded")
+
+
+def test_documents_limits_the_default_container(data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the default container is built under ./runs
+    changed = run(data, tmp_path, "data.documents=20", drop=("path",))
+    assert "runs/python_docs-20.mdat" in capsys.readouterr().out
+    with build_default_mdat(tmp_path / "runs/python_docs-20.mdat", limit=20) as mdat:
+        assert [s.documents for s in mdat.submdats()] == [20]
+    assert changed["metrics"]["history"]
+    with pytest.raises(ConfigError, match=r"holds modeling.corpus.python_docs\(20\), not "):
+        build_default_mdat(tmp_path / "runs/python_docs-20.mdat", limit=10)  # never ignored
+    with pytest.raises(SystemExit):  # the limit names the default container only
+        run(data, tmp_path / "with_data", "data.documents=20")
+    assert "--documents limits the default container" in capsys.readouterr().err
+
+
+def test_the_length_keys_set_the_number_of_steps(data, base, tmp_path):
+    assert len(base["metrics"]["history"]) == 6
+    assert len(run(data, tmp_path / "s", "training.steps=3")["metrics"]["history"]) == 3
+    one = run(data, tmp_path / "e1", "training.epochs=1", drop=("steps",))
+    two = run(data, tmp_path / "e2", "training.epochs=2", drop=("steps",))
+    assert len(two["metrics"]["history"]) == 2 * len(one["metrics"]["history"]) > 0
+
+
+def test_tiers_and_tier_mode_choose_what_each_step_trains(data, tmp_path):
+    both = run(data, tmp_path / "t", "training.tiers=[0, 2]")
+    assert all(set(h["loss"]) == {"0", "2"} for h in both["metrics"]["history"])
+    sample = run(data, tmp_path / "m", "training.tiers=[0, 1, 2]", 'training.tier_mode="sample"')
+    assert all(len(h["loss"]) == 1 for h in sample["metrics"]["history"])
+
+
+@pytest.mark.parametrize("key, value, check", [
+    ("training.microbatch_tokens", "256", lambda plan, rows: max(rows) <= 1 and plan > 6),
+    ("training.microbatch_examples", "1", lambda plan, rows: max(rows) == 1),
+])
+def test_microbatch_limits_shape_every_pass(data, tmp_path, monkeypatch, key, value, check):
+    plans = []
+
+    def recording(lengths, *, max_tokens, max_examples):
+        plan = split(lengths, max_tokens=max_tokens, max_examples=max_examples)
+        plans.append(plan)
+        return plan
+
+    split = modeling.batching.runner.split_microbatches
+    monkeypatch.setattr(modeling.batching.runner, "split_microbatches", recording)
+    run(data, tmp_path / "base", "data.seq_len=256")
+    assert max(len(mb) for plan in plans for mb in plan) > 1  # the defaults group rows
+    plans.clear()
+    run(data, tmp_path / "changed", "data.seq_len=256", f"{key}={value}")
+    rows = [len(mb) for plan in plans for mb in plan]
+    assert check(len(rows), rows), rows
+
+
+def test_checkpoint_keys_write_and_prune_step_folders(data, tmp_path):
+    run(data, tmp_path, "training.save_every=2", "training.keep_last=2")
+    assert sorted(p.name for p in (tmp_path / "run.checkpoints").iterdir()) == \
+        ["step-4", "step-6"]
+    run(data, tmp_path / "three", "training.save_every=1", "training.keep_last=3")
+    assert sorted(p.name for p in (tmp_path / "three/run.checkpoints").iterdir()) == \
+        ["step-4", "step-5", "step-6"]
+
+
+@pytest.mark.parametrize("key, message", [
+    ('hardware.device="cuda:7"', "device 'cuda:7'"),
+    ("hardware.fsdp=true", "--fsdp shards the model over the ranks torchrun starts"),
+])
+def test_hardware_keys_reach_the_device_setup(data, tmp_path, capsys, key, message):
+    with pytest.raises(SystemExit) as exit_info:
+        run(data, tmp_path, key)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_compile_compiles_the_model(data, tmp_path, monkeypatch):
+    compiled = []
+    monkeypatch.setattr(client.standalone, "compile_model", compiled.append)
+    result = run(data, tmp_path, "hardware.compile=true")
+    assert len(compiled) == 1 and result["metrics"]["compile"] is True
+
+
+def test_logging_keys_choose_where_and_how_often(data, tmp_path, capsys):
+    result = run(data, tmp_path, 'logging.track="tensorboard"', "logging.log_every=2",
+                 'logging.out="elsewhere"')
+    assert result["out"] == tmp_path / "elsewhere" and not (tmp_path / "run").exists()
+    printed = capsys.readouterr().out
+    assert [line.split()[1] for line in printed.splitlines() if line.startswith("step ")] == \
+        ["2", "4", "6"]
+    assert (tmp_path / "elsewhere" / "model.safetensors").is_file()
+    assert any((tmp_path / "elsewhere.tensorboard").iterdir())
