@@ -101,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-clip", type=float, default=1.0,
                         help="clip the gradient's norm to this (0: no clipping)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--project", default="matformer",
+                        help="trackio's or W&B's project (the run is named after --out)")
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/standalone"))
     parser.add_argument("--save-every", type=int, default=0,
@@ -299,7 +301,8 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             say(f"matformer-train: resuming from {args.resume} after step {first}")
         tracker = NoTracker() if not leader else open_tracker(
             args.track, args.out.with_name(f"{args.out.name}.tensorboard"),
-            project="matformer", config={k: str(v) for k, v in vars(args).items()})
+            project=args.project, name=args.out.name,
+            config={k: str(v) for k, v in vars(args).items()})
         if args.resume is None:
             tracker.log(0, {f"held_out/tier_{t}": loss for t, loss in initial.items()})
         started, before = time.perf_counter(), tokens_seen  # this process's rate

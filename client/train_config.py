@@ -6,7 +6,7 @@
                  weight_decay, grad_clip, batch_tokens, microbatch_tokens, microbatch_examples,
                  tiers, tier_mode, seed, save_every, keep_last
     [hardware]   device, precision, compile, fsdp
-    [logging]    track, log_every, out
+    [logging]    track, project, log_every, out
 
 Every key is a command-line option of ``matformer-train`` (``[data] path`` is ``--data``,
 ``[model] config`` is ``--config``), typed and checked by that option's own parser; an
@@ -33,7 +33,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
                  "schedule", "weight_decay", "grad_clip", "batch_tokens", "microbatch_tokens",
                  "microbatch_examples", "tiers", "tier_mode", "seed", "save_every", "keep_last"),
     "hardware": ("device", "precision", "compile", "fsdp"),
-    "logging": ("track", "log_every", "out"),
+    "logging": ("track", "project", "log_every", "out"),
 }
 DESTINATIONS = {("data", "path"): "data"}  # keys whose option has another name
 

@@ -66,9 +66,9 @@ class RunLogger:
     """trackio and wandb share one API: ``init(project, config)``, ``log(dict, step)``,
     ``finish()``."""
 
-    def __init__(self, module: Any, project: str, config: dict[str, Any]) -> None:
+    def __init__(self, module: Any, project: str, name: str, config: dict[str, Any]) -> None:
         self.module = module
-        module.init(project=project, config=config)
+        module.init(project=project, name=name, config=config)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.module.log(scalars, step=step)
@@ -80,8 +80,11 @@ class RunLogger:
         self.module.finish()
 
 
-def open_tracker(kind: str, directory: Path, *, project: str, config: dict[str, Any]
-                 ) -> Tracker:
+def open_tracker(kind: str, directory: Path, *, project: str, name: str,
+                 config: dict[str, Any]) -> Tracker:
+    """``kind``'s tracker: event files in ``directory``, or the run ``name`` of trackio's or
+    W&B's ``project`` (trackio keeps it in a local database; W&B offline too under
+    ``WANDB_MODE=offline``)."""
     if kind == "none":
         return NoTracker()
     if kind == "tensorboard":
@@ -93,5 +96,5 @@ def open_tracker(kind: str, directory: Path, *, project: str, config: dict[str, 
         if importlib.util.find_spec(kind) is None:
             raise ConfigError(f"--track {kind} needs the {kind} package (pip install {kind}); "
                               "--track tensorboard needs nothing more.")
-        return RunLogger(importlib.import_module(kind), project, config)
+        return RunLogger(importlib.import_module(kind), project, name, config)
     raise ConfigError(f"--track {kind!r} is not one of {', '.join(TRACKERS)}.")

@@ -899,6 +899,7 @@ class Coordinator:
                 tracking = self.config.tracking
                 self._tracker = open_tracker(tracking.kind, self.dir / "tensorboard",
                                              project=tracking.project,
+                                             name=self.config.run.id,
                                              config={"run": self.config.run.id})
             self._tracker.log(round_index + 1, scalars)
             self._tracker.flush()

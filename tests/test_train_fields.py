@@ -5,6 +5,7 @@ if the key were ignored (other weights, another plan of microbatches, files, an 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,7 @@ OTHERS = ("model.config", "data.documents", "data.batching", "training.steps",
           "training.epochs", "training.tiers", "training.tier_mode",
           "training.microbatch_tokens", "training.microbatch_examples",
           "training.save_every", "training.keep_last", "hardware.device", "hardware.compile",
-          "hardware.fsdp", "logging.track", "logging.log_every", "logging.out")
+          "hardware.fsdp", "logging.track", "logging.project", "logging.log_every", "logging.out")
 
 
 def test_every_key_has_a_case():
@@ -222,3 +223,19 @@ def test_logging_keys_choose_where_and_how_often(data, tmp_path, capsys):
         ["2", "4", "6"]
     assert (tmp_path / "elsewhere" / "model.safetensors").is_file()
     assert any((tmp_path / "elsewhere.tensorboard").iterdir())
+
+
+def test_project_names_the_tracked_run(data, tmp_path, monkeypatch):
+    import importlib.machinery
+    import types
+
+    calls = []  # what the tracking library is asked to do (trackio and W&B share the API)
+    library = types.ModuleType("trackio")
+    library.__spec__ = importlib.machinery.ModuleSpec("trackio", None)
+    library.init = lambda **kwargs: calls.append(("init", kwargs["project"], kwargs["name"]))
+    library.log = lambda scalars, step: calls.append(("log", step, sorted(scalars)))
+    library.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "trackio", library)
+    run(data, tmp_path, 'logging.track="trackio"', 'logging.project="ablations"')
+    assert calls[0] == ("init", "ablations", "run") and calls[-1] == ("finish",)
+    assert [c[1] for c in calls if c[0] == "log"] == [0, 1, 2, 3, 4, 5, 6, 6]

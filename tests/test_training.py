@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -229,6 +230,46 @@ def test_training_writes_tensorboard_events_with_the_expected_tags(tmp_path):
     assert [e.value for e in events.Scalars("loss/tier_2")] == pytest.approx(
         [h["loss"]["2"] for h in metrics["history"]], rel=1e-6)
     assert [e.step for e in events.Scalars("held_out/tier_0")] == [0, 5]
+
+
+def _track(kind, tmp_path):
+    build_default_mdat(tmp_path / "docs.mdat", limit=30).close()
+    main(["--data", str(tmp_path / "docs.mdat"), "--track", kind, "--steps", "3",
+          "--warmup-steps", "1", "--seq-len", "128", "--batch-tokens", "512", "--tiers", "0,1",
+          "--project", "tracked", "--out", str(tmp_path / "run")])
+
+
+def test_trackio_records_the_runs_figures_in_its_local_database(tmp_path, monkeypatch):
+    import sqlite3
+
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))  # read when imported
+    if "trackio" in sys.modules:
+        pytest.skip("trackio was imported before: it keeps the folder it read then")
+    pytest.importorskip("trackio", reason="trackio is not installed (pip install trackio)")
+    _track("trackio", tmp_path)
+    with sqlite3.connect(tmp_path / "trackio" / "tracked.db") as db:
+        rows = db.execute("SELECT run_name, step, metrics FROM metrics ORDER BY id").fetchall()
+    assert {name for name, _, _ in rows} == {"run"}
+    logged = [(step, sorted(json.loads(metrics))) for _, step, metrics in rows]
+    assert logged[0] == (0, ["held_out/tier_0", "held_out/tier_1"])
+    assert [step for step, tags in logged if "loss/tier_1" in tags] == [1, 2, 3]
+    assert logged[-1] == (3, ["held_out/tier_0", "held_out/tier_1"])
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    first = metrics["history"][0]["loss"]["0"]
+    assert json.loads(rows[1][2])["loss/tier_0"] == pytest.approx(first)
+
+
+def test_wandb_offline_writes_a_run_with_the_figures(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _track("wandb", tmp_path)
+    [record] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    written = record.read_bytes()  # protobuf records: the tags and names appear verbatim
+    for tag in (b"loss/tier_0", b"loss/tier_1", b"lr", b"grad_norm", b"held_out/tier_1",
+                b"tracked"):
+        assert tag in written, tag
 
 
 def test_asking_for_a_tracker_that_is_not_installed_is_a_named_error(tmp_path, capsys):
