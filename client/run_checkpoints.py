@@ -11,7 +11,9 @@ Each folder is built aside and moved into place whole, so a kill mid-save leaves
 previous checkpoints as they were. The data needs no position of its own: the plan of
 batches is a function of the seed, so the next step number says where the data goes on.
 A checkpoint records the settings that shape the training; resuming under others is
-refused naming them, since the result would match neither run.
+refused naming them, since the result would match neither run. An FSDP run's checkpoints
+hold the whole weights and optimizer state, gathered from the ranks' shards: they resume
+under any number of ranks, sharded or not.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from modeling.checkpoint.files import read_weights
 from modeling.checkpoint.pretrained import load_state_into
 from modeling.checkpoint.training_state import load_training_state, save_training_state
 from modeling.devices import Precision
+from modeling.distributed import DataParallel, shard_optimizer_state
 from modeling.errors import CheckpointError
 from modeling.optim import LocalOptimizer
 
@@ -48,44 +51,65 @@ def folder(out: Path) -> Path:
 
 
 def save(out: Path, step: int, model: torch.nn.Module, optimizer: LocalOptimizer,
-         precision: Precision, trainer: dict[str, Any], keep_last: int) -> Path:
+         precision: Precision, trainer: dict[str, Any], keep_last: int,
+         sharded: DataParallel | None = None) -> Path | None:
     """``OUT.checkpoints/step-STEP`` (``step``: steps done), then only the ``keep_last``
-    newest kept."""
+    newest kept. With ``sharded`` (an FSDP run) every rank calls it: the weights and the
+    optimizer state are gathered whole, so the checkpoint is the same whatever the number
+    of ranks, and rank 0 writes it."""
+    weights, state = None, optimizer.state_dict()
+    if sharded is not None:
+        weights, state = sharded.full_state(model), sharded.gather_tensors(state)
+        if not sharded.leader:
+            return None
     target = folder(out) / f"step-{step}"
     with built_aside(target) as building:
         building.mkdir(parents=True)
-        save_pretrained(model, building)
+        save_pretrained(model, building, state=weights)
         save_training_state(building, {
-            "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state(),
+            "optimizer": state, "rng": torch.get_rng_state(),
             "loss_scale": _scale_of(precision), "trainer": {**trainer, "step": step}})
     for old in sorted(_steps(folder(out)), key=_number)[:-keep_last]:
         shutil.rmtree(old)
     return target
 
 
-def resume(directory: Path, model: torch.nn.Module, optimizer: LocalOptimizer,
-           precision: Precision, args: argparse.Namespace) -> dict[str, Any]:
-    """Load what ``save`` wrote into ``model``, ``optimizer`` and ``precision``; the
-    trainer's record (``step``: steps done, ``history``, ...)."""
-    try:
-        state = load_training_state(directory)
-    except FileNotFoundError:
-        raise CheckpointError(f"--resume {directory}: no training state there; give a "
-                              "step-N folder of OUT.checkpoints/.") from None
-    trainer = state["trainer"]
-    now = settings(args)
-    differ = [f"--{name.replace('_', '-')} {saved!r} (now {now[name]!r})"
-              for name, saved in trainer["settings"].items() if now[name] != saved]
-    if differ:
-        listing = ", ".join(differ)
-        raise CheckpointError(f"--resume {directory}: it was saved with {listing}; resume "
-                              "with the same settings, or start a new run.")
-    load_state_into(model, read_weights(directory), directory)  # no second model built
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
-    if precision.loss_scale is not None:
-        precision.loss_scale.scale, precision.loss_scale.clean_steps = state["loss_scale"]
-    return trainer
+class Saved:
+    """A checkpoint to resume from, checked against this run's settings when opened. Its
+    weights go into the whole model before any sharding, its optimizer state after the
+    optimizer is built (cut to this rank's shards under FSDP)."""
+
+    def __init__(self, directory: Path, args: argparse.Namespace) -> None:
+        try:
+            self.state = load_training_state(directory)
+        except FileNotFoundError:
+            raise CheckpointError(f"--resume {directory}: no training state there; give a "
+                                  "step-N folder of OUT.checkpoints/.") from None
+        self.directory = directory
+        self.trainer: dict[str, Any] = self.state["trainer"]
+        now = settings(args)
+        differ = [f"--{name.replace('_', '-')} {saved!r} (now {now[name]!r})"
+                  for name, saved in self.trainer["settings"].items() if now[name] != saved]
+        if differ:
+            listing = ", ".join(differ)
+            raise CheckpointError(f"--resume {directory}: it was saved with {listing}; resume "
+                                  "with the same settings, or start a new run.")
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        load_state_into(model, read_weights(self.directory), self.directory)
+
+    def load_optimizer(self, optimizer: LocalOptimizer, precision: Precision) -> None:
+        """The optimizer and schedule, the RNG and the fp16 loss scale as they were saved."""
+        saved = self.state["optimizer"]
+        if len(saved["optimizers"]) == len(optimizer.optimizers):  # else load_state_dict says
+            saved = {**saved, "optimizers": [
+                shard_optimizer_state(opt, whole)
+                for opt, whole in zip(optimizer.optimizers, saved["optimizers"], strict=True)]}
+        optimizer.load_state_dict(saved)
+        torch.set_rng_state(self.state["rng"])
+        if precision.loss_scale is not None:
+            precision.loss_scale.scale, precision.loss_scale.clean_steps = \
+                self.state["loss_scale"]
 
 
 def _scale_of(precision: Precision) -> list[float] | None:

@@ -276,7 +276,10 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             return held_out_loss(whole, eval_examples, tiers, batch_tokens=args.batch_tokens,
                                  precision=options.precision, seed=args.seed)
 
-        initial = evaluate(model) if leader and args.resume is None else {}
+        saved = run_checkpoints.Saved(args.resume, args) if args.resume else None
+        initial = evaluate(model) if leader and saved is None else {}
+        if saved is not None:
+            saved.load_weights(model)  # whole, before any sharding
         if args.fsdp:
             parallel.shard(model)
         if args.compile:
@@ -289,15 +292,11 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             hold_steps=args.hold_steps, total_steps=total,
         ).build(model)
         history, tokens_seen, first = [], 0, 0
-        if args.resume is not None:
-            if args.fsdp:
-                raise ConfigError("--resume does not take --fsdp runs yet: their checkpoints "
-                                  "are written whole by rank 0 only at the end.")
-            trainer = run_checkpoints.resume(args.resume, model, optimizer,
-                                             options.precision, args)
-            first, history, tokens_seen = trainer["step"], trainer["history"], \
-                trainer["tokens_seen"]
-            initial = trainer["initial"]
+        if saved is not None:
+            saved.load_optimizer(optimizer, options.precision)
+            first, history, tokens_seen = saved.trainer["step"], saved.trainer["history"], \
+                saved.trainer["tokens_seen"]
+            initial = saved.trainer["initial"]
             say(f"matformer-train: resuming from {args.resume} after step {first}")
         tracker = NoTracker() if not leader else open_tracker(
             args.track, args.out.with_name(f"{args.out.name}.tensorboard"),
@@ -321,11 +320,11 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             if (step + 1) % args.log_every == 0 or step + 1 == total:
                 shown = "  ".join(f"tier {t}: {loss:.3f}" for t, loss in losses.items())
                 say(f"step {step + 1:>5}  {shown}  lr {lr:.2e}  {rate:,.0f} tok/s")
-            if leader and args.save_every and (step + 1) % args.save_every == 0 \
-                    and not args.fsdp:
+            if (leader or args.fsdp) and args.save_every and (step + 1) % args.save_every == 0:
                 run_checkpoints.save(args.out, step + 1, model, optimizer, options.precision, {
                     "history": history, "tokens_seen": tokens_seen, "initial": initial,
-                    "settings": run_checkpoints.settings(args)}, args.keep_last)
+                    "settings": run_checkpoints.settings(args)}, args.keep_last,
+                    sharded=parallel if args.fsdp else None)
         seconds = time.perf_counter() - started
         if args.fsdp:  # the whole weights, gathered from every rank's shards
             full = parallel.full_state(model)

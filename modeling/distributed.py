@@ -148,8 +148,20 @@ class DataParallel:
 
     def full_state(self, model: nn.Module) -> dict[str, Tensor]:
         """The whole of every weight (a collective: every rank calls it), on the CPU."""
-        return {name: (value.full_tensor() if hasattr(value, "full_tensor") else value).cpu()
-                for name, value in model.state_dict().items()}
+        return self.gather_tensors(model.state_dict())
+
+    def gather_tensors(self, tree: Any) -> Any:
+        """``tree`` (an optimizer's ``state_dict``, say) with each sharded tensor replaced by
+        the whole of it on the CPU; a collective, every rank calling it on the same tree."""
+        if hasattr(tree, "full_tensor"):
+            return tree.full_tensor().cpu()
+        if isinstance(tree, Tensor):
+            return tree.cpu()
+        if isinstance(tree, dict):
+            return {key: self.gather_tensors(value) for key, value in tree.items()}
+        if isinstance(tree, list | tuple):
+            return type(tree)(self.gather_tensors(value) for value in tree)
+        return tree
 
     def broadcast_object(self, value: Any = None) -> Any:
         """Rank 0's ``value`` on every rank (pickled; for small control messages)."""
@@ -166,3 +178,23 @@ class DataParallel:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
+                          ) -> dict[str, Any]:
+    """A whole optimizer ``state_dict`` (``gather_tensors``'s) with each parameter's state
+    cut to this rank's shard of that parameter, ready for ``optimizer.load_state_dict``.
+    Every rank holds the whole state already, so each takes its own part: no messages."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sharded = {}
+    for index, values in state["state"].items():
+        param = params[int(index)]
+        sharded[index] = {
+            name: distribute_tensor(value.to(param.device), param.device_mesh, param.placements,
+                                    src_data_rank=None)
+            if isinstance(param, DTensor) and isinstance(value, Tensor)
+            and value.shape == param.shape else value
+            for name, value in values.items()}
+    return {**state, "state": sharded}

@@ -35,10 +35,12 @@ def canonical_names(model: nn.Module) -> dict[str, str]:
     return names
 
 
-def canonical_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The model's tensors under canonical names."""
+def canonical_state_dict(model: nn.Module, state: Mapping[str, Tensor] | None = None
+                         ) -> dict[str, Tensor]:
+    """The model's tensors under canonical names (``state``: the model's own ``state_dict``
+    in another form, the whole weights gathered from FSDP shards, say)."""
     names = canonical_names(model)
-    return {names[key]: value for key, value in model.state_dict().items()}
+    return {names[key]: value for key, value in (state or model.state_dict()).items()}
 
 
 def load_canonical_state_dict(

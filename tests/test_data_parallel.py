@@ -109,3 +109,34 @@ def test_fsdp_needs_torchrun(docs, tmp_path, capsys):
         main(["--data", str(docs), "--fsdp", "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "--fsdp shards the model over the ranks torchrun starts" in capsys.readouterr().err
+
+
+def test_an_fsdp_run_resumes_bit_for_bit_and_on_any_number_of_ranks(docs, tmp_path):
+    from safetensors.torch import load_file
+
+    args = ["-m", "client.standalone", "--data", str(docs), "--steps", "6",
+            "--warmup-steps", "2", "--batch-tokens", "512", "--seq-len", "128", "--tiers", "0,2",
+            "--save-every", "2", "--keep-last", "3", "--track", "none"]
+    straight = tmp_path / "straight"
+    torchrun(2, *args, "--fsdp", "--out", str(straight))
+    saved = tmp_path / "straight.checkpoints"
+    assert sorted(p.name for p in saved.iterdir()) == ["step-2", "step-4", "step-6"]
+    # the checkpoint holds whole tensors: the optimizer's moments have the weights' shapes
+    state = load_file(saved / "step-2" / "training_state.safetensors")
+    weights = load_file(saved / "step-2" / "model.safetensors")
+    embedding = weights["model.embed_tokens.weight"].shape
+    assert embedding in {v.shape for k, v in state.items() if k.endswith("exp_avg")}
+
+    torchrun(2, *args, "--fsdp", "--resume", str(saved / "step-2"), "--out",
+             str(tmp_path / "resumed"))
+    torchrun(1, *args, "--resume", str(saved / "step-4"), "--out", str(tmp_path / "one"))
+    final = load_file(straight / "model.safetensors")
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
+    assert all(torch.equal(final[k], resumed[k]) for k in final)
+    metrics = [json.loads((tmp_path / run / "metrics.json").read_text())
+               for run in ("straight", "resumed", "one")]
+    assert metrics[0]["history"] == metrics[1]["history"]
+    assert metrics[0]["final"] == metrics[1]["final"]
+    assert metrics[2]["world_size"] == 1 and not metrics[2]["fsdp"]
+    for a, b in zip(metrics[0]["history"], metrics[2]["history"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -26,12 +27,14 @@ EMBEDDING = "model.embed_tokens.weight"
 
 
 def save_pretrained(
-    model: nn.Module, directory: str | Path, *, max_shard_bytes: int | None = None
+    model: nn.Module, directory: str | Path, *, max_shard_bytes: int | None = None,
+    state: Mapping[str, Tensor] | None = None,
 ) -> Path:
-    """Write ``config.json`` and the weights (canonical names) atomically to ``directory``."""
+    """Write ``config.json`` and the weights (canonical names) atomically to ``directory``;
+    ``state``: the weights when ``model`` holds only its shards (``DataParallel.full_state``)."""
     directory = Path(directory)
     config: ModelConfig = model.config
-    state = canonical_state_dict(model)
+    state = canonical_state_dict(model, state)
     if config.tie_word_embeddings:
         state.pop(TIED_HEAD, None)  # stored once, as the embedding (as Hugging Face does)
     with built_aside(directory) as staging:
