@@ -98,7 +98,9 @@ class ModelConfig:
     default_layer: LayerConfig = field(default_factory=LayerConfig)
     # layer index (int or str, as JSON has it) → partial LayerConfig applied on top
     layer_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
-    external_modules_path: str | None = None  # folder of user .py files to register
+    # user components to register: a folder of .py files, or the files themselves (a
+    # checkpoint lists its packed copies, relative to its folder)
+    external_modules_path: str | list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:

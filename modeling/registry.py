@@ -73,7 +73,7 @@ class Registry:
         self._entries: dict[str, dict[str, dict[str, Implementation]]] = {}
         self._preferences: dict[tuple[str, str], str] = {}
         self._reported: set[tuple[str, str, str, str]] = set()
-        self._loaded_paths: set[Path] = set()
+        self._loaded_files: set[Path] = set()
 
     def register(
         self,
@@ -186,33 +186,43 @@ class Registry:
             wanted.category, wanted.variant, wanted.name, source, reason, used.name,
         )
 
-    def load_modules(self, folder: str | os.PathLike[str] | None = None) -> list[str]:
-        """Import every ``.py`` file in ``folder`` (default: ``$MATFORMER_MODULES_PATH``).
+    def load_modules(self, where: str | os.PathLike[str] | list[str] | None = None) -> list[str]:
+        """Import every ``.py`` file in the folder ``where`` (default:
+        ``$MATFORMER_MODULES_PATH``), or each file of a list (a checkpoint's packed modules).
 
         Their ``@registry.register(...)`` decorators run on import, so user components
-        become selectable by name without editing this package. Each folder loads once.
+        become selectable by name without editing this package. Each file loads once.
         """
-        folder = folder or os.environ.get(MODULES_PATH_ENV)
-        if not folder:
+        where = where or os.environ.get(MODULES_PATH_ENV)
+        if not where:
             return []
-        path = Path(folder).expanduser().resolve()
-        if not path.is_dir():
-            raise RegistryError(
-                f"external modules folder {str(path)!r} does not exist; fix the config's "
-                f"'external_modules_path' or ${MODULES_PATH_ENV}."
-            )
-        if path in self._loaded_paths:
-            return []
+        if isinstance(where, list):
+            files = [Path(name).expanduser().resolve() for name in where]
+            missing = [str(file) for file in files if not file.is_file()]
+            if missing:
+                raise RegistryError(
+                    f"external module file(s) {', '.join(missing)} do not exist; a checkpoint "
+                    "keeps them beside its config.json: copy them with it.")
+        else:
+            path = Path(where).expanduser().resolve()
+            if not path.is_dir():
+                raise RegistryError(
+                    f"external modules folder {str(path)!r} does not exist; fix the config's "
+                    f"'external_modules_path' or ${MODULES_PATH_ENV}."
+                )
+            files = sorted(path.glob("*.py"))
         loaded = []
-        for file in sorted(path.glob("*.py")):
-            module_name = f"matformer_external.{path.name}.{file.stem}"
+        for file in files:
+            if file in self._loaded_files:
+                continue
+            module_name = f"matformer_external.{file.parent.name}.{file.stem}"
             spec = importlib.util.spec_from_file_location(module_name, file)
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module
             spec.loader.exec_module(module)
+            self._loaded_files.add(file)
             loaded.append(str(file))
-        self._loaded_paths.add(path)
         return loaded
 
 

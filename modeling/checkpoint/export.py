@@ -30,9 +30,10 @@ from modeling.checkpoint.files import (
     write_json,
     write_weights,
 )
-from modeling.checkpoint.hf_config import to_config_dict
+from modeling.checkpoint.hf_config import is_llama_shaped, to_config_dict
 from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, TierEntry, sha256_of
 from modeling.checkpoint.pretrained import read_config
+from modeling.checkpoint.remote_code import listed_modules, pack_code
 from modeling.checkpoint.slicing import slice_state
 from modeling.errors import AlreadySliced, TierError
 from modeling.matformer import Tier, layer_widths
@@ -121,9 +122,11 @@ def export_tiers(
                 config, intermediate_size=widths[0], matformer_tier=layer_tiers[0],
                 matformer_layer_tiers=layer_tiers if isinstance(tier, tuple) else None,
             )
-            write_json(staging / CONFIG_NAME, to_config_dict(tier_config))
-            files = write_weights(slice_state(state, widths), staging, shard_bytes)
             copy_files(common, source, staging)
+            code = None if is_llama_shaped(tier_config) else pack_code(
+                tier_config, listed_modules(tier_config), staging)
+            write_json(staging / CONFIG_NAME, to_config_dict(tier_config, code))
+            files = write_weights(slice_state(state, widths), staging, shard_bytes)
             listed = [CONFIG_NAME, *files]
             relative = [f"../{target.name}/{name}" for name in listed]
             manifest.tiers.append(TierEntry(tier=tier, intermediate_size=widths[0],

@@ -27,7 +27,7 @@ _HF_ONLY = {
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
     "pretraining_tp", "attention_dropout", "rms_norm_eps", "hidden_act", "attention_bias",
     "mlp_bias", "rope_scaling", "head_dim", "rope_parameters", "layer_types",
-    "partial_rotary_factor",
+    "partial_rotary_factor", "auto_map",
 }
 _PLAIN_ROPE = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 LLAMA_LAYER = LayerConfig()  # the default layer is Llama's
@@ -42,9 +42,11 @@ def is_llama_shaped(config: ModelConfig) -> bool:
     )
 
 
-def to_config_dict(config: ModelConfig) -> dict[str, Any]:
-    """The ``config.json`` content for ``config``."""
+def to_config_dict(config: ModelConfig, code: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` content for ``config``; ``code``: the entries of the code packed
+    beside it (``remote_code.pack_code``), for a model that is not Llama-shaped."""
     data = config.to_dict()
+    data["external_modules_path"] = None  # a path of this machine means nothing elsewhere
     if is_llama_shaped(config):
         data.update(
             architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
@@ -54,7 +56,8 @@ def to_config_dict(config: ModelConfig) -> dict[str, Any]:
         )
     else:
         objective = "CausalLM" if config.is_causal else "MaskedLM"
-        data.update(architectures=[f"MatformerFor{objective}"], model_type="matformer")
+        data.update(architectures=[f"MatformerFor{objective}"], model_type="matformer",
+                    **(code or {}))
     return data
 
 

@@ -44,6 +44,7 @@ from modeling.checkpoint.listing import (
 )
 from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest
 from modeling.checkpoint.pretrained import load_state_into
+from modeling.checkpoint.remote_code import packed_modules
 from modeling.checkpoint.repository import HubRepository, LocalRepository, normalize
 from modeling.checkpoint.schema import canonical_schema_hash
 from modeling.checkpoint.slicing import slice_state
@@ -275,7 +276,8 @@ def resolve(
     config_path = choice.found[choice.files.config]
     return ResolvedCheckpoint(
         source=str(source), tier=tier, strategy=strategy, used=choice.used,
-        config=from_config_dict(read_json(config_path), tier=choice.tier, base=choice.base),
+        config=packed_modules(from_config_dict(read_json(config_path), tier=choice.tier,
+                                               base=choice.base), config_path.parent),
         directory=config_path.parent, weights=choice.files.weight_names(),
         files=list(choice.found), manifest=src.manifest, reason=choice.reason,
     )

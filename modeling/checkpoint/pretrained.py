@@ -16,7 +16,8 @@ from modeling.checkpoint.files import (
     write_json,
     write_weights,
 )
-from modeling.checkpoint.hf_config import from_config_dict, to_config_dict
+from modeling.checkpoint.hf_config import from_config_dict, is_llama_shaped, to_config_dict
+from modeling.checkpoint.remote_code import module_files, pack_code, packed_modules
 from modeling.config import ModelConfig
 from modeling.errors import ShapeMismatch
 from modeling.models import build_model
@@ -39,13 +40,17 @@ def save_pretrained(
         state.pop(TIED_HEAD, None)  # stored once, as the embedding (as Hugging Face does)
     with built_aside(directory) as staging:
         staging.mkdir()
-        write_json(staging / CONFIG_NAME, to_config_dict(config))
+        code = None if is_llama_shaped(config) else pack_code(config, module_files(model),
+                                                               staging)
+        write_json(staging / CONFIG_NAME, to_config_dict(config, code))
         write_weights(state, staging, max_shard_bytes)
     return directory
 
 
 def read_config(directory: str | Path) -> ModelConfig:
-    return from_config_dict(read_json(Path(directory) / CONFIG_NAME))
+    """The checkpoint's ModelConfig, its packed modules (if any) found beside it."""
+    directory = Path(directory)
+    return packed_modules(from_config_dict(read_json(directory / CONFIG_NAME)), directory)
 
 
 def check_shapes(model: nn.Module, state: dict[str, Tensor], source: Path) -> None:
