@@ -102,3 +102,65 @@ def test_an_invalid_tokenizer_file_is_named(trained, tmp_path) -> None:
         mdat.add_strategy({"strategy_name": "broken", "chunk_size": 16,
                            "tokenizer_type": "huggingface",
                            "tokenizer_name": str(tmp_path / "broken.json")})
+
+
+def _hub_cache(root, repo, snapshots, main):
+    """A folder laid out like the Hugging Face hub cache: repo's snapshots, refs/main."""
+    folder = root / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(main)
+    for commit, tokenizer in snapshots.items():
+        (folder / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        (folder / "snapshots" / commit / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    return root
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    return cache
+
+
+def test_a_hub_tokenizer_resolves_through_the_cache_and_is_pinned(trained, tmp_path,
+                                                                    offline_hub) -> None:
+    mdat, path = trained
+    other = tmp_path / "other" / "tokenizer.json"
+    train_tokenizer(mdat.submdat("docs"), other, vocab_size=400,
+                    special_tokens=("<pad>", "<eos>", "<bos>", "<mask>"))
+    commits = {"a" * 40: path, "b" * 40: other}
+    _hub_cache(offline_hub, "org/bpe", commits, main="a" * 40)
+    definition = {"strategy_name": "bpe_hub", "chunk_size": 16,
+                  "tokenizer_type": "huggingface", "tokenizer_name": "org/bpe"}
+    strategy = mdat.add_strategy(definition)
+    local = mdat.add_strategy({**definition, "strategy_name": "bpe_local",
+                               "tokenizer_name": str(path)})
+    assert strategy.tokenizer_name == "org/bpe"  # recorded by repo id, not the cache path
+    assert strategy.tokenizer_sha256 == local.tokenizer_sha256
+    mdat.pretokenize("bpe_hub")
+    mdat.pretokenize("bpe_local")
+    hub_reader, local_reader = mdat.sequences("bpe_hub", 64), mdat.sequences("bpe_local", 64)
+    assert all(np.array_equal(hub_reader[i], local_reader[i]) for i in range(len(hub_reader)))
+
+    # the repo's main moves to another tokenizer: the strategy's data no longer match it
+    _hub_cache(offline_hub, "org/bpe", commits, main="b" * 40)
+    with pytest.raises(TokenizerChanged, match=r"org/bpe \(sha256 [0-9a-f]{64}\) is another"):
+        mdat.add_strategy(definition)
+    pinned = mdat.add_strategy({**definition, "strategy_name": "bpe_hub_a",
+                                "tokenizer_revision": "a" * 40})  # the revision it was
+    assert pinned.tokenizer_sha256 == strategy.tokenizer_sha256
+    # a sha256 given up front pins the file wherever it comes from
+    with pytest.raises(StrategyError, match=r"has sha256 .*not the 0{64} the strategy gives"):
+        mdat.add_strategy({**definition, "strategy_name": "bpe_pinned",
+                           "tokenizer_sha256": "0" * 64})
+
+
+def test_a_hub_tokenizer_missing_from_the_offline_cache_is_named(trained, offline_hub) -> None:
+    from modeling.errors import TokenizerNotFound
+
+    mdat, _ = trained
+    with pytest.raises(TokenizerNotFound, match=r"hub:org/absent: no tokenizer.json there"):
+        mdat.add_strategy({"strategy_name": "bpe_absent", "chunk_size": 16,
+                           "tokenizer_type": "huggingface", "tokenizer_name": "org/absent"})

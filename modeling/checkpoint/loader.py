@@ -45,7 +45,12 @@ from modeling.checkpoint.listing import (
 from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest
 from modeling.checkpoint.pretrained import load_state_into
 from modeling.checkpoint.remote_code import packed_modules
-from modeling.checkpoint.repository import HubRepository, LocalRepository, normalize
+from modeling.checkpoint.repository import (
+    HubRepository,
+    LocalRepository,
+    is_repo_id,
+    normalize,
+)
 from modeling.checkpoint.schema import canonical_schema_hash
 from modeling.checkpoint.slicing import slice_state
 from modeling.config import ModelConfig
@@ -116,7 +121,7 @@ def _open(source: str | Path, tier: Tier, revision: str | None, cache_dir: Path 
         path = path.resolve()
         # siblings (../name-tier1) must be reachable, so the root is the parent folder
         return LocalRepository(path.parent), path.name
-    if isinstance(source, str) and source.count("/") == 1 and not path.exists():
+    if isinstance(source, str) and is_repo_id(source):
         return HubRepository(source, revision, cache_dir), ""
     raise CheckpointError(
         f"{source!r} is neither a checkpoint folder nor a hub repo id ('org/name')."

@@ -60,6 +60,12 @@ class LocalRepository:
         return target if target.is_file() else None
 
 
+def is_repo_id(source: str) -> bool:
+    """``org/name``, and no such path here: a Hugging Face hub repository id."""
+    return source.count("/") == 1 and not Path(source).expanduser().exists() \
+        and all(source.split("/"))
+
+
 class HubRepository:
     """Files of a Hugging Face hub repository, downloaded on demand into the hub cache."""
 

@@ -55,6 +55,7 @@ from modeling.mdat.shuffles import read_shuffle, shuffle_name, shuffle_path, wri
 from modeling.mdat.strategy import Strategy, check_name
 from modeling.mdat.submdat import Submdat
 from modeling.mdat.views import DEFAULT_VIEW, Quota, View, quota_documents, view_folder, write_view
+from modeling.tokenizers.text import locate_tokenizer
 
 FOLDERS = ("datasets", "functions", "pretok", "shuffling", "views")
 # Per submdat of a view: its row, its complete pretokenization, its chosen documents (None: all).
@@ -196,9 +197,11 @@ class Mdat:
             strategy = Strategy.from_dict(dict(definition))
         else:
             strategy = Strategy.from_file(Path(definition))
-        tokenizer = Path(strategy.tokenizer_name).resolve() if strategy.tokenizer_name else None
-        if tokenizer is not None:
-            strategy = replace(strategy, tokenizer_name=str(tokenizer))
+        tokenizer = None
+        if strategy.tokenizer_name:
+            tokenizer, recorded = locate_tokenizer(strategy.tokenizer_name,
+                                                   strategy.tokenizer_revision)
+            strategy = replace(strategy, tokenizer_name=recorded)
         resolved = DocumentSplitter(strategy, self.path / "functions", tokenizer).resolved()
         existing = self._catalogue.strategies().get(strategy.name)
         if existing is not None and existing != resolved.to_dict():
@@ -209,7 +212,7 @@ class Mdat:
             raise TokenizerChanged(
                 f"strategy {strategy.name!r} was added with tokenizer file "
                 f"{existing['tokenizer_name']} (sha256 {existing['tokenizer_sha256']}), and "
-                f"its data were pretokenized with it; {tokenizer} (sha256 "
+                f"its data were pretokenized with it; {strategy.tokenizer_name} (sha256 "
                 f"{resolved.tokenizer_sha256}) is another: add it under a new strategy_name."
             )
         if existing is not None:

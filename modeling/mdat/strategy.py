@@ -37,8 +37,10 @@ class Strategy:
     strategy_name: str
     chunk_size: int  # tokens per chunk at most; sequence lengths are multiples of it
     tokenizer_type: str = "bytes"  # an "mdat_tokenizer" registry variant
-    tokenizer_name: str | None = None  # path of a local tokenizer.json ("huggingface")
+    # "huggingface": a tokenizer.json, a folder holding one, or a hub repo id (org/name)
+    tokenizer_name: str | None = None
     tokenizer_sha256: str | None = None  # of that file; filled in when the strategy is added
+    tokenizer_revision: str | None = None  # of a hub repo tokenizer_name (None: main)
     vocab_size: int | None = None  # None: the tokenizer's own
     # Special ids; None: the tokenizer's own, if its file names one. Sequences never hold
     # them: consumers add them where they want them (see `modeling.mdat.sequences`).
@@ -126,6 +128,7 @@ _NAMES = (list, tuple)
 _TYPES: dict[str, tuple[type, ...]] = {
     "strategy_name": (str,), "chunk_size": _INT, "tokenizer_type": (str,),
     "tokenizer_name": (str, type(None)), "tokenizer_sha256": (str, type(None)),
+    "tokenizer_revision": (str, type(None)),
     "vocab_size": _OPTIONAL_INT,
     "bos_token_id": _OPTIONAL_INT, "eos_token_id": _OPTIONAL_INT, "mask_token_id": _OPTIONAL_INT,
     "splitter_class": (str,), "splitter_init": (dict, type(None)),

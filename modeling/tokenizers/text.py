@@ -107,6 +107,38 @@ class HuggingFaceTokenizer:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def locate_tokenizer(name: str, revision: str | None = None) -> tuple[Path, str]:
+    """(the ``tokenizer.json`` a strategy's ``tokenizer_name`` names, the name to record).
+
+    ``name`` is a local file, a local folder holding ``tokenizer.json`` (a model saved by
+    transformers, say), or a hub repo id (``org/name``, at ``revision``) resolved through the
+    hub cache: downloaded when missing, read from the cache alone under ``HF_HUB_OFFLINE=1``.
+    A local file is recorded by its absolute path, a hub file by its repo id.
+    """
+    from modeling.checkpoint.repository import HubRepository, is_repo_id
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if path.is_file():
+        return path.resolve(), str(path.resolve())
+    if not is_repo_id(name):
+        raise TokenizerNotFound(
+            f"tokenizer file {name} does not exist, and it is no hub repo id ('org/name'); set "
+            "tokenizer_name to a tokenizer.json, a folder holding one, or a hub repo id.")
+    hub = HubRepository(name, revision)
+    try:
+        found = hub.fetch("tokenizer.json")
+    except Exception as err:  # no network, an unknown repo or revision, a gated repo, ...
+        raise TokenizerNotFound(f"tokenizer_name {hub}: tokenizer.json could not be fetched "
+                                f"({type(err).__name__}: {err}).") from err
+    if found is None:
+        raise TokenizerNotFound(
+            f"tokenizer_name {hub}: no tokenizer.json there (or, offline, not in the hub "
+            "cache); check the repo id and tokenizer_revision, or give a local file.")
+    return found, name
+
+
 def build_text_tokenizer(tokenizer_type: str, tokenizer_file: Path | None) -> Any:
     """The ``mdat_tokenizer`` registered as ``tokenizer_type``, reading ``tokenizer_file``;
     StrategyError names the types there are, or why this one cannot run here."""
