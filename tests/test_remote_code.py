@@ -24,6 +24,8 @@ from modeling.checkpoint import load_pretrained, save_pretrained
 from modeling.checkpoint.export import export_tiers
 from modeling.checkpoint.remote_code import CONFIG_CODE, MODEL_CODE
 from modeling.errors import CheckpointError
+from modeling.naming import canonical_state_dict
+from server.checkpoints import CheckpointStore
 
 pytest.importorskip("transformers")
 
@@ -107,6 +109,13 @@ def saved(tmp_path_factory):
                         f"{name}-mix-" + "-".join(map(str, t)) for t in SLICED[name])],
                         strict=True):
                     expected[str(root / folder)] = model(torch.tensor(IDS), tier=tier)
+        if name == "sinusoidal_geglu_own_hook":  # as the coordinator writes its rounds
+            store = CheckpointStore(root / "checkpoints", model.config, tiers=[0, 1])
+            store.write(3, canonical_state_dict(model))
+            with torch.no_grad():
+                for tier, folder in ((None, "round-3"), (1, "round-3-tier1")):
+                    expected[str(root / "checkpoints" / folder)] = model(torch.tensor(IDS),
+                                                                         tier=tier)
     shutil.rmtree(modules)
     return root, expected
 
