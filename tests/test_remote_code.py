@@ -52,6 +52,7 @@ LOAD = textwrap.dedent("""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
     from modeling.checkpoint import load_pretrained
+    from modeling.generation import generate
 
     ids = torch.tensor({ids})
     results = {{}}
@@ -61,7 +62,12 @@ LOAD = textwrap.dedent("""
         ours = load_pretrained(folder).eval()
         with torch.no_grad():
             results[folder] = [theirs(ids).logits.tolist(), ours(ids).tolist(),
-                               type(theirs).__name__]
+                               type(theirs).__name__, None, None]
+            if causal:  # greedy generation through transformers' generate, and ours
+                results[folder][3:] = [
+                    theirs.generate(ids[:, :6], max_new_tokens=4, do_sample=False,
+                                    pad_token_id=0)[0].tolist(),
+                    generate(ours, ids[0, :6], max_new_tokens=4, temperature=0.0).tolist()]
     print(json.dumps(results))
 """).format(ids=IDS)
 
@@ -124,12 +130,13 @@ def test_every_shape_and_slice_opens_in_transformers_as_in_matformer(saved, tmp_
     _, expected = saved
     folders = [(folder, not folder.endswith("masked")) for folder in expected]
     results = _load_elsewhere(tmp_path, folders)
-    for folder, (theirs, ours, kind) in results.items():
+    for folder, (theirs, ours, kind, generated, ours_generated) in results.items():
         reference = expected[folder]
         assert torch.allclose(torch.tensor(theirs), reference, atol=1e-5), folder
         assert torch.equal(torch.tensor(ours), reference), folder  # the packed modules
         assert kind == ("MatformerForMaskedLM" if folder.endswith("masked")
                         else "MatformerForCausalLM")
+        assert generated == ours_generated and (generated is None) == folder.endswith("masked")
 
 
 def test_the_config_names_the_code_and_the_packed_modules_relative_to_it(saved):
