@@ -134,11 +134,29 @@ class ResumeMismatch(MdatError):
 
 
 class BadRecord(MdatError, ValueError):
-    """An input record is not a JSON object with a text field (file and line are named)."""
+    """An input record has no usable text: not a JSON object with the text field, or a table
+    row whose text cell is null or not text (file and line, or row, are named)."""
 
 
 class NotUtf8(MdatError, ValueError):
     """Input text is not valid UTF-8 (file and line, or file, are named)."""
+
+
+class FormatUnavailable(MdatError, ImportError):
+    """Importing Parquet or a `datasets` dataset needs a package that is not installed."""
+
+
+class MissingTextColumn(MdatError, LookupError):
+    """A table to import has no column of the text field's name (its columns are listed)."""
+
+
+class UnreadableSource(MdatError, ValueError):
+    """A file or folder to import is not in the format it was given as, or is damaged."""
+
+
+class SplitError(MdatError, LookupError):
+    """A `datasets` source holds several splits or configs, and none or an unknown one was
+    chosen (the ones it holds are listed)."""
 
 
 class StrategyError(MdatError, ValueError):
@@ -186,7 +204,8 @@ class MdatFormatError(MdatError):
 
 
 class SourceNotFound(MdatError, FileNotFoundError):
-    """The JSONL file or the folder to import does not exist."""
+    """What an import was asked to read does not exist: a file, a folder, a cached hub
+    dataset."""
 
 
 class EmptyDocument(MdatError, ValueError):

@@ -33,6 +33,13 @@ def _add(args: argparse.Namespace) -> None:
     with Mdat.open(args.path) as mdat:
         if args.jsonl:
             info = mdat.add_jsonl(args.name, args.jsonl, text_field=args.text_field, **options)
+        elif args.parquet:
+            info = mdat.add_parquet(args.name, args.parquet, text_field=args.text_field,
+                                    **options)
+        elif args.hf_dataset:
+            info = mdat.add_hf_dataset(args.name, args.hf_dataset, split=args.split,
+                                       config=args.hf_config, revision=args.revision,
+                                       text_field=args.text_field, **options)
         else:
             info = mdat.add_folder(args.name, args.folder, pattern=args.pattern, **options)
     print(f"{info.name}: {info.documents} documents, {info.raw_bytes:,} bytes of text "
@@ -160,13 +167,24 @@ def _parser() -> argparse.ArgumentParser:
 
     sub = command("create", _create, "create an empty container")
     sub.add_argument("--extended", action="store_true", help="allow 65,535 submdats, not 255")
-    sub = command("add", _add, "import a JSONL file or a folder of text files as a submdat")
+    sub = command("add", _add, "import a JSONL file, a folder of text files, Parquet files or "
+                  "a datasets dataset as a submdat")
     sub.add_argument("name", help="the new submdat's name")
     source = sub.add_mutually_exclusive_group(required=True)
     source.add_argument("--jsonl", type=Path, help="one JSON object per line")
     source.add_argument("--folder", type=Path, help="one document per text file")
-    sub.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    source.add_argument("--parquet", type=Path, nargs="+", metavar="FILE",
+                        help="Parquet files, one document per row (only the text column)")
+    source.add_argument("--hf-dataset", metavar="PATH_OR_ID",
+                        help="a folder written by datasets' save_to_disk, or a hub dataset id "
+                        "(org/name) in the huggingface_hub cache (HF_HUB_CACHE; never "
+                        "downloaded)")
+    sub.add_argument("--text-field", default="text",
+                     help="JSONL field or table column holding the text")
     sub.add_argument("--pattern", default="**/*.txt", help="files of --folder to import")
+    sub.add_argument("--split", help="--hf-dataset: the split (of a DatasetDict or hub id)")
+    sub.add_argument("--hf-config", help="--hf-dataset: the hub dataset's config")
+    sub.add_argument("--revision", help="--hf-dataset: the hub branch or commit (default main)")
     sub.add_argument("--compress", action="store_true", help="zstd-compress the texts")
     sub.add_argument("--skip-bad", action="store_true",
                      help="skip and count invalid, empty or non-UTF-8 records instead of "
@@ -205,6 +223,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "add" and not args.hf_dataset:
+        stray = [flag for flag in ("split", "hf_config", "revision") if getattr(args, flag)]
+        if stray:
+            parser.error(f"--{stray[0].replace('_', '-')} goes with --hf-dataset only")
     try:
         args.run(args)
     except (MatformerError, OSError) as err:

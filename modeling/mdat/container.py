@@ -40,6 +40,7 @@ from modeling.mdat.catalogue import (
 )
 from modeling.mdat.document_splitter import DocumentSplitter
 from modeling.mdat.fingerprints import describe, digest
+from modeling.mdat.hf_datasets import hf_dataset_source
 from modeling.mdat.importer import import_records
 from modeling.mdat.npy_files import load_npy
 from modeling.mdat.pretok_files import (
@@ -54,6 +55,7 @@ from modeling.mdat.sequences import SequenceReader, chunks_per_sequence
 from modeling.mdat.shuffles import read_shuffle, shuffle_name, shuffle_path, write_shuffle
 from modeling.mdat.strategy import Strategy, check_name
 from modeling.mdat.submdat import Submdat
+from modeling.mdat.tables import parquet_source
 from modeling.mdat.views import DEFAULT_VIEW, Quota, View, quota_documents, view_folder, write_view
 from modeling.tokenizers.text import locate_tokenizer
 
@@ -151,6 +153,44 @@ class Mdat:
             folder_records(folder, pattern), name=name, source=f"{folder}/{pattern}",
             text_field="text", compress=compress, skip_bad=skip_bad, batch_size=batch_size,
             progress=progress,
+        )
+
+    def add_parquet(
+        self, name: str, files: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *,
+        text_field: str = "text", compress: bool = False, skip_bad: bool = False,
+        batch_size: int = 1000, progress: bool = False,
+    ) -> SubmdatInfo:
+        """Import Parquet files in order, one document per row of column ``text_field``.
+
+        Only that column is read, a batch of rows at a time; other columns are not kept as
+        metadata. A null, non-text, empty or non-UTF-8 cell is a bad record (file and row
+        named); options as in `add_records`. Needs pyarrow (`FormatUnavailable`).
+        """
+        chosen = [files] if isinstance(files, str | os.PathLike) else list(files)
+        source = parquet_source(chosen, text_field)
+        return import_records(
+            self._catalogue, self.path / "datasets" / check_name("submdat", name),
+            source.records, name=name, source=source.description, text_field=text_field,
+            compress=compress, skip_bad=skip_bad, batch_size=batch_size, progress=progress,
+        )
+
+    def add_hf_dataset(
+        self, name: str, dataset: str | os.PathLike[str], *, split: str | None = None,
+        config: str | None = None, revision: str | None = None, text_field: str = "text",
+        compress: bool = False, skip_bad: bool = False, batch_size: int = 1000,
+        progress: bool = False,
+    ) -> SubmdatInfo:
+        """Import a `datasets` dataset: a folder written by ``save_to_disk`` (a DatasetDict
+        needs ``split``), or a hub dataset id found in the huggingface_hub cache, never
+        downloaded (``split`` needed; ``config`` where it has several; ``revision``: a
+        branch or commit, default main). Rows as in `add_parquet`; needs `datasets`.
+        """
+        source = hf_dataset_source(dataset, text_field, split=split, config=config,
+                                   revision=revision)
+        return import_records(
+            self._catalogue, self.path / "datasets" / check_name("submdat", name),
+            source.records, name=name, source=source.description, text_field=text_field,
+            compress=compress, skip_bad=skip_bad, batch_size=batch_size, progress=progress,
         )
 
     def submdats(self) -> list[SubmdatInfo]:

@@ -1,11 +1,12 @@
-"""Input records: JSONL lines, text files, or Python dicts, turned into storable documents.
+"""Input records: JSONL lines, text files, Python dicts or table cells, turned into documents.
 
 Each source yields, per input record, either a `Document` or the `BadRecord` / `NotUtf8` /
-`EmptyDocument` error describing what is wrong with it (file and line, or record, named), so
-the importer decides whether to raise or to skip and count. The sequence of yielded items is
-deterministic for a given input, and `record_bytes` gives each one a canonical encoding: an
-interrupted import hashes the records it consumed and checks, on resume, that the input
-given again starts with the same ones.
+`EmptyDocument` error describing what is wrong with it (file and line or row, or record,
+named), so the importer decides whether to raise or to skip and count. The sequence of
+yielded items is deterministic for a given input, and `record_bytes` gives each one a
+canonical encoding: an interrupted import hashes the records it consumed and checks, on
+resume, that the input given again starts with the same ones. Table sources (Parquet,
+`datasets`) live in `tables.py`, which needs pyarrow.
 """
 
 from __future__ import annotations
@@ -52,6 +53,28 @@ def document_from_dict(value: Mapping[str, Any], text_field: str, where: str) ->
             f"{', '.join(map(str, value)) or 'none'}); choose the field with text_field= "
             f"(--text-field), {_SKIP_HINT}."
         )
+    return _document(text, where, {key: field for key, field in value.items()
+                                   if key != text_field})
+
+
+def cell_record(text: object, column: str, where: str) -> Record:
+    """The text column's cell of one table row, as a document without metadata.
+
+    Text cells come as bytes (a string column read as binary), so that invalid UTF-8 is named
+    here, per row, and not by the table reader for a whole batch.
+    """
+    if text is None:
+        return BadRecord(f"{where}: the text column {column!r} is null; {_SKIP_HINT}.")
+    if not isinstance(text, str | bytes):
+        return BadRecord(
+            f"{where}: column {column!r} holds a {type(text).__name__}, not text; choose the "
+            f"text column with text_field= (--text-field), {_SKIP_HINT}."
+        )
+    return _document(text, where, {})
+
+
+def _document(text: str | bytes, where: str, extra: Mapping[str, Any]) -> Record:
+    """``text`` checked (UTF-8, not blank) and ``extra`` as JSON metadata (None if empty)."""
     try:
         raw = text.encode("utf-8") if isinstance(text, str) else text
         if isinstance(text, bytes):
@@ -63,7 +86,6 @@ def document_from_dict(value: Mapping[str, Any], text_field: str, where: str) ->
     if not raw.strip():  # a document without tokens would make no sequence
         return EmptyDocument(f"{where}: the text is empty or only whitespace; remove the "
                              f"record {_SKIP_HINT}.")
-    extra = {key: field for key, field in value.items() if key != text_field}
     try:
         metadata = json.dumps(extra, ensure_ascii=False).encode("utf-8") if extra else None
     except (TypeError, ValueError, UnicodeError) as err:
