@@ -45,6 +45,11 @@ class HookPositionError(ConfigError):
     """A hook was attached at a position the transformer block does not expose."""
 
 
+class WersaUnsupported(MatformerError, ValueError):
+    """WERSA attention was asked for something it does not compute (the message says what to
+    use instead)."""
+
+
 class BatchError(MatformerError, ValueError):
     """Examples cannot form the requested batch (empty, ragged static dims, too long)."""
 

@@ -7,8 +7,9 @@ Each step takes the logits of the last position, scaled by ``temperature`` and c
 and draws the next token (``temperature=0``: the most likely one, greedy). With the KV
 cache (the default) a step feeds only the new token; without it, the whole sequence again,
 which gives the same tokens (``tests/test_generation.py``) at quadratic cost. Models whose
-attention bias depends on the query's position against every key's (ALiBi) generate
-without the cache.
+attention bias depends on the query's position against every key's (ALiBi), and those whose
+attention kernel cannot decode from a cache (``decodes_with_cache = False``: WERSA),
+generate without it, saying so once per call.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ def generate(
     if use_cache and positional.score_bias is not PositionalEncoding.score_bias:
         log.warning("matformer: %s adds a bias over query-key distances; generating without "
                     "the KV cache", positional.__name__)
+        use_cache = False
+    uncached = {type(m).__name__ for m in model.modules()
+                if not getattr(m, "decodes_with_cache", True)}
+    if use_cache and uncached:
+        log.warning("matformer: %s attention cannot decode from a KV cache; generating "
+                    "without it", ", ".join(sorted(uncached)))
         use_cache = False
     model.eval()
     ids = prompt[None]  # (1, T)

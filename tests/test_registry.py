@@ -86,7 +86,7 @@ def test_builtin_categories_are_registered():
         registry.variants("positional"))
     assert {"geglu", "gelu", "swiglu"} <= set(registry.variants("mlp"))
     names = [impl.name for impl in registry.implementations("attention", "kernel")]
-    assert names == ["sdpa", "flash", "flex", "torch"]
+    assert names == ["sdpa", "flash", "flex", "torch", "wersa"]
 
 
 def test_default_kernel_is_sdpa_and_flash_falls_back_on_cpu(caplog, monkeypatch):

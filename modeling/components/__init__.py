@@ -9,4 +9,5 @@ from modeling.components import (  # noqa: F401
     mlp,
     norms,
     positional,
+    wersa,
 )

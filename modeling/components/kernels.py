@@ -53,6 +53,8 @@ def additive_mask(
 class AttentionKernel(nn.Module):
     """Base class; subclasses implement ``forward`` with the signature below."""
 
+    decodes_with_cache = True  # takes fewer queries than keys (generation's KV cache)
+
     def __init__(self, config: Any = None, **_: Any) -> None:
         super().__init__()
 
