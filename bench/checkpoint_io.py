@@ -8,14 +8,23 @@
 2. Per tier, ``sliced`` against ``universal``: bytes the loader fetches and time to a ready
    model (sha256 checks included). Files come from a local folder, so "bytes" is exactly
    what a hub client would download.
+3. With transformers installed, the same checkpoint opened by transformers against
+   ``load_pretrained``: the Llama shape with ``LlamaForCausalLM``, and the same sizes with
+   LayerNorm and GELU (not Llama-shaped, so saved with its code) with
+   ``AutoModelForCausalLM(trust_remote_code=True)``, which builds our model and fills it
+   through transformers' loader. Ratios > 1: ours is faster.
 
     python bench/checkpoint_io.py                 # 64M-parameter Llama shape
-    python bench/checkpoint_io.py --hidden-size 1024 --layers 12
+    python bench/checkpoint_io.py --hidden-size 768 --layers 12 --heads 12 --kv-heads 12 \
+        --intermediate-size 3072                  # 134M parameters
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.util
+import logging
 import statistics
 import tempfile
 import time
@@ -25,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from modeling import AutoregressiveModel, ModelConfig, canonical_state_dict
+from modeling import AutoregressiveModel, LayerConfig, ModelConfig, canonical_state_dict
 from modeling.checkpoint import load_pretrained, save_pretrained
 from modeling.checkpoint.export import export_tiers
 from modeling.checkpoint.loader import load_for_tier
@@ -123,7 +132,33 @@ def main() -> None:
                 ratio = f"{seconds / full_s:.2f}" if strategy == "sliced" else ""
                 print(f"{tier:<6}{strategy:<11}{fetched / MB:>11.1f}"
                       f"{fetched / full_bytes:>13.0%} {seconds:>9.2f}{ratio:>23}")
+        if importlib.util.find_spec("transformers") is not None:
+            _transformers_loads(config, ours, root, args.repeats)
     print(f"\n(torch {torch.__version__}, {torch.get_num_threads()} threads; files on local disk)")
+
+
+def _transformers_loads(config: ModelConfig, llama: Path, root: Path, repeats: int) -> None:
+    """Time to a ready model: transformers against ``load_pretrained``, same files."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("matformer").setLevel(logging.ERROR)
+    other = dataclasses.replace(config, default_layer=LayerConfig(
+        normalization="layernorm", ffn_activation="gelu"))
+    custom = root / "layernorm_gelu"
+    save_pretrained(AutoregressiveModel(other), custom)
+    contenders = (
+        ("llama", llama, lambda: LlamaForCausalLM.from_pretrained(llama)),
+        ("layernorm+gelu (code)", custom,
+         lambda: AutoModelForCausalLM.from_pretrained(custom, trust_remote_code=True)),
+    )
+    print(f"\n{'shape':<24}{'transformers s':>15}{'ours s':>9}{'transformers/ours':>19}")
+    for name, folder, theirs in contenders:
+        theirs()  # once untimed: transformers imports and caches the checkpoint's code
+        hf_s, ours_s = interleaved(theirs, lambda f=folder: load_pretrained(f), repeats)
+        print(f"{name:<24}{hf_s:>15.2f}{ours_s:>9.2f}{hf_s / ours_s:>19.2f}")
 
 
 if __name__ == "__main__":
