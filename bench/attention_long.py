@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 from harness import (
-    DTYPES,
     Step,
+    add_device_args,
     contention_warning,
     mib,
     print_table,
@@ -52,10 +52,7 @@ def parse_args() -> argparse.Namespace:
     wersa.add_argument("--levels", type=int, default=3, help="Haar levels")
     wersa.add_argument("--chunk", type=int, default=64, help="chunk length")
     run = parser.add_argument_group("run")
-    run.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    run.add_argument("--threads", type=int, default=None,
-                     help="CPU threads for torch (default: every core this process may use)")
+    add_device_args(run)
     run.add_argument("--steps", type=int, default=4, help="timed steps per kernel and length")
     run.add_argument("--repeats", type=int, default=2, help="interleaved blocks per length")
     run.add_argument("--warmup", type=int, default=1)

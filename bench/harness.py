@@ -51,6 +51,14 @@ PEAK_TFLOPS = (
 )
 
 
+def add_device_args(group: argparse._ArgumentGroup, dtype_help: str | None = None) -> None:
+    """``--dtype``, ``--device`` and ``--threads``, which ``setup`` reads."""
+    group.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help=dtype_help)
+    group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    group.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for torch (default: every core this process may use)")
+
+
 def add_shape_args(parser: argparse.ArgumentParser) -> None:
     """Model shape, batch, device and timing options shared by every benchmark."""
     shape = parser.add_argument_group("model and batch")
@@ -63,11 +71,7 @@ def add_shape_args(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--seq-len", type=int, default=256)
     shape.add_argument("--batch-size", type=int, default=4)
     run = parser.add_argument_group("run")
-    run.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
-                     help="dtype of weights, activations and optimizer state")
-    run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    run.add_argument("--threads", type=int, default=None,
-                     help="CPU threads for torch (default: every core this process may use)")
+    add_device_args(run, dtype_help="dtype of weights, activations and optimizer state")
     run.add_argument("--steps", type=int, default=12,
                      help="timed steps per contender, split over --repeats blocks")
     run.add_argument("--repeats", type=int, default=6,

@@ -38,7 +38,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import DTYPES, Step, contention_warning, print_table, setup, time_interleaved
+from harness import (
+    Step,
+    add_device_args,
+    contention_warning,
+    print_table,
+    setup,
+    time_interleaved,
+)
 from torch import Tensor
 
 from modeling import AutoregressiveModel, ModelConfig
@@ -86,10 +93,7 @@ def parse_args() -> argparse.Namespace:
     model.add_argument("--kv-heads", type=int, default=2)
     model.add_argument("--intermediate-size", type=int, default=256)
     run = parser.add_argument_group("run")
-    run.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    run.add_argument("--threads", type=int, default=None,
-                     help="CPU threads for torch (default: every core this process may use)")
+    add_device_args(run)
     run.add_argument("--repeats", type=int, default=3, help="timed epochs per contender")
     run.add_argument("--warmup", type=int, default=4, help="untimed steps per contender first")
     run.add_argument("--lr", type=float, default=1e-4)
