@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -26,7 +26,7 @@ from modeling.checkpoint.loader import load, resolve
 from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
 from modeling.checkpoint.repository import HubRepository, LocalRepository, normalize
 from modeling.checkpoint.schema import canonical_schema_hash
-from modeling.errors import MatformerError
+from modeling.errors import MatformerError, PathEscapesRepository
 from protocol.errors import ChecksumMismatch, MalformedStream
 
 DOWNLOAD_ATTEMPTS = 3  # of a checkpoint file that arrives damaged, before giving up
@@ -49,11 +49,14 @@ def open_mirror(source: str) -> Mirror | None:
 
 def load_replica(connection: Connection, checkpoint: PublishedCheckpoint, tier: int, *,
                  strategy: str, cache: Path, mirror: Mirror | None, device: torch.device,
-                 schema_hash: str, log: Callable[[str], None]) -> Replica:
+                 schema_hash: str, log: Callable[[str], None],
+                 trust_remote_code: bool = False) -> Replica:
     """The replica of ``checkpoint`` at ``tier``, on ``device``; refuses a model whose
-    canonical schema hash is not the run's ``schema_hash`` (when given)."""
+    canonical schema hash is not the run's ``schema_hash`` (when given), and one built with
+    module files the checkpoint carries unless the operator passed ``trust_remote_code``."""
     files = CheckpointFiles(connection, cache, mirror, log=log)
-    resolved = resolve(checkpoint.folder, tier, strategy, repository=files)
+    resolved = resolve(checkpoint.folder, tier, strategy, repository=files,
+                       trust_remote_code=trust_remote_code)
     replica = Replica(load(resolved).to(device))
     got = canonical_schema_hash(replica.config, replica.shapes)
     if schema_hash and got != schema_hash:
@@ -90,7 +93,7 @@ class CheckpointFiles:
         self.mirrored: list[str] = []  # paths copied from the mirror
 
     def fetch(self, path: str) -> Path | None:
-        local = self.cache / path
+        local = self._inside_cache(path)
         if path.rpartition("/")[2] == MANIFEST_NAME:
             if not self._download(path, local, None):
                 return None
@@ -110,6 +113,18 @@ class CheckpointFiles:
                 self.mirrored.append(path)
                 return local
         return local if self._download(path, local, wanted) else None
+
+    def _inside_cache(self, path: str) -> Path:
+        """Where ``path`` is kept here. Paths come from the coordinator (its checkpoint folder
+        and manifest), so each is checked to stay inside the cache, whatever it says."""
+        local = self.cache / path
+        if (PurePosixPath(path).is_absolute() or ".." in PurePosixPath(path).parts
+                or not local.resolve().is_relative_to(self.cache.resolve())):
+            raise PathEscapesRepository(
+                f"the coordinator names the checkpoint file {path!r}, which leads outside this "
+                f"client's cache {self.cache}; nothing was written. The coordinator is "
+                "misconfigured or hostile: ask its operator, or join another run.")
+        return local
 
     def _from_mirror(self, path: str) -> Path | None:
         try:

@@ -18,6 +18,7 @@ from client.node import follow
 from client.standalone import add_arguments, run
 from modeling.checkpoint.loader import STRATEGIES
 from modeling.devices import resolve_device
+from modeling import trust
 from modeling.distributed import DataParallel
 from modeling.errors import MatformerError
 
@@ -41,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 "(files whose sha256 differs from the manifest are downloaded)")
     federated.add_argument("--join-token", default=None,
                            help=f"the run's join token (default: ${JOIN_TOKEN_ENV})")
+    trust.add_option(federated)
     federated.add_argument("--name", default=None,
                            help="this client's name ([tiers.pins] match it; default: hostname)")
     federated.add_argument("--run-id", default="", help="refuse to join any other run")
@@ -66,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def federated_options(args: argparse.Namespace) -> FederatedOptions:
     options = FederatedOptions(
         server=args.server, tier=args.tier, load_strategy=args.load_strategy,
-        checkpoint=args.checkpoint, data=args.data, device=args.device,
+        checkpoint=args.checkpoint, trust_remote_code=args.trust_remote_code,
+        data=args.data, device=args.device,
         precision=args.precision, batching=args.batching, compile=args.compile,
         join_token=args.join_token, run_id=args.run_id, state_dir=args.state_dir,
         tls_ca=args.tls_ca, microbatch_tokens=args.microbatch_tokens,

@@ -83,6 +83,7 @@ class FederatedOptions:
     tier: int | None = None  # the smallest tier index (largest model) wanted; None: any
     load_strategy: str = "auto"  # auto | sliced | universal
     checkpoint: str = "server"  # server | a folder | hf:ORG/NAME holding the run's checkpoints
+    trust_remote_code: bool = False  # run module files the run's checkpoint carries
     data: Path | None = None  # a local copy of the run's MDAT; None: sequences from the server
     device: str = "cpu"  # cpu | cuda | cuda:N | mps (under torchrun: each rank's local GPU)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; float32 weights and results)
@@ -334,7 +335,8 @@ class FederatedClient:
         self.replica = load_replica(
             self.connection, checkpoint, self.tier, strategy=self.options.load_strategy,
             cache=self.state_dir / "checkpoints", mirror=self.mirror, device=self.device,
-            schema_hash=self.member.schema_hash, log=self.log)
+            schema_hash=self.member.schema_hash, log=self.log,
+            trust_remote_code=self.options.trust_remote_code)
         self.node.load(self.replica, self.options.compile)
         if self.options.compile:
             compile_model(self.replica.model)

@@ -74,6 +74,16 @@ class IntegrityError(CheckpointError):
     """A file's sha256 differs from the one the manifest records."""
 
 
+class RemoteCodeRefused(MatformerError):
+    """A checkpoint or container needs code of its own to build, and the user did not allow
+    it (``trust_remote_code``)."""
+
+
+class CodeOutsideCheckpoint(CheckpointError):
+    """A checkpoint lists code that does not lie inside its own folder (an absolute path,
+    ``..``, a folder, or a symlink out)."""
+
+
 class AlreadySliced(CheckpointError):
     """A tier-sliced checkpoint was given where the universal one is needed."""
 

@@ -14,6 +14,7 @@ back to the next rule, and the fallback is reported once, in one line, through `
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -216,8 +217,10 @@ class Registry:
             if file in self._loaded_files:
                 continue
             module_name = f"matformer_external.{file.parent.name}.{file.stem}"
-            spec = importlib.util.spec_from_file_location(module_name, file)
-            assert spec is not None and spec.loader is not None
+            # named as Python source: a hub snapshot's file is a link to a blob without .py
+            loader = importlib.machinery.SourceFileLoader(module_name, str(file))
+            spec = importlib.util.spec_from_file_location(module_name, file, loader=loader)
+            assert spec is not None
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module
             spec.loader.exec_module(module)

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from modeling import trust
 from modeling.checkpoint import load_pretrained
 from modeling.devices import PRECISIONS, Precision, resolve_device
 from modeling.errors import MatformerError
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-eval-tokens-per-microbatch", type=int, default=8192)
     parser.add_argument("--max-examples-per-microbatch", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    trust.add_option(parser)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     return parser.parse_args(argv)
@@ -67,7 +69,7 @@ def tiers_of(args: argparse.Namespace) -> list[Tier]:
 def evaluate(args: argparse.Namespace) -> dict:
     """The figures ``args`` ask for, as ``--json`` writes them."""
     device = resolve_device(args.device)
-    model = load_pretrained(args.checkpoint).to(device)
+    model = load_pretrained(args.checkpoint, trust_remote_code=args.trust_remote_code).to(device)
     tiers = tiers_of(args)
     with Mdat.open(args.data) as mdat:
         reader = mdat.sequences(args.strategy, args.seq_len, args.view)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from modeling import trust
 from modeling.checkpoint import load_pretrained
 from modeling.devices import resolve_device
 from modeling.errors import MatformerError
@@ -43,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="an MDAT: use the tokenizer of its --strategy instead")
     parser.add_argument("--strategy", default=DEFAULT_STRATEGY["strategy_name"])
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    trust.add_option(parser)
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute every position at every step (for checking)")
     return parser.parse_args(argv)
@@ -53,7 +55,8 @@ def text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
     ``--tokenizer``'s."""
     if args.data is not None:
         with Mdat.open(args.data) as mdat:
-            return build_splitter(mdat.path, mdat.strategy(args.strategy)).tokenizer
+            return build_splitter(mdat.path, mdat.strategy(args.strategy),
+                                  args.trust_remote_code).tokenizer
     if args.tokenizer == "bytes":
         return build_text_tokenizer("bytes", None)
     return build_text_tokenizer("huggingface", Path(args.tokenizer))
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         text = text_tokenizer(args)
         device = resolve_device(args.device)
-        model = load_pretrained(args.checkpoint).to(device)
+        model = load_pretrained(args.checkpoint,
+                                trust_remote_code=args.trust_remote_code).to(device)
         prompt = torch.tensor(text.encode(args.prompt)[0], dtype=torch.long, device=device)
         ids = generate(model, prompt, tier=args.tier, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from modeling import trust
 from modeling.errors import MatformerError
 from modeling.mdat import (
     Mdat,
@@ -23,14 +24,19 @@ from modeling.tokenizers import DEFAULT_SPECIAL_TOKENS, train_tokenizer
 Command = Callable[[argparse.Namespace], None]
 
 
+def _open(args: argparse.Namespace) -> Mdat:
+    return Mdat.open(args.path, trust_remote_code=args.trust_remote_code)
+
+
 def _create(args: argparse.Namespace) -> None:
-    with Mdat.create(args.path, extended=args.extended) as mdat:
+    with Mdat.create(args.path, extended=args.extended,
+                     trust_remote_code=args.trust_remote_code) as mdat:
         print(f"created {mdat.path} (up to {mdat.max_submdats} submdats)")
 
 
 def _add(args: argparse.Namespace) -> None:
     options = dict(compress=args.compress, skip_bad=args.skip_bad, progress=True)
-    with Mdat.open(args.path) as mdat:
+    with _open(args) as mdat:
         if args.jsonl:
             info = mdat.add_jsonl(args.name, args.jsonl, text_field=args.text_field, **options)
         elif args.parquet:
@@ -52,7 +58,7 @@ def _skipped(info: SubmdatInfo) -> str:
 
 
 def _info(args: argparse.Namespace) -> None:
-    with Mdat.open(args.path) as mdat:
+    with _open(args) as mdat:
         print(f"{mdat.path} (up to {mdat.max_submdats} submdats)")
         print("submdats:")
         for info in mdat.submdats():
@@ -81,13 +87,13 @@ def _info(args: argparse.Namespace) -> None:
 
 
 def _strategy(args: argparse.Namespace) -> None:
-    with Mdat.open(args.path) as mdat:
+    with _open(args) as mdat:
         strategy = mdat.add_strategy(args.file)
     print(f"strategy {strategy.name}: {json.dumps(strategy.to_dict())}")
 
 
 def _pretokenize(args: argparse.Namespace) -> None:
-    with Mdat.open(args.path) as mdat:
+    with _open(args) as mdat:
         status = mdat.pretokenize(args.strategy, submdats=args.submdat,
                                   processes=args.processes, progress=True)
         tokens = sum(progress.tokens for progress in status)
@@ -105,20 +111,20 @@ def _quota(text: str) -> tuple[str, Quota]:
 
 
 def _view(args: argparse.Namespace) -> None:
-    with Mdat.open(args.path) as mdat:
+    with _open(args) as mdat:
         view = mdat.create_view(args.name, dict(args.quotas), seed=args.seed)
     print(f"view {view.name}: {json.dumps(view.documents)} documents")
 
 
 def _shuffle(args: argparse.Namespace) -> None:
-    with Mdat.open(args.path) as mdat:
+    with _open(args) as mdat:
         order = mdat.shuffle(args.view, args.strategy, args.max_seq_len, args.seed)
         fingerprint = mdat.fingerprint(args.strategy, args.max_seq_len, args.view)
     print(f"shuffled {len(order)} sequences (fingerprint {fingerprint})")
 
 
 def _export_saetta(args: argparse.Namespace) -> None:
-    with Mdat.open(args.path) as mdat:
+    with _open(args) as mdat:
         order = mdat.shuffle(args.view, args.strategy, args.max_seq_len, args.seed)
         reader = mdat.sequences(args.strategy, args.max_seq_len, args.view)
         out = export_saetta(reader, order, args.out, seed=args.seed, progress=True)
@@ -126,7 +132,7 @@ def _export_saetta(args: argparse.Namespace) -> None:
 
 
 def _remove(args: argparse.Namespace) -> None:
-    with Mdat.open(args.path) as mdat:
+    with _open(args) as mdat:
         if args.kind == "submdat":
             mdat.remove_submdat(args.name)
         else:
@@ -135,7 +141,7 @@ def _remove(args: argparse.Namespace) -> None:
 
 
 def _train_tokenizer(args: argparse.Namespace) -> None:
-    with Mdat.open(args.path) as mdat:
+    with _open(args) as mdat:
         out = train_tokenizer(mdat.submdat(args.submdat), args.out, vocab_size=args.vocab_size,
                               special_tokens=args.special_tokens)
     print(f"wrote {out}")
@@ -162,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
         sub.add_argument("path", type=Path, help="the container folder")
+        trust.add_option(sub)
         sub.set_defaults(run=run)
         return sub
 

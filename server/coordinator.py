@@ -947,7 +947,9 @@ class Coordinator:
         if initial is not None:
             return initial
         if self.config.model.checkpoint is not None:
-            return canonical_state_dict(load_pretrained(self.config.model.checkpoint))
+            model = self.config.model
+            return canonical_state_dict(load_pretrained(
+                model.checkpoint, trust_remote_code=model.trust_remote_code))
         torch.manual_seed(self.config.data.seed)
         return canonical_state_dict(build_model(self.model_config))
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from modeling.checkpoint.files import CONFIG_NAME
 from modeling.checkpoint.hf_config import from_config_dict
+from modeling.checkpoint.pretrained import read_config
+from modeling.checkpoint.remote_code import consented
 from modeling.compression import UPDATE_RULES, CompressionConfig, UpdateConfig, universal_shapes
 from modeling.config import ModelConfig
 from modeling.errors import MatformerError
@@ -106,6 +108,9 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         given = [k for k in ("inline", "config_path", "checkpoint") if getattr(self, k) is not None]
+    # run the module files the checkpoint carries (read them first); without it the model
+    # must be built of registered components. Clients decide for themselves.
+    trust_remote_code: bool = False
         if not given:
             raise MissingKey("[model] needs one of: a [model.inline] table of model config "
                              "fields, config_path (a config.json) or checkpoint (a folder).")
@@ -126,7 +131,11 @@ class ModelSection:
             where = f"[model] {path}"
             if not path.is_file():
                 raise MissingFile(f"{where} does not exist; fix the path in [model].")
-            config = _model(where, lambda: from_config_dict(json.loads(path.read_text())))
+            if self.checkpoint is None:
+                config = _model(where, lambda: from_config_dict(json.loads(path.read_text())))
+            else:  # its module files are the checkpoint's, found and allowed as for any load
+                config = _model(where, lambda: consented(
+                    read_config(self.checkpoint), self.trust_remote_code, self.checkpoint))
         _require(config.matformer_tier == 0 and config.matformer_layer_tiers is None,
                  f"{where} describes a tier {config.matformer_tier} slice; a run trains the "
                  "universal (tier 0) model, so point [model] at the universal config.")

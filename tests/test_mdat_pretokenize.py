@@ -50,7 +50,7 @@ class FlakyBytes:
 
 
 def container(path, splitter: str = "fixed_chunks", chunk_size: int = 64) -> Mdat:
-    mdat = Mdat.create(path)
+    mdat = Mdat.create(path, trust_remote_code=True)  # flaky.py is this test's own
     (mdat.path / "functions" / "flaky.py").write_text(textwrap.dedent(FLAKY_SPLITTER))
     mdat.add_records("first", ({"text": t} for t in DOCS[:45]))
     mdat.add_records("second", ({"text": t} for t in DOCS[45:]))
@@ -117,7 +117,8 @@ def test_interrupted_pretokenization_resumes_to_identical_files(tmp_path, monkey
 SLOW_PRETOKENIZE = """
 import sys
 from modeling.mdat import Mdat
-Mdat.open(sys.argv[1]).pretokenize("s", batch_size=4, processes=int(sys.argv[2]))
+Mdat.open(sys.argv[1], trust_remote_code=True).pretokenize("s", batch_size=4,
+                                                 processes=int(sys.argv[2]))
 """
 
 

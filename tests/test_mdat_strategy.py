@@ -216,7 +216,7 @@ class BrokenSum:
 
 
 def test_custom_splitter_from_functions_folder(tmp_path) -> None:
-    with Mdat.create(tmp_path / "c") as mdat:
+    with Mdat.create(tmp_path / "c", trust_remote_code=True) as mdat:
         (mdat.path / "functions" / "words.py").write_text(textwrap.dedent(CUSTOM_SPLITTER))
         mdat.add_records("d", [{"text": "ab cd", "lang": "x"}])
         mdat.add_strategy({

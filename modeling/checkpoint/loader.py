@@ -44,7 +44,7 @@ from modeling.checkpoint.listing import (
 )
 from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest
 from modeling.checkpoint.pretrained import load_state_into
-from modeling.checkpoint.remote_code import packed_modules
+from modeling.checkpoint.remote_code import consented, packed_modules
 from modeling.checkpoint.repository import (
     HubRepository,
     LocalRepository,
@@ -58,6 +58,8 @@ from modeling.errors import (
     AlreadySliced,
     CheckpointError,
     ConfigError,
+    IncompleteTier,
+    IntegrityError,
     ManifestMissing,
     MatformerError,
     SliceMismatch,
@@ -245,10 +247,12 @@ def resolve(
     revision: str | None = None,
     cache_dir: Path | None = None,
     repository: Any | None = None,
+    trust_remote_code: bool = False,
 ) -> ResolvedCheckpoint:
     """Pick, fetch and verify the files for ``tier`` from a folder or hub repo id; or, with
     ``repository`` (any object with ``fetch(path) -> Path | None``), from its folder
-    ``source``: a coordinator's checkpoints fetched over gRPC, say."""
+    ``source``: a coordinator's checkpoints fetched over gRPC, say. The checkpoint's own
+    module files are kept for ``load`` to run only with ``trust_remote_code``."""
     if strategy not in STRATEGIES:
         raise ConfigError(f"load strategy {strategy!r} is not one of {', '.join(STRATEGIES)}.")
     if repository is None:
@@ -279,13 +283,36 @@ def resolve(
             choice = _universal(src, f"tier {tier_label(tier)} slice unusable "
                                      f"({unusable.why}); slicing at load")
     config_path = choice.found[choice.files.config]
+    config = consented(packed_modules(from_config_dict(read_json(config_path), tier=choice.tier,
+                                                       base=choice.base), config_path.parent),
+                       trust_remote_code, source)
+    if config.external_modules_path:  # allowed: run the copies the manifest vouches for
+        config.external_modules_path = _module_files(src, choice.files.config,
+                                                     config.external_modules_path)
     return ResolvedCheckpoint(
-        source=str(source), tier=tier, strategy=strategy, used=choice.used,
-        config=packed_modules(from_config_dict(read_json(config_path), tier=choice.tier,
-                                               base=choice.base), config_path.parent),
+        source=str(source), tier=tier, strategy=strategy, used=choice.used, config=config,
         directory=config_path.parent, weights=choice.files.weight_names(),
         files=list(choice.found), manifest=src.manifest, reason=choice.reason,
     )
+
+
+def _module_files(src: _Source, config_file: str, listed: list[str]) -> list[str]:
+    """Local, verified copies of the module files a loaded config lists. With a manifest they
+    are its common files of those names, each checked against its sha256 (a slice's config
+    lists the code the universal carries); without one, the files beside the config."""
+    names = [Path(path).name for path in listed]
+    folder = src.folder if src.manifest is not None else posixpath.dirname(config_file)
+    paths = [posixpath.join(folder, name) for name in names]
+    unvouched = [p for p in paths if src.manifest is not None and p not in src.common]
+    if unvouched:
+        raise IntegrityError(
+            f"{src.name}'s config lists module files its {MANIFEST_NAME} does not vouch for "
+            f"({', '.join(unvouched)}); re-export the tiers, or do not run this checkpoint.")
+    found, missing = src.fetcher.all(paths)
+    if missing:
+        raise IncompleteTier(f"{src.name} lacks the module files its config lists "
+                             f"({', '.join(missing)}); copy them with the checkpoint.")
+    return [str(found[p]) for p in paths]
 
 
 def load(resolved: ResolvedCheckpoint) -> nn.Module:

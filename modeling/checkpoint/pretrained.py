@@ -17,7 +17,7 @@ from modeling.checkpoint.files import (
     write_weights,
 )
 from modeling.checkpoint.hf_config import from_config_dict, is_llama_shaped, to_config_dict
-from modeling.checkpoint.remote_code import module_files, pack_code, packed_modules
+from modeling.checkpoint.remote_code import consented, module_files, pack_code, packed_modules
 from modeling.config import ModelConfig
 from modeling.errors import ShapeMismatch
 from modeling.models import build_model
@@ -48,7 +48,8 @@ def save_pretrained(
 
 
 def read_config(directory: str | Path) -> ModelConfig:
-    """The checkpoint's ModelConfig, its packed modules (if any) found beside it."""
+    """The checkpoint's ModelConfig, its packed modules (if any) found beside it; nothing is
+    imported: building a model from it runs them (see ``load_pretrained``)."""
     directory = Path(directory)
     return packed_modules(from_config_dict(read_json(directory / CONFIG_NAME)), directory)
 
@@ -74,10 +75,12 @@ def load_state_into(model: nn.Module, state: dict[str, Tensor], source: Path) ->
     load_canonical_state_dict(model, state)
 
 
-def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None) -> nn.Module:
-    """Build the model ``config.json`` describes and load its weights."""
+def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None, *,
+                    trust_remote_code: bool = False) -> nn.Module:
+    """Build the model ``config.json`` describes and load its weights; the checkpoint's own
+    module files run only with ``trust_remote_code`` (`remote_code.consented`)."""
     directory = Path(directory)
-    config = read_config(directory)
+    config = consented(read_config(directory), trust_remote_code, directory)
     state = read_weights(directory)
     model = build_model(config)
     load_state_into(model, state, directory)

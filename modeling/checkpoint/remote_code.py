@@ -12,20 +12,26 @@ A Llama-shaped model needs none: ``config.json`` says ``model_type: llama``. Any
 The module copies sit beside the code files, flat, because that is how transformers finds
 a remote module's imports (``from .<module> import ...``) and downloads them from the Hub.
 Matformer reads the same ``external_modules_path`` back, relative to the checkpoint, so a
-checkpoint opens after the folder its modules came from is gone. The checkpoint's code needs
-the matformer package installed: it builds the model from it.
+checkpoint opens after the folder its modules came from is gone. As with transformers, that
+code runs only when the user allows it (``trust_remote_code``, ``consented``), and only from
+files inside the checkpoint (``packed_modules``). The checkpoint's code needs the matformer
+package installed: it builds the model from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import shutil
 from pathlib import Path
 
 from torch import nn
 
+from modeling.checkpoint.files import CONFIG_NAME
 from modeling.config import ModelConfig
-from modeling.errors import CheckpointError
+from modeling.errors import CheckpointError, CodeOutsideCheckpoint, RegistryError, RemoteCodeRefused
+from modeling.layer_spec import model_spec
+from modeling.trust import refusal
 
 CONFIG_CODE = "configuration_matformer.py"
 MODEL_CODE = "modeling_matformer.py"
@@ -112,11 +118,63 @@ def listed_modules(config: ModelConfig) -> list[Path]:
 
 
 def packed_modules(config: ModelConfig, directory: Path) -> ModelConfig:
-    """``config`` read from ``directory``'s config.json with its relative module files made
-    absolute there, where they were packed."""
+    """``config`` read from ``directory``'s config.json with its module files made absolute
+    there, where they were packed. Each must be a ``.py`` file directly inside ``directory``;
+    an absolute path, ``..``, a folder or a symlink leading out is refused, so a checkpoint
+    can never point the loader at code elsewhere on the machine. Nothing is imported here."""
     listed = config.external_modules_path
-    if not isinstance(listed, list):
+    if listed is None:
         return config
-    config.external_modules_path = [str(directory / name) if not Path(name).is_absolute()
-                                    else name for name in listed]
+    if not isinstance(listed, list):
+        raise CodeOutsideCheckpoint(
+            f"{directory / CONFIG_NAME} gives external_modules_path {listed!r}, a folder; a "
+            "checkpoint lists its own module files by name. Save the checkpoint again with "
+            "Matformer, or remove the key if the model needs no code of its own.")
+    config.external_modules_path = [str(_packed_file(directory, name)) for name in listed]
     return config
+
+
+def _packed_file(directory: Path, name: str) -> Path:
+    path = Path(name)
+    if path.is_absolute() or len(path.parts) != 1 or path.suffix != ".py":
+        raise CodeOutsideCheckpoint(
+            f"{directory / CONFIG_NAME} lists module file {name!r}; a checkpoint's module "
+            "files are .py files beside its config.json, named without a folder. This "
+            "checkpoint points at code elsewhere: do not load it.")
+    file = directory / path
+    if file.exists() and not _inside(file.resolve(), directory):
+        raise CodeOutsideCheckpoint(
+            f"{file} is a link to {file.resolve()}, outside the checkpoint; a checkpoint's "
+            "module files must be its own: do not load it.")
+    return file
+
+
+def _inside(real: Path, directory: Path) -> bool:
+    """True when ``real`` lies in ``directory``, or, for a snapshot of the hub cache, in its
+    repository's ``blobs/`` (where the cache keeps the files a snapshot links to)."""
+    if real.is_relative_to(directory.resolve()):
+        return True
+    for folder in directory.absolute().parents:
+        if folder.name == "snapshots":
+            return real.parent == (folder.parent / "blobs").resolve()
+    return False
+
+
+def consented(config: ModelConfig, trust_remote_code: bool, source: str | Path) -> ModelConfig:
+    """The config to build a checkpoint's model from, as the user allowed.
+
+    The checkpoint's own module files are imported (run) only with ``trust_remote_code``.
+    Without it they are left out, which is fine when every component the config names is
+    registered here anyway (the user imported their own module); otherwise the model cannot
+    be built and the refusal names the files to read before allowing them.
+    """
+    files = listed_modules(config)
+    if not files or trust_remote_code:
+        return config
+    plain = dataclasses.replace(config, external_modules_path=None)
+    try:
+        model_spec(plain)
+    except RegistryError as missing:
+        raise RemoteCodeRefused(refusal(source, files, f"its model is built with ({missing})")
+                                ) from None
+    return plain

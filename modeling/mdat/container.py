@@ -67,12 +67,15 @@ Selection = list[tuple[SubmdatInfo, PretokProgress, np.ndarray | None]]
 class Mdat:
     """An MDAT container; get one with `Mdat.create` or `Mdat.open`."""
 
-    def __init__(self, path: Path, catalogue: Catalogue) -> None:
+    def __init__(self, path: Path, catalogue: Catalogue, trust_remote_code: bool = False) -> None:
         self.path = path
         self._catalogue = catalogue
+        # whether the code in functions/ may run (modeling.trust): never by default
+        self.trust_remote_code = trust_remote_code
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str], *, extended: bool = False) -> Mdat:
+    def create(cls, path: str | os.PathLike[str], *, extended: bool = False,
+               trust_remote_code: bool = False) -> Mdat:
         """A new, empty container; ``extended`` allows 65,535 submdats instead of 255."""
         path = Path(path)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -82,12 +85,14 @@ class Mdat:
             for folder in FOLDERS:
                 (building / folder).mkdir(parents=True)
             Catalogue.create(building, extended=extended).close()
-        return cls.open(path)
+        return cls.open(path, trust_remote_code=trust_remote_code)
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> Mdat:
+    def open(cls, path: str | os.PathLike[str], *, trust_remote_code: bool = False) -> Mdat:
+        """The container at ``path``; the ``.py`` files of its ``functions/`` run (when a
+        strategy needs them) only with ``trust_remote_code``."""
         path = Path(path)
-        return cls(path, Catalogue.open(path))
+        return cls(path, Catalogue.open(path), trust_remote_code)
 
     def close(self) -> None:
         self._catalogue.close()
@@ -242,7 +247,8 @@ class Mdat:
             tokenizer, recorded = locate_tokenizer(strategy.tokenizer_name,
                                                    strategy.tokenizer_revision)
             strategy = replace(strategy, tokenizer_name=recorded)
-        resolved = DocumentSplitter(strategy, self.path / "functions", tokenizer).resolved()
+        resolved = DocumentSplitter(strategy, self.path / "functions", tokenizer,
+                                    trust_remote_code=self.trust_remote_code).resolved()
         existing = self._catalogue.strategies().get(strategy.name)
         if existing is not None and existing != resolved.to_dict():
             if (existing["tokenizer_name"], existing["tokenizer_sha256"]) == (
@@ -280,7 +286,8 @@ class Mdat:
         """Pretokenize complete submdats (default: all) with ``strategy``; resumes."""
         chosen = self._complete_submdats(submdats)
         pretokenize(self.path, self._catalogue, self.strategy(strategy), chosen,
-                    processes=processes, batch_size=batch_size, progress=progress)
+                    processes=processes, batch_size=batch_size, progress=progress,
+                    trust_remote_code=self.trust_remote_code)
         return self.pretok_status(strategy)
 
     def pretok_status(self, strategy: str) -> list[PretokProgress]:

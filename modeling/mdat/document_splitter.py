@@ -3,37 +3,48 @@ output checked.
 
 Splitters come from the registry (built-ins in `modeling.mdat.builtin_splitters`, custom
 ones from ``.py`` files in the container's ``functions/`` folder, loaded when a strategy is
-built). Whatever a splitter returns is checked before it is stored, so a buggy custom
-splitter fails on the document that exposed it instead of corrupting sequences later: the
-keys must be exactly the strategy's ``returns``. Only ``tokens`` and ``chunks`` are stored;
+built, and only with the user's consent: `modeling.trust`). Whatever a splitter returns is
+checked before it is stored, so a buggy custom splitter fails on the document that exposed
+it instead of corrupting sequences later: the keys must be exactly the strategy's
+``returns``. Only ``tokens`` and ``chunks`` are stored;
 any other key ``returns`` lists is checked to be present, then dropped.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from modeling.errors import SplitterError, StrategyError, UnknownSplitter
+from modeling.errors import RemoteCodeRefused, SplitterError, StrategyError, UnknownSplitter
 from modeling.mdat import builtin_splitters as _builtin  # noqa: F401  (registers built-ins)
 from modeling.mdat.strategy import Strategy
 from modeling.registry import registry
 from modeling.tokenizers import build_text_tokenizer
+from modeling.trust import refusal
 
 
 class DocumentSplitter:
     """Turns one document into (tokens, chunk lengths) the way ``strategy`` says."""
 
-    def __init__(self, strategy: Strategy, functions: Path, tokenizer_file: Path | None) -> None:
-        registry.load_modules(functions)
+    def __init__(self, strategy: Strategy, functions: Path, tokenizer_file: Path | None, *,
+                 trust_remote_code: bool = False) -> None:
+        """``functions``: the container's folder of custom code, imported only with
+        ``trust_remote_code``; without it, the strategy must name registered components."""
+        if trust_remote_code:
+            registry.load_modules(functions)
         self.strategy = strategy
-        self.tokenizer = build_text_tokenizer(strategy.tokenizer_type, tokenizer_file)
+        self.tokenizer = _refused_without_code(
+            lambda: build_text_tokenizer(strategy.tokenizer_type, tokenizer_file),
+            functions, trust_remote_code, f"tokenizer_type {strategy.tokenizer_type!r}")
         self._tokenizer_file = tokenizer_file
-        self._splitter = _build_splitter(strategy, self.tokenizer, functions)
+        self._splitter = _refused_without_code(
+            lambda: _build_splitter(strategy, self.tokenizer, functions),
+            functions, trust_remote_code, f"splitter_class {strategy.splitter_class!r}")
 
     def resolved(self) -> Strategy:
         """The strategy with what it left open filled in: the vocabulary size, the special
@@ -115,6 +126,20 @@ def _result_arrays(strategy: Strategy, result: Any) -> tuple[np.ndarray, np.ndar
 def _file_sha256(path: Path) -> str:
     with open(path, "rb") as file:
         return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def _refused_without_code(build: Callable[[], Any], functions: Path, trusted: bool,
+                          component: str) -> Any:
+    """``build()``; where it fails for want of a component that ``functions`` may hold but
+    was not allowed to load, the refusal says so instead."""
+    try:
+        return build()
+    except StrategyError:
+        code = sorted(p.name for p in functions.glob("*.py")) if functions.is_dir() else []
+        if trusted or not code:
+            raise
+        raise RemoteCodeRefused(refusal(functions, code, f"may register the strategy's "
+                                                         f"{component}")) from None
 
 
 def _build_splitter(strategy: Strategy, tokenizer: Any, functions: Path) -> Any:

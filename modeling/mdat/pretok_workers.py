@@ -60,11 +60,12 @@ def read_batches(root: Path, strategy: Strategy, submdat: SubmdatInfo, start: in
         reader.close()
 
 
-def build_splitter(root: Path, strategy: Strategy) -> DocumentSplitter:
+def build_splitter(root: Path, strategy: Strategy,
+                   trust_remote_code: bool = False) -> DocumentSplitter:
     tokenizer = strategy_folder(root, strategy.name) / TOKENIZER_FILE
-    return DocumentSplitter(
-        strategy, root / "functions", tokenizer if strategy.tokenizer_name else None
-    )
+    return DocumentSplitter(strategy, root / "functions",
+                            tokenizer if strategy.tokenizer_name else None,
+                            trust_remote_code=trust_remote_code)
 
 
 def split_batch(splitter: DocumentSplitter, batch: Batch) -> BatchResult:
@@ -84,9 +85,9 @@ def split_batch(splitter: DocumentSplitter, batch: Batch) -> BatchResult:
 _splitter: DocumentSplitter | None = None  # a worker process's splitter, from _init_worker
 
 
-def _init_worker(root: Path, strategy: Strategy) -> None:
+def _init_worker(root: Path, strategy: Strategy, trust_remote_code: bool) -> None:
     global _splitter
-    _splitter = build_splitter(root, strategy)
+    _splitter = build_splitter(root, strategy, trust_remote_code)
 
 
 def _split_in_worker(batch: Batch) -> BatchResult:
@@ -94,18 +95,20 @@ def _split_in_worker(batch: Batch) -> BatchResult:
     return split_batch(_splitter, batch)
 
 
-def split_batches(root: Path, strategy: Strategy, batches: Iterable[Batch],
-                  processes: int) -> Iterator[tuple[Batch, BatchResult]]:
+def split_batches(root: Path, strategy: Strategy, batches: Iterable[Batch], processes: int,
+                  trust_remote_code: bool = False) -> Iterator[tuple[Batch, BatchResult]]:
     """Each batch with its result, in order, from ``processes`` processes."""
     if processes <= 1:
-        splitter = build_splitter(root, strategy)
+        splitter = build_splitter(root, strategy, trust_remote_code)
         for batch in batches:
             yield batch, split_batch(splitter, batch)
         return
-    build_splitter(root, strategy)  # a strategy error surfaces here, not in every worker
+    # a strategy error surfaces here, not in every worker
+    build_splitter(root, strategy, trust_remote_code)
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     context = multiprocessing.get_context(method)
-    with context.Pool(processes, initializer=_init_worker, initargs=(root, strategy)) as pool:
+    with context.Pool(processes, initializer=_init_worker,
+                      initargs=(root, strategy, trust_remote_code)) as pool:
         pending: deque[tuple[Batch, AsyncResult]] = deque()
         for batch in batches:
             pending.append((batch, pool.apply_async(_split_in_worker, (batch,))))

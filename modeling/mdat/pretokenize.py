@@ -54,8 +54,10 @@ def pretokenize(
     processes: int,
     batch_size: int,
     progress: bool,
+    trust_remote_code: bool = False,
 ) -> None:
-    """Pretokenize every submdat of ``submdats`` (all complete imports) not done yet."""
+    """Pretokenize every submdat of ``submdats`` (all complete imports) not done yet; the
+    container's ``functions/`` run only with ``trust_remote_code``."""
     committed = {info.id: _committed(root, catalogue, strategy, info) for info in submdats}
     todo = [info for info in submdats if not committed[info.id].complete]
     pending = deque(todo)  # submdats not finished yet, in the order their batches come
@@ -86,7 +88,8 @@ def pretokenize(
         catalogue.save_pretok(replace(catalogue.pretok(strategy.name, info.id), complete=True))
 
     try:
-        for batch, result in split_batches(root, strategy, batches, processes):
+        for batch, result in split_batches(root, strategy, batches, processes,
+                                          trust_remote_code):
             while pending[0].id != batch.submdat.id:
                 finish_first()
             if writer is None:
