@@ -9,16 +9,18 @@ on the same data path (MDAT sequences, token-budget microbatches, several tiers 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
 
+from client.errors import RankSilent
 from client.federated import JOIN_TOKEN_ENV, FederatedClient, FederatedOptions
 from client.node import follow
 from client.standalone import add_arguments, run
+from modeling import trust
 from modeling.checkpoint.loader import STRATEGIES
 from modeling.devices import resolve_device
-from modeling import trust
 from modeling.distributed import DataParallel
 from modeling.errors import MatformerError
 
@@ -40,9 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            help="where checkpoint files come from: server (default), a folder "
                                 "or hf:ORG/NAME holding a copy of the run's checkpoints "
                                 "(files whose sha256 differs from the manifest are downloaded)")
+    trust.add_option(federated)
     federated.add_argument("--join-token", default=None,
                            help=f"the run's join token (default: ${JOIN_TOKEN_ENV})")
-    trust.add_option(federated)
     federated.add_argument("--name", default=None,
                            help="this client's name ([tiers.pins] match it; default: hostname)")
     federated.add_argument("--run-id", default="", help="refuse to join any other run")
@@ -62,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            help="leave after training this many rounds")
     federated.add_argument("--no-progress", action="store_true",
                            help="plain log lines instead of a progress bar")
+    federated.add_argument("--rank-timeout-s", type=float, default=30.0,
+                           help="under torchrun: the node's ranks leave when one of them "
+                                "shows no sign of life (stopped, hung) for this long; "
+                                "waiting for the coordinator does not count (default: 30)")
     return parser.parse_args(argv)
 
 
@@ -88,6 +94,8 @@ def run_federated(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         parallel = DataParallel.from_environment(resolve_device(args.device))
+        if parallel is not None:
+            parallel = parallel.watched(args.rank_timeout_s, _leave_silent_node)
         if parallel is not None and not parallel.leader:
             follow(parallel)  # rank 0 talks to the coordinator; this rank trains its share
             parallel.close()
@@ -106,6 +114,11 @@ def run_federated(args: argparse.Namespace) -> int:
           f"{summary.update_bytes / 1024:,.1f} KiB of updates, "
           f"{summary.resynchronisations} resynchronisations")
     return 0
+
+
+def _leave_silent_node(rank: int, silent_s: float) -> None:
+    print(f"matformer-client: error: {RankSilent(rank, silent_s)}", file=sys.stderr, flush=True)
+    os._exit(2)  # at once: the main thread may wait inside a collective that never returns
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -78,6 +78,19 @@ class ReplicaDiverged(ClientError):
     """The replica's weight hash disagrees with the coordinator's even after a reload."""
 
 
+class RankSilent(ClientError):
+    """A rank of this torchrun node showed no sign of life for the ranks' timeout: it is
+    stopped or hung, and the node cannot train without it."""
+
+    def __init__(self, rank: int, silent_s: float) -> None:
+        super().__init__(
+            f"rank {rank} of this node has shown no sign of life for {silent_s:g} s (stopped, "
+            f"hung or starved); this rank leaves too: find out what holds rank {rank} "
+            f"(debugger, SIGSTOP, swapping), then start the node again (--rank-timeout-s "
+            f"sets the wait)")
+        self.rank = rank
+
+
 class DamagedTransfer(ClientError):
     """A checkpoint file arrived damaged (sha256 or length wrong) on every attempt."""
 

@@ -13,6 +13,11 @@ loads a checkpoint, and every rank applies each broadcast update itself, as any 
 The node joins with the memory of all its devices (GPUs add up; CPU ranks share one host's
 memory) and the tokens/s its ranks measure together, so the coordinator assigns the tier
 and the share of work the whole node can carry.
+
+The ranks watch each other (``Liveness`` in modeling/distributed.py): when one is stopped or
+hung for ``--rank-timeout-s``, the others leave with a one-line reason rather than wait in
+a collective for good. A follower waits for rank 0's next message however long rank 0
+spends with the coordinator, as long as rank 0 shows signs of life.
 """
 
 from __future__ import annotations

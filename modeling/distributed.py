@@ -24,9 +24,13 @@ microbatches do not adapt to out-of-memory errors (``modeling/training.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,6 +40,8 @@ from torch import Tensor, nn
 from modeling.errors import ConfigError
 
 BUCKET_VALUES = 1 << 24  # values per all-reduce call (64 MiB of float32), as DDP buckets
+PULSES_PER_TIMEOUT = 5  # a watched rank shows it lives this many times per timeout
+FOREVER = timedelta(days=365)  # a follower's wait for rank 0's next message
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +52,7 @@ class DataParallel:
     world_size: int
     device: torch.device
     sharded: bool = False  # FSDP2: weights, gradients and optimizer state in shards
+    watch: Liveness | None = None  # the ranks watch each other (``watched``)
 
     @classmethod
     def from_environment(cls, device: torch.device, sharded: bool = False
@@ -72,6 +79,12 @@ class DataParallel:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         return cls(rank=rank, world_size=world, device=device, sharded=sharded)
+
+    def watched(self, timeout_s: float, on_silence: Callable[[int, float], None]
+                ) -> DataParallel:
+        """This group with its ranks watching each other (``Liveness``): ``on_silence(rank,
+        seconds)`` runs when a rank has shown no sign of life for ``timeout_s``."""
+        return dataclasses.replace(self, watch=Liveness(self, timeout_s, on_silence))
 
     @property
     def leader(self) -> bool:
@@ -164,7 +177,13 @@ class DataParallel:
         return tree
 
     def broadcast_object(self, value: Any = None) -> Any:
-        """Rank 0's ``value`` on every rank (pickled; for small control messages)."""
+        """Rank 0's ``value`` on every rank (pickled; for small control messages). Watched,
+        the followers wait for it in the store rather than inside the collective, which would
+        give up after the process group's timeout: rank 0 may take a whole round to send it."""
+        if self.watch is not None and self.leader:
+            self.watch.announce()
+        elif self.watch is not None:
+            self.watch.await_announcement()
         box = [value]
         dist.broadcast_object_list(box, src=0, device=self.device)
         return box[0]
@@ -177,7 +196,89 @@ class DataParallel:
         connections down while a peer still uses them makes Gloo abort that peer."""
         if dist.is_initialized():
             dist.barrier()
+            if self.watch is not None:
+                self.watch.stop()  # after the barrier: every rank is leaving, none is hung
             dist.destroy_process_group()
+
+
+class Liveness:
+    """The ranks of a group watching each other through torchrun's TCP store.
+
+    A rank whose peer is stopped or hung waits inside a collective until the process group's
+    timeout (30 minutes under Gloo), and a follower cannot simply time out its wait for rank
+    0's next message: rank 0 may spend a whole round with a coordinator. So each rank bumps a
+    counter of its own from a thread (a stopped process's threads stop with it) and reads the
+    others'; a peer whose counter stays still for ``timeout_s`` of this rank's own time is
+    reported once to ``on_silence(rank, timeout_s)``, from a thread: the main thread may be
+    blocked for good. A separate thread judges, so a store that stops answering (hosted by
+    the stopped rank itself) is noticed too."""
+
+    def __init__(self, parallel: DataParallel, timeout_s: float,
+                 on_silence: Callable[[int, float], None]) -> None:
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ConfigError(f"the ranks' timeout is a positive number of seconds, not "
+                              f"{timeout_s}.")
+        self.rank = parallel.rank
+        self.peers = [r for r in range(parallel.world_size) if r != parallel.rank]
+        self.timeout_s = timeout_s
+        self.period_s = timeout_s / PULSES_PER_TIMEOUT
+        self.on_silence = on_silence
+        # one connection for the messages, one for the pulses: a client does one call at a
+        # time, and a follower's wait for a message may last a whole round
+        self.store, self.pulse_store = self._connect(), self._connect()
+        self.told = 0  # messages rank 0 has announced, or this follower has awaited
+        self.ticks = 0  # the judge's ticks so far
+        self.moved = dict.fromkeys(self.peers, 0)  # tick at which each peer last moved
+        self.stopped = threading.Event()
+        for target in (self._pulse, self._judge):
+            threading.Thread(target=target, name=f"liveness-{target.__name__}",
+                             daemon=True).start()
+
+    def announce(self) -> None:
+        """Rank 0: a message follows, for every follower."""
+        self.told += 1
+        for rank in self.peers:
+            self.store.set(f"told/{rank}/{self.told}", "")
+
+    def await_announcement(self) -> None:
+        """A follower: wait, however long, until rank 0 announces its next message."""
+        self.told += 1
+        key = f"told/{self.rank}/{self.told}"
+        self.store.wait([key], FOREVER)
+        self.store.delete_key(key)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _connect(self) -> dist.Store:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        # torchrun keeps its store across restarts of the ranks: keys of one attempt each
+        return dist.PrefixStore(f"matformer/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}",
+                                store)
+
+    def _pulse(self) -> None:
+        counts: dict[int, int] = {}
+        while not self.stopped.is_set():
+            try:
+                self.pulse_store.add(f"pulse/{self.rank}", 1)
+                for rank in self.peers:
+                    count = self.pulse_store.add(f"pulse/{rank}", 0)
+                    if counts.get(rank) != count:
+                        counts[rank] = count
+                        self.moved[rank] = self.ticks
+            except dist.DistError:
+                pass  # a store that does not answer shows no peer moving: the judge decides
+            self.stopped.wait(self.period_s)
+
+    def _judge(self) -> None:
+        # counted in ticks, not wall time: while this process was paused nobody was judged
+        while not self.stopped.wait(self.period_s):
+            self.ticks += 1
+            for rank, moved in self.moved.items():
+                if self.ticks - moved > PULSES_PER_TIMEOUT:
+                    self.on_silence(rank, self.timeout_s)
+                    return
 
 
 def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
