@@ -4,7 +4,9 @@ What is written is built under a hidden sibling name (``.NAME.tmp-XXXXXXXX``), m
 (every file and folder under it fsynced), then renamed onto the target, and the parent
 folder is fsynced so that the rename itself survives a crash. A failed build leaves nothing
 behind; a kill during one leaves the sibling, whose name says what it is (a coordinator
-removes such leftovers when it starts).
+removes such leftovers when it starts). A build that fails to write raises ``OSError``,
+whatever wrote it: safetensors' own error for a full disk or an I/O error becomes the
+``OSError`` it reports, so that every caller handles a failed write one way.
 
     with built_aside(path) as staging:      # a file or a folder, created by the block
         save_file(tensors, str(staging))
@@ -13,14 +15,20 @@ removes such leftovers when it starts).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from safetensors import SafetensorError
+
+_ERRNO = re.compile(r"\(os error (\d+)\)")  # how safetensors' messages name an errno
 
 
 def temporary_sibling(target: Path, kind: str = "tmp") -> Path:
@@ -46,12 +54,30 @@ def built_aside(target: Path) -> Iterator[Path]:
             shutil.rmtree(retired)
         else:
             os.replace(building, target)
+    except SafetensorError as err:  # safetensors writes through its own I/O and error type
+        failed = _os_error(err, target)
+        if failed is None:
+            raise
+        raise failed from err
     finally:
         if building.is_dir():
             shutil.rmtree(building, ignore_errors=True)
         else:
             building.unlink(missing_ok=True)
     fsync_path(target.parent)
+
+
+def _os_error(err: SafetensorError, target: Path) -> OSError | None:
+    """The OSError behind a failed safetensors write (a full disk: ENOSPC; EIO where its
+    message names no errno), or None when the failure was none of the file system's."""
+    text = str(err)
+    if "I/O error" not in text:
+        return None
+    found = _ERRNO.search(text)
+    if found is None:
+        return OSError(errno.EIO, text, str(target))
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), str(target))
 
 
 def write_json_atomic(path: Path, data: dict[str, Any], *, mode: int = 0o644) -> None:

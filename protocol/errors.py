@@ -26,13 +26,14 @@ class MalformedSparseResult(ProtocolError):
     """A SparseResult message is inconsistent (region, chunk ids, indices, values, tokens)."""
 
 
+class LayoutMismatch(MalformedSparseResult):
+    """A SparseResult message names a parameter, shape, count or dtype the run does not take
+    from its sender: refused before any of its tensors is decoded, so what a message declares
+    never decides how much memory decoding it takes."""
+
+
 class MalformedStream(ProtocolError):
     """A stream's messages arrive out of order: no header, a second header, a gap, a short end."""
-
-
-class TooManyResults(MalformedStream):
-    """A SubmitResult stream with more results than the model has parameters: refused at the
-    first one over, before it is decoded, so a stream of tiny results cannot fill memory."""
 
 
 class UnsafePath(ProtocolError):

@@ -1,23 +1,78 @@
-"""``SparseResult`` ↔ message, field by field.
+"""``SparseResult`` ↔ message, field by field, and the gate a received one passes first.
 
 Chunk ids and positions are int64 in memory but travel in the smallest signed integer dtype
 that holds their range (``modeling.compression.index_dtype``: int16 for positions in a 64 × 64
-chunk), so the bytes sent are what ``payload_bytes`` counts. Decoding widens any integer
-dtype back to int64 and then runs ``modeling.compression.validate``, so a decoded result is
-always one the coordinator can aggregate; any failure is a ``MalformedSparseResult``.
+chunk), so the bytes sent are what ``payload_bytes`` counts.
+
+A received message is checked against the ``ResultLayout`` the run expects for its parameter
+before any of its tensors is decoded: shape, region, encoding and chunk as the run's, every
+tensor's dtype and declared shape within the run's grid and topk. Only then are its bytes
+read, ids and positions widened to int64 (so widening costs at most what an honest result of
+that parameter costs, never what a message declares), and the result checked by
+``modeling.compression.validate``. Any failure is a ``ProtocolError``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 
-from modeling.compression import ChunkGrid, SparseResult, index_dtype, validate
+from modeling.compression import (
+    ChunkGrid,
+    Compressor,
+    Region,
+    SparseResult,
+    index_dtype,
+    region_shape,
+    validate,
+)
 from modeling.errors import CompressionError
-from protocol.errors import MalformedSparseResult
+from protocol.errors import LayoutMismatch, MalformedSparseResult
 from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.tensors import decode_tensor, encode_tensor
+from protocol.tensors import DTYPES, decode_tensor, dtype_name, encode_tensor
 
 _TENSOR_FIELDS = ("chunks", "indices", "values")
+_INTEGER = {name for name, dtype in DTYPES.items()
+            if not dtype.is_floating_point and dtype != torch.bool}
+
+
+@dataclass(frozen=True, slots=True)
+class ResultLayout:
+    """What the run accepts as one parameter's result from a client of one tier."""
+
+    shape: tuple[int, ...]  # the parameter's universal shape
+    region: Region  # the client's tier region of it
+    encoding: str  # the run's encoding
+    chunk: tuple[int, ...]  # the run's chunk on this parameter's grid; () for dense
+    topk: int  # values per chunk at most (topk, dct)
+    value_dtype: str  # the values' dtype name (protocol.tensors.DTYPES)
+
+    @property
+    def max_chunks(self) -> int:
+        """Chunks the region touches: the most a result may send (none for dense)."""
+        if not self.chunk:
+            return 0
+        return math.prod(ChunkGrid(shape=self.shape, chunk=self.chunk).region_counts(self.region))
+
+    @property
+    def per_chunk(self) -> int:
+        """Values per chunk at most."""
+        return min(self.topk, math.prod(self.chunk)) if self.chunk else 0
+
+
+def result_layouts(compressor: Compressor, shapes: Mapping[str, tuple[int, ...]],
+                   regions: Mapping[str, Region]) -> dict[str, ResultLayout]:
+    """Each parameter's layout for a client whose tier covers ``regions``."""
+    dense = compressor.encoding_name == "dense"
+    values = compressor.momentum_dtype if dense else compressor.value_dtype
+    return {name: ResultLayout(
+        shape=tuple(shape), region=tuple((start, stop) for start, stop in regions[name]),
+        encoding=compressor.encoding_name,
+        chunk=() if dense else ChunkGrid.of(shape, compressor.chunk).chunk,
+        topk=compressor.topk, value_dtype=dtype_name(values)) for name, shape in shapes.items()}
 
 
 def encode_sparse_result(result: SparseResult) -> pb.SparseResult:
@@ -39,21 +94,20 @@ def encode_sparse_result(result: SparseResult) -> pb.SparseResult:
     )
 
 
-def decode_sparse_result(message: pb.SparseResult) -> SparseResult:
+def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout) -> SparseResult:
     """Message → a validated ``SparseResult``; raises a ``ProtocolError`` subclass if the
-    message is malformed or the result inconsistent (region, ids, positions, NaN, tokens)."""
+    message does not have the run's ``layout`` (checked before anything is decoded) or the
+    result is inconsistent (ids, positions, NaN, tokens)."""
     what = f"sparse result {message.name!r}"
-    missing = [field for field in _TENSOR_FIELDS if not message.HasField(field)]
-    if missing:
-        raise MalformedSparseResult(f"{what} has no {', '.join(missing)}.")
+    check_layout(message, layout)
     result = SparseResult(
         name=message.name,
-        shape=tuple(message.shape),
-        region=tuple((r.start, r.stop) for r in message.region),
+        shape=layout.shape,
+        region=layout.region,
         encoding=message.encoding,
-        chunk=tuple(message.chunk),
-        chunks=_as_int64(decode_tensor(message.chunks, f"{what}: chunks"), f"{what}: chunks"),
-        indices=_as_int64(decode_tensor(message.indices, f"{what}: indices"), f"{what}: indices"),
+        chunk=layout.chunk,
+        chunks=decode_tensor(message.chunks, f"{what}: chunks").to(torch.int64),
+        indices=decode_tensor(message.indices, f"{what}: indices").to(torch.int64),
         values=decode_tensor(message.values, f"{what}: values"),
         tokens=message.tokens,
     )
@@ -64,7 +118,33 @@ def decode_sparse_result(message: pb.SparseResult) -> SparseResult:
     return result
 
 
-def _as_int64(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
-        raise MalformedSparseResult(f"{what} are {tensor.dtype}; ids and positions are integers.")
-    return tensor.to(torch.int64)
+def check_layout(message: pb.SparseResult, layout: ResultLayout) -> None:
+    """LayoutMismatch (or MalformedSparseResult for a missing tensor) unless every field and
+    tensor header of ``message`` is what ``layout`` allows; reads no tensor's bytes."""
+    what = f"sparse result {message.name!r}"
+    missing = [field for field in _TENSOR_FIELDS if not message.HasField(field)]
+    if missing:
+        raise MalformedSparseResult(f"{what} has no {', '.join(missing)}.")
+    region = tuple((r.start, r.stop) for r in message.region)
+    declared = (tuple(message.shape), region, message.encoding, tuple(message.chunk))
+    if declared != (layout.shape, layout.region, layout.encoding, layout.chunk):
+        raise LayoutMismatch(
+            f"{what} has shape {list(declared[0])}, region {list(region)}, encoding "
+            f"{message.encoding[:20]!r} and chunk {list(declared[3])}; this client sends shape "
+            f"{list(layout.shape)}, region {list(layout.region)}, encoding {layout.encoding!r} "
+            f"and chunk {list(layout.chunk)} (take the settings from JoinReply, or rejoin).")
+    chunks, indices, values = message.chunks, message.indices, message.values
+    for tensor, field in ((chunks, "chunks"), (indices, "indices")):
+        if tensor.dtype not in _INTEGER:
+            raise LayoutMismatch(f"{what}: {field} are {tensor.dtype[:20]!r}; ids and "
+                                 "positions are integers.")
+    n = chunks.shape[0] if len(chunks.shape) == 1 else -1
+    k = indices.shape[1] if len(indices.shape) == 2 and indices.shape[0] == n else -1
+    fits = 0 <= n <= layout.max_chunks and 0 <= k <= layout.per_chunk
+    expected = region_shape(layout.region) if not layout.chunk else (n, k)
+    if not fits or tuple(values.shape) != expected or values.dtype != layout.value_dtype:
+        raise LayoutMismatch(
+            f"{what} declares chunks {list(chunks.shape)}, indices {list(indices.shape)} and "
+            f"{values.dtype[:20]} values {list(values.shape)}; the run takes at most "
+            f"{layout.max_chunks} chunks of at most {layout.per_chunk} {layout.value_dtype} "
+            "values for it. Send results encoded with the run's settings.")

@@ -1,14 +1,18 @@
-"""The ``SubmitResult`` stream: one ``SubmitHeader``, then one ``SparseResult`` per parameter
-(or per region of one), each in its own message."""
+"""The ``SubmitResult`` stream: one ``SubmitHeader``, then one ``SparseResult`` per parameter,
+each in its own message.
+
+    header, rest = read_submission(messages)   # check round, client and assignment first
+    results = list(read_results(rest, result_layouts(compressor, shapes, regions)))
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from modeling.compression.sparse import SparseResult
-from protocol.errors import MalformedStream, TooManyResults
+from protocol.errors import LayoutMismatch, MalformedStream
 from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.sparse import decode_sparse_result, encode_sparse_result
+from protocol.sparse import ResultLayout, decode_sparse_result, encode_sparse_result
 
 
 def submission_messages(header: pb.SubmitHeader,
@@ -19,33 +23,33 @@ def submission_messages(header: pb.SubmitHeader,
         yield pb.SubmitMessage(result=encode_sparse_result(result))
 
 
-def read_submission(
-    messages: Iterable[pb.SubmitMessage], *, max_results: int,
-) -> tuple[pb.SubmitHeader, Iterator[SparseResult]]:
-    """The header (read at once, so the coordinator can check round, client and assignment
-    before any result is read) and the checked results, decoded lazily. Raises
-    ``MalformedStream`` for a missing or repeated header or a (name, region) sent twice,
-    ``TooManyResults`` at result ``max_results + 1`` (the model's parameter count: one result
-    per parameter), ``ProtocolError`` for a bad result."""
+def read_submission(messages: Iterable[pb.SubmitMessage]
+                    ) -> tuple[pb.SubmitHeader, Iterator[pb.SubmitMessage]]:
+    """The header, read at once (so the coordinator can check round, client and assignment
+    before any result is read), and the messages after it, unread. Raises
+    ``MalformedStream`` when the stream does not start with its header."""
     stream = iter(messages)
     first = next(stream, None)
     if first is None or first.WhichOneof("item") != "header":
         raise MalformedStream("a SubmitResult stream must start with its SubmitHeader.")
-    return first.header, _results(stream, max_results)
+    return first.header, stream
 
 
-def _results(stream: Iterator[pb.SubmitMessage], max_results: int) -> Iterator[SparseResult]:
-    seen: set[tuple[str, tuple[tuple[int, int], ...]]] = set()
-    for message in stream:
+def read_results(messages: Iterator[pb.SubmitMessage],
+                 layouts: Mapping[str, ResultLayout]) -> Iterator[SparseResult]:
+    """The results after the header, decoded lazily, each only once its parameter is one of
+    ``layouts`` not sent before and the message has that layout; so a stream holds at most one
+    result per parameter, none bigger than an honest one. Raises ``MalformedStream`` for a
+    second header or a parameter sent twice, ``ProtocolError`` for a bad result."""
+    seen: set[str] = set()
+    for message in messages:
         if message.WhichOneof("item") != "result":
             raise MalformedStream("a SubmitResult stream has one SubmitHeader, first.")
-        if len(seen) == max_results:
-            raise TooManyResults(f"the submission holds more than {max_results} results, one "
-                                 "per parameter of the run's model; send each parameter once.")
-        result = decode_sparse_result(message.result)
-        if (result.name, result.region) in seen:
-            raise MalformedStream(
-                f"parameter {result.name!r} region {list(result.region)} is submitted twice."
-            )
-        seen.add((result.name, result.region))
-        yield result
+        name = message.result.name
+        if name not in layouts:
+            raise LayoutMismatch(f"{name[:200]!r} is not a parameter of this run's model; "
+                                 "send canonical names (modeling.naming).")
+        if name in seen:
+            raise MalformedStream(f"parameter {name!r} is submitted twice; send each once.")
+        seen.add(name)
+        yield decode_sparse_result(message.result, layouts[name])

@@ -21,13 +21,19 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
-def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
-    """Any-device, any-layout tensor → message (the bytes are a copy in row-major order)."""
-    name = _NAMES.get(tensor.dtype)
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name ``dtype`` travels under; UnknownDtype for one the protocol does not carry."""
+    name = _NAMES.get(dtype)
     if name is None:
         raise UnknownDtype(
-            f"dtype {tensor.dtype} cannot travel; convert to one of {', '.join(DTYPES)} first."
+            f"dtype {dtype} cannot travel; convert to one of {', '.join(DTYPES)} first."
         )
+    return name
+
+
+def encode_tensor(tensor: torch.Tensor) -> pb.Tensor:
+    """Any-device, any-layout tensor → message (the bytes are a copy in row-major order)."""
+    name = dtype_name(tensor.dtype)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)  # (numel,), also for 0-d
     raw = _little_endian(flat.view(torch.uint8), tensor.element_size())  # (numel * itemsize,)
     return pb.Tensor(dtype=name, shape=tensor.shape, data=raw.numpy().tobytes())

@@ -548,8 +548,10 @@ class FaultsSection:
     # an honest client makes 2 calls at once (a heartbeat beside its main call), 1 a stream.
     max_calls_per_member: int = 4
     max_streams_per_member: int = 2
-    max_streams: int = 16  # of all members together; the pool has as many threads again
-    stream_idle_s: float = 120.0  # a stream waiting this long on its peer is ended
+    # streams shared by all members; each member with work in the open round has one more
+    max_streams: int = 16
+    # a stream waiting on its peer this much longer than its message needs at 8 Mbit/s is ended
+    stream_idle_s: float = 10.0
     request_idle_s: float = 10.0  # a call whose request has not arrived in this long is ended
     max_members: int = 512  # members at once (silent ones count until session_ttl_s)
     max_joins_per_minute: int = 60  # admissions; a burst of this many, then one per 60/N s
@@ -593,7 +595,8 @@ class FaultsSection:
         return CallLimits(per_member=self.max_calls_per_member,
                           streams_per_member=self.max_streams_per_member,
                           streams=self.max_streams, idle_s=self.stream_idle_s,
-                          request_s=self.request_idle_s)
+                          request_s=self.request_idle_s, members=self.max_members,
+                          message_bytes=self.max_message_bytes)
 
     @property
     def max_submission_bytes(self) -> int:

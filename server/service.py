@@ -11,10 +11,13 @@ of a submission or none of it, and counts a refused one against the client
 (``Coordinator.rejected``). ``Join`` authenticates with the run's join token (unless
 ``[auth] mode = "none"``); every other RPC with the session token ``Join`` issued
 (``Coordinator.authenticate``: UNAUTHENTICATED when unknown or expired, PERMISSION_DENIED
-once the client is excluded), and then holds one of the member's call slots
-(server/call_slots.py) while it runs: RESOURCE_EXHAUSTED beyond a member's share, UNAVAILABLE
-when every stream slot is taken, DEADLINE_EXCEEDED for a stream that waited on its peer too
-long. A submission's header is checked before any of its results is read.
+once the client is excluded). Every call holds one of the member's call slots, and a stream
+one of its stream slots (server/call_slots.py; the gate in front of this service takes the
+call slot): RESOURCE_EXHAUSTED beyond a member's share, UNAVAILABLE when every shared stream
+slot is taken (a member the open round assigned work to always has one stream of its own),
+DEADLINE_EXCEEDED for a stream that waited on its peer too long. A submission's header is
+checked before any of its results is read, and each result against the run's layout for
+the sender's tier (protocol/sparse.py) before it is decoded.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import NoReturn, TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import Message
 
 from modeling.checkpoint.export import read_manifest
 from modeling.checkpoint.manifest import MANIFEST_NAME
@@ -39,7 +43,8 @@ from protocol.auth import SESSION_METADATA_KEY, check_join_token, presented_sess
 from protocol.errors import MalformedStream, ProtocolError
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.submission import read_submission
+from protocol.sparse import result_layouts
+from protocol.submission import read_results, read_submission
 from protocol.tensors import encode_tensor
 from server.call_slots import CallLimits, CallSlots, Watch, end_call
 from server.coordinator import Coordinator
@@ -66,6 +71,7 @@ RETRY_AFTER_S = 0.5  # how soon a waiting client asks GetRound again, at most
 MIN_RETRY_AFTER_S = 0.05  # ... and at least, when the coordinator expects work for it sooner
 
 T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 _REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentError,
             CallRefused, RepeatedSequenceIds)
 
@@ -73,7 +79,9 @@ _REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentErr
 class CoordinatorService(pb_grpc.CoordinatorServicer):
     def __init__(self, coordinator: Coordinator, limits: CallLimits) -> None:
         self.coordinator = coordinator
-        self.slots = CallSlots(limits)
+        # a member with work in the open round always has a stream of its own
+        self.slots = CallSlots(limits, assigned=lambda client_id: (
+            coordinator.assignment_for(client_id) is not None))
         # GetUpdates from memory: each round encoded once per tier, fed by every close
         self.updates = UpdateCache(read=coordinator.log.read, regions=coordinator.regions)
         coordinator.round_closed.append(lambda closed: self.updates.put(closed.update))
@@ -124,15 +132,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if speed is not None and not (math.isfinite(speed) and speed >= 0):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"tokens_per_second {speed} is not a finite, non-negative speed.")
-        with self._slot(context, client_id):
-            _call(context, lambda: self.coordinator.heartbeat(client_id, tokens_per_second=speed))
-            return pb.HeartbeatReply(round=self.coordinator.state.round)
+        _call(context, lambda: self.coordinator.heartbeat(client_id, tokens_per_second=speed))
+        return pb.HeartbeatReply(round=self.coordinator.state.round)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         client_id = self._session(context)
-        with self._slot(context, client_id):
-            _call(context, lambda: self.coordinator.leave(client_id, request.reason[:200]))
-            return pb.LeaveReply()
+        _call(context, lambda: self.coordinator.leave(client_id, request.reason[:200]))
+        return pb.LeaveReply()
 
     # -- rounds -------------------------------------------------------------------------
 
@@ -140,8 +146,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                  context: grpc.ServicerContext) -> pb.RoundAssignment:
         c = self.coordinator
         client_id = self._session(context)
-        with self._slot(context, client_id):
-            assignment = _call(context, lambda: c.heartbeat(client_id))
+        assignment = _call(context, lambda: c.heartbeat(client_id))
         if c.phase == "finished":
             return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=c.state.round)
         rnd = c.current_round
@@ -183,9 +188,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 raise RepeatedSequenceIds(
                     f"the request names sequence ids {repeated[:5]} more than once ({len(ids)} "
                     f"ids, {len(counts)} distinct); ask for each assigned id once.")
-            yield from watch.sent(self._counted(client_id, (
+            yield from self._sent(watch, client_id, (
                 pb.Sequence(id=i, tokens=encode_tensor(torch.from_numpy(reader[i].copy())))
-                for i in ids)))
+                for i in ids))
 
     def SubmitResult(self, request_iterator: Iterator[pb.SubmitMessage],
                      context: grpc.ServicerContext) -> pb.SubmitReply:
@@ -206,9 +211,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield message
 
         def submit(watch: Watch) -> int:
-            # one result per parameter at most, so a stream of tiny results stays small
-            header, stream = read_submission(counted(watch.received(request_iterator)),
-                                             max_results=len(c.shapes))
+            header, rest = read_submission(counted(watch.received(request_iterator)))
             if header.client_id != client_id:
                 raise _NotYourSession(f"the header names {header.client_id!r} but the session "
                                       f"is {client_id!r}; submit with your own client id.")
@@ -219,7 +222,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             watch.until(time.monotonic() + assignment.deadline - c.clock(), StaleRound(
                 f"round {assignment.round} reached its deadline while this submission was "
                 "still arriving; nothing of it was kept, wait for the next assignment."))
-            results = list(stream)  # decoded and checked before the coordinator sees any
+            # each result checked against the run's layout for the assigned tier before it
+            # is decoded, then checked whole, before the coordinator sees any
+            layouts = result_layouts(c.config.compression.build(), c.shapes,
+                                     c.regions(assignment.tier))
+            results = list(read_results(rest, layouts))
             if not context.is_active():  # gRPC ends the stream at a message it cannot parse
                 raise MalformedStream("the SubmitResult stream broke off at a message that "
                                       "does not parse; nothing was kept, submit again.")
@@ -256,15 +263,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     _abort(context, UpdatesPruned(
                         f"round {round_index} left the update log while it was being sent; "
                         "load the latest checkpoint (GetCheckpoint) and ask again."))
-                yield from watch.sent(self._counted(client_id, messages, rounds=1))
+                yield from self._sent(watch, client_id, messages, rounds=1)
 
     def GetCheckpoint(self, request: pb.GetCheckpointRequest,
                       context: grpc.ServicerContext) -> pb.CheckpointRef:
         c = self.coordinator
         client_id = self._session(context)
-        with self._slot(context, client_id):
-            tier = _call(context, lambda: c.membership.get(client_id).tier)
-            return _call(context, lambda: self._checkpoint_ref(tier))
+        tier = _call(context, lambda: c.membership.get(client_id).tier)
+        return _call(context, lambda: self._checkpoint_ref(tier))
 
     def DownloadCheckpoint(self, request: pb.DownloadCheckpointRequest,
                            context: grpc.ServicerContext) -> Iterator[pb.FileChunk]:
@@ -273,8 +279,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         client_id = self._session(context)
         with self._stream(context, client_id) as watch:
             try:
-                yield from watch.sent(self._counted(
-                    client_id, served_files(self.checkpoints).chunks(request.path)))
+                yield from self._sent(watch, client_id,
+                                      served_files(self.checkpoints).chunks(request.path))
             except (ProtocolError, FileNotServed, ServedFileDamaged) as err:
                 _abort(context, err)
             except OSError as err:  # whatever else the file system refuses: not a served file
@@ -288,18 +294,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # -- helpers ------------------------------------------------------------------------
 
-    def _counted(self, client_id: str, messages: Iterable[T], *, rounds: int = 0
-                 ) -> Iterator[T]:
-        """``messages``, their bytes counted as downloaded by ``client_id`` once the stream
-        ends or breaks off (``rounds``: round updates it holds, when sent whole)."""
-        sent, whole = 0, False
+    def _sent(self, watch: Watch, client_id: str, messages: Iterable[M], *, rounds: int = 0
+              ) -> Iterator[M]:
+        """``messages`` sent under ``watch``, their bytes counted as downloaded by
+        ``client_id`` once the stream ends or breaks off (``rounds``: round updates it holds,
+        when sent whole)."""
+        before, whole = watch.sent_bytes, False
         try:
-            for message in messages:
-                sent += message.ByteSize()
-                yield message
+            yield from watch.sent(iter(messages))
             whole = True
         finally:
-            self.coordinator.downloaded(client_id, sent, rounds=rounds if whole else 0)
+            self.coordinator.downloaded(client_id, watch.sent_bytes - before,
+                                        rounds=rounds if whole else 0)
 
     def _key_holder(self, presented: str, context: grpc.ServicerContext) -> KeyHolder:
         """Whose client key the Join presents; UNAUTHENTICATED for a key the keys file does
@@ -322,15 +328,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         missing, unknown or expired token and PERMISSION_DENIED for an excluded client."""
         token = presented_session(context)
         return _call(context, lambda: self.coordinator.authenticate(token))
-
-    @contextmanager
-    def _slot(self, context: grpc.ServicerContext, client_id: str) -> Iterator[None]:
-        """One of ``client_id``'s call slots, held by a unary call; refused with its status."""
-        try:
-            with self.slots.call(client_id):
-                yield
-        except CallRefused as err:
-            _abort(context, err)
 
     @contextmanager
     def _stream(self, context: grpc.ServicerContext, client_id: str) -> Iterator[Watch]:

@@ -6,8 +6,11 @@ loopback: the server must never crash, and a call it rejects must leave the run 
 Each case (drawn by hypothesis) picks an RPC, a session (none, forged, garbage, revoked, a
 live member's, or one with work in the open round) and a request: random fields, a valid
 request with one field replaced (nested fields too, such as capabilities.tokens_per_second),
-a valid request with one number at an edge of its type (NaN, inf, 5e-324, 2**64 - 1, ...), or
-a valid request's bytes with bits flipped and bytes inserted or deleted. Requests travel as
+a valid request with one number at an edge of its type (NaN, inf, 5e-324, 2**64 - 1, ...),
+a valid request's bytes with bits flipped and bytes inserted or deleted, or (SubmitResult) a
+valid submission with one tensor of one result declared off the run's layout (``off_layout``:
+a narrow integer dtype, counts a few off or many times over, or an enormous shape over a few
+bytes). The run sends top-k results, so ids and positions travel narrow. Requests travel as
 raw bytes, so bytes that do not parse reach the server too (gRPC itself answers those
 INTERNAL "Exception deserializing request!", listed as ``INTERNAL(unparseable)``).
 
@@ -58,7 +61,6 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyStrategyDefinition
-from rounds import DENSE
 
 from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.compression import weight_hash
@@ -69,6 +71,7 @@ from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import encode_sparse_result
 from protocol.tensors import DTYPES
 from server.config import RunConfig
+from server.coordinator import Coordinator
 from server.main import RunningServer
 
 JOIN_TOKEN = "fuzz-join-token"
@@ -82,6 +85,8 @@ ROUND_EVERY = 10  # cases between honest rounds (one round costs about two cases
 HONEST_DEADLINES = 8  # deadlines an honest round may take: members that never deliver lose
 # half their share at each, so the honest members' share grows
 SPEED = 1000.0  # tokens/s, as the fuzzer's members report and show it
+HOWS = ["random", "one field", "one number", "mutated"]  # how a request is made (request())
+OFF_LAYOUT_BYTES = 1 << 20  # the most bytes an off-layout tensor gets to match its shape
 
 @dataclass
 class FuzzReport:
@@ -91,6 +96,7 @@ class FuzzReport:
     codes: Counter[tuple[str, str]] = field(default_factory=Counter)  # (rpc, status) → calls
     crashes: list[str] = field(default_factory=list)  # what happened, per crash
     state_changes: list[str] = field(default_factory=list)  # rejected calls that changed state
+    hows: Counter[tuple[str, str]] = field(default_factory=Counter)  # (rpc, how) → cases
     rounds: int = 0  # honest rounds completed between the cases
     reseeded: int = 0  # times hypothesis stopped on draws that depend on the server's state
 
@@ -119,6 +125,7 @@ def fuzz_server(directory: Path) -> Iterator[RunningServer]:
         round={"min_clients": 2, "deadline_s": 60.0, "tokens_per_round": 1024,
                "rounds": 1000000},
         faults={"heartbeat_timeout_s": 3600.0, "session_ttl_s": 7200.0, "max_rejections": 0},
+        compression={"encoding": "topk", "chunk": 8, "topk": 4},  # int8 and int16 ids, positions
         auth={"join_token": JOIN_TOKEN})
     server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
     try:
@@ -137,8 +144,8 @@ def join_request(server: RunningServer, name: str) -> pb.JoinRequest:
 
 
 def valid_submission(server: RunningServer, client_id: str) -> list[pb.SubmitMessage]:
-    """The SubmitResult stream ``client_id`` would send now: dense results (the run's
-    encoding) at its tier for every parameter, trained at ``SPEED``."""
+    """The SubmitResult stream ``client_id`` would send now: results encoded with the run's
+    settings at its tier for every parameter, trained at ``SPEED``."""
     c = server.service.coordinator
     assignment = c.assignment_for(client_id)
     member = c.membership.members.get(client_id)
@@ -149,9 +156,10 @@ def valid_submission(server: RunningServer, client_id: str) -> list[pb.SubmitMes
                              train_seconds=tokens / SPEED,
                              assignment_id=assignment.assignment_id if assignment else "")
     messages = [pb.SubmitMessage(header=header)]
+    compressor = c.config.compression.build()
     for name in sorted(c.shapes):
         values = torch.full([b - a for a, b in regions[name]], 0.01)
-        result = DENSE.encode(name, values, shape=c.shapes[name], region=regions[name],
+        result = compressor.encode(name, values, shape=c.shapes[name], region=regions[name],
                                    tokens=tokens)
         messages.append(pb.SubmitMessage(result=encode_sparse_result(result)))
     return messages
@@ -287,6 +295,25 @@ def requests(rpc: str, names: list[str], client_ids: list[str]) -> st.SearchStra
 
 
 @st.composite
+def off_layout(draw: st.DrawFn, message: pb.SubmitMessage) -> pb.SubmitMessage:
+    """A valid result with one tensor declared anew: a narrow integer dtype (or its own), one
+    dimension a few counts off, many times over, or enormous; bytes to match, where that is
+    at most ``OFF_LAYOUT_BYTES``, else a few."""
+    out = pb.SubmitMessage()
+    out.CopyFrom(message)
+    tensor = getattr(out.result, draw(st.sampled_from(["chunks", "indices", "values"])))
+    tensor.dtype = draw(st.sampled_from(["int8", "uint8", "int16", tensor.dtype]))
+    shape = list(tensor.shape) or [1]
+    dim = draw(st.integers(0, len(shape) - 1))
+    shape[dim] = draw(st.one_of(st.integers(max(shape[dim] - 2, 0), shape[dim] + 2),
+                                st.sampled_from([shape[dim] * 64, 2**20, 2**40, 2**62])))
+    tensor.shape[:] = shape
+    size = math.prod(shape) * torch.empty((), dtype=DTYPES[tensor.dtype]).element_size()
+    tensor.data = bytes(size) if size <= OFF_LAYOUT_BYTES else draw(st.binary(max_size=64))
+    return out
+
+
+@st.composite
 def mutated(draw: st.DrawFn, blob: bytes) -> bytes:
     """``blob`` with a few bits flipped, bytes replaced, inserted or deleted; positions lean
     to the first bytes, where the field tags and lengths are."""
@@ -409,6 +436,7 @@ class _Fuzzer:
         for deadlines in range(HONEST_DEADLINES + 1):
             for member in members:
                 self.train(member, start)
+            _wait_for_close(c)
             if c.state.round > start:
                 break
             if deadlines == HONEST_DEADLINES:
@@ -482,6 +510,9 @@ class _Fuzzer:
 
     def case(self, data: st.DataObject) -> None:
         rpc = data.draw(st.sampled_from(RPCS), label="rpc")
+        how = data.draw(st.sampled_from([*HOWS, "off layout"] if rpc == "SubmitResult" else HOWS),
+                        label="how")
+        self.report.hows[rpc, how] += 1
         self.honest_members()
         c = self.server.service.coordinator
         live = {client: token for client, token in self.tokens.items()
@@ -493,8 +524,9 @@ class _Fuzzer:
                          and client in rnd.assignments and client not in rnd.submissions)
         # Draws never depend on the server's state (hypothesis replays them): an index, not a
         # choice among however many tokens there are.
-        auth = data.draw(st.sampled_from(["none", "forged", "garbage", "revoked", "live",
-                                          "working"]), label="auth")
+        # a result's layout is read only in a submission of work in the open round
+        auth = data.draw(st.sampled_from(["working"] if how == "off layout" else [
+            "none", "forged", "garbage", "revoked", "live", "working"]), label="auth")
         garbage, index = data.draw(ASCII_TOKEN), data.draw(INDEX)
         token = {"none": None, "forged": f"{tokens[0].partition('.')[0]}.forged",
                  "garbage": garbage,
@@ -503,7 +535,7 @@ class _Fuzzer:
                  "working": (working or tokens)[index % len(working or tokens)]}[auth]
         metadata = session_metadata(token) if token else ()
         client_id = (token or "").rpartition(".")[0]
-        payload = self.request(data, rpc, client_id)
+        payload = self.request(data, rpc, how, client_id)
         before = snapshot(self.server)
         seen_errors = len(self.errors.records)
         code, reply = _invoke(self.channel, rpc, payload, metadata)
@@ -515,15 +547,18 @@ class _Fuzzer:
         if code == "OK" and rpc == "Leave":
             self.revoked.append(token)
 
-    def request(self, data: st.DataObject, rpc: str, client_id: str) -> bytes | list[bytes]:
-        """Raw request bytes (a list of them for SubmitResult)."""
-        how = data.draw(st.sampled_from(["random", "one field", "one number", "mutated"]),
-                        label="how")
+    def request(self, data: st.DataObject, rpc: str, how: str, client_id: str
+                ) -> bytes | list[bytes]:
+        """Raw request bytes (a list of them for SubmitResult), made ``how``."""
         if rpc == "SubmitResult":
             valid = valid_submission(self.server, client_id or "client-0")
             if how == "random":
                 messages = data.draw(requests(rpc, self.names, [client_id]))
                 return [m.SerializeToString() for m in messages]
+            if how == "off layout":
+                i = data.draw(st.integers(1, len(valid) - 1), label="result")
+                valid[i] = data.draw(off_layout(valid[i]))
+                return [m.SerializeToString() for m in valid]
             # the header (what the client claims of its work) half the time
             i = data.draw(st.just(0) | st.integers(0, len(valid) - 1), label="message")
             blobs = [m.SerializeToString() for m in valid]
@@ -585,6 +620,14 @@ class _Fuzzer:
         if changed:
             report.state_changes.append(f"{what} changed {'; '.join(changed)}")
         return what
+
+
+def _wait_for_close(c: Coordinator) -> None:
+    """Until a close under way in another thread is done: the coordinator's tick may take
+    the round that an honest submission completed, which then returns before it is closed."""
+    give_up = time.monotonic() + CALL_TIMEOUT_S
+    while c.phase == "collecting" and c.current_round is None and time.monotonic() < give_up:
+        time.sleep(0.01)
 
 
 def _shown(rpc: str, payload: bytes | list[bytes], limit: int = 200) -> str:

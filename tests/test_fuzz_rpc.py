@@ -48,6 +48,8 @@ def test_no_crash_and_no_change_on_refusal(fuzzed):
     assert report.accepted and report.rejected
     assert {rpc for rpc, _ in report.codes} == set(pb.DESCRIPTOR.services_by_name[
         "Coordinator"].methods_by_name)
+    # issue 30: results with narrow ids or positions whose counts or shapes are off the run's
+    assert report.hows["SubmitResult", "off layout"] >= 3
     # before the first case, after every ROUND_EVERY and after the last: each one round on
     assert report.rounds == 1 + math.ceil(report.tried / ROUND_EVERY)
 
@@ -83,8 +85,8 @@ def test_an_accepted_input_that_breaks_the_run_later_is_a_crash(tmp_path, monkey
 
     monkeypatch.setattr(Coordinator, "join", poisoned)
     with fuzz_server(tmp_path) as server:
-        # seed 2 gets a Join accepted by case 15; seeds 0 to 7 all do within 185
-        report = fuzz(server, examples=EXAMPLES, seconds=SECONDS, seed=2, round_every=5)
+        # seed 0 gets a Join accepted by case 5; seeds 0 to 9 but 5 do within 135
+        report = fuzz(server, examples=EXAMPLES, seconds=SECONDS, seed=0, round_every=5)
     [crash] = [c for c in report.crashes if "stopped serving honest members" in c]
     assert re.search(failure, crash), crash
     assert re.search(r"Join \(session: \w+\) → OK: .*, request \{run_id: ", crash), crash

@@ -34,8 +34,8 @@ from protocol.health import add_health
 from protocol.link import Bucket, metered
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.sparse import encode_sparse_result
-from protocol.submission import read_submission, submission_messages
+from protocol.sparse import ResultLayout, encode_sparse_result, result_layouts
+from protocol.submission import read_results, read_submission, submission_messages
 from protocol.updates import read_updates, update_messages
 from server.aggregation import aggregate
 from server.update_steps import update_step
@@ -71,10 +71,10 @@ class FakeCoordinator(pb_grpc.CoordinatorServicer):
     def SubmitResult(self, request_iterator, context):
         client_id = require_session(context, self.sessions)
         try:
-            header, results = read_submission(request_iterator, max_results=8)
+            header, rest = read_submission(request_iterator)
             if header.client_id != client_id:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, "not your session")
-            self.received = list(results)
+            self.received = list(read_results(rest, _layouts()))
         except ProtocolError as err:
             context.abort(err.code, str(err))
         return pb.SubmitReply(accepted=len(self.received))
@@ -126,10 +126,25 @@ def _authed(channel: grpc.Channel) -> tuple[pb.JoinReply, pb_grpc.CoordinatorStu
     return reply, pb_grpc.CoordinatorStub(with_session(channel, reply.session_token))
 
 
+DCT = CompressionConfig(encoding="dct", chunk=4, topk=3).build()
+DENSE = CompressionConfig(encoding="dense").build()
+FFN = [f"model.layers.{i}.mlp.up_proj.weight" for i in range(3)]
+
+
+def _layouts() -> dict[str, ResultLayout]:
+    """What the fake run takes from a tier-1 client: ``_results``' parameters, and the
+    dense 256 × 256 w0..w7 of the throttled upload."""
+    wide = [f"w{i}" for i in range(8)]
+    return {**result_layouts(DCT, dict.fromkeys(FFN, (16, 6)),
+                             dict.fromkeys(FFN, ((0, 8), (0, 6)))),
+            **result_layouts(DENSE, {"model.norm.weight": (6,), **dict.fromkeys(wide, (256, 256))},
+                             {"model.norm.weight": ((0, 6),),
+                              **dict.fromkeys(wide, ((0, 256), (0, 256)))})}
+
+
 def _results() -> list[SparseResult]:
     """A tier-1 client's results: DCT-compressed FFN slices and a dense norm."""
-    dct = CompressionConfig(encoding="dct", chunk=4, topk=3).build()
-    dense = CompressionConfig(encoding="dense").build()
+    dct, dense = DCT, DENSE
     return [
         dct.encode(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(8, 6), shape=(16, 6),
                    region=((0, 8), (0, 6)), tokens=256)

@@ -15,15 +15,14 @@ from modeling.compression import (
     payload_bytes,
 )
 from protocol.errors import (
+    LayoutMismatch,
     MalformedSparseResult,
     MalformedStream,
-    TooManyResults,
-    UnknownDtype,
 )
 from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.sparse import decode_sparse_result, encode_sparse_result
-from protocol.submission import read_submission, submission_messages
-from protocol.tensors import encode_tensor
+from protocol.sparse import ResultLayout, decode_sparse_result, encode_sparse_result
+from protocol.submission import read_results, read_submission, submission_messages
+from protocol.tensors import dtype_name, encode_tensor
 
 UP = "model.layers.0.mlp.up_proj.weight"
 SHAPE = (16, 12)  # universal up_proj; tier 1 covers rows [0, 8)
@@ -50,9 +49,15 @@ def _assert_same(a: SparseResult, b: SparseResult) -> None:
             assert left == right and type(left) is type(right), field.name
 
 
+def _layout(result: SparseResult) -> ResultLayout:
+    """The layout a run with ``_result``'s settings takes ``result`` in."""
+    return ResultLayout(shape=result.shape, region=result.region, encoding=result.encoding,
+                        chunk=result.chunk, topk=3, value_dtype=dtype_name(result.values.dtype))
+
+
 def _through_wire(result: SparseResult) -> SparseResult:
     wire = encode_sparse_result(result).SerializeToString()
-    return decode_sparse_result(pb.SparseResult.FromString(wire))
+    return decode_sparse_result(pb.SparseResult.FromString(wire), _layout(result))
 
 
 @pytest.mark.parametrize("result", [DENSE, TOPK, DCT], ids=["dense", "topk", "dct"])
@@ -66,7 +71,7 @@ def test_ids_and_positions_travel_narrow_and_arrive_as_int64() -> None:
         "int8", "int8", "bfloat16")
     sent = sum(len(t.data) for t in (message.chunks, message.indices, message.values))
     assert sent == payload_bytes(DCT)
-    decoded = decode_sparse_result(message)
+    decoded = decode_sparse_result(message, _layout(DCT))
     assert decoded.chunks.dtype == decoded.indices.dtype == torch.int64
 
 
@@ -87,50 +92,67 @@ def _ids(*ids: int) -> torch.Tensor:
     return torch.tensor(ids)
 
 
-# Each is refused by modeling.compression.validate, run on every decoded result.
-INCONSISTENT = {
-    "unknown encoding": dict(encoding="zip"),
-    "no tokens": dict(tokens=0),
-    "region past shape": dict(region=((0, 20), (0, 12))),
-    "region off the grid": dict(region=((2, 8), (0, 12))),
-    "NaN": dict(values=torch.full_like(TOPK.values, float("nan"))),
-    "infinity": dict(values=torch.full_like(TOPK.values, float("inf"))),
-    "integer values": dict(values=TOPK.values.long()),
-    "values shape": dict(values=TOPK.values[:, :2]),
-    "chunk id past grid": dict(chunks=TOPK.chunks + 100),
-    "repeated chunk id": dict(chunks=torch.zeros_like(TOPK.chunks)),
-    "chunk outside region": dict(chunks=TOPK.chunks + 6),  # rows [8, 16): tier 0 only
-    "position past chunk": dict(indices=TOPK.indices + 16),
-    "flat indices": dict(indices=TOPK.indices.flatten()),
-}
-
-
-@pytest.mark.parametrize("changes", INCONSISTENT.values(), ids=INCONSISTENT.keys())
-def test_inconsistent_results_are_refused(changes: dict) -> None:
-    bad = dataclasses.replace(TOPK, **changes)
-    wire = pb.SparseResult(  # as a faulty sender would write it: no narrowing, no checks
+def _unchecked(bad: SparseResult) -> pb.SparseResult:
+    """``bad`` as a faulty sender would write it: no narrowing, no checks."""
+    return pb.SparseResult(
         name=bad.name, shape=bad.shape, encoding=bad.encoding, chunk=bad.chunk,
         region=[pb.Range(start=a, stop=b) for a, b in bad.region], tokens=bad.tokens,
         chunks=encode_tensor(bad.chunks), indices=encode_tensor(bad.indices),
         values=encode_tensor(bad.values),
     )
+
+
+# Each declares what the run does not take for TOPK's parameter: refused before decoding.
+OFF_LAYOUT = {
+    "unknown encoding": dict(encoding="zip"),
+    "region past shape": dict(region=((0, 20), (0, 12))),
+    "region off the grid": dict(region=((2, 8), (0, 12))),
+    "integer values": dict(values=TOPK.values.long()),
+    "values shape": dict(values=TOPK.values[:, :2]),
+    "flat indices": dict(indices=TOPK.indices.flatten()),
+    "more per chunk than topk": dict(indices=torch.arange(4).repeat(6, 1),
+                                     values=torch.ones(6, 4)),
+    "more chunks than the region": dict(chunks=torch.arange(7), indices=torch.zeros(7, 3),
+                                        values=torch.ones(7, 3)),
+}
+# Each is refused by modeling.compression.validate, run on every decoded result.
+INCONSISTENT = {
+    "no tokens": dict(tokens=0),
+    "NaN": dict(values=torch.full_like(TOPK.values, float("nan"))),
+    "infinity": dict(values=torch.full_like(TOPK.values, float("inf"))),
+    "chunk id past grid": dict(chunks=TOPK.chunks + 100),
+    "repeated chunk id": dict(chunks=torch.zeros_like(TOPK.chunks)),
+    "chunk outside region": dict(chunks=TOPK.chunks + 6),  # rows [8, 16): tier 0 only
+    "position past chunk": dict(indices=TOPK.indices + 16),
+}
+
+
+@pytest.mark.parametrize("changes", OFF_LAYOUT.values(), ids=OFF_LAYOUT.keys())
+def test_results_off_the_run_layout_are_refused(changes: dict) -> None:
+    with pytest.raises(LayoutMismatch, match=f"result '{UP}'"):
+        decode_sparse_result(_unchecked(dataclasses.replace(TOPK, **changes)), _layout(TOPK))
+
+
+@pytest.mark.parametrize("changes", INCONSISTENT.values(), ids=INCONSISTENT.keys())
+def test_inconsistent_results_are_refused(changes: dict) -> None:
+    wire = _unchecked(dataclasses.replace(TOPK, **changes))
     with pytest.raises(MalformedSparseResult, match=f"result '{UP}' is inconsistent: "):
-        decode_sparse_result(wire)
+        decode_sparse_result(wire, _layout(TOPK))
 
 
 def test_wire_level_faults_are_refused() -> None:
     message = encode_sparse_result(TOPK)
     message.ClearField("values")
     with pytest.raises(MalformedSparseResult, match="no values"):
-        decode_sparse_result(message)
+        decode_sparse_result(message, _layout(TOPK))
     message = encode_sparse_result(TOPK)
     message.chunks.CopyFrom(encode_tensor(TOPK.chunks.float()))
-    with pytest.raises(MalformedSparseResult, match=r"chunks are torch\.float32"):
-        decode_sparse_result(message)
+    with pytest.raises(LayoutMismatch, match="chunks are 'float32'"):
+        decode_sparse_result(message, _layout(TOPK))
     message = encode_sparse_result(TOPK)
     message.indices.dtype = "int4"
-    with pytest.raises(UnknownDtype, match=r"up_proj\.weight': indices"):
-        decode_sparse_result(message)
+    with pytest.raises(LayoutMismatch, match=r"up_proj\.weight': indices are 'int4'"):
+        decode_sparse_result(message, _layout(TOPK))
 
 
 def _header() -> pb.SubmitHeader:
@@ -140,10 +162,9 @@ def _header() -> pb.SubmitHeader:
 def test_submission_round_trip() -> None:
     other = dataclasses.replace(DENSE, name="model.norm.weight", shape=(12,), region=((0, 12),),
                                 values=torch.randn(12))
-    header, results = read_submission(submission_messages(_header(), [DCT, other]),
-                                      max_results=2)
+    header, rest = read_submission(submission_messages(_header(), [DCT, other]))
     assert header == _header()
-    received = list(results)
+    received = list(read_results(rest, {UP: _layout(DCT), other.name: _layout(other)}))
     _assert_same(received[0], DCT)
     _assert_same(received[1], other)
 
@@ -156,17 +177,18 @@ def test_submission_round_trip() -> None:
 ])
 def test_malformed_submissions_are_refused(messages: list, match: str) -> None:
     with pytest.raises(MalformedStream, match=match):
-        list(read_submission(messages, max_results=8)[1])
+        list(read_results(read_submission(messages)[1], {UP: _layout(TOPK)}))
 
 
-def test_a_submission_holds_one_result_per_parameter_at_most() -> None:
-    """The result over the model's parameter count is refused before it is decoded."""
+def test_a_submission_holds_one_result_per_parameter_of_the_run() -> None:
+    """A result for a parameter the run does not have is refused before it is decoded."""
     results = [dataclasses.replace(DENSE, name=f"p{i}") for i in range(3)]
-    empty = pb.SubmitMessage(result=pb.SparseResult())
+    empty = pb.SubmitMessage(result=pb.SparseResult(name="p3"))
     messages = [*submission_messages(_header(), results), empty]
-    _, stream = read_submission(messages, max_results=3)
+    stream = read_results(read_submission(messages)[1],
+                          {f"p{i}": _layout(DENSE) for i in range(3)})
     assert [r.name for r in itertools.islice(stream, 3)] == ["p0", "p1", "p2"]
-    with pytest.raises(TooManyResults, match="more than 3 results"):
+    with pytest.raises(LayoutMismatch, match="'p3' is not a parameter"):
         next(stream)  # an empty message: decoding it would raise MalformedSparseResult
 
 

@@ -19,7 +19,16 @@ import pytest
 import torch
 from helpers import served_run_toml
 from rounds import flat_results
-from wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, joined, serving
+from wire import (
+    HONEST_TIMEOUT_S,
+    code_of,
+    header_of,
+    join_request,
+    joined,
+    serving,
+    stalled,
+    stalled_unary,
+)
 
 from modeling.compression import CompressionConfig
 from protocol.auth import session_metadata
@@ -30,13 +39,6 @@ from protocol.sparse import encode_sparse_result
 from protocol.submission import submission_messages
 from server.call_slots import CallLimits, CallSlots
 from server.errors import NoStreamSlot, StaleRound, StreamIdle, TooManyCalls
-
-
-def stalled(header: pb.SubmitHeader, release: threading.Event) -> Iterator[pb.SubmitMessage]:
-    """A submission that sends its header, then nothing until ``release``."""
-    yield pb.SubmitMessage(header=header)
-    release.wait()
-
 
 # -- worker threads ----------------------------------------------------------------------------
 
@@ -57,30 +59,11 @@ def test_stalled_streams_do_not_starve_honest_heartbeats(tmp_path):
             refused = [call for call in calls if call.done()]
             assert len(refused) == 18  # two streams per member at once
             assert {call.code() for call in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-            assert "2 streams in progress" in refused[0].details()
+            assert any("2 streams in progress" in call.details() for call in refused)
         finally:
             for call in calls:
                 call.cancel()
             release.set()
-
-
-SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
-
-
-def stalled_unary(server, method: str, request_type, reply_type, release: threading.Event,
-                  metadata=(), count: int = 20) -> list[grpc.Future]:
-    """``count`` calls of a one-request ``method`` that send their headers and never their
-    request (a request stream that blocks until ``release``), on their own channel."""
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
-    call = channel.stream_unary(f"/{SERVICE}/{method}",
-                                request_serializer=request_type.SerializeToString,
-                                response_deserializer=reply_type.FromString)
-
-    def nothing():
-        release.wait()
-        yield from ()
-
-    return [call.future(nothing(), metadata=metadata, timeout=30) for _ in range(count)]
 
 
 def test_calls_whose_request_never_arrives_do_not_starve_honest_members(tmp_path):
@@ -92,7 +75,7 @@ def test_calls_whose_request_never_arrives_do_not_starve_honest_members(tmp_path
         beats = stalled_unary(server, "Heartbeat", pb.HeartbeatRequest, pb.HeartbeatReply,
                               release, metadata=auth_m)
         try:
-            time.sleep(1.0)  # 40 calls: more than the pool's 32 threads, were they all taken
+            time.sleep(1.0)  # 40 calls: the pool has a thread for each, but no more may wait
             assert stub.Heartbeat(pb.HeartbeatRequest(), metadata=auth_a,
                                   timeout=HONEST_TIMEOUT_S).round == 0
             refused_joins = [c for c in joins if c.done()]
@@ -101,7 +84,7 @@ def test_calls_whose_request_never_arrives_do_not_starve_honest_members(tmp_path
             assert {c.code() for c in refused_joins} == {grpc.StatusCode.UNAVAILABLE}
             assert "retry in a few seconds" in refused_joins[0].details()
             assert {c.code() for c in refused_beats} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-            assert "calls waiting for their request" in refused_beats[0].details()
+            assert "4 calls in progress" in refused_beats[0].details()
             # the waits end after request_idle_s, and the slots are free again
             waiting = [c for c in joins + beats if c not in refused_joins + refused_beats]
             assert {c.code() for c in waiting} == {grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -112,14 +95,15 @@ def test_calls_whose_request_never_arrives_do_not_starve_honest_members(tmp_path
 
 
 def test_a_stream_that_waits_on_its_peer_is_ended_with_its_reason(tmp_path):
-    with serving(tmp_path, CallLimits(idle_s=1.0)) as (server, stub):
+    # a result awaited may take 1 s beyond what 1 MiB (the largest message) needs at 8 Mbit/s
+    with serving(tmp_path, CallLimits(idle_s=1.0, message_bytes=2**20)) as (server, stub):
         mallory, auth, work = joined(stub, server, "mallory")
         release = threading.Event()
         call = stub.SubmitResult.future(stalled(header_of(mallory, work), release),
                                         metadata=auth, timeout=30)
         try:
             assert call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "waited 1 s for its peer" in call.details()  # not the client's own deadline
+            assert "waited 2.05 s for its peer" in call.details()  # not the client's deadline
         finally:
             release.set()
         # nothing of it was kept, it is not counted, and the slot is free: a submission passes
@@ -131,12 +115,12 @@ def test_a_stream_that_waits_on_its_peer_is_ended_with_its_reason(tmp_path):
 
 
 def test_call_slots_per_member_and_overall():
-    slots = CallSlots(CallLimits(per_member=4, streams_per_member=2, streams=3))
+    slots = CallSlots(CallLimits(per_member=4, streams_per_member=2, streams=4))
 
     def fill() -> contextlib.ExitStack:
-        """Two streams and a call of a's, and the last stream slot, b's."""
+        """Two streams and a call of a's, and the last two stream slots, b's and c's."""
         held = contextlib.ExitStack()
-        for member in ("a", "a", "b"):
+        for member in ("a", "a", "b", "c"):
             held.enter_context(slots.stream(member, end=lambda err: None))
         held.enter_context(slots.call("a"))
         return held
@@ -144,11 +128,12 @@ def test_call_slots_per_member_and_overall():
     with fill():
         with pytest.raises(TooManyCalls, match="2 streams in progress"):
             slots.stream("a", end=lambda err: None).__enter__()
-        with pytest.raises(NoStreamSlot, match="all 3 stream slots"):
-            slots.stream("c", end=lambda err: None).__enter__()
-        with slots.call("a"), pytest.raises(TooManyCalls, match="4 calls in progress"):
+        with pytest.raises(NoStreamSlot, match="4 of the server's 4 shared stream slots"):
+            slots.stream("d", end=lambda err: None).__enter__()
+        with (slots.call("a"), slots.call("a"), slots.call("a"),  # streams take no call slot
+              pytest.raises(TooManyCalls, match="4 calls in progress")):
             slots.call("a").__enter__()
-        with slots.call("c"):  # a unary call needs no stream slot
+        with slots.call("d"):  # a unary call needs no stream slot
             pass
     with fill():  # every slot was given back
         pass
@@ -157,7 +142,7 @@ def test_call_slots_per_member_and_overall():
 def test_a_watch_ends_only_waits_on_the_peer():
     """Idle and past-the-end waits end the call with their error; the server's own work
     (between waits) never does."""
-    slots = CallSlots(CallLimits(idle_s=0.2))
+    slots = CallSlots(CallLimits(idle_s=0.2, message_bytes=0))
     ended: list[Exception] = []
     late = StaleRound("the round closed")
 
@@ -175,7 +160,7 @@ def test_a_watch_ends_only_waits_on_the_peer():
     assert isinstance(ended.pop(), StreamIdle)
     with slots.stream("a", end=ended.append) as watch, pytest.raises(StaleRound):
         watch.until(time.monotonic() + 0.1, late)
-        for _ in watch.sent(range(3)):
+        for _ in watch.sent(iter([pb.FileChunk()] * 3)):
             time.sleep(0.15)  # the peer takes each message within idle_s, but past the end
     assert ended == [late]
 
@@ -241,7 +226,8 @@ def tiny_results(header: pb.SubmitHeader, count: int) -> Iterator[pb.SubmitMessa
 
 def test_a_stream_of_tiny_results_is_refused_early_with_bounded_memory(tmp_path):
     """200,000 tiny results (14 MB on the wire) decode to ~450 MiB of tensors: the server, a
-    child process here, refuses the stream at result len(shapes) + 1 and barely grows."""
+    child process here, refuses the stream at the first result for a parameter the run does
+    not have (and would at a parameter's second) and barely grows."""
     path = served_run_toml(tmp_path, min_clients=1)
     grpc_port, http_port = free_ports(2)
     with open(tmp_path / "server.log", "w") as log:
@@ -267,7 +253,7 @@ def test_a_stream_of_tiny_results_is_refused_early_with_bounded_memory(tmp_path)
                                                           metadata=auth, timeout=300))
         grown = resident_bytes(child.pid) - before
         assert grown < 40 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB"
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "results, one per parameter" in details
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a parameter" in details
         stub.Heartbeat(pb.HeartbeatRequest(), metadata=auth, timeout=HONEST_TIMEOUT_S)
     finally:
         channel.close()

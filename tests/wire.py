@@ -1,11 +1,12 @@
 """Calls to the run "svc-test" (helpers.served_run_toml) served on loopback, as the tests
-make them over real gRPC and HTTP: a Join it accepts, a member's first calls, the status a
-refused call ends with."""
+make them over real gRPC and HTTP: a Join it accepts, a member's first calls, calls that
+stall, the status a refused call ends with."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from helpers import JOIN_TOKEN, served_run_toml
 
 from modeling.checkpoint.schema import canonical_schema_hash
 from protocol.auth import session_metadata
-from protocol.channel import GRPC_OPTIONS
+from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from server.call_slots import CallLimits
@@ -34,7 +35,8 @@ def serving(tmp_path, limits: CallLimits | None = None) -> Iterator[tuple[Runnin
         config = dataclasses.replace(config, faults=dataclasses.replace(
             config.faults, max_calls_per_member=limits.per_member,
             max_streams_per_member=limits.streams_per_member, max_streams=limits.streams,
-            stream_idle_s=limits.idle_s, request_idle_s=limits.request_s))
+            stream_idle_s=limits.idle_s, request_idle_s=limits.request_s,
+            max_message_mb=limits.message_bytes / 2**20))
     server = RunningServer.start(config, grpc_port=0, http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     try:
@@ -42,6 +44,28 @@ def serving(tmp_path, limits: CallLimits | None = None) -> Iterator[tuple[Runnin
     finally:
         channel.close()
         server.stop()
+
+
+def stalled(header: pb.SubmitHeader, release: threading.Event) -> Iterator[pb.SubmitMessage]:
+    """A submission that sends its header, then nothing until ``release``."""
+    yield pb.SubmitMessage(header=header)
+    release.wait()
+
+
+def stalled_unary(server, method: str, request_type, reply_type, release: threading.Event,
+                  metadata=(), count: int = 20, timeout: float = 30) -> list[grpc.Future]:
+    """``count`` calls of a one-request ``method`` that send their headers and never their
+    request (a request stream that blocks until ``release``), on their own channel."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
+    call = channel.stream_unary(f"/{COORDINATOR_SERVICE}/{method}",
+                                request_serializer=request_type.SerializeToString,
+                                response_deserializer=reply_type.FromString)
+
+    def nothing():
+        release.wait()
+        yield from ()
+
+    return [call.future(nothing(), metadata=metadata, timeout=timeout) for _ in range(count)]
 
 
 def schema_hash(server) -> str:
