@@ -31,20 +31,28 @@ the join's checkpoint download included), per client and round. Against L stands
 data-parallel training would move for D's steps: a ring all-reduce of the float32 gradient
 among 3 workers sends and receives 2·(3−1)/3 of the model's bytes per step and worker.
 
+``--attack-scale F``: the first client (tier 0) trains honestly and submits every value
+times F, a member lying about magnitude; ``--peer-clip`` sets the defence ([faults]
+peer_clip; 0: off, unset: the run's default).
+
     python bench/federated_quality.py
     python bench/federated_quality.py --runs A,B --rounds 15 --lr 0.01
     python bench/federated_quality.py --runs L,D,P --json quality.json
+    python bench/federated_quality.py --runs L --attack-scale 1000
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,10 +62,11 @@ from torch import Tensor
 from client.connection import Train
 from client.federated import ClientSummary, FederatedClient, FederatedOptions
 from client.progress import Progress
-from client.standalone import TINY, evaluate
-from modeling import MaskedBatch, ModelConfig, build_model
+from client.standalone import TINY
+from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 from modeling.checkpoint import load_pretrained
+from modeling.compression import SparseResult
 from modeling.matformer import tier_label
 from modeling.mdat import (
     DEFAULT_DATA,
@@ -68,12 +77,13 @@ from modeling.mdat import (
 )
 from modeling.naming import canonical_state_dict
 from modeling.optim import OptimizerConfig
-from modeling.training import TierSchedule, train_step_on_examples
+from modeling.training import TierSchedule, held_out_loss, train_step_on_examples
 from server.config import RunConfig
 from server.main import RunningServer
 from server.work import WorkQueue, work_order
 
 TIERS = [0, 1, 2]  # evaluated for every run
+EVAL_BATCH_TOKENS = 8192
 TOKEN = "federated-quality"
 STRATEGY = DEFAULT_STRATEGY["strategy_name"]
 
@@ -102,8 +112,8 @@ DATA_PARALLEL = "P"  # standalone at the global batch of DP_WORKERS data-paralle
 class HeldOut:
     """Held-out losses per tier; a start bit-identical to one seen before is not re-evaluated."""
 
-    def __init__(self, batches: list[MaskedBatch]) -> None:
-        self.batches = batches
+    def __init__(self, examples: list[Tensor]) -> None:
+        self.examples = examples
         self.starts: list[tuple[dict[str, Tensor], dict[str, float]]] = []
 
     def start(self, model: torch.nn.Module) -> dict[str, float]:
@@ -115,7 +125,7 @@ class HeldOut:
         return self.starts[-1][1]
 
     def final(self, model: torch.nn.Module) -> dict[str, float]:
-        return evaluate(model, self.batches, TIERS)
+        return held_out_loss(model, self.examples, TIERS, batch_tokens=EVAL_BATCH_TOKENS)
 
 
 @dataclass
@@ -162,8 +172,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--documents", type=int, default=None,
                         help="docstrings in the corpus (default: all, in "
                              f"{DEFAULT_DATA}; else runs/python_docs-N.mdat)")
-    parser.add_argument("--peer-clip", type=float, default=0.0,
-                        help="[faults] peer_clip of the federated runs (0: off)")
+    parser.add_argument("--peer-clip", type=float, default=None,
+                        help="[faults] peer_clip of the federated runs (0: off; default: "
+                             "the run's default)")
+    parser.add_argument("--attack-scale", type=float, default=None,
+                        help="the first client submits its values times this (default: "
+                             "every client honest)")
     parser.add_argument("--vote", choices=("mean", "majority"), default="mean",
                         help="[update] vote of the federated runs")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -236,7 +250,7 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
         "update": update,
         "inner": inner,
         "checkpoint": {"every_rounds": rounds},
-        "faults": {"peer_clip": args.peer_clip},
+        "faults": {} if args.peer_clip is None else {"peer_clip": args.peer_clip},
         "auth": {"join_token": TOKEN},
     })
 
@@ -251,6 +265,23 @@ class _Recording(FederatedClient):
         return super()._train_one(work, progress)
 
 
+class _Attacking(_Recording):
+    """Trains as an honest member and submits every value times ``scale`` (its own state,
+    error feedback included, stays honest): a member that lies about magnitude."""
+
+    def __init__(self, options: FederatedOptions, scale: float, **kwargs: Any) -> None:
+        super().__init__(options, **kwargs)
+        honest = self.connection.submit
+
+        def scaled(work: Train, *, results: Sequence[SparseResult], **rest: Any
+                   ) -> tuple[int, int]:
+            loud = [dataclasses.replace(r, values=(r.values.double() * scale).to(r.values.dtype))
+                    for r in results]
+            return honest(work, results=loud, **rest)
+
+        self.connection.submit = scaled
+
+
 def run_federated(name: str, run: FederatedRun, data: Path, held_out: set[int],
                   planned: list[list[int]], held: HeldOut, args: argparse.Namespace
                   ) -> Outcome:
@@ -258,10 +289,14 @@ def run_federated(name: str, run: FederatedRun, data: Path, held_out: set[int],
     started = time.perf_counter()
     server = RunningServer.start(run_config(name, run, data, args), grpc_port=0, http_port=0)
     try:
-        clients = [_Recording(FederatedOptions(
+        options = [FederatedOptions(
             server=f"127.0.0.1:{server.grpc_port}", tier=tier, name=f"{name}{i}-t{tier}",
             join_token=TOKEN, state_dir=args.out / name / "clients" / str(i), data=data,
-            progress=False), log=lambda line: None) for i, tier in enumerate(run.tiers)]
+            progress=False) for i, tier in enumerate(run.tiers)]
+        # the attacker, if any, is the first client: at tier 0 it covers every weight
+        clients = [_Attacking(o, args.attack_scale, log=lambda line: None)
+                   if i == 0 and args.attack_scale is not None
+                   else _Recording(o, log=lambda line: None) for i, o in enumerate(options)]
         summaries: list[ClientSummary | BaseException] = [None] * len(clients)
 
         def play(i: int) -> None:
@@ -364,8 +399,7 @@ def main() -> None:
                              "the held-out tail of the order; lower --rounds or "
                              "--tokens-per-round, or raise --documents.")
         eval_examples = [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in held_out]
-    held = HeldOut([MaskedBatch.from_list([eval_examples[i] for i in rows]) for rows in
-                    plan_batches([len(e) for e in eval_examples], 8192)])
+    held = HeldOut(eval_examples)
     used = sum(map(len, planned))
     print(f"torch {torch.__version__} | cpu, {torch.get_num_threads()} threads | {data}: "
           f"{len(order):,} sequences of <= {args.seq_len} tokens | TINY model | "

@@ -130,6 +130,9 @@ class Coordinator:
         self._writer: threading.Thread | None = None
         self._writer_failed: BaseException | None = None
         self._open: OpenRound | None = None
+        # client id → the assignment its last counted refusal was for: once the others are
+        # in, the open round stops waiting for a member refused in it (_drop_refused)
+        self._refused: dict[str, str] = {}
         self._closing: _Closing | None = None  # the round whose close is under way
         # called (lock held) after each round that moved the master, e.g. by tests and
         # benchmarks that watch rounds; a hook must be quick and must not call back in
@@ -342,6 +345,9 @@ class Coordinator:
         with self._lock:
             if not getattr(error, "counted", True) or client_id not in self.membership.members:
                 return ""
+            assigned = self.assignment_for(client_id)
+            if assigned is not None:
+                self._refused[client_id] = assigned.assignment_id
             member = self.membership.get(client_id)
             member.rejections += 1
             limit = self.config.faults.max_rejections
@@ -354,7 +360,9 @@ class Coordinator:
                 return (f" This was refusal {member.rejections} of {limit}: the client is "
                         "excluded from the run.")
             self._unsaved = True
-            return f" (refusal {member.rejections} of {limit})" if limit else ""
+            consequence = f" (refusal {member.rejections} of {limit})" if limit else ""
+        self.advance()  # without the lock: the round may have waited only for this member
+        return consequence
 
     def authenticate(self, token: str) -> str:
         """The client id a session token belongs to. Raises Excluded for an excluded
@@ -453,7 +461,9 @@ class Coordinator:
                 self._open = self._open_round(now)
                 if self._open is None:
                     break
+                self._refused.clear()  # refusals of earlier assignments hold no round up
             self._drop_silent(now)
+            self._drop_refused()
             if not (self._open.complete() or now >= self._open.deadline):
                 break
             rnd, self._open = self._open, None
@@ -805,6 +815,22 @@ class Coordinator:
                 self._missed(client, f"silent for {silent:.0f} s during round {rnd.index} "
                                      f"(heartbeat_timeout_s {timeout:g}): killed or hung")
 
+    def _drop_refused(self) -> None:
+        """Once every other member of the open round has delivered, stop waiting for those
+        whose submission in it was refused: each refusal sends such a member to train its
+        share again, so the round would wait for up to max_rejections trainings of a member
+        that may never be accepted. Their sequences go back to the queue."""
+        rnd = self._open
+        pending = [c for c in rnd.assignments if c not in rnd.submissions]
+        if not pending or not rnd.submissions or any(
+                self._refused.get(c) != rnd.assignments[c].assignment_id for c in pending):
+            return
+        for client in pending:
+            self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            rnd.dropped[client] = "its submission was refused"
+            self.history.event("drop", client, f"its submission for round {rnd.index} was "
+                               "refused; the round closes without it")
+
     def _expire_sessions(self, now: float) -> None:
         ttl = self.config.faults.session_ttl_s
         for member in [m for m in self.membership.members.values() if now - m.last_seen > ttl]:
@@ -1066,12 +1092,16 @@ class _Before:
 def _trusted_speeds(members: Sequence[Member]) -> list[tuple[str, float]]:
     """The speed each member's share of a round is sized by. A speed the member has shown in
     a round it delivered counts as it is; a claimed one (a new member's, or one that missed
-    its last round) counts up to the members' median, so that claiming to be fast wins no
-    more than a typical share until a round shows it. No speed at all still gets a share."""
+    its last round) counts up to a typical speed, so that claiming to be fast wins no more
+    than a typical share until a round shows it. Typical: the lower median of the shown
+    speeds, or of all when none is shown yet; the lower one, since the median of two is their
+    mean, which a single claim of 1e9 drags up. No speed at all still gets a share."""
     speeds = [max(m.tokens_per_second, 1.0) for m in members]
-    typical = statistics.median(speeds)
-    return [(m.client_id, speed if m.measured_by_round and not m.missed else min(speed, typical))
-            for m, speed in zip(members, speeds, strict=True)]
+    shown = [m.measured_by_round and not m.missed for m in members]
+    known = [speed for speed, ok in zip(speeds, shown, strict=True) if ok] or speeds
+    typical = statistics.median_low(known)
+    return [(m.client_id, speed if ok else min(speed, typical))
+            for m, speed, ok in zip(members, speeds, shown, strict=True)]
 
 
 def _check_reports(results: Sequence[SparseResult], tokens: int, loss: float | None,

@@ -85,7 +85,9 @@ def clip_to_peers(results: Sequence[SparseResult], factor: float) -> list[Sparse
     A result's weight in the aggregate is its assigned tokens, but its magnitude is its own:
     without this, one member sending the largest values allowed steers the mean (and so
     the sign) of every element it covers. Norms of DCT coefficients are norms of the
-    gradients they encode, so this needs no decoding. Fewer than two results: unchanged.
+    gradients they encode, so this needs no decoding. Fewer than two results: unchanged (a
+    lone member has no peers). Of two, the lower median is the smaller: the mean of two, which
+    a loud result drags up, would bound nothing; a quiet one scales the other down instead.
     """
     if factor <= 0 or len(results) < 2:
         return list(results)

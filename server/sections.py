@@ -49,6 +49,8 @@ MAX_DIMENSION = 2**24  # vocab_size, hidden_size, intermediate_size, max_positio
 MAX_LAYERS = 1024  # the coordinator builds the model (on the meta device) to read its shapes
 MAX_TIER = MAX_DIMENSION.bit_length() - 1  # a tier halves the FFN width: 24 halvings at most
 MAX_SECONDS = 30 * 24 * 3600.0  # deadlines, heartbeats and session lifetimes
+MIN_DEADLINE_S = 1.0  # no round is ever trained and submitted in less
+MIN_HEARTBEAT_S = 0.1  # more often, every member's heartbeats become a busy loop of calls
 MAX_LR = 10.0  # a step of 10·sign(aggregate) already wipes out any trained weight
 MIB = 1024 * 1024
 # Broadcast coefficients per 64 × 64 chunk: with DeMo's 32 per chunk sent up, a tier-0
@@ -57,6 +59,7 @@ DEFAULT_BROADCAST_TOPK = 48
 MAX_MESSAGE_MB = MAX_MESSAGE_BYTES / MIB  # no client sends a larger message (protocol.channel)
 MAX_SUBMISSION_MB = 1024.0 * 1024  # 1 TiB: a dense float32 submission of 270 G parameters
 UINT32_MAX = 2**32 - 1  # chunk and topk travel to clients as uint32 (TrainingSettings)
+DEFAULT_PEER_CLIP = 2.0  # [faults] peer_clip: a member weighs at most twice a typical one
 
 
 def _require(ok: bool, message: str) -> None:
@@ -105,12 +108,12 @@ class ModelSection:
     inline: dict[str, Any] | None = None  # ModelConfig fields, as in config.json
     config_path: Path | None = None  # a config.json (Matformer's or a Hugging Face Llama one)
     checkpoint: Path | None = None  # a universal checkpoint folder: its weights start the run
-
-    def __post_init__(self) -> None:
-        given = [k for k in ("inline", "config_path", "checkpoint") if getattr(self, k) is not None]
     # run the module files the checkpoint carries (read them first); without it the model
     # must be built of registered components. Clients decide for themselves.
     trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("inline", "config_path", "checkpoint") if getattr(self, k) is not None]
         if not given:
             raise MissingKey("[model] needs one of: a [model.inline] table of model config "
                              "fields, config_path (a config.json) or checkpoint (a folder).")
@@ -236,7 +239,7 @@ class RoundSection:
     def __post_init__(self) -> None:
         _require(self.min_clients >= 1,
                  f"[round] min_clients must be >= 1, got {self.min_clients}.")
-        _within("[round] deadline_s", self.deadline_s, 0, MAX_SECONDS, above=True,
+        _within("[round] deadline_s", self.deadline_s, MIN_DEADLINE_S, MAX_SECONDS,
                 unit=" seconds")
         _require(self.tokens_per_round >= 1,
                  f"[round] tokens_per_round must be >= 1, got {self.tokens_per_round}.")
@@ -540,12 +543,13 @@ class FaultsSection:
     max_norm: float | None = None  # L2 bound on one submission's values; None: unbounded
     norm_action: str = "reject"  # clip | reject, for a submission over max_norm
     # each result's RMS scaled down to at most this × the round's lower median for that
-    # parameter, so no member steers an element by magnitude alone; 0: off
-    peer_clip: float = 0.0
+    # parameter, so no member steers an element by magnitude alone; 0: off. On by default:
+    # it costs an honest run less than its seed-to-seed spread (bench/README.md)
+    peer_clip: float = DEFAULT_PEER_CLIP
     max_submission_mb: float = 64.0  # one SubmitResult stream, all messages together
     max_message_mb: float = 64.0  # any single gRPC message the server receives
-    # What one member's calls may hold of the gRPC worker threads (server/call_slots.py);
-    # an honest client makes 2 calls at once (a heartbeat beside its main call), 1 a stream.
+    # What one member's calls may hold of the server (server/call_slots.py); an honest
+    # client makes 2 calls at once (a heartbeat beside its main call), 1 a stream.
     max_calls_per_member: int = 4
     max_streams_per_member: int = 2
     # streams shared by all members; each member with work in the open round has one more
@@ -557,7 +561,9 @@ class FaultsSection:
     max_joins_per_minute: int = 60  # admissions; a burst of this many, then one per 60/N s
 
     def __post_init__(self) -> None:
-        for key in ("heartbeat_s", "heartbeat_timeout_s", "session_ttl_s"):
+        _within("[faults] heartbeat_s", self.heartbeat_s, MIN_HEARTBEAT_S, MAX_SECONDS,
+                unit=" seconds")
+        for key in ("heartbeat_timeout_s", "session_ttl_s"):
             _within(f"[faults] {key}", getattr(self, key), 0, MAX_SECONDS, above=True,
                     unit=" seconds")
         _within("[faults] max_submission_mb", self.max_submission_mb, 1, MAX_SUBMISSION_MB,
@@ -609,9 +615,11 @@ class FaultsSection:
 
 def check_compression(compression: CompressionConfig) -> None:
     """What [compression] (modeling's CompressionConfig, which checks its own lower bounds)
-    must keep for a run: a finite lr, and chunk and topk within the uint32 fields that carry
-    them to clients."""
-    _require(0 < compression.lr < math.inf,
-             f"[compression] lr must be a finite number > 0, got {compression.lr}.")
-    for key in ("chunk", "topk"):
-        _within(f"[compression] {key}", getattr(compression, key), 1, UINT32_MAX)
+    must keep for a run: an lr that scales gradients no more than [update] lr may, a chunk
+    within the uint32 field that carries it to clients, and (for chunked encodings) no more
+    values per chunk than a chunk of the run's matrices holds."""
+    _within("[compression] lr", compression.lr, 0, MAX_LR, above=True)
+    _within("[compression] chunk", compression.chunk, 1, UINT32_MAX)
+    if compression.encoding != "dense":
+        _within("[compression] topk", compression.topk, 1,
+                min(compression.chunk ** 2, UINT32_MAX), unit=f" (chunk {compression.chunk}²)")

@@ -42,8 +42,9 @@ def test_assignment_is_proportional_to_tokens_per_second(tmp_path, mdat_path):
     a, b = c.assignment_for(fast.client_id), c.assignment_for(slow.client_id)
     ids = a.sequence_ids + b.sequence_ids
     assert list(ids) == [int(i) for i in c.queue.order[:len(ids)]]  # the shuffled queue head
-    # claimed speeds count up to the members' median (2000) until a round measures them
-    assert len(a.sequence_ids) == round(len(ids) * 2 / 3)
+    # claimed speeds count up to the lower median of the members' (1000) until a round
+    # measures them: an even split
+    assert abs(len(a.sequence_ids) - len(b.sequence_ids)) <= 1
     assert a.tokens + b.tokens <= 1024 and a.round == 0
 
 
