@@ -31,7 +31,7 @@ from server.membership import Member
 from server.tiers import Capabilities, TierAssignment
 
 EXAMPLES = 250
-SECONDS = 20.0
+SECONDS = 120.0  # a cap, not a target: the cases end first, also on a busy machine
 
 
 @pytest.fixture(scope="module")
