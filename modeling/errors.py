@@ -162,7 +162,8 @@ class FormatUnavailable(MdatError, ImportError):
 
 
 class MissingTextColumn(MdatError, LookupError):
-    """A table to import has no column of the text field's name (its columns are listed)."""
+    """A table to import has no column of the text field's name (its columns are listed), or
+    that column holds no text (numbers, lists: its type is named)."""
 
 
 class UnreadableSource(MdatError, ValueError):
@@ -221,6 +222,18 @@ class MdatFormatError(MdatError):
 class SourceNotFound(MdatError, FileNotFoundError):
     """What an import was asked to read does not exist: a file, a folder, a cached hub
     dataset."""
+
+
+class ImportTooLarge(MdatError, ValueError):
+    """A table to import holds more text at once than the read limit allows: a row group that
+    declares more, a cell larger, or a file that decodes to more than it declares (a
+    decompression bomb). The message names the file, the sizes and how to raise the limit."""
+
+
+class SourceOutsideDataset(MdatError, ValueError):
+    """A dataset's own description (a hub card's ``data_files``, a ``save_to_disk``
+    state.json) names a file outside the dataset's folder: an absolute path, ``..``, a URL,
+    or a link out."""
 
 
 class EmptyDocument(MdatError, ValueError):

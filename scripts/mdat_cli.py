@@ -18,6 +18,7 @@ from modeling.mdat import (
     build_default_mdat,
     export_saetta,
 )
+from modeling.mdat.tables import READ_LIMIT_ENV, READ_LIMIT_MIB
 from modeling.mdat.views import Quota
 from modeling.tokenizers import DEFAULT_SPECIAL_TOKENS, train_tokenizer
 
@@ -193,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--hf-config", help="--hf-dataset: the hub dataset's config")
     sub.add_argument("--revision", help="--hf-dataset: the hub branch or commit (default main)")
     sub.add_argument("--compress", action="store_true", help="zstd-compress the texts")
+    sub.epilog = (f"Imports read at most {READ_LIMIT_MIB} MiB of text at once: a larger Parquet "
+                  "page or text, or a file decoding to that much more than it declares (a "
+                  f"decompression bomb), is refused; {READ_LIMIT_ENV}=N sets the limit to N MiB.")
     sub.add_argument("--skip-bad", action="store_true",
                      help="skip and count invalid, empty or non-UTF-8 records instead of "
                      "stopping")

@@ -216,14 +216,17 @@ def test_wrong_files_and_columns_are_named_before_anything_is_imported(tmp_path)
             mdat.add_parquet("d", tmp_path / "missing.parquet")
         with pytest.raises(SourceNotFound, match=r"no Parquet file given"):
             mdat.add_parquet("d", [])
-        assert mdat.submdats() == []
-        with pytest.raises(BadRecord, match=rf"{numbers} row 0: column 'text' holds a int"):
+        with pytest.raises(MissingTextColumn, match=rf"{numbers} column 'text' holds int64, "
+                                                    r"not text"):
             mdat.add_parquet("n", numbers)
+        assert mdat.submdats() == []
         data = file.read_bytes()  # "PAR1", the column chunks, the footer, its length, "PAR1"
         pages = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
         file.write_bytes(data[:4] + b"\xff" * (pages - 4) + data[pages:])
-        with pytest.raises(UnreadableSource, match=rf"{file} could not be read to its end"):
+        with pytest.raises(UnreadableSource, match=rf"{file} row group 0: no readable page "
+                                                   r"header at byte 4"):
             mdat.add_parquet("e", file)
+        assert mdat.submdats() == []
 
 
 def test_missing_packages_name_the_pip_command(tmp_path, monkeypatch) -> None:
@@ -235,9 +238,12 @@ def test_missing_packages_name_the_pip_command(tmp_path, monkeypatch) -> None:
         with pytest.raises(FormatUnavailable, match=r"Parquet files needs the pyarrow package"
                                                     r".*pip install 'matformer\[formats\]'"):
             mdat.add_parquet("d", file)
+        with pytest.raises(FormatUnavailable, match=r"save_to_disk needs the pyarrow package"
+                                                    r".*pip install 'matformer\[formats\]'"):
+            mdat.add_hf_dataset("d", tmp_path / "saved")
         with pytest.raises(FormatUnavailable, match=r"needs the datasets package.*"
                                                     r"pip install 'matformer\[formats\]'"):
-            mdat.add_hf_dataset("d", tmp_path / "saved")
+            mdat.add_hf_dataset("d", "org/tiny")
         assert mdat.submdats() == []
 
 

@@ -1,39 +1,52 @@
 """A `datasets` source: a folder written by ``save_to_disk``, or a hub dataset id in the cache.
 
-A folder is opened with ``datasets.load_from_disk`` (memory-mapped Arrow, read in batches of
-the text column). A hub id is looked up in the huggingface_hub cache only (``HF_HUB_CACHE``),
+A folder is read by `saved_datasets` (pyarrow alone, memory-mapped Arrow, a batch of the text
+column at a time). A hub id is looked up in the huggingface_hub cache only (``HF_HUB_CACHE``),
 so it reads the same with ``HF_HUB_OFFLINE=1``: ``datasets.load_dataset`` does not read that
 cache offline, and a download started by an import could be the whole repository, every
 config and split. The snapshot's Parquet files of the chosen config and split, found by
 `datasets`' own rules (README ``configs``, ``data/train-*`` names), are read by
-`tables.parquet_source`. The catalogue's source names the folder, or the id at its commit,
-with config and split, so that a resume from other data is refused.
+`tables.parquet_source`, and only if they lie inside the snapshot: a card is the repository
+author's text, and its ``data_files`` must not reach the user's other files (an absolute
+path, ``..``, a URL, a link leaving the repository's cache folder). No dataset script runs.
+The catalogue's source names the folder, or the id at its commit, with config and split, so
+that a resume from other data is refused.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Collection
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from modeling.errors import SourceNotFound, SplitError, UnreadableSource, did_you_mean
+from modeling.errors import (
+    SourceNotFound,
+    SourceOutsideDataset,
+    SplitError,
+    UnreadableSource,
+    did_you_mean,
+)
+from modeling.mdat.saved_datasets import SavedDataset, saved_splits
 from modeling.mdat.tables import (
-    ROWS_PER_READ,
     TableSource,
-    check_column,
     optional_module,
     parquet_source,
-    table_records,
+    pyarrow_module,
+    read_limit,
 )
 
 
 def hf_dataset_source(dataset: str | os.PathLike[str], text_field: str, *, split: str | None,
-                      config: str | None, revision: str | None) -> TableSource:
-    """The rows of a ``save_to_disk`` folder, or of a hub dataset id found in the cache."""
+                      config: str | None, revision: str | None,
+                      limit: int | None = None) -> TableSource:
+    """The rows of a ``save_to_disk`` folder, or of a hub dataset id found in the cache;
+    ``limit``: the read limit (default `tables.read_limit`)."""
     from modeling.checkpoint.repository import is_repo_id
 
+    limit = read_limit() if limit is None else limit
     if is_repo_id(str(dataset)):
-        return _hub_source(str(dataset), text_field, split, config, revision)
+        return _hub_source(str(dataset), text_field, split, config, revision, limit)
+    pyarrow_module("a dataset saved with save_to_disk")
     folder = Path(dataset).expanduser().resolve()
     if not folder.is_dir():
         raise SourceNotFound(f"{folder} is no folder, and {str(dataset)!r} no hub dataset id "
@@ -41,7 +54,7 @@ def hf_dataset_source(dataset: str | os.PathLike[str], text_field: str, *, split
     if config is not None or revision is not None:
         raise SplitError(f"{folder} is a folder: config and revision (--hf-config, "
                          "--revision) only choose within a hub dataset.")
-    return _saved_source(folder, text_field, split)
+    return _saved_source(folder, text_field, split, limit)
 
 
 def _choose(splits: Collection[str], split: str | None, where: str) -> str:
@@ -54,38 +67,31 @@ def _choose(splits: Collection[str], split: str | None, where: str) -> str:
                      f"of {listed} (--split).")
 
 
-def _saved_source(folder: Path, text_field: str, split: str | None) -> TableSource:
-    datasets = optional_module("datasets", "a dataset saved with save_to_disk")
-    try:
-        loaded = datasets.load_from_disk(str(folder))
-    except FileNotFoundError as err:
-        raise UnreadableSource(
-            f"{folder} is not a folder written by save_to_disk ({err}); give Parquet files "
-            "with --parquet, or a hub dataset id."
-        ) from err
-    if isinstance(loaded, datasets.DatasetDict):
-        split = _choose(list(loaded), split, str(folder))
-        chosen, description = loaded[split], f"{folder} split {split}"
-    elif split is not None and split != loaded.split:
-        named = f" (split {loaded.split})" if loaded.split else ""
+def _saved_source(folder: Path, text_field: str, split: str | None,
+                  limit: int) -> TableSource:
+    splits = saved_splits(folder)
+    if splits is not None:
+        split = _choose(splits, split, str(folder))
+        return SavedDataset.open(folder / split).source(
+            text_field, f"{folder} split {split}", limit=limit)
+    dataset = SavedDataset.open(folder)
+    if split is not None and split != dataset.split:
+        named = f" (split {dataset.split})" if dataset.split else ""
         raise SplitError(f"{folder} holds one dataset{named}, not a DatasetDict of splits; "
                          f"leave out split {split!r} (--split).")
-    else:
-        chosen, description = loaded, str(folder)
-    check_column(chosen.column_names, text_field, description)
-    batches = chosen.select_columns([text_field]).with_format("arrow").iter(ROWS_PER_READ)
-    return TableSource(description, table_records(batches, text_field, description))
+    return dataset.source(text_field, str(folder), limit=limit)
 
 
 def _hub_source(repo_id: str, text_field: str, split: str | None, config: str | None,
-                revision: str | None) -> TableSource:
+                revision: str | None, limit: int) -> TableSource:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    datasets = optional_module("datasets", "a hub dataset")
     at = f"{repo_id}@{revision or 'main'}"
     try:
-        snapshot = Path(snapshot_download(repo_id, repo_type="dataset", revision=revision,
-                                          local_files_only=True))
+        snapshot = Path(os.path.abspath(snapshot_download(
+            repo_id, repo_type="dataset", revision=revision, local_files_only=True)))
     except (HFValidationError, LocalEntryNotFoundError) as err:
         raise SourceNotFound(
             f"{repo_id} is no folder, and hub dataset {at} is not in the cache "
@@ -93,7 +99,7 @@ def _hub_source(repo_id: str, text_field: str, split: str | None, config: str | 
             f"{repo_id} --repo-type dataset --include 'data/{split or 'train'}-*'`) or point "
             "HF_HUB_CACHE at the cache holding it."
         ) from err
-    datasets = optional_module("datasets", "a hub dataset")
+    _check_card(snapshot, at)
     try:
         builder = datasets.load_dataset_builder(str(snapshot), name=config)
     except FileNotFoundError as err:
@@ -111,6 +117,64 @@ def _hub_source(repo_id: str, text_field: str, split: str | None, config: str | 
             "conversion (`hf download ... --revision refs/convert/parquet`) and import it with "
             "--revision refs/convert/parquet, or import JSON Lines files with --jsonl."
         )
-    return parquet_source(files[split], text_field,
-                          f"hub dataset {repo_id}@{snapshot.name} config "
-                          f"{builder.config.name} split {split}")
+    return parquet_source([_in_snapshot(file, snapshot, where) for file in files[split]],
+                          text_field, f"hub dataset {repo_id}@{snapshot.name} config "
+                          f"{builder.config.name} split {split}", limit=limit)
+
+
+def _check_card(snapshot: Path, at: str) -> None:
+    """Refuse a snapshot that would have `datasets` run code, or look outside it: a loading
+    script, or a card whose ``configs`` name data files or folders elsewhere."""
+    script = snapshot / f"{snapshot.name}.py"  # what `datasets` < 4 would import and run
+    if script.exists():
+        raise UnreadableSource(f"hub dataset {at} is a loading script ({script.name}), which "
+                               "Matformer never runs; import its Parquet conversion "
+                               "(--revision refs/convert/parquet).")
+    card = snapshot / "README.md"
+    if not card.is_file():
+        return
+    import yaml
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        configs = (metadata_load(card) or {}).get("configs")
+    except (ValueError, yaml.YAMLError) as err:
+        raise UnreadableSource(f"hub dataset {at}: the metadata of its card {card} is not "
+                               f"valid YAML ({' '.join(str(err).split())}).") from err
+    for entry in configs if isinstance(configs, list) else []:
+        named = _card_paths(entry) if isinstance(entry, dict) else []
+        for path in named:
+            if "://" in path or path.startswith(("/", "~")) or ".." in PurePosixPath(path).parts:
+                raise SourceOutsideDataset(
+                    f"hub dataset {at}: its card (README.md) points config "
+                    f"{entry.get('config_name', 'default')} at {path}, outside its snapshot "
+                    f"{snapshot}; nothing was read. Hub imports read only the dataset's own "
+                    "files."
+                )
+
+
+def _card_paths(config: dict) -> list[str]:
+    """What a card's config names as data: its ``data_dir``, and each ``data_files`` path or
+    pattern (a string, a list, a list of ``{split, path}``, or ``{split: paths}``)."""
+    files = config.get("data_files", [])
+    entries = list(files.values()) if isinstance(files, dict) else \
+        files if isinstance(files, list) else [files]
+    paths = [config.get("data_dir")]
+    for entry in entries:
+        path = entry.get("path") if isinstance(entry, dict) else entry
+        paths.extend(path if isinstance(path, list) else [path])
+    return [path for path in paths if isinstance(path, str)]
+
+
+def _in_snapshot(file: str, snapshot: Path, where: str) -> Path:
+    """``file`` if it lies in ``snapshot``, and resolves inside its repository's cache folder
+    (a snapshot's files are links into the same folder's ``blobs``)."""
+    path = Path(os.path.abspath(file))
+    repository = snapshot.parent.parent.resolve()
+    if not (path.is_relative_to(snapshot) and path.resolve().is_relative_to(repository)):
+        raise SourceOutsideDataset(
+            f"{where}: its data file {file} lies outside the snapshot {snapshot} (resolved: "
+            f"{path.resolve()}); nothing was read. Hub imports read only the dataset's own "
+            "files."
+        )
+    return path

@@ -31,6 +31,9 @@ from modeling.mdat.submdat import SubmdatWriter
 
 # The counter of skipped records each kind of bad record adds to.
 _SKIPPED_AS = {BadRecord: "invalid", NotUtf8: "not_utf8", EmptyDocument: "empty"}
+# A batch is committed at ``batch_size`` documents or this much text, whichever comes first,
+# so that large documents never pile up in memory.
+COMMIT_BYTES = 32 << 20
 
 
 def _start(catalogue: Catalogue, folder: Path, name: str, source: str, text_field: str,
@@ -85,6 +88,7 @@ def import_records(
     _check_consumed(records, info, hashed)
     skipped: Counter[str] = Counter()
     batch: list[Document] = []
+    held = 0  # bytes of text in ``batch``
     read = info.records_read
     writer = SubmdatWriter(folder, info.compression == "zstd", info.documents)
     with closing(writer), tqdm(desc=f"import {name}", unit="doc", initial=read,
@@ -112,12 +116,13 @@ def import_records(
             bar.update()
             if isinstance(record, Document):
                 batch.append(record)
+                held += len(record.text)
             elif skip_bad:
                 skipped[_SKIPPED_AS[type(record)]] += 1
             else:
                 raise record
-            if len(batch) >= batch_size:
-                info = commit()
+            if len(batch) >= batch_size or held >= COMMIT_BYTES:
+                info, held = commit(), 0
         info = replace(commit(), complete=True)
         catalogue.save_submdat(info)
     return info
