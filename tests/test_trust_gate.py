@@ -15,11 +15,10 @@ import torch
 from helpers import Clock, run_config, served_run_toml
 from rounds import caps, drive, events, flat_results
 from safetensors import SafetensorError
-from wire import code_of, header_of, joined
+from wire import code_of, header_of, joined, serving_config
 
 import protocol.sparse as sparse_module
 import server.main as server_main
-from protocol.channel import GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import encode_sparse_result
@@ -37,14 +36,9 @@ DISK_FULL = "Error while serializing: I/O error: No space left on device (os err
 @contextlib.contextmanager
 def serving(tmp_path, **tables) -> Iterator[tuple[RunningServer, pb_grpc.CoordinatorStub]]:
     """A one-client served run (helpers.served_run_toml) with ``tables`` replaced."""
-    config = RunConfig.load(served_run_toml(tmp_path, min_clients=1, **tables))
-    server = RunningServer.start(config, grpc_port=0, http_port=0)
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
-    try:
-        yield server, pb_grpc.CoordinatorStub(channel)
-    finally:
-        channel.close()
-        server.stop()
+    with serving_config(RunConfig.load(served_run_toml(tmp_path, min_clients=1,
+                                                       **tables))) as served:
+        yield served
 
 
 # -- row 9: counts and dtypes checked before anything is decoded ---------------------------

@@ -15,10 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from helpers import served_run_toml
-from wire import header_of, join_request, joined, stalled, stalled_unary
+from wire import header_of, join_request, joined, serving_config, stalled, stalled_unary
 
 from protocol.auth import session_metadata
-from protocol.channel import GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from server.call_slots import CallLimits, CallSlots
@@ -41,13 +40,8 @@ def served(tmp_path, *, min_clients: int, sequences: int, **faults: float
               "tokens_per_round": sequences * SEQUENCE_TOKENS, "rounds": 5}
     path = served_run_toml(tmp_path, round=rounds,
                            faults={"max_joins_per_minute": 1000, **faults})
-    server = RunningServer.start(RunConfig.load(path), grpc_port=0, http_port=0)
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
-    try:
-        yield server, pb_grpc.CoordinatorStub(channel)
-    finally:
-        channel.close()
-        server.stop()
+    with serving_config(RunConfig.load(path)) as pair:
+        yield pair
 
 
 @contextlib.contextmanager

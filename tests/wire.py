@@ -37,6 +37,13 @@ def serving(tmp_path, limits: CallLimits | None = None) -> Iterator[tuple[Runnin
             max_streams_per_member=limits.streams_per_member, max_streams=limits.streams,
             stream_idle_s=limits.idle_s, request_idle_s=limits.request_s,
             max_message_mb=limits.message_bytes / 2**20))
+    with serving_config(config) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving_config(config: RunConfig) -> Iterator[tuple[RunningServer, pb_grpc.CoordinatorStub]]:
+    """``config``'s run served on loopback, and a stub that calls it; stopped on exit."""
     server = RunningServer.start(config, grpc_port=0, http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     try:
