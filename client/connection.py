@@ -45,7 +45,7 @@ from client.local_round import LocalSteps
 from modeling.compression import CompressionConfig, RoundUpdate, SparseResult
 from modeling.optim import constant_after_warmup
 from protocol.auth import session_metadata
-from protocol.channel import GRPC_OPTIONS
+from protocol.channel import CLIENT_OPTIONS
 from protocol.files import receive_file
 from protocol.link import metered
 from protocol.matformer.v1 import coordinator_pb2 as pb
@@ -189,9 +189,9 @@ class Connection:
         direction (local-testnet's simulated WAN; 0: no limit)."""
         if tls_ca is not None:
             credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
-            self.channel = grpc.secure_channel(address, credentials, options=GRPC_OPTIONS)
+            self.channel = grpc.secure_channel(address, credentials, options=CLIENT_OPTIONS)
         else:
-            self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+            self.channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         # every message counted each way (``meter``), and held to bandwidth_mbit if set
         self.channel, self.meter = metered(self.channel, mbit_per_s=bandwidth_mbit)
         self.address = address

@@ -16,3 +16,8 @@ GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
+# A client's channel tries to reconnect at least this often. gRPC's own backoff grows to 120 s,
+# so a coordinator back after a minute's outage went unanswered for 12 s more, and after a
+# longer one for up to two minutes; the client retries calls with its own backoff anyway.
+RECONNECT_MAX_MS = 2000
+CLIENT_OPTIONS = (*GRPC_OPTIONS, ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS))

@@ -169,3 +169,40 @@ def test_members_with_work_have_a_stream_of_their_own_and_others_share_fairly():
         stream("worker")  # its own, though every shared slot is taken
         with pytest.raises(NoStreamSlot):
             stream("worker")  # a second stream is a shared one
+
+
+def test_a_client_reaches_a_restarted_coordinator_within_seconds(tmp_path):
+    """After an outage of 30 s, gRPC's own reconnect backoff (grown to 10-25 s by then,
+    and to 120 s after longer ones) left a client's calls UNAVAILABLE long after the
+    coordinator was back; the client's channel now tries again every 2 s at most."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from client.connection import Connection
+
+    config = RunConfig.load(served_run_toml(tmp_path, min_clients=1))
+    server = RunningServer.start(config, grpc_port=0, http_port=0)
+    port = server.grpc_port
+    health = health_pb2_grpc.HealthStub(Connection(f"127.0.0.1:{port}").channel)
+
+    def answered() -> bool:
+        try:
+            health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+        return True
+
+    assert answered()
+    server.stop()
+    down = time.monotonic()
+    while time.monotonic() - down < 30:  # a client retrying through the outage
+        assert not answered()
+        time.sleep(1)
+    server = RunningServer.start(config, grpc_port=port, http_port=0)
+    try:
+        back = time.monotonic()
+        while not answered():
+            time.sleep(0.2)
+        waited = time.monotonic() - back
+        assert waited < 4, waited  # at most the 2 s backoff, on a busy machine
+    finally:
+        server.stop()
