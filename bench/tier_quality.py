@@ -26,7 +26,7 @@ step (``OptimizerConfig``: weight decay 0.01, 10% warmup, cosine to lr/10, gradi
 through ``train_step_on_examples``. The token stream is the training sequences in the
 container's shuffle of ``--seed``, then reshuffled for each further epoch. Held out: the
 shuffle's last 5%, as ``matformer-train`` holds out, never trained on by any run; losses are
-the mean per target token over it (``client.standalone.evaluate``). The tokenizer is trained
+the mean per target token over it (``modeling.training.held_out_loss``). The tokenizer is trained
 on the whole corpus, held-out text included; all runs share it, so it favours none of them.
 
 Targets (reported, not asserted): under ``joint`` tier 0 < tier 1 < tier 2, and ``joint``'s
@@ -53,16 +53,23 @@ import torch
 from harness import print_table
 from torch import Tensor
 
-from client.standalone import evaluate, sequences
-from modeling import MaskedBatch, ModelConfig, build_model
+from client.standalone import sequences
+from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 from modeling.matformer import tier_label
 from modeling.mdat import Mdat, build_default_mdat
 from modeling.optim import OptimizerConfig
 from modeling.tokenizers import train_tokenizer
-from modeling.training import TierSchedule, train_step_on_examples, with_targets
+from modeling.training import (
+    TierSchedule,
+    held_out_loss,
+    train_step_on_examples,
+    with_targets,
+)
 
 TIERS = [0, 1, 2]
+CPU = torch.device("cpu")  # where this benchmark trains
+EVAL_BATCH_TOKENS = 8192  # padded tokens per evaluation microbatch
 SEQ_LEN = 256  # tokens per sequence at most; the strategy cuts documents every 128
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)  # the BPE's
 # A smoke check of about a minute; explicit options still win.
@@ -159,8 +166,13 @@ def train(model: torch.nn.Module, examples: list[Tensor], schedule: TierSchedule
     return len(plan)
 
 
+def evaluate(model: torch.nn.Module, held_out: list[Tensor], tiers: list[int]
+             ) -> dict[str, float]:
+    return held_out_loss(model, held_out, tiers, batch_tokens=EVAL_BATCH_TOKENS)
+
+
 def run(model: torch.nn.Module, examples: list[Tensor], schedule: TierSchedule,
-        held_out: list[MaskedBatch], tiers: list[int], args: argparse.Namespace) -> Result:
+        held_out: list[Tensor], tiers: list[int], args: argparse.Namespace) -> Result:
     started = time.perf_counter()
     steps = train(model, examples, schedule, args)
     return Result(losses=evaluate(model, held_out, tiers), tokens=sum(map(len, examples)),
@@ -186,9 +198,8 @@ def main() -> None:
                              universal)
         held = max(1, len(order) // 20)  # the shuffle's last 5%, as matformer-train holds out
         train_ids, held_ids = order[:-held], order[-held:]
-        examples = sequences(reader, token_stream(train_ids, lengths, args.tokens, args.seed))
-        held_out = [MaskedBatch.from_list(sequences(reader, held_ids[rows])) for rows in
-                    plan_batches(lengths[held_ids].tolist(), 8192)]
+        examples = sequences(reader, token_stream(train_ids, lengths, args.tokens, args.seed), CPU)
+        held_out = sequences(reader, held_ids, CPU)
     # Each independent model trains the stream's first third, so joint's tokens are theirs
     share = examples[:len(token_stream(train_ids, lengths, args.tokens // len(TIERS),
                                        args.seed))]

@@ -1,0 +1,24 @@
+"""Every benchmark under bench/ imports against the code as it is now, so none rots unseen
+(bench/federated_quality.py once imported a function the client no longer had). What each
+one measures is run at tiny sizes by the tests of its own subject where one exists
+(test_trust_influence runs federated_quality)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in BENCH.glob("*.py")))
+def test_the_benchmark_imports(script, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # benchmarks import their harness as a sibling
+    module = importlib.import_module(script)
+    assert module.__file__ == str(BENCH / f"{script}.py")
+    if script != "harness":
+        assert callable(getattr(module, "main", None)), f"bench/{script}.py has no main()"
+    sys.modules.pop(script, None)
