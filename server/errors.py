@@ -253,7 +253,8 @@ class TooManyCalls(CallRefused):
 
 
 class NoStreamSlot(CallRefused):
-    """Every stream slot of the server is in use: a call worth retrying in a few seconds."""
+    """Every shared stream slot the member may take is in use (a member with work in the open
+    round never meets this): a call worth retrying in a few seconds."""
 
     code = grpc.StatusCode.UNAVAILABLE  # clients retry it
 
@@ -266,7 +267,8 @@ class NoRequestSlot(CallRefused):
 
 
 class StreamIdle(CallRefused):
-    """A stream whose peer sent or took nothing for ``CallLimits.idle_s``; it was ended."""
+    """A stream whose peer sent or took nothing for ``CallLimits.idle_s`` beyond what its
+    message needs on a slow link; it was ended."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
