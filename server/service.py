@@ -43,7 +43,7 @@ from protocol.auth import SESSION_METADATA_KEY, check_join_token, presented_sess
 from protocol.errors import MalformedStream, ProtocolError
 from protocol.matformer.v1 import coordinator_pb2 as pb
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.sparse import result_layouts
+from protocol.sparse import ResultLayout, result_layouts
 from protocol.submission import read_results, read_submission
 from protocol.tensors import encode_tensor
 from server.call_slots import CallLimits, CallSlots, Watch, end_call
@@ -83,6 +83,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.slots = CallSlots(limits, assigned=lambda client_id: (
             coordinator.assignment_for(client_id) is not None))
         # GetUpdates from memory: each round encoded once per tier, fed by every close
+        self._result_layouts: dict[int, dict[str, ResultLayout]] = {}  # by tier (_layouts)
         self.updates = UpdateCache(read=coordinator.log.read, regions=coordinator.regions)
         coordinator.round_closed.append(lambda closed: self.updates.put(closed.update))
         self.schema_hash = canonical_schema_hash(coordinator.model_config, coordinator.shapes)
@@ -192,6 +193,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 pb.Sequence(id=i, tokens=encode_tensor(torch.from_numpy(reader[i].copy())))
                 for i in ids))
 
+    def _layouts(self, tier: int) -> dict[str, ResultLayout]:
+        """What the run accepts of each parameter from a client of ``tier``: fixed for the
+        run, so built once per tier."""
+        if tier not in self._result_layouts:
+            c = self.coordinator
+            self._result_layouts[tier] = result_layouts(c.config.compression.build(), c.shapes,
+                                                        c.regions(tier))
+        return self._result_layouts[tier]
+
     def SubmitResult(self, request_iterator: Iterator[pb.SubmitMessage],
                      context: grpc.ServicerContext) -> pb.SubmitReply:
         c = self.coordinator
@@ -224,9 +234,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 "still arriving; nothing of it was kept, wait for the next assignment."))
             # each result checked against the run's layout for the assigned tier before it
             # is decoded, then checked whole, before the coordinator sees any
-            layouts = result_layouts(c.config.compression.build(), c.shapes,
-                                     c.regions(assignment.tier))
-            results = list(read_results(rest, layouts))
+            results = list(read_results(rest, self._layouts(assignment.tier)))
             if not context.is_active():  # gRPC ends the stream at a message it cannot parse
                 raise MalformedStream("the SubmitResult stream broke off at a message that "
                                       "does not parse; nothing was kept, submit again.")
