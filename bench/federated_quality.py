@@ -60,9 +60,10 @@ from harness import print_table
 from torch import Tensor
 
 from client.connection import Train
-from client.federated import ClientSummary, FederatedClient, FederatedOptions
+from client.federated import FederatedClient, FederatedOptions
 from client.progress import Progress
 from client.standalone import TINY
+from client.summary import ClientSummary
 from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 from modeling.checkpoint import load_pretrained

@@ -9,6 +9,7 @@ on the same data path (MDAT sequences, token-budget microbatches, several tiers 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -60,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     federated.add_argument("--bandwidth-mbit", type=float, default=0.0,
                            help="limit uploads and downloads to this many Mbit/s each "
                                 "(simulates a slow link; 0: no limit)")
+    federated.add_argument("--compute-speed", type=_speed, default=1.0, metavar="FRACTION",
+                           help="compute at this fraction of the machine's speed (each "
+                                "round's training is followed by a pause in proportion; "
+                                "simulates a slower machine, as local-testnet "
+                                "--client-speeds does; default: 1)")
     federated.add_argument("--max-rounds", type=int, default=None,
                            help="leave after training this many rounds")
     federated.add_argument("--no-progress", action="store_true",
@@ -69,6 +75,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 "shows no sign of life (stopped, hung) for this long; "
                                 "waiting for the coordinator does not count (default: 30)")
     return parser.parse_args(argv)
+
+
+def _speed(text: str) -> float:
+    """A fraction in (0, 1]: argparse's type for --compute-speed."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1], e.g. 0.25")
+    return value
 
 
 def federated_options(args: argparse.Namespace) -> FederatedOptions:
@@ -82,7 +99,7 @@ def federated_options(args: argparse.Namespace) -> FederatedOptions:
         microbatch_examples=args.microbatch_examples,
         also_train=tuple(int(t) for t in args.also_train.split(",") if t.strip()),
         latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit,
-        max_rounds=args.max_rounds,
+        compute_speed=args.compute_speed, max_rounds=args.max_rounds,
         progress=False if args.no_progress else None)
     if args.name:
         options.name = args.name

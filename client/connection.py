@@ -19,13 +19,12 @@ other status is the coordinator's answer and surfaces at once.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 import torch
@@ -41,6 +40,7 @@ from client.errors import (
     Unreachable,
     UpdatesPruned,
 )
+from client.heartbeat import Heartbeat
 from client.local_round import LocalSteps
 from modeling.compression import CompressionConfig, RoundUpdate, SparseResult
 from modeling.optim import constant_after_warmup
@@ -96,6 +96,9 @@ class RunSettings:
     data_fingerprint: str  # of that view: a local copy (--data) must match it
     heartbeat_s: float  # how often to heartbeat, also while training; 0: not asked
     local_steps: LocalSteps | None  # None: one gradient per round
+    # overlapped rounds: round r is trained on the weights after r - 1 rounds, and the next
+    # rounds' work is handed out ahead (docs/architecture.md, "One round")
+    overlap: bool = False
 
     @classmethod
     def from_proto(cls, s: pb.TrainingSettings) -> RunSettings:
@@ -114,7 +117,7 @@ class RunSettings:
         return cls(compression=compression, sequence_length=s.sequence_length,
                    data_strategy=s.data_strategy, data_view=s.data_view or None,
                    data_fingerprint=s.data_fingerprint, heartbeat_s=s.heartbeat_seconds,
-                   local_steps=local_steps)
+                   local_steps=local_steps, overlap=s.overlap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +172,15 @@ class Finished:
     round: int
 
 
+class Submitted(NamedTuple):
+    """What a submission came to: results accepted, bytes sent, and the client's assignments
+    not yet submitted (overlapped rounds hand the next ones out with the answer)."""
+
+    accepted: int
+    sent: int
+    assignments: list[Train]
+
+
 def _work(reply: pb.RoundAssignment) -> Train | Wait | Finished:
     if reply.state == pb.ROUND_STATE_FINISHED:
         return Finished(round=reply.round)
@@ -203,6 +215,7 @@ class Connection:
         self.session_token = ""
         self.heartbeat_s = 0.0  # the run's heartbeat interval, once joined
         self.call_seconds: Counter[str] = Counter()  # RPC name → seconds in its calls
+        self.calls: Counter[str] = Counter()  # RPC name → calls made (each try counts)
         self.update_bytes = 0  # received in GetUpdates messages
 
     @property
@@ -252,9 +265,11 @@ class Connection:
         """Heartbeats for ``round_index()`` while the ``with`` block runs."""
         return Heartbeat(self, round_index)
 
-    def get_round(self) -> Train | Wait | Finished:
+    def get_round(self, after: int | None = None) -> Train | Wait | Finished:
+        """The oldest assignment not yet submitted (in a round after ``after``)."""
+        request = pb.GetRoundRequest() if after is None else pb.GetRoundRequest(after_round=after)
         return _work(self._call("GetRound", lambda: self.stub.GetRound(
-            pb.GetRoundRequest(), metadata=self.metadata)))
+            request, metadata=self.metadata)))
 
     def fetch_sequences(self, ids: Sequence[int]) -> list[torch.Tensor]:
         """The token ids of ``ids``, in that order, as 1-D int64 tensors."""
@@ -272,8 +287,8 @@ class Connection:
         return self._call("FetchSequences", fetch)
 
     def submit(self, work: Train, *, client_id: str, tokens: int, loss: float,
-               train_seconds: float, results: Sequence[SparseResult]) -> tuple[int, int]:
-        """Stream the results of ``work``: (results accepted, bytes sent)."""
+               train_seconds: float, results: Sequence[SparseResult]) -> Submitted:
+        """Stream the results of ``work``."""
         header = pb.SubmitHeader(round=work.round, client_id=client_id, tokens=tokens,
                                  loss=loss, train_seconds=train_seconds,
                                  assignment_id=work.assignment_id)
@@ -286,14 +301,17 @@ class Connection:
                 sent += message.ByteSize()
                 yield message
 
-        accepted = self._call("SubmitResult", lambda: self.stub.SubmitResult(
-            counted(), metadata=self.metadata).accepted)
-        return accepted, sent
+        reply = self._call("SubmitResult", lambda: self.stub.SubmitResult(
+            counted(), metadata=self.metadata))
+        handed = [w for w in map(_work, reply.assignments) if isinstance(w, Train)]
+        return Submitted(reply.accepted, sent, handed)
 
-    def updates(self, since_round: int, tier: int) -> list[RoundUpdate]:
+    def updates(self, since_round: int, tier: int, *, wait_s: float = 0.0
+                ) -> list[RoundUpdate]:
         """The logged round updates from ``since_round`` to the last completed round, cut to
         this client's ``tier``; ``update_bytes`` counts their messages (before gRPC's gzip on
-        the wire)."""
+        the wire). ``wait_s``: when round ``since_round`` has not closed yet, the coordinator
+        waits up to this long for it before answering."""
 
         def counted(stream: Iterator[pb.UpdateMessage]) -> Iterator[pb.UpdateMessage]:
             for message in stream:
@@ -301,7 +319,8 @@ class Connection:
                 yield message
 
         return self._call("GetUpdates", lambda: list(read_updates(counted(self.stub.GetUpdates(
-            pb.GetUpdatesRequest(since_round=since_round), metadata=self.metadata)), tier)))
+            pb.GetUpdatesRequest(since_round=since_round, wait_seconds=wait_s),
+            metadata=self.metadata)), tier)))
 
     def latest_checkpoint(self) -> PublishedCheckpoint:
         """The coordinator's latest checkpoint."""
@@ -328,6 +347,7 @@ class Connection:
             start = time.perf_counter()
             if self.latency_s:
                 time.sleep(self.latency_s)
+            self.calls[name] += 1
             try:
                 return action()
             except grpc.RpcError as err:
@@ -349,38 +369,3 @@ def _refusal(call: str, code: Code, details: str) -> Refused:
     kind = MEANINGS[call].get(code, Refused)
     advice = ADVICE.get(kind)
     return kind(call, code.name, f"{details} {advice}" if advice else details)
-
-
-class Heartbeat:
-    """Heartbeats every ``connection.heartbeat_s`` on a background thread while a ``with``
-    block runs (loading, a round's training), so the coordinator tells a busy client from a
-    hung one. Failures are the coordinator's to notice (a missed heartbeat); the thread only
-    logs the first one."""
-
-    def __init__(self, connection: Connection, round_index: Callable[[], int]) -> None:
-        self.connection = connection
-        self.interval_s = connection.heartbeat_s
-        self.round_index = round_index
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="matformer-heartbeat",
-                                        daemon=True)
-
-    def __enter__(self) -> Heartbeat:
-        if self.interval_s > 0:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=1.0)
-
-    def _beat(self) -> None:
-        warned = False
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.connection.heartbeat(self.round_index(), patience_s=self.interval_s)
-            except (Refused, Unreachable) as err:
-                if not warned:
-                    self.connection.log(f"heartbeat failed: {err}")
-                    warned = True

@@ -24,24 +24,22 @@ errors of ``client.errors`` (``RoundOver``, ``SessionEnded``, ...), never as sta
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from client.checkpoints import load_replica, open_mirror
 from client.connection import (
     Connection,
-    Finished,
     Membership,
     PublishedCheckpoint,
     Train,
-    Wait,
 )
 from client.data import SequenceSource
 from client.errors import (
@@ -53,12 +51,14 @@ from client.errors import (
     SessionEnded,
     UpdatesPruned,
 )
-from client.local_round import LocalRound, RoundSetup
+from client.local_round import LocalRound, RoundSetup, RoundWork
 from client.node import Node
 from client.probe import device_name, measure_tokens_per_second, memory_bytes
 from client.progress import Progress
 from client.replica import Replica
-from modeling.atomic import write_json_atomic
+from client.rounds import OverlappedRounds, SynchronousRounds
+from client.state_dir import feedback_path, previous_session, save_session
+from client.summary import ClientSummary, Cost, write_summary
 from modeling.checkpoint.loader import STRATEGIES
 from modeling.compression import DENSE_BYTES_PER_VALUE, RoundUpdate, region_shape, tier_regions
 from modeling.devices import compile_model, resolve_device
@@ -66,15 +66,9 @@ from modeling.distributed import DataParallel
 from modeling.matformer import tier_label
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
-FEEDBACK_FILE = "error_feedback.safetensors"
-SUMMARY_FILE = "summary.json"  # written in the state dir when the client stops
-# the session token of the last join (0600): a restarted client presents it, so that the
-# coordinator lets it take its name back from the member it was
-SESSION_FILE = "session.json"
 NAME_PATIENCE_S = 90.0  # how long a Join waits for its name to be freed (ALREADY_EXISTS)
 NAME_RETRY_S = 5.0
 MAX_REJOINS = 3  # joins in a row after the coordinator forgot this client's session
-DOWNLOADS = ("GetUpdates", "FetchSequences", "DownloadCheckpoint")  # the calls that download
 
 
 @dataclass(kw_only=True)
@@ -99,49 +93,9 @@ class FederatedOptions:
     also_train: tuple[int, ...] = ()  # smaller nested tiers trained in the same step
     latency_ms: float = 0.0  # added before every call: local-testnet's simulated WAN
     bandwidth_mbit: float = 0.0  # each way, on every message (protocol/link.py); 0: none
+    compute_speed: float = 1.0  # < 1: a slower machine (local-testnet's --client-speeds)
     max_rounds: int | None = None  # leave after training this many rounds; None: until the end
     progress: bool | None = None  # a progress bar; None: when stderr is a terminal
-
-
-@dataclass(kw_only=True)
-class ClientSummary:
-    client_id: str
-    tier: int
-    rounds_trained: int = 0
-    rounds_applied: int = 0  # the replica holds the weights after this many rounds
-    resynchronisations: int = 0
-    losses: list[tuple[int, float]] = field(default_factory=list)  # (round, loss)
-    bytes_sent: int = 0
-    update_bytes: int = 0  # GetUpdates messages received (before gRPC's gzip)
-    finished: bool = False  # the coordinator said the run is over
-    weight_hash: str = ""  # the replica's, at its tier, after ``rounds_applied`` rounds
-    rejoins: int = 0  # times it joined again after its session ended
-    world_size: int = 1  # data-parallel ranks of this participant (torchrun)
-    rank_hashes: list[str] = field(default_factory=list)  # each rank's replica, at the end
-    # What it cost, over the whole process (rejoins included): every message each way as
-    # serialized (before gRPC's gzip), against float32 of the tier's weights per round
-    # trained (up) and applied (down); seconds training, sending results, downloading
-    # (updates, sequences, checkpoint files), waiting for a round, and in all.
-    bytes_up: int = 0
-    bytes_down: int = 0
-    dense_bytes_up: int = 0
-    dense_bytes_down: int = 0
-    compute_s: float = 0.0
-    up_s: float = 0.0
-    down_s: float = 0.0
-    wait_s: float = 0.0
-    wall_s: float = 0.0
-
-
-@dataclass
-class _Cost:
-    """What the summary's cost fields add up, kept across rejoins."""
-
-    started: float = field(default_factory=time.monotonic)
-    compute_s: float = 0.0
-    wait_s: float = 0.0
-    dense_up: int = 0  # float32 bytes of the tier's weights, per round trained
-    dense_down: int = 0  # ... per round applied
 
 
 class FederatedClient:
@@ -167,7 +121,7 @@ class FederatedClient:
         self.applied = 0  # the replica holds the weights after this many rounds
         self.local_round: LocalRound | None = None
         self.sequences: SequenceSource | None = None
-        self._cost = _Cost()
+        self._cost = Cost()
 
     @property
     def tier(self) -> int:
@@ -237,7 +191,7 @@ class FederatedClient:
                     memory_bytes=self.node.memory(memory_bytes(self.device), self.device),
                     load_strategy=o.load_strategy,
                     microbatch_tokens=o.microbatch_tokens,
-                    previous_session=self._previous_session())
+                    previous_session=previous_session(self.state_dir, o.server))
                 break
             except NameTaken as err:
                 # a member of this name that died without its session reaching the disk
@@ -246,10 +200,7 @@ class FederatedClient:
                     raise
                 self.log(f"{err.details} Retrying in {NAME_RETRY_S:g} s.")
                 time.sleep(NAME_RETRY_S)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.state_dir / SESSION_FILE,
-                          {"server": o.server, "session_token": self.connection.session_token},
-                          mode=0o600)
+        save_session(self.state_dir, o.server, self.connection.session_token)
         self.member = member
         self.summary = ClientSummary(client_id=member.client_id, tier=member.tier)
         self.sequences = SequenceSource(self.connection, member.settings, local=o.data)
@@ -262,7 +213,8 @@ class FederatedClient:
             probe = dict(tier=self.tier, sequence_length=member.settings.sequence_length,
                          batch_tokens=o.microbatch_tokens, steps=2, precision=o.precision)
             speed = self.node.speed(
-                lambda: measure_tokens_per_second(self.replica.model, **probe), probe)
+                lambda: measure_tokens_per_second(self.replica.model, **probe), probe
+            ) * o.compute_speed
         self.connection.heartbeat(self.applied, tokens_per_second=speed)
         self.log(f"measured {speed:,.0f} training tokens/s at tier {self.tier}; catching up "
                  f"from round {self.applied}")
@@ -270,33 +222,9 @@ class FederatedClient:
         self._build_local_round()
 
     def _train_rounds(self) -> None:
-        o = self.options
-        bar = o.progress if o.progress is not None else sys.stderr.isatty()
-        with Progress(self.log, bar) as progress:
-            while o.max_rounds is None or self.summary.rounds_trained < o.max_rounds:
-                work = self.connection.get_round()
-                if work.round > self.applied:
-                    self._catch_up()
-                match work:
-                    case Finished():
-                        self.summary.finished = True
-                        digest = self.replica.hash(self.tier)[:12]
-                        self.log(f"the run finished after round {work.round - 1}; replica "
-                                 f"at round {self.applied}, weight hash {digest}")
-                        return
-                    case Wait():
-                        pause = max(work.retry_after_s, 0.05)
-                        time.sleep(pause)
-                        self._cost.wait_s += pause
-                    case Train() if work.round != self.applied:
-                        continue  # the log lags the round that opened; ask again
-                    case Train():
-                        if work.tier != self.tier:
-                            self.log(f"the coordinator moved this client from tier "
-                                     f"{self.tier} to tier {work.tier}; reloading")
-                            self.summary.tier = work.tier
-                            self._catch_up(reload=True)
-                        self._train_one(work, progress)
+        """The round loop: synchronous, or overlapped when the run says so."""
+        loop = OverlappedRounds if self.member.settings.overlap else SynchronousRounds
+        loop(self).run()
 
     def _train_one(self, work: Train, progress: Progress) -> None:
         if self.local_round is None:
@@ -307,11 +235,10 @@ class FederatedClient:
             except RoundOver as err:
                 self.log(f"round {work.round} is over for this client: {err.details}")
                 return
-            self.node.train(sequences, work.round)
-            done = self.local_round.run(sequences, step=work.round)
+            done = self._compute(sequences, work.round)
             loss = done.losses[tier_label(self.tier)]
             try:
-                accepted, sent = self.connection.submit(
+                accepted, sent, _ = self.connection.submit(
                     work, client_id=self.summary.client_id, tokens=done.tokens, loss=loss,
                     train_seconds=done.seconds, results=done.results)
             except RoundOver as err:
@@ -321,6 +248,23 @@ class FederatedClient:
                 self.log(f"round {work.round} not accepted: {err.details}")
                 self._restore_state()
                 return
+        self._accepted(work, done, loss, sent, accepted, progress)
+
+    def _compute(self, sequences: list[torch.Tensor], round_index: int) -> RoundWork:
+        """A round's local work on every rank; with ``compute_speed`` below 1, followed by a
+        pause that makes it take 1 / compute_speed times as long, counted as compute."""
+        self.node.train(sequences, round_index)
+        done = self.local_round.run(sequences, step=round_index)
+        speed = self.options.compute_speed
+        if speed < 1:
+            pause = done.seconds * (1 / speed - 1)
+            time.sleep(pause)
+            done = dataclasses.replace(done, seconds=done.seconds + pause)
+        return done
+
+    def _accepted(self, work: Train, done: RoundWork, loss: float, sent: int, accepted: int,
+                  progress: Progress) -> None:
+        """A submission the coordinator took: the error feedback saved, the round counted."""
         self.local_round.save(self._state_path())
         self._cost.compute_s += done.seconds
         self._cost.dense_up += self._dense_bytes()
@@ -417,8 +361,7 @@ class FederatedClient:
     # -- state kept across restarts ---------------------------------------------------------
 
     def _state_path(self) -> Path:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        return self.state_dir / FEEDBACK_FILE
+        return feedback_path(self.state_dir)
 
     def _restore_state(self, announce: bool = False) -> None:
         """The error-feedback momentum (and inner optimizer state) of the last accepted
@@ -439,35 +382,11 @@ class FederatedClient:
         self.local_round.reset()
         self.node.restore(self.local_round)
 
-    def _previous_session(self) -> str | None:
-        """The session token this client held with this server before, if it kept one."""
-        try:
-            saved = json.loads((self.state_dir / SESSION_FILE).read_text())
-        except (OSError, ValueError):
-            return None  # none yet, or unreadable: join as a newcomer
-        if not isinstance(saved, dict) or saved.get("server") != self.options.server:
-            return None
-        token = saved.get("session_token")
-        return token if isinstance(token, str) and token else None
-
     def _write_summary(self) -> None:
         """``summary.json`` in the state dir: what local-testnet's end-of-run check reads."""
-        if self.summary is None:
-            return
-        if self.replica is not None:
-            self.summary.weight_hash = self.replica.hash(self.tier)
-        cost, seconds = self._cost, self.connection.call_seconds
-        summary = self.summary
-        summary.bytes_up = self.connection.meter.bytes_up
-        summary.bytes_down = self.connection.meter.bytes_down
-        summary.dense_bytes_up, summary.dense_bytes_down = cost.dense_up, cost.dense_down
-        summary.compute_s, summary.wait_s = round(cost.compute_s, 3), round(cost.wait_s, 3)
-        summary.up_s = round(seconds["SubmitResult"], 3)
-        summary.down_s = round(sum(seconds[n] for n in DOWNLOADS), 3)
-        summary.wall_s = round(time.monotonic() - cost.started, 3)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        path = self.state_dir / SUMMARY_FILE
-        path.write_text(json.dumps(dataclasses.asdict(summary), indent=1) + "\n")
+        if self.summary is not None:
+            weights = self.replica.hash(self.tier) if self.replica is not None else ""
+            write_summary(self.summary, self._cost, self.connection, weights, self.state_dir)
 
     def _leave(self, reason: str) -> None:
         try:

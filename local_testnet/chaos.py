@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.federated import SUMMARY_FILE
+from client.summary import SUMMARY_FILE
 from server.config import RunConfig
 from server.ledger import LedgerAudit, audit_run
 from server.update_log import UpdateLog

@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bandwidth-mbit", type=float, default=0.0,
                         help="limit each client's upload and download to this many Mbit/s "
                              "(a simulated home link; 0: no limit)")
+    parser.add_argument("--client-speeds", default="1",
+                        help="comma-separated fractions of this machine's speed the clients "
+                             "compute at, cycled over them (e.g. 1,0.5,0.25: a fast, a half "
+                             "and a quarter-speed member)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="overlapped rounds ([round] overlap): members train the next "
+                             "round while the last one closes")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in runs/testnet instead of replacing it")
     # undocumented knobs of the embedded run, for tests and quick looks
@@ -90,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.tiers = [int(t) for t in args.tiers.split(",") if t.strip()]
     except ValueError:
         parser.error(f"--tiers {args.tiers!r} is not a comma-separated list of tiers")
+    try:
+        args.client_speeds = [float(s) for s in args.client_speeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--client-speeds {args.client_speeds!r} is not a comma-separated list "
+                     "of fractions, e.g. 1,0.5,0.25")
+    if not args.client_speeds or not all(0 < s <= 1 for s in args.client_speeds):
+        parser.error("--client-speeds takes fractions in (0, 1], e.g. 1,0.5,0.25")
     if args.chaos is not None and args.kill_client_at is not None:
         parser.error("--chaos plans its own kills; leave out --kill-client-at")
     if not args.tiers:
@@ -100,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str]]:
     """The run.toml to start from and the overrides besides the ports."""
     overrides = [f"round.min_clients={args.num_clients}"]
+    if args.overlap:
+        overrides.append("round.overlap=true")
     if args.config is not None:
         if args.rounds is not None:
             overrides.append(f"round.rounds={args.rounds}")
@@ -153,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill_client_at is not None and args.kill_client_at >= config.round.planned_rounds:
         say(f"[testnet] --kill-client-at {args.kill_client_at} is past the run's last round "
             f"({config.round.planned_rounds - 1}); no client will be killed")
-    clients = [ClientSpec(name=f"client-{i}", tier=args.tiers[i % len(args.tiers)])
+    clients = [ClientSpec(name=f"client-{i}", tier=args.tiers[i % len(args.tiers)],
+                          speed=args.client_speeds[i % len(args.client_speeds)])
                for i in range(args.num_clients)]
     say(f"[testnet] run {config.run.id} in {run_dir}: {len(clients)} clients at tiers "
         f"{[c.tier for c in clients]}, {config.round.planned_rounds} rounds of "

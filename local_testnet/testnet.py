@@ -45,10 +45,11 @@ class TestnetFailed(RuntimeError):
 class ClientSpec:
     name: str
     tier: int  # requested with --tier; the coordinator may assign another
+    speed: float = 1.0  # --compute-speed: the fraction of this machine's speed it computes at
 
     @property
     def prefix(self) -> str:
-        return f"{self.name} t{self.tier}"
+        return f"{self.name} t{self.tier}" + (f" x{self.speed:g}" if self.speed != 1 else "")
 
 
 @dataclass(kw_only=True)
@@ -138,6 +139,8 @@ class Testnet:
             "client.cli", "train", "--server", f"127.0.0.1:{p.grpc_port}",
             "--tier", str(spec.tier), "--name", spec.name,
             "--state-dir", str(p.run_dir / "clients" / spec.name), "--no-progress")
+        if spec.speed != 1:
+            argv += ["--compute-speed", str(spec.speed)]
         if p.latency_ms:
             argv += ["--latency-ms", str(p.latency_ms)]
         if p.bandwidth_mbit:

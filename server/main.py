@@ -8,9 +8,10 @@
 gRPC (the Coordinator and health services) runs on its own thread pool; the HTTP app runs
 under uvicorn on a thread; both use TLS when [tls] names cert and key, and both bind
 [server] host, or loopback only under [auth] mode = "none" (a host beyond loopback without
-TLS is served, with a warning at start). A third thread calls
-``coordinator.advance()`` every ``TICK_S`` so that rounds close at their deadline even when
-no client calls. SIGINT/SIGTERM stop all three; state.json is already on disk.
+TLS is served, with a warning at start). A third thread is the coordinator's close worker
+(``Coordinator.run_closes``): it closes each round as soon as it is ready and at its deadline
+even when no client calls, so no member's call waits for a close. SIGINT/SIGTERM stop all
+three; state.json is already on disk.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from server.http import build_app
 from server.keys import KeyFile
 from server.service import CoordinatorService
 
-TICK_S = 0.5  # how often the coordinator checks deadlines on its own
 # The server pings a connection quiet for KEEPALIVE_S and closes it, ending its calls, when
 # the ping is not answered within KEEPALIVE_TIMEOUT_S: a vanished client's calls free their
 # worker threads.
@@ -113,8 +113,8 @@ class RunningServer:
         stopping = threading.Event()
         threads = [threading.Thread(target=http_server.run, kwargs={"sockets": [sock]},
                                     name="matformer-http", daemon=True),
-                   threading.Thread(target=_tick, args=(service.coordinator, stopping),
-                                    name="matformer-tick", daemon=True)]
+                   threading.Thread(target=service.coordinator.run_closes, args=(stopping,),
+                                    name="matformer-close", daemon=True)]
         for thread in threads:
             thread.start()
         server = cls(service=service, grpc_server=grpc_server, http_server=http_server,
@@ -188,14 +188,6 @@ def server_options(config: RunConfig) -> tuple[tuple[str, int], ...]:
             ("grpc.so_reuseport", 0),  # a second server on a taken port fails, not shares it
             ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000))
-
-
-def _tick(coordinator: Coordinator, stopping: threading.Event) -> None:
-    while not stopping.wait(TICK_S):
-        try:
-            coordinator.advance()
-        except Exception:  # a failing round must not silently stop the deadlines
-            log.exception("advancing the run failed; retrying in %.1f s", TICK_S)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -35,8 +35,6 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
-from modeling.checkpoint.export import read_manifest
-from modeling.checkpoint.manifest import MANIFEST_NAME
 from modeling.checkpoint.schema import canonical_schema_hash
 from modeling.errors import CheckpointError, CompressionError
 from protocol.auth import SESSION_METADATA_KEY, check_join_token, presented_session
@@ -46,6 +44,7 @@ from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.sparse import ResultLayout, result_layouts
 from protocol.submission import read_results, read_submission
 from protocol.tensors import encode_tensor
+from server import replies
 from server.call_slots import CallLimits, CallSlots, Watch, end_call
 from server.coordinator import Coordinator
 from server.errors import (
@@ -69,6 +68,7 @@ log = logging.getLogger("matformer.server")
 
 RETRY_AFTER_S = 0.5  # how soon a waiting client asks GetRound again, at most
 MIN_RETRY_AFTER_S = 0.05  # ... and at least, when the coordinator expects work for it sooner
+MAX_WAIT_S = 30.0  # the longest GetUpdates holds a stream waiting for a round to close
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
@@ -123,8 +123,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                                             previous_session=previous))
         return pb.JoinReply(client_id=member.client_id, session_token=token, tier=tier.tier,
                             ffn_width=tier.ffn_width, tier_reason=tier.reason,
-                            round=c.state.round, checkpoint=self._checkpoint_ref(tier.tier),
-                            settings=self._settings(), schema_hash=self.schema_hash)
+                            round=c.state.round,
+                            checkpoint=replies.checkpoint_ref(c, tier.tier),
+                            settings=replies.settings(c), schema_hash=self.schema_hash)
 
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatReply:
@@ -145,22 +146,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def GetRound(self, request: pb.GetRoundRequest,
                  context: grpc.ServicerContext) -> pb.RoundAssignment:
+        """The member's oldest assignment not yet submitted (after ``after_round``, when
+        the client holds the earlier ones); WAIT when it has none."""
         c = self.coordinator
         client_id = self._session(context)
-        assignment = _call(context, lambda: c.heartbeat(client_id))
+        _call(context, lambda: c.heartbeat(client_id))
         if c.phase == "finished":
             return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=c.state.round)
-        rnd = c.current_round
-        if assignment is None or rnd is None or client_id in rnd.submissions:
+        after = request.after_round if request.HasField("after_round") else None
+        assignment = c.assignment_for(client_id, after)
+        if assignment is None:
             expected = c.next_work_in(client_id)
             retry = RETRY_AFTER_S if expected is None else min(
                 RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, expected))
             return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=c.state.round,
                                       retry_after_seconds=retry)
-        return pb.RoundAssignment(
-            state=pb.ROUND_STATE_TRAIN, round=assignment.round,
-            sequence_ids=assignment.sequence_ids, tier=assignment.tier,
-            assignment_id=assignment.assignment_id)
+        return replies.assignment(assignment)
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.Sequence]:
@@ -176,8 +177,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"sequence ids {bad[:5]} are outside the run's {len(reader)} "
                               "sequences; fetch the ids GetRound assigned.")
-            assignment = c.assignment_for(client_id)
-            foreign = sorted(set(ids) - set(assignment.sequence_ids if assignment else ()))
+            held = {i for a in c.pending(client_id) for i in a.sequence_ids}
+            foreign = sorted(set(ids) - held)
             if foreign:  # a client reads only the sequences it is assigned now
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"sequence ids {foreign[:5]} are not in {client_id}'s assignment "
@@ -225,9 +226,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if header.client_id != client_id:
                 raise _NotYourSession(f"the header names {header.client_id!r} but the session "
                                       f"is {client_id!r}; submit with your own client id.")
-            if not math.isfinite(header.loss):
-                raise ProtocolError(f"the reported loss {header.loss} is not finite; the "
-                                    "client diverged, so it should reload the checkpoint.")
             assignment = c.check_header(client_id, header.round, header.assignment_id)
             watch.until(time.monotonic() + assignment.deadline - c.clock(), StaleRound(
                 f"round {assignment.round} reached its deadline while this submission was "
@@ -238,9 +236,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if not context.is_active():  # gRPC ends the stream at a message it cannot parse
                 raise MalformedStream("the SubmitResult stream broke off at a message that "
                                       "does not parse; nothing was kept, submit again.")
-            seconds = header.train_seconds if math.isfinite(header.train_seconds) else None
-            c.submit(client_id, header.round, results, loss=header.loss, train_seconds=seconds,
-                     assignment_id=header.assignment_id, wire_bytes=received)
+            c.submit(client_id, header.round, results, loss=header.loss,
+                     train_seconds=header.train_seconds, assignment_id=header.assignment_id,
+                     wire_bytes=received)
             return len(results)
 
         with self._stream(context, client_id) as watch:
@@ -250,7 +248,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 # counted against the client: enough refusals exclude it from the run
                 consequence = c.rejected(client_id, err)
                 _abort(context, err, consequence)
-            return pb.SubmitReply(accepted=accepted)
+            # the next round's work rides on the answer (overlapped rounds hand it out ahead)
+            return pb.SubmitReply(accepted=accepted, assignments=[
+                replies.assignment(a) for a in c.pending(client_id)])
 
     # -- catching up --------------------------------------------------------------------
 
@@ -262,6 +262,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         client_id = self._session(context)
         with self._stream(context, client_id) as watch:
             tier = _call(context, lambda: c.membership.get(client_id).tier)
+            if request.wait_seconds > 0:  # a client ahead of the log waits for the close
+                c.wait_for_round(request.since_round, min(request.wait_seconds, MAX_WAIT_S))
             rounds = _call(context, lambda: c.logged_rounds(request.since_round))
             context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
             for round_index in rounds:
@@ -278,7 +280,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         c = self.coordinator
         client_id = self._session(context)
         tier = _call(context, lambda: c.membership.get(client_id).tier)
-        return _call(context, lambda: self._checkpoint_ref(tier))
+        return _call(context, lambda: replies.checkpoint_ref(c, tier))
 
     def DownloadCheckpoint(self, request: pb.DownloadCheckpointRequest,
                            context: grpc.ServicerContext) -> Iterator[pb.FileChunk]:
@@ -346,39 +348,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield watch
         except _REFUSED as err:
             _abort(context, err)
-
-    def _checkpoint_ref(self, tier: int) -> pb.CheckpointRef:
-        """The latest universal checkpoint's manifest and its entry for ``tier``."""
-        ref = self.coordinator.latest_checkpoint()
-        message = pb.CheckpointRef(round=ref.round,
-                                   manifest_path=f"{ref.path.name}/{MANIFEST_NAME}")
-        manifest = read_manifest(ref.path)
-        entry = manifest.entry(tier) if manifest is not None else None
-        if entry is not None:
-            message.entry.CopyFrom(pb.TierEntry(tier=str(entry.tier),
-                                                intermediate_size=entry.intermediate_size or 0,
-                                                files=entry.files))
-        return message
-
-    def _settings(self) -> pb.TrainingSettings:
-        cfg = self.coordinator.config
-        compression, inner = cfg.compression, cfg.inner
-        settings = pb.TrainingSettings(
-            encoding=compression.encoding, chunk=compression.chunk, topk=compression.topk,
-            value_dtype=compression.value_dtype, decay=compression.decay,
-            compression_lr=compression.lr, sequence_length=cfg.data.max_seq_len,
-            data_fingerprint=self.coordinator.reader.fingerprint,
-            data_strategy=cfg.data.strategy, data_view=cfg.data.view or "",
-            heartbeat_seconds=cfg.faults.heartbeat_s)
-        if inner.enabled:
-            settings.inner.CopyFrom(pb.InnerOptimizer(
-                name=inner.optimizer, lr=inner.lr, weight_decay=inner.weight_decay,
-                beta1=inner.betas[0], beta2=inner.betas[1], eps=inner.eps,
-                warmup_steps=inner.warmup_steps, batch_tokens=inner.batch_tokens,
-                schedule=inner.schedule, final_lr=inner.final_lr_value,
-                planned_rounds=cfg.round.planned_rounds))
-        return settings
-
 
 class _NotYourSession(ProtocolError):
     code = grpc.StatusCode.PERMISSION_DENIED

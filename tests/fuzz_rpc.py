@@ -623,10 +623,14 @@ class _Fuzzer:
 
 
 def _wait_for_close(c: Coordinator) -> None:
-    """Until a close under way in another thread is done: the coordinator's tick may take
-    the round that an honest submission completed, which then returns before it is closed."""
+    """Until the close worker has closed every round that is ready: an honest submission
+    that completes a round returns before its close, which runs on the worker."""
     give_up = time.monotonic() + CALL_TIMEOUT_S
-    while c.phase == "collecting" and c.current_round is None and time.monotonic() < give_up:
+    while time.monotonic() < give_up:
+        with c._lock:
+            busy = c.pipeline.closing is not None or c.pipeline.ready(c.clock()) is not None
+        if not busy:
+            return
         time.sleep(0.01)
 
 

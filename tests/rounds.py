@@ -4,6 +4,7 @@ dense results of an assignment, whole rounds, and a disk that is full."""
 from __future__ import annotations
 
 import errno
+import time
 
 import torch
 from helpers import Clock
@@ -26,9 +27,30 @@ def gradient(coordinator: Coordinator, name: str, round_index: int, salt: int = 
     return torch.randn(coordinator.shapes[name], generator=gen)
 
 
+def assigned(coordinator: Coordinator, client_id: str, timeout_s: float = 60.0):
+    """The client's oldest assignment. A server closes rounds on its close worker, after the
+    last submission's call has returned, so the next round may open a moment later: wait
+    for it (a coordinator driven in-process answers at once)."""
+    give_up = time.monotonic() + timeout_s
+    while (assignment := coordinator.assignment_for(client_id)) is None:
+        if time.monotonic() > give_up:
+            raise AssertionError(f"{client_id} got no assignment within {timeout_s:g} s")
+        time.sleep(0.01)
+    return assignment
+
+
+def committed(coordinator: Coordinator, rounds: int, timeout_s: float = 60.0) -> None:
+    """Until the coordinator has committed ``rounds`` rounds (its close worker runs them)."""
+    give_up = time.monotonic() + timeout_s
+    while coordinator.state.round < rounds:
+        if time.monotonic() > give_up:
+            raise AssertionError(f"round {rounds - 1} did not close within {timeout_s:g} s")
+        time.sleep(0.01)
+
+
 def results(coordinator, client_id, *, salt=0, names=None, tokens=None) -> list[SparseResult]:
     """Dense results of one client at its tier, for every (or the named) parameter."""
-    assignment = coordinator.assignment_for(client_id)
+    assignment = assigned(coordinator, client_id)
     regions = coordinator.regions(assignment.tier)
     out = []
     for name in names or sorted(coordinator.shapes):
@@ -44,7 +66,7 @@ def results(coordinator, client_id, *, salt=0, names=None, tokens=None) -> list[
 def flat_results(coordinator, client_id, *, poison=False):
     """Dense results of one client at its tier for every parameter, each value 0.01; one NaN
     if ``poison``."""
-    assignment = coordinator.assignment_for(client_id)
+    assignment = assigned(coordinator, client_id)
     regions = coordinator.regions(assignment.tier)
     out = []
     for name in sorted(coordinator.shapes):

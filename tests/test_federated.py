@@ -45,14 +45,14 @@ def mdat(tmp_path_factory):
 def start(tmp_path, mdat, *, min_clients=1, rounds=3, encoding="dct", rule="sign", lr=0.01,
           tokens_per_round=1024, deadline_s=30.0, every=100, tiers=(0, 1, 2),
           strategy=DEFAULT_STRATEGY["strategy_name"], max_seq_len=SEQ_LEN, update=None,
-          inner=None, model=None, **compression):
+          inner=None, model=None, overlap=False, **compression):
     extra = {} if model is None else {"model": {"inline": model}}
     tables = run_tables(
         mdat, run={"id": "fed", "dir": "run"}, **extra,
         data={"path": str(mdat), "strategy": strategy, "max_seq_len": max_seq_len},
         tiers={"allowed": list(tiers)},
         round={"min_clients": min_clients, "deadline_s": deadline_s,
-               "tokens_per_round": tokens_per_round, "rounds": rounds},
+               "tokens_per_round": tokens_per_round, "rounds": rounds, "overlap": overlap},
         update={"rule": rule, "lr": lr, "schedule": "constant", **(update or {})},
         compression={"encoding": encoding, **compression}, inner=inner or {},
         checkpoint={"every_rounds": every}, auth={"join_token": TOKEN})
@@ -456,7 +456,7 @@ def test_bad_results_are_refused_over_grpc_and_change_nothing(tmp_path, mdat, fa
         assert c.state.round == 0
         # the same client's good results still count afterwards
         assert submit(_forged(c, joined.client_id, None)).accepted == len(c.shapes)
-        assert c.state.round == 1
+        wait_for_round(server, 1)
     finally:
         channel.close()
         server.stop()

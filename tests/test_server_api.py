@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers import JOIN_TOKEN, OPERATOR_TOKEN, served_run_toml
 from openapi import api_paths, response_errors
+from rounds import assigned, committed
 from wire import http_get, join_request
 
 from protocol.auth import session_metadata
@@ -33,7 +34,7 @@ OPERATED = {"join_token": JOIN_TOKEN, "operator_token": OPERATOR_TOKEN}  # [auth
 
 def compressed(coordinator, client_id, salt: float) -> list:
     """Results of one client at its tier, encoded with the run's own compression."""
-    assignment = coordinator.assignment_for(client_id)
+    assignment = assigned(coordinator, client_id)
     regions = coordinator.regions(assignment.tier)
     compressor = coordinator.config.compression.build()
     generator = torch.Generator().manual_seed(int(salt * 1000))
@@ -46,7 +47,7 @@ def compressed(coordinator, client_id, salt: float) -> list:
 
 def submit(stub, coordinator, reply, *, loss: float) -> int:
     """Submit for the open round; the bytes the messages took on the wire."""
-    assignment = coordinator.assignment_for(reply.client_id)
+    assignment = assigned(coordinator, reply.client_id)
     header = pb.SubmitHeader(round=assignment.round, client_id=reply.client_id, loss=loss,
                              assignment_id=assignment.assignment_id)
     messages = list(submission_messages(header, compressed(coordinator, reply.client_id, loss)))
@@ -93,6 +94,7 @@ def run(tmp_path_factory):
     sent[1] = {"alice": submit(stub, c, alice, loss=2.5)}
     live = {path: get(server, path) for path in ("/api/run", "/api/clients")}  # round 1 open
     stub.Leave(pb.LeaveRequest(reason="done"), metadata=session_metadata(bob.session_token))
+    committed(c, 2)  # bob's leave completed round 1; the close worker closes it
     carol = stub.Join(join_request(server, name="carol"))
     c.exclude(carol.client_id, "sent garbage")
     yield server, {"alice": alice, "bob": bob, "carol": carol}, sent, live

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 from helpers import Clock, run_config
-from rounds import caps, disk_full, drive, flat_results, results, same
+from rounds import caps, committed, disk_full, drive, flat_results, results, same
 from wire import header_of, joined, serving
 
 import server.checkpoints as checkpoints_module
@@ -129,10 +129,11 @@ def test_a_second_download_of_a_round_does_not_read_the_log(tmp_path):
     with serving(tmp_path) as (server, stub):
         member, auth, work = joined(stub, server, "alice")
         c = server.service.coordinator
-        for _ in range(2):
+        for r in range(2):
             stub.SubmitResult(submission_messages(header_of(member, work),
                                                   flat_results(c, member.client_id)),
                               metadata=auth, timeout=10)
+            committed(c, r + 1)
             work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
         first = list(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0), metadata=auth,
                                      timeout=10))

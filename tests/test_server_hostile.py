@@ -13,7 +13,7 @@ import torch
 from helpers import Clock, run_config
 from rounds import caps, disk_full, drive, events, gradient, results, same
 
-import server.coordinator as coordinator_module
+import server.close as close_module
 from modeling.compression import SparseResult
 from server.coordinator import Coordinator
 from server.errors import (
@@ -273,14 +273,14 @@ def test_a_disk_full_close_changes_nothing_and_the_run_goes_on(tmp_path, mdat_pa
 
 def test_no_round_opens_without_room_to_close_it(tmp_path, mdat_path, monkeypatch):
     c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=Clock())
-    real = coordinator_module.shutil.disk_usage
-    monkeypatch.setattr(coordinator_module.shutil, "disk_usage",
+    real = close_module.shutil.disk_usage
+    monkeypatch.setattr(close_module.shutil, "disk_usage",
                         lambda path: real(path)._replace(free=1024))
     cid = c.join(caps("a"))[0].client_id
     c.heartbeat(cid)
     assert c.current_round is None and len(events(c, "disk")) == 1
     assert "needed to close a round" in events(c, "disk")[0]["detail"]
-    monkeypatch.setattr(coordinator_module.shutil, "disk_usage", real)
+    monkeypatch.setattr(close_module.shutil, "disk_usage", real)
     c.heartbeat(cid)
     assert c.current_round is not None
 

@@ -68,14 +68,14 @@ def test_a_crash_between_retiring_and_removing_is_cleaned_up_on_start(tmp_path, 
 def test_a_failed_save_while_retiring_keeps_every_checkpoint(tmp_path, mdat_path, monkeypatch):
     c, clock, cid = retaining(tmp_path, mdat_path, keep_first=False)
     drive(c, clock, cid, 4)
-    real = Coordinator._save
+    real = Coordinator.save
 
     def full_when_retiring(self):  # the close's own save works; retiring's meets a full disk
         if self.state.checkpoints == [4, 6]:
             raise coordinator_module.RunDirectoryUnavailable("disk full")
         return real(self)
 
-    monkeypatch.setattr(Coordinator, "_save", full_when_retiring)
+    monkeypatch.setattr(Coordinator, "save", full_when_retiring)
     drive(c, clock, cid, 2)
     assert c.state.round == 6 and c.state.checkpoints == [2, 4, 6]
     assert folders(c) == [f"round-{r}{t}" for r in (2, 4, 6) for t in ("", "-tier1")]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import served_run_toml
-from rounds import flat_results
+from rounds import committed, flat_results
 from wire import code_of, http_get, join_request, schema_hash
 
 from modeling.checkpoint.manifest import MANIFEST_NAME
@@ -113,6 +113,7 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
                                  assignment_id=assigned)
         accepted = stub.SubmitResult(submission_messages(header, good), metadata=auth)
         assert accepted.accepted == len(good)
+    committed(c, 1)
     assert c.state.round == 1 and not all(torch.equal(before[n], c.master[n]) for n in before)
     stale = stub.SubmitResult
     assert code_of(lambda: stale(submission_messages(

@@ -125,7 +125,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, round: _Optional[int] = ..., manifest_path: _Optional[str] = ..., entry: _Optional[_Union[TierEntry, _Mapping]] = ...) -> None: ...
 
 class TrainingSettings(_message.Message):
-    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "sequence_length", "data_fingerprint", "data_strategy", "data_view", "heartbeat_seconds", "inner")
+    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "sequence_length", "data_fingerprint", "data_strategy", "data_view", "heartbeat_seconds", "inner", "overlap")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class TrainingSettings(_message.Message):
     DATA_VIEW_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     INNER_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     encoding: str
     chunk: int
     topk: int
@@ -150,7 +151,8 @@ class TrainingSettings(_message.Message):
     data_view: str
     heartbeat_seconds: float
     inner: InnerOptimizer
-    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ...) -> None: ...
+    overlap: bool
+    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
     __slots__ = ("name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "batch_tokens", "schedule", "final_lr", "planned_rounds")
@@ -215,8 +217,10 @@ class HeartbeatReply(_message.Message):
     def __init__(self, round: _Optional[int] = ...) -> None: ...
 
 class GetRoundRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("after_round",)
+    AFTER_ROUND_FIELD_NUMBER: _ClassVar[int]
+    after_round: int
+    def __init__(self, after_round: _Optional[int] = ...) -> None: ...
 
 class RoundAssignment(_message.Message):
     __slots__ = ("state", "round", "sequence_ids", "tier", "retry_after_seconds", "assignment_id")
@@ -273,16 +277,20 @@ class SubmitMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., result: _Optional[_Union[SparseResult, _Mapping]] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
-    __slots__ = ("accepted",)
+    __slots__ = ("accepted", "assignments")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
-    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
+    assignments: _containers.RepeatedCompositeFieldContainer[RoundAssignment]
+    def __init__(self, accepted: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[RoundAssignment, _Mapping]]] = ...) -> None: ...
 
 class GetUpdatesRequest(_message.Message):
-    __slots__ = ("since_round",)
+    __slots__ = ("since_round", "wait_seconds")
     SINCE_ROUND_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     since_round: int
-    def __init__(self, since_round: _Optional[int] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, since_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class RoundUpdateHeader(_message.Message):
     __slots__ = ("round", "learning_rate", "weight_hash", "parameters", "rule", "weight_decay")

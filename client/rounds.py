@@ -1,0 +1,223 @@
+"""A participant's round loops (docs/architecture.md, "One round"): synchronous rounds,
+and overlapped ones (``[round] overlap``), where the client never waits for a close, an
+upload or a download between rounds.
+
+Round r is trained on the weights after r - 1 rounds (round 0 on the start): round r - 1's
+update is applied after training round r, whenever it arrives meanwhile. Every call the
+loop needs but the first runs on one transfer thread, beside the training:
+
+- the results of round r are uploaded while round r + 1 trains, and the answer carries the
+  client's next assignments (the coordinator hands rounds out ahead);
+- the sequences of each assignment are fetched as soon as it is known;
+- the updates are asked for ahead, the coordinator holding the call until the round closes.
+
+So in steady state a round costs a SubmitResult, a FetchSequences and a GetUpdates, none of
+which the training waits for. Replicas stay bit-identical: every update is applied whole, in
+order, and its hash compared with the coordinator's, as without overlap.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from client.connection import Finished, Submitted, Train, Wait
+from client.errors import RoundOver, UpdatesPruned
+from client.progress import Progress
+from modeling.compression import RoundUpdate
+from modeling.matformer import tier_label
+
+if TYPE_CHECKING:
+    from client.federated import FederatedClient
+
+UPDATE_WAIT_S = 20.0  # how long one GetUpdates may wait for a round to close
+
+
+class SynchronousRounds:
+    """Ask for a round, train it on the weights after every round before it, submit, catch
+    up; between rounds the client waits for the others, the close and the download."""
+
+    def __init__(self, client: FederatedClient) -> None:
+        self.client = client
+
+    def run(self) -> None:
+        c = self.client
+        o = c.options
+        bar = o.progress if o.progress is not None else sys.stderr.isatty()
+        with Progress(c.log, bar) as progress:
+            while o.max_rounds is None or c.summary.rounds_trained < o.max_rounds:
+                work = c.connection.get_round()
+                if work.round > c.applied:
+                    c._catch_up()
+                match work:
+                    case Finished():
+                        c.summary.finished = True
+                        digest = c.replica.hash(c.tier)[:12]
+                        c.log(f"the run finished after round {work.round - 1}; replica "
+                              f"at round {c.applied}, weight hash {digest}")
+                        return
+                    case Wait():
+                        pause = max(work.retry_after_s, 0.05)
+                        time.sleep(pause)
+                        c._cost.wait_s += pause
+                    case Train() if work.round != c.applied:
+                        continue  # the log lags the round that opened; ask again
+                    case Train():
+                        if work.tier != c.tier:
+                            c.log(f"the coordinator moved this client from tier "
+                                  f"{c.tier} to tier {work.tier}; reloading")
+                            c.summary.tier = work.tier
+                            c._catch_up(reload=True)
+                        c._train_one(work, progress)
+
+
+class OverlappedRounds:
+    """Train each round as soon as the one before is trained, on the weights after r - 1
+    rounds; uploads, sequences and updates move on the transfer thread meanwhile."""
+
+    def __init__(self, client: FederatedClient) -> None:
+        self.client = client
+        self.held: deque[Train] = deque()  # assignments in hand, oldest first
+        self.trained = -1  # the last round this loop trained
+        self.transfers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transfers")
+        self.sequences: dict[str, Future] = {}  # assignment id → its sequences, fetched ahead
+        self.upload: tuple[Train, object, float, Future] | None = None  # the one in flight
+        self.fetched: dict[int, RoundUpdate] = {}  # updates received, not applied yet
+        self.asked: Future | None = None  # updates being asked for
+
+    def run(self) -> None:
+        c, o = self.client, self.client.options
+        bar = o.progress if o.progress is not None else sys.stderr.isatty()
+        try:
+            with Progress(c.log, bar) as progress, c.connection.keep_alive(
+                    lambda: c.applied):
+                while o.max_rounds is None or c.summary.rounds_trained < o.max_rounds:
+                    work = self._next(progress)
+                    if work is None:
+                        return
+                    self._train(work, progress)
+                self._settle_upload(progress)
+        finally:
+            self.transfers.shutdown(wait=True, cancel_futures=True)
+
+    # -- the next assignment ------------------------------------------------------------
+
+    def _next(self, progress: Progress) -> Train | None:
+        """The next assignment to train; None once the run is finished."""
+        c = self.client
+        while not self.held:
+            self._settle_upload(progress)
+            if self.held:
+                break
+            work = c.connection.get_round(after=self.trained if self.trained >= 0 else None)
+            match work:
+                case Finished():
+                    c.summary.finished = True
+                    c._catch_up()
+                    c.log(f"the run finished after round {work.round - 1}; replica at round "
+                          f"{c.applied}, weight hash {c.replica.hash(c.tier)[:12]}")
+                    return None
+                case Wait():
+                    pause = max(work.retry_after_s, 0.05)
+                    time.sleep(pause)
+                    c._cost.wait_s += pause
+                case Train():
+                    self._hold([work])
+        return self.held.popleft()
+
+    def _hold(self, assignments: list[Train]) -> None:
+        """Keep the assignments not yet held or trained, and fetch their sequences ahead."""
+        known = {w.assignment_id for w in self.held}
+        for work in assignments:
+            if work.round > self.trained and work.assignment_id not in known:
+                self.held.append(work)
+                self.sequences[work.assignment_id] = self.transfers.submit(
+                    self.client.sequences.fetch, work.sequence_ids)
+
+    # -- one round ----------------------------------------------------------------------
+
+    def _train(self, work: Train, progress: Progress) -> None:
+        c = self.client
+        if work.tier != c.tier:
+            self._settle_upload(progress)
+            c.log(f"the coordinator moved this client from tier {c.tier} to tier "
+                  f"{work.tier}; reloading")
+            c.summary.tier = work.tier
+            c._catch_up(reload=True)
+            self.fetched.clear()
+        self._apply_through(work.round - 2)
+        if c.local_round is None:
+            c._build_local_round()
+        try:
+            fetched = self.sequences.pop(work.assignment_id)
+            sequences = [s.to(c.device) for s in fetched.result()]
+        except RoundOver as err:
+            c.log(f"round {work.round} is over for this client: {err.details}")
+            return
+        done = c._compute(sequences, work.round)
+        self.trained = work.round
+        self._settle_upload(progress)  # one upload at a time, in round order
+        loss = done.losses[tier_label(c.tier)]
+        self.upload = (work, done, loss, self.transfers.submit(
+            c.connection.submit, work, client_id=c.summary.client_id, tokens=done.tokens,
+            loss=loss, train_seconds=done.seconds, results=done.results))
+        if self.asked is None:  # what the next round trains on: the update of this one's
+            self.asked = self.transfers.submit(  # predecessor, asked for behind the upload
+                c.connection.updates, max(work.round - 1, 0), c.tier, wait_s=UPDATE_WAIT_S)
+
+    def _settle_upload(self, progress: Progress) -> None:
+        """Wait for the upload in flight, if any, and take what its answer says."""
+        if self.upload is None:
+            return
+        c = self.client
+        work, done, loss, future = self.upload
+        self.upload = None
+        try:
+            submitted: Submitted = future.result()
+        except RoundOver as err:
+            # Too late or refused: the error feedback keeps what it was not sent, and goes
+            # into a later round's results (the next round has trained on it already).
+            c.log(f"round {work.round} not accepted: {err.details}")
+            return
+        c._accepted(work, done, loss, submitted.sent, submitted.accepted, progress)
+        self._hold(submitted.assignments)
+
+    # -- the weights a round trains on ----------------------------------------------------
+
+    def _apply_through(self, last: int) -> None:
+        """Apply every update through round ``last`` (none beyond it): what was received
+        ahead, else asked for now, waiting for its close."""
+        c = self.client
+        while c.applied <= last:
+            if self.asked is not None and (self.asked.done() or c.applied not in self.fetched):
+                asked, self.asked = self.asked, None
+                try:
+                    for update in asked.result():
+                        self.fetched.setdefault(update.round, update)
+                except UpdatesPruned:
+                    c.log(f"updates since round {c.applied} are pruned; reloading the "
+                          "checkpoint")
+                    c._catch_up(reload=True)
+                    self.fetched.clear()
+                    continue
+            if c.applied not in self.fetched:
+                self.asked = self.transfers.submit(c.connection.updates, c.applied, c.tier,
+                                                   wait_s=UPDATE_WAIT_S)
+                continue
+            ready = []
+            while c.applied + len(ready) <= last and c.applied + len(ready) in self.fetched:
+                ready.append(self.fetched.pop(c.applied + len(ready)))
+            diverged = c._replay(ready)
+            if diverged is not None:
+                c.log(f"weight hash after round {diverged} differs from the coordinator's; "
+                      "reloading the checkpoint")
+                c.summary.resynchronisations += 1
+                c._catch_up(reload=True)
+                self.fetched.clear()
+        for stale in [r for r in self.fetched if r < c.applied]:
+            del self.fetched[stale]
+        c.summary.rounds_applied = c.applied
+        c.summary.update_bytes = c.connection.update_bytes

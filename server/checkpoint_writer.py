@@ -1,0 +1,123 @@
+"""Checkpoints beside the rounds, and which are kept (docs/architecture.md, "The coordinator").
+
+    writer = CheckpointWriter(coordinator)
+    writer.start(round_index, master)   # (lock held) written by a thread of its own
+    writer.wait()                       # (no lock) until it is done; re-raises a crash
+    writer.retire()                     # (lock held) keep_last, then prune the update log
+
+A checkpoint is written while the next rounds go on, listed in state.json once whole, and
+only then are older ones retired and the update log pruned to the rounds since the one
+before it. One that cannot be written is said and left out: the log keeps the rounds since
+the last listed checkpoint, and the next one tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+
+from server.errors import RunDirectoryUnavailable
+
+if TYPE_CHECKING:
+    from server.coordinator import Coordinator
+
+log = logging.getLogger("matformer.server")
+
+
+class CheckpointWriter:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.c = coordinator
+        self.writing: int | None = None  # the round of the checkpoint being written
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+
+    def start(self, round_index: int, master: Mapping[str, Tensor]) -> None:
+        """(lock held) Write the checkpoint of ``round_index`` from a thread of its own."""
+        self.writing = round_index
+        self._thread = threading.Thread(target=self._write, args=(round_index, master),
+                                        name=f"checkpoint-{round_index}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """(no lock) Until the checkpoint being written, if any, is done; re-raise what
+        killed its writer."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+
+    def _write(self, round_index: int, master: Mapping[str, Tensor]) -> None:
+        c = self.c
+        try:
+            c.checkpoints.write(round_index, master)
+        except OSError as err:
+            with c._lock:
+                why = f"{type(err).__name__}: {err.strerror or err}"
+                log.error("checkpoint round-%d could not be written: %s", round_index, why)
+                c.history.event("disk", None, f"checkpoint round-{round_index} could not "
+                                f"be written ({why}); the next checkpoint tries again")
+                self.writing = None
+                self.keep_listed(why="a checkpoint that could not be written")
+            return
+        except BaseException as err:  # a crash (kill -9 in tests): flush re-raises it
+            self._failed = err
+            return
+        with c._lock:
+            self.writing = None
+            c.state.checkpoints.append(round_index)
+            try:
+                c.save()
+            except RunDirectoryUnavailable as err:
+                c.state.checkpoints.remove(round_index)
+                log.warning("checkpoint round-%d is written but not listed: %s", round_index,
+                            err)
+                return
+            c.history.event("checkpoint", None, f"checkpoints/round-{round_index}")
+            c.mark_unsaved()  # the event reaches state.json with the next save or flush
+            self.retire()
+
+    def retire(self) -> None:
+        """(lock held) Keep the newest [checkpoint] keep_last checkpoints (at least the
+        latest, which a resume needs, and the one before it, where the update log starts and
+        which a client that began loading it may still be reading), and the first with
+        keep_first. state.json stops listing the others first, then their folders go: a crash
+        in between leaves folders no state lists, which the next start removes. A failed save
+        keeps them all until the next close. Then the update log is pruned."""
+        c = self.c
+        policy = c.config.checkpoint
+        listed = c.state.checkpoints
+        first = 1 if policy.keep_first else 0  # the run's starting weights, for comparisons
+        retired = listed[first:-policy.keep_last]
+        if retired:
+            c.state.checkpoints = listed[:first] + listed[-policy.keep_last:]
+            try:
+                c.save()
+            except RunDirectoryUnavailable as err:
+                c.state.checkpoints = listed
+                log.warning("keeping checkpoints %s for now: %s", retired, err)
+                return
+            self.keep_listed(why="retired (keep_last)")
+        try:
+            c.log.prune(through=c.log_start() - 1)
+        except OSError as err:  # a later close prunes again
+            log.warning("pruning %s failed: %s", c.log.directory, err)
+
+    def keep_listed(self, *, why: str, level: int = logging.INFO) -> None:
+        """(lock held) Remove the checkpoint folders state.json does not list, but the one
+        being written."""
+        keep = {*self.c.state.checkpoints, *([self.writing] if self.writing is not None
+                                              else [])}
+        self.c.checkpoints.keep_only(keep, why=why, level=level)
+
+    def remove_unlisted(self) -> None:
+        """Staging folders and checkpoint folders that state.json does not list: what a crash
+        in the middle of writing one (or before state.json recorded it, or after it stopped
+        listing a retired one) left behind."""
+        self.keep_listed(level=logging.WARNING,
+                         why="an unfinished or retired checkpoint from before a restart")

@@ -1,0 +1,134 @@
+"""The submission gate: every check a submission passes before the coordinator keeps any of it
+(docs/architecture.md, "Members that fail or misbehave").
+
+In the order a submission meets them:
+
+1. ``header``: the sender is who its session says, its loss and time are numbers a machine
+   reports, and it names a round being collected, an assignment of the sender in it (the one
+   it quotes) that has not been submitted yet. Checked before any result is read.
+2. The layout of each result against the run's, from its declared dtypes and shapes alone,
+   before it is decoded (``protocol/sparse.py``, called by the service as it reads them).
+3. ``results``: each names a parameter once, covers exactly the sender's tier region of it,
+   passes modeling's validation (ids, indices, NaN/Inf); the token count is the assignment's
+   and the reported loss and speed are physically possible; values and norm are within
+   ``[faults]`` (``server/limits.py``: clipped or refused).
+
+A refusal raises the ``BadResult`` (or ``StaleRound``/``NotInRound``) that names it; the
+gate never changes the round, so a refused submission leaves everything as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from modeling.compression import Region, SparseResult, validate
+from modeling.errors import CompressionError
+from server.errors import (
+    AlreadySubmitted,
+    BadReport,
+    DuplicateResult,
+    MalformedResult,
+    NotInRound,
+    StaleAssignment,
+    StaleRound,
+    UnknownParameter,
+    WrongRegion,
+    WrongTokenCount,
+)
+from server.limits import SubmissionLimits
+from server.rounds import OpenRound, RoundAssignment
+from server.tiers import MAX_TOKENS_PER_SECOND
+
+MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about 10
+
+
+class SubmissionGate:
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], limits: SubmissionLimits) -> None:
+        self.shapes = shapes  # canonical name → universal shape
+        self.limits = limits
+
+    def header(self, rounds: Sequence[OpenRound], client_id: str, round_index: int,
+               assignment_id: str | None = None, *, now: float, finished: bool = False
+               ) -> tuple[OpenRound, RoundAssignment]:
+        """The round being collected (of ``rounds``, and not past its deadline at ``now``)
+        and the sender's assignment in it that a submission's header names; StaleRound,
+        NotInRound, StaleAssignment or AlreadySubmitted else."""
+        if finished:
+            raise StaleRound(f"the run is finished; round {round_index}'s results are not "
+                             "needed.")
+        rnd = next((r for r in rounds if r.index == round_index), None)
+        if rnd is None:
+            collected = ", ".join(str(r.index) for r in rounds) or "none"
+            raise StaleRound(f"results for round {round_index}, but the rounds being collected "
+                             f"are {collected}; drop them and fetch the current assignment.")
+        assigned = rnd.assignments.get(client_id)
+        if assigned is None:
+            raise NotInRound(f"{client_id} has no assignment in round {rnd.index} (it joined "
+                             "after it opened or was dropped from it); wait for the next "
+                             "round.")
+        if assignment_id is not None and assignment_id != assigned.assignment_id:
+            raise StaleAssignment(
+                f"results for assignment {assignment_id!r}, but {client_id}'s assignment in "
+                f"round {rnd.index} is {assigned.assignment_id!r} (the coordinator restarted "
+                "and split the round anew); drop them and fetch the current assignment.")
+        if client_id in rnd.submissions:
+            raise AlreadySubmitted(f"{client_id} already submitted for round {rnd.index}; a "
+                                   "client submits once per round.")
+        if now >= rnd.deadline:  # the close worker ends it at its next look
+            raise StaleRound(f"round {round_index} is past its deadline; drop its results "
+                             "and fetch the current assignment.")
+        return rnd, assigned
+
+    def results(self, assigned: RoundAssignment, region: Mapping[str, Region],
+                results: Sequence[SparseResult], *, loss: float | None,
+                train_seconds: float | None) -> list[SparseResult]:
+        """``results`` as the coordinator keeps them (clipped by the limits), or the
+        BadResult that refuses the whole submission."""
+        seen: set[str] = set()
+        for result in results:
+            name = result.name
+            if name not in self.shapes:
+                raise UnknownParameter(f"{name!r} is not a parameter of this run's model; send "
+                                       "canonical names (modeling.naming).")
+            if name in seen:
+                raise DuplicateResult(f"{name} appears twice in {assigned.client_id}'s "
+                                      f"submission for round {assigned.round}; send one result "
+                                      "per parameter.")
+            seen.add(name)
+            if tuple(result.shape) != self.shapes[name] or tuple(
+                    map(tuple, result.region)) != tuple(region[name]):
+                raise WrongRegion(
+                    f"{name}: shape {tuple(result.shape)} region {result.region} is not this "
+                    f"client's tier {assigned.tier} region {region[name]} of shape "
+                    f"{self.shapes[name]}; the client trains the wrong tier or model, so it "
+                    "should rejoin.")
+            try:
+                validate(result)
+            except CompressionError as err:
+                raise MalformedResult(str(err)) from err
+        check_reports(results, assigned.tokens, loss, train_seconds)
+        return self.limits.check(results)
+
+
+def check_reports(results: Sequence[SparseResult], tokens: int, loss: float | None,
+                  train_seconds: float | None) -> None:
+    """BadResult unless what a client says of its work is the coordinator's own count or
+    physically possible: a result is weighted by the tokens assigned (a claimed count could
+    steer the whole update), and speed and loss feed the next round's split and the record.
+    A loss or time that is not a number is refused, whichever way it arrived."""
+    wrong = [r for r in results if r.tokens != tokens]
+    if wrong:
+        raise WrongTokenCount(
+            f"{wrong[0].name} claims {wrong[0].tokens} tokens ({len(wrong)} result(s) differ), "
+            f"but the assignment holds {tokens}; results are weighted by the tokens assigned, "
+            "so send that count.")
+    if loss is not None and not (math.isfinite(loss) and 0.0 <= loss <= MAX_LOSS):
+        raise BadReport(f"the reported loss {loss} is not in 0..{MAX_LOSS:g}; the client "
+                        "diverged, so it should reload the checkpoint.")
+    if train_seconds is not None and (
+            not math.isfinite(train_seconds) or train_seconds < 0
+            or (train_seconds > 0 and tokens / train_seconds > MAX_TOKENS_PER_SECOND)):
+        raise BadReport(f"train_seconds {train_seconds} for {tokens} tokens is not a time a "
+                        f"machine can take (at most {MAX_TOKENS_PER_SECOND:g} tokens/s); "
+                        "report the seconds the training took.")

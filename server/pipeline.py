@@ -1,0 +1,334 @@
+"""The rounds in flight (docs/architecture.md, "One round"): each is opened (its ids split
+over the active members), collected, closed and committed, in order.
+
+    pipeline = RoundPipeline(config, membership, history, queue, length)
+    pipeline.open_rounds(now, first_index, room=True)   # as many as the window allows
+    pipeline.drop_silent(now); pipeline.drop_refused()
+    rnd = pipeline.ready(now)        # the oldest round, once complete or past its deadline
+    pipeline.detach(rnd)             # ... handed to the close; settle() once it commits
+
+Without overlap one round is collected at a time, and the next opens once it is committed.
+With ``[round] overlap`` up to ``WINDOW`` rounds are collected at once and a new one opens as
+soon as the oldest is detached for its close: a member then always holds its next
+assignment when it finishes training one (the answer to its submission carries it), and
+rounds close one at a time, in order, while the younger ones go on.
+
+The member-side consequences of a round live here too: who missed it (its ids back to the
+queue, a smaller share, in the end a smaller tier) and who finished early (a larger tier).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from server.config import RunConfig
+from server.history import RunHistory
+from server.membership import Member, Membership
+from server.rounds import OpenRound, RoundAssignment, Submission
+from server.work import WorkQueue, assign
+
+# Rounds collected at once with overlap: the one whose results are arriving, the one being
+# trained, and the one handed out with the answer to a submission.
+WINDOW = 3
+
+
+class RoundPipeline:
+    def __init__(self, config: RunConfig, membership: Membership, history: RunHistory,
+                 queue: WorkQueue, length: Callable[[int], int]) -> None:
+        self.config = config
+        self.membership = membership
+        self.history = history
+        self.queue = queue
+        self.length = length  # sequence id → its tokens
+        self.collecting: list[OpenRound] = []  # oldest first
+        self.closing: OpenRound | None = None  # detached from collection, being closed
+        # client id → the assignment its last counted refusal was for: once the others are
+        # in, a round stops waiting for a member refused in it (drop_refused)
+        self.refused: dict[str, str] = {}
+
+    @property
+    def window(self) -> int:
+        return WINDOW if self.config.round.overlap else 1
+
+    # -- what members hold ----------------------------------------------------------------
+
+    def find(self, round_index: int) -> OpenRound | None:
+        return next((r for r in self.collecting if r.index == round_index), None)
+
+    def pending(self, client_id: str) -> list[RoundAssignment]:
+        """The member's assignments not yet submitted, oldest first."""
+        return [r.assignments[client_id] for r in self.collecting
+                if client_id in r.assignments and client_id not in r.submissions]
+
+    def assignment_for(self, client_id: str, after: int | None = None
+                       ) -> RoundAssignment | None:
+        """The member's oldest assignment not yet submitted (in a round after ``after``)."""
+        return next((a for a in self.pending(client_id) if after is None or a.round > after),
+                    None)
+
+    def next_work_in(self, client_id: str, now: float, close_s: float,
+                     close_started: float | None) -> float | None:
+        """Seconds until ``client_id`` is likely to have work again, when it has none now:
+        for a member that has submitted, until the slowest of the others submits (each as
+        long after the opening as its last round took) plus a close as long as the last
+        (``close_s``); during a close, what is left of it. None when nothing tells (a new
+        member, a member without work this round, an estimate already overdue)."""
+        rnd = self.collecting[0] if self.collecting else None
+        if rnd is not None and client_id in rnd.submissions:
+            pending = [self.membership.members.get(c) for c in rnd.pending()]
+            if any(m is None or not m.last_round_seconds for m in pending):
+                return None
+            slowest = max((m.last_round_seconds for m in pending), default=0.0)
+            left = rnd.opened_at + slowest + close_s - now
+        elif self.closing is not None and close_started is not None:
+            left = close_s - (now - close_started)
+        else:
+            return None
+        return left if left > 0 else None
+
+    def keep(self, rnd: OpenRound, assigned: RoundAssignment, submission: Submission, *,
+             train_seconds: float | None, dense_bytes: int) -> None:
+        """A submission the gate passed, kept in its round, and what it says of its member:
+        bytes, compute time, and its speed (``train_seconds``, the member's own compute
+        time; without it, or 0, the time since the round opened)."""
+        client_id = assigned.client_id
+        rnd.submissions[client_id] = submission
+        member = self.membership.get(client_id)
+        member.bytes_up += submission.wire_bytes
+        member.dense_bytes_up += dense_bytes
+        member.compute_s += train_seconds or 0.0
+        member.last_round_compute_s = train_seconds or 0.0
+        measured = train_seconds if train_seconds else submission.received_at - rnd.opened_at
+        self.membership.measured(client_id, assigned.tokens, measured)
+
+    # -- opening ----------------------------------------------------------------------------
+
+    def open_rounds(self, now: float, first_index: int, *, room: bool,
+                    last: int | None) -> bool:
+        """Open rounds until the window is full: the first at ``first_index`` when none is in
+        flight. Only with ``room`` to close them, enough active members, and never round
+        ``last`` or beyond (None: no limit). Whether one opened."""
+        opened = False
+        while len(self.collecting) < self.window and room:
+            if not self.config.round.overlap and self.closing is not None:
+                break
+            index = self.collecting[-1].index + 1 if self.collecting else first_index
+            if last is not None and index >= last:
+                break
+            rnd = self._open(now, index)
+            if rnd is None:
+                break
+            self.collecting.append(rnd)
+            opened = True
+        if opened and len(self.collecting) == 1:
+            self.refused.clear()  # refusals of earlier assignments hold no round up
+        return opened
+
+    def _open(self, now: float, index: int) -> OpenRound | None:
+        cfg = self.config.round
+        members = self.membership.active(now=now,
+                                         timeout_s=self.config.faults.heartbeat_timeout_s)
+        if len(members) < cfg.min_clients:
+            return None
+        before = self.queue.to_dict()
+        ids = self.queue.take(cfg.tokens_per_round, self.length)
+        shares = assign(ids, trusted_speeds(members))
+        # a round behind others gets its own deadline_s after the one before it
+        start = max(now, self.collecting[-1].deadline) if self.collecting else now
+        deadline = start + cfg.deadline_s
+        tiers = {m.client_id: m.tier for m in members}
+        nonce = uuid.uuid4().hex[:12]  # a restarted coordinator's split of round r differs
+        assignments = {
+            client: RoundAssignment(round=index, client_id=client, tier=tiers[client],
+                                    sequence_ids=tuple(int(i) for i in chosen),
+                                    tokens=sum(self.length(int(i)) for i in chosen),
+                                    deadline=deadline,
+                                    assignment_id=f"{index}.{nonce}.{client}")
+            for client, chosen in shares.items() if len(chosen)
+        }
+        return OpenRound(index=index, opened_at=now, deadline=deadline, assignments=assignments,
+                         queue_before=before, names={m.client_id: m.name for m in members})
+
+    def step(self, now: float, *, committed: int, room: Callable[[], bool],
+             last: int | None, detach: bool) -> tuple[OpenRound | None, bool]:
+        """Open rounds while the window has room (the first after the ``committed`` ones and
+        the one closing; ``room()``: the disk can take a close), drop the silent and the
+        refused; with ``detach``, take the round to close now out of collection. A round
+        nobody delivered ends without a close, and the rounds behind it too (their indices
+        would skip it): their ids are requeued. The round to close, and whether a round
+        ended so (state.json should say it)."""
+        ended = False
+        while True:
+            if len(self.collecting) < self.window:
+                self.open_rounds(now, committed + (self.closing is not None), room=room(),
+                                 last=last)
+            if not self.collecting:
+                return None, ended
+            self.drop_silent(now)
+            self.drop_refused()
+            rnd = self.ready(now)
+            if rnd is None or not detach:
+                return None, ended
+            if rnd.submissions:
+                self.detach(rnd)
+                return rnd, ended
+            self.collecting.remove(rnd)  # nobody delivered: round r opens again
+            self.settle(rnd)
+            self.cancel(f"round {rnd.index} ended with no results")
+            ended = True
+
+    # -- closing --------------------------------------------------------------------------
+
+    def ready(self, now: float) -> OpenRound | None:
+        """The oldest round being collected once it is complete or past its deadline, when
+        no other round is closing: rounds close one at a time, in order."""
+        if self.closing is not None or not self.collecting:
+            return None
+        rnd = self.collecting[0]
+        return rnd if rnd.complete() or now >= rnd.deadline else None
+
+    def detach(self, rnd: OpenRound) -> None:
+        """Take ``rnd`` out of collection for its close."""
+        self.collecting.remove(rnd)
+        self.closing = rnd
+
+    def reopen(self, rnd: OpenRound) -> None:
+        """A close that failed: ``rnd`` is collected again (its results kept)."""
+        self.closing = None
+        self.collecting.insert(0, rnd)
+
+    def cancel(self, why: str) -> None:
+        """End every round being collected without closing it: their ids back to the queue
+        (the youngest's first, so the oldest's come out first again)."""
+        for rnd in reversed(self.collecting):
+            for client in reversed(list(rnd.assignments)):
+                self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+                rnd.dropped[client] = why
+        self.collecting.clear()
+
+    def saved_queue(self) -> dict[str, Any]:
+        """The queue as state.json keeps it: a round not yet committed is not in the saved
+        state, so its ids (of every round in flight, oldest first) wait at the front."""
+        held = [i for rnd in ([self.closing] if self.closing else []) + self.collecting
+                for a in rnd.assignments.values() for i in a.sequence_ids]
+        return {"position": self.queue.position, "requeued": held + list(self.queue.requeued)}
+
+    # -- members who fall behind --------------------------------------------------------
+
+    def drop_silent(self, now: float) -> None:
+        """Drop from every round being collected each assigned member silent for
+        heartbeat_timeout_s (killed, hung, or asleep): its ids go back to the queue now, not
+        at the deadline, and the round closes as soon as the others are in."""
+        timeout = self.config.faults.heartbeat_timeout_s
+        for rnd in self.collecting:
+            for client in rnd.pending():
+                member = self.membership.members.get(client)
+                silent = now - member.last_seen if member is not None else math.inf
+                if silent > timeout:
+                    self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+                    rnd.dropped[client] = f"silent for {silent:.0f} s"
+                    self.missed(client, f"silent for {silent:.0f} s during round {rnd.index} "
+                                        f"(heartbeat_timeout_s {timeout:g}): killed or hung")
+
+    def drop_refused(self) -> None:
+        """Once every other member of the oldest round has delivered, stop waiting for those
+        whose submission in it was refused: each refusal sends such a member to train its
+        share again, so the round would wait for up to max_rejections trainings of a member
+        that may never be accepted. Their ids go back to the queue."""
+        if not self.collecting:
+            return
+        rnd = self.collecting[0]
+        pending = rnd.pending()
+        if not pending or not rnd.submissions or any(
+                self.refused.get(c) != rnd.assignments[c].assignment_id for c in pending):
+            return
+        for client in pending:
+            self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            rnd.dropped[client] = "its submission was refused"
+            self.history.event("drop", client, f"its submission for round {rnd.index} was "
+                               "refused; the round closes without it")
+
+    def drop_member(self, client_id: str, why: str) -> None:
+        """Hand a member's unsubmitted ids of every round being collected back to the queue."""
+        for rnd in reversed(self.collecting):
+            if client_id not in rnd.submissions:
+                dropped = rnd.assignments.pop(client_id, None)
+                if dropped is not None:
+                    self.queue.requeue(dropped.sequence_ids)
+                    rnd.dropped[client_id] = why
+
+    def settle(self, rnd: OpenRound) -> None:
+        """The members' side of a round that ended: who missed it (their ids back to the
+        queue, a smaller share next time) and who was early."""
+        for client in rnd.pending():
+            self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            rnd.dropped[client] = f"missed the deadline ({self.config.round.deadline_s:g} s)"
+            self.missed(client, f"missed the round {rnd.index} deadline "
+                                f"({self.config.round.deadline_s:g} s)")
+        self._pace(rnd)
+
+    def missed(self, client_id: str, why: str) -> None:
+        """A member dropped from a round: a smaller share next time (its speed estimate is
+        halved) and, after [faults] miss_limit misses in a row, the next smaller tier."""
+        self.history.event("drop", client_id, why)
+        member = self.membership.members.get(client_id)
+        if member is None:
+            return
+        member.missed += 1
+        member.early = 0
+        member.tokens_per_second /= 2
+        limit = self.config.faults.miss_limit
+        if limit and member.missed >= limit:
+            self._retier(member, +1, f"missed {member.missed} rounds in a row")
+
+    def _pace(self, rnd: OpenRound) -> None:
+        """Members that submitted: reset their misses; a member that keeps finishing within
+        [faults] early_fraction of the deadline is offered the next larger tier."""
+        faults = self.config.faults
+        window = (rnd.deadline - rnd.opened_at) * faults.early_fraction
+        for client, submission in rnd.submissions.items():
+            member = self.membership.members.get(client)
+            if member is None:
+                continue
+            member.missed = 0
+            early = submission.received_at - rnd.opened_at <= window
+            member.early = member.early + 1 if early else 0
+            if faults.early_rounds and member.early >= faults.early_rounds:
+                self._retier(member, -1, f"finished {member.early} rounds in a row within "
+                                         f"{faults.early_fraction:.0%} of the deadline")
+
+    def _retier(self, member: Member, step: int, why: str) -> None:
+        """Move ``member`` one allowed tier smaller (step +1) or larger (step -1) when the
+        tier policy allows; logged as an event with the reason."""
+        tier = self.membership.policy.moved(
+            name=member.name, tier=member.tier, step=step, requested_tier=member.requested_tier,
+            memory_bytes=member.memory_bytes,
+            microbatch_tokens=member.microbatch_tokens or self.config.data.max_seq_len)
+        if tier is None:
+            if step < 0:
+                member.early = 0  # no larger tier fits: count early rounds afresh
+            return
+        old = member.tier
+        member.tier = tier
+        member.missed = member.early = 0
+        member.tier_reason = f"moved from tier {old} to tier {tier}: {why}"
+        self.history.event("retier", member.client_id, member.tier_reason)
+
+
+def trusted_speeds(members: Sequence[Member]) -> list[tuple[str, float]]:
+    """The speed each member's share of a round is sized by. A speed the member has shown in
+    a round it delivered counts as it is; a claimed one (a new member's, or one that missed
+    its last round) counts up to a typical speed, so that claiming to be fast wins no more
+    than a typical share until a round shows it. Typical: the lower median of the shown
+    speeds, or of all when none is shown yet; the lower one, since the median of two is their
+    mean, which a single claim of 1e9 drags up. No speed at all still gets a share."""
+    speeds = [max(m.tokens_per_second, 1.0) for m in members]
+    shown = [m.measured_by_round and not m.missed for m in members]
+    known = [speed for speed, ok in zip(speeds, shown, strict=True) if ok] or speeds
+    typical = statistics.median_low(known)
+    return [(m.client_id, speed if ok else min(speed, typical))
+            for m, speed, ok in zip(members, speeds, shown, strict=True)]

@@ -1,0 +1,56 @@
+"""The service's answers that carry the run's own records: the checkpoint to load, the
+settings to train with, and a member's assignment (server/service.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from modeling.checkpoint.export import read_manifest
+from modeling.checkpoint.manifest import MANIFEST_NAME
+from protocol.matformer.v1 import coordinator_pb2 as pb
+from server.rounds import RoundAssignment
+
+if TYPE_CHECKING:
+    from server.coordinator import Coordinator
+
+
+def checkpoint_ref(coordinator: Coordinator, tier: int) -> pb.CheckpointRef:
+    """The latest universal checkpoint's manifest and its entry for ``tier``."""
+    ref = coordinator.latest_checkpoint()
+    message = pb.CheckpointRef(round=ref.round,
+                               manifest_path=f"{ref.path.name}/{MANIFEST_NAME}")
+    manifest = read_manifest(ref.path)
+    entry = manifest.entry(tier) if manifest is not None else None
+    if entry is not None:
+        message.entry.CopyFrom(pb.TierEntry(tier=str(entry.tier),
+                                            intermediate_size=entry.intermediate_size or 0,
+                                            files=entry.files))
+    return message
+
+def settings(coordinator: Coordinator) -> pb.TrainingSettings:
+    """What a client needs to train as the run does."""
+    cfg = coordinator.config
+    compression, inner = cfg.compression, cfg.inner
+    settings = pb.TrainingSettings(
+        encoding=compression.encoding, chunk=compression.chunk, topk=compression.topk,
+        value_dtype=compression.value_dtype, decay=compression.decay,
+        compression_lr=compression.lr, sequence_length=cfg.data.max_seq_len,
+        data_fingerprint=coordinator.reader.fingerprint,
+        data_strategy=cfg.data.strategy, data_view=cfg.data.view or "",
+        heartbeat_seconds=cfg.faults.heartbeat_s, overlap=cfg.round.overlap)
+    if inner.enabled:
+        settings.inner.CopyFrom(pb.InnerOptimizer(
+            name=inner.optimizer, lr=inner.lr, weight_decay=inner.weight_decay,
+            beta1=inner.betas[0], beta2=inner.betas[1], eps=inner.eps,
+            warmup_steps=inner.warmup_steps, batch_tokens=inner.batch_tokens,
+            schedule=inner.schedule, final_lr=inner.final_lr_value,
+            planned_rounds=cfg.round.planned_rounds))
+    return settings
+
+
+def assignment(assigned: RoundAssignment) -> pb.RoundAssignment:
+    """A member's work in a round: ROUND_STATE_TRAIN."""
+    return pb.RoundAssignment(
+        state=pb.ROUND_STATE_TRAIN, round=assigned.round,
+        sequence_ids=assigned.sequence_ids, tier=assigned.tier,
+        assignment_id=assigned.assignment_id)

@@ -1,0 +1,127 @@
+"""Where a coordinator starts: a new run's first master, or a saved run's master rebuilt from
+its latest checkpoint and the logged updates since (docs/architecture.md, "The run
+directory"), after what a kill left half-written is cleared away.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from modeling.checkpoint import load_pretrained
+from modeling.models import build_model
+from modeling.naming import canonical_state_dict
+from modeling.training import target_tokens
+from server.errors import ResumeError
+from server.membership import Membership
+from server.state import RunState
+from server.work import WorkQueue
+
+if TYPE_CHECKING:
+    from server.coordinator import Coordinator
+
+# Names that atomic writes (modeling/atomic.py) give their temporary files and folders
+# (".state.json.tmp-1a2b3c4d", ".round-4.old-1a2b3c4d"): what a kill during a write leaves.
+TEMP_NAME = re.compile(r"\..+\.(tmp|old)(-[0-9a-f]{8})?")
+
+log = logging.getLogger("matformer.server")
+
+
+def records(c: Coordinator, saved: RunState | None, order: np.ndarray
+            ) -> tuple[RunState, Membership, WorkQueue]:
+    """The run's state, members and work queue: as saved, or new."""
+    policy = c.config.tiers.build(c.model_config)
+    if saved is not None:
+        _check_resumable(c, saved, len(order))
+        return (saved, Membership.from_dict(policy, saved.membership),
+                WorkQueue(order, **saved.queue))
+    state = RunState(run_id=c.config.run.id, data_fingerprint=c.reader.fingerprint,
+                     sequences=len(order))
+    if len(order) < len(c.reader):
+        c.history.event(
+            "data", None, f"left out {len(c.reader) - len(order):,} of {len(c.reader):,} "
+            f"sequences, of fewer than {target_tokens(c.model_config)} tokens: they carry no "
+            "target")
+    return state, Membership(policy), WorkQueue(order)
+
+
+def master(c: Coordinator, saved: RunState | None, initial: Mapping[str, Tensor] | None
+           ) -> dict[str, Tensor]:
+    """The master to go on from, once what a kill left half-written is cleared away: a new
+    run's (its checkpoint round-0 written and listed), or the saved run's, replayed."""
+    _remove_temp_files(c.dir)
+    c.writer.remove_unlisted()
+    c.ledger.truncate(0 if saved is None else saved.round)
+    if saved is not None:
+        replayed = _replayed(c)
+        c.history.event("resume", None, f"resumed at round {saved.round}")
+        return replayed
+    start = _initial(c, initial)
+    c.checkpoints.write(0, start)
+    c.state.checkpoints.append(0)
+    c.save()
+    return start
+
+
+def _check_resumable(c: Coordinator, saved: RunState, sequences: int) -> None:
+    """ResumeError unless the saved run reads the data [data] reads now."""
+    if saved.data_fingerprint != c.reader.fingerprint:
+        raise ResumeError(
+            f"{c.dir} was trained on data with fingerprint {saved.data_fingerprint}, "
+            f"but [data] now reads {c.reader.fingerprint}; point [data] at the run's "
+            "MDAT view, or start a new run directory.")
+    if saved.sequences not in (None, sequences):
+        raise ResumeError(
+            f"{c.dir} hands out {saved.sequences} sequences, but [data] now gives "
+            f"{sequences} that carry a target (the [model] changed?); restore the "
+            "run's run.toml, or start a new run directory.")
+
+
+def _remove_temp_files(directory: Path) -> None:
+    """The temporary files and folders of atomic writes that a kill interrupted."""
+    for path in sorted(directory.rglob(".*"), key=lambda p: len(p.parts), reverse=True):
+        if TEMP_NAME.fullmatch(path.name) and path.exists():
+            log.warning("removing %s: left by a write interrupted before a restart", path)
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _initial(c: Coordinator, initial: Mapping[str, Tensor] | None
+                   ) -> dict[str, Tensor]:
+    """A new run's master: ``initial``, else [model] checkpoint, else a model initialised
+    with ``data.seed``."""
+    if initial is None:
+        model = c.config.model
+        if model.checkpoint is not None:
+            initial = canonical_state_dict(load_pretrained(
+                model.checkpoint, trust_remote_code=model.trust_remote_code))
+        else:
+            torch.manual_seed(c.config.data.seed)
+            initial = canonical_state_dict(build_model(c.model_config))
+    return c.tied({n: t.detach().clone() for n, t in initial.items()})
+
+
+def _replayed(c: Coordinator) -> dict[str, Tensor]:
+    """The master of the saved state: latest checkpoint, then the logged updates since,
+    checked against the hashes the log recorded."""
+    base = c.state.checkpoints[-1]
+    try:
+        master = c.checkpoints.read(base)
+    except FileNotFoundError as err:
+        raise ResumeError(f"state.json names checkpoint {err}, which is missing; "
+                          "restore it, or start a new run directory.") from None
+    entries = [c.log.read(r) for r in range(base, c.state.round)]
+    for entry in entries:
+        master = c.tied(entry.apply(master))
+    if entries and c.tier_hashes(list(entries[-1].hashes), master) != entries[-1].hashes:
+        raise ResumeError(f"replaying {c.dir / 'updates'} onto checkpoint round-{base} "
+                          "does not reproduce the logged weight hashes; the log or the "
+                          "checkpoint was altered. Restore them, or start a new run.")
+    return master

@@ -1,0 +1,118 @@
+"""[server], [auth] and [tls]: where the servers listen, who may join and who may change
+the run, and the certificate both servers present."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey, MissingSecret
+from server.sections.checks import require
+
+AUTH_MODES = ("token", "keys", "none")
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerSection:
+    host: str = "127.0.0.1"  # address both servers bind; "0.0.0.0" to accept other machines
+    grpc_port: int = 7070  # coordinator service (clients)
+    http_port: int = 7071  # status, dashboard, metrics, checkpoint files
+
+    def __post_init__(self) -> None:
+        require(bool(self.host), "[server] host is empty; give an address such as 127.0.0.1.")
+        for key in ("grpc_port", "http_port"):
+            port = getattr(self, key)
+            require(1 <= port <= 65535, f"[server] {key} must lie in 1..65535, got {port}.")
+        require(self.grpc_port != self.http_port,
+                f"[server] grpc_port and http_port are both {self.grpc_port}; give each its own "
+                "port.")
+
+
+@dataclass(kw_only=True, slots=True)
+class AuthSection:
+    """Who may join and who may change the run. Each token is written here or (better) read
+    from an environment variable. ``mode = "keys"`` admits only holders of a client key the
+    operator issued (``matformer-server keys add NAME``; server/keys.py), each under its key's
+    name. ``mode = "none"`` admits any client without a join token, and the server then
+    listens on loopback only, whatever [server] host says."""
+
+    # token: Join needs the join token | keys: a client key | none: nothing, loopback only
+    mode: str = "token"
+    join_token: str | None = field(default=None, repr=False, metadata={"secret": True})
+    join_token_env: str | None = None  # name of the environment variable holding the token
+    # The operator token unlocks the HTTP side's writes (POST ...); without one it is read-only.
+    operator_token: str | None = field(default=None, repr=False, metadata={"secret": True})
+    operator_token_env: str | None = None
+    keys_file: Path | None = None  # mode = "keys": the client keys; None: keys.json in [run] dir
+
+    def __post_init__(self) -> None:
+        require(self.mode in AUTH_MODES,
+                f"[auth] mode {self.mode!r} is unknown; choose \"token\" (clients present the "
+                "join token), \"keys\" (clients present keys issued with `matformer-server "
+                "keys add NAME`) or \"none\" (no join token; the server listens on loopback "
+                "only).")
+        for key in ("join_token", "operator_token"):
+            if getattr(self, key) is not None and getattr(self, f"{key}_env") is not None:
+                raise ConflictingKeys(f"[auth] gives both {key} and {key}_env; keep one.")
+            require(getattr(self, key) != "", f"[auth] {key} is empty; set a token.")
+        join_keys = [k for k in ("join_token", "join_token_env") if getattr(self, k) is not None]
+        if self.mode != "token" and join_keys:
+            raise ConflictingKeys(f"[auth] mode = \"{self.mode}\" admits clients without the "
+                                  f"join token, but {join_keys[0]} is given; remove it, or set "
+                                  "mode = \"token\" to require the token.")
+        if self.mode != "keys" and self.keys_file is not None:
+            raise ConflictingKeys(f"[auth] keys_file is given but mode = \"{self.mode}\" does "
+                                  "not read it; set mode = \"keys\" or remove keys_file.")
+        if self.mode == "token" and not join_keys:
+            raise MissingKey("[auth] needs join_token_env (the name of an environment variable "
+                             "holding the join token) or join_token; "
+                             "python -c 'from protocol.auth import new_join_token as t; "
+                             "print(t())' makes one. (mode = \"none\" runs without one, on "
+                             "loopback only.)")
+        if self.mode == "token":
+            self.token()
+        self.operator()
+
+    def token(self) -> str:
+        """The join token, read from the environment now when ``join_token_env`` names it."""
+        if self.mode != "token":  # callers check the mode first; never compare against nothing
+            raise InvalidValue(f"[auth] mode = \"{self.mode}\" has no join token.")
+        return self._secret("join_token")
+
+    def operator(self) -> str | None:
+        """The operator token (read from the environment now when ``operator_token_env`` names
+        it), or None when the run has none and its HTTP side is read-only."""
+        return self._secret("operator_token")
+
+    def _secret(self, key: str) -> str | None:
+        env = getattr(self, f"{key}_env")
+        if env is None:
+            return getattr(self, key)
+        token = os.environ.get(env, "")
+        if not token:
+            raise MissingSecret(f"[auth] {key}_env names ${env}, which is unset or empty; "
+                                "export it before starting the server.")
+        return token
+
+
+@dataclass(kw_only=True, slots=True)
+class TlsSection:
+    """TLS for the gRPC and HTTP servers (one certificate for both): both files or neither
+    (then plaintext, for loopback runs)."""
+
+    cert: Path | None = None  # PEM certificate chain
+    key: Path | None = None  # PEM private key
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            given, absent = ("cert", "key") if self.key is None else ("key", "cert")
+            raise MissingKey(f"[tls] gives {given} but not {absent}; give both or neither.")
+        for key in ("cert", "key"):
+            path = getattr(self, key)
+            if path is not None and not path.is_file():
+                raise MissingFile(f"[tls] {key} {path} does not exist; fix the path.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None

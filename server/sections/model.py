@@ -1,0 +1,155 @@
+"""[model], [data] and [tiers]: the model a run trains, the data it trains on and the tiers
+its members may train."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from modeling.checkpoint.files import CONFIG_NAME
+from modeling.checkpoint.hf_config import from_config_dict
+from modeling.checkpoint.pretrained import read_config
+from modeling.checkpoint.remote_code import consented
+from modeling.compression import universal_shapes
+from modeling.config import ModelConfig
+from modeling.errors import MatformerError
+from modeling.mdat import DEFAULT_STRATEGY
+from server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey
+from server.sections.checks import require, within
+from server.tables import INT64, reject_unknown
+from server.tiers import TierPolicy
+
+MAX_DIMENSION = 2**24  # vocab_size, hidden_size, intermediate_size, max_position_embeddings
+MAX_LAYERS = 1024  # the coordinator builds the model (on the meta device) to read its shapes
+MAX_TIER = MAX_DIMENSION.bit_length() - 1  # a tier halves the FFN width: 24 halvings at most
+# Fractions of a target mix may be written to a few digits: 0.33 + 0.33 + 0.34.
+_MIX_TOLERANCE = 1e-6
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    """Where the model comes from: exactly one of the three keys."""
+
+    inline: dict[str, Any] | None = None  # ModelConfig fields, as in config.json
+    config_path: Path | None = None  # a config.json (Matformer's or a Hugging Face Llama one)
+    checkpoint: Path | None = None  # a universal checkpoint folder: its weights start the run
+    # run the module files the checkpoint carries (read them first); without it the model
+    # must be built of registered components. Clients decide for themselves.
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("inline", "config_path", "checkpoint") if getattr(self, k) is not None]
+        if not given:
+            raise MissingKey("[model] needs one of: a [model.inline] table of model config "
+                             "fields, config_path (a config.json) or checkpoint (a folder).")
+        if len(given) > 1:
+            raise ConflictingKeys(f"[model] gives {' and '.join(given)}; keep exactly one.")
+        if self.inline is not None:
+            reject_unknown("[model.inline]", self.inline, list(ModelConfig.__dataclass_fields__))
+        _check_size(self.build())
+
+    def build(self) -> ModelConfig:
+        """The run's (universal) model config."""
+        if self.inline is not None:
+            where = "[model.inline]"
+            config = _model(where, lambda: ModelConfig.from_dict(self.inline))
+        else:
+            path = self.config_path if self.config_path is not None else (
+                self.checkpoint / CONFIG_NAME)
+            where = f"[model] {path}"
+            if not path.is_file():
+                raise MissingFile(f"{where} does not exist; fix the path in [model].")
+            if self.checkpoint is None:
+                config = _model(where, lambda: from_config_dict(json.loads(path.read_text())))
+            else:  # its module files are the checkpoint's, found and allowed as for any load
+                config = _model(where, lambda: consented(
+                    read_config(self.checkpoint), self.trust_remote_code, self.checkpoint))
+        require(config.matformer_tier == 0 and config.matformer_layer_tiers is None,
+                f"{where} describes a tier {config.matformer_tier} slice; a run trains the "
+                "universal (tier 0) model, so point [model] at the universal config.")
+        return config
+
+
+def _check_size(config: ModelConfig) -> None:
+    """A model the coordinator can build and hold: sizes within MAX_DIMENSION and MAX_LAYERS,
+    finite numbers, and a float32 master that fits in this machine's memory."""
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "max_position_embeddings"):
+        within(f"[model] {key}", getattr(config, key), 1, MAX_DIMENSION)
+    within("[model] num_hidden_layers", config.num_hidden_layers, 1, MAX_LAYERS)
+    nonfinite = _first_nonfinite(config.to_dict())
+    require(nonfinite is None, f"[model] {nonfinite} is not a finite number; give a finite one.")
+    parameters = sum(math.prod(shape) for shape in universal_shapes(config).values())
+    master, memory = 4 * parameters, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    require(master <= memory,
+            f"[model] has {parameters:,} parameters, whose float32 master alone takes "
+            f"{master / 2**30:,.1f} GiB, more than this machine's {memory / 2**30:,.1f} GiB of "
+            "memory; choose a smaller model.")
+
+
+def _first_nonfinite(value: Any, where: str = "") -> str | None:
+    """``key.key = value`` for the first infinite or NaN float in plain data, if any."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where} = {value}"
+    children = (value.items() if isinstance(value, dict)
+                else enumerate(value) if isinstance(value, list | tuple) else ())
+    found = (_first_nonfinite(child, f"{where}.{key}" if where else str(key))
+             for key, child in children)
+    return next((f for f in found if f is not None), None)
+
+
+def _model(where: str, make: Callable[[], ModelConfig]) -> ModelConfig:
+    try:
+        return make()
+    except json.JSONDecodeError as err:
+        raise InvalidValue(f"{where} is not valid JSON: {err}.") from err
+    except MatformerError as err:
+        raise InvalidValue(f"{where}: {err}") from err
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    path: Path  # the MDAT container
+    strategy: str = DEFAULT_STRATEGY["strategy_name"]  # its pretokenization strategy
+    view: str | None = None  # a view of the container; None: all of it
+    max_seq_len: int = 256  # tokens per sequence (a multiple of the strategy's chunk size)
+    seed: int = 0  # seed of the shuffle that orders sequences over rounds
+
+    def __post_init__(self) -> None:
+        require(self.max_seq_len >= 1,
+                f"[data] max_seq_len must be a positive integer, got {self.max_seq_len}.")
+        within("[data] seed", self.seed, 0, INT64[1])  # numpy's shuffle needs seed >= 0
+
+
+@dataclass(kw_only=True, slots=True)
+class TiersSection:
+    allowed: list[int] = field(default_factory=lambda: [0, 1, 2])  # tiers clients may get
+    pins: dict[str, int] = field(default_factory=dict)  # client name → tier, always
+    mix: dict[int, float] = field(default_factory=dict)  # tier → target share of members
+
+    def __post_init__(self) -> None:
+        require(bool(self.allowed), "[tiers] allowed is empty; list at least one tier.")
+        require(all(0 <= t <= MAX_TIER for t in self.allowed)
+                and len(set(self.allowed)) == len(self.allowed),
+                f"[tiers] allowed must list distinct tiers in [0, {MAX_TIER}], got "
+                f"{self.allowed}.")
+        for name, tier in self.pins.items():
+            require(tier in self.allowed,
+                    f"[tiers.pins] pins {name!r} to tier {tier}, which is not in allowed "
+                    f"{self.allowed}; add it there or pin another tier.")
+        if self.mix:
+            for tier, share in self.mix.items():
+                require(tier in self.allowed,
+                        f"[tiers.mix] names tier {tier}, which is not in allowed {self.allowed}.")
+                require(0.0 <= share <= 1.0,
+                        f"[tiers.mix] share of tier {tier} must lie in [0, 1], got {share}.")
+            total = sum(self.mix.values())
+            require(abs(total - 1.0) <= _MIX_TOLERANCE,
+                    f"[tiers.mix] shares sum to {total:g}; make them sum to 1.")
+
+    def build(self, model: ModelConfig) -> TierPolicy:
+        return TierPolicy(model, allowed=self.allowed, pins=self.pins, mix=self.mix)

@@ -1,0 +1,123 @@
+"""Overlapped rounds ([round] overlap; docs/architecture.md, "One round"): round r is trained
+on the weights after r - 1 rounds while round r - 1 closes, the next work rides on the answer
+to a submission, and replicas stay bit-identical to the master."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from helpers import served_run_toml
+from rounds import flat_results
+from test_federated import SEQ_LEN, client, held, same, start
+from wire import header_of, joined, serving_config
+
+from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows
+from modeling.checkpoint import load_pretrained
+from modeling.mdat import build_default_mdat
+from modeling.naming import canonical_state_dict
+from modeling.training import TierSchedule, tier_gradients
+from protocol.matformer.v1 import coordinator_pb2 as pb
+from protocol.submission import submission_messages
+from server.config import RunConfig
+
+
+@pytest.fixture(scope="module")
+def mdat(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "docs.mdat"
+    build_default_mdat(path, limit=60).close()
+    return path
+
+
+def trained_ids(run_dir) -> list[list[int]]:
+    """The sequence ids of each closed round, from the run's ledger."""
+    lines = (run_dir / "trained.jsonl").read_text().splitlines()
+    return [entry["ids"] for entry in sorted(map(json.loads, lines), key=lambda e: e["round"])]
+
+
+def test_one_client_dense_sgd_overlapped_equals_one_round_delayed_sgd(tmp_path, mdat):
+    """One member, dense float32 results, outer sgd: with overlap the master after each round
+    is, bit for bit, W[r+1] = W[r] - lr·g(W[r-1]) on round r's sequences (round 0 and 1 both
+    on the start); the member's replica ends on the same weights."""
+    lr, rounds = 0.05, 4
+    server = start(tmp_path, mdat, encoding="dense", rule="sgd", lr=lr, rounds=rounds,
+                   value_dtype="float32", overlap=True)
+    try:
+        federated = client(server, tmp_path, "solo", tier=0)
+        summary = federated.run()
+        assert summary.finished and summary.rounds_trained == rounds
+        assert summary.resynchronisations == 0
+        master = {n: t.clone() for n, t in server.service.coordinator.master.items()}
+        reader = server.service.coordinator.reader
+    finally:
+        server.stop()
+
+    model = load_pretrained(tmp_path / "run" / "checkpoints" / "round-0")
+    runner = MicrobatchRunner(model, AdaptiveLimitsConfig(max_tokens=256).build())
+    weights = [{n: p.detach().clone() for n, p in model.named_parameters()}]  # W[0], W[1], ...
+    for r, ids in enumerate(trained_ids(tmp_path / "run")):
+        base = weights[max(r - 1, 0)]
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(base[n])
+        model.zero_grad(set_to_none=True)
+        examples = [torch.from_numpy(reader[i].copy()).long() for i in ids]
+        rows = pack_rows([len(e) for e in examples], SEQ_LEN)  # as the client packs them
+        tier_gradients(runner, examples, TierSchedule(tiers=[0]), r, rows=rows)
+        # torch.optim.SGD's own update, on the newest weights with the older gradient
+        weights.append({n: weights[-1][n].add(p.grad, alpha=-lr)
+                        for n, p in model.named_parameters()})
+    assert len(weights) == rounds + 1
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(weights[-1][n])
+    reference = canonical_state_dict(model)
+    assert all(torch.equal(master[n], reference[n]) for n in reference)
+    assert same(held(federated), reference)
+    # not the synchronous run's weights: round 1 trained on the start, not on W[1]
+    assert not all(torch.equal(weights[1][n], weights[0][n]) for n in weights[0])
+
+
+def test_the_next_assignment_rides_on_the_answer_to_a_submission(tmp_path):
+    """With overlap, three rounds are handed out at once, so the answer to a submission
+    carries the member's next assignments and a member in steady state never asks GetRound;
+    GetRound after a round answers the member's next one; sequences of any assignment it
+    holds may be fetched ahead."""
+    config = RunConfig.load(served_run_toml(tmp_path, min_clients=1))
+    config = dataclasses.replace(config, round=dataclasses.replace(config.round, overlap=True))
+    with serving_config(config) as (server, stub):
+        member, auth, work = joined(stub, server, "alice")
+        assert work.state == pb.ROUND_STATE_TRAIN and work.round == 0
+        ahead = stub.GetRound(pb.GetRoundRequest(after_round=0), metadata=auth)
+        assert (ahead.state, ahead.round) == (pb.ROUND_STATE_TRAIN, 1)
+        fetched = list(stub.FetchSequences(pb.FetchSequencesRequest(
+            ids=list(ahead.sequence_ids)), metadata=auth))
+        assert [m.id for m in fetched] == list(ahead.sequence_ids)
+        c = server.service.coordinator
+        reply = stub.SubmitResult(submission_messages(header_of(member, work),
+                                                      flat_results(c, member.client_id)),
+                                  metadata=auth)
+        assert [a.round for a in reply.assignments] == [1, 2]
+        assert reply.assignments[0].assignment_id == ahead.assignment_id
+        assert all(a.state == pb.ROUND_STATE_TRAIN for a in reply.assignments)
+
+
+def test_summary_counts_the_calls_of_each_round(tmp_path, mdat):
+    """summary.json says how many calls of each kind a member made, and per round trained
+    (heartbeats aside): with overlap a round costs a SubmitResult, a FetchSequences and a
+    GetUpdates, all beside the training."""
+    rounds = 4
+    server = start(tmp_path, mdat, encoding="dense", rule="sgd", lr=0.01, rounds=rounds,
+                   overlap=True)
+    try:
+        summary = client(server, tmp_path, "solo", tier=0).run()
+    finally:
+        server.stop()
+    assert summary.rounds_trained == rounds and summary.finished
+    saved = json.loads((tmp_path / "clients" / "solo" / "summary.json").read_text())
+    assert saved["rpcs"]["SubmitResult"] == rounds
+    assert saved["rpcs"]["FetchSequences"] >= rounds
+    per_round = sum(n for name, n in saved["rpcs"].items() if name != "Heartbeat") / rounds
+    assert saved["rpcs_per_round"] == summary.rpcs_per_round == round(per_round, 2)
