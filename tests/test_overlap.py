@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import pytest
 import torch
 from helpers import served_run_toml
-from rounds import flat_results
+from rounds import committed, flat_results
 from test_federated import SEQ_LEN, client, held, same, start
-from wire import header_of, joined, serving_config
+from wire import header_of, join_request, joined, serving_config
 
+import server.close as close_module
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows
 from modeling.checkpoint import load_pretrained
 from modeling.mdat import build_default_mdat
@@ -121,3 +123,36 @@ def test_summary_counts_the_calls_of_each_round(tmp_path, mdat):
     assert saved["rpcs"]["FetchSequences"] >= rounds
     per_round = sum(n for name, n in saved["rpcs"].items() if name != "Heartbeat") / rounds
     assert saved["rpcs_per_round"] == summary.rpcs_per_round == round(per_round, 2)
+
+
+def test_members_calls_are_answered_while_a_round_closes(tmp_path, monkeypatch):
+    """The close runs on the coordinator's close worker: while a deliberately slow close is
+    under way, a member's SubmitResult has returned, and Heartbeat, GetRound (WAIT) and
+    another member's Join are answered; the round commits once the close goes on."""
+    entered, release = threading.Event(), threading.Event()
+    real = close_module.close_round
+
+    def slow(*args, **kwargs):
+        entered.set()
+        assert release.wait(60), "the test never released the close"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(close_module, "close_round", slow)
+    with serving_config(RunConfig.load(served_run_toml(tmp_path, min_clients=1))) as (
+            server, stub):
+        member, auth, work = joined(stub, server, "alice")
+        c = server.service.coordinator
+        try:
+            stub.SubmitResult(submission_messages(header_of(member, work),
+                                                  flat_results(c, member.client_id)),
+                              metadata=auth, timeout=30)
+            assert entered.wait(30)
+            stub.Heartbeat(pb.HeartbeatRequest(round=0), metadata=auth, timeout=30)
+            waiting = stub.GetRound(pb.GetRoundRequest(), metadata=auth, timeout=30)
+            assert waiting.state == pb.ROUND_STATE_WAIT
+            stub.Join(join_request(server, name="bob"), timeout=30)
+            assert c.pipeline.closing is not None and c.state.round == 0  # still closing
+        finally:
+            release.set()
+        committed(c, 1)
+        assert stub.GetRound(pb.GetRoundRequest(), metadata=auth, timeout=30).round == 1
