@@ -13,6 +13,8 @@ the same sequences of the stdlib-docstrings MDAT:
      steps of ``--batch-tokens`` (D's batch) and send the DCT-compressed pseudo-gradient; the
      coordinator's outer step is SGD of ``--outer-lr`` with ``--outer-momentum`` (Nesterov).
      The same tokens in ``--local-rounds`` rounds
+  O  as L with overlapped rounds ([round] overlap): each round trains on the weights after
+     the round before last, while that round closes; same sequences, same tokens
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
   P  as D in steps of 3 × ``--batch-tokens``: what data-parallel training by 3 workers at
      L's inner batch computes, a third of D's steps. L replaces it, so L / P is the price of
@@ -61,7 +63,6 @@ from torch import Tensor
 
 from client.connection import Train
 from client.federated import FederatedClient, FederatedOptions
-from client.progress import Progress
 from client.standalone import TINY
 from client.summary import ClientSummary
 from modeling import ModelConfig, build_model
@@ -96,6 +97,7 @@ class FederatedRun:
     value_dtype: str  # [compression] value_dtype
     broadcast_topk: int | None = None  # [update] broadcast_topk (None: the default)
     local_steps: bool = False  # [inner] steps of --batch-tokens, DiLoCo's outer step
+    overlap: bool = False  # [round] overlap: round r trains on the weights after r - 1 rounds
 
 
 RUNS = {
@@ -104,6 +106,8 @@ RUNS = {
     "C": FederatedRun(tiers=(0, 1, 2), encoding="dense", value_dtype="float32"),
     "E": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", broadcast_topk=0),
     "L": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", local_steps=True),
+    "O": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", local_steps=True,
+                      overlap=True),
 }
 DP_WORKERS = 3  # data-parallel reference: a ring all-reduce among this many workers
 STANDALONE = "D"
@@ -246,7 +250,7 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
                  "seed": args.seed},
         "tiers": {"allowed": TIERS},
         "round": {"min_clients": len(run.tiers), "deadline_s": 3600.0,
-                  "tokens_per_round": tokens, "rounds": rounds},
+                  "tokens_per_round": tokens, "rounds": rounds, "overlap": run.overlap},
         "compression": compression,
         "update": update,
         "inner": inner,
@@ -257,13 +261,13 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
 
 
 class _Recording(FederatedClient):
-    """Remembers every sequence id it trained on."""
+    """Remembers every sequence id it trained and the coordinator took."""
 
     trained: list[int]
 
-    def _train_one(self, work: Train, progress: Progress) -> None:
+    def _accepted(self, work: Train, *args: Any) -> None:
         self.trained = [*getattr(self, "trained", []), *work.sequence_ids]
-        return super()._train_one(work, progress)
+        return super()._accepted(work, *args)
 
 
 class _Attacking(_Recording):
@@ -440,10 +444,13 @@ def main() -> None:
             each = ", ".join(f"tier {s.tier} {s.bytes_sent / max(1, s.rounds_trained) / 1024:,.1f}"
                              for s in o.summaries)
             print(f"{name}: sent KiB/round by client: {each}")
+            busy = ", ".join(f"tier {s.tier} {s.compute_s / max(s.wall_s, 1e-9):.0%}"
+                             for s in o.summaries)
+            print(f"{name}: share of each client's wall time spent computing: {busy}")
     for note in notes:
         print(note)
     for first, other in [("A", "B"), ("A", "C"), ("A", STANDALONE), ("A", "E"),
-                         ("L", STANDALONE), ("L", DATA_PARALLEL), ("L", "A")]:
+                         ("L", STANDALONE), ("L", DATA_PARALLEL), ("L", "A"), ("O", "L")]:
         if first in outcomes and other in outcomes:
             ratios = ", ".join(
                 f"tier {t} {outcomes[first].final[t] / outcomes[other].final[t]:.3f}"

@@ -10,7 +10,7 @@ values), and the encoded messages are sent again every round with a new header a
 round's assigned token count.
 
 On the coordinator (its instance's methods and its module's ``close_round`` wrapped; server
-code untouched): ``close``, the whole close of a round (``Coordinator._close``: aggregate
+code untouched): ``close``, the whole close of a round (``server.close.close``: aggregate
 every parameter over the clients' results and compress it for the broadcast, apply the update
 rule to the master, hash it per tier, log the update, save state.json), and inside it
 ``aggregate + step`` (``close_round``: the aggregates, the broadcast's steps, the new
@@ -62,11 +62,13 @@ import grpc
 import torch
 from harness import print_table
 
+import server.close as close_module
 import server.coordinator as coordinator_module
 from modeling import ModelConfig
 from modeling.compression import (
     DENSE_BYTES_PER_VALUE,
     CompressionConfig,
+    SparseResult,
     region_shape,
     region_slices,
     tier_regions,
@@ -181,17 +183,20 @@ class Submissions:
         self._made: dict[tuple[int, int], list[pb.SubmitMessage]] = {}
 
     def messages(self, index: int, tier: int) -> list[pb.SubmitMessage]:
-        """One SubmitMessage per parameter: the first round's result of a random gradient."""
+        """One SubmitMessage per parameter: ``results``, encoded once."""
         if (index, tier) not in self._made:
-            torch.manual_seed(index)
-            regions = tier_regions(self.shapes, self.config, tier)
-            self._made[index, tier] = [
-                pb.SubmitMessage(result=encode_sparse_result(
-                    self.compressor.feedback(name, self.shapes[name], region).step(
-                        torch.randn(region_shape(region)), RESULT_TOKENS)))
-                for name, region in sorted(regions.items())
-            ]
+            self._made[index, tier] = [pb.SubmitMessage(result=encode_sparse_result(result))
+                                       for result in self.results(index, tier)]
         return self._made[index, tier]
+
+    def results(self, index: int, tier: int) -> list[SparseResult]:
+        """One result per parameter: the first round's result of a random gradient (made
+        anew on each call; ``messages`` keeps only their encoding)."""
+        torch.manual_seed(index)
+        regions = tier_regions(self.shapes, self.config, tier)
+        return [self.compressor.feedback(name, self.shapes[name], region).step(
+                    torch.randn(region_shape(region)), RESULT_TOKENS)
+                for name, region in sorted(regions.items())]
 
 
 @dataclass(slots=True)
@@ -228,16 +233,19 @@ class CloseTimer:
         self.closes: list[CloseTimes] = []
         self._current: CloseTimes | None = None
         self._coordinator = coordinator
-        coordinator._close = self._close(coordinator._close)
         coordinator.tier_hashes = self._step("hash", coordinator.tier_hashes)
         coordinator.log.append = self._step("log + save", coordinator.log.append)
-        coordinator._save = self._step("log + save", coordinator._save)
+        coordinator.save = self._step("log + save", coordinator.save)
 
-    def _close(self, close: Callable[[Any], None]) -> Callable[[Any], None]:
-        def timed(closing: Any) -> None:  # the detached round (server.coordinator._Closing)
+    def close(self, close: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+        """``server.close.close``, timed; installed by ``measure`` for a run."""
+
+        def timed(coordinator: Any, closing: Any) -> None:  # closing: server.close.Closing
+            if coordinator is not self._coordinator:
+                return close(coordinator, closing)
             self._current = CloseTimes(clients=len(closing.delivered))
             start = time.perf_counter()
-            close(closing)
+            close(coordinator, closing)
             self._current.steps["close"] = time.perf_counter() - start
             self.closes.append(self._current)
             self._current = None
@@ -330,9 +338,17 @@ def play_round(stub: pb_grpc.CoordinatorStub, clients: list[Client],
         if i < len(clients) - 1 or probes is None:
             submit()
             continue
-        with probing(stub, clients[0].auth, probes):  # the last submission closes the round
+        with probing(stub, clients[0].auth, probes):  # the last submission readies the round
             submit()
+            committed(coordinator, round_index)  # the close worker closes it meanwhile
+    committed(coordinator, round_index)
     return round_index, time.perf_counter() - start
+
+
+def committed(coordinator: Coordinator, round_index: int) -> None:
+    """Until round ``round_index`` is committed (closes run on the close worker)."""
+    while coordinator.state.round <= round_index:
+        coordinator.wait_for_round(round_index, 1.0)
 
 
 @contextlib.contextmanager
@@ -370,8 +386,9 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
     timer = CloseTimer(coordinator)
     # These clients do no work, so the speeds their submission times suggest mean nothing.
     coordinator.membership.measured = lambda *_args, **_kwargs: None
-    close = coordinator_module.close_round
-    coordinator_module.close_round = timer.aggregate(close)
+    close, close_round = coordinator_module.close, close_module.close_round
+    coordinator_module.close = timer.close(close)
+    close_module.close_round = timer.aggregate(close_round)
     channel = grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}", options=GRPC_OPTIONS)
     try:
         stub = pb_grpc.CoordinatorStub(channel)
@@ -398,7 +415,7 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         return Row(clients, timed, walls, received, update_bytes, update_s, probes, up, dense,
                    rss)
     finally:
-        coordinator_module.close_round = close
+        coordinator_module.close, close_module.close_round = close, close_round
         channel.close()
         running.stop()
 

@@ -324,7 +324,7 @@ class FederatedClient:
     def _replay(self, updates: list[RoundUpdate]) -> int | None:
         """Apply ``updates`` from round ``applied`` on; the first round after which the
         replica's hash differs from the one the coordinator published, else None."""
-        applied = []
+        applied, start = [], time.monotonic()
         try:
             for update in updates:
                 if update.round < self.applied:
@@ -339,6 +339,7 @@ class FederatedClient:
             return None
         finally:
             self.node.apply(applied)
+            self._cost.apply_s += time.monotonic() - start
 
     def _dense_bytes(self) -> int:
         """float32 bytes of the weights this client's tier holds: a dense gradient's size."""

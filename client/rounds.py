@@ -22,7 +22,7 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from client.connection import Finished, Submitted, Train, Wait
 from client.errors import RoundOver, UpdatesPruned
@@ -33,6 +33,7 @@ from modeling.matformer import tier_label
 if TYPE_CHECKING:
     from client.federated import FederatedClient
 
+T = TypeVar("T")
 UPDATE_WAIT_S = 20.0  # how long one GetUpdates may wait for a round to close
 
 
@@ -153,7 +154,7 @@ class OverlappedRounds:
             c._build_local_round()
         try:
             fetched = self.sequences.pop(work.assignment_id)
-            sequences = [s.to(c.device) for s in fetched.result()]
+            sequences = [s.to(c.device) for s in self._waited(fetched)]
         except RoundOver as err:
             c.log(f"round {work.round} is over for this client: {err.details}")
             return
@@ -176,7 +177,7 @@ class OverlappedRounds:
         work, done, loss, future = self.upload
         self.upload = None
         try:
-            submitted: Submitted = future.result()
+            submitted: Submitted = self._waited(future)
         except RoundOver as err:
             # Too late or refused: the error feedback keeps what it was not sent, and goes
             # into a later round's results (the next round has trained on it already).
@@ -184,6 +185,14 @@ class OverlappedRounds:
             return
         c._accepted(work, done, loss, submitted.sent, submitted.accepted, progress)
         self._hold(submitted.assignments)
+
+    def _waited(self, future: Future[T]) -> T:
+        """``future``'s result; the time the loop waits for it counts as waiting."""
+        start = time.monotonic()
+        try:
+            return future.result()
+        finally:
+            self.client._cost.wait_s += time.monotonic() - start
 
     # -- the weights a round trains on ----------------------------------------------------
 
@@ -195,7 +204,7 @@ class OverlappedRounds:
             if self.asked is not None and (self.asked.done() or c.applied not in self.fetched):
                 asked, self.asked = self.asked, None
                 try:
-                    for update in asked.result():
+                    for update in self._waited(asked):
                         self.fetched.setdefault(update.round, update)
                 except UpdatesPruned:
                     c.log(f"updates since round {c.applied} are pruned; reloading the "

@@ -36,7 +36,9 @@ class ClientSummary:
     # What it cost, over the whole process (rejoins included): every message each way as
     # serialized (before gRPC's gzip), against float32 of the tier's weights per round
     # trained (up) and applied (down); seconds training, sending results, downloading
-    # (updates, sequences, checkpoint files), waiting for a round, and in all.
+    # (updates, sequences, checkpoint files), waiting for a round (with overlapped rounds:
+    # for the transfers, which otherwise run beside the training), applying updates and
+    # checking the replica's hash, and in all.
     bytes_up: int = 0
     bytes_down: int = 0
     dense_bytes_up: int = 0
@@ -45,6 +47,7 @@ class ClientSummary:
     up_s: float = 0.0
     down_s: float = 0.0
     wait_s: float = 0.0
+    apply_s: float = 0.0
     wall_s: float = 0.0
     # calls made, by RPC (each try counts), and per round trained: every call but the
     # heartbeats, which follow the clock rather than the rounds
@@ -59,6 +62,7 @@ class Cost:
     started: float = field(default_factory=time.monotonic)
     compute_s: float = 0.0
     wait_s: float = 0.0
+    apply_s: float = 0.0
     dense_up: int = 0  # float32 bytes of the tier's weights, per round trained
     dense_down: int = 0  # ... per round applied
 
@@ -73,6 +77,7 @@ def write_summary(summary: ClientSummary, cost: Cost, connection: Connection, we
     summary.bytes_down = connection.meter.bytes_down
     summary.dense_bytes_up, summary.dense_bytes_down = cost.dense_up, cost.dense_down
     summary.compute_s, summary.wait_s = round(cost.compute_s, 3), round(cost.wait_s, 3)
+    summary.apply_s = round(cost.apply_s, 3)
     summary.up_s = round(seconds["SubmitResult"], 3)
     summary.down_s = round(sum(seconds[n] for n in DOWNLOADS), 3)
     summary.wall_s = round(time.monotonic() - cost.started, 3)

@@ -154,7 +154,7 @@ def write_summary(path: Path, reports: list[TierReport], status: dict[str, Any],
 
 
 COST_KEYS = ("bytes_up", "bytes_down", "dense_bytes_up", "dense_bytes_down", "compute_s",
-             "up_s", "down_s", "wait_s", "wall_s")
+             "up_s", "down_s", "wait_s", "apply_s", "wall_s")
 
 
 def client_costs(clients_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -181,7 +181,8 @@ def format_costs(costs: dict[str, dict[str, Any]]) -> str:
             f"{name} (tier {c['tier']}): up {c['bytes_up'] / 2**20:,.1f} MiB, down "
             f"{c['bytes_down'] / 2**20:,.1f} MiB, {below:,.1f}x below dense float32 both "
             f"ways; computing {busy:.0%} of {c['wall_s']:,.0f} s (up {c['up_s']:,.1f} s, "
-            f"down {c['down_s']:,.1f} s, waiting {c['wait_s']:,.1f} s)")
+            f"down {c['down_s']:,.1f} s, waiting {c['wait_s']:,.1f} s, applying "
+            f"{c['apply_s']:,.1f} s)")
     return "\n".join(lines)
 
 

@@ -130,8 +130,10 @@ class RoundPipeline:
 
     def _open(self, now: float, index: int) -> OpenRound | None:
         cfg = self.config.round
-        members = self.membership.active(now=now,
-                                         timeout_s=self.config.faults.heartbeat_timeout_s)
+        # ready: alive and with a speed to size a share by (a member still loading its
+        # checkpoint has measured none yet, and would get no ids)
+        members = [m for m in self.membership.active(
+            now=now, timeout_s=self.config.faults.heartbeat_timeout_s) if m.tokens_per_second > 0]
         if len(members) < cfg.min_clients:
             return None
         before = self.queue.to_dict()

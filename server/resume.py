@@ -45,11 +45,6 @@ def records(c: Coordinator, saved: RunState | None, order: np.ndarray
                 WorkQueue(order, **saved.queue))
     state = RunState(run_id=c.config.run.id, data_fingerprint=c.reader.fingerprint,
                      sequences=len(order))
-    if len(order) < len(c.reader):
-        c.history.event(
-            "data", None, f"left out {len(c.reader) - len(order):,} of {len(c.reader):,} "
-            f"sequences, of fewer than {target_tokens(c.model_config)} tokens: they carry no "
-            "target")
     return state, Membership(policy), WorkQueue(order)
 
 
@@ -64,6 +59,12 @@ def master(c: Coordinator, saved: RunState | None, initial: Mapping[str, Tensor]
         replayed = _replayed(c)
         c.history.event("resume", None, f"resumed at round {saved.round}")
         return replayed
+    order = c.queue.order
+    if len(order) < len(c.reader):
+        c.history.event(
+            "data", None, f"left out {len(c.reader) - len(order):,} of {len(c.reader):,} "
+            f"sequences, of fewer than {target_tokens(c.model_config)} tokens: they carry no "
+            "target")
     start = _initial(c, initial)
     c.checkpoints.write(0, start)
     c.state.checkpoints.append(0)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import local_testnet_toml
 
-from local_testnet.chaos import SERVER, chaos_plan
+from local_testnet.chaos import SERVER, chaos_plan, check_run
 from local_testnet.report import (
     format_table,
     moved_mib,
@@ -23,6 +23,7 @@ from local_testnet.report import (
     write_summary,
 )
 from modeling.mdat import build_default_mdat
+from server.config import RunConfig
 from server.errors import InvalidValue, UnknownKey, WrongType
 from server.main import load_config, parse_override
 from server.main import main as server_main
@@ -148,18 +149,19 @@ def test_server_refuses_a_bad_override_before_serving(tmp_path, capsys):
 
 # -- end to end ------------------------------------------------------------------------------
 
-def test_two_clients_with_one_killed_and_restarted(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatch):
     build_default_mdat(tmp_path / "d.mdat", limit=150).close()
     # The restarted client proves its name with the session it saved, so the coordinator
-    # hands its sequences back at once and client-0 goes on alone: rounds slowed by a WAN's
-    # latency leave the restarted one time to load, rejoin and train again.
+    # hands its sequences back at once; the rounds then wait for it to be ready again
+    # (min_clients = 2), behind a WAN's latency and a 20 Mbit/s link.
     config = local_testnet_toml(tmp_path / "run.toml", deadline=8.0, tokens=1024, rounds=8,
                                 auth={"join_token_env": "TESTNET_JOIN_TOKEN"})
     env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
     result = subprocess.run(
         [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
          "--config", str(config), "--kill-client-at", "2", "--latency-ms", "150",
-         "--bandwidth-mbit", "20"],
+         "--bandwidth-mbit", "20", *(["--overlap"] if overlap else [])],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
@@ -179,16 +181,25 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path):
         assert cost["bytes_down"] * 8 / 1e6 / cost["down_s"] <= 20 * 1.05, name
         assert cost["bytes_up"] * 8 / 1e6 / (cost["up_s"] + cost["down_s"]) <= 20 * 1.05
     assert sorted(summary["clients"]) == ["client-0", "client-1"]
+    # every replica holds the coordinator's weights for its tier after the last round, and
+    # every sequence was trained exactly once
+    monkeypatch.setenv("TESTNET_JOIN_TOKEN", "read-the-config")  # the run's own is gone
+    check = check_run(RunConfig.load(config), ["client-0", "client-1"])
+    assert check.replicas == {"client-0": "equal", "client-1": "equal"}, check.replicas
+    assert check.audit.exactly_once
     assert "x below dense float32 both ways; computing" in log
     assert "[testnet] killed client-1" in log
     assert "replaced by a new join as 'client-1'" in log  # no wait for the dead one's silence
     assert "[testnet] client-1 rejoined the run" in log
     assert "[testnet] client-1 catches up" in log
+    # no round opens without two members ready to train (min_clients = 2, a speed measured),
+    # so the restarted client trains again, overlapped or not
     restarted = log[log.index("[testnet] restarting client-1"):]
-    assert "[client-1 t1] round" in restarted, restarted  # it trained again after rejoining
+    assert "[client-1 t1] round" in restarted, restarted
 
 
-def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
+def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap):
     build_default_mdat(tmp_path / "d.mdat", limit=10).close()  # small: the run passes it over
     faults = {"heartbeat_s": 0.5, "heartbeat_timeout_s": 3.0}
     # 30 short rounds: the server's kill (round 18 of this seed's plan) comes well after the
@@ -200,7 +211,7 @@ def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path):
     assert [e.target for e in planned].count(SERVER) == 1 and planned[2].round == 18
     result = subprocess.run(
         [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
-         "--config", str(config), "--chaos", str(seed)],
+         "--config", str(config), "--chaos", str(seed), *(["--overlap"] if overlap else [])],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]

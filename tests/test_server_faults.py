@@ -12,7 +12,6 @@ from helpers import Clock, run_config
 from rounds import caps, drive, events, gradient, results, same
 
 import server.checkpoints as checkpoints_module
-import server.coordinator as coordinator_module
 from modeling.compression import CompressionConfig
 from server.checkpoints import STAGING_PREFIX
 from server.config import RunConfig
@@ -21,6 +20,7 @@ from server.errors import (
     Excluded,
     NormTooLarge,
     SessionInvalid,
+    StaleRound,
     TooManyCoefficients,
     WrongEncoding,
 )
@@ -173,7 +173,7 @@ def test_rejections_exclude_a_client_and_its_session(tmp_path, mdat_path):
     assert c.current_round is None or cid not in c.current_round.assignments
     # lateness is not misbehaviour: a stale round does not count
     honest = c.join(caps("honest"))[0].client_id
-    assert c.rejected(honest, coordinator_module.StaleRound("late")) == ""
+    assert c.rejected(honest, StaleRound("late")) == ""
     assert c.membership.get(honest).rejections == 0
     saved = RunState.load(c.dir).membership
     assert saved["excluded"] == c.membership.excluded

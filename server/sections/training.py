@@ -27,7 +27,7 @@ class RoundSection:
     """When rounds start and end, and when the run stops: after ``rounds`` rounds or ``tokens``
     tokens, whichever comes first (at least one of the two)."""
 
-    min_clients: int = 1  # members needed before a round opens
+    min_clients: int = 1  # members ready to train (their speed measured) before a round opens
     deadline_s: float = 60.0  # a client that has not submitted by then is dropped from the round
     tokens_per_round: int = 8192  # the round's token budget, shared by speed among clients
     rounds: int | None = None
