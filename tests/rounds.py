@@ -40,12 +40,11 @@ def assigned(coordinator: Coordinator, client_id: str, timeout_s: float = 60.0):
 
 
 def committed(coordinator: Coordinator, rounds: int, timeout_s: float = 60.0) -> None:
-    """Until the coordinator has committed ``rounds`` rounds (its close worker runs them)."""
-    give_up = time.monotonic() + timeout_s
-    while coordinator.state.round < rounds:
-        if time.monotonic() > give_up:
-            raise AssertionError(f"round {rounds - 1} did not close within {timeout_s:g} s")
-        time.sleep(0.01)
+    """Until the coordinator has committed ``rounds`` rounds (its close worker runs them),
+    the close's commit whole: the round counter, the master and the records."""
+    coordinator.wait_for_round(rounds - 1, timeout_s)  # under the lock the commit holds
+    if coordinator.state.round < rounds:
+        raise AssertionError(f"round {rounds - 1} did not close within {timeout_s:g} s")
 
 
 def results(coordinator, client_id, *, salt=0, names=None, tokens=None) -> list[SparseResult]:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-import time
 
 import pytest
 import torch
 from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 from helpers import run_tables, write_run_toml
+from rounds import committed
 
 from client.connection import PublishedCheckpoint
 from client.errors import DataMismatch, ReplicaDiverged, RoundOver
@@ -119,10 +119,7 @@ def same(a, b) -> bool:
 
 
 def wait_for_round(server, r, timeout=60):
-    deadline = time.monotonic() + timeout
-    while server.service.coordinator.state.round < r:
-        assert time.monotonic() < deadline, f"round {r} never completed"
-        time.sleep(0.05)
+    committed(server.service.coordinator, r, timeout)
 
 
 def test_one_client_dense_sgd_equals_standalone_sgd(tmp_path, mdat):
