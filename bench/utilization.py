@@ -254,7 +254,7 @@ def play_overlapped(member: Member, last_round: int) -> None:
                                                                 work.sequence_ids)
 
     try:
-        with connection.keep_alive(lambda: trained):
+        with connection.keep_alive(lambda: max(trained, 0)):
             while True:
                 if not held and upload is not None:
                     hold(waited(upload).assignments)
