@@ -428,8 +428,8 @@ def test_bad_results_are_refused_over_grpc_and_change_nothing(tmp_path, mdat, fa
         joined = stub.Join(pb.JoinRequest(
             join_token=TOKEN, client_name="mallory",
             capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**34,
-                                         requested_tier=1)))
-        auth = session_metadata(joined.session_token)
+                                         requested_tier=1, tokens_per_second=1000.0)))
+        auth = session_metadata(joined.session_token)  # ready to train: a speed measured
         work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
         assert work.state == pb.ROUND_STATE_TRAIN
 
