@@ -82,7 +82,7 @@ class OverlappedRounds:
     def __init__(self, client: FederatedClient) -> None:
         self.client = client
         self.held: deque[Train] = deque()  # assignments in hand, oldest first
-        self.trained = -1  # the last round this loop trained
+        self.taken: set[str] = set()  # assignment ids trained or being trained
         self.transfers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transfers")
         self.sequences: dict[str, Future] = {}  # assignment id → its sequences, fetched ahead
         self.upload: tuple[Train, object, float, Future] | None = None  # the one in flight
@@ -113,7 +113,9 @@ class OverlappedRounds:
             self._settle_upload(progress)
             if self.held:
                 break
-            work = c.connection.get_round(after=self.trained if self.trained >= 0 else None)
+            # nothing held and no upload in flight: the oldest assignment not yet submitted,
+            # which is new work (one it trained was taken, or refused and split anew)
+            work = c.connection.get_round()
             match work:
                 case Finished():
                     c.summary.finished = True
@@ -127,13 +129,16 @@ class OverlappedRounds:
                     c._cost.wait_s += pause
                 case Train():
                     self._hold([work])
-        return self.held.popleft()
+        work = self.held.popleft()
+        self.taken.add(work.assignment_id)
+        return work
 
     def _hold(self, assignments: list[Train]) -> None:
-        """Keep the assignments not yet held or trained, and fetch their sequences ahead."""
-        known = {w.assignment_id for w in self.held}
+        """Keep the assignments not yet held or taken (an answer lists the one being
+        trained too), and fetch their sequences ahead."""
+        known = self.taken | {w.assignment_id for w in self.held}
         for work in assignments:
-            if work.round > self.trained and work.assignment_id not in known:
+            if work.assignment_id not in known:
                 self.held.append(work)
                 self.sequences[work.assignment_id] = self.transfers.submit(
                     self.client.sequences.fetch, work.sequence_ids)
@@ -159,7 +164,6 @@ class OverlappedRounds:
             c.log(f"round {work.round} is over for this client: {err.details}")
             return
         done = c._compute(sequences, work.round)
-        self.trained = work.round
         self._settle_upload(progress)  # one upload at a time, in round order
         loss = done.losses[tier_label(c.tier)]
         self.upload = (work, done, loss, self.transfers.submit(
@@ -180,8 +184,15 @@ class OverlappedRounds:
             submitted: Submitted = self._waited(future)
         except RoundOver as err:
             # Too late or refused: the error feedback keeps what it was not sent, and goes
-            # into a later round's results (the next round has trained on it already).
+            # into a later round's results (the next round has trained on it already). What
+            # it holds may be stale too (a restarted coordinator splits its rounds anew):
+            # drop it and ask for the assignments as they are now.
             c.log(f"round {work.round} not accepted: {err.details}")
+            self.taken.discard(work.assignment_id)  # if it is still this client's, again
+            self.held.clear()
+            for fetching in self.sequences.values():
+                fetching.cancel()
+            self.sequences.clear()
             return
         c._accepted(work, done, loss, submitted.sent, submitted.accepted, progress)
         self._hold(submitted.assignments)
