@@ -230,10 +230,12 @@ def play_overlapped(member: Member, last_round: int) -> None:
     """The overlapped member loop (``client/rounds.py``'s ``OverlappedRounds``, with a sleep
     for its training) until it would compute ``last_round``. Round r computes once the
     updates through round r - 2 are in; its upload, the next assignments' sequences and the
-    updates the next round needs (GetUpdates held until that round closes) move on one
-    transfer thread beside the compute. The time the loop waits for them counts as "wait"."""
+    updates the next round needs (GetUpdates held until that round closes) move beside the
+    compute, uploads on one thread, downloads on another. The time the loop waits for them
+    counts as "wait"."""
     connection, held, fetching = member.connection, deque[Train](), {}
-    transfers = ThreadPoolExecutor(1, thread_name_prefix=f"transfers-{member.client_id}")
+    uploads = ThreadPoolExecutor(1, thread_name_prefix=f"uploads-{member.client_id}")
+    downloads = ThreadPoolExecutor(1, thread_name_prefix=f"downloads-{member.client_id}")
     upload: Future | None = None
     asked: Future | None = None
     applied, trained = 0, -1
@@ -250,7 +252,7 @@ def play_overlapped(member: Member, last_round: int) -> None:
         for work in assignments:
             if work.round > trained and work.assignment_id not in known:
                 held.append(work)
-                fetching[work.assignment_id] = transfers.submit(connection.fetch_sequences,
+                fetching[work.assignment_id] = downloads.submit(connection.fetch_sequences,
                                                                 work.sequence_ids)
 
     try:
@@ -277,10 +279,13 @@ def play_overlapped(member: Member, last_round: int) -> None:
                 work = held.popleft()
                 while applied < work.round - 1:  # the weights after work.round - 1 rounds
                     if asked is None:
-                        asked = transfers.submit(connection.updates, applied, member.tier,
+                        asked = downloads.submit(connection.updates, applied, member.tier,
                                                  wait_s=UPDATE_WAIT_S)
                     updates, asked = waited(asked), None
                     applied = max(applied, updates[-1].round + 1) if updates else applied
+                if asked is None and work.round >= 1:  # the next round's: closes meanwhile
+                    asked = downloads.submit(connection.updates, work.round - 1, member.tier,
+                                             wait_s=UPDATE_WAIT_S)
                 sequences = waited(fetching.pop(work.assignment_id))
                 member.mark(work.round)
                 if work.round >= last_round:
@@ -293,15 +298,13 @@ def play_overlapped(member: Member, last_round: int) -> None:
                 trained = work.round
                 if upload is not None:
                     hold(waited(upload).assignments)
-                upload = transfers.submit(
+                upload = uploads.submit(
                     connection.submit, work, client_id=member.client_id, tokens=tokens,
                     loss=LOSS, train_seconds=busy_s,
                     results=[dataclasses.replace(r, tokens=tokens) for r in member.results])
-                if asked is None:  # what the next round needs, behind the upload
-                    asked = transfers.submit(connection.updates, max(applied, work.round - 1),
-                                             member.tier, wait_s=UPDATE_WAIT_S)
     finally:
-        transfers.shutdown(wait=True, cancel_futures=True)
+        uploads.shutdown(wait=True, cancel_futures=True)
+        downloads.shutdown(wait=True, cancel_futures=True)
 
 
 def train(member: Member, work: Train, last_round: int) -> bool:

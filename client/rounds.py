@@ -4,7 +4,8 @@ upload or a download between rounds.
 
 Round r is trained on the weights after r - 1 rounds (round 0 on the start): round r - 1's
 update is applied after training round r, whenever it arrives meanwhile. Every call the
-loop needs but the first runs on one transfer thread, beside the training:
+loop needs but the first runs beside the training, uploads on one thread and downloads on
+another (the two directions of the link):
 
 - the results of round r are uploaded while round r + 1 trains, and the answer carries the
   client's next assignments (the coordinator hands rounds out ahead);
@@ -77,13 +78,16 @@ class SynchronousRounds:
 
 class OverlappedRounds:
     """Train each round as soon as the one before is trained, on the weights after r - 1
-    rounds; uploads, sequences and updates move on the transfer thread meanwhile."""
+    rounds; uploads, sequences and updates move on their threads meanwhile."""
 
     def __init__(self, client: FederatedClient) -> None:
         self.client = client
         self.held: deque[Train] = deque()  # assignments in hand, oldest first
         self.taken: set[str] = set()  # assignment ids trained or being trained
-        self.transfers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transfers")
+        # uploads and downloads each on a thread of their own: they use the two directions
+        # of the link, and a download held until a round closes never delays an upload
+        self.uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uploads")
+        self.downloads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="downloads")
         self.sequences: dict[str, Future] = {}  # assignment id → its sequences, fetched ahead
         self.upload: tuple[Train, object, float, Future] | None = None  # the one in flight
         self.fetched: dict[int, RoundUpdate] = {}  # updates received, not applied yet
@@ -102,7 +106,8 @@ class OverlappedRounds:
                     self._train(work, progress)
                 self._settle_upload(progress)
         finally:
-            self.transfers.shutdown(wait=True, cancel_futures=True)
+            self.uploads.shutdown(wait=True, cancel_futures=True)
+            self.downloads.shutdown(wait=True, cancel_futures=True)
 
     # -- the next assignment ------------------------------------------------------------
 
@@ -140,7 +145,7 @@ class OverlappedRounds:
         for work in assignments:
             if work.assignment_id not in known:
                 self.held.append(work)
-                self.sequences[work.assignment_id] = self.transfers.submit(
+                self.sequences[work.assignment_id] = self.downloads.submit(
                     self.client.sequences.fetch, work.sequence_ids)
 
     # -- one round ----------------------------------------------------------------------
@@ -155,6 +160,10 @@ class OverlappedRounds:
             c._catch_up(reload=True)
             self.fetched.clear()
         self._apply_through(work.round - 2)
+        if self.asked is None and work.round >= 1:  # what the next round trains on: the
+            self.asked = self.downloads.submit(  # update of this one's predecessor, which
+                c.connection.updates, work.round - 1, c.tier,  # closes while this one trains
+                wait_s=UPDATE_WAIT_S)
         if c.local_round is None:
             c._build_local_round()
         try:
@@ -166,12 +175,9 @@ class OverlappedRounds:
         done = c._compute(sequences, work.round)
         self._settle_upload(progress)  # one upload at a time, in round order
         loss = done.losses[tier_label(c.tier)]
-        self.upload = (work, done, loss, self.transfers.submit(
+        self.upload = (work, done, loss, self.uploads.submit(
             c.connection.submit, work, client_id=c.summary.client_id, tokens=done.tokens,
             loss=loss, train_seconds=done.seconds, results=done.results))
-        if self.asked is None:  # what the next round trains on: the update of this one's
-            self.asked = self.transfers.submit(  # predecessor, asked for behind the upload
-                c.connection.updates, max(work.round - 1, 0), c.tier, wait_s=UPDATE_WAIT_S)
 
     def _settle_upload(self, progress: Progress) -> None:
         """Wait for the upload in flight, if any, and take what its answer says."""
@@ -224,7 +230,7 @@ class OverlappedRounds:
                     self.fetched.clear()
                     continue
             if c.applied not in self.fetched:
-                self.asked = self.transfers.submit(c.connection.updates, c.applied, c.tier,
+                self.asked = self.downloads.submit(c.connection.updates, c.applied, c.tier,
                                                    wait_s=UPDATE_WAIT_S)
                 continue
             ready = []
