@@ -51,7 +51,7 @@ from client.errors import (
     SessionEnded,
     UpdatesPruned,
 )
-from client.local_round import LocalRound, RoundSetup, RoundWork
+from client.local_round import Advance, LocalRound, RoundSetup, RoundWork
 from client.node import Node
 from client.probe import device_name, measure_tokens_per_second, memory_bytes
 from client.progress import Progress
@@ -250,11 +250,12 @@ class FederatedClient:
                 return
         self._accepted(work, done, loss, sent, accepted, progress)
 
-    def _compute(self, sequences: list[torch.Tensor], round_index: int) -> RoundWork:
-        """A round's local work on every rank; with ``compute_speed`` below 1, followed by a
-        pause that makes it take 1 / compute_speed times as long, counted as compute."""
+    def _compute(self, sequences: list[torch.Tensor], round_index: int,
+                 advance: Advance | None = None) -> RoundWork:
+        """A round's local work on every rank (``advance``: ``LocalRound.run``'s); with
+        ``compute_speed`` below 1, then a pause to take 1 / compute_speed times as long."""
         self.node.train(sequences, round_index)
-        done = self.local_round.run(sequences, step=round_index)
+        done = self.local_round.run(sequences, step=round_index, advance=advance)
         speed = self.options.compute_speed
         if speed < 1:
             pause = done.seconds * (1 / speed - 1)

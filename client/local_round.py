@@ -14,7 +14,7 @@ client applies to its ``Replica`` like everyone else.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +109,13 @@ class RoundSetup:
             row_length=self.row_length)
 
 
+# Overlapped rounds (client/rounds.py): called after every inner step with the replica's
+# weights (canonical name → tensor), it returns None, or, when the update the replica waits
+# for has arrived, the replica's weights after it (applied exactly, hash checked), leaving
+# the parameters as the training has them.
+Advance = Callable[[dict[str, Tensor]], dict[str, Tensor] | None]
+
+
 class LocalRound:
     """Runs rounds of local work on a replica; the error feedback (and under local steps
     the inner optimizer's state) persists across rounds.
@@ -154,11 +161,18 @@ class LocalRound:
         # the dtype of the gradient handed to error feedback
         self.dtype = torch.float32 if self.follower else compressor.momentum_dtype
         self.optimizer = self._fresh_optimizer()
+        # under overlapped rounds, the weights' change in this client's last round: its
+        # estimate of the update it waits for (see ``_local_steps``); None: no estimate
+        self.lead: dict[str, Tensor] | None = None
+        self.advance_s = 0.0  # applying updates inside the last round (not training)
 
-    def run(self, sequences: Sequence[Tensor], step: int = 0) -> RoundWork:
+    def run(self, sequences: Sequence[Tensor], step: int = 0, advance: Advance | None = None
+            ) -> RoundWork:
         """The results of ``sequences`` (1-D token ids) at the schedule's tiers for ``step``
-        (the round number), compressed with error feedback into one result per parameter."""
+        (the round number), compressed with error feedback into one result per parameter.
+        ``advance``: overlapped rounds under local steps (see ``_local_steps``)."""
         start = time.perf_counter()
+        self.advance_s = 0.0
         tokens = sum(len(sequence) for sequence in sequences)
         if self.steps is None:
             rows = None
@@ -168,7 +182,7 @@ class LocalRound:
                                     options=self.options)
             change = {name: p.grad for name, p in self.replica.parameters.items()}
         else:
-            losses, change = self._local_steps(sequences, step)
+            losses, change = self._local_steps(sequences, step, advance)
         results = []
         for name, parameter in self.replica.parameters.items():
             if self.follower:
@@ -179,16 +193,33 @@ class LocalRound:
             grad = torch.zeros_like(parameter[where]) if grad is None else grad[where]
             results.append(feedback.step(grad.to(self.dtype), tokens))
         self.replica.model.zero_grad(set_to_none=True)
-        return RoundWork(
-            results=results, losses=losses, tokens=tokens, seconds=time.perf_counter() - start
-        )
+        seconds = time.perf_counter() - start - self.advance_s
+        return RoundWork(results=results, losses=losses, tokens=tokens, seconds=seconds)
 
-    def _local_steps(self, sequences: Sequence[Tensor], step: int
+    def _local_steps(self, sequences: Sequence[Tensor], step: int, advance: Advance | None
                      ) -> tuple[dict[str, float], dict[str, Tensor]]:
         """(loss per tier label, averaged over the batches by tokens; the pseudo-gradient
-        per canonical name), the replica's weights left as they were."""
+        per canonical name), the replica's weights left as they were, or as ``advance``
+        moved them.
+
+        The pseudo-gradient is the base the round trains from minus where it ends. Without
+        ``advance`` the base is the replica's weights. With it (overlapped rounds: the
+        replica lacks the update of the round before, which closes while this one trains)
+        the base is the replica's weights plus ``lead``, this client's own change in its
+        last round, the estimate of that update (eager updates); when the update arrives,
+        between two inner steps, the base becomes the replica's new weights, exactly, and
+        the steps taken so far move with it. So with one client at outer lr 1 the rounds
+        train as if nothing were delayed, and with many only the clients' disagreement is
+        late."""
         parameters = self.replica.parameters
-        before = {name: p.detach().clone() for name, p in parameters.items()}
+        exact = {name: p.detach().clone() for name, p in parameters.items()}  # put back
+        base = exact
+        lead = self.lead if advance is not None else None
+        if lead is not None and all(lead[n].shape == p.shape for n, p in parameters.items()):
+            base = {name: exact[name] + lead[name] for name in parameters}
+            with torch.no_grad():
+                for name, parameter in parameters.items():
+                    parameter.copy_(base[name])
         lengths, budget = [len(s) for s in sequences], self.steps.batch_tokens
         if self.row_length is None:
             plan = [[[i] for i in batch] for batch in plan_batches(lengths, budget)]
@@ -208,13 +239,25 @@ class LocalRound:
             weight = sum(len(example) for example in examples)
             for label, loss in losses.items():
                 sums[label] = sums.get(label, 0.0) + loss * weight
+            if advance is not None:
+                paused = time.perf_counter()
+                moved = advance(exact)
+                if moved is not None:
+                    with torch.no_grad():
+                        for name, parameter in parameters.items():
+                            parameter.add_(moved[name] - base[name])
+                    exact = base = moved
+                self.advance_s += time.perf_counter() - paused
         tokens = sum(len(sequence) for sequence in sequences)
         change = {}
         with torch.no_grad():
             for name, parameter in parameters.items():
                 # in the feedback's dtype: float64 keeps the difference of float32s exact
-                change[name] = before[name].to(self.dtype) - parameter.to(self.dtype)
-                parameter.copy_(before[name])
+                change[name] = base[name].to(self.dtype) - parameter.to(self.dtype)
+                parameter.copy_(exact[name])
+        if advance is not None:
+            self.lead = {name: (-delta).to(parameters[name].dtype)
+                         for name, delta in change.items()}
         return {label: total / tokens for label, total in sums.items()}, change
 
     def _fresh_optimizer(self) -> LocalOptimizer | None:
@@ -230,9 +273,11 @@ class LocalRound:
         """Back to what ``save`` wrote (FeedbackStateMismatch if it does not fit, leaving
         the current state)."""
         self.feedback.load(path, self.optimizer)
+        self.lead = None
 
     def reset(self) -> None:
         """Zero momentum and a fresh inner optimizer: a client's state before any round."""
         for state in self.feedback.feedback.values():
             state.momentum.zero_()
         self.optimizer = self._fresh_optimizer()
+        self.lead = None

@@ -2,8 +2,10 @@
 and overlapped ones (``[round] overlap``), where the client never waits for a close, an
 upload or a download between rounds.
 
-Round r is trained on the weights after r - 1 rounds (round 0 on the start): round r - 1's
-update is applied after training round r, whenever it arrives meanwhile. Every call the
+Round r starts from the weights after r - 1 rounds (round 0 from the start): round r - 1's
+update is applied as soon as it arrives. Under local steps that is between two inner steps
+of round r, which starts from an estimate of it (eager updates: ``LocalRound._local_steps``);
+otherwise, and on a data-parallel node, after round r is trained. Every call the
 loop needs but the first runs beside the training, uploads on one thread and downloads on
 another (the two directions of the link):
 
@@ -25,8 +27,12 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+import torch
+from torch import Tensor
+
 from client.connection import Finished, Submitted, Train, Wait
 from client.errors import RoundOver, UpdatesPruned
+from client.local_round import Advance
 from client.progress import Progress
 from modeling.compression import RoundUpdate
 from modeling.matformer import tier_label
@@ -172,7 +178,8 @@ class OverlappedRounds:
         except RoundOver as err:
             c.log(f"round {work.round} is over for this client: {err.details}")
             return
-        done = c._compute(sequences, work.round)
+        advance = self._advance(work) if c.node.world_size == 1 else None
+        done = c._compute(sequences, work.round, advance)
         self._settle_upload(progress)  # one upload at a time, in round order
         loss = done.losses[tier_label(c.tier)]
         self.upload = (work, done, loss, self.uploads.submit(
@@ -212,6 +219,45 @@ class OverlappedRounds:
             self.client._cost.wait_s += time.monotonic() - start
 
     # -- the weights a round trains on ----------------------------------------------------
+
+    def _advance(self, work: Train) -> Advance:
+        """Under local steps, the update of round r - 1 applied while round r trains, as
+        soon as it arrives (``LocalRound._local_steps`` moves the training with it)."""
+        c = self.client
+
+        def advance(exact: dict[str, Tensor]) -> dict[str, Tensor] | None:
+            due = work.round - 1
+            if c.applied != due or self.asked is None or not self.asked.done():
+                return None
+            asked, self.asked = self.asked, None
+            try:
+                arrived = asked.result()
+            except Exception:  # the loop meets the error again when it asks between rounds
+                return None
+            for update in arrived:
+                self.fetched.setdefault(update.round, update)
+            if due not in self.fetched:  # the wait ran out before the round closed
+                self.asked = self.downloads.submit(c.connection.updates, due, c.tier,
+                                                   wait_s=UPDATE_WAIT_S)
+                return None
+            update = self.fetched.pop(due)
+            parameters = c.replica.parameters
+            with torch.no_grad():
+                trained = {name: p.detach().clone() for name, p in parameters.items()}
+                for name, p in parameters.items():
+                    p.copy_(exact[name])
+                diverged = c._replay([update])
+                moved = {name: p.detach().clone() for name, p in parameters.items()}
+                for name, p in parameters.items():
+                    p.copy_(trained[name])
+            if diverged is not None:  # the loop finds it again between rounds, and reloads
+                c.applied, self.fetched[due] = due, update
+                return None
+            c.summary.rounds_applied = c.applied
+            c.summary.advanced += 1
+            return moved
+
+        return advance
 
     def _apply_through(self, last: int) -> None:
         """Apply every update through round ``last`` (none beyond it): what was received

@@ -25,6 +25,7 @@ class ClientSummary:
     rounds_trained: int = 0
     rounds_applied: int = 0  # the replica holds the weights after this many rounds
     resynchronisations: int = 0
+    advanced: int = 0  # overlapped rounds whose predecessor's update arrived while they trained
     losses: list[tuple[int, float]] = field(default_factory=list)  # (round, loss)
     bytes_sent: int = 0
     update_bytes: int = 0  # GetUpdates messages received (before gRPC's gzip)

@@ -37,6 +37,8 @@ from server.update_steps import Carried, close_round
 LR = 0.1
 DENSE = CompressionConfig(encoding="dense", decay=0.0, lr=1.0)
 SGD = UpdateConfig(rule="sgd", lr=LR)
+STEPS = LocalSteps(optimizer=OptimizerConfig(name="adamw", lr=1e-2, schedule="constant"),
+                   batch_tokens=24)
 
 
 def _limits():
@@ -265,3 +267,76 @@ def test_replica_from_load_for_tier_with_tied_embeddings_is_standalone_sgd(tmp_p
         tail = got["model.layers.0.mlp.gate_proj.weight"][32:]
         initial = canonical_state_dict(universal)["model.layers.0.mlp.gate_proj.weight"]
         assert torch.equal(tail, initial[32:])
+
+
+def test_an_update_applied_between_inner_steps_moves_the_training_with_it():
+    """Overlapped rounds apply the update of the round before between two inner steps: the
+    replica ends on the new weights, bit for bit, and the result is measured from them. One
+    applied after the last step leaves the steps as they were (the same result, up to the
+    rounding of the shift); one after the first makes the later steps train on the moved
+    weights."""
+    universal = AutoregressiveModel(tiny_config())
+    shift = {name: torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.05
+             for name, p in Replica(_sliced(universal, 1)).parameters.items()}
+
+    def run(at: int | None) -> tuple[dict, dict, dict, int]:
+        local = LocalRound(Replica(_sliced(universal, 1)), DENSE.build(),
+                           TierSchedule(tiers=[1]), _limits(), steps=STEPS)
+        calls, moved = [], {}
+
+        def advance(exact):
+            calls.append(len(calls))
+            if len(calls) - 1 != at:
+                return None
+            moved.update({name: exact[name] + shift[name] for name in exact})
+            return dict(moved)
+
+        work = local.run(_sequences(1), advance=advance)
+        final = {n: p.detach().clone() for n, p in local.replica.parameters.items()}
+        return {r.name: r.values for r in work.results}, final, moved, len(calls)
+
+    plain, start, _, count = run(None)
+    assert count >= 3  # one call after each inner step
+    assert all(torch.equal(start[n], p) for n, p in
+               Replica(_sliced(universal, 1)).parameters.items())
+    late, final, moved, _ = run(count - 1)
+    assert all(torch.equal(final[n], moved[n]) for n in final)  # the replica holds the update
+    assert all(torch.allclose(late[n], plain[n], atol=1e-6) for n in plain)
+    early, final, moved, _ = run(0)
+    assert all(torch.equal(final[n], moved[n]) for n in final)
+    assert any(not torch.allclose(early[n], plain[n], atol=1e-4) for n in plain)
+
+
+def test_eager_rounds_of_one_client_at_outer_lr_1_train_as_if_nothing_were_delayed():
+    """Eager updates: an overlapped round starts from the replica plus the client's own
+    last change, its estimate of the update it lacks. One client, dense results, outer SGD at
+    lr 1: the estimate is the update, so round 1, trained before round 0's update arrives,
+    gives what it gives after it (synchronous rounds), up to float rounding."""
+    universal = AutoregressiveModel(tiny_config())
+
+    def local_round():
+        return LocalRound(Replica(_sliced(universal, 1)), DENSE.build(),
+                          TierSchedule(tiers=[1]), _limits(), steps=STEPS)
+
+    synchronous = local_round()
+    first = synchronous.run(_sequences(1))
+    with torch.no_grad():  # the coordinator's outer step at lr 1: W1 = W0 - Δ0
+        for result in first.results:
+            synchronous.replica.parameters[result.name].sub_(result.values)
+    expected = {r.name: r.values for r in synchronous.run(_sequences(2), 1).results}
+
+    overlapped = local_round()
+    overlapped.run(_sequences(1), advance=lambda exact: None)  # round 0's update: not yet
+    arrives = []
+
+    def advance(exact):  # round 0's update, arriving after round 1's first inner step
+        arrives.append(True)
+        if len(arrives) != 1:
+            return None
+        return {r.name: exact[r.name] - r.values for r in first.results}
+
+    got = {r.name: r.values for r in overlapped.run(_sequences(2), 1, advance=advance).results}
+    assert all(torch.allclose(got[n], expected[n], atol=1e-5) for n in expected)
+    # without the estimate (the lead dropped, as after a refused round) it is a round late
+    overlapped.reset()
+    assert overlapped.lead is None
