@@ -14,21 +14,24 @@ whole (the coverage, hence each share, is the same at every position) the weight
 coefficients decodes to the weighted mean of the decoded values. Cost per result: its k
 values per chunk. A chunk that some result covers only in part (a tier width off the chunk
 grid) has shares that vary inside it; there each such result is decoded and weighted element
-by element, as dense results always are.
+by element, as dense results always are. When every region lies on the chunk grid, no chunk
+is covered in part and ``coefficient_mean`` stops before the decode: the compressed
+broadcast takes the summed coefficients as they are (``Broadcast.encode_coefficients``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from modeling.compression.dct import chunkwise_dct
 from modeling.compression.encodings import ChunkTopK, decode, get_encoding
 from modeling.compression.grid import ChunkGrid, Region, full_region, region_slices
 from modeling.compression.sparse import SparseResult
+from modeling.compression.steps import bounding_box
 from modeling.compression.validation import validate_group
 from modeling.errors import CompressionError
 
@@ -64,7 +67,7 @@ def aggregate(results: Sequence[SparseResult], *, votes: bool = False) -> Aggreg
     encoding = get_encoding(results[0].encoding)
     if votes or len(layout) > 1 or not isinstance(encoding, ChunkTopK):
         return Aggregate(values=_decoded_mean(results, tokens, votes=votes), tokens=tokens)
-    return Aggregate(values=_coefficient_mean(results, tokens, encoding.inverse), tokens=tokens)
+    return Aggregate(values=_coefficient_mean(results, tokens, encoding), tokens=tokens)
 
 
 def _decoded_mean(results: Sequence[SparseResult], tokens: Tensor, *, votes: bool,
@@ -91,31 +94,89 @@ def _decoded_mean(results: Sequence[SparseResult], tokens: Tensor, *, votes: boo
     return values
 
 
+def coefficient_mean(results: Sequence[SparseResult]) -> Tensor:
+    """The token-weighted mean of chunked results whose regions all lie on their chunk grid
+    (``Broadcast.on_grid``: each chunk covered whole or not at all), as the chunkwise DCT
+    of its values over the bounding box of their regions (shape ``grid.padded(box)``):
+    what the broadcast compresses, with no inverse transform. Validated first, like
+    ``aggregate``."""
+    if not results:
+        raise CompressionError(
+            "coefficient_mean needs at least one result; skip parameters with none.")
+    validate_group(results)
+    encoding = get_encoding(results[0].encoding)
+    if {(r.encoding, r.chunk) for r in results} != {(results[0].encoding, results[0].chunk)} \
+            or not isinstance(encoding, ChunkTopK):
+        raise CompressionError("coefficient_mean needs results of one chunked encoding and chunk.")
+    grid = ChunkGrid(shape=results[0].shape, chunk=results[0].chunk)
+    tokens, mixed = _coverage(results, grid)
+    if bool(mixed.any()):
+        raise CompressionError(
+            "coefficient_mean needs regions on the chunk grid; aggregate these results.")
+    box = bounding_box([r.region for r in results])
+    coefficients = _weighted_sum(results, grid, box, tokens, mixed)
+    if encoding.forward is chunkwise_dct:  # summed where they were sent, in the DCT already
+        return coefficients
+    return chunkwise_dct(encoding.inverse(coefficients, grid.chunk), grid.chunk)
+
+
 def _coefficient_mean(results: Sequence[SparseResult], tokens: Tensor,
-                      inverse: Callable[[Tensor], Tensor]) -> Tensor:
+                      encoding: ChunkTopK) -> Tensor:
     """The weighted mean summed over the results' sent coefficients and decoded once."""
     grid = ChunkGrid(shape=results[0].shape, chunk=results[0].chunk)
     whole = full_region(grid.shape)
-    inside = grid.blocks(torch.ones_like(tokens), whole).reshape(grid.size, -1) > 0
-    per_chunk = grid.blocks(tokens, whole).reshape(grid.size, -1)  # (chunks, chunk_numel)
-    high = per_chunk.masked_fill(~inside, -math.inf).amax(dim=1)
-    low = per_chunk.masked_fill(~inside, math.inf).amin(dim=1)
-    uniform = high == low  # one coverage over the chunk: every share is constant in it
-    coefficients = torch.zeros((grid.size, grid.chunk_numel), device=tokens.device)
-    for result in results:
-        chunks = result.chunks.long()
-        keep = uniform[chunks]
-        weight = result.tokens / high[chunks[keep]]  # the share, per sent chunk
-        rows = chunks[keep].unsqueeze(1) * grid.chunk_numel + result.indices[keep].long()
-        coefficients.view(-1).index_add_(
-            0, rows.reshape(-1), (result.values[keep].float() * weight.unsqueeze(1)).reshape(-1))
-    values = grid.assemble(inverse(coefficients.reshape(grid.size, *grid.chunk)), whole)
-    if not uniform.all():
-        mixed = ~uniform.unsqueeze(1).expand(-1, grid.chunk_numel)
-        only = grid.assemble(mixed.reshape(grid.size, *grid.chunk), whole)
-        touching = [r for r in results if not uniform[r.chunks.long()].all()]
+    chunk_tokens, mixed = _coverage(results, grid)
+    summed = _weighted_sum(results, grid, whole, chunk_tokens, mixed)
+    crop = region_slices(whole)
+    values = encoding.inverse(summed, grid.chunk)[crop]
+    if bool(mixed.any()):
+        spread = [n for count in grid.counts for n in (count, 1)]
+        pairs = [n for pair in zip(grid.counts, grid.chunk, strict=True) for n in pair]
+        only = mixed.view(spread).expand(pairs).reshape(grid.padded(whole))[crop]
+        touching = [r for r in results if bool(mixed[r.chunks.long()].any())]
         values += _decoded_mean(touching, tokens, votes=False, only=only)
     return values
+
+
+def _coverage(results: Sequence[SparseResult], grid: ChunkGrid) -> tuple[Tensor, Tensor]:
+    """Per chunk of the grid: the tokens of the results covering it whole (float32), and
+    whether some result covers only part of it (bool). Regions start on the grid, so a
+    result that covers part of a chunk makes its shares vary inside it."""
+    tokens = torch.zeros(grid.size)
+    mixed = torch.zeros(grid.size, dtype=torch.bool)
+    by_region: dict[Region, int] = {}  # clients of one tier share a region: one pass each
+    for result in results:
+        by_region[result.region] = by_region.get(result.region, 0) + result.tokens
+    for region, count in by_region.items():
+        ids = grid.chunk_ids(region)
+        partial = torch.zeros((), dtype=torch.bool)
+        for (_, stop), size, c, n in zip(region, grid.shape, grid.chunk,
+                                         grid.region_counts(region), strict=True):
+            last = torch.zeros(n, dtype=torch.bool)  # along this dimension: the region
+            last[-1] = stop % c != 0 and stop != size  # ends inside its last chunk
+            partial = partial.unsqueeze(-1) | last
+        partial = partial.reshape(-1)
+        tokens[ids[~partial]] += count
+        mixed[ids[partial]] = True
+    return tokens, mixed
+
+
+def _weighted_sum(results: Sequence[SparseResult], grid: ChunkGrid, region: Region,
+                  tokens: Tensor, mixed: Tensor) -> Tensor:
+    """Σ share · sent coefficients over the chunks no result covers in part, laid out
+    chunkwise over the chunks ``region`` touches (each result's chunks lie inside it)."""
+    device = results[0].values.device
+    summed = torch.zeros(grid.padded(region), device=device)
+    for result in results:
+        chunks, indices, values = result.chunks.long(), result.indices.long(), result.values
+        keep = ~mixed[chunks]
+        if not bool(keep.all()):
+            chunks, indices, values = chunks[keep], indices[keep], values[keep]
+        weight = (result.tokens / tokens[chunks]).to(device)  # the share, per sent chunk
+        index = grid.flat_index(region, chunks.unsqueeze(1).to(device), indices.to(device))
+        summed.view(-1).index_add_(
+            0, index.reshape(-1), (values.float() * weight.unsqueeze(1)).reshape(-1))
+    return summed
 
 
 def scatter(result: SparseResult) -> Aggregate:

@@ -22,22 +22,38 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from modeling.compression import Region, SparseResult, Step, UpdateRule, dense_step, region_slices
-from server.aggregation import Aggregate, aggregate
+from modeling.compression import (
+    Broadcast,
+    ChunkGrid,
+    Region,
+    SparseResult,
+    Step,
+    UpdateRule,
+    dense_step,
+    get_encoding,
+)
+from modeling.compression.encodings import ChunkTopK
+from server.aggregation import Aggregate, aggregate, coefficient_mean
 
 
 def update_step(rule: UpdateRule, aggregate: Aggregate, covered: Sequence[Region],
                 residual: Tensor | None = None) -> tuple[Step, Tensor | None]:
     """The step that carries ``aggregate`` (over the union of ``covered``, the regions of the
     results behind it) to every replica, and the broadcast's new residual (None for an exact
-    step, which leaves nothing out)."""
-    step, residual, _ = _step(rule, aggregate, covered, residual)
-    return step, residual
+    step, which leaves nothing out); the residual in and out as universal-shaped values."""
+    broadcast = rule.broadcast
+    if broadcast is None:
+        step, _, _ = _step(rule, aggregate, covered, None)
+        return step, residual
+    kept = None if residual is None else broadcast.residual_of(residual)
+    step, left, _ = _step(rule, aggregate, covered, kept)
+    return step, broadcast.values_of(left, step.shape)
 
 
 def _step(rule: UpdateRule, aggregate: Aggregate, covered: Sequence[Region],
           residual: Tensor | None) -> tuple[Step, Tensor | None, Tensor | None]:
-    """``update_step``, and a compressed step's direction over its box (None for exact)."""
+    """``update_step`` with the residual as the broadcast keeps it (``Carried``), and a
+    compressed step's direction over its box (None for exact)."""
     if rule.broadcast is None:
         step = dense_step(aggregate.values, covered, signs=rule.name == "sign")
         return step, residual, None
@@ -66,8 +82,9 @@ class Momentum:
 @dataclass(slots=True)
 class Carried:
     """What the coordinator carries from one round's steps to the next, per canonical name
-    (universal shape, float32): the broadcast's residual (what it left out) and the outer
-    momentum buffer. Neither is logged, and a restart begins both at zero: replicas apply
+    (float32): the broadcast's residual (what it left out, as the chunkwise DCT of its
+    values over whole chunks: ``Broadcast.residual_of``) and the outer momentum buffer
+    (universal shape). Neither is logged, and a restart begins both at zero: replicas apply
     only steps, so they never need either (docs/architecture.md, "The update record")."""
 
     residual: dict[str, Tensor] = field(default_factory=dict)
@@ -81,24 +98,41 @@ def close_round(rule: UpdateRule, master: Mapping[str, Tensor],
     """A round: each canonical name's results (validated, aggregated; ``votes``: by majority
     vote; through ``momentum`` when given) become its step, applied to ``master``. Returns the
     new master (names without results unchanged), the steps, and what is carried to the next
-    round. Inputs are not changed."""
+    round. Inputs are not changed.
+
+    A compressed broadcast of DCT results whose regions lie on the chunk grid (the usual
+    case) never leaves the coefficients: the results are summed where they were sent and the
+    sum is what the broadcast compresses, so the only pass back to values is the step's exact
+    decode, which the master needs anyway."""
     master = dict(master)
     carried = carried or Carried()
     residual, buffers = dict(carried.residual), dict(carried.momentum)
     steps = {}
     for name, results in by_name.items():
-        mean = aggregate(results, votes=votes)
-        if momentum is not None:
-            values, buffers[name] = momentum.direction(mean.values, mean.covered,
-                                                       buffers.get(name))
-            mean = Aggregate(values=values, tokens=mean.tokens)
-        step, left, decoded = _step(rule, mean, [r.region for r in results], residual.get(name))
-        if left is not None:
-            residual[name] = left
-        direction = None
-        if decoded is not None:  # spare decoding it again over the whole tensor
-            direction = torch.zeros(step.shape, device=decoded.device)
-            direction[region_slices(step.box)] = decoded
-        master[name] = rule.apply(master[name], step, direction=direction)
+        covered = [r.region for r in results]
+        broadcast = rule.broadcast
+        if broadcast is not None and not votes and momentum is None \
+                and _summable(results, broadcast, covered):
+            step, residual[name], decoded = broadcast.encode_coefficients(
+                coefficient_mean(results), results[0].shape, covered, residual.get(name))
+        else:
+            mean = aggregate(results, votes=votes)
+            if momentum is not None:
+                values, buffers[name] = momentum.direction(mean.values, mean.covered,
+                                                           buffers.get(name))
+                mean = Aggregate(values=values, tokens=mean.tokens)
+            step, left, decoded = _step(rule, mean, covered, residual.get(name))
+            if left is not None:
+                residual[name] = left
+        master[name] = rule.apply(master[name], step, direction=decoded)
         steps[name] = step
     return master, steps, Carried(residual=residual, momentum=buffers)
+
+
+def _summable(results: Sequence[SparseResult], broadcast: Broadcast,
+              covered: Sequence[Region]) -> bool:
+    """Whether the broadcast can take these results' coefficient sum as it is: chunked
+    results on the broadcast's own grid, every region on it."""
+    grid = ChunkGrid.of(results[0].shape, broadcast.chunk)
+    return all(r.chunk == grid.chunk and isinstance(get_encoding(r.encoding), ChunkTopK)
+               for r in results) and broadcast.on_grid(grid.shape, covered)

@@ -4,14 +4,22 @@ The transform along a dimension of size n is the matrix D (n, n) with
 D[k, i] = s_k · cos(π (2i + 1) k / 2n), s_0 = √(1/n), s_k = √(2/n); it is orthonormal, so its
 inverse is Dᵀ and a chunk round-trips to fp32 round-off. A chunk is transformed along each of
 its dimensions in turn (separable), which for a 2-D chunk X is D₀ X D₁ᵀ.
+
+Chunks are transformed where they lie (``chunkwise``): a tensor whose every dimension is a
+whole number of chunks keeps its layout, each chunk's coefficients in place of its values.
+Along a dimension that is one matrix product over the whole tensor, with no copy into a stack
+of chunks and back; a stack of chunks (n, *chunk) is the same thing with n chunks along its
+first dimension.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -25,23 +33,50 @@ def dct_matrix(n: int, dtype: torch.dtype = torch.float32) -> Tensor:
     return matrix.to(dtype)
 
 
+def chunkwise(values: Tensor, chunk: Sequence[int], matrices: Sequence[Tensor | None]
+              ) -> Tensor:
+    """``values`` with every chunk ``x`` replaced by ``M x`` along each dimension d (index i of
+    the result is Σ_j M[i, j] x[j]; ``matrices[d]``, None: left as it is). Every dimension of
+    ``values`` must be a whole number of chunks."""
+    out = values
+    for dim, (size, matrix) in enumerate(zip(chunk, matrices, strict=True)):
+        if matrix is None:
+            continue
+        shape = out.shape
+        matrix = matrix.to(out.device)
+        inner = math.prod(shape[dim + 1:])
+        if inner == 1:  # the last dimension: rows of one chunk each, times Mᵀ
+            out = (out.reshape(-1, size) @ matrix.T).reshape(shape)
+        else:  # M times each (size, inner) block: one batched product, nothing moved
+            out = torch.matmul(matrix, out.reshape(-1, size, inner)).reshape(shape)
+    return out
+
+
+def chunkwise_dct(values: Tensor, chunk: Sequence[int]) -> Tensor:
+    """The DCT-II of every chunk of ``values``, each chunk's coefficients where it lies."""
+    return chunkwise(values, chunk, [dct_matrix(n, values.dtype) for n in chunk])
+
+
+def chunkwise_idct(coefficients: Tensor, chunk: Sequence[int]) -> Tensor:
+    """Inverse of ``chunkwise_dct``."""
+    return chunkwise(coefficients, chunk, [dct_matrix(n, coefficients.dtype).T for n in chunk])
+
+
+def stacked(transform: Callable[[Tensor, tuple[int, ...]], Tensor], blocks: Tensor) -> Tensor:
+    """A chunkwise ``transform`` of each of (n, *chunk) stacked chunks (n chunks along the
+    first dimension are a chunkwise layout too), same shape."""
+    chunk = tuple(blocks.shape[1:])
+    return transform(blocks.reshape(-1, *chunk[1:]), chunk).reshape(blocks.shape)
+
+
 def dct(blocks: Tensor) -> Tensor:
     """(n, *chunk) chunks → their DCT-II coefficients, same shape."""
-    return _along_chunk_dims(blocks, inverse=False)
+    return stacked(chunkwise_dct, blocks)
 
 
 def idct(coefficients: Tensor) -> Tensor:
     """Inverse of ``dct``: (n, *chunk) coefficients → chunks."""
-    return _along_chunk_dims(coefficients, inverse=True)
-
-
-def _along_chunk_dims(blocks: Tensor, *, inverse: bool) -> Tensor:
-    out = blocks
-    for dim in range(1, blocks.ndim):
-        matrix = dct_matrix(blocks.shape[dim], blocks.dtype).to(blocks.device)
-        # x @ Dᵀ transforms the last dimension; x @ D applies the inverse
-        out = (out.movedim(dim, -1) @ (matrix if inverse else matrix.T)).movedim(-1, dim)
-    return out
+    return stacked(chunkwise_idct, coefficients)
 
 
 # The broadcast's exact inverse. Levels are integers of magnitude <= LEVEL_MAX and the
@@ -72,8 +107,39 @@ def integer_dct_matrix(n: int, bits: int) -> Tensor:
 def exact_idct(levels: Tensor, bits: int) -> Tensor:
     """(n, *chunk) integer levels (any dtype) → their inverse transform times 2^(bits·ndim),
     float64 integers with the same bits everywhere; divide by that power for the values."""
-    out = levels.to(torch.float64)
-    for dim in range(1, levels.ndim):
-        matrix = integer_dct_matrix(levels.shape[dim], bits).to(levels.device)
-        out = (out.movedim(dim, -1) @ matrix).movedim(-1, dim)
-    return out
+    def inverse(values: Tensor, chunk: tuple[int, ...]) -> Tensor:
+        return chunkwise(values, chunk, [integer_dct_matrix(n, bits).T for n in chunk])
+
+    return stacked(inverse, levels.to(torch.float64))
+
+
+def row_order(rows: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """For levels at ``rows`` (1-D; the levels of one row adjacent, as each chunk's positions
+    in order leave them), the order that puts them row by row and where each of the
+    ``count`` rows begins in it: each row's run of levels moves, in one piece, to where the
+    rows before it end."""
+    counts = torch.bincount(rows, minlength=count)
+    starts = counts.cumsum(0) - counts
+    index = torch.arange(len(rows), device=rows.device)
+    begins = torch.ones_like(rows, dtype=torch.bool)
+    begins[1:] = rows[1:] != rows[:-1]
+    run = torch.where(begins, index, 0).cummax(0).values  # where each level's run begins
+    order = torch.empty_like(index)
+    order[starts[rows] + index - run] = index
+    return order, starts
+
+
+def exact_sparse_idct(levels: Tensor, columns: Tensor, starts: Tensor, shape: Sequence[int],
+                      chunk: Sequence[int], bits: int) -> Tensor:
+    """``exact_idct`` of chunks given by their nonzero levels, laid out chunkwise: a float64
+    tensor of ``shape`` (whole chunks). The tensor is seen as rows of one chunk's last
+    dimension (``view(-1, chunk[-1])``); ``levels`` are in row order (``row_order``), row r's
+    from ``starts[r]`` on, each at column ``columns`` of its row. Along the last dimension a
+    row is the sum of its levels times their matrix rows (k per chunk instead of a dense
+    product); every partial sum is still a sum of the chunk's level × matrix products, so it
+    stays an integer below 2^53 and the bits are ``exact_idct``'s."""
+    matrix = integer_dct_matrix(chunk[-1], bits).to(levels.device)
+    along_last = F.embedding_bag(columns, matrix, starts, mode="sum",
+                                 per_sample_weights=levels.to(torch.float64))
+    matrices = [integer_dct_matrix(n, bits).T for n in chunk[:-1]]
+    return chunkwise(along_last.view(*shape), chunk, [*matrices, None])

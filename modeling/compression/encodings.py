@@ -17,7 +17,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from modeling.compression.dct import dct, idct
+from modeling.compression.dct import chunkwise_dct, chunkwise_idct, stacked
 from modeling.compression.grid import ChunkGrid, Region, region_shape
 from modeling.compression.sparse import SparseResult
 from modeling.errors import (
@@ -28,7 +28,8 @@ from modeling.errors import (
     did_you_mean,
 )
 
-Transform = Callable[[Tensor], Tensor]  # (n, *chunk) → (n, *chunk)
+# chunks laid out chunkwise (every dimension whole chunks), chunk shape → the same layout
+Transform = Callable[[Tensor, tuple[int, ...]], Tensor]
 
 
 class Encoded(NamedTuple):
@@ -82,7 +83,8 @@ class Dense:
 
 @dataclass(frozen=True, slots=True)
 class ChunkTopK:
-    """Top-k magnitudes per chunk after an orthonormal transform (identity for plain top-k)."""
+    """Top-k magnitudes per chunk after an orthonormal transform (identity for plain top-k),
+    applied to chunks where they lie (``dct.chunkwise``)."""
 
     forward: Transform
     inverse: Transform
@@ -91,8 +93,8 @@ class ChunkTopK:
         self, values: Tensor, grid: ChunkGrid, region: Region, *, topk: int,
         value_dtype: torch.dtype,
     ) -> Encoded:
-        blocks = self.forward(grid.blocks(values.detach().float(), region))  # (n, *chunk)
-        flat = blocks.reshape(blocks.shape[0], -1)  # (n, chunk_numel)
+        blocks = grid.blocks(values.detach().float(), region)  # (n, *chunk)
+        flat = stacked(self.forward, blocks).reshape(len(blocks), -1)  # (n, chunk_numel)
         indices = flat.abs().topk(min(topk, flat.shape[1]), dim=1).indices  # (n, k)
         kept = flat.gather(1, indices).to(value_dtype)
         return Encoded(grid.chunk, grid.chunk_ids(region), indices, kept)
@@ -104,7 +106,8 @@ class ChunkTopK:
         sent = torch.zeros((len(result.chunks), grid.chunk_numel), device=flat.device)
         sent.scatter_(1, result.indices.long(), result.values.float())  # any integer dtype
         flat[grid.locate(result.chunks, result.region)] = sent  # chunks not sent stay zero
-        return grid.assemble(self.inverse(flat.reshape(-1, *grid.chunk)), result.region)
+        return grid.assemble(stacked(self.inverse, flat.reshape(-1, *grid.chunk)),
+                             result.region)
 
     def check(self, result: SparseResult) -> None:
         name, chunks, indices = result.name, result.chunks, result.indices
@@ -160,14 +163,14 @@ def _check_values_shape(result: SparseResult, expected: tuple[int, ...]) -> None
         )
 
 
-def _identity(blocks: Tensor) -> Tensor:
-    return blocks
+def _identity(values: Tensor, chunk: tuple[int, ...]) -> Tensor:
+    return values
 
 
 ENCODERS: dict[str, Encoding] = {
     "dense": Dense(),
     "topk": ChunkTopK(forward=_identity, inverse=_identity),
-    "dct": ChunkTopK(forward=dct, inverse=idct),
+    "dct": ChunkTopK(forward=chunkwise_dct, inverse=chunkwise_idct),
 }
 
 

@@ -10,6 +10,7 @@ first 32 rows, and a tier-0 client's chunk 1 is the same chunk, whole.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,6 +126,34 @@ class ChunkGrid:
             stride *= count
         return torch.where(inside, position, -1)
 
+    def padded(self, region: Region) -> tuple[int, ...]:
+        """Shape of the chunks ``region`` touches laid out chunkwise (as their values lie, each
+        partial edge chunk whole): the region's shape rounded up to whole chunks."""
+        return tuple(n * c for n, c in zip(self.region_counts(region), self.chunk, strict=True))
+
+    def flat_index(self, region: Region, ids: Tensor, positions: Tensor) -> Tensor:
+        """Index into a flattened tensor of shape ``padded(region)`` (the region's chunks laid
+        out chunkwise) of position ``positions`` (row-major inside a chunk) of chunk ``ids``
+        (on the whole grid, touched by the region); ``ids`` broadcasts against ``positions``:
+        where the chunk starts plus where the position lies from there."""
+        return self.chunk_starts(region, ids) + self.offsets(region, positions.device)[positions]
+
+    def chunk_starts(self, region: Region, ids: Tensor) -> Tensor:
+        """``flat_index`` of the first element of each chunk ``ids``."""
+        strides = _strides(self.padded(region))
+        start = torch.zeros_like(ids)
+        rest = ids
+        for dim in reversed(range(len(self.chunk))):
+            along = rest % self.counts[dim] - region[dim][0] // self.chunk[dim]
+            start += along * (self.chunk[dim] * strides[dim])
+            rest = rest // self.counts[dim]
+        return start
+
+    def offsets(self, region: Region, device: torch.device | str = "cpu") -> Tensor:
+        """(chunk_numel,) int64: where each position of a chunk (row-major) lies from the
+        chunk's first element in a flattened tensor of shape ``padded(region)``."""
+        return _offsets(self.chunk, self.padded(region)).to(device)
+
     def blocks(self, values: Tensor, region: Region) -> Tensor:
         """Cut region-shaped ``values`` into (n, *chunk) chunks, zero-padded at partial edges,
         in the order of ``chunk_ids(region)``."""
@@ -148,3 +177,18 @@ class ChunkGrid:
         grid = blocks.reshape(*counts, *self.chunk).permute(order)
         padded = grid.reshape([n * c for n, c in zip(counts, self.chunk, strict=True)])
         return padded[tuple(slice(0, size) for size in region_shape(region))]
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    """Row-major strides of a contiguous tensor of ``shape``, in elements."""
+    return [math.prod(shape[dim + 1:]) for dim in range(len(shape))]
+
+
+@functools.cache
+def _offsets(chunk: tuple[int, ...], padded: tuple[int, ...]) -> Tensor:
+    """``ChunkGrid.offsets``, made once per chunk and padded shape (every result of a
+    parameter, every round, asks for the same)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for c, stride in zip(chunk, _strides(padded), strict=True):
+        offsets = offsets.unsqueeze(-1) + torch.arange(c) * stride
+    return offsets.reshape(-1)

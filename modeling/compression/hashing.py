@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -32,11 +33,15 @@ def weight_hash(state: Mapping[str, Tensor], regions: Mapping[str, Region] | Non
 def tier_hashes(state: Mapping[str, Tensor], regions: Mapping[int, Mapping[str, Region]]
                 ) -> dict[int, str]:
     """``weight_hash(state, regions[tier])`` for every tier, each region digested once."""
-    digests: dict[tuple[str, Region], bytes] = {}
-    for name in sorted(state):
+    def digest(name: str) -> dict[Region, bytes]:
         tensor = state[name]
-        wanted = {r.get(name, full_region(tensor.shape)) for r in regions.values()}
-        digests.update({(name, region): d for region, d in _digests(tensor, wanted).items()})
+        return _digests(tensor, {r.get(name, full_region(tensor.shape)) for r in regions.values()})
+
+    # sha256 lets go of the GIL while it reads a buffer: tensors are digested side by side
+    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+        per_name = dict(zip(sorted(state), pool.map(digest, sorted(state)), strict=True))
+    digests = {(name, region): d for name, found in per_name.items()
+               for region, d in found.items()}
     hashes = {}
     for tier, cut in regions.items():
         digest = hashlib.sha256()

@@ -10,8 +10,10 @@ rule moves covered elements along the direction (``update.py``). Two forms:
   aggregate as int8 levels with one float32 scale per chunk. It decodes with integer
   arithmetic that float64 holds exactly (``dct.exact_idct``), so every replica and the
   coordinator's master get the same bits on any machine. Its size is k per chunk whatever
-  the number of clients; the coordinator carries what it left out to the next round
-  (``Coordinator.residual``).
+  the number of clients; the coordinator makes it (``Broadcast``) and carries what it left
+  out to the next round, as DCT coefficients: when every region behind the aggregate lies on
+  the chunk grid, the aggregate arrives as coefficients too, summed where clients sent them,
+  and nothing goes back to values but the step's exact decode (``encode_coefficients``).
 
 ``cut(region)`` gives what a client holding ``region`` needs (a tier downloads only that),
 and ``direction(region)``/``mask(region)`` are the same numbers whatever was cut first.
@@ -26,11 +28,27 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modeling.compression.dct import LEVEL_MAX, dct, exact_bits, exact_idct
-from modeling.compression.grid import ChunkGrid, Region, region_shape, region_slices
+from modeling.compression.dct import (
+    LEVEL_MAX,
+    chunkwise_dct,
+    chunkwise_idct,
+    exact_bits,
+    exact_sparse_idct,
+    row_order,
+)
+from modeling.compression.grid import (
+    ChunkGrid,
+    Region,
+    full_region,
+    region_shape,
+    region_slices,
+)
 from modeling.errors import CompressionConfigError, RegionError
 
 MIN_EXACT_BITS = 8  # fraction bits below this would make the integer DCT a poor inverse
+# Passes over every chunk go a few rows of chunks at a time, with temporaries of about this
+# many bytes: they stay in cache and are never handed back to the OS between rows.
+BLOCK_BYTES = 8 * 2**20
 
 
 def intersect(a: Region, b: Region) -> Region | None:
@@ -45,18 +63,24 @@ def bounding_box(regions: Sequence[Region]) -> Region:
                  for d in range(len(regions[0])))
 
 
-def _within(inner: Region, outer: Region) -> tuple[slice, ...]:
+def within(inner: Region, outer: Region) -> tuple[slice, ...]:
     """Index an ``outer``-shaped tensor with this to get ``inner`` (which lies inside it)."""
     return tuple(slice(s - o, e - o) for (s, e), (o, _) in zip(inner, outer, strict=True))
 
 
-def _mask(covered: tuple[Region, ...], region: Region) -> Tensor:
+def covered_mask(covered: tuple[Region, ...], region: Region) -> Tensor:
+    """Region-shaped bool: True where some box of ``covered`` lies."""
     mask = torch.zeros(region_shape(region), dtype=torch.bool)
     for box in covered:
         inside = intersect(box, region)
         if inside is not None:
-            mask[_within(inside, region)] = True
+            mask[within(inside, region)] = True
     return mask
+
+
+def _covers(covered: tuple[Region, ...], region: Region) -> bool:
+    """Whether one box of ``covered`` holds all of ``region`` (then no mask is needed)."""
+    return any(intersect(box, region) == region for box in covered)
 
 
 def _cut_covered(covered: tuple[Region, ...], region: Region) -> tuple[Region, ...]:
@@ -77,12 +101,16 @@ class DenseStep:
         out = torch.zeros(region_shape(region), dtype=dtype, device=self.values.device)
         inside = intersect(self.box, region)
         if inside is not None:
-            out[_within(inside, region)] = self.values[_within(inside, self.box)].to(dtype)
+            out[within(inside, region)] = self.values[within(inside, self.box)].to(dtype)
         return out
 
     def mask(self, region: Region) -> Tensor:
         """Region-shaped bool: the elements this step updates."""
-        return _mask(self.covered, region).to(self.values.device)
+        return covered_mask(self.covered, region).to(self.values.device)
+
+    def covers(self, region: Region) -> bool:
+        """Whether the step updates every element of ``region`` (then no mask is needed)."""
+        return _covers(self.covered, region)
 
     def cut(self, region: Region) -> DenseStep | None:
         """What a holder of ``region`` needs; None if the step covers nothing there."""
@@ -91,7 +119,7 @@ class DenseStep:
             return None
         box = bounding_box(covered)
         return DenseStep(shape=self.shape, covered=covered, box=box,
-                         values=self.values[_within(box, self.box)])
+                         values=self.values[within(box, self.box)])
 
     @property
     def nbytes(self) -> int:
@@ -113,25 +141,56 @@ class CoefficientStep:
         return ChunkGrid(shape=self.shape, chunk=self.chunk)
 
     def direction(self, region: Region) -> Tensor:
-        """Region-shaped float32 direction: the kept coefficients' inverse DCT, exact."""
-        out = torch.zeros(region_shape(region), device=self.levels.device)
+        """Region-shaped float32 direction: the kept coefficients' inverse DCT, exact, a few
+        rows of chunks at a time (``BLOCK_BYTES`` of float64 sums)."""
         inside = intersect(self.box, region)
         if inside is None:
-            return out
+            return torch.zeros(region_shape(region), device=self.levels.device)
         grid = self.grid
-        rows = grid.locate(grid.chunk_ids(inside), self.box)  # every chunk lies inside the box
-        levels = torch.zeros((len(rows), grid.chunk_numel), dtype=torch.float64,
-                             device=out.device)
-        levels.scatter_(1, self.positions[rows], self.levels[rows].to(torch.float64))
-        bits = exact_bits(self.chunk)
-        scaled = exact_idct(levels.reshape(-1, *self.chunk), bits)  # integers · 2^(bits·ndim)
-        factor = self.scales[rows].to(torch.float64) / 2.0 ** (bits * len(self.chunk))
-        values = (scaled * factor.reshape(-1, *([1] * len(self.chunk)))).float()
-        out[_within(inside, region)] = grid.assemble(values, inside)
+        ids = grid.chunk_ids(inside)
+        positions, levels, scales = self.positions, self.levels, self.scales
+        if inside != self.box:
+            rows = grid.locate(ids, self.box)  # every chunk lies inside the box
+            positions, levels, scales = positions[rows], levels[rows], scales[rows]
+        if not bool((positions[:, 1:] > positions[:, :-1]).all()):  # not as encode sorts them
+            positions, order = positions.sort(dim=1)
+            levels = levels.gather(1, order)
+        last, bits = self.chunk[-1], exact_bits(self.chunk)
+        counts, padded = grid.region_counts(inside), grid.padded(inside)
+        rows = grid.flat_index(inside, ids.unsqueeze(1).to(positions.device), positions) // last
+        order, starts = row_order(rows.reshape(-1), math.prod(padded) // last)
+        columns, levels = (positions % last).reshape(-1)[order], levels.reshape(-1)[order]
+        factor = scales.to(torch.float64) / 2.0 ** (bits * len(self.chunk))
+        values = torch.empty(padded, device=levels.device)  # float32
+        per_row = math.prod(counts[1:])  # chunks in one row of chunks
+        lines = self.chunk[0] * math.prod(padded[1:]) // last  # rows of ``starts`` in one
+        marks = [*starts[::lines].tolist(), len(levels)]  # where each row of chunks begins
+        height = max(1, BLOCK_BYTES // (8 * last * lines))
+        for top in range(0, counts[0], height):
+            bottom = min(counts[0], top + height)
+            first = marks[top]
+            scaled = exact_sparse_idct(  # integers · 2^(bits·ndim), chunkwise
+                levels[first:marks[bottom]], columns[first:marks[bottom]],
+                starts[top * lines:bottom * lines] - first,
+                ((bottom - top) * self.chunk[0], *padded[1:]), self.chunk, bits)
+            block = (bottom - top, *counts[1:])
+            pairs = [n for pair in zip(block, self.chunk, strict=True) for n in pair]
+            # each chunk times its factor, rounded once in float64, then once to float32
+            scaled.view(pairs).mul_(factor[top * per_row:bottom * per_row].view(
+                [n for c in block for n in (c, 1)]))
+            values[top * self.chunk[0]:bottom * self.chunk[0]].copy_(scaled)
+        values = values[tuple(slice(0, n) for n in region_shape(inside))]
+        if inside == region:
+            return values
+        out = torch.zeros(region_shape(region), device=values.device)
+        out[within(inside, region)] = values
         return out
 
+    def covers(self, region: Region) -> bool:
+        return _covers(self.covered, region)
+
     def mask(self, region: Region) -> Tensor:
-        return _mask(self.covered, region).to(self.levels.device)
+        return covered_mask(self.covered, region).to(self.levels.device)
 
     def cut(self, region: Region) -> CoefficientStep | None:
         covered = _cut_covered(self.covered, region)
@@ -192,36 +251,168 @@ class Broadcast:
                 f"(needs {MIN_EXACT_BITS} fraction bits within float64); lower [compression] "
                 "chunk, or set [update] broadcast_topk = 0 for an uncompressed broadcast.")
 
+    def on_grid(self, shape: Sequence[int], covered: Sequence[Region]) -> bool:
+        """Whether every region of ``covered`` starts and stops on the chunk grid of
+        ``shape``: each chunk is then covered whole or not at all and lies inside the shape,
+        and ``encode_coefficients`` can take the aggregate as it was summed."""
+        chunk = ChunkGrid.of(shape, self.chunk).chunk
+        return all(len(region) == len(chunk) and all(
+            start % c == 0 and stop % c == 0
+            for (start, stop), c in zip(region, chunk, strict=True)) for region in covered)
+
     def encode(self, values: Tensor, covered: Sequence[Region], residual: Tensor | None
                ) -> tuple[CoefficientStep, Tensor, Tensor]:
         """The step for a universal-shaped aggregate ``values`` over ``covered``, with
-        ``residual`` (what earlier broadcasts left out, universal shape; None: nothing) added
-        on covered elements first. Returns the step, the new residual (a new tensor: what it
-        left out, where covered; the old residual elsewhere) and the step's direction over
-        its box (``step.direction(step.box)``, computed here anyway)."""
+        ``residual`` (what earlier broadcasts left out, as ``residual_of`` gives it; None:
+        nothing) added on covered elements first. Returns the step, the new residual (a new
+        tensor: what it left out, where covered; the old residual elsewhere) and the step's
+        direction over its box (``step.direction(step.box)``, computed here anyway).
+
+        Element by element, in the values' domain: a region may end inside a chunk or the
+        shape, so the residual is taken back to values over the box's chunks and
+        transformed again after."""
         covered = tuple(sorted(set(covered)))
+        grid, box = self._grid(values.shape, covered)
+        hull, inner = _hull(grid, box), region_slices(full_region(region_shape(box)))
+        mask = covered_mask(covered, box).to(values.device)
+        pending = values[region_slices(box)].float()
+        if residual is None:
+            left = torch.zeros(grid.padded(box), device=values.device)
+        else:
+            left = chunkwise_idct(residual[hull], grid.chunk)  # values over the box's chunks
+            pending = pending + torch.where(mask, left[inner], 0.0)
+        padded = torch.zeros_like(left)
+        padded[inner] = pending
+        step = self._step(chunkwise_dct(padded, grid.chunk), grid, box, covered)
+        decoded = step.direction(box)
+        left[inner] = torch.where(mask, pending - decoded, left[inner])
+        for dim, ((start, _), size) in enumerate(zip(box, grid.shape, strict=True)):
+            end = size - start  # where the shape ends in the box's chunks: zeros after it
+            if end < left.shape[dim]:
+                left.narrow(dim, end, left.shape[dim] - end).zero_()
+        out = self._residual(grid, residual, values.device)
+        out[hull] = chunkwise_dct(left, grid.chunk)
+        return step, out, decoded
+
+    def encode_coefficients(self, coefficients: Tensor, shape: Sequence[int],
+                            covered: Sequence[Region], residual: Tensor | None
+                            ) -> tuple[CoefficientStep, Tensor, Tensor]:
+        """``encode`` of an aggregate given as its chunkwise DCT over the box of ``covered``
+        (``chunkwise_dct`` of its values there; ``on_grid(shape, covered)`` must hold), as
+        the coordinator sums it from results. Everything stays in coefficients: the residual
+        is added to whole chunks, and what the step left out is the pending coefficients less
+        the DCT of what it decodes to (the exact decode's integer matrix is not quite the
+        DCT). ``coefficients`` is used as working memory."""
+        covered = tuple(sorted(set(covered)))
+        grid, box = self._grid(shape, covered)
+        if not self.on_grid(shape, covered):
+            raise CompressionConfigError(
+                f"regions {covered} do not lie on the chunk grid {grid.chunk}; encode the "
+                "aggregate's values instead.")
+        where = region_slices(box)
+        pending, old = coefficients, None if residual is None else residual[where]
+        counts = grid.region_counts(box)
+        chunks = [n for pair in zip(counts, grid.chunk, strict=True) for n in pair]
+        taken = torch.zeros(grid.size, dtype=torch.bool, device=pending.device)
+        for region in covered:
+            taken[grid.chunk_ids(region).to(pending.device)] = True
+        taken = taken[grid.chunk_ids(box).to(pending.device)]
+        spread = taken.view([n for count in counts for n in (count, 1)])  # per chunk
+        whole = bool(taken.all())
+        if old is not None and whole:
+            pending.add_(old)
+        elif old is not None:
+            pending.view(chunks).add_(torch.where(spread, old.reshape(chunks), 0.0))
+        step = self._step(pending, grid, box, covered)
+        decoded = step.direction(box)
+        height = grid.chunk[0] * max(1, BLOCK_BYTES // (4 * decoded[:grid.chunk[0]].numel()))
+        for top in range(0, len(decoded), height):  # what the step left out
+            pending[top:top + height].sub_(chunkwise_dct(decoded[top:top + height], grid.chunk))
+        left = pending
+        if not whole:  # chunks of the box that nothing covered keep the old residual
+            kept = torch.zeros_like(left) if old is None else old
+            left = torch.where(spread, left.view(chunks), kept.reshape(chunks)).view(left.shape)
+        if box == full_region(grid.shape):
+            return step, left, decoded
+        out = self._residual(grid, residual, pending.device)
+        out[where] = left
+        return step, out, decoded
+
+    def residual_of(self, values: Tensor) -> Tensor:
+        """A universal-shaped residual of values as ``encode`` keeps it: the chunkwise DCT of
+        its chunks, partial edge chunks padded with zeros (shape ``grid.padded``)."""
         grid = ChunkGrid.of(values.shape, self.chunk)
+        padded = values.new_zeros(grid.padded(full_region(grid.shape)), dtype=torch.float32)
+        padded[region_slices(full_region(grid.shape))] = values
+        return chunkwise_dct(padded, grid.chunk)
+
+    def values_of(self, residual: Tensor, shape: Sequence[int]) -> Tensor:
+        """Inverse of ``residual_of``: the universal-shaped values of a residual."""
+        grid = ChunkGrid.of(shape, self.chunk)
+        return chunkwise_idct(residual, grid.chunk)[region_slices(full_region(grid.shape))]
+
+    def _grid(self, shape: Sequence[int], covered: tuple[Region, ...]
+              ) -> tuple[ChunkGrid, Region]:
+        grid = ChunkGrid.of(shape, self.chunk)
         box = bounding_box(covered)
         try:
             grid.check_region(box)
         except RegionError as err:
             raise CompressionConfigError(f"cannot broadcast this update: {err}") from None
-        where = region_slices(box)
-        mask = _mask(covered, box).to(values.device)
-        pending = values[where].float()
-        if residual is not None:
-            pending = pending + torch.where(mask, residual[where], 0.0)
-        flat = dct(grid.blocks(pending, box)).reshape(-1, grid.chunk_numel)  # (n, chunk_numel)
-        positions = flat.abs().topk(min(self.topk, grid.chunk_numel), dim=1).indices
-        kept = flat.gather(1, positions)
+        return grid, box
+
+    @staticmethod
+    def _residual(grid: ChunkGrid, residual: Tensor | None, device: torch.device) -> Tensor:
+        """A copy of ``residual`` to write a box of a new one into (zeros for None)."""
+        if residual is None:
+            return torch.zeros(grid.padded(full_region(grid.shape)), device=device)
+        return residual.clone()
+
+    def _step(self, pending: Tensor, grid: ChunkGrid, box: Region,
+              covered: tuple[Region, ...]) -> CoefficientStep:
+        """The step keeping the ``topk`` largest of each chunk's ``pending`` coefficients
+        (chunkwise over the box's chunks) as int8 levels and a scale."""
+        positions, kept = _largest(pending, grid, box, min(self.topk, grid.chunk_numel))
+        positions, order = positions.sort(dim=1)  # in order inside each chunk: the decode's
+        kept = kept.gather(1, order)
         scales = kept.abs().amax(dim=1) / LEVEL_MAX  # float32, 0 for an all-zero chunk
         levels = torch.where(scales[:, None] > 0, kept / scales[:, None].clamp_min(1e-38), 0.0)
-        step = CoefficientStep(
-            shape=tuple(values.shape), covered=covered, box=box, chunk=grid.chunk,
+        return CoefficientStep(
+            shape=grid.shape, covered=covered, box=box, chunk=grid.chunk,
             positions=positions, scales=scales,
             levels=levels.round().clamp(-LEVEL_MAX, LEVEL_MAX).to(torch.int8))
-        decoded = step.direction(box)
-        left = torch.zeros_like(values, dtype=torch.float32) if residual is None \
-            else residual.clone()
-        left[where] = torch.where(mask, pending - decoded, left[where])
-        return step, left, decoded
+
+
+# Top-k per chunk in two passes: the largest magnitude of each run of this many elements
+# along a chunk's last dimension, then the k largest elements of the k runs with the largest
+# peaks (every element of the top k lies in one of them).
+RUN = 8
+
+
+def _largest(image: Tensor, grid: ChunkGrid, box: Region, k: int) -> tuple[Tensor, Tensor]:
+    """(positions, values), each (n, k) in ``chunk_ids(box)`` order: the ``k`` entries of
+    largest magnitude of each chunk of ``image`` (the box's chunks laid out chunkwise)."""
+    counts, chunk = grid.region_counts(box), grid.chunk
+    n, numel = math.prod(counts), grid.chunk_numel
+    pairs = [m for pair in zip(counts, chunk, strict=True) for m in pair]
+    order = [*range(0, 2 * len(chunk), 2), *range(1, 2 * len(chunk), 2)]  # chunk by chunk
+    if chunk[-1] % RUN or numel // RUN < k:
+        flat = image.view(pairs).permute(order).reshape(n, numel)  # (n, chunk_numel)
+        positions = flat.abs().topk(k, dim=1).indices
+        return positions, flat.gather(1, positions)
+    low, high = torch.aminmax(image.view(-1, RUN), dim=1)
+    peaks = torch.maximum(high, low.neg_())  # one per run, laid out as the runs lie
+    peaks = peaks.view(*pairs[:-1], chunk[-1] // RUN).permute(order).reshape(n, numel // RUN)
+    first = peaks.topk(k, dim=1).indices * RUN  # (n, k): where each chosen run starts
+    ids = grid.chunk_ids(box).to(image.device).unsqueeze(1)
+    runs = grid.flat_index(box, ids, first) // RUN  # each a row of image.view(-1, RUN)
+    values = image.view(-1, RUN).index_select(0, runs.reshape(-1)).view(n, k * RUN)
+    pick = values.abs().topk(k, dim=1).indices
+    positions = (first.unsqueeze(-1) + torch.arange(RUN, device=image.device)).view(n, -1)
+    return positions.gather(1, pick), values.gather(1, pick)
+
+
+def _hull(grid: ChunkGrid, box: Region) -> tuple[slice, ...]:
+    """Where the chunks ``box`` touches lie in a tensor of shape ``grid.padded(whole)``."""
+    return tuple(slice(start, start + n) for (start, _), n in
+                 zip(box, grid.padded(box), strict=True))

@@ -20,23 +20,27 @@ import torch
 from torch import Tensor
 
 from modeling.compression.grid import Region, full_region
-from modeling.compression.steps import Broadcast, Step
+from modeling.compression.steps import Broadcast, Step, intersect, within
 from modeling.errors import CompressionConfigError
 
-Rule = Callable[..., Tensor]  # (weight, values, covered, *, lr, weight_decay) → new weight
+Rule = Callable[..., Tensor]  # (weight, values, covered | None, *, lr, weight_decay) → new
 
 
 def sgd(
-    weight: Tensor, values: Tensor, covered: Tensor, *, lr: float, weight_decay: float = 0.0
+    weight: Tensor, values: Tensor, covered: Tensor | None, *, lr: float,
+    weight_decay: float = 0.0,
 ) -> Tensor:
-    """``weight`` moved by ``-lr·values`` where ``covered``; a new tensor of weight's dtype."""
-    decayed = weight * (1.0 - lr * weight_decay)  # × 1.0 is exact when weight_decay is 0
+    """``weight`` moved by ``-lr·values`` where ``covered`` (None: everywhere); a new tensor
+    of weight's dtype."""
+    decayed = weight * (1.0 - lr * weight_decay) if weight_decay else weight  # × 1 is exact
     # add with alpha is the kernel torch.optim.SGD steps with: same numbers as standalone SGD
-    return torch.where(covered, torch.add(decayed, values, alpha=-lr), weight).to(weight.dtype)
+    moved = torch.add(decayed, values, alpha=-lr)
+    return (moved if covered is None else torch.where(covered, moved, weight)).to(weight.dtype)
 
 
 def sign(
-    weight: Tensor, values: Tensor, covered: Tensor, *, lr: float, weight_decay: float = 0.0
+    weight: Tensor, values: Tensor, covered: Tensor | None, *, lr: float,
+    weight_decay: float = 0.0,
 ) -> Tensor:
     """``weight`` moved by ``-lr·sign(values)`` where ``covered``, with decoupled decay."""
     return sgd(weight, torch.sign(values), covered, lr=lr, weight_decay=weight_decay)
@@ -88,12 +92,23 @@ class UpdateRule:
               direction: Tensor | None = None) -> Tensor:
         """``weight`` (``region`` of the universal tensor; default: all of it) after
         ``step``: a new tensor of its dtype, equal to the same cut of the updated master.
-        ``direction``: ``step.direction(region)`` when the caller has it already."""
+        Only the part inside the step's box moves; ``direction``: ``step.direction`` of that
+        part (``intersect(step.box, region)``) when the caller has it already."""
         region = full_region(step.shape) if region is None else region
+        inside = intersect(step.box, region)
+        if inside is None:
+            return weight.clone()
         device = weight.device
-        direction = step.direction(region) if direction is None else direction
-        return self.rule(weight, direction.to(device), step.mask(region).to(device),
-                         lr=self.lr, weight_decay=self.weight_decay)
+        direction = step.direction(inside) if direction is None else direction
+        covered = None if step.covers(inside) else step.mask(inside).to(device)
+        where = within(inside, region)
+        moved = self.rule(weight[where], direction.to(device), covered, lr=self.lr,
+                          weight_decay=self.weight_decay)
+        if inside == region:
+            return moved
+        out = weight.clone()
+        out[where] = moved
+        return out
 
 
 @dataclass(frozen=True, slots=True)
