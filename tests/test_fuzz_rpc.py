@@ -63,11 +63,11 @@ def shows_inf(member: Member) -> None:
 
 
 @pytest.mark.parametrize(("poison", "failure"), [
-    # the next close cannot save state.json (or, on an older path, opening the round raises):
-    # no round opens again, or the members' calls answer UNKNOWN
-    (claims_inf, "answered UNKNOWN|no round is open"),
-    # state.json refuses it (the save raises), or, were it written, the check reads Infinity
-    (shows_inf, "answered UNKNOWN|state.json holds Infinity"),
+    # The close worker cannot save state.json with the poisoned member in it, so no round
+    # opens again (a call that met the failure answers UNKNOWN); were it written, the check
+    # would read Infinity
+    (claims_inf, "no round is open|answered UNKNOWN"),
+    (shows_inf, "no round is open|answered UNKNOWN|state.json holds Infinity"),
 ])
 def test_an_accepted_input_that_breaks_the_run_later_is_a_crash(tmp_path, monkeypatch, poison,
                                                                    failure):

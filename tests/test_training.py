@@ -336,8 +336,8 @@ def test_epochs_set_the_runs_length_and_exclude_steps(small_docs, tmp_path, caps
     import re
 
     _, metrics = _weights_after(small_docs, tmp_path / "run", "--epochs", "2",
-                                "--warmup-steps", "1")
-    per_epoch, total = map(int, re.search(r"(\d+) packed batches of <= 512 tokens an epoch, "
+                                "--warmup-steps", "1", "--batch-tokens", "4096")  # few steps
+    per_epoch, total = map(int, re.search(r"(\d+) packed batches of <= 4096 tokens an epoch, "
                                           r"(\d+) steps", capsys.readouterr().out).groups())
     assert len(metrics["history"]) == total and per_epoch < total < 3 * per_epoch
     with pytest.raises(SystemExit):
