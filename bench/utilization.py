@@ -231,11 +231,12 @@ def play_overlapped(member: Member, last_round: int) -> None:
     for its training) until it would compute ``last_round``. Round r computes once the
     updates through round r - 2 are in; its upload, the next assignments' sequences and the
     updates the next round needs (GetUpdates held until that round closes) move beside the
-    compute, uploads on one thread, downloads on another. The time the loop waits for them
+    compute, uploads, sequences and updates each on a thread. The time the loop waits for them
     counts as "wait"."""
     connection, held, fetching = member.connection, deque[Train](), {}
     uploads = ThreadPoolExecutor(1, thread_name_prefix=f"uploads-{member.client_id}")
-    downloads = ThreadPoolExecutor(1, thread_name_prefix=f"downloads-{member.client_id}")
+    fetches = ThreadPoolExecutor(1, thread_name_prefix=f"sequences-{member.client_id}")
+    downloads = ThreadPoolExecutor(1, thread_name_prefix=f"updates-{member.client_id}")
     upload: Future | None = None
     asked: Future | None = None
     applied, trained = 0, -1
@@ -252,7 +253,7 @@ def play_overlapped(member: Member, last_round: int) -> None:
         for work in assignments:
             if work.round > trained and work.assignment_id not in known:
                 held.append(work)
-                fetching[work.assignment_id] = downloads.submit(connection.fetch_sequences,
+                fetching[work.assignment_id] = fetches.submit(connection.fetch_sequences,
                                                                 work.sequence_ids)
 
     try:
@@ -303,8 +304,8 @@ def play_overlapped(member: Member, last_round: int) -> None:
                     loss=LOSS, train_seconds=busy_s,
                     results=[dataclasses.replace(r, tokens=tokens) for r in member.results])
     finally:
-        uploads.shutdown(wait=True, cancel_futures=True)
-        downloads.shutdown(wait=True, cancel_futures=True)
+        for pool in (uploads, fetches, downloads):
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def train(member: Member, work: Train, last_round: int) -> bool:

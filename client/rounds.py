@@ -6,8 +6,9 @@ Round r starts from the weights after r - 1 rounds (round 0 from the start): rou
 update is applied as soon as it arrives. Under local steps that is between two inner steps
 of round r, which starts from an estimate of it (eager updates: ``LocalRound._local_steps``);
 otherwise, and on a data-parallel node, after round r is trained. Every call the
-loop needs but the first runs beside the training, uploads on one thread and downloads on
-another (the two directions of the link):
+loop needs but the first runs beside the training, on three threads: uploads, sequences
+and updates (an update is asked for ahead and held by the coordinator until its round
+closes, so the sequences must not queue behind it):
 
 - the results of round r are uploaded while round r + 1 trains, and the answer carries the
   client's next assignments (the coordinator hands rounds out ahead);
@@ -90,10 +91,11 @@ class OverlappedRounds:
         self.client = client
         self.held: deque[Train] = deque()  # assignments in hand, oldest first
         self.taken: set[str] = set()  # assignment ids trained or being trained
-        # uploads and downloads each on a thread of their own: they use the two directions
-        # of the link, and a download held until a round closes never delays an upload
+        # uploads, sequences and updates each on a thread of their own: a GetUpdates held
+        # until a round closes delays neither an upload nor the next round's sequences
         self.uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uploads")
-        self.downloads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="downloads")
+        self.fetches = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sequences")
+        self.downloads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="updates")
         self.sequences: dict[str, Future] = {}  # assignment id → its sequences, fetched ahead
         self.upload: tuple[Train, object, float, Future] | None = None  # the one in flight
         self.fetched: dict[int, RoundUpdate] = {}  # updates received, not applied yet
@@ -112,8 +114,8 @@ class OverlappedRounds:
                     self._train(work, progress)
                 self._settle_upload(progress)
         finally:
-            self.uploads.shutdown(wait=True, cancel_futures=True)
-            self.downloads.shutdown(wait=True, cancel_futures=True)
+            for pool in (self.uploads, self.fetches, self.downloads):
+                pool.shutdown(wait=True, cancel_futures=True)
 
     # -- the next assignment ------------------------------------------------------------
 
@@ -151,7 +153,7 @@ class OverlappedRounds:
         for work in assignments:
             if work.assignment_id not in known:
                 self.held.append(work)
-                self.sequences[work.assignment_id] = self.downloads.submit(
+                self.sequences[work.assignment_id] = self.fetches.submit(
                     self.client.sequences.fetch, work.sequence_ids)
 
     # -- one round ----------------------------------------------------------------------

@@ -56,9 +56,10 @@ SLOWEST_LINK_BYTES_S = 1_000_000
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CallLimits:
-    per_member: int = 4  # calls of one member at once; an honest client makes 2 (a heartbeat
-    # beside its main call)
-    streams_per_member: int = 2  # of those, streams (an honest client: one at a time)
+    # calls of one member at once: a synchronous client makes 2 (a heartbeat beside its main
+    # call), an overlapped one up to 4 (a heartbeat, an upload, sequences, an update)
+    per_member: int = 4
+    streams_per_member: int = 3  # of those, streams (an overlapped client's last three)
     streams: int = 16  # shared by every stream but the one of each member with work
     # how long a stream may wait on its peer beyond what the message needs at
     # SLOWEST_LINK_BYTES_S: a home link may stall for a few seconds

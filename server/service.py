@@ -260,10 +260,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         reference's ``round`` counts the rounds inside it, so it is the first to replay."""
         c = self.coordinator
         client_id = self._session(context)
+        tier = _call(context, lambda: c.membership.get(client_id).tier)
+        if request.wait_seconds > 0:  # a client ahead of the log waits for the close, in a
+            # call slot but not a stream's: nothing is in flight yet
+            c.wait_for_round(request.since_round, min(request.wait_seconds, MAX_WAIT_S))
         with self._stream(context, client_id) as watch:
-            tier = _call(context, lambda: c.membership.get(client_id).tier)
-            if request.wait_seconds > 0:  # a client ahead of the log waits for the close
-                c.wait_for_round(request.since_round, min(request.wait_seconds, MAX_WAIT_S))
             rounds = _call(context, lambda: c.logged_rounds(request.since_round))
             context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
             for round_index in rounds:

@@ -57,9 +57,9 @@ def test_stalled_streams_do_not_starve_honest_heartbeats(tmp_path):
             assert reply.round == 0
             stub.Join(join_request(server, name="carol"), timeout=HONEST_TIMEOUT_S)
             refused = [call for call in calls if call.done()]
-            assert len(refused) == 18  # two streams per member at once
+            assert len(refused) == 17  # three streams per member at once
             assert {call.code() for call in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-            assert any("2 streams in progress" in call.details() for call in refused)
+            assert any("3 streams in progress" in call.details() for call in refused)
         finally:
             for call in calls:
                 call.cancel()

@@ -48,9 +48,10 @@ class FaultsSection:
     max_submission_mb: float = 64.0  # one SubmitResult stream, all messages together
     max_message_mb: float = 64.0  # any single gRPC message the server receives
     # What one member's calls may hold of the server (server/call_slots.py); an honest
-    # client makes 2 calls at once (a heartbeat beside its main call), 1 a stream.
+    # client makes up to 4 calls at once (overlapped: a heartbeat beside an upload, the
+    # sequences and an update), 3 of them streams.
     max_calls_per_member: int = 4
-    max_streams_per_member: int = 2
+    max_streams_per_member: int = 3
     # streams shared by all members; each member with work in the open round has one more
     max_streams: int = 16
     # a stream waiting on its peer this much longer than its message needs at 8 Mbit/s is ended
