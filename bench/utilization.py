@@ -16,7 +16,9 @@ shape: one set per tier, made once beforehand (``scale.Submissions``, a random g
 through error feedback) and sent every round with the round's token count; downloads are the
 coordinator's real updates (read, not applied to a model).
 
-Per member, over the timed rounds (after one warm-up round): ``utilization``, its seconds of
+Per member, over the timed rounds (after the warm-up ones: one synchronous, three
+overlapped, so that every timed round is split by the speeds members showed in a delivered
+round; ``warmup_rounds``): ``utilization``, its seconds of
 compute over the wall seconds from the start of its compute in the first timed round to
 the start of its compute in the round after the last (each member's own window: one of
 every step per round). ``rpcs/round``: the calls it made in that window, counted by name at
@@ -76,12 +78,18 @@ from modeling.mdat import build_default_mdat
 from protocol.channel import GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from server.main import RunningServer
+from server.pipeline import WINDOW
 
 # tiny: scale.py's default shape (4M parameters)
 SHAPES = {"tiny": {"vocab_size": 260, "hidden_size": 256, "layers": 4, "heads": 4,
                    "kv_heads": 2, "intermediate_size": 1024}, **NAMED_SHAPES}
 SPEEDS = (1.0, 0.5, 0.25)  # member i computes at SPEEDS[i % 3] of a speed-1 member's rate
-WARMUP_ROUNDS = 1  # scale.run_config plans one warm-up round, the timed ones and one more
+# Warm-up rounds before the timed ones: every timed round is split by the speeds members
+# showed in a round they delivered (a speed claimed at Join counts only up to the typical
+# one: server.pipeline.trusted_speeds). Synchronous rounds open one after another, so round
+# 1 is; overlapped ones open WINDOW ahead, so round WINDOW is the first.
+def warmup_rounds(overlap: bool) -> int:
+    return WINDOW if overlap else 1
 TARGETS = {10.0: 0.90, 2.0: 0.80}  # compute s per round → utilization_min asked for
 HEARTBEAT_P99_MS = 50.0
 MIN_WAIT_S = 0.05  # the shortest pause between GetRound polls, as the client's
@@ -188,6 +196,7 @@ class Member:
     calls: CallCounter
     spent: Counter[str] = field(default_factory=Counter)  # "compute", "wait" → seconds
     marks: list[Mark] = field(default_factory=list)
+    warmup: int = 1  # rounds before the timed ones
 
     def mark(self, round_index: int) -> None:
         seconds = self.spent + Counter(self.connection.call_seconds)
@@ -195,7 +204,7 @@ class Member:
 
     def window(self) -> tuple[Mark, Mark]:
         """The first mark of a timed round and the last one."""
-        first = next(m for m in self.marks if m.round >= WARMUP_ROUNDS)
+        first = next(m for m in self.marks if m.round >= self.warmup)
         return first, self.marks[-1]
 
 
@@ -407,8 +416,11 @@ def measure(args: argparse.Namespace, clients: int, compute_s: float, overlap: b
             folder: Path, mdat: Path, results: dict[int, list[SparseResult]]) -> Case:
     folder = folder / f"{clients}-members-{compute_s:g}-s-{'overlap' if overlap else 'sync'}"
     folder.mkdir()
+    warmup = warmup_rounds(overlap)
     config = run_config(args, clients, folder, mdat)
-    config = dataclasses.replace(config, round=dataclasses.replace(config.round, overlap=overlap))
+    # the warm-up rounds, the timed ones, and one more so that no timed round ends the run
+    config = dataclasses.replace(config, round=dataclasses.replace(
+        config.round, overlap=overlap, rounds=warmup + args.rounds + 1))
     relative = [SPEEDS[i % len(SPEEDS)] for i in range(clients)]
     # a speed-1 member's share of the round's tokens takes compute_s
     unit = config.round.tokens_per_round / (sum(relative) * compute_s)
@@ -422,17 +434,19 @@ def measure(args: argparse.Namespace, clients: int, compute_s: float, overlap: b
         members = [join(address, args, config.run.id, i, unit * relative[i], results)
                    for i in range(clients)]
         loop = play_overlapped if overlap else play
-        playing = [pool.submit(loop, m, WARMUP_ROUNDS + args.rounds) for m in members]
-        warming_up(coordinator, playing)
+        for member in members:
+            member.warmup = warmup
+        playing = [pool.submit(loop, m, warmup + args.rounds) for m in members]
+        warming_up(coordinator, playing, warmup)
         with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:  # the probers'
             stub = pb_grpc.CoordinatorStub(channel)
             with (cpu_bound(args.beside), probing(stub, members[0].connection.metadata, probes),
                   probing(stub, members[-1].connection.metadata, probes)):
                 for future in playing:
                     future.result()
-        records = coordinator.snapshot(since_round=WARMUP_ROUNDS, events_after=None)["rounds"]
+        records = coordinator.snapshot(since_round=warmup, events_after=None)["rounds"]
         close_s = [r["closed_at"] - r["opened_at"] - r["slowest_s"] for r in records
-                   if r["round"] < WARMUP_ROUNDS + args.rounds]
+                   if r["round"] < warmup + args.rounds]
         return Case(clients, compute_s, overlap, members, probes, close_s)
     finally:
         running.stop()  # a member still waiting gives up (Unreachable) once it is gone
@@ -441,9 +455,9 @@ def measure(args: argparse.Namespace, clients: int, compute_s: float, overlap: b
             member.connection.close()
 
 
-def warming_up(coordinator: Any, playing: list[Future]) -> None:
-    """Returns once the warm-up rounds have closed (or a member failed)."""
-    while (coordinator.snapshot(since_round=None, events_after=None)["round"] < WARMUP_ROUNDS
+def warming_up(coordinator: Any, playing: list[Future], warmup: int) -> None:
+    """Returns once the ``warmup`` rounds have closed (or a member failed)."""
+    while (coordinator.snapshot(since_round=None, events_after=None)["round"] < warmup
            and not any(f.done() for f in playing)):
         time.sleep(0.1)
 
