@@ -169,9 +169,7 @@ class OverlappedRounds:
             self.fetched.clear()
         self._apply_through(work.round - 2)
         if self.asked is None and work.round >= 1:  # what the next round trains on: the
-            self.asked = self.downloads.submit(  # update of this one's predecessor, which
-                c.connection.updates, work.round - 1, c.tier,  # closes while this one trains
-                wait_s=UPDATE_WAIT_S)
+            self._ask(work.round - 1)  # update of this one's predecessor, closing meanwhile
         if c.local_round is None:
             c._build_local_round()
         try:
@@ -239,8 +237,7 @@ class OverlappedRounds:
             for update in arrived:
                 self.fetched.setdefault(update.round, update)
             if due not in self.fetched:  # the wait ran out before the round closed
-                self.asked = self.downloads.submit(c.connection.updates, due, c.tier,
-                                                   wait_s=UPDATE_WAIT_S)
+                self._ask(due)
                 return None
             update = self.fetched.pop(due)
             parameters = c.replica.parameters
@@ -261,6 +258,12 @@ class OverlappedRounds:
 
         return advance
 
+    def _ask(self, since: int) -> None:
+        """Ask for the updates from round ``since`` on, held until that round closes."""
+        c = self.client
+        self.asked = self.downloads.submit(c.connection.updates, since, c.tier,
+                                           wait_s=UPDATE_WAIT_S)
+
     def _apply_through(self, last: int) -> None:
         """Apply every update through round ``last`` (none beyond it): what was received
         ahead, else asked for now, waiting for its close."""
@@ -278,8 +281,7 @@ class OverlappedRounds:
                     self.fetched.clear()
                     continue
             if c.applied not in self.fetched:
-                self.asked = self.downloads.submit(c.connection.updates, c.applied, c.tier,
-                                                   wait_s=UPDATE_WAIT_S)
+                self._ask(c.applied)
                 continue
             ready = []
             while c.applied + len(ready) <= last and c.applied + len(ready) in self.fetched:
