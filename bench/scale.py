@@ -111,7 +111,7 @@ def parse_args() -> argparse.Namespace:
                        help="tokens per sequence (a multiple of 128, the MDAT chunk)")
     run = parser.add_argument_group("run")
     run.add_argument("--clients", default="1,4,16,64", help="client counts, comma-separated")
-    run.add_argument("--tiers", default="0,1,2", help="client i asks for tier tiers[i % len]")
+    run.add_argument("--tiers", default="0,1,2", help="client i asks for tier tiers[i %% len]")
     run.add_argument("--rounds", type=int, default=3, help="timed rounds per client count")
     run.add_argument("--rule", choices=["sign", "sgd"], default="sign")
     run.add_argument("--momentum", type=float, default=0.0,

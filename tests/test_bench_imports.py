@@ -1,7 +1,8 @@
 """Every benchmark under bench/ imports against the code as it is now, so none rots unseen
 (bench/federated_quality.py once imported a function the client no longer had). What each
 one measures is run at tiny sizes by the tests of its own subject where one exists
-(test_trust_influence runs federated_quality)."""
+(test_trust_influence runs federated_quality), and each answers ``--help`` (bench/scale.py's
+once raised a TypeError: a help string held a bare ``%``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,15 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 @pytest.mark.parametrize("script", sorted(p.stem for p in BENCH.glob("*.py")))
-def test_the_benchmark_imports(script, monkeypatch):
+def test_the_benchmark_imports_and_answers_help(script, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCH))  # benchmarks import their harness as a sibling
     module = importlib.import_module(script)
     assert module.__file__ == str(BENCH / f"{script}.py")
     if script != "harness":
         assert callable(getattr(module, "main", None)), f"bench/{script}.py has no main()"
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+        with pytest.raises(SystemExit) as exited:
+            module.main()
+        assert exited.value.code == 0
+        assert "usage:" in capsys.readouterr().out
     sys.modules.pop(script, None)
