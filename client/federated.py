@@ -35,12 +35,7 @@ from pathlib import Path
 import torch
 
 from client.checkpoints import load_replica, open_mirror
-from client.connection import (
-    Connection,
-    Membership,
-    PublishedCheckpoint,
-    Train,
-)
+from client.connection import Connection, Membership, PublishedCheckpoint, Train
 from client.data import SequenceSource
 from client.errors import (
     ClientError,
@@ -57,7 +52,7 @@ from client.probe import device_name, measure_tokens_per_second, memory_bytes
 from client.progress import Progress
 from client.replica import Replica
 from client.rounds import OverlappedRounds, SynchronousRounds
-from client.state_dir import feedback_path, previous_session, save_session
+from client.state_dir import feedback_path, held, previous_session, save_session
 from client.summary import ClientSummary, Cost, write_summary
 from modeling.checkpoint.loader import STRATEGIES
 from modeling.compression import DENSE_BYTES_PER_VALUE, RoundUpdate, region_shape, tier_regions
@@ -131,21 +126,22 @@ class FederatedClient:
 
     def run(self) -> ClientSummary:
         """Join, catch up, train rounds until the run finishes (or ``max_rounds``), leave.
-        Ctrl-C (KeyboardInterrupt) leaves the run before it propagates."""
-        try:
-            self._join()
-            self._rounds_rejoining()
-        except KeyboardInterrupt:
-            self._leave("interrupted (Ctrl-C)")
-            raise
-        except Exception as err:
-            # hand the round's sequences back now rather than at the deadline
-            self._leave(f"failed: {err}"[:500])
-            raise
-        finally:
-            self._stop_followers()
-            self._write_summary()
-        self._leave("finished" if self.summary.finished else "done")
+        Ctrl-C leaves the run before it propagates; the state folder is held meanwhile."""
+        with held(self.state_dir, self.options.name):
+            try:
+                self._join()
+                self._rounds_rejoining()
+            except KeyboardInterrupt:
+                self._leave("interrupted (Ctrl-C)")
+                raise
+            except Exception as err:
+                # hand the round's sequences back now rather than at the deadline
+                self._leave(f"failed: {err}"[:500])
+                raise
+            finally:
+                self._stop_followers()
+                self._write_summary()
+            self._leave("finished" if self.summary.finished else "done")
         return self.summary
 
     def _stop_followers(self) -> None:

@@ -1,17 +1,59 @@
 """What a client keeps in its state dir across restarts, beside its checkpoint cache: the
-error feedback of the last accepted round, and the session of its last join."""
+error feedback of the last accepted round, and the session of its last join. A running
+client holds the folder (``held``): two processes sharing it would share a name and a
+session and replace each other in the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
+from client.errors import ClientError
 from modeling.atomic import write_json_atomic
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; the folder is not guarded there
+    fcntl = None
 
 FEEDBACK_FILE = "error_feedback.safetensors"
 # the session token of the last join (0600): a restarted client presents it, so that the
 # coordinator lets it take its name back from the member it was
 SESSION_FILE = "session.json"
+LOCK_FILE = "client.lock"  # locked while a client runs; says its pid and name
+
+
+class StateDirInUse(ClientError):
+    """Another live client process holds this state folder."""
+
+
+@contextlib.contextmanager
+def held(state_dir: Path, name: str) -> Iterator[None]:
+    """Hold ``state_dir`` for this process while the block runs, or raise StateDirInUse at
+    once if a live process holds it. The lock is the kernel's (``flock``): it goes with the
+    process that held it, however that process ended, so it is never stale."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / LOCK_FILE
+    with open(path, "a+") as lock:
+        if fcntl is not None:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "another process"
+                raise StateDirInUse(
+                    f"the client state folder {state_dir} is in use by a running client "
+                    f"({holder}); two clients sharing it would share one name and session "
+                    "and replace each other in the run. Give this one its own: --name "
+                    "OTHER (its folder follows the name) or --state-dir DIR.") from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}, name {name!r}\n")
+        lock.flush()
+        yield
 
 
 def feedback_path(state_dir: Path) -> Path:

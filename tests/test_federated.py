@@ -517,6 +517,48 @@ def test_the_client_command_leaves_the_run_on_ctrl_c_and_sigterm(tmp_path, mdat,
         server.stop()
 
 
+def test_a_second_client_command_on_one_machine_is_refused_at_once(tmp_path, mdat):
+    """Two ``matformer-client train`` with neither --name nor --state-dir on one machine
+    would share the hostname and its state folder, so one session: the second is refused
+    before it joins, and says to pass --name; the first trains on undisturbed."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from client.state_dir import held
+
+    server = start(tmp_path, mdat, rounds=1000, min_clients=1)
+    coordinator = server.service.coordinator
+    command = [sys.executable, "-m", "client.cli", "train", "--server",
+               f"127.0.0.1:{server.grpc_port}", "--join-token", TOKEN, "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_for_round(server, 2, timeout=90)  # the first is training
+        (joined,) = coordinator.membership.members
+        second = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True,
+                                env=env, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert "is in use by a running client" in second.stderr
+        assert f"pid {first.pid}" in second.stderr and "--name" in second.stderr
+        assert list(coordinator.membership.members) == [joined]  # never joined, nor replaced
+        round_now = coordinator.state.round
+        wait_for_round(server, round_now + 1, timeout=90)  # the first goes on
+        first.send_signal(signal.SIGINT)
+        output, _ = first.communicate(timeout=60)
+        assert first.returncode == 130, output
+    finally:
+        if first.poll() is None:
+            first.kill()
+        server.stop()
+    # the lock went with the process: a client may take the folder again at once
+    with held(tmp_path / "runs" / "clients" / socket.gethostname(), "again"):
+        pass
+
+
 def test_a_masked_model_trains_in_a_one_client_federated_run(tmp_path, mdat):
     model = dataclasses.asdict(tiny_config(vocab_size=260, max_position_embeddings=128,
                                            is_causal=False, mask_token_id=259))
