@@ -46,7 +46,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -345,7 +345,9 @@ class _ErrorLog(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.name == "grpc._common" and "deserializing" in record.getMessage():
             return  # gRPC's own refusal of bytes that do not parse, counted as a status
-        self.records.append(f"{record.name}: {record.getMessage()}")
+        cause = record.exc_info[1] if record.exc_info else None
+        said = f"{record.name}: {record.getMessage()}"
+        self.records.append(said if cause is None else f"{said} ({cause!r})")
 
 
 def _invoke(channel: grpc.Channel, rpc: str, payload: bytes | list[bytes],
@@ -436,7 +438,9 @@ class _Fuzzer:
         for deadlines in range(HONEST_DEADLINES + 1):
             for member in members:
                 self.train(member, start)
-            _wait_for_close(c)
+            _wait_for_close(c, lambda: len(self.errors.records) > seen_errors)
+            if len(self.errors.records) > seen_errors:  # a close failed: no need to wait on
+                raise _Unserved(f"logged: {self.errors.records[seen_errors]}")
             if c.state.round > start:
                 break
             if deadlines == HONEST_DEADLINES:
@@ -622,11 +626,13 @@ class _Fuzzer:
         return what
 
 
-def _wait_for_close(c: Coordinator) -> None:
-    """Until the close worker has closed every round that is ready: an honest submission
-    that completes a round returns before its close, which runs on the worker."""
+def _wait_for_close(c: Coordinator, failed: Callable[[], bool]) -> None:
+    """Until the close worker has closed every round that is ready (an honest submission
+    that completes a round returns before its close, which runs on the worker), or
+    ``failed()``: an error was logged, a failed close among them, which the worker retries
+    in vain."""
     give_up = time.monotonic() + CALL_TIMEOUT_S
-    while time.monotonic() < give_up:
+    while time.monotonic() < give_up and not failed():
         with c._lock:
             busy = c.pipeline.closing is not None or c.pipeline.ready(c.clock()) is not None
         if not busy:

@@ -62,15 +62,13 @@ def shows_inf(member: Member) -> None:
     member.last_round_seconds = math.inf  # harmless to the rounds, but not to state.json
 
 
-@pytest.mark.parametrize(("poison", "failure"), [
-    # The close worker cannot save state.json with the poisoned member in it, so no round
-    # opens again (a call that met the failure answers UNKNOWN); were it written, the check
-    # would read Infinity
-    (claims_inf, "no round is open|answered UNKNOWN"),
-    (shows_inf, "no round is open|answered UNKNOWN|state.json holds Infinity"),
-])
-def test_an_accepted_input_that_breaks_the_run_later_is_a_crash(tmp_path, monkeypatch, poison,
-                                                                   failure):
+# The close worker cannot save state.json with the poisoned member in it: the close fails
+# (and is retried in vain), and the fuzzer reports the failure as soon as it is logged
+SAVE_FAILED = r"advancing the run failed.*Out of range float values are not JSON compliant"
+
+
+@pytest.mark.parametrize("poison", [claims_inf, shows_inf])
+def test_an_accepted_input_that_breaks_the_run_later_is_a_crash(tmp_path, monkeypatch, poison):
     """Issue 15: a Join with tokens_per_second = inf was accepted, and made the next round fail
     to open (every later call UNKNOWN, Infinity in state.json); the fuzzer then reported 0
     crashes, since it never reopened a round. Here every Join a case gets accepted (not the
@@ -90,7 +88,7 @@ def test_an_accepted_input_that_breaks_the_run_later_is_a_crash(tmp_path, monkey
         # seed 0 gets a Join accepted by case 5; seeds 0 to 9 but 5 do within 135
         report = fuzz(server, examples=EXAMPLES, seconds=SECONDS, seed=0, round_every=5)
     [crash] = [c for c in report.crashes if "stopped serving honest members" in c]
-    assert re.search(failure, crash), crash
+    assert re.search(SAVE_FAILED, crash), crash
     assert re.search(r"Join \(session: \w+\) → OK: .*, request \{run_id: ", crash), crash
     assert report.tried < EXAMPLES  # fuzzing stopped there: every later call would fail
 
