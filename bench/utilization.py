@@ -1,7 +1,8 @@
 """How busy do members stay? The share of its wall time each member computes, round after round.
 
-One process starts a real ``matformer-server`` (``RunningServer.start`` on loopback, as
-``scale.py`` does) for each case (N members, seconds of compute per round) and drives N
+For each case (N members, seconds of compute per round) a real ``matformer-server`` starts
+on loopback (``RunningServer.start``) in a process of its own, as on a coordinator's host
+(``--server thread``: in this process, as ``scale.py`` runs it), and this process drives N
 simulated members, each in its own thread, through ``client.connection.Connection``, the
 client's real transport edge, with its simulated link (``--latency-ms`` before every call,
 ``--bandwidth-mbit`` each way, per member). A member plays today's client loop (``play``):
@@ -31,8 +32,9 @@ on the sessions of the first and the last member, send Heartbeat and GetRound in
 their own loopback channel (``scale.probing``): ``hb p99`` is the 99th percentile of
 Heartbeat's answers, ``hb max`` the slowest. A prober waits for each answer, so a call that
 stalls (the one that runs a close, in today's coordinator) is one sample however long it
-takes; the other prober samples on meanwhile, and ``hb max`` shows the stall. The members,
-the probers and the server share one process (and its GIL).
+takes; the other prober samples on meanwhile, and ``hb max`` shows the stall. The members
+and the probers share this process (and its GIL); the server has its own unless
+``--server thread``. All of them, and the CPU-bound processes, share the machine's cores.
 
 ``--json OUT`` writes one object per case: ``clients``, ``compute_s_per_round``,
 ``utilization_min``, ``utilization_median``, ``rounds_per_min``, ``rpcs_per_round``,
@@ -52,6 +54,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -63,6 +66,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection as PipeEnd
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +81,7 @@ from modeling.compression import CompressionConfig, SparseResult
 from modeling.mdat import build_default_mdat
 from protocol.channel import GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from server.config import RunConfig
 from server.main import RunningServer
 from server.pipeline import WINDOW
 
@@ -95,6 +100,9 @@ HEARTBEAT_P99_MS = 50.0
 MIN_WAIT_S = 0.05  # the shortest pause between GetRound polls, as the client's
 UPDATE_WAIT_S = 20.0  # how long one GetUpdates may wait for a round to close, as the client's
 LOSS = 3.0
+SERVER_PLACES = {"process": "its own process", "thread": "this process"}  # --server
+STOP = "stop"  # tells the coordinator's process to stop serving
+SERVER_ANSWER_S = 120.0  # the longest the coordinator's process may take to start or answer
 NAN = float("nan")
 # a CPU-bound process that ends when its parent does (it looks up every few 10 ms)
 SPIN = ("import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n"
@@ -127,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--beside", type=int, default=1,
                         help="CPU-bound processes running beside the server in timed rounds")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--server", choices=sorted(SERVER_PLACES), default="process",
+                        help="the coordinator in a process of its own (as on its own host), "
+                             "or in a thread of the members' process")
     parser.add_argument("--json", type=Path, default=None, help="write the figures per case")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: tiny shape, 2 members, 0.2 s rounds, 2 rounds")
@@ -424,9 +435,8 @@ def measure(args: argparse.Namespace, clients: int, compute_s: float, overlap: b
     relative = [SPEEDS[i % len(SPEEDS)] for i in range(clients)]
     # a speed-1 member's share of the round's tokens takes compute_s
     unit = config.round.tokens_per_round / (sum(relative) * compute_s)
-    running = RunningServer.start(config, grpc_port=0, http_port=0)
-    address = f"127.0.0.1:{running.grpc_port}"
-    coordinator = running.service.coordinator
+    server = (ServerProcess if args.server == "process" else ServerThread)(config, args.threads)
+    address = f"127.0.0.1:{server.grpc_port}"
     pool = ThreadPoolExecutor(clients, thread_name_prefix="member")
     members: list[Member] = []
     probes: dict[str, list[float]] = {}
@@ -437,29 +447,103 @@ def measure(args: argparse.Namespace, clients: int, compute_s: float, overlap: b
         for member in members:
             member.warmup = warmup
         playing = [pool.submit(loop, m, warmup + args.rounds) for m in members]
-        warming_up(coordinator, playing, warmup)
+        warming_up(server, playing, warmup)
         with grpc.insecure_channel(address, options=GRPC_OPTIONS) as channel:  # the probers'
             stub = pb_grpc.CoordinatorStub(channel)
             with (cpu_bound(args.beside), probing(stub, members[0].connection.metadata, probes),
                   probing(stub, members[-1].connection.metadata, probes)):
                 for future in playing:
                     future.result()
-        records = coordinator.snapshot(since_round=warmup, events_after=None)["rounds"]
+        records = server.snapshot(since_round=warmup)["rounds"]
         close_s = [r["closed_at"] - r["opened_at"] - r["slowest_s"] for r in records
                    if r["round"] < warmup + args.rounds]
         return Case(clients, compute_s, overlap, members, probes, close_s)
     finally:
-        running.stop()  # a member still waiting gives up (Unreachable) once it is gone
+        server.stop()  # a member still waiting gives up (Unreachable) once it is gone
         pool.shutdown()
         for member in members:
             member.connection.close()
 
 
-def warming_up(coordinator: Any, playing: list[Future], warmup: int) -> None:
+def warming_up(server: ServerThread | ServerProcess, playing: list[Future], warmup: int
+               ) -> None:
     """Returns once the ``warmup`` rounds have closed (or a member failed)."""
-    while (coordinator.snapshot(since_round=None, events_after=None)["round"] < warmup
-           and not any(f.done() for f in playing)):
+    while server.snapshot(since_round=None)["round"] < warmup and not any(
+            f.done() for f in playing):
         time.sleep(0.1)
+
+
+class ServerThread:
+    """The coordinator in this process: ``RunningServer`` and its status snapshot."""
+
+    def __init__(self, config: RunConfig, threads: int | None) -> None:
+        self.running = RunningServer.start(config, grpc_port=0, http_port=0)
+        self.grpc_port = self.running.grpc_port
+
+    def snapshot(self, since_round: int | None) -> dict[str, Any]:
+        return self.running.service.coordinator.snapshot(since_round=since_round,
+                                                         events_after=None)
+
+    def stop(self) -> None:
+        self.running.stop()
+
+
+class ServerProcess:
+    """The coordinator in a process of its own (``serve``), asked for its status snapshot
+    over a pipe."""
+
+    def __init__(self, config: RunConfig, threads: int | None) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.pipe, theirs = context.Pipe()
+        self.process = context.Process(target=serve, args=(config, threads, theirs),
+                                       name="coordinator", daemon=True)
+        self.process.start()
+        theirs.close()
+        self.grpc_port = self._answer()
+
+    def snapshot(self, since_round: int | None) -> dict[str, Any]:
+        self.pipe.send(since_round)
+        return self._answer()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.pipe.send(STOP)
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def _answer(self) -> Any:
+        if not self.pipe.poll(SERVER_ANSWER_S):
+            raise TimeoutError(f"the coordinator's process did not answer in {SERVER_ANSWER_S} s")
+        answer = self.pipe.recv()
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+
+def serve(config: RunConfig, threads: int | None, pipe: PipeEnd) -> None:
+    """(the coordinator's process) Serve ``config`` and answer snapshot requests (a round
+    index or None) until told to STOP or the pipe closes."""
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        running = RunningServer.start(config, grpc_port=0, http_port=0)
+    except Exception as err:
+        pipe.send(err)
+        return
+    pipe.send(running.grpc_port)
+    try:
+        while True:
+            try:
+                asked = pipe.recv()
+            except EOFError:
+                return
+            if asked == STOP:
+                return
+            pipe.send(running.service.coordinator.snapshot(since_round=asked, events_after=None))
+    finally:
+        running.stop()
 
 
 def verdict(value: float, met: bool) -> str:
@@ -475,7 +559,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"torch {torch.__version__} | cpu, {torch.get_num_threads()} threads | {args.shape}: "
           f"{params:,} params | links {args.latency_ms:g} ms, {args.bandwidth_mbit:g} Mbit each "
           f"way | speeds {', '.join(f'{s:g}' for s in SPEEDS)} | {args.beside} CPU-bound "
-          f"process(es) beside | {args.rounds} timed rounds | load average "
+          f"process(es) beside | server in {SERVER_PLACES[args.server]} | {args.rounds} timed "
+          f"rounds | load average "
           f"{os.getloadavg()[0]:.2f}")
     start = time.perf_counter()
     results = {tier: submissions.results(tier, tier) for tier in tiers_of(args)}
