@@ -13,7 +13,9 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from client.errors import RankSilent
 from client.federated import JOIN_TOKEN_ENV, FederatedClient, FederatedOptions
@@ -25,6 +27,10 @@ from modeling.devices import resolve_device
 from modeling.distributed import DataParallel
 from modeling.errors import MatformerError
 
+# the standalone flags a federated client reads too: FederatedOptions fields of the same name
+SHARED = ("data", "device", "precision", "batching", "compile", "microbatch_tokens",
+          "microbatch_examples")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="matformer-client", description=__doc__.split("\n")[0])
@@ -32,7 +38,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train = commands.add_parser(
         "train", help="join a federated run (--server), or train standalone without one")
     add_arguments(train)
-    federated = train.add_argument_group("federated run (with --server)")
+    add_federated_arguments(train.add_argument_group("federated run (with --server)"))
+    args = parser.parse_args(argv)
+    if args.server:
+        unused = [d for d in _given(args, add_arguments) if d not in SHARED]
+        where = ("standalone training only (in a federated run the coordinator's run.toml "
+                 "decides). Drop {them}, or leave out --server to train on this machine alone")
+    else:
+        unused = [d for d in _given(args, add_federated_arguments) if d != "server"]
+        where = "a federated run only: add --server HOST:PORT, or drop {them}"
+    if unused:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in unused)
+        one = len(unused) == 1
+        train.error(f"{flags} {'applies' if one else 'apply'} to "
+                    f"{where.format(them='it' if one else 'them')}.")
+    return args
+
+
+def _given(args: argparse.Namespace, add: Callable[[Any], None]) -> list[str]:
+    """The options ``add`` declares whose values in ``args`` are not their defaults."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add(probe)
+    return [dest for dest, default in vars(probe.parse_args([])).items()
+            if getattr(args, dest) != default]
+
+
+def add_federated_arguments(federated: Any) -> None:
+    """The options of a federated run (a parser or an argument group)."""
     federated.add_argument("--server", help="HOST:PORT of the coordinator's gRPC service")
     federated.add_argument("--tier", type=int, default=None,
                            help="smallest tier index (largest model) wanted; default: any")
@@ -74,7 +106,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                            help="under torchrun: the node's ranks leave when one of them "
                                 "shows no sign of life (stopped, hung) for this long; "
                                 "waiting for the coordinator does not count (default: 30)")
-    return parser.parse_args(argv)
 
 
 def _speed(text: str) -> float:
@@ -92,11 +123,9 @@ def federated_options(args: argparse.Namespace) -> FederatedOptions:
     options = FederatedOptions(
         server=args.server, tier=args.tier, load_strategy=args.load_strategy,
         checkpoint=args.checkpoint, trust_remote_code=args.trust_remote_code,
-        data=args.data, device=args.device,
-        precision=args.precision, batching=args.batching, compile=args.compile,
+        **{dest: getattr(args, dest) for dest in SHARED},
         join_token=args.join_token, run_id=args.run_id, state_dir=args.state_dir,
-        tls_ca=args.tls_ca, microbatch_tokens=args.microbatch_tokens,
-        microbatch_examples=args.microbatch_examples,
+        tls_ca=args.tls_ca,
         also_train=tuple(int(t) for t in args.also_train.split(",") if t.strip()),
         latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit,
         compute_speed=args.compute_speed, max_rounds=args.max_rounds,
