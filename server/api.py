@@ -31,7 +31,7 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from server.coordinator import Coordinator
-from server.history import MAX_DEPARTED
+from server.history import MAX_DEPARTED, EventKind
 from server.operator_access import operator_reader
 
 EVENTS_LIMIT = 200  # the most events one response carries unless asked for fewer
@@ -175,10 +175,6 @@ class RoundRecord(Strict):
     bytes_dense: int = Field(description="the same results as dense float32 tensors of the "
                                          "regions they cover")
     dropped: list[DroppedClient] = Field(description="clients whose work was handed back")
-
-
-EventKind = Literal["join", "leave", "exclude", "drop", "retier", "reject", "expire",
-                    "checkpoint", "resume", "data", "disk", "discard"]
 
 
 class Event(Strict):

@@ -58,6 +58,8 @@ def master(c: Coordinator, saved: RunState | None, initial: Mapping[str, Tensor]
     if saved is not None:
         replayed = _replayed(c)
         c.history.event("resume", None, f"resumed at round {saved.round}")
+        if saved.finished:
+            _finished_or_extended(c, saved)
         return replayed
     order = c.queue.order
     if len(order) < len(c.reader):
@@ -70,6 +72,26 @@ def master(c: Coordinator, saved: RunState | None, initial: Mapping[str, Tensor]
     c.state.checkpoints.append(0)
     c.save()
     return start
+
+
+def _finished_or_extended(c: Coordinator, saved: RunState) -> None:
+    """A finished run goes on when [round] now asks for more rounds or tokens than it
+    trained (its lr schedule then spans the new length); otherwise it stays finished, and
+    says how to extend it."""
+    stop = c.config.round
+    more = [f"{name} = {limit:,}" for name, limit, done in
+            (("rounds", stop.rounds, saved.round), ("tokens", stop.tokens, saved.tokens))
+            if limit is not None and done < limit]
+    if len(more) == sum(limit is not None for limit in (stop.rounds, stop.tokens)):
+        saved.finished = False
+        said = (f"the run had finished after {saved.round} rounds; [round] now asks for "
+                f"{' and '.join(more) or 'no limit'}: training on")
+        log.warning("%s", said)
+        c.history.event("extend", None, said)
+        c.save()
+        return
+    log.warning("the run finished after %d rounds (%s tokens); to train on, raise [round] "
+                "rounds or tokens past them", saved.round, f"{saved.tokens:,}")
 
 
 def _check_resumable(c: Coordinator, saved: RunState, sequences: int) -> None:

@@ -239,6 +239,39 @@ def test_finishes_after_the_planned_rounds_with_a_checkpoint(tmp_path, mdat_path
         c.submit(cid, 3, [])
 
 
+def test_a_finished_run_goes_on_when_its_rounds_are_raised(tmp_path, mdat_path, caplog):
+    """Issue 32: resuming a finished 3-round run with [round] rounds = 5 used to say
+    "resumed at round 3" and tell every client the run was over. It trains on now, to the
+    weights of a run planned for 5 from the start (the schedule is constant); unraised,
+    it stays finished and says how to go on."""
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, rounds=3), clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, 3)
+    assert c.phase == "finished"
+    del c
+    again = Coordinator(run_config(tmp_path / "run", mdat_path, rounds=3), clock=clock)
+    assert again.phase == "finished" and again.current_round is None
+    assert "to train on, raise [round] rounds or tokens past them" in caplog.text
+    del again
+    longer = run_config(tmp_path / "run", mdat_path, rounds=5)
+    extended = Coordinator(longer, clock=clock)
+    assert extended.phase != "finished" and not extended.state.finished
+    assert extended.state.events[-1]["kind"] == "extend"
+    assert "rounds = 5: training on" in extended.state.events[-1]["detail"]
+    assert json.loads((tmp_path / "run" / "state.json").read_text())["finished"] is False
+    extended.advance()
+    drive(extended, clock, cid, 2)
+    assert extended.phase == "finished" and extended.state.round == 5
+
+    straight = Coordinator(run_config(tmp_path / "straight", mdat_path, rounds=5), clock=clock)
+    cid = straight.join(caps("a", tier=1))[0].client_id
+    drive(straight, clock, cid, 5)
+    assert straight.state.tokens == extended.state.tokens
+    assert longer.update.schedule == "constant"  # so the lr of each round is the same
+    assert same(straight.master, extended.master)
+
+
 def test_a_run_saved_before_orders_left_sequences_out_keeps_its_order(tmp_path):
     """Queue positions count in the order the run started with: a state.json from before
     targetless sequences were left out resumes over the whole shuffle, and an order whose
