@@ -23,6 +23,7 @@ from client.node import follow
 from client.standalone import add_arguments, run
 from modeling import trust
 from modeling.checkpoint.loader import STRATEGIES
+from modeling.commands import DefaultsShown, command_parser
 from modeling.devices import resolve_device
 from modeling.distributed import DataParallel
 from modeling.errors import MatformerError
@@ -33,10 +34,11 @@ SHARED = ("data", "device", "precision", "batching", "compile", "microbatch_toke
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="matformer-client", description=__doc__.split("\n")[0])
+    parser = command_parser("matformer-client", __doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
-        "train", help="join a federated run (--server), or train standalone without one")
+        "train", help="join a federated run (--server), or train standalone without one",
+        formatter_class=DefaultsShown)
     add_arguments(train)
     add_federated_arguments(train.add_argument_group("federated run (with --server)"))
     args = parser.parse_args(argv)

@@ -19,6 +19,7 @@ other status is the coordinator's answer and surfaces at once.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -217,6 +218,8 @@ class Connection:
         self.call_seconds: Counter[str] = Counter()  # RPC name → seconds in its calls
         self.calls: Counter[str] = Counter()  # RPC name → calls made (each try counts)
         self.update_bytes = 0  # received in GetUpdates messages
+        self._unanswered_since: float | None = None  # the outage being retried, said once
+        self._outage = threading.Lock()
 
     @property
     def joined(self) -> bool:
@@ -349,11 +352,15 @@ class Connection:
                 time.sleep(self.latency_s)
             self.calls[name] += 1
             try:
-                return action()
+                answer = action()
+                self._answered()
+                return answer
             except grpc.RpcError as err:
                 code = err.code()
                 if code != Code.UNAVAILABLE:
+                    self._answered()
                     raise _refusal(name, code, err.details() or "") from None
+                self._unanswered(name, err.details(), patience_s)
                 if time.monotonic() + backoff > give_up:
                     raise Unreachable(
                         f"the coordinator at {self.address} did not answer {name} for "
@@ -363,6 +370,24 @@ class Connection:
                 self.call_seconds[name] += time.perf_counter() - start
             time.sleep(backoff * random.uniform(0.5, 1.5))
             backoff = min(backoff * 2, RETRY_MAX_S)
+
+
+    def _unanswered(self, name: str, details: str | None, patience_s: float) -> None:
+        """Say the first call an outage leaves unanswered, at once (the retries are quiet)."""
+        with self._outage:
+            if self._unanswered_since is not None:
+                return
+            self._unanswered_since = time.monotonic()
+        self.log(f"the coordinator at {self.address} does not answer {name} ({details}); "
+                 f"retrying for up to {patience_s:.0f} s")
+
+    def _answered(self) -> None:
+        """After an outage was said: that it is over."""
+        with self._outage:
+            since, self._unanswered_since = self._unanswered_since, None
+        if since is not None:
+            self.log(f"the coordinator at {self.address} answers again, after "
+                     f"{time.monotonic() - since:.1f} s")
 
 
 def _refusal(call: str, code: Code, details: str) -> Refused:

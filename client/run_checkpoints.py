@@ -112,6 +112,12 @@ class Saved:
                 self.state["loss_scale"]
 
 
+def latest(out: Path) -> Path | None:
+    """The newest checkpoint of the run writing to ``out``, if it wrote one."""
+    steps = _steps(folder(out)) if folder(out).is_dir() else []
+    return max(steps, key=_number) if steps else None
+
+
 def _scale_of(precision: Precision) -> list[float] | None:
     scale = precision.loss_scale
     return None if scale is None else [scale.scale, scale.clean_steps]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from client import run_checkpoints, train_config
 from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches, plan_packed
 from modeling.checkpoint import save_pretrained
+from modeling.commands import command_parser
 from modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
 from modeling.distributed import DataParallel
 from modeling.errors import ConfigError, MatformerError
@@ -52,7 +54,7 @@ TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="matformer-train", description=__doc__.split("\n")[0])
+    parser = command_parser("matformer-train", __doc__.split("\n")[0])
     add_arguments(parser)
     return parser.parse_args(argv)
 
@@ -199,13 +201,45 @@ def main(argv: list[str] | None = None) -> None:
     run(parse_args(argv), "matformer-train")
 
 
+class Stopped(KeyboardInterrupt):
+    """Training stopped by Ctrl-C; ``checkpoint``: the newest one to resume from, if any."""
+
+    def __init__(self, checkpoint: Path | None) -> None:
+        super().__init__()
+        self.checkpoint = checkpoint
+
+
 def run(args: argparse.Namespace, program: str) -> None:
-    """``train`` for a command line: a named error becomes one line and exit code 2."""
+    """``train`` for a command line: a named error becomes one line and exit code 2; Ctrl-C
+    one line with the command that resumes, and exit code 130."""
     try:
         train(args)
     except MatformerError as error:
         print(f"{program}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Stopped as stop:
+        if stop.checkpoint is None:
+            hint = ("no checkpoint was written to resume from (--save-every N writes one "
+                    "every N steps)")
+        else:
+            command = shlex.join([program, *_without_resume(sys.argv[1:]), "--resume",
+                                  str(stop.checkpoint)])
+            hint = f"resume with:\n  {command}"
+        print(f"{program}: stopped (Ctrl-C); {hint}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _without_resume(argv: list[str]) -> list[str]:
+    """``argv`` less any --resume and its value."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume="):
+            kept.append(arg)
+    return kept
 
 
 def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -215,7 +249,10 @@ def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     args = train_config.apply(args, parser)
     device = resolve_device(args.device)
     parallel = DataParallel.from_environment(device, sharded=args.fsdp)
-    metrics = _train(args, parallel.device if parallel else device, parallel)
+    try:
+        metrics = _train(args, parallel.device if parallel else device, parallel)
+    except KeyboardInterrupt:
+        raise Stopped(run_checkpoints.latest(args.out)) from None
     if parallel is not None:
         parallel.close()
     return metrics

@@ -44,6 +44,7 @@ from local_testnet.testnet import (
     TestnetFailed,
     TestnetPlan,
 )
+from modeling.commands import command_parser
 from modeling.errors import MatformerError
 from protocol.auth import new_join_token
 from server.config import RunConfig
@@ -58,7 +59,7 @@ DEFAULT_TOKENS_PER_ROUND = 4096
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="local-testnet", description=__doc__.split("\n")[0])
+    parser = command_parser("local-testnet", __doc__.split("\n")[0])
     parser.add_argument("--num-clients", type=int, default=3)
     parser.add_argument("--tiers", default="0,1,2",
                         help="comma-separated tiers the clients ask for, cycled over them")

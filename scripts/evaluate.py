@@ -26,6 +26,7 @@ import torch
 
 from modeling import trust
 from modeling.checkpoint import load_pretrained
+from modeling.commands import command_parser
 from modeling.devices import PRECISIONS, Precision, resolve_device
 from modeling.errors import MatformerError
 from modeling.matformer import Tier
@@ -34,7 +35,7 @@ from modeling.training import held_out_loss, split_held_out, with_targets
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="matformer-eval", description=__doc__.split("\n")[0])
+    parser = command_parser("matformer-eval", __doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (config.json, weights)")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MDAT container")
     parser.add_argument("--strategy", default=DEFAULT_STRATEGY["strategy_name"])

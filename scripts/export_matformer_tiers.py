@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
 from modeling.checkpoint.export import export_tiers
+from modeling.commands import command_parser
 from modeling.errors import MatformerError
 from modeling.matformer import tier_label
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="matformer-export-tiers", description=__doc__)
+    parser = command_parser("matformer-export-tiers", __doc__)
     parser.add_argument("--src", type=Path, required=True, help="universal checkpoint directory")
     parser.add_argument("--tiers", type=int, nargs="*", default=[], help="tiers to export")
     parser.add_argument("--mix-n-match", nargs="*", default=[], metavar="T0,T1,...",

@@ -19,6 +19,7 @@ import torch
 
 from modeling import trust
 from modeling.checkpoint import load_pretrained
+from modeling.commands import command_parser
 from modeling.devices import resolve_device
 from modeling.errors import MatformerError
 from modeling.generation import generate
@@ -29,8 +30,7 @@ from modeling.tokenizers.text import TextTokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="matformer-generate",
-                                     description=__doc__.split("\n")[0])
+    parser = command_parser("matformer-generate", __doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (config.json, weights)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--tier", type=int, default=0)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from modeling import trust
+from modeling.commands import DefaultsShown, command_parser
 from modeling.errors import MatformerError
 from modeling.mdat import (
     Mdat,
@@ -163,11 +164,12 @@ def _sequence_options(sub: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="matformer-mdat", description=__doc__.split("\n")[0])
+    parser = command_parser("matformer-mdat", __doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help, description=help)
+        sub = commands.add_parser(name, help=help, description=help,
+                                  formatter_class=DefaultsShown)
         sub.add_argument("path", type=Path, help="the container folder")
         trust.add_option(sub)
         sub.set_defaults(run=run)

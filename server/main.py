@@ -16,7 +16,6 @@ three; state.json is already on disk.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import ipaddress
 import logging
@@ -35,6 +34,7 @@ from typing import Any
 import grpc
 import uvicorn
 
+from modeling.commands import command_parser
 from modeling.errors import MatformerError
 from protocol.channel import GRPC_OPTIONS
 from protocol.health import add_health
@@ -232,9 +232,9 @@ def load_config(path: Path, overrides: list[str] = ()) -> RunConfig:
 
 def keys_main(argv: list[str]) -> int:
     """``matformer-server keys add|remove|list``: the run's client keys (server/keys.py)."""
-    parser = argparse.ArgumentParser(
-        prog="matformer-server keys",
-        description="Issue, remove and list the client keys of a run with [auth] mode = \"keys\".")
+    parser = command_parser(
+        "matformer-server keys",
+        "Issue, remove and list the client keys of a run with [auth] mode = \"keys\".")
     parser.add_argument("action", choices=("add", "remove", "list"))
     parser.add_argument("name", nargs="?", help="the member name the key carries (add, remove)")
     parser.add_argument("--config", type=Path, required=True, help="the run's run.toml")
@@ -269,8 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["keys"]:
         return keys_main(argv[1:])
-    parser = argparse.ArgumentParser(
-        prog="matformer-server", description="Coordinate a federated Matformer run.",
+    parser = command_parser(
+        "matformer-server", "Coordinate a federated Matformer run.",
         epilog="matformer-server keys add|remove|list NAME --config run.toml manages the "
                "client keys of a run with [auth] mode = \"keys\".")
     parser.add_argument("--config", type=Path, required=True, help="the run's run.toml")

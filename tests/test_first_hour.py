@@ -56,3 +56,89 @@ def test_the_client_command_exits_at_once_on_an_ignored_flag():
         "matformer-client train: error: --lr applies to standalone training only (in a "
         "federated run the coordinator's run.toml decides). Drop it, or leave out --server "
         "to train on this machine alone.")
+
+
+COMMANDS = {  # each command's main, as pyproject's [project.scripts] names it
+    "matformer-train": "client.standalone", "matformer-client": "client.cli",
+    "matformer-server": "server.main", "matformer-eval": "scripts.evaluate",
+    "matformer-generate": "scripts.generate", "matformer-mdat": "scripts.mdat_cli",
+    "matformer-export-tiers": "scripts.export_matformer_tiers",
+    "local-testnet": "local_testnet.main",
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_says_its_version(command, capsys):
+    import importlib
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exited:
+        importlib.import_module(COMMANDS[command]).main(["--version"])
+    assert exited.value.code == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"{command} {metadata.version('matformer')} (torch ")
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["train", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--lr LR default: 0.003" in shown  # an option without help text
+    assert "(simulates a slow network) (default: 0.0)" in shown  # a zero is shown too
+    assert "how many of those checkpoints to keep (default: 2)" in shown  # not twice
+    assert "--compile torch.compile the model (needs a C++ compiler on CPU) --fsdp" in shown
+
+
+def test_ctrl_c_in_training_says_how_to_resume_without_a_traceback(tmp_path):
+    import shlex
+    import signal
+    import time
+
+    from client.standalone import parse_args as train_args
+    from modeling.mdat import build_default_mdat
+
+    build_default_mdat(tmp_path / "docs.mdat", limit=120).close()
+    out = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "client.standalone", "--data", str(tmp_path / "docs.mdat"),
+         "--steps", "2000", "--batch-tokens", "512", "--seq-len", "128", "--save-every", "2",
+         "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "run.checkpoints" / "step-2").is_dir():
+        assert process.poll() is None and time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert "Traceback" not in err
+    said = err.splitlines()
+    assert said[-2] == "matformer-train: stopped (Ctrl-C); resume with:"
+    program, *argv = shlex.split(said[-1])
+    assert program == "matformer-train"
+    again = train_args(argv)
+    assert again.out == out and again.steps == 2000
+    assert again.resume.parent == tmp_path / "run.checkpoints" and again.resume.is_dir()
+
+
+def test_a_client_says_at_once_that_the_coordinator_does_not_answer():
+    """It retried for 60 s in silence; now the first unanswered call is said, once."""
+    import socket
+
+    from client.connection import Connection
+    from client.errors import Unreachable
+
+    with socket.socket() as taken:  # a port nothing listens on
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+    lines: list[str] = []
+    connection = Connection(f"127.0.0.1:{port}", patience_s=2.0, log=lines.append)
+    try:
+        with pytest.raises(Unreachable, match="check --server"):
+            connection.heartbeat(0)
+    finally:
+        connection.close()
+    assert connection.calls["Heartbeat"] >= 2  # retried, and said once
+    assert len(lines) == 1
+    assert lines[0].startswith(f"the coordinator at 127.0.0.1:{port} does not answer Heartbeat")
+    assert lines[0].endswith("retrying for up to 2 s")
