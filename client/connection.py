@@ -312,9 +312,9 @@ class Connection:
     def updates(self, since_round: int, tier: int, *, wait_s: float = 0.0
                 ) -> list[RoundUpdate]:
         """The logged round updates from ``since_round`` to the last completed round, cut to
-        this client's ``tier``; ``update_bytes`` counts their messages (before gRPC's gzip on
-        the wire). ``wait_s``: when round ``since_round`` has not closed yet, the coordinator
-        waits up to this long for it before answering."""
+        ``tier``, the one this client's replica holds; ``update_bytes`` counts their messages
+        (before gRPC's gzip on the wire). ``wait_s``: when round ``since_round`` has not
+        closed yet, the coordinator waits up to this long for it before answering."""
 
         def counted(stream: Iterator[pb.UpdateMessage]) -> Iterator[pb.UpdateMessage]:
             for message in stream:
@@ -322,7 +322,7 @@ class Connection:
                 yield message
 
         return self._call("GetUpdates", lambda: list(read_updates(counted(self.stub.GetUpdates(
-            pb.GetUpdatesRequest(since_round=since_round, wait_seconds=wait_s),
+            pb.GetUpdatesRequest(since_round=since_round, wait_seconds=wait_s, tier=tier),
             metadata=self.metadata)), tier)))
 
     def latest_checkpoint(self) -> PublishedCheckpoint:

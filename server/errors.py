@@ -83,6 +83,12 @@ class PinnedTierDoesNotFit(TierAssignmentError):
     """run.toml pins the client to a tier that needs more memory than the client reports."""
 
 
+class NotARunTier(TierAssignmentError):
+    """Updates asked for at a tier the run does not have."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
 class CoordinatorError(ServerError):
     """A call the coordinator refuses. ``code`` is the gRPC status the servicer answers with:
     ``context.abort(err.code, str(err))``."""

@@ -52,6 +52,7 @@ from server.errors import (
     CallRefused,
     CoordinatorError,
     FileNotServed,
+    NotARunTier,
     RepeatedSequenceIds,
     ServedFileDamaged,
     StaleRound,
@@ -261,6 +262,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         c = self.coordinator
         client_id = self._session(context)
         tier = _call(context, lambda: c.membership.get(client_id).tier)
+        if request.HasField("tier"):  # the replica's, which lags a move by a round or two
+            tier = _call(context, lambda: _run_tier(c, request.tier))
         if request.wait_seconds > 0:  # a client ahead of the log waits for the close, in a
             # call slot but not a stream's: nothing is in flight yet
             c.wait_for_round(request.since_round, min(request.wait_seconds, MAX_WAIT_S))
@@ -352,6 +355,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 class _NotYourSession(ProtocolError):
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def _run_tier(c: Coordinator, tier: int) -> int:
+    """``tier`` if the run has it (its updates record a hash of every allowed tier)."""
+    allowed = c.config.tiers.allowed
+    if tier not in allowed:
+        raise NotARunTier(f"updates asked for at tier {tier}, which this run does not have "
+                          f"(its tiers: {', '.join(map(str, allowed))}).")
+    return tier
 
 
 def _call(context: grpc.ServicerContext, action: Callable[[], T]) -> T:

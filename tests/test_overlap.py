@@ -156,3 +156,30 @@ def test_members_calls_are_answered_while_a_round_closes(tmp_path, monkeypatch):
             release.set()
         committed(c, 1)
         assert stub.GetRound(pb.GetRoundRequest(), metadata=auth, timeout=30).round == 1
+
+
+def test_a_member_moved_to_another_tier_keeps_its_replica_in_step(tmp_path, mdat):
+    """The coordinator moves an overlapped member to a smaller tier while rounds at its old
+    one are still in its hands, and the updates they need are asked for ahead: each update
+    comes cut to the tier the replica holds (GetUpdatesRequest.tier), so every hash check
+    holds, and the member reloads at its new tier when it meets an assignment at it. Before,
+    they came cut to the new tier with its hash: the member reloaded, failed the check again
+    and gave up (ReplicaDiverged), as the chaos test showed under load."""
+    server = start(tmp_path, mdat, rounds=8, overlap=True, tiers=(0, 1))
+    c = server.service.coordinator
+    moved: list[int] = []
+
+    def move(closed) -> None:  # (the coordinator's lock held) as [faults] misses would
+        if closed.round == 1 and not moved:
+            (member,) = c.membership.members.values()
+            c.pipeline._retier(member, +1, "the test moves it")
+            moved.append(member.tier)
+
+    c.round_closed.append(move)
+    try:
+        summary = client(server, tmp_path, "mover").run()
+    finally:
+        server.stop()
+    assert moved == [1]
+    assert summary.finished and summary.rounds_trained >= 6
+    assert summary.tier == 1 and summary.resynchronisations == 0

@@ -124,6 +124,16 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
                                              metadata=auth_a), tier=0)
     assert update.round == 0 and update.hashes == c.tier_hashes([0])
     assert set(update.steps) == set(c.shapes)
+    # A replica at another of the run's tiers (its member just moved, and its updates were
+    # asked for ahead) gets them cut to that tier, with that tier's hash; a tier the run
+    # lacks is refused
+    (cut,) = read_updates(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0, tier=1),
+                                          metadata=auth_a), tier=1)
+    assert cut.hashes == c.tier_hashes([1]) != update.hashes
+    assert any(cut.steps[n].box != update.steps[n].box for n in update.steps)  # narrower FFN
+    code, details = code_of(lambda: list(stub.GetUpdates(
+        pb.GetUpdatesRequest(since_round=0, tier=7), metadata=auth_a)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "tier 7" in details
 
     manifest = tmp_path / "manifest.json"
     receive_file(stub.DownloadCheckpoint(pb.DownloadCheckpointRequest(
