@@ -133,20 +133,31 @@ class CallSlots:
         """The call's first message (None if the peer sent none), waited for at most
         ``request_s`` (then ``end(StreamIdle)``); a call without a session waits in one of
         the ``anonymous`` slots (NoRequestSlot when all are taken)."""
-        if anonymous:
+        held = [False]  # an anonymous slot, given back once: when the watch ends the call
+        if anonymous:  # (before its peer hears so) or when the call stops waiting
             with self._lock:
                 if self._anonymous >= self.limits.anonymous:
                     raise NoRequestSlot(f"{self.limits.anonymous} calls without a session "
                                         "already wait for their request, the most the server "
                                         "takes; retry in a few seconds.")
                 self._anonymous += 1
+                held[0] = True
+
+        def give_back() -> None:  # (lock held)
+            if held[0]:
+                held[0] = False
+                self._anonymous -= 1
+
+        def ending(error: Exception) -> None:  # (watchdog, which holds the lock)
+            give_back()
+            end(error)
+
         try:
-            with self._watching(Watch(end=end, idle_s=self.limits.request_s)) as watch:
+            with self._watching(Watch(end=ending, idle_s=self.limits.request_s)) as watch:
                 return next(watch.received(requests), None)
         finally:
-            if anonymous:
-                with self._lock:
-                    self._anonymous -= 1
+            with self._lock:
+                give_back()
 
     def _take_stream(self, client_id: str, *, assigned: bool) -> bool:
         """(lock held) Count a stream of ``client_id``; True if it is the member's own."""
