@@ -49,6 +49,7 @@ class RoundPipeline:
         # client id → the assignment its last counted refusal was for: once the others are
         # in, a round stops waiting for a member refused in it (drop_refused)
         self.refused: dict[str, str] = {}
+        self.owed: dict[str, float] = {}  # client id → ids rounding left it short (assign)
 
     @property
     def window(self) -> int:
@@ -138,7 +139,7 @@ class RoundPipeline:
             return None
         before = self.queue.to_dict()
         ids = self.queue.take(cfg.tokens_per_round, self.length)
-        shares = assign(ids, trusted_speeds(members))
+        shares = assign(ids, trusted_speeds(members), self.owed)
         # a round behind others gets its own deadline_s after the one before it
         start = max(now, self.collecting[-1].deadline) if self.collecting else now
         deadline = start + cfg.deadline_s
