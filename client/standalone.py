@@ -262,7 +262,6 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
            ) -> dict[str, dict[str, float]]:
     leader = parallel is None or parallel.leader
     say = print if leader else (lambda *_, **__: None)
-    torch.manual_seed(args.seed)
     if getattr(args, "model_fields", None) is not None:
         config = ModelConfig(**args.model_fields)
     else:
@@ -277,9 +276,6 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     if args.fsdp and (args.optimizer == "muon" or args.precision == "fp16"):
         raise ConfigError("--fsdp trains with adam or adamw in fp32 or bf16; muon and fp16's "
                           "loss scale need whole gradients on every rank.")
-    model = build_model(config).to(device)
-    if parallel is not None:
-        parallel.broadcast_parameters(model)
     options = StepOptions(precision=Precision(args.precision, device), data_parallel=parallel,
                           seed=args.seed)
 
@@ -292,6 +288,16 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                              lengths, config)
         if parallel is not None and leader:
             parallel.barrier()
+        named = bool(args.config) or getattr(args, "model_fields", None) is not None
+        fitted = mdat.strategy(args.strategy).fit_vocabulary(config, named=named)
+        if fitted.vocab_size != config.vocab_size:
+            say(f"matformer-train: the model's vocabulary is strategy {args.strategy!r}'s, "
+                f"{fitted.vocab_size:,} ids")
+        config = fitted
+        torch.manual_seed(args.seed)
+        model = build_model(config).to(device)
+        if parallel is not None:
+            parallel.broadcast_parameters(model)
         if len(order) < len(reader):
             say(f"matformer-train: left out {len(reader) - len(order):,} sequences of fewer "
                 f"than {target_tokens(config)} tokens: they carry no target")

@@ -36,13 +36,15 @@ def work_order(mdat: Mdat, config: RunConfig, state: RunState | None = None
                ) -> tuple[SequenceReader, np.ndarray]:
     """The run's sequences (its [data]) and the ids its queue hands out, in order: the
     shuffle's ids that carry a target for the run's model (`with_targets`). The other
-    ``len(reader) - len(order)`` are left out of the run. BatchError if none carries one.
+    ``len(reader) - len(order)`` are left out of the run. BatchError if none carries one;
+    ConfigError if the strategy gives ids the model has no embedding for.
 
     ``state`` (the saved run, if any) keeps a run's order what it was: a run saved before
     orders left sequences out (its state has no ``sequences``) goes on over the whole shuffle,
     since its queue positions count in it.
     """
     data = config.data
+    mdat.strategy(data.strategy).fit_vocabulary(config.model.build(), named=True)
     reader = mdat.sequences(data.strategy, data.max_seq_len, data.view)
     shuffle = mdat.shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
     if state is not None and state.sequences is None:

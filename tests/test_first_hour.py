@@ -142,3 +142,49 @@ def test_a_client_says_at_once_that_the_coordinator_does_not_answer():
     assert len(lines) == 1
     assert lines[0].startswith(f"the coordinator at 127.0.0.1:{port} does not answer Heartbeat")
     assert lines[0].endswith("retrying for up to 2 s")
+
+
+def test_the_models_vocabulary_follows_a_strategys_or_the_mismatch_is_one_line(tmp_path, capsys):
+    """A BPE strategy of more ids than the default model's 260 ended in a 60-line IndexError
+    from F.embedding. Now a run that names no model takes the strategy's vocabulary, and one
+    that names a smaller model is refused in one line naming both sizes."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from client.standalone import TINY
+    from client.standalone import main as train_main
+    from modeling.mdat import Mdat
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    texts = [f"def read_{i}(path): return open(path).read() + {i * 7}" for i in range(300)]
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000,
+                                                       special_tokens=["<unk>", "<eos>"]))
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    ids = bpe.get_vocab_size()
+    assert ids > 260
+    with Mdat.create(tmp_path / "bpe.mdat") as mdat:
+        mdat.add_records("t", ({"text": t} for t in texts))
+        mdat.add_strategy({"strategy_name": "bpe", "tokenizer_type": "huggingface",
+                           "tokenizer_name": str(tmp_path / "tokenizer.json"),
+                           "chunk_size": 16})
+        mdat.pretokenize("bpe")
+    common = ["--data", str(tmp_path / "bpe.mdat"), "--strategy", "bpe", "--seq-len", "32",
+              "--batch-tokens", "256", "--steps", "2", "--tiers", "0"]
+    train_main([*common, "--out", str(tmp_path / "taken")])
+    assert f"the model's vocabulary is strategy 'bpe''s, {ids:,} ids" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "taken" / "config.json").read_text())
+    assert saved["vocab_size"] == ids
+
+    (tmp_path / "small.json").write_text(json.dumps(dict(TINY, vocab_size=260)))
+    with pytest.raises(SystemExit) as exited:
+        train_main([*common, "--config", str(tmp_path / "small.json"), "--out",
+                    str(tmp_path / "refused")])
+    assert exited.value.code == 2
+    said = capsys.readouterr().err.strip()
+    assert said == (f"matformer-train: error: strategy 'bpe' gives token ids up to {ids - 1:,} "
+                    f"(a vocabulary of {ids:,}), but the model's vocab_size is 260; raise the "
+                    "model's vocab_size to at least that, or name no model to take the "
+                    "strategy's.")
+    assert not (tmp_path / "refused" / "model.safetensors").exists()

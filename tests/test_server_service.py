@@ -196,3 +196,26 @@ def test_head_on_files_answers_like_get_without_the_body(running):
 def test_main_reports_a_bad_config(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "missing.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_main_refuses_a_model_smaller_than_its_datas_vocabulary(tmp_path, capsys):
+    """Issue 32: a [data] strategy whose ids outgrow [model] vocab_size is refused at start,
+    in one line naming both sizes, not at the first round's embedding lookup."""
+    import dataclasses
+
+    from conftest import tiny_config
+    from helpers import run_tables, write_run_toml
+
+    from modeling.mdat import build_default_mdat
+
+    build_default_mdat(tmp_path / "docs.mdat", limit=5).close()  # bytes: 260 ids
+    model = dataclasses.asdict(tiny_config(vocab_size=200, mask_token_id=199,
+                                           max_position_embeddings=128))
+    toml = write_run_toml(tmp_path / "run.toml", run_tables(
+        "docs.mdat", model={"inline": {k: v for k, v in model.items() if v is not None}}))
+    assert main(["--config", str(toml)]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("matformer-server: strategy 'bytes128' gives token ids up to 259 "
+                           "(a vocabulary of 260), but the model's vocab_size is 200;")
+    assert "\n" not in said
+    assert not (tmp_path / "run" / "state.json").exists()

@@ -7,15 +7,19 @@ the tokenizer and splitter (`modeling.mdat.document_splitter`) checks that they 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from modeling.errors import InvalidName, StrategyError, closest, did_you_mean
+from modeling.errors import ConfigError, InvalidName, StrategyError, closest, did_you_mean
+
+if TYPE_CHECKING:
+    from modeling.config import ModelConfig
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 DOCUMENT_FIELDS = ("data", "meta")  # what a splitter may ask for in wants_from_db
@@ -94,6 +98,21 @@ class Strategy:
         if not isinstance(definition, dict):
             raise StrategyError(f"strategy file {path} must hold one JSON object.")
         return cls.from_dict(definition)
+
+    def fit_vocabulary(self, config: ModelConfig, *, named: bool) -> ModelConfig:
+        """``config`` with room for every id this strategy gives: with this strategy's
+        vocabulary when the run did not name its model (``named``), else as named, if its
+        vocabulary is large enough (ConfigError naming both sizes if not)."""
+        ids = self.vocab_size
+        if ids is None or ids == config.vocab_size or (named and ids < config.vocab_size):
+            return config
+        if named:
+            raise ConfigError(
+                f"strategy {self.name!r} gives token ids up to {ids - 1:,} (a vocabulary of "
+                f"{ids:,}), but the model's vocab_size is {config.vocab_size:,}; raise the "
+                "model's vocab_size to at least that, or name no model to take the "
+                "strategy's.")
+        return dataclasses.replace(config, vocab_size=ids)
 
     def special_tokens(self) -> dict[str, int | None]:
         return {"bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
