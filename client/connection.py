@@ -371,7 +371,6 @@ class Connection:
             time.sleep(backoff * random.uniform(0.5, 1.5))
             backoff = min(backoff * 2, RETRY_MAX_S)
 
-
     def _unanswered(self, name: str, details: str | None, patience_s: float) -> None:
         """Say the first call an outage leaves unanswered, at once (the retries are quiet)."""
         with self._outage:

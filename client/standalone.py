@@ -262,8 +262,10 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
            ) -> dict[str, dict[str, float]]:
     leader = parallel is None or parallel.leader
     say = print if leader else (lambda *_, **__: None)
-    if getattr(args, "model_fields", None) is not None:
-        config = ModelConfig(**args.model_fields)
+    fields = getattr(args, "model_fields", None)  # train.toml's [model]
+    named = fields is not None or bool(args.config)
+    if fields is not None:
+        config = ModelConfig(**fields)
     else:
         config = ModelConfig.from_json(args.config) if args.config else ModelConfig(**TINY)
     tiers = [int(t) for t in args.tiers.split(",")]
@@ -288,7 +290,6 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                              lengths, config)
         if parallel is not None and leader:
             parallel.barrier()
-        named = bool(args.config) or getattr(args, "model_fields", None) is not None
         fitted = mdat.strategy(args.strategy).fit_vocabulary(config, named=named)
         if fitted.vocab_size != config.vocab_size:
             say(f"matformer-train: the model's vocabulary is strategy {args.strategy!r}'s, "

@@ -51,10 +51,6 @@ def command_parser(prog: str, description: str | None = None, *, epilog: str | N
     """A command's parser: ``--version`` and defaults in ``--help``."""
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
                                      formatter_class=DefaultsShown)
-    add_version(parser)
-    return parser
-
-
-def add_version(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s {version()} (torch {torch.__version__})")
+    return parser

@@ -79,13 +79,14 @@ def _finished_or_extended(c: Coordinator, saved: RunState) -> None:
     trained (its lr schedule then spans the new length); otherwise it stays finished, and
     says how to extend it."""
     stop = c.config.round
-    more = [f"{name} = {limit:,}" for name, limit, done in
-            (("rounds", stop.rounds, saved.round), ("tokens", stop.tokens, saved.tokens))
-            if limit is not None and done < limit]
-    if len(more) == sum(limit is not None for limit in (stop.rounds, stop.tokens)):
+    limits = {name: (limit, done) for name, limit, done in
+              (("rounds", stop.rounds, saved.round), ("tokens", stop.tokens, saved.tokens))
+              if limit is not None}
+    if all(done < limit for limit, done in limits.values()):
         saved.finished = False
+        asked = " and ".join(f"{name} = {limit:,}" for name, (limit, _) in limits.items())
         said = (f"the run had finished after {saved.round} rounds; [round] now asks for "
-                f"{' and '.join(more) or 'no limit'}: training on")
+                f"{asked or 'no limit'}: training on")
         log.warning("%s", said)
         c.history.event("extend", None, said)
         c.save()
