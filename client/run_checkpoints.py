@@ -1,11 +1,14 @@
 """A standalone run's checkpoints: what ``--resume`` needs to go on as if never stopped.
 
-    OUT.checkpoints/step-400/   config.json, model.safetensors (a loadable checkpoint),
-                                training_state.{json,safetensors} (optimizer and schedule,
-                                the next step, the history so far, the RNG and fp16 scale)
+    OUT/checkpoints/step-400/   config.json, model.safetensors, the tokenizer (a loadable
+                                checkpoint), training_state.{json,safetensors} (optimizer
+                                and schedule, the next step, the history so far, the RNG and
+                                fp16 scale)
 
-They sit beside ``OUT``, not in it: ``OUT`` is the final model's folder, replaced whole when
-the run ends, as ``save_pretrained`` writes every checkpoint.
+They sit in the run's folder ``OUT``, beside its final model, so a checkpoint knows its run:
+``--resume`` goes on into that folder, and refuses another ``--out`` (which would replace
+another run's model). Checkpoints of runs from before they moved in (``OUT.checkpoints/``)
+resume into ``OUT`` too.
 
 Each folder is built aside and moved into place whole, so a kill mid-save leaves the
 previous checkpoints as they were. The data needs no position of its own: the plan of
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,7 @@ from modeling.distributed import DataParallel, shard_optimizer_state
 from modeling.errors import CheckpointError
 from modeling.optim import LocalOptimizer
 
+DEFAULT_OUT = Path("runs/standalone")
 # the options a resumed run must share with the one that saved (what it trains and how)
 SHAPING = ("config", "data", "strategy", "view", "seq_len", "batch_tokens", "steps", "epochs",
            "tiers", "tier_mode", "optimizer", "lr", "warmup_steps", "hold_steps", "schedule",
@@ -47,16 +52,41 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def folder(out: Path) -> Path:
     """Where the run writing its final model to ``out`` keeps its checkpoints."""
-    return out.with_name(f"{out.name}.checkpoints")
+    return out / "checkpoints"
+
+
+def run_folder(out: Path | None, resume: Path | None) -> Path:
+    """The run's folder: ``--out``, else the resumed checkpoint's run, else the default.
+    Resuming a checkpoint into another run's folder is refused."""
+    if resume is None:
+        return DEFAULT_OUT if out is None else out
+    resume = resume.resolve()
+    if resume.parent.name == "checkpoints":
+        own: Path | None = resume.parent.parent
+    elif resume.parent.name.endswith(".checkpoints"):
+        own = resume.parent.with_name(resume.parent.name.removesuffix(".checkpoints"))
+    else:
+        own = None
+    if own is None:
+        if out is None:
+            raise CheckpointError(f"--resume {resume}: not in a run's checkpoints/ folder, so "
+                                  "its run is unknown; give --out, the folder to go on in.")
+        return out
+    if out is not None and out.resolve() != own:
+        raise CheckpointError(
+            f"--resume {resume} is a checkpoint of the run in {own}, which goes on there; "
+            f"leave --out out (or give --out {own}) rather than write into {out}.")
+    return own
 
 
 def save(out: Path, step: int, model: torch.nn.Module, optimizer: LocalOptimizer,
          precision: Precision, trainer: dict[str, Any], keep_last: int,
-         sharded: DataParallel | None = None) -> Path | None:
-    """``OUT.checkpoints/step-STEP`` (``step``: steps done), then only the ``keep_last``
-    newest kept. With ``sharded`` (an FSDP run) every rank calls it: the weights and the
-    optimizer state are gathered whole, so the checkpoint is the same whatever the number
-    of ranks, and rank 0 writes it."""
+         sharded: DataParallel | None = None,
+         files: Mapping[str, bytes] | None = None) -> Path | None:
+    """``OUT/checkpoints/step-STEP`` (``step``: steps done) with ``files`` beside the weights
+    (the tokenizer's), then only the ``keep_last`` newest kept. With ``sharded`` (an FSDP
+    run) every rank calls it: the weights and the optimizer state are gathered whole, so the
+    checkpoint is the same whatever the number of ranks, and rank 0 writes it."""
     weights, state = None, optimizer.state_dict()
     if sharded is not None:
         weights, state = sharded.full_state(model), sharded.gather_tensors(state)
@@ -65,7 +95,7 @@ def save(out: Path, step: int, model: torch.nn.Module, optimizer: LocalOptimizer
     target = folder(out) / f"step-{step}"
     with built_aside(target) as building:
         building.mkdir(parents=True)
-        save_pretrained(model, building, state=weights)
+        save_pretrained(model, building, state=weights, files=files)
         save_training_state(building, {
             "optimizer": state, "rng": torch.get_rng_state(),
             "loss_scale": _scale_of(precision), "trainer": {**trainer, "step": step}})
@@ -84,7 +114,7 @@ class Saved:
             self.state = load_training_state(directory)
         except FileNotFoundError:
             raise CheckpointError(f"--resume {directory}: no training state there; give a "
-                                  "step-N folder of OUT.checkpoints/.") from None
+                                  "step-N folder of OUT/checkpoints/.") from None
         self.directory = directory
         self.trainer: dict[str, Any] = self.state["trainer"]
         now = settings(args)

@@ -2,14 +2,22 @@
 
 It reads its sequences from an MDAT container (by default the Python standard library's
 docstrings, built on first use with no download), in token-budget batches split into
-microbatches. It trains every requested tier of one set of weights, prints loss per tier as it
-goes, then evaluates each tier on held-out sequences and writes a Hugging Face style checkpoint
-(config.json, model.safetensors) and the metrics to ``--out``.
+microbatches. It trains every requested tier of one set of weights, shows its progress and the
+loss per tier as it goes, then evaluates each tier on held-out sequences. Everything a run
+writes is in one folder, ``--out``:
+
+    OUT/   config.json, model.safetensors, tokenizer.json, tokenizer_config.json (the final
+           model: transformers' AutoTokenizer and pipeline open OUT alone), metrics.json,
+           matformer_data.json (what it trained on, for matformer-eval), and later the tier
+           slices matformer-export-tiers cuts (OUT/tier1/, ...)
+    OUT/checkpoints/step-N/   what --resume goes on from (--save-every)
+    OUT/tensorboard/          the training curves (--track tensorboard)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shlex
 import sys
@@ -20,8 +28,10 @@ import numpy as np
 import torch
 
 from client import run_checkpoints, train_config
+from client.epochs import DEFAULT_STEPS, Epochs
+from client.step_progress import StepProgress
 from modeling import ModelConfig, build_model
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches, plan_packed
+from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
 from modeling.checkpoint import save_pretrained
 from modeling.commands import command_parser
 from modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
@@ -35,6 +45,8 @@ from modeling.mdat import (
     build_default_mdat,
     default_data_path,
 )
+from modeling.mdat.checkpoint_tokenizer import special_ids, tokenizer_files
+from modeling.mdat.trained_on import TrainedOn
 from modeling.optim import SCHEDULES, OptimizerConfig
 from modeling.tracking import TRACKERS, NoTracker, open_tracker
 from modeling.training import (
@@ -47,7 +59,6 @@ from modeling.training import (
     with_targets,
 )
 
-DEFAULT_STEPS = 200
 # A model that learns visibly in a minute on two CPU cores.
 TINY = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=512, max_position_embeddings=512)
@@ -106,16 +117,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--project", default="matformer",
                         help="trackio's or W&B's project (the run is named after --out)")
     parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path("runs/standalone"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"the run's folder: the final model, checkpoints/, tensorboard/ "
+                             f"(default {run_checkpoints.DEFAULT_OUT}; with --resume, the "
+                             "checkpoint's run)")
     parser.add_argument("--save-every", type=int, default=0,
-                        help="write OUT.checkpoints/step-N every N steps (0: none)")
+                        help="write OUT/checkpoints/step-N every N steps (0: none)")
     parser.add_argument("--keep-last", type=int, default=2,
                         help="how many of those checkpoints to keep")
     parser.add_argument("--track", choices=TRACKERS, default="tensorboard",
                         help="where the figures go as it trains: TensorBoard event files in "
-                             "OUT.tensorboard/ (default), trackio, wandb, or none")
+                             "OUT/tensorboard/ (default), trackio, wandb, or none")
     parser.add_argument("--resume", type=Path, default=None,
-                        help="go on from OUT.checkpoints/step-N, as if never stopped")
+                        help="go on from OUT/checkpoints/step-N, as if never stopped (into "
+                             "OUT)")
     hardware = parser.add_argument_group("hardware (also under torchrun: data parallel)")
     hardware.add_argument("--device", default="cpu",
                           help="cpu | cuda | cuda:N | mps; a device this machine lacks is an "
@@ -147,54 +162,6 @@ def open_data(args: argparse.Namespace) -> Mdat:
 def sequences(reader: SequenceReader, ids: np.ndarray, device: torch.device
               ) -> list[torch.Tensor]:
     return [torch.from_numpy(reader[int(i)].astype(np.int64)).to(device) for i in ids]
-
-
-def plan(lengths: list[int], args: argparse.Namespace) -> list[list[list[int]]]:
-    """Each step's rows (index lists into ``lengths``): packed, or one sequence a row."""
-    if args.batching == "packed":
-        return plan_packed(lengths, args.batch_tokens, args.seq_len)
-    return [[[i] for i in batch] for batch in plan_batches(lengths, args.batch_tokens)]
-
-
-class Epochs:
-    """The steps of a run over ``ids`` (the training sequences in the shuffle's order), one
-    epoch after another: epoch 0 in that order, each later one in a fresh order drawn from
-    the seed and its number, so a run is the same every time it is run or resumed."""
-
-    def __init__(self, ids: np.ndarray, lengths: np.ndarray, args: argparse.Namespace) -> None:
-        self.ids, self.lengths, self.args = ids, lengths, args
-        self._epochs: list[tuple[np.ndarray, list[list[list[int]]]]] = []
-
-    def epoch(self, number: int) -> tuple[np.ndarray, list[list[list[int]]]]:
-        """(sequence ids in the epoch's order, its steps' rows as positions in that order)."""
-        while len(self._epochs) <= number:
-            n = len(self._epochs)
-            order = self.ids if n == 0 else np.random.default_rng(
-                [self.args.seed, n]).permutation(self.ids)
-            self._epochs.append((order, plan(self.lengths[order].tolist(), self.args)))
-        return self._epochs[number]
-
-    def steps(self) -> int:
-        """The run's steps: ``--steps``, or ``--epochs`` whole epochs, or 200."""
-        steps, epochs = self.args.steps, self.args.epochs
-        if steps is not None and epochs is not None:
-            raise ConfigError("give --steps or --epochs, not both.")
-        if epochs is not None:
-            if epochs < 1:
-                raise ConfigError(f"--epochs must be at least 1, got {epochs}.")
-            return sum(len(self.epoch(n)[1]) for n in range(epochs))
-        return DEFAULT_STEPS if steps is None else steps
-
-    def step(self, index: int) -> tuple[np.ndarray, list[list[int]]]:
-        """(the step's sequence ids, its rows as positions into those ids)."""
-        number = 0
-        while index >= len(self.epoch(number)[1]):
-            index -= len(self.epoch(number)[1])
-            number += 1
-        order, rows = self.epoch(number)
-        batch = [i for row in rows[index] for i in row]
-        position = {i: n for n, i in enumerate(batch)}
-        return order[batch], [[position[i] for i in row] for row in rows[index]]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,6 +214,7 @@ def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = train_config.apply(args, parser)
+    args.out = run_checkpoints.run_folder(args.out, args.resume)
     device = resolve_device(args.device)
     parallel = DataParallel.from_environment(device, sharded=args.fsdp)
     try:
@@ -290,11 +258,17 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                              lengths, config)
         if parallel is not None and leader:
             parallel.barrier()
-        fitted = mdat.strategy(args.strategy).fit_vocabulary(config, named=named)
+        strategy = mdat.strategy(args.strategy)
+        fitted = strategy.fit_vocabulary(config, named=named)
         if fitted.vocab_size != config.vocab_size:
             say(f"matformer-train: the model's vocabulary is strategy {args.strategy!r}'s, "
                 f"{fitted.vocab_size:,} ids")
-        config = fitted
+        config = fitted if named else dataclasses.replace(
+            fitted, **special_ids(mdat.path, strategy))
+        files = {**tokenizer_files(mdat.path, strategy,
+                                   max_length=config.max_position_embeddings),
+                 **TrainedOn(str(mdat.path.resolve()), args.strategy, args.view, args.seq_len,
+                             args.seed).files()}
         torch.manual_seed(args.seed)
         model = build_model(config).to(device)
         if parallel is not None:
@@ -317,6 +291,8 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             max_tokens=args.microbatch_tokens, max_examples=args.microbatch_examples).build())
 
         def evaluate(whole: torch.nn.Module) -> dict[str, float]:
+            say(f"matformer-train: evaluating the held-out loss of tiers {tiers} on "
+                f"{len(eval_examples):,} sequences...")
             return held_out_loss(whole, eval_examples, tiers, batch_tokens=args.batch_tokens,
                                  precision=options.precision, seed=args.seed)
 
@@ -343,12 +319,14 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             initial = saved.trainer["initial"]
             say(f"matformer-train: resuming from {args.resume} after step {first}")
         tracker = NoTracker() if not leader else open_tracker(
-            args.track, args.out.with_name(f"{args.out.name}.tensorboard"),
+            args.track, args.out / "tensorboard",
             project=args.project, name=args.out.name,
             config={k: str(v) for k, v in vars(args).items()})
         if args.resume is None:
             tracker.log(0, {f"held_out/tier_{t}": loss for t, loss in initial.items()})
         started, before = time.perf_counter(), tokens_seen  # this process's rate
+        progress = StepProgress(total, first, args.log_every, say,
+                                bar=leader and sys.stderr.isatty())
         for step in range(first, total):
             ids, rows = epochs.step(step)
             examples = sequences(reader, ids, device)
@@ -361,14 +339,13 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             rate = (tokens_seen - before) / (time.perf_counter() - started)
             tracker.log(step + 1, {**{f"loss/tier_{t}": v for t, v in losses.items()},
                                    "lr": lr, "tokens_per_second": rate, **stats})
-            if (step + 1) % args.log_every == 0 or step + 1 == total:
-                shown = "  ".join(f"tier {t}: {loss:.3f}" for t, loss in losses.items())
-                say(f"step {step + 1:>5}  {shown}  lr {lr:.2e}  {rate:,.0f} tok/s")
+            progress.update(step + 1, losses, lr, rate)
             if (leader or args.fsdp) and args.save_every and (step + 1) % args.save_every == 0:
                 run_checkpoints.save(args.out, step + 1, model, optimizer, options.precision, {
                     "history": history, "tokens_seen": tokens_seen, "initial": initial,
                     "settings": run_checkpoints.settings(args)}, args.keep_last,
-                    sharded=parallel if args.fsdp else None)
+                    sharded=parallel if args.fsdp else None, files=files)
+        progress.close()
         seconds = time.perf_counter() - started
         if args.fsdp:  # the whole weights, gathered from every rank's shards
             full = parallel.full_state(model)
@@ -382,13 +359,14 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     for tier in initial:
         print(f"held-out loss tier {tier}: {initial[tier]:.3f} -> {final[tier]:.3f}")
 
-    save_pretrained(model, args.out)
+    save_pretrained(model, args.out, files=files)
     metrics = {"initial": initial, "final": final, "history": history,
                "world_size": world, "device": str(device), "precision": args.precision,
                "compile": args.compile, "batching": args.batching, "fsdp": args.fsdp,
                "tokens_per_second": round((tokens_seen - before) / seconds, 1)}
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-    print(f"wrote {args.out}/config.json, model.safetensors, metrics.json")
+    print(f"wrote the model to {args.out}/ (config.json, model.safetensors, "
+          f"{', '.join(sorted(files))}, metrics.json)")
     return metrics
 
 

@@ -19,6 +19,7 @@ overrides a key of the file, and a flag given on the command line overrides both
 from __future__ import annotations
 
 import argparse
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,8 @@ def _converted(action: argparse.Action, name: str, value: Any, base: Path) -> An
         raise ConfigError(f"{name} {value!r} is not one of "
                           f"{', '.join(map(str, action.choices))}.")
     if isinstance(converted, Path) and not converted.is_absolute():
-        converted = base / converted  # relative to the train.toml, like run.toml's paths
+        # relative to the train.toml, like run.toml's paths, and said without "examples/.."
+        converted = Path(os.path.normpath(base / converted))
     return converted
 
 

@@ -45,7 +45,8 @@ def built_aside(target: Path) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     building = temporary_sibling(target)
     try:
-        yield building
+        with _write_errors(target):
+            yield building
         fsync_tree(building)
         if target.is_dir() and not target.is_symlink():
             retired = temporary_sibling(target, "old")
@@ -54,17 +55,53 @@ def built_aside(target: Path) -> Iterator[Path]:
             shutil.rmtree(retired)
         else:
             os.replace(building, target)
-    except SafetensorError as err:  # safetensors writes through its own I/O and error type
+    finally:
+        _remove(building)
+    fsync_path(target.parent)
+
+
+@contextmanager
+def merged_aside(target: Path, last: str | None = None) -> Iterator[Path]:
+    """A fresh sibling folder for the block to fill; each entry of it then replaces its
+    namesake in the folder ``target`` (``last`` moved last), and whatever else ``target``
+    holds stays: a run's folder keeps its checkpoints and logs when its model is written.
+    Each entry appears whole; a missing ``target`` appears whole, as with ``built_aside``."""
+    target = Path(target)
+    if not target.is_dir():
+        with built_aside(target) as building:
+            yield building
+        return
+    building = temporary_sibling(target)
+    try:
+        with _write_errors(target):
+            yield building
+        fsync_tree(building)
+        for entry in sorted(building.iterdir(), key=lambda p: p.name == last):
+            _remove(target / entry.name)
+            entry.rename(target / entry.name)
+        fsync_path(target)
+    finally:
+        _remove(building)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
+def _write_errors(target: Path) -> Iterator[None]:
+    """safetensors writes through its own I/O and error type: its failed write becomes the
+    ``OSError`` it reports."""
+    try:
+        yield
+    except SafetensorError as err:
         failed = _os_error(err, target)
         if failed is None:
             raise
         raise failed from err
-    finally:
-        if building.is_dir():
-            shutil.rmtree(building, ignore_errors=True)
-        else:
-            building.unlink(missing_ok=True)
-    fsync_path(target.parent)
 
 
 def _os_error(err: SafetensorError, target: Path) -> OSError | None:

@@ -1,11 +1,14 @@
 """`matformer-eval`: held-out loss and perplexity of a checkpoint, per tier.
 
-    matformer-eval runs/standalone --data runs/python_docs.mdat --tiers 0,1,2
-    matformer-eval runs/testnet/checkpoints/round-150 --mix-n-match 0,0,1,2 --json eval.json
+    matformer-eval runs/standalone --tiers 0,1,2
+    matformer-eval runs/testnet/checkpoints/round-150 --data runs/python_docs.mdat \
+        --mix-n-match 0,0,1,2 --json eval.json
 
-By default it evaluates what ``matformer-train`` held out with the same ``--seed``,
-``--strategy``, ``--seq-len`` and ``--view``: the last 5% of the view's shuffle (sequences
-that carry a target), so its figures are the training run's held-out loss. ``--split all``
+By default it evaluates what ``matformer-train`` held out: the last 5% of the view's shuffle
+(sequences that carry a target), so its figures are the training run's held-out loss. A
+folder ``matformer-train`` wrote says what it trained on (``matformer_data.json``: container,
+strategy, view, sequence length, seed), and each option left out is taken from it; for any
+other checkpoint, ``--data`` names the container. ``--split all``
 evaluates every sequence of the view instead (a view kept apart for evaluation, say).
 Sequences go through in microbatches of ``--max-eval-tokens-per-microbatch`` padded tokens
 (and ``--max-examples-per-microbatch`` rows); one that runs out of memory is split in two
@@ -30,20 +33,29 @@ from modeling.commands import command_parser
 from modeling.devices import PRECISIONS, Precision, resolve_device
 from modeling.errors import MatformerError
 from modeling.matformer import Tier
-from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY, Mdat
+from modeling.mdat import DEFAULT_STRATEGY, Mdat
+from modeling.mdat.trained_on import RECORD_NAME, TrainedOn
 from modeling.training import held_out_loss, split_held_out, with_targets
+
+DEFAULT_SEQ_LEN = 256
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = command_parser("matformer-eval", __doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (config.json, weights)")
-    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="MDAT container")
-    parser.add_argument("--strategy", default=DEFAULT_STRATEGY["strategy_name"])
-    parser.add_argument("--view", default=None, help="view of the container (default: all)")
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--data", type=Path, default=None,
+                        help=f"MDAT container (default: the one the checkpoint's {RECORD_NAME} "
+                             "names)")
+    parser.add_argument("--strategy", default=None,
+                        help=f"(default: the run's, else {DEFAULT_STRATEGY['strategy_name']})")
+    parser.add_argument("--view", default=None,
+                        help="view of the container (default: the run's, else all)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"(default: the run's, else {DEFAULT_SEQ_LEN})")
     parser.add_argument("--split", choices=("held-out", "all"), default="held-out",
                         help="held-out: the tail matformer-train left out; all: the whole view")
-    parser.add_argument("--seed", type=int, default=0, help="of the shuffle (and of masks)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="of the shuffle (and of masks; default: the run's, else 0)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate at most N sequences")
     parser.add_argument("--tiers", default="0", help="comma-separated tiers")
     parser.add_argument("--mix-n-match", nargs="*", default=[], metavar="T0,T1,...",
@@ -55,6 +67,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     return parser.parse_args(argv)
+
+
+def with_run_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with what the checkpoint's run trained on wherever an option was left out."""
+    record = TrainedOn.read(args.checkpoint)
+    if args.data is None and record is None:
+        raise MatformerError(f"{args.checkpoint} does not say what it was trained on (no "
+                             f"{RECORD_NAME}); name the container with --data MDAT.")
+    fallback = {"data": None, "strategy": DEFAULT_STRATEGY["strategy_name"], "view": None,
+                "seq_len": DEFAULT_SEQ_LEN, "seed": 0}
+    for name, default in fallback.items():
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(record, name) if record is not None else default)
+    args.data = Path(args.data)
+    return args
 
 
 def tiers_of(args: argparse.Namespace) -> list[Tier]:
@@ -69,6 +96,7 @@ def tiers_of(args: argparse.Namespace) -> list[Tier]:
 
 def evaluate(args: argparse.Namespace) -> dict:
     """The figures ``args`` ask for, as ``--json`` writes them."""
+    args = with_run_defaults(args)
     device = resolve_device(args.device)
     model = load_pretrained(args.checkpoint, trust_remote_code=args.trust_remote_code).to(device)
     tiers = tiers_of(args)

@@ -3,10 +3,11 @@
     matformer-generate runs/standalone --tier 2 --prompt "def read_file(path):"
     matformer-generate CHECKPOINT --tier 0 --prompt "..." --temperature 0 --max-new-tokens 200
 
-Text goes through the tokenizer of the MDAT strategy the model was trained on (``--data
-MDAT --strategy S``), else through bytes (``ByteTokenizer``, the embedded corpus's) or the
-``tokenizer.json`` that ``--tokenizer`` names. Sampling: ``--temperature`` (0: greedy),
-``--top-k``, ``--top-p``, ``--seed``.
+Text goes through the checkpoint's own ``tokenizer.json`` (``matformer-train`` saves it with
+the model), else through the tokenizer of an MDAT strategy (``--data MDAT --strategy S``), the
+``tokenizer.json`` that ``--tokenizer`` names, or bytes (``--tokenizer bytes``, the
+embedded corpus's; the default for a checkpoint without a tokenizer). Sampling:
+``--temperature`` (0: greedy), ``--top-k``, ``--top-p``, ``--seed``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from modeling.devices import resolve_device
 from modeling.errors import MatformerError
 from modeling.generation import generate
 from modeling.mdat import DEFAULT_STRATEGY, Mdat
+from modeling.mdat.pretok_files import TOKENIZER_FILE
 from modeling.mdat.pretok_workers import build_splitter
 from modeling.tokenizers import build_text_tokenizer
 from modeling.tokenizers.text import TextTokenizer
@@ -39,7 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenizer", default="bytes", help="bytes, or a tokenizer.json")
+    parser.add_argument("--tokenizer", default=None,
+                        help="bytes, or a tokenizer.json (default: the checkpoint's own, else "
+                             "bytes)")
     parser.add_argument("--data", type=Path, default=None,
                         help="an MDAT: use the tokenizer of its --strategy instead")
     parser.add_argument("--strategy", default=DEFAULT_STRATEGY["strategy_name"])
@@ -51,13 +55,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
-    """The tokenizer of ``--data``'s ``--strategy`` (the one the model trained on), else
-    ``--tokenizer``'s."""
+    """The tokenizer of ``--data``'s ``--strategy``, else ``--tokenizer``'s, else the
+    checkpoint's own, else bytes."""
     if args.data is not None:
         with Mdat.open(args.data) as mdat:
             return build_splitter(mdat.path, mdat.strategy(args.strategy),
                                   args.trust_remote_code).tokenizer
-    if args.tokenizer == "bytes":
+    own = args.checkpoint / TOKENIZER_FILE
+    if args.tokenizer is None and own.is_file():
+        return build_text_tokenizer("huggingface", own)
+    if args.tokenizer in (None, "bytes"):
         return build_text_tokenizer("bytes", None)
     return build_text_tokenizer("huggingface", Path(args.tokenizer))
 

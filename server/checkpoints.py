@@ -1,6 +1,6 @@
 """The run's checkpoints: ``<run dir>/checkpoints/round-N`` (universal, Hugging Face layout,
-with the manifest) and ``round-N-tier<t>`` (the slice of every allowed tier > 0), written so
-that each appears whole or not at all. Which rounds are kept is the coordinator's call (it
+with the manifest, and inside it ``tier<t>/``, the slice of every allowed tier > 0), written
+so that each appears whole or not at all. Which rounds are kept is the coordinator's call (it
 lists them in state.json); the store writes, reads and removes folders.
 
     store = CheckpointStore(run_dir / "checkpoints", model_config, tiers=[0, 1, 2])
@@ -45,7 +45,7 @@ class CheckpointStore:
     def __init__(self, root: Path, model_config: ModelConfig, tiers: Sequence[int]) -> None:
         self.root = Path(root)
         self.model_config = model_config
-        self.sliced_tiers = [t for t in tiers if t > 0]  # exported beside the universal
+        self.sliced_tiers = [t for t in tiers if t > 0]  # exported inside the universal
 
     def path(self, round_index: int) -> Path:
         """The universal checkpoint after ``round_index`` rounds."""
@@ -57,8 +57,8 @@ class CheckpointStore:
     def write(self, round_index: int, master: Mapping[str, Tensor]) -> None:
         """``master`` (canonical names) as a universal checkpoint plus the slices of every
         allowed tier (so a client of any tier downloads only its slice), appearing whole or
-        not at all: all of it is written in ``.staging-round-N/``, fsynced, then the slices
-        and last the universal folder (which holds the manifest) are renamed into place."""
+        not at all: all of it is written in ``.staging-round-N/``, fsynced, then renamed
+        into place."""
         target = self.path(round_index)
         staging = target.parent / f"{STAGING_PREFIX}{target.name}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -68,12 +68,9 @@ class CheckpointStore:
         save_pretrained(model, staging / target.name)
         export_tiers(staging / target.name, self.sliced_tiers)
         fsync_tree(staging)
-        parts = sorted(staging.iterdir(), key=lambda p: p.name == target.name)  # universal last
-        for part in parts:
-            final = target.parent / part.name
-            if final.exists():  # left by a crash before state.json recorded this checkpoint
-                shutil.rmtree(final)
-            part.rename(final)
+        if target.exists():  # left by a crash before state.json recorded this checkpoint
+            shutil.rmtree(target)
+        (staging / target.name).rename(target)
         fsync_path(target.parent)
         staging.rmdir()
 
@@ -88,8 +85,9 @@ class CheckpointStore:
         return {n: t.detach().clone() for n, t in canonical_state_dict(model).items()}
 
     def keep_only(self, keep: Collection[int], *, why: str, level: int = logging.INFO) -> None:
-        """Remove every folder but those of the rounds in ``keep`` (universal, tier slices
-        and Mix'n'Match slices alike), and every staging folder, logging ``why``."""
+        """Remove every folder but those of the rounds in ``keep``, and every staging
+        folder, logging ``why``. Runs from before the slices moved inside their round's
+        folder have them beside it (``round-N-tier1``): they go with their round."""
         if not self.root.is_dir():
             return
         kept = {f"round-{r}" for r in keep}

@@ -8,7 +8,7 @@ again while it streams: ``send_file`` hashes the bytes it actually read, and a f
 under the transfer is cut off with DATA_LOSS instead of ending as good.
 
     files = served_files(coordinator.dir / "checkpoints")   # one per directory, gRPC and HTTP
-    path, sha256 = files.verified("round-4-tier1/model.safetensors")
+    path, sha256 = files.verified("round-4/tier1/model.safetensors")
     for chunk in files.chunks("round-4/matformer_manifest.json"): ...
 """
 

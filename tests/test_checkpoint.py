@@ -43,7 +43,7 @@ def test_universal_and_two_tier_slices_open_in_transformers_with_equal_logits(
     assert (source / (INDEX_NAME if shard else WEIGHTS_NAME)).is_file()
     export_tiers(source, [1, 2])
     for tier in (0, 1, 2):
-        directory = source if tier == 0 else tmp_path / f"tiny-tier{tier}"
+        directory = source if tier == 0 else source / f"tier{tier}"
         hf = transformers.LlamaForCausalLM.from_pretrained(directory).eval()
         assert hf.config.intermediate_size == 64 >> tier
         with torch.no_grad():
@@ -207,13 +207,13 @@ def test_export_writes_manifest_with_hashes_and_common_files(tmp_path):
     assert manifest.available_tiers() == ["0", "1", "2"]
     tier1 = manifest.entry(1)
     assert tier1.intermediate_size == 32
-    assert tier1.files[:2] == ["../tiny-tier1/config.json", "../tiny-tier1/" + INDEX_NAME]
+    assert tier1.files[:2] == ["tier1/config.json", "tier1/" + INDEX_NAME]
     listed = [f for e in manifest.tiers for f in e.files] + manifest.common_files
     assert sorted(manifest.sha256) == sorted(listed)
     for name, digest in manifest.sha256.items():
         assert sha256_of((source / name).resolve()) == digest
-    assert (tmp_path / "tiny-tier2" / "custom" / "modeling_extra.py").is_file()
-    config = json.loads((tmp_path / "tiny-tier2" / "config.json").read_text())
+    assert (source / "tier2" / "custom" / "modeling_extra.py").is_file()
+    config = json.loads((source / "tier2" / "config.json").read_text())
     assert (config["matformer_tier"], config["matformer_base_intermediate_size"],
             config["intermediate_size"]) == (2, 64, 16)
 
@@ -222,14 +222,14 @@ def test_export_refuses_a_slice_and_bad_tiers_leaving_nothing(tmp_path, capsys):
     source = save_pretrained(llama(intermediate_size=96), tmp_path / "tiny")
     export_tiers(source, [1])
     with pytest.raises(AlreadySliced, match="already the tier 1 slice"):
-        export_tiers(tmp_path / "tiny-tier1", [1])
-    before = sorted(p.name for p in tmp_path.iterdir())
+        export_tiers(source / "tier1", [1])
+    before = sorted(p.name for p in source.iterdir())
     with pytest.raises(TierError, match=r"96/2\*\*6 = 1\.5"):
         export_tiers(source, [2, 6])
     with pytest.raises(SystemExit) as exit_info:
         export_main(["--src", str(source), "--tiers", "6"])
     assert exit_info.value.code == 2 and "not a whole number" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert sorted(p.name for p in source.iterdir()) == before
 
 
 def test_failed_export_leaves_no_half_written_tier(tmp_path, monkeypatch):
@@ -246,7 +246,7 @@ def test_failed_export_leaves_no_half_written_tier(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         export_tiers(source, [1, 2])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
-    assert read_manifest(source) is None
+    assert sorted(p.name for p in source.iterdir()) == ["config.json", WEIGHTS_NAME]
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -119,7 +120,7 @@ def test_an_fsdp_run_resumes_bit_for_bit_and_on_any_number_of_ranks(docs, tmp_pa
             "--save-every", "2", "--keep-last", "3", "--track", "none"]
     straight = tmp_path / "straight"
     torchrun(2, *args, "--fsdp", "--out", str(straight))
-    saved = tmp_path / "straight.checkpoints"
+    saved = tmp_path / "straight" / "checkpoints"
     assert sorted(p.name for p in saved.iterdir()) == ["step-2", "step-4", "step-6"]
     # the checkpoint holds whole tensors: the optimizer's moments have the weights' shapes
     state = load_file(saved / "step-2" / "training_state.safetensors")
@@ -127,9 +128,12 @@ def test_an_fsdp_run_resumes_bit_for_bit_and_on_any_number_of_ranks(docs, tmp_pa
     embedding = weights["model.embed_tokens.weight"].shape
     assert embedding in {v.shape for k, v in state.items() if k.endswith("exp_avg")}
 
-    torchrun(2, *args, "--fsdp", "--resume", str(saved / "step-2"), "--out",
-             str(tmp_path / "resumed"))
-    torchrun(1, *args, "--resume", str(saved / "step-4"), "--out", str(tmp_path / "one"))
+    def copied(step, run):  # a checkpoint resumes into its own run: each gets a copy
+        shutil.copytree(saved / step, tmp_path / run / "checkpoints" / step)
+        return str(tmp_path / run / "checkpoints" / step)
+
+    torchrun(2, *args, "--fsdp", "--resume", copied("step-2", "resumed"))
+    torchrun(1, *args, "--resume", copied("step-4", "one"))
     final = load_file(straight / "model.safetensors")
     resumed = load_file(tmp_path / "resumed" / "model.safetensors")
     assert all(torch.equal(final[k], resumed[k]) for k in final)

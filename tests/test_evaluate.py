@@ -81,3 +81,29 @@ def test_one_sequence_that_does_not_fit_is_a_named_error(trained, tmp_path, monk
         run_eval(trained, tmp_path)
     assert exit_info.value.code == 2
     assert "does not fit in memory for evaluation" in capsys.readouterr().err
+
+
+def test_eval_reads_what_the_run_trained_on_from_its_folder(trained, tmp_path, capsys):
+    """It looked for runs/python_docs.mdat, a default the user never named: a folder
+    matformer-train wrote now says its container, strategy, view, seq_len and seed."""
+    out = tmp_path / "eval.json"
+    evaluate([str(trained / "run"), "--tiers", "0,1,2", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    final = json.loads((trained / "run" / "metrics.json").read_text())["final"]
+    assert figures["data"] == str((trained / "docs.mdat").resolve())
+    assert figures["seq_len"] == 128
+    for tier in ("0", "1", "2"):
+        assert figures["tiers"][tier]["loss"] == pytest.approx(final[tier], rel=1e-6)
+
+
+def test_a_checkpoint_that_names_no_data_asks_for_it_in_one_line(trained, tmp_path, capsys):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(trained / "run", bare, ignore=shutil.ignore_patterns("matformer_data.json"))
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate([str(bare)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"matformer-eval: error: {bare} does not say what it was trained on (no "
+        "matformer_data.json); name the container with --data MDAT.")

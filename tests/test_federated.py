@@ -475,7 +475,7 @@ def test_checkpoint_files_come_from_a_local_copy_when_their_sha256_matches(tmp_p
         # only the manifest comes from the coordinator; config and weights from the copy
         assert any(f"1 files downloaded, 3 from {mirror}" in line for line in logs), logs
         # a tampered copy is not used: the file comes from the coordinator instead
-        weights = next((mirror / "round-0-tier2").glob("*.safetensors"))
+        weights = next((mirror / "round-0" / "tier2").glob("*.safetensors"))
         weights.write_bytes(weights.read_bytes()[:-8] + b"tampered")
         logs.clear()
         c = FederatedClient(dataclasses.replace(c.options, tier=2, name="wary",

@@ -105,7 +105,7 @@ def test_ctrl_c_in_training_says_how_to_resume_without_a_traceback(tmp_path):
          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 120
-    while not (tmp_path / "run.checkpoints" / "step-2").is_dir():
+    while not (tmp_path / "run" / "checkpoints" / "step-2").is_dir():
         assert process.poll() is None and time.monotonic() < deadline, "no checkpoint"
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)
@@ -118,7 +118,7 @@ def test_ctrl_c_in_training_says_how_to_resume_without_a_traceback(tmp_path):
     assert program == "matformer-train"
     again = train_args(argv)
     assert again.out == out and again.steps == 2000
-    assert again.resume.parent == tmp_path / "run.checkpoints" and again.resume.is_dir()
+    assert again.resume.parent == tmp_path / "run" / "checkpoints" and again.resume.is_dir()
 
 
 def test_a_client_says_at_once_that_the_coordinator_does_not_answer():
@@ -144,34 +144,48 @@ def test_a_client_says_at_once_that_the_coordinator_does_not_answer():
     assert lines[0].endswith("retrying for up to 2 s")
 
 
-def test_the_models_vocabulary_follows_a_strategys_or_the_mismatch_is_one_line(tmp_path, capsys):
-    """A BPE strategy of more ids than the default model's 260 ended in a 60-line IndexError
-    from F.embedding. Now a run that names no model takes the strategy's vocabulary, and one
-    that names a smaller model is refused in one line naming both sizes."""
-    import json
-
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A container pretokenized by a BPE tokenizer of more ids than the default model's 260,
+    as a user builds one for their own data: (its folder, the tokenizer, its vocabulary)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from client.standalone import TINY
-    from client.standalone import main as train_main
     from modeling.mdat import Mdat
 
+    root = tmp_path_factory.mktemp("bpe")
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
     texts = [f"def read_{i}(path): return open(path).read() + {i * 7}" for i in range(300)]
     bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000,
                                                        special_tokens=["<unk>", "<eos>"]))
-    bpe.save(str(tmp_path / "tokenizer.json"))
-    ids = bpe.get_vocab_size()
-    assert ids > 260
-    with Mdat.create(tmp_path / "bpe.mdat") as mdat:
+    bpe.save(str(root / "tokenizer.json"))
+    with Mdat.create(root / "bpe.mdat") as mdat:
         mdat.add_records("t", ({"text": t} for t in texts))
         mdat.add_strategy({"strategy_name": "bpe", "tokenizer_type": "huggingface",
-                           "tokenizer_name": str(tmp_path / "tokenizer.json"),
+                           "tokenizer_name": str(root / "tokenizer.json"),
                            "chunk_size": 16})
         mdat.pretokenize("bpe")
-    common = ["--data", str(tmp_path / "bpe.mdat"), "--strategy", "bpe", "--seq-len", "32",
-              "--batch-tokens", "256", "--steps", "2", "--tiers", "0"]
+    return root, bpe, bpe.get_vocab_size()
+
+
+def bpe_training(root):
+    return ["--data", str(root / "bpe.mdat"), "--strategy", "bpe", "--seq-len", "32",
+            "--batch-tokens", "256", "--steps", "2", "--tiers", "0,1"]
+
+
+def test_the_models_vocabulary_follows_a_strategys_or_the_mismatch_is_one_line(bpe, tmp_path,
+                                                                               capsys):
+    """A BPE strategy of more ids than the default model's 260 ended in a 60-line IndexError
+    from F.embedding. Now a run that names no model takes the strategy's vocabulary, and one
+    that names a smaller model is refused in one line naming both sizes."""
+    import json
+
+    from client.standalone import TINY
+    from client.standalone import main as train_main
+
+    root, _, ids = bpe
+    assert ids > 260
+    common = bpe_training(root)
     train_main([*common, "--out", str(tmp_path / "taken")])
     assert f"the model's vocabulary is strategy 'bpe''s, {ids:,} ids" in capsys.readouterr().out
     saved = json.loads((tmp_path / "taken" / "config.json").read_text())
@@ -188,3 +202,138 @@ def test_the_models_vocabulary_follows_a_strategys_or_the_mismatch_is_one_line(t
                     "model's vocab_size to at least that, or name no model to take the "
                     "strategy's.")
     assert not (tmp_path / "refused" / "model.safetensors").exists()
+
+
+def test_a_model_trained_on_a_users_bpe_opens_with_autotokenizer_and_pipeline(bpe, tmp_path):
+    """Checkpoints carried no tokenizer: AutoTokenizer and pipeline("text-generation") failed
+    with an opaque transformers error, and matformer-generate died without --data. Now the
+    model folder, its checkpoints and its slices hold tokenizer.json and its config."""
+    import json
+
+    from transformers import AutoTokenizer, pipeline
+
+    from client.standalone import main as train_main
+    from scripts.export_matformer_tiers import main as export_main
+
+    root, tokenizer, _ = bpe
+    out = tmp_path / "model"
+    train_main([*bpe_training(root), "--out", str(out), "--save-every", "2"])
+    export_main(["--src", str(out), "--tiers", "1"])
+    text = "def read_12(path): return open(path).read()"
+    eos = tokenizer.token_to_id("<eos>")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == eos
+    for folder in (out, out / "checkpoints" / "step-2", out / "tier1"):
+        loaded = AutoTokenizer.from_pretrained(folder)
+        assert loaded(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text).ids
+        assert loaded.eos_token_id == eos
+
+    generator = pipeline("text-generation", model=str(out))
+    written = generator(text, max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert written.startswith(text) and len(written) > len(text)
+
+    said = subprocess.run(
+        [sys.executable, "-m", "scripts.generate", str(out), "--prompt", text,
+         "--max-new-tokens", "4", "--temperature", "0"],
+        capture_output=True, text=True, timeout=120)
+    assert said.returncode == 0, said.stderr
+    assert said.stdout.startswith(text)
+
+
+def test_a_run_is_one_folder_and_its_slices_follow_its_weights(tmp_path, monkeypatch):
+    """A run spread over OUT/, OUT.checkpoints/, OUT.tensorboard/ and OUT-tierN/, and after a
+    second run into the same OUT, --load-strategy auto loaded the first run's stale slice."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from client.standalone import main as train_main
+    from modeling.checkpoint.loader import resolve
+    from modeling.errors import SliceMismatch
+    from modeling.mdat import build_default_mdat
+    from modeling.tokenizers import ByteTokenizer
+    from scripts.export_matformer_tiers import main as export_main
+
+    build_default_mdat(tmp_path / "docs.mdat", limit=80).close()
+    common = ["--data", str(tmp_path / "docs.mdat"), "--steps", "2", "--batch-tokens", "512",
+              "--seq-len", "128", "--tiers", "0,1", "--save-every", "2"]
+    run = tmp_path / "run"
+    train_main([*common, "--out", str(run)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.mdat", "run"]
+    assert {"checkpoints", "tensorboard", "tokenizer.json", "matformer_data.json"} <= {
+        p.name for p in run.iterdir()}
+    text = "héllo, wörld\n\tdef f(): pass"
+    assert AutoTokenizer.from_pretrained(run)(text, add_special_tokens=False)["input_ids"] \
+        == ByteTokenizer().encode(text)
+
+    export_main(["--src", str(run), "--tiers", "1"])
+    assert resolve(run, 1, "auto").used == "sliced"
+    stale = shutil.copytree(run / "tier1", tmp_path / "stale")
+
+    train_main([*common, "--out", str(run), "--seed", "1"])  # other weights, same folder
+    assert not (run / "tier1").exists() and not (run / "matformer_manifest.json").exists()
+    assert (run / "checkpoints" / "step-2").is_dir() and (run / "tensorboard").is_dir()
+    shutil.copytree(stale, run / "tier1")  # the old slice, without a manifest
+    resolved = resolve(run, 1, "auto")
+    assert resolved.used == "universal" and "cut from other weights" in resolved.reason
+    with pytest.raises(SliceMismatch, match="cut from other weights"):
+        resolve(run, 1, "sliced")
+
+    shutil.rmtree(run)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.mdat", "stale"]
+
+
+def test_a_checkpoint_resumes_into_its_own_run_or_is_refused(tmp_path, monkeypatch, capsys):
+    """--resume OTHER/checkpoints/step-N without --out wrote into runs/standalone, replacing
+    another run's model. A checkpoint now knows its run and goes on there."""
+    from client.standalone import main as train_main
+    from modeling.checkpoint.manifest import sha256_of
+    from modeling.mdat import build_default_mdat
+
+    monkeypatch.chdir(tmp_path)
+    build_default_mdat(tmp_path / "docs.mdat", limit=80).close()
+    common = ["--data", str(tmp_path / "docs.mdat"), "--steps", "4", "--batch-tokens", "512",
+              "--seq-len", "128", "--tiers", "0", "--save-every", "2", "--track", "none"]
+    train_main([*common, "--out", "first"])
+    train_main([*common, "--out", "second"])
+    first = sha256_of(tmp_path / "first" / "model.safetensors")
+    second = sha256_of(tmp_path / "second" / "model.safetensors")
+
+    with pytest.raises(SystemExit) as exited:
+        train_main([*common, "--resume", "first/checkpoints/step-2", "--out", "second"])
+    assert exited.value.code == 2
+    assert (f"is a checkpoint of the run in {tmp_path / 'first'}, which goes on there"
+            in capsys.readouterr().err)
+    assert sha256_of(tmp_path / "second" / "model.safetensors") == second
+
+    train_main([*common, "--resume", "first/checkpoints/step-2"])
+    assert not (tmp_path / "runs").exists()  # not the default folder
+    assert sha256_of(tmp_path / "first" / "model.safetensors") == first  # the same run again
+    assert sha256_of(tmp_path / "second" / "model.safetensors") == second
+
+
+def test_a_damaged_token_file_is_named_when_the_data_is_opened(tmp_path, capsys):
+    """A token file with flipped bytes went unnoticed until evaluation crashed in the
+    embedding lookup; every id is now checked against the strategy's vocabulary on opening."""
+    import numpy as np
+
+    from client.standalone import main as train_main
+    from modeling.errors import MdatCorrupt
+    from modeling.mdat import DEFAULT_STRATEGY, Mdat, build_default_mdat
+
+    build_default_mdat(tmp_path / "docs.mdat", limit=40).close()
+    [tokens] = (tmp_path / "docs.mdat").rglob("tokens.npy")
+    damaged = np.load(tokens, mmap_mode="r+")
+    damaged[1234] |= 0x4000  # a flipped bit: id 16,4xx in a vocabulary of 260
+    damaged.flush()
+    del damaged
+    with Mdat.open(tmp_path / "docs.mdat") as mdat, pytest.raises(
+            MdatCorrupt, match=r"tokens\.npy holds token id 16,\d+ \(first at token 1,234\), "
+                               r"outside the strategy's vocabulary 0\.\.259"):
+        mdat.sequences(DEFAULT_STRATEGY["strategy_name"], 128)
+    with pytest.raises(SystemExit) as exited:
+        train_main(["--data", str(tmp_path / "docs.mdat"), "--steps", "1", "--out",
+                    str(tmp_path / "run")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("matformer-train: error: ") and "the file is damaged" in err
+    assert len(err.strip().splitlines()) == 1

@@ -55,7 +55,7 @@ def test_strategies_with_manifest(exported, universal, strategy, tier, used, wid
     assert resolved.used == used
     assert model.config.intermediate_size == width
     fetched = "\n".join(resolved.files)
-    assert ("tiny-tier" in fetched) == (used == "sliced")
+    assert ("tiny/tier" in fetched) == (used == "sliced")
     assert "tokenizer.json" in fetched
     torch.testing.assert_close(logits(model, tier), logits(universal, tier))
 
@@ -70,8 +70,8 @@ def test_auto_falls_back_to_universal_sliced_at_load(exported, universal):
 
 
 def test_sliced_names_missing_files(exported):
-    (exported.parent / "tiny-tier2" / "config.json").unlink()
-    with pytest.raises(IncompleteTier, match=r"missing: tiny-tier2/config\.json"):
+    (exported / "tier2" / "config.json").unlink()
+    with pytest.raises(IncompleteTier, match=r"missing: tiny/tier2/config\.json"):
         resolve(exported, 2, "sliced")
 
 
@@ -158,17 +158,17 @@ def test_metadata_inference_refuses_non_power_of_two():
 
 
 def test_slice_without_metadata_gets_it_from_the_manifest(exported, universal):
-    config_path = exported.parent / "tiny-tier1" / "config.json"
+    config_path = exported / "tier1" / "config.json"
     data = json.loads(config_path.read_text())
     del data["matformer_tier"], data["matformer_base_intermediate_size"]
     config_path.write_text(json.dumps(data))
-    edit_manifest(exported, lambda d: d["sha256"].pop("../tiny-tier1/config.json"))
+    edit_manifest(exported, lambda d: d["sha256"].pop("tier1/config.json"))
     model, _ = load_for_tier(exported, 1, "sliced")
     assert (model.config.matformer_tier, model.config.matformer_base_intermediate_size) == (1, 64)
 
 
 def test_a_slice_is_never_sliced_again(exported, universal):
-    slice_dir = exported.parent / "tiny-tier1"
+    slice_dir = exported / "tier1"
     for strategy in ("auto", "sliced"):
         model, resolved = load_for_tier(slice_dir, 1, strategy)
         assert resolved.used == "sliced" and "already the tier 1 slice" in resolved.reason
@@ -190,7 +190,7 @@ def test_hub_repository_fetches_only_the_tier(exported, universal, tmp_path, mon
     snapshot.mkdir(parents=True)
     for name in (MANIFEST_NAME, "config.json", "tokenizer.json"):
         shutil.copy(exported / name, snapshot / name)
-    shutil.copytree(exported.parent / "tiny-tier1", snapshot / "tiny-tier1")
+    shutil.copytree(exported / "tier1", snapshot / "tier1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
 
     model, resolved = load_for_tier("org/tiny", 1, "auto", cache_dir=cache)
@@ -232,8 +232,8 @@ def test_mix_n_match_export_and_load(tmp_path, universal):
     assert [e["tier"] for e in manifest["tiers"]] == [0, 1]  # integers only (schema v1)
     mix = next(e for e in manifest["mix_n_match"] if e["layer_tiers"] == [0, 1])
     assert mix["intermediate_size"] == 64 and "tier" not in mix
-    assert mix["files"][0] == "../tiny-mix-0-1/config.json"
-    config = json.loads((tmp_path / "tiny-mix-0-1" / "config.json").read_text())
+    assert mix["files"][0] == "mix-0-1/config.json"
+    config = json.loads((source / "mix-0-1" / "config.json").read_text())
     assert config["model_type"] == "matformer" and config["matformer_layer_tiers"] == [0, 1]
 
     for tiers in ([0, 1], [1, 2]):
@@ -263,7 +263,7 @@ def test_a_mix_n_match_slice_is_not_taken_for_universal(tmp_path, universal):
     source = save_pretrained(universal, tmp_path / "tiny")
     export_tiers(source, [], mix_n_match=[[0, 1]])
     with pytest.raises(AlreadySliced, match="tier mix:0,1 slice"):
-        resolve(tmp_path / "tiny-mix-0-1", 0, "universal")
-    model, resolved = load_for_tier(tmp_path / "tiny-mix-0-1", [0, 1], "auto")
+        resolve(source / "mix-0-1", 0, "universal")
+    model, resolved = load_for_tier(source / "mix-0-1", [0, 1], "auto")
     assert resolved.used == "sliced"
     torch.testing.assert_close(logits(model), logits(universal, [0, 1]))

@@ -62,7 +62,7 @@ def keep_files(tier, keep):
 
 
 def test_entry_listing_no_weights_is_refused_not_read_from_the_folder(exported, universal):
-    tier1 = exported.parent / "tiny-tier1" / WEIGHTS_NAME
+    tier1 = exported / "tier1" / WEIGHTS_NAME
     tamper(tier1)  # the manifest still holds the sha256 of the file as exported
     edit_manifest(exported, keep_files(1, lambda f: f.endswith("config.json")))
     with pytest.raises(IncompleteTier, match="entry for tier 1 lists no weights"):
@@ -80,7 +80,7 @@ def test_only_the_listed_weights_are_read(tmp_path, universal):
     other = save_pretrained(AutoregressiveModel(tiny_config(intermediate_size=32)),
                             tmp_path / "other", max_shard_bytes=8_000)
     for stray in other.glob("model*"):
-        shutil.copy(stray, tmp_path / "tiny-tier1" / stray.name)
+        shutil.copy(stray, source / "tier1" / stray.name)
     model, resolved = load_for_tier(source, 1, "sliced")
     assert resolved.weights == [WEIGHTS_NAME]
     torch.testing.assert_close(logits(model), logits(universal, 1))
@@ -146,8 +146,8 @@ def test_mix_n_match_entries_keep_schema_v1_readable(tmp_path, universal):
     data = json.loads((source / MANIFEST_NAME).read_text())
     assert sorted(psyche_tiers(data)) == [0, 1, 2]
     assert data["mix_n_match"] == [{"layer_tiers": [0, 1], "intermediate_size": 64,
-                                    "files": ["../tiny-mix-0-1/config.json",
-                                              "../tiny-mix-0-1/model.safetensors"]}]
+                                    "files": ["mix-0-1/config.json",
+                                              "mix-0-1/model.safetensors"]}]
     assert Manifest.from_dict(data).available_tiers() == ["0", "1", "2", "mix:0,1"]
 
 
@@ -182,9 +182,10 @@ def test_export_shares_only_what_a_tier_needs(tmp_path, universal, caplog, capsy
     source = save_pretrained(universal, tmp_path / "tiny")
     shared = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "generation_config.json", "modeling_extra.py", "pkg/layers.py"]
-    left = ["training_state.safetensors", "training_state.json", "README.md",
-            "logs/metrics.jsonl"]
-    for name in shared + left:
+    left = ["training_state.safetensors", "training_state.json", "README.md"]
+    unseen = ["logs/metrics.jsonl", "checkpoints/step-4/config.json",
+              "checkpoints/step-4/code/modeling_old.py"]  # a run's logs and checkpoints
+    for name in shared + left + unseen:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_text("{}")
     (source / ".cache").mkdir()
@@ -193,12 +194,13 @@ def test_export_shares_only_what_a_tier_needs(tmp_path, universal, caplog, capsy
         export_main(["--src", str(source), "--tiers", "1"])
     manifest = read_manifest(source)
     assert manifest.common_files == sorted(shared)
-    tier1 = tmp_path / "tiny-tier1"
+    tier1 = source / "tier1"
     assert sorted(p.relative_to(tier1).as_posix() for p in tier1.rglob("*") if p.is_file()) == \
         sorted(["config.json", WEIGHTS_NAME, *shared])
-    assert all(not any(name in f for f in manifest.sha256) for name in left)
+    assert all(not any(name in f for f in manifest.sha256) for name in left + unseen)
     assert "left out of the tier slices" in caplog.text
     assert all(name in caplog.text for name in left) and ".cache" not in caplog.text
+    assert not any(name in caplog.text for name in unseen)
 
 
 # -- 6. psyche's optional widths --------------------------------------------------------------
@@ -231,14 +233,14 @@ def test_base_width_follows_from_any_entry(exported):
 
 
 def test_config_with_base_width_but_no_tier(exported, universal):
-    config_path = exported.parent / "tiny-tier2" / "config.json"
+    config_path = exported / "tier2" / "config.json"
     data = json.loads(config_path.read_text())
     del data["matformer_tier"]
     assert from_config_dict(data).matformer_tier == 2
     config_path.write_text(json.dumps(data))
-    edit_manifest(exported, lambda d: d["sha256"].pop("../tiny-tier2/config.json"))
+    lone = shutil.move(exported / "tier2", exported.parent / "lone")
     shutil.rmtree(exported)  # no manifest hint: the folder alone says what it is
-    model, resolved = load_for_tier(exported.parent / "tiny-tier2", 2, "auto")
+    model, resolved = load_for_tier(lone, 2, "auto")
     assert "already the tier 2 slice" in resolved.reason
     torch.testing.assert_close(logits(model), logits(universal, 2))
 
@@ -250,22 +252,34 @@ def test_widths_that_are_no_tier_are_refused(width):
                        tier=None, base=None)
 
 
-# -- 8. slices beside the universal folder, without a manifest ------------------------------
+# -- 8. slices without a manifest: inside the universal folder, or beside it (psyche) ---------
 
 
+def as_siblings(source):
+    """psyche-elastic's layout: the slices beside the universal folder, no manifest."""
+    (source / MANIFEST_NAME).unlink(missing_ok=True)
+    for folder in [p for p in source.iterdir() if p.is_dir()]:
+        folder.rename(source.parent / f"{source.name}-{folder.name}")
+
+
+@pytest.mark.parametrize("layout", ["inside", "beside"])
 @pytest.mark.parametrize("strategy", ["auto", "sliced"])
-def test_sibling_folder_without_manifest(exported, universal, strategy):
+def test_slice_folder_without_manifest(exported, universal, strategy, layout):
     (exported / MANIFEST_NAME).unlink()
+    if layout == "beside":
+        as_siblings(exported)
     model, resolved = load_for_tier(exported, 1, strategy)
-    assert resolved.used == "sliced" and "sibling folder tiny-tier1" in resolved.reason
+    where = "tiny/tier1" if layout == "inside" else "tiny-tier1"
+    assert resolved.used == "sliced" and f"in the folder {where}/" in resolved.reason
     assert model.config.intermediate_size == 32
     torch.testing.assert_close(logits(model), logits(universal, 1))
-    with pytest.raises(ManifestMissing, match="no slice folder tiny-tier3"):
+    with pytest.raises(ManifestMissing, match="no slice folder tiny/tier3/ or tiny-tier3"):
         resolve(exported, 3, "sliced")
 
 
 @pytest.mark.parametrize("strategy", ["auto", "sliced"])
 def test_sibling_without_the_universal_folder(exported, universal, strategy):
+    as_siblings(exported)
     shutil.rmtree(exported)
     model, resolved = load_for_tier(exported, 2, strategy)
     assert resolved.used == "sliced" and "unchecked against a universal" in resolved.reason
@@ -275,7 +289,7 @@ def test_sibling_without_the_universal_folder(exported, universal, strategy):
 
 
 def test_sibling_of_another_tier_or_model_is_refused(exported, universal, tmp_path):
-    (exported / MANIFEST_NAME).unlink()
+    as_siblings(exported)
     shutil.rmtree(tmp_path / "tiny-tier1")
     shutil.copytree(tmp_path / "tiny-tier2", tmp_path / "tiny-tier1")  # misnamed folder
     with pytest.raises(SliceMismatch, match="holds tier 2, not 1"):
@@ -287,6 +301,7 @@ def test_sibling_of_another_tier_or_model_is_refused(exported, universal, tmp_pa
     other = AutoregressiveModel(tiny_config(num_key_value_heads=4))
     save_pretrained(other, tmp_path / "other")
     export_tiers(tmp_path / "other", [2])
+    as_siblings(tmp_path / "other")
     shutil.rmtree(tmp_path / "tiny-tier2")
     shutil.copytree(tmp_path / "other-tier2", tmp_path / "tiny-tier2")
     with pytest.raises(SliceMismatch, match="another model than the universal"):
@@ -297,7 +312,7 @@ def test_sibling_of_another_tier_or_model_is_refused(exported, universal, tmp_pa
 def test_mix_n_match_sibling(tmp_path, universal):
     source = save_pretrained(universal, tmp_path / "tiny")
     export_tiers(source, [], mix_n_match=[[0, 2]])
-    (source / MANIFEST_NAME).unlink()
+    as_siblings(source)
     model, resolved = load_for_tier(source, [0, 2], "sliced")
     assert resolved.used == "sliced" and "tiny-mix-0-2" in resolved.reason
     torch.testing.assert_close(logits(model), logits(universal, [0, 2]))

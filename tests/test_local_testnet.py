@@ -168,7 +168,7 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     run = tmp_path / "run"
     checkpoints = run / "checkpoints"
     assert (checkpoints / "round-8" / "config.json").is_file()
-    assert (checkpoints / "round-8-tier1" / "config.json").is_file()
+    assert (checkpoints / "round-8" / "tier1" / "config.json").is_file()
     assert list(checkpoints.rglob("matformer_manifest.json"))
     assert (run / "loss.png").read_bytes().startswith(b"\x89PNG")
     summary = json.loads((run / "summary.json").read_text())

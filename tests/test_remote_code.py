@@ -111,15 +111,15 @@ def saved(tmp_path_factory):
             if name in SLICED:  # the user's FFN reads one width: no Mix'n'Match for it
                 export_tiers(root / name, [1], mix_n_match=SLICED[name])
                 tiers = [1, *SLICED[name]]
-                for tier, folder in zip(tiers, [f"{name}-tier1", *(
-                        f"{name}-mix-" + "-".join(map(str, t)) for t in SLICED[name])],
+                for tier, folder in zip(tiers, [f"{name}/tier1", *(
+                        f"{name}/mix-" + "-".join(map(str, t)) for t in SLICED[name])],
                         strict=True):
                     expected[str(root / folder)] = model(torch.tensor(IDS), tier=tier)
         if name == "sinusoidal_geglu_own_hook":  # as the coordinator writes its rounds
             store = CheckpointStore(root / "checkpoints", model.config, tiers=[0, 1])
             store.write(3, canonical_state_dict(model))
             with torch.no_grad():
-                for tier, folder in ((None, "round-3"), (1, "round-3-tier1")):
+                for tier, folder in ((None, "round-3"), (1, "round-3/tier1")):
                     expected[str(root / "checkpoints" / folder)] = model(torch.tensor(IDS),
                                                                          tier=tier)
     shutil.rmtree(modules)
@@ -155,7 +155,7 @@ def test_the_config_names_the_code_and_the_packed_modules_relative_to_it(saved):
     plain = json.loads((root / "learnable_gelu_post_norm_tied" / "config.json").read_text())
     assert plain["external_modules_path"] is None  # uses none of the user's modules
     assert not (root / "learnable_gelu_post_norm_tied" / "rc_components.py").exists()
-    slice_config = json.loads((root / "alibi_layernorm_own_ffn_and_hook-tier1/config.json")
+    slice_config = json.loads((root / "alibi_layernorm_own_ffn_and_hook/tier1/config.json")
                               .read_text())
     assert slice_config["external_modules_path"] == ["rc_components.py"]
 
@@ -205,4 +205,4 @@ def test_a_client_loads_a_packed_slice_through_the_manifest(saved, strategy):
     model, _ = load_for_tier(source, 1, strategy)
     tier = 1 if strategy == "universal" else None  # universal: the whole model, run at tier 1
     with torch.no_grad():
-        assert torch.equal(model(torch.tensor(IDS), tier=tier), expected[f"{source}-tier1"])
+        assert torch.equal(model(torch.tensor(IDS), tier=tier), expected[f"{source}/tier1"])

@@ -216,7 +216,7 @@ def test_replay_api_for_a_late_joiner(tmp_path, mdat_path):
     drive(c, clock, cid, 5)
     ref = c.latest_checkpoint()
     assert ref.round == 4 and ref.path.name == "round-4"
-    assert (ref.path.parent / "round-4-tier1" / "config.json").is_file()  # tier 1's slice
+    assert (ref.path / "tier1" / "config.json").is_file()  # tier 1's slice
     # the log keeps the rounds since the checkpoint before the latest (round-2)
     with pytest.raises(UpdatesPruned):
         c.updates_since(1)

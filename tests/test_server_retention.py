@@ -34,14 +34,14 @@ def test_the_first_checkpoint_stays_by_default(tmp_path, mdat_path):
     c, clock, cid = retaining(tmp_path, mdat_path, keep_first=True)
     drive(c, clock, cid, 8)
     assert c.state.checkpoints == [0, 6, 8]
-    assert folders(c) == [f"round-{r}{t}" for r in (0, 6, 8) for t in ("", "-tier1")]
+    assert folders(c) == [f"round-{r}" for r in (0, 6, 8)]
 
 
 def test_only_the_newest_checkpoints_stay_and_the_run_resumes_from_them(tmp_path, mdat_path):
     c, clock, cid = retaining(tmp_path, mdat_path, keep_first=False)
     drive(c, clock, cid, 7)
     assert c.state.checkpoints == [4, 6]
-    assert folders(c) == ["round-4", "round-4-tier1", "round-6", "round-6-tier1"]
+    assert folders(c) == ["round-4", "round-6"]
     # the update log starts at the checkpoint before the latest, so both stay loadable
     assert [u.round for u in c.updates_since(4)] == [4, 5, 6]
     assert c.latest_checkpoint().round == 6
@@ -61,7 +61,7 @@ def test_a_crash_between_retiring_and_removing_is_cleaned_up_on_start(tmp_path, 
     assert c.state.checkpoints == [4, 6] and "round-2" in folders(c)
     monkeypatch.undo()
     again = Coordinator(c.config, clock=clock)
-    assert folders(again) == ["round-4", "round-4-tier1", "round-6", "round-6-tier1"]
+    assert folders(again) == ["round-4", "round-6"]
     assert same(again.master, c.master)
 
 
@@ -78,7 +78,7 @@ def test_a_failed_save_while_retiring_keeps_every_checkpoint(tmp_path, mdat_path
     monkeypatch.setattr(Coordinator, "save", full_when_retiring)
     drive(c, clock, cid, 2)
     assert c.state.round == 6 and c.state.checkpoints == [2, 4, 6]
-    assert folders(c) == [f"round-{r}{t}" for r in (2, 4, 6) for t in ("", "-tier1")]
+    assert folders(c) == [f"round-{r}" for r in (2, 4, 6)]
 
 
 def test_keep_last_below_two_is_refused():

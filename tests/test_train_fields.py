@@ -190,10 +190,10 @@ def test_microbatch_limits_shape_every_pass(data, tmp_path, monkeypatch, key, va
 
 def test_checkpoint_keys_write_and_prune_step_folders(data, tmp_path):
     run(data, tmp_path, "training.save_every=2", "training.keep_last=2")
-    assert sorted(p.name for p in (tmp_path / "run.checkpoints").iterdir()) == \
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == \
         ["step-4", "step-6"]
     run(data, tmp_path / "three", "training.save_every=1", "training.keep_last=3")
-    assert sorted(p.name for p in (tmp_path / "three/run.checkpoints").iterdir()) == \
+    assert sorted(p.name for p in (tmp_path / "three/run/checkpoints").iterdir()) == \
         ["step-4", "step-5", "step-6"]
 
 
@@ -220,9 +220,9 @@ def test_logging_keys_choose_where_and_how_often(data, tmp_path, capsys):
     assert result["out"] == tmp_path / "elsewhere" and not (tmp_path / "run").exists()
     printed = capsys.readouterr().out
     assert [line.split()[1] for line in printed.splitlines() if line.startswith("step ")] == \
-        ["2", "4", "6"]
+        ["2/6", "4/6", "6/6"]
     assert (tmp_path / "elsewhere" / "model.safetensors").is_file()
-    assert any((tmp_path / "elsewhere.tensorboard").iterdir())
+    assert any((tmp_path / "elsewhere" / "tensorboard").iterdir())
 
 
 def test_project_names_the_tracked_run(data, tmp_path, monkeypatch):

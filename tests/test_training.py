@@ -179,7 +179,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 120
-    checkpoints = tmp_path / "killed.checkpoints"
+    checkpoints = out / "checkpoints"
     while not (checkpoints / "step-8").is_dir() and process.poll() is None:
         assert time.monotonic() < deadline, "no checkpoint within 2 minutes"
         time.sleep(0.05)
@@ -208,7 +208,7 @@ def test_resume_under_other_settings_is_refused_naming_them(tmp_path, capsys):
               "--out", str(tmp_path / "run"), "--save-every", "2"]
     main(common)
     with pytest.raises(SystemExit) as exit_info:
-        main([*common, "--lr", "0.01", "--resume", str(tmp_path / "run.checkpoints/step-4")])
+        main([*common, "--lr", "0.01", "--resume", str(tmp_path / "run/checkpoints/step-4")])
     assert exit_info.value.code == 2
     assert "--lr '0.003' (now '0.01')" in capsys.readouterr().err
 
@@ -220,7 +220,7 @@ def test_training_writes_tensorboard_events_with_the_expected_tags(tmp_path):
     main(["--data", str(tmp_path / "docs.mdat"), "--steps", "5", "--warmup-steps", "1",
           "--batch-tokens", "512", "--seq-len", "128", "--tiers", "0,2",
           "--out", str(tmp_path / "run")])
-    events = EventAccumulator(str(tmp_path / "run.tensorboard"))
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert tags == {"loss/tier_0", "loss/tier_2", "lr", "tokens_per_second", "grad_norm",
@@ -313,7 +313,7 @@ def test_the_schedule_holds_then_decays_to_final_lr(small_docs, tmp_path):
 def test_epochs_reshuffle_per_epoch_reproducibly_and_cover_every_sequence(small_docs, tmp_path):
     from argparse import Namespace
 
-    from client.standalone import Epochs
+    from client.epochs import Epochs
 
     ids, lengths = np.arange(100, 160), np.random.default_rng(0).integers(5, 120, 200)
     args = Namespace(seed=1, batching="packed", batch_tokens=256, seq_len=128, steps=None,

@@ -23,7 +23,7 @@ from protocol.matformer.v1 import coordinator_pb2 as pb
 from server.config import RunConfig
 from server.main import RunningServer
 
-SLICE = "round-0-tier1/model.safetensors"  # listed only as ../round-0-tier1/... in round-0's
+SLICE = "round-0/tier1/model.safetensors"  # listed only as tier1/... in round-0's
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_a_download_damaged_in_transit_is_refused_and_fetched_again(running, cor
     model = load(resolved)
     assert sent[:3] == [MANIFEST_NAME, "config.json", "config.json"]
     assert files.downloaded == [f"round-0/{MANIFEST_NAME}", "round-0/config.json",
-                                "round-0-tier1/config.json", SLICE]
+                                "round-0/tier1/config.json", SLICE]
     (line,) = logs
     assert "refused download 1 of 3 of round-0/config.json" in line and "sha256" in line
     master = server.service.coordinator.master
@@ -180,4 +180,4 @@ def test_a_download_damaged_every_time_fails_after_three_attempts(running, corru
         files.fetch(SLICE)
     assert SLICE in str(err.value) and "sha256" in str(err.value)
     assert len(sent) == DOWNLOAD_ATTEMPTS == len(logs)
-    assert list((tmp_path / "cache" / "round-0-tier1").iterdir()) == []
+    assert list((tmp_path / "cache" / "round-0" / "tier1").iterdir()) == []

@@ -1,20 +1,28 @@
 """Export tier slices of a universal checkpoint, and the manifest that lists them.
 
-Each tier ``t`` becomes ``<name>-tier<t>/`` beside the source: a complete checkpoint (config,
-weights sharded like the source, common files) that plain ``transformers`` can open. The
-manifest goes in the source directory. Every tier directory is staged first and renamed
-into place only once all of them were written; the manifest is written last.
+Each tier ``t`` becomes the folder ``tier<t>/`` inside the source (``mix-0-0-1-2/`` for a
+Mix'n'Match list): a complete checkpoint (config, weights sharded like the source, common
+files) that plain ``transformers`` can open, so one folder holds a model and all its slices
+(``rm -r`` takes them together). Every slice is staged first and renamed into place only once
+all of them were written; the manifest, in the source folder, is written last, and slices of
+an earlier export that this one did not write again are removed after it.
 
-Common files are what a tier needs besides its config and weights: the tokenizer's files,
+Each slice's ``config.json`` records the digest of the weights it was cut from
+(``matformer_source_sha256``), so a loader can tell a slice of these very weights from one
+of a model that has since been trained further or replaced.
+
+Common files are what a tier needs besides its config and weights: the tokenizer's files and
 ``generation_config.json`` (in the source's top folder) and custom code (``*.py``, in any
-folder). Anything else (optimizer state, READMEs, logs) stays out of the slices, which every
-client of the tier downloads, and the export says which files it left out.
+folder but another checkpoint's). Any other file of the top folder (metrics, READMEs) stays
+out of the slices, which every client of the tier downloads, and the export says which it
+left out; subfolders holding checkpoints or logs (a run's ``checkpoints/``) are not looked at.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -30,13 +38,21 @@ from modeling.checkpoint.files import (
     write_json,
     write_weights,
 )
-from modeling.checkpoint.hf_config import is_llama_shaped, to_config_dict
-from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, TierEntry, sha256_of
+from modeling.checkpoint.hf_config import SOURCE_KEY, is_llama_shaped, to_config_dict
+from modeling.checkpoint.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    TierEntry,
+    is_slice_folder,
+    sha256_of,
+    slice_folder,
+    weights_digest,
+)
 from modeling.checkpoint.pretrained import read_config
 from modeling.checkpoint.remote_code import listed_modules, pack_code
 from modeling.checkpoint.slicing import slice_state
 from modeling.errors import AlreadySliced, TierError
-from modeling.matformer import Tier, layer_widths
+from modeling.matformer import layer_widths
 
 log = logging.getLogger("matformer.checkpoint")
 
@@ -57,27 +73,32 @@ def common_files(source: Path) -> tuple[list[str], list[str]]:
     own = {CONFIG_NAME, MANIFEST_NAME, *weight_files(source)}
     shared, left_out = [], []
     for path in sorted(source.rglob("*")):
-        name = path.relative_to(source).as_posix()
-        if not path.is_file() or name in own or any(
-                part.startswith(".") for part in path.relative_to(source).parts):
+        relative = path.relative_to(source)
+        name = relative.as_posix()
+        if not path.is_file() or name in own or any(p.startswith(".") for p in relative.parts):
             continue
-        keep = name in COMMON_NAMES or name.endswith(".py")  # code may sit in a package
-        (shared if keep else left_out).append(name)
+        if len(relative.parts) == 1:
+            (shared if name in COMMON_NAMES or name.endswith(".py") else left_out).append(name)
+        elif name.endswith(".py") and not _in_checkpoint(source, relative):
+            shared.append(name)  # code may sit in a package
     return shared, left_out
 
 
-def slice_folder(name: str, tier: Tier) -> str:
-    """The folder of a slice beside the universal folder ``name``: ``name-tier2`` or, for a
-    Mix'n'Match list, ``name-mix-0-0-1-2``."""
-    if isinstance(tier, int):
-        return f"{name}-tier{tier}"
-    return f"{name}-mix-" + "-".join(map(str, tier))
+def _in_checkpoint(source: Path, relative: Path) -> bool:
+    """Whether a subfolder on the way to ``relative`` is a checkpoint of its own (a slice,
+    a run's ``checkpoints/step-N``), whose files are none of the source's."""
+    folder = source
+    for part in relative.parts[:-1]:
+        folder = folder / part
+        if (folder / CONFIG_NAME).is_file():
+            return True
+    return False
 
 
 def export_tiers(
     source: str | Path, tiers: Sequence[int], mix_n_match: Sequence[Sequence[int]] = ()
 ) -> Manifest:
-    """Write ``<source>-tier<t>/`` for every tier, ``<source>-mix-0-0-1-2/`` for every
+    """Write ``source/tier<t>/`` for every tier, ``source/mix-0-0-1-2/`` for every
     Mix'n'Match list of per-layer tiers, and ``source/matformer_manifest.json``."""
     source = Path(source).resolve()
     config = read_config(source)
@@ -112,10 +133,12 @@ def export_tiers(
                                     files=[CONFIG_NAME, *weights]))
     for name in [CONFIG_NAME, *weights, *common]:
         manifest.sha256[name] = sha256_of(source / name)
+    digest = weights_digest({name: manifest.sha256[name] for name in weights})
+    earlier = [path for path in source.iterdir() if is_slice_folder(path)]
 
     with ExitStack() as stack:
         for tier, (layer_tiers, widths) in slices.items():
-            target = source.parent / slice_folder(source.name, tier)
+            target = source / slice_folder(tier)
             staging = stack.enter_context(built_aside(target))
             staging.mkdir()
             tier_config = dataclasses.replace(
@@ -125,15 +148,19 @@ def export_tiers(
             copy_files(common, source, staging)
             code = None if is_llama_shaped(tier_config) else pack_code(
                 tier_config, listed_modules(tier_config), staging)
-            write_json(staging / CONFIG_NAME, to_config_dict(tier_config, code))
+            write_json(staging / CONFIG_NAME,
+                       {**to_config_dict(tier_config, code), SOURCE_KEY: digest})
             files = write_weights(slice_state(state, widths), staging, shard_bytes)
             listed = [CONFIG_NAME, *files]
-            relative = [f"../{target.name}/{name}" for name in listed]
+            relative = [f"{target.name}/{name}" for name in listed]
             manifest.tiers.append(TierEntry(tier=tier, intermediate_size=widths[0],
                                             files=relative))
             for name, path in zip(listed, relative, strict=True):
                 manifest.sha256[path] = sha256_of(staging / name)
     write_json_atomic(source / MANIFEST_NAME, manifest.to_dict())
+    for path in earlier:
+        if path.name not in {slice_folder(tier) for tier in slices}:
+            shutil.rmtree(path)
     return manifest
 
 

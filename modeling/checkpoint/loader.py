@@ -9,10 +9,16 @@ Strategies (seed 001):
 
 Where a slice is found: the entry for the tier in ``matformer_manifest.json`` (its own list
 of files, for integer tiers and Mix'n'Match lists alike); without a manifest, the folder
-``<name>-tier<t>/`` (or ``<name>-mix-0-0-1-2/``) beside the universal folder ``<name>/``, as
-``matformer-export-tiers`` and psyche-elastic lay slices out, even when ``<name>/`` itself is
-absent. A sibling has no hashes to check, so it is used only when its config declares the
-tier asked for and describes the same model as the universal checkpoint (canonical schema).
+``tier<t>/`` (or ``mix-0-0-1-2/``) inside the universal folder ``<name>/``, as
+``matformer-export-tiers`` lays slices out, else ``<name>-tier<t>/`` beside it, as
+psyche-elastic does, even when ``<name>/`` itself is absent. Such a folder has no hashes to
+check, so it is used only when its config declares the tier asked for and describes the same
+model as the universal checkpoint (canonical schema).
+
+A slice is used only if it was cut from these very weights: its config records the digest
+of the weights it was cut from, and where the universal checkpoint's weights are on this
+machine they are hashed and compared (a model trained further since its export has stale
+slices; ``auto`` then slices the universal at load instead, and says so).
 
 What is loaded is exactly the files the manifest lists, never whatever else lies in their
 folder: an entry must list a ``config.json`` and the weights (``model.safetensors``, or the
@@ -31,9 +37,8 @@ from typing import Any
 
 from torch import nn
 
-from modeling.checkpoint.export import slice_folder
 from modeling.checkpoint.files import CONFIG_NAME, read_json, read_weights
-from modeling.checkpoint.hf_config import from_config_dict
+from modeling.checkpoint.hf_config import SOURCE_KEY, from_config_dict
 from modeling.checkpoint.listing import (
     Fetcher,
     ListedFiles,
@@ -42,7 +47,14 @@ from modeling.checkpoint.listing import (
     in_folder,
     listed,
 )
-from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest
+from modeling.checkpoint.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    beside_folder,
+    sha256_of,
+    slice_folder,
+    weights_digest,
+)
 from modeling.checkpoint.pretrained import load_state_into
 from modeling.checkpoint.remote_code import consented, packed_modules
 from modeling.checkpoint.repository import (
@@ -118,7 +130,7 @@ def _open(source: str | Path, tier: Tier, revision: str | None, cache_dir: Path 
           ) -> tuple[Any, str]:
     """(repository, folder of the checkpoint inside it)."""
     path = Path(source).expanduser()
-    sibling = path.parent / slice_folder(path.name, tier) if _wants_slice(tier) else None
+    sibling = path.parent / beside_folder(path.name, tier) if _wants_slice(tier) else None
     if path.is_dir() or (sibling is not None and path.name and sibling.is_dir()):
         path = path.resolve()
         # siblings (../name-tier1) must be reachable, so the root is the parent folder
@@ -175,15 +187,19 @@ def _manifest_slice(src: _Source, tier: Tier) -> _Choice:
                    base=src.manifest.base_intermediate_size)
 
 
-def _sibling_slice(src: _Source, tier: Tier) -> _Choice:
-    """The slice in ``<name>-tier<t>/`` beside the source, without a manifest: used only
-    when its config declares ``tier`` and describes the universal's model."""
+def _folder_slice(src: _Source, tier: Tier) -> _Choice:
+    """The slice in ``tier<t>/`` inside the source, or ``<name>-tier<t>/`` beside it, without
+    a manifest: used only when its config declares ``tier`` and describes the universal's
+    model."""
     label = tier_label(tier)
     name = posixpath.basename(src.folder)
-    sibling = posixpath.join(posixpath.dirname(src.folder), slice_folder(name, tier))
-    files = in_folder(sibling, src.fetcher) if name else None
+    inside = posixpath.join(src.folder, slice_folder(tier))
+    beside = posixpath.join(posixpath.dirname(src.folder), beside_folder(name, tier))
+    folder, files = inside, in_folder(inside, src.fetcher)
+    if files is None and name:
+        folder, files = beside, in_folder(beside, src.fetcher)
     if files is None:
-        where = f" and no slice folder {sibling}/" if name else ""
+        where = f" and no slice folder {inside}/" + (f" or {beside}/" if name else "")
         why = f"no {MANIFEST_NAME}{where}"
         raise Unusable(why, ManifestMissing(
             f"{src.name} has no {MANIFEST_NAME}{where}, so no tier {label} slice is known; "
@@ -195,17 +211,36 @@ def _sibling_slice(src: _Source, tier: Tier) -> _Choice:
     config = from_config_dict(read_json(found[files.config]), base=base)
     wanted = [tier] * config.num_hidden_layers if isinstance(tier, int) else list(tier)
     if config.stored_tiers() != wanted:
-        why = f"{sibling} holds tier {_label(config.stored_tiers())}, not {_label(wanted)}"
+        why = f"{folder} holds tier {_label(config.stored_tiers())}, not {_label(wanted)}"
         raise Unusable(why, SliceMismatch(f"{why}; re-export the tiers."))
     if universal is not None and (canonical_schema_hash(config, ())
                                   != canonical_schema_hash(universal, ())):
-        why = f"{sibling} describes another model than the universal checkpoint"
+        why = f"{folder} describes another model than the universal checkpoint"
         raise Unusable(why, SliceMismatch(
             f"{why} (its config.json differs beyond the FFN width); re-export the tiers."))
-    reason = f"tier {label} slice in the sibling folder {sibling}/ (no manifest)"
+    reason = f"tier {label} slice in the folder {folder}/ (no manifest)"
     if universal is None:
         reason += f"; unchecked against a universal checkpoint, {src.name} is absent"
     return _Choice("sliced", reason, files, found, base=base)
+
+
+def _check_source(src: _Source, choice: _Choice, label: str) -> None:
+    """Raise Unusable when the slice records a source digest and the universal checkpoint's
+    weights, on this machine, are others: the slice was cut from a model since replaced."""
+    recorded = read_json(choice.found[choice.files.config]).get(SOURCE_KEY)
+    if recorded is None or src.own is None or not isinstance(src.repository, LocalRepository):
+        return  # exported elsewhere (psyche-elastic), or no local universal to compare with
+    files = in_folder(src.folder, src.fetcher)
+    local = {path: src.repository.fetch(path) for path in files.weights} if files else {}
+    if not local or any(path is None for path in local.values()):
+        return
+    actual = weights_digest({posixpath.relpath(path, src.folder): sha256_of(found)
+                             for path, found in local.items()})
+    if actual != recorded:
+        why = (f"the tier {label} slice was cut from other weights than {src.name}'s (the "
+               "model was trained or replaced after its export)")
+        raise Unusable(why, SliceMismatch(f"{why}; export the tiers again, or use "
+                                          "--load-strategy auto to slice at load."))
 
 
 def _universal(src: _Source, reason: str) -> _Choice:
@@ -276,7 +311,8 @@ def resolve(
     else:
         try:
             choice = (_manifest_slice(src, tier) if src.manifest is not None
-                      else _sibling_slice(src, tier))
+                      else _folder_slice(src, tier))
+            _check_source(src, choice, tier_label(tier))
         except Unusable as unusable:
             if strategy == "sliced" or src.own is None:
                 raise unusable.error from None

@@ -1,7 +1,8 @@
 """``matformer_manifest.json``, schema v1: which files make each tier, and their sha256.
 
-Paths are relative to the manifest's directory; tier slices usually sit beside the universal
-checkpoint (``../name-tier1/model.safetensors``). The layout is psyche-elastic's, so either
+Paths are relative to the manifest's directory: Matformer puts tier slices inside the
+universal checkpoint (``tier1/model.safetensors``), psyche-elastic beside it
+(``../name-tier1/model.safetensors``). The layout is psyche-elastic's, so either
 project reads the other's manifests:
 
 - ``tiers``: one entry per integer tier (``tier``, ``intermediate_size``, ``files``);
@@ -17,6 +18,7 @@ schema allows: each follows from the other and the tier (width = base / 2**tier)
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,3 +162,28 @@ def sha256_of(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def weights_digest(sha256: dict[str, str]) -> str:
+    """One digest of a checkpoint's weights from each weights file's sha256 (by name: the
+    index and its shards, or ``model.safetensors``): what a tier slice records of its source."""
+    lines = "".join(f"{name} {sha256[name]}\n" for name in sorted(sha256))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def slice_folder(tier: Tier) -> str:
+    """The folder of a slice inside its universal checkpoint: ``tier2``, or for a
+    Mix'n'Match list ``mix-0-0-1-2``."""
+    if isinstance(tier, int):
+        return f"tier{tier}"
+    return "mix-" + "-".join(map(str, tier))
+
+
+def beside_folder(name: str, tier: Tier) -> str:
+    """Where psyche-elastic (and Matformer before slices moved inside) puts the slice of the
+    universal folder ``name``: ``name-tier2`` beside it, or ``name-mix-0-0-1-2``."""
+    return f"{name}-{slice_folder(tier)}"
+
+
+def is_slice_folder(path: Path) -> bool:
+    return path.is_dir() and re.fullmatch(r"tier\d+|mix(-\d+)+", path.name) is not None

@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from modeling.atomic import built_aside
+from modeling.atomic import merged_aside
 from modeling.checkpoint.files import (
     CONFIG_NAME,
     read_json,
     read_weights,
+    weight_files,
     write_json,
     write_weights,
 )
 from modeling.checkpoint.hf_config import from_config_dict, is_llama_shaped, to_config_dict
+from modeling.checkpoint.manifest import MANIFEST_NAME, is_slice_folder
 from modeling.checkpoint.remote_code import consented, module_files, pack_code, packed_modules
 from modeling.config import ModelConfig
-from modeling.errors import ShapeMismatch
+from modeling.errors import CheckpointError, ShapeMismatch
 from modeling.models import build_model
 from modeling.naming import canonical_names, canonical_state_dict, load_canonical_state_dict
 
@@ -29,22 +32,47 @@ EMBEDDING = "model.embed_tokens.weight"
 
 def save_pretrained(
     model: nn.Module, directory: str | Path, *, max_shard_bytes: int | None = None,
-    state: Mapping[str, Tensor] | None = None,
+    state: Mapping[str, Tensor] | None = None, files: Mapping[str, bytes] | None = None,
 ) -> Path:
-    """Write ``config.json`` and the weights (canonical names) atomically to ``directory``;
-    ``state``: the weights when ``model`` holds only its shards (``DataParallel.full_state``)."""
+    """Write ``config.json``, the weights (canonical names) and ``files`` (name → content:
+    the tokenizer's, say) to ``directory``; ``state``: the weights when ``model`` holds only
+    its shards (``DataParallel.full_state``).
+
+    Everything is written aside first. A model already in ``directory`` is replaced: its
+    manifest and tier slices go first (they were cut from the old weights), then its weights,
+    and ``config.json`` comes last; whatever else the folder holds (a run's checkpoints and
+    logs) stays."""
     directory = Path(directory)
     config: ModelConfig = model.config
     state = canonical_state_dict(model, state)
     if config.tie_word_embeddings:
         state.pop(TIED_HEAD, None)  # stored once, as the embedding (as Hugging Face does)
-    with built_aside(directory) as staging:
+    with merged_aside(directory, last=CONFIG_NAME) as staging:
         staging.mkdir()
         code = None if is_llama_shaped(config) else pack_code(config, module_files(model),
                                                                staging)
         write_json(staging / CONFIG_NAME, to_config_dict(config, code))
         write_weights(state, staging, max_shard_bytes)
+        for name, content in (files or {}).items():
+            (staging / name).write_bytes(content)
+        _retire_model(directory)
     return directory
+
+
+def _retire_model(directory: Path) -> None:
+    """Remove the model ``directory`` holds, if any: manifest, slices, weights."""
+    if not (directory / CONFIG_NAME).is_file():
+        return
+    (directory / MANIFEST_NAME).unlink(missing_ok=True)
+    for path in directory.iterdir():
+        if is_slice_folder(path):
+            shutil.rmtree(path)
+    try:
+        stale = weight_files(directory)
+    except CheckpointError:
+        stale = []
+    for name in stale:
+        (directory / name).unlink(missing_ok=True)
 
 
 def read_config(directory: str | Path) -> ModelConfig:

@@ -317,7 +317,7 @@ class Mdat:
     def _reader(self, strategy: Strategy, selection: Selection, max_seq_len: int,
                 view: str | None) -> SequenceReader:
         parts = [(info.name, PretokArrays.load(pretok_folder(self.path, strategy.name, info.name),
-                                               progress), documents)
+                                               progress, strategy.vocab_size), documents)
                  for info, progress, documents in selection]
         return SequenceReader(parts, strategy, max_seq_len, view=view or DEFAULT_VIEW,
                               fingerprint=digest(describe(strategy, max_seq_len, selection)))

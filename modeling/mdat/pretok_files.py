@@ -52,7 +52,11 @@ class PretokArrays:
     histogram: np.ndarray  # (max chunks per document + 1,)
 
     @classmethod
-    def load(cls, folder: Path, progress: PretokProgress) -> PretokArrays:
+    def load(cls, folder: Path, progress: PretokProgress,
+             vocab_size: int | None = None) -> PretokArrays:
+        """The arrays, checked against ``progress``; with ``vocab_size``, every token id too
+        (one pass over the tokens: a damaged file is named here, not by a model's embedding
+        lookup hours later)."""
         fix = f"run pretokenize with strategy {progress.strategy!r} again: it rebuilds it"
         arrays = cls(
             load_npy(folder / TOKENS, progress.tokens, fix=fix),
@@ -63,6 +67,14 @@ class PretokArrays:
         if arrays.histogram.sum() != progress.documents:
             raise MdatCorrupt(f"{folder / HISTOGRAM} does not count {progress.documents} "
                               f"documents; {fix}.")
+        if vocab_size is not None and len(arrays.tokens):
+            largest = arrays.tokens.max()
+            if largest >= vocab_size:
+                where = int(np.argmax(arrays.tokens >= vocab_size))
+                raise MdatCorrupt(
+                    f"{folder / TOKENS} holds token id {int(largest):,} (first at token "
+                    f"{where:,}), outside the strategy's vocabulary 0..{vocab_size - 1:,}: the "
+                    f"file is damaged; {fix}.")
         return arrays
 
 

@@ -34,7 +34,7 @@ def _committed(root: Path, catalogue: Catalogue, strategy: Strategy,
     progress = catalogue.pretok(strategy.name, info.id)
     try:
         if progress.complete:
-            PretokArrays.load(folder, progress)
+            PretokArrays.load(folder, progress, strategy.vocab_size)
         else:
             PretokWriter(folder, strategy.token_dtype, progress).close()
     except MdatCorrupt as err:

@@ -1,0 +1,61 @@
+"""The steps of a standalone run: which sequences each optimizer step trains, epoch after
+epoch, packed into rows or one sequence a row (``--batching``)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from modeling.batching import plan_batches, plan_packed
+from modeling.errors import ConfigError
+
+DEFAULT_STEPS = 200
+
+
+def plan(lengths: list[int], args: argparse.Namespace) -> list[list[list[int]]]:
+    """Each step's rows (index lists into ``lengths``): packed, or one sequence a row."""
+    if args.batching == "packed":
+        return plan_packed(lengths, args.batch_tokens, args.seq_len)
+    return [[[i] for i in batch] for batch in plan_batches(lengths, args.batch_tokens)]
+
+
+class Epochs:
+    """The steps of a run over ``ids`` (the training sequences in the shuffle's order), one
+    epoch after another: epoch 0 in that order, each later one in a fresh order drawn from
+    the seed and its number, so a run is the same every time it is run or resumed."""
+
+    def __init__(self, ids: np.ndarray, lengths: np.ndarray, args: argparse.Namespace) -> None:
+        self.ids, self.lengths, self.args = ids, lengths, args
+        self._epochs: list[tuple[np.ndarray, list[list[list[int]]]]] = []
+
+    def epoch(self, number: int) -> tuple[np.ndarray, list[list[list[int]]]]:
+        """(sequence ids in the epoch's order, its steps' rows as positions in that order)."""
+        while len(self._epochs) <= number:
+            n = len(self._epochs)
+            order = self.ids if n == 0 else np.random.default_rng(
+                [self.args.seed, n]).permutation(self.ids)
+            self._epochs.append((order, plan(self.lengths[order].tolist(), self.args)))
+        return self._epochs[number]
+
+    def steps(self) -> int:
+        """The run's steps: ``--steps``, or ``--epochs`` whole epochs, or 200."""
+        steps, epochs = self.args.steps, self.args.epochs
+        if steps is not None and epochs is not None:
+            raise ConfigError("give --steps or --epochs, not both.")
+        if epochs is not None:
+            if epochs < 1:
+                raise ConfigError(f"--epochs must be at least 1, got {epochs}.")
+            return sum(len(self.epoch(n)[1]) for n in range(epochs))
+        return DEFAULT_STEPS if steps is None else steps
+
+    def step(self, index: int) -> tuple[np.ndarray, list[list[int]]]:
+        """(the step's sequence ids, its rows as positions into those ids)."""
+        number = 0
+        while index >= len(self.epoch(number)[1]):
+            index -= len(self.epoch(number)[1])
+            number += 1
+        order, rows = self.epoch(number)
+        batch = [i for row in rows[index] for i in row]
+        position = {i: n for n, i in enumerate(batch)}
+        return order[batch], [[position[i] for i in row] for row in rows[index]]
