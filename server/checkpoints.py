@@ -1,7 +1,8 @@
 """The run's checkpoints: ``<run dir>/checkpoints/round-N`` (universal, Hugging Face layout,
-with the manifest, and inside it ``tier<t>/``, the slice of every allowed tier > 0), written
-so that each appears whole or not at all. Which rounds are kept is the coordinator's call (it
-lists them in state.json); the store writes, reads and removes folders.
+with the data's tokenizer and the manifest, and inside it ``tier<t>/``, the slice of every
+allowed tier > 0), written so that each appears whole or not at all. Which rounds are kept
+is the coordinator's call (it lists them in state.json); the store writes, reads and removes
+folders.
 
     store = CheckpointStore(run_dir / "checkpoints", model_config, tiers=[0, 1, 2])
     store.write(10, master)              # staging folder, fsync, renames: universal last
@@ -25,8 +26,11 @@ from modeling.checkpoint.export import export_tiers
 from modeling.checkpoint.files import read_weights
 from modeling.checkpoint.pretrained import load_state_into
 from modeling.config import ModelConfig
+from modeling.mdat import Mdat
+from modeling.mdat.checkpoint_tokenizer import tokenizer_files
 from modeling.models import build_model
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
+from server.sections.model import DataSection
 
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
 log = logging.getLogger("matformer.server")
@@ -42,9 +46,15 @@ class CheckpointRef:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, model_config: ModelConfig, tiers: Sequence[int]) -> None:
+    def __init__(self, root: Path, model_config: ModelConfig, tiers: Sequence[int],
+                 data: DataSection | None = None) -> None:
         self.root = Path(root)
         self.model_config = model_config
+        self.files = {}  # written beside every checkpoint's weights: the data's tokenizer
+        if data is not None:
+            with Mdat.open(data.path) as mdat:
+                self.files = tokenizer_files(mdat.path, mdat.strategy(data.strategy),
+                                             max_length=model_config.max_position_embeddings)
         self.sliced_tiers = [t for t in tiers if t > 0]  # exported inside the universal
 
     def path(self, round_index: int) -> Path:
@@ -65,7 +75,7 @@ class CheckpointStore:
         staging.mkdir(parents=True)
         model = build_model(self.model_config)
         load_canonical_state_dict(model, master)
-        save_pretrained(model, staging / target.name)
+        save_pretrained(model, staging / target.name, files=self.files)
         export_tiers(staging / target.name, self.sliced_tiers)
         fsync_tree(staging)
         if target.exists():  # left by a crash before state.json recorded this checkpoint

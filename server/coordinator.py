@@ -98,7 +98,7 @@ class Coordinator:
         self.reader, order = work_order(Mdat.open(config.data.path), config, saved)
         self.log = UpdateLog(self.dir / "updates")
         self.checkpoints = CheckpointStore(self.dir / "checkpoints", self.model_config,
-                                           config.tiers.allowed)
+                                           config.tiers.allowed, config.data)
         self.ledger = TrainedLedger(self.dir)
         self.tracker: Tracker | None = None  # opened with the first round it records
         self.gate = SubmissionGate(self.shapes,

@@ -14,6 +14,7 @@ import torch
 from helpers import Clock, run_config
 from rounds import caps, drive, gradient, results, same
 
+from modeling.checkpoint.export import read_manifest
 from modeling.checkpoint.files import read_weights
 from server.coordinator import Coordinator
 from server.errors import (
@@ -217,6 +218,10 @@ def test_replay_api_for_a_late_joiner(tmp_path, mdat_path):
     ref = c.latest_checkpoint()
     assert ref.round == 4 and ref.path.name == "round-4"
     assert (ref.path / "tier1" / "config.json").is_file()  # tier 1's slice
+    for folder in (ref.path, ref.path / "tier1"):  # each carries the data's tokenizer
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+        assert tokenizer["model"]["type"] == "BPE" and len(tokenizer["model"]["vocab"]) == 256
+        assert "tokenizer.json" in read_manifest(ref.path).common_files
     # the log keeps the rounds since the checkpoint before the latest (round-2)
     with pytest.raises(UpdatesPruned):
         c.updates_since(1)
