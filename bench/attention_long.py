@@ -10,6 +10,7 @@ so sdpa takes a dense (T x T) mask; with one (the default) it runs its unmasked 
 
     python bench/attention_long.py --threads 1
     python bench/attention_long.py --lengths 1024,4096 --bidirectional --json runs/wersa.json
+    python bench/attention_long.py --smoke        # 128 and 256 tokens, 2 steps: it runs
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from harness import (
     add_device_args,
     contention_warning,
     mib,
+    parse,
     print_table,
     setup,
     step_peak_bytes,
@@ -33,6 +35,9 @@ from harness import (
 from torch import nn
 
 from modeling import registry
+
+SMOKE = dict(lengths="128,256", heads=2, head_dim=16, features=16, chunk=32, steps=2,
+             warmup=1, threads=1)
 
 
 def parse_args() -> argparse.Namespace:
@@ -58,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     run.add_argument("--warmup", type=int, default=1)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", type=Path, default=None, help="write the figures here")
-    return parser.parse_args()
+    return parse(parser, SMOKE)
 
 
 def kernels(args: argparse.Namespace, device: torch.device, dtype: torch.dtype

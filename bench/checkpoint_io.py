@@ -17,6 +17,7 @@
     python bench/checkpoint_io.py                 # 64M-parameter Llama shape
     python bench/checkpoint_io.py --hidden-size 768 --layers 12 --heads 12 --kv-heads 12 \
         --intermediate-size 3072                  # 134M parameters
+    python bench/checkpoint_io.py --smoke         # a 0.2M-parameter model, once each: it runs
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from harness import parse
 from safetensors.torch import load_file, save_file
 
 from modeling import AutoregressiveModel, LayerConfig, ModelConfig, canonical_state_dict
@@ -40,6 +42,8 @@ from modeling.checkpoint.export import export_tiers
 from modeling.checkpoint.loader import load_for_tier
 
 MB = 1e6
+SMOKE = dict(vocab_size=512, hidden_size=64, layers=2, heads=4, kv_heads=2,
+             intermediate_size=256, repeats=1)
 
 
 def timed(action: Callable[[], object], repeats: int) -> float:
@@ -76,7 +80,7 @@ def main() -> None:
     parser.add_argument("--intermediate-size", type=int, default=2048)
     parser.add_argument("--tiers", default="1,2,3")
     parser.add_argument("--repeats", type=int, default=6)
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
 
     config = ModelConfig(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_hidden_layers=args.layers,

@@ -19,6 +19,7 @@ parameter.
 
     python bench/compression.py
     python bench/compression.py --hidden-size 256 --layers 4 --topk 16 --value-dtype float32
+    python bench/compression.py --smoke          # a 0.2M-parameter model, one round: it runs
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from harness import CPU_SHARE_FLOOR, print_table
+from harness import CPU_SHARE_FLOOR, parse, print_table
 from torch import Tensor
 
 from modeling import ModelConfig
@@ -46,6 +47,9 @@ from modeling.compression import (
     universal_shapes,
 )
 from server.aggregation import Aggregate, aggregate
+
+SMOKE = dict(vocab_size=512, hidden_size=64, layers=2, heads=4, kv_heads=2,
+             intermediate_size=256, repeats=1, threads=1)
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,7 +70,7 @@ def parse_args() -> argparse.Namespace:
     run.add_argument("--value-dtype", choices=sorted(VALUE_DTYPES), default=defaults.value_dtype)
     run.add_argument("--repeats", type=int, default=2, help="timed rounds; the fastest is shown")
     run.add_argument("--threads", type=int, default=None)
-    return parser.parse_args()
+    return parse(parser, SMOKE)
 
 
 def _best_seconds(work: Callable[[], object], repeats: int) -> tuple[float, float, object]:

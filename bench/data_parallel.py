@@ -11,6 +11,7 @@ and torch's own footprint).
 
     python bench/data_parallel.py
     python bench/data_parallel.py --hidden-size 512 --layers 8 --json runs/dp.json
+    python bench/data_parallel.py --smoke         # 2 FSDP2 ranks, 2 steps: it runs
 """
 
 from __future__ import annotations
@@ -26,12 +27,16 @@ import time
 from pathlib import Path
 
 import torch
+from harness import parse
 
 from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_packed
 from modeling.distributed import DataParallel
 from modeling.optim import OptimizerConfig
 from modeling.training import StepOptions, TierSchedule, train_step_on_examples
+
+SMOKE = dict(hidden_size=32, layers=1, heads=2, vocab_size=512, seq_len=64, batch_tokens=256,
+             microbatch_tokens=128, steps=2, warmup=1, runs="2fsdp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    return parse(parser, SMOKE, argv)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -41,6 +41,7 @@ peer_clip; 0: off, unset: the run's default).
     python bench/federated_quality.py --runs A,B --rounds 15 --lr 0.01
     python bench/federated_quality.py --runs L,D,P --json quality.json
     python bench/federated_quality.py --runs L --attack-scale 1000
+    python bench/federated_quality.py --smoke     # A and D, one round on 60 docstrings
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from harness import print_table
+from harness import parse, print_table
 from torch import Tensor
 
 from client.connection import Train
@@ -112,6 +113,8 @@ RUNS = {
 DP_WORKERS = 3  # data-parallel reference: a ring all-reduce among this many workers
 STANDALONE = "D"
 DATA_PARALLEL = "P"  # standalone at the global batch of DP_WORKERS data-parallel workers
+SMOKE = dict(runs="A,D", rounds=1, local_rounds=1, tokens_per_round=2048, warmup_rounds=0,
+             documents=60)
 
 
 class HeldOut:
@@ -190,7 +193,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (process-wide)")
     parser.add_argument("--out", type=Path, default=Path("runs/federated_quality"),
                         help="run directories (replaced)")
-    return parser.parse_args()
+    return parse(parser, SMOKE)
 
 
 def data_path(documents: int | None) -> Path:

@@ -1,4 +1,8 @@
-"""What both training-step benchmarks share: shape options, the timed step, step memory.
+"""What the benchmarks share: the smoke pass, shape options, the timed step, step memory.
+
+Every benchmark takes ``--smoke`` (``parse``): the same run at tiny sizes, seconds long, so
+that CI runs each one (tests/test_bench_smoke.py) and none rots unseen; its figures say
+nothing about speed or quality.
 
 A *step* is forward → loss → backward → optimizer update → gradients freed, the unit a
 training loop repeats. Timings interleave the contenders in blocks (A B, then B A, ...) so
@@ -25,6 +29,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -49,6 +54,30 @@ PEAK_TFLOPS = (
     ("H200", 989.4, 66.9),
     ("A100", 312.0, 19.5),
 )
+
+
+# ``add_shape_args``'s options at a size that trains in milliseconds, a few steps.
+# One thread: a smoke pass is too small to share, and CI runs beside other work.
+SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, layers=2, heads=4, kv_heads=2,
+                   intermediate_size=256, seq_len=32, batch_size=2, steps=2, repeats=2, warmup=1,
+                   threads=1)
+
+
+def parse(parser: argparse.ArgumentParser, smoke: dict[str, Any],
+          argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``parser``'s options plus ``--smoke``, which makes ``smoke`` the defaults: the
+    benchmark's own path at tiny sizes. Options given on the command line still win."""
+    parser.add_argument("--smoke", action="store_true",
+                        help="a pass of seconds at tiny sizes, as CI runs it: "
+                             + ", ".join(f"{k}={v}" for k, v in smoke.items()))
+    args = parser.parse_args(argv)
+    unknown = set(smoke) - set(vars(args))
+    if unknown:
+        raise ValueError(f"smoke settings name no option of this benchmark: {sorted(unknown)}")
+    if args.smoke:
+        parser.set_defaults(**smoke)
+        args = parser.parse_args(argv)
+    return args
 
 
 def add_device_args(group: argparse._ArgumentGroup, dtype_help: str | None = None) -> None:

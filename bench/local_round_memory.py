@@ -18,6 +18,7 @@ round. The reference is the gradient mode measured in the same run.
 
     python bench/local_round_memory.py                        # 150M shape (about 3 min)
     python bench/local_round_memory.py --shape tiny --json runs/local_memory.json
+    python bench/local_round_memory.py --smoke                # tiny shape, one round: it runs
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import print_table
+from harness import parse, print_table
 
 SHAPES = {
     "150m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -39,6 +40,7 @@ SHAPES = {
                  num_key_value_heads=2, intermediate_size=512, vocab_size=260),
 }
 MODES = ("gradient", "local")
+SMOKE = dict(shape="tiny", seq_len=64, sequences=2, batch_tokens=64, rounds=1, threads=1)
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None,
                         help="write per mode: model_mib, peak_mib, round_mib, seconds_per_round")
-    return parser.parse_args()
+    return parse(parser, SMOKE)
 
 
 def rss_mib() -> float:

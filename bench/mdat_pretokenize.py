@@ -5,6 +5,9 @@ byte-level BPE on them, then pretokenizes the whole submdat with three strategie
 every 128 tokens, bytes packed by sentences, BPE cut every 128 tokens), each with 1 and 2
 processes, ``--repeats`` times under fresh strategy names. MB/s counts the UTF-8 bytes of the
 texts over the wall time of `Mdat.pretokenize`, worker start and committed writes included.
+
+    python bench/mdat_pretokenize.py
+    python bench/mdat_pretokenize.py --smoke   # 200 docstrings, once: it runs
 """
 
 from __future__ import annotations
@@ -17,9 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import parse
+
 from modeling.corpus import python_docs
 from modeling.mdat import Mdat
 from modeling.tokenizers import train_tokenizer
+
+SMOKE = dict(documents=200, copies=1, repeats=1)
 
 
 def main() -> None:
@@ -27,10 +34,12 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="copies of the docstrings")
     parser.add_argument("--processes", default="1,2", help="comma-separated process counts")
     parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--documents", type=int, default=None,
+                        help="docstrings in one copy (default: all)")
+    args = parse(parser, SMOKE)
     counts = [int(n) for n in args.processes.split(",")]
 
-    docs = list(python_docs())
+    docs = list(python_docs(limit=args.documents))
     with tempfile.TemporaryDirectory() as tmp, Mdat.create(Path(tmp) / "c") as mdat:
         info = mdat.add_records("docs", ({"text": d} for _ in range(args.copies) for d in docs))
         megabytes = info.raw_bytes / 1e6

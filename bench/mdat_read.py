@@ -13,6 +13,9 @@ Every contender reads the same sequences and copies each one out, as a data load
 - sequential: every sequence in saetta order; MDAT via ``reader[order[i]]``.
 
 Contenders run in interleaved repetitions; the ratio is the median of per-repetition ratios.
+
+    python bench/mdat_read.py
+    python bench/mdat_read.py --smoke          # 100 docstrings, 1,000 reads: it runs
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from harness import parse
 
 from modeling.mdat import SaettaReader, build_default_mdat, export_saetta
 
 BASELINE = "memmap"
+SMOKE = dict(limit=100, reads=1000, repeats=1)
 
 
 def timed(read: Callable[[], int]) -> float:
@@ -45,7 +50,7 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--reads", type=int, default=100_000, help="random reads per repetition")
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
 
     with tempfile.TemporaryDirectory() as tmp:
         mdat = build_default_mdat(Path(tmp) / "mdat", args.limit)

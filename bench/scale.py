@@ -37,6 +37,7 @@ heartbeat p99 at most 50 ms.
 
     python bench/scale.py                      # 4M parameters, 1, 4, 16, 64 clients (1 min)
     python bench/scale.py --shape 150m --clients 1,4,16,64 --json runs/scale.json
+    python bench/scale.py --smoke              # 0.2M parameters, 1 and 2 clients: it runs
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from typing import Any
 
 import grpc
 import torch
-from harness import print_table
+from harness import parse, print_table
 
 import server.close as close_module
 import server.coordinator as coordinator_module
@@ -92,6 +93,8 @@ SHAPES = {"150m": {"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 12
                   "intermediate_size": 3072, "vocab_size": 32000}}
 PROBE_S = 0.005  # the prober's pause between calls while a round closes
 STEPS = ("aggregate + step", "hash", "log + save")  # timed inside close; "rest" is the remainder
+SMOKE = dict(vocab_size=260, hidden_size=64, layers=2, heads=4, kv_heads=2,
+             intermediate_size=256, clients="1,2", rounds=1, threads=1)
 
 
 def parse_args() -> argparse.Namespace:
@@ -126,7 +129,7 @@ def parse_args() -> argparse.Namespace:
                      help="round token budget = clients x this x --seq-len")
     run.add_argument("--threads", type=int, default=None)
     run.add_argument("--json", type=Path, default=None, help="write the figures per N here")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE)
     for key, value in SHAPES.get(args.shape, {}).items():
         setattr(args, key, value)
     return args

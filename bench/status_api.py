@@ -19,6 +19,7 @@ coordinator. The page poll over the reference should stay flat as rounds grow.
 
     python bench/status_api.py                         # 150, 1,000 and 10,000 rounds (~20 s)
     python bench/status_api.py --rounds 100,100000 --polls 20
+    python bench/status_api.py --smoke                 # 20 and 200 rounds, 2 polls: it runs
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-from harness import print_table
+from harness import parse, print_table
 
 from protocol.channel import GRPC_OPTIONS
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -45,6 +46,7 @@ from helpers import served_run_toml
 from wire import join_request
 
 TIERS = (0, 1, 2)
+SMOKE = dict(rounds="20,200", polls=2)
 
 
 def fill(coordinator, rounds: int) -> None:
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", default="150,1000,10000",
                         help="history lengths (comma-separated)")
     parser.add_argument("--polls", type=int, default=15, help="fetches of each, interleaved")
-    args = parser.parse_args(argv)
+    args = parse(parser, SMOKE, argv)
     lengths = [int(n) for n in args.rounds.split(",")]
     with tempfile.TemporaryDirectory() as folder:
         toml = served_run_toml(Path(folder), min_clients=4)  # 3 join: no round opens

@@ -34,7 +34,7 @@ tier 2 no worse than the ``independent`` model of that size. The container, toke
 pretokenized sequences are kept in ``--dir`` and reused.
 
     python bench/tier_quality.py --json tier_quality.json     # defaults (12 min on 2 cores)
-    python bench/tier_quality.py --quick                      # smoke check (about 1 min)
+    python bench/tier_quality.py --smoke                      # tiny sizes: it runs
     python bench/tier_quality.py --joint-mode all             # joint costs 3x (about 19 min)
 """
 
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from harness import print_table
+from harness import parse, print_table
 from torch import Tensor
 
 from client.standalone import sequences
@@ -72,8 +72,7 @@ CPU = torch.device("cpu")  # where this benchmark trains
 EVAL_BATCH_TOKENS = 8192  # padded tokens per evaluation microbatch
 SEQ_LEN = 256  # tokens per sequence at most; the strategy cuts documents every 128
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)  # the BPE's
-# A smoke check of about a minute; explicit options still win.
-QUICK = dict(hidden_size=128, layers=2, vocab_size=1024, tokens=150_000)
+SMOKE = dict(hidden_size=32, layers=1, vocab_size=300, tokens=6000, documents=100, threads=1)
 
 
 @dataclass
@@ -105,25 +104,24 @@ def parse_args() -> argparse.Namespace:
                         help="torch threads (default: every core the process may use)")
     parser.add_argument("--dir", type=Path, default=Path("runs/tier_quality"),
                         help="the BPE container and tokenizer (built on first use)")
+    parser.add_argument("--documents", type=int, default=None,
+                        help="docstrings in the corpus (default: all)")
     parser.add_argument("--json", type=Path, default=None,
                         help="write the held-out loss per tier of each run")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke-check settings: {QUICK}")
-    args = parser.parse_args()
-    if args.quick:
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args()
-    return args
+    return parse(parser, SMOKE)
 
 
-def bpe_sequences(folder: Path, vocab_size: int) -> tuple[Mdat, str]:
-    """The docstrings container in ``folder`` and its BPE strategy's name, built on first
-    use: the container (``build_default_mdat``), a BPE trained on it, and the strategy."""
-    mdat = build_default_mdat(folder / "python_docs.mdat")
+def bpe_sequences(folder: Path, vocab_size: int, documents: int | None) -> tuple[Mdat, str]:
+    """The docstrings container in ``folder`` (the first ``documents``, default all) and its
+    BPE strategy's name, built on first use: the container (``build_default_mdat``), a BPE
+    trained on it, and the strategy."""
+    corpus = "python_docs" if documents is None else f"python_docs-{documents}"
+    mdat = build_default_mdat(folder / f"{corpus}.mdat", limit=documents)
     name = f"bpe{vocab_size}"
     if name not in {s.name for s in mdat.strategies()}:
         tokenizer = train_tokenizer(mdat.submdat("python_docs"),
-                                    folder / name / "tokenizer.json", vocab_size=vocab_size)
+                                    folder / f"{corpus}-{name}" / "tokenizer.json",
+                                    vocab_size=vocab_size)
         mdat.add_strategy({"strategy_name": name, "tokenizer_type": "huggingface",
                            "tokenizer_name": str(tokenizer), "chunk_size": 128,
                            "splitter_class": "fixed_chunks", "bos_token_id": 1,
@@ -190,7 +188,7 @@ def main() -> None:
     started = time.perf_counter()
     widths = [args.hidden_size * args.ffn_ratio >> t for t in TIERS]
     universal = model_config(args, widths[0])
-    mdat, strategy = bpe_sequences(args.dir, args.vocab_size)
+    mdat, strategy = bpe_sequences(args.dir, args.vocab_size, args.documents)
     with mdat:
         reader = mdat.sequences(strategy, SEQ_LEN)
         lengths = reader.lengths().copy()
@@ -263,7 +261,7 @@ def summarize(results: dict[str, list[Result]], initial: dict[str, float], width
     if args.json:
         tokens = {name: sum(r.tokens for r in runs) for name, runs in results.items()}
         seconds = {name: sum(r.seconds for r in runs) for name, runs in results.items()}
-        config = {k: v for k, v in vars(args).items() if k not in ("json", "dir", "quick")}
+        config = {k: v for k, v in vars(args).items() if k not in ("json", "dir", "smoke")}
         args.json.write_text(json.dumps({**loss, "initial": initial, "tokens": tokens,
                                          "seconds": seconds, "config": config}, indent=1) + "\n")
         print(f"wrote {args.json}")

@@ -12,6 +12,7 @@ running total of its allocation records is reported (bench/harness.py explains w
 
     python bench/tier_throughput.py
     python bench/tier_throughput.py --tiers 0,2 --dtype bf16
+    python bench/tier_throughput.py --smoke       # tiny shapes, 2 steps per tier: it runs
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import argparse
 import statistics
 
 from harness import (
+    SMOKE_SHAPE,
     add_shape_args,
     contention_warning,
     describe,
     mib,
     model_config,
+    parse,
     print_table,
     random_batch,
     setup,
@@ -51,7 +54,7 @@ def main() -> None:
     add_shape_args(parser)
     parser.add_argument("--tiers", default="0,1,2,3", help="comma-separated tiers to compare")
     parser.set_defaults(steps=8, repeats=4, warmup=1)
-    args = parser.parse_args()
+    args = parse(parser, SMOKE_SHAPE)
     tiers = [int(t) for t in args.tiers.split(",")]
     device, dtype = setup(args)
 

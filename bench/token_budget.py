@@ -25,6 +25,7 @@ throughput ratios are medians of per-repetition ratios.
 
     python bench/token_budget.py
     python bench/token_budget.py --corpus docstrings --docs 1500 --max-len 512
+    python bench/token_budget.py --smoke          # 40 sequences, a 30k-parameter model: it runs
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from harness import (
     Step,
     add_device_args,
     contention_warning,
+    parse,
     print_table,
     setup,
     time_interleaved,
@@ -59,6 +61,9 @@ from modeling.batching import (
 from modeling.corpus import python_docs
 from modeling.optim import OptimizerConfig
 from modeling.tokenizers import ByteTokenizer
+
+SMOKE = dict(plan_count=200, plan_max=256, plan_budget=1024, docs=40, max_len=128,
+             hidden_size=32, layers=1, intermediate_size=64, repeats=2, warmup=1, threads=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +104,7 @@ def parse_args() -> argparse.Namespace:
     run.add_argument("--lr", type=float, default=1e-4)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", type=Path, default=None, help="write the figures here")
-    return parser.parse_args()
+    return parse(parser, SMOKE)
 
 
 def log_uniform(count: int, low: int, high: int, seed: int) -> list[int]:

@@ -16,6 +16,7 @@ Both run under the same settings: ``--dtype`` casts the weights themselves (pure
     python bench/train_step_vs_hf.py --dtype bf16 --steps 10
     python bench/train_step_vs_hf.py --precision bf16 --compile --json runs/step.json
     python bench/train_step_vs_hf.py --device cuda --precision bf16 --batch-size 16
+    python bench/train_step_vs_hf.py --smoke          # tiny shapes, 2 steps: it runs
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ from pathlib import Path
 import torch
 import transformers
 from harness import (
+    SMOKE_SHAPE,
     Timing,
     add_shape_args,
     contention_warning,
     describe,
     mib,
     model_config,
+    parse,
     peak_tflops,
     precision_step,
     print_table,
@@ -91,7 +94,7 @@ def parse_args() -> argparse.Namespace:
     both.add_argument("--compile", action="store_true",
                       help="torch.compile both models (Module.compile(dynamic=True))")
     both.add_argument("--json", type=Path, default=None, help="write the figures here")
-    args = parser.parse_args()
+    args = parse(parser, SMOKE_SHAPE)
     if args.precision != "fp32" and args.dtype != "fp32":
         parser.error("--precision runs float32 weights under autocast and --dtype casts the "
                      "weights themselves; use one of them.")

@@ -42,8 +42,8 @@ and the probers share this process (and its GIL); the server has its own unless
 by step, ``heartbeat_max_ms``, ``getround_p99_ms``). Targets (issue 31): ``utilization_min``
 >= 0.90 at 10 s per round and >= 0.80 at 2 s; ``heartbeat_p99_ms`` <= 50.
 
-    python bench/utilization.py --quick          # 2 members, tiny model, 0.2 s rounds, both
-                                                 # loops (30 s)
+    python bench/utilization.py --smoke          # 2 members, micro model, 0.2 s rounds, both
+                                                 # loops, nothing beside: it runs
     python bench/utilization.py                  # tiny model: 4 and 16 members, 2 and 10 s
     python bench/utilization.py --shape 150m --clients 4 --json runs/utilization.json
 """
@@ -72,7 +72,7 @@ from typing import Any
 
 import grpc
 import torch
-from harness import print_table
+from harness import parse, print_table
 from scale import JOIN_TOKEN, Submissions, probing, run_config, tiers_of
 from scale import SHAPES as NAMED_SHAPES
 
@@ -85,9 +85,11 @@ from server.config import RunConfig
 from server.main import RunningServer
 from server.pipeline import WINDOW
 
-# tiny: scale.py's default shape (4M parameters)
+# tiny: scale.py's default shape (4M parameters); micro: --smoke's (0.2M)
 SHAPES = {"tiny": {"vocab_size": 260, "hidden_size": 256, "layers": 4, "heads": 4,
-                   "kv_heads": 2, "intermediate_size": 1024}, **NAMED_SHAPES}
+                   "kv_heads": 2, "intermediate_size": 1024},
+          "micro": {"vocab_size": 260, "hidden_size": 64, "layers": 2, "heads": 4,
+                    "kv_heads": 2, "intermediate_size": 256}, **NAMED_SHAPES}
 SPEEDS = (1.0, 0.5, 0.25)  # member i computes at SPEEDS[i % 3] of a speed-1 member's rate
 # Warm-up rounds before the timed ones: every timed round is split by the speeds members
 # showed in a round they delivered (a speed claimed at Join counts only up to the typical
@@ -107,7 +109,8 @@ NAN = float("nan")
 # a CPU-bound process that ends when its parent does (it looks up every few 10 ms)
 SPIN = ("import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n"
         "    for _ in range(10**6): pass\n")
-QUICK = {"shape": "tiny", "clients": "2", "compute": "0.2", "rounds": 2, "overlap": "both"}
+SMOKE = {"shape": "micro", "clients": "2", "compute": "0.2", "rounds": 2, "overlap": "both",
+         "latency_ms": 5.0, "beside": 0, "threads": 1}
 # what scale.run_config and scale.Submissions read that this benchmark does not vary
 FIXED = {"seq_len": 128, "tiers": "0,1,2", "rule": "sign", "momentum": 0.0,
          "broadcast_topk": None, **{key: getattr(CompressionConfig(), key)
@@ -117,8 +120,8 @@ FIXED = {"seq_len": 128, "tiers": "0,1,2", "rule": "sign", "momentum": 0.0,
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
-                        help="tiny: 4M parameters; 150m: 162M (hidden 768, 12 layers, FFN "
-                             "3072, vocab 32000)")
+                        help="micro: 0.2M parameters; tiny: 4M; 150m: 162M (hidden 768, "
+                             "12 layers, FFN 3072, vocab 32000)")
     parser.add_argument("--clients", default="4,16", help="member counts, comma-separated")
     parser.add_argument("--compute", default="2,10",
                         help="seconds of compute per round of a speed-1 member, comma-separated")
@@ -139,13 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the coordinator in a process of its own (as on its own host), "
                              "or in a thread of the members' process")
     parser.add_argument("--json", type=Path, default=None, help="write the figures per case")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: tiny shape, 2 members, 0.2 s rounds, 2 rounds")
     parser.set_defaults(**FIXED)
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            setattr(args, key, value)
+    args = parse(parser, SMOKE, argv)
     for key, value in SHAPES[args.shape].items():
         setattr(args, key, value)
     try:

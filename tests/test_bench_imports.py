@@ -1,8 +1,8 @@
 """Every benchmark under bench/ imports against the code as it is now, so none rots unseen
-(bench/federated_quality.py once imported a function the client no longer had). What each
-one measures is run at tiny sizes by the tests of its own subject where one exists
-(test_trust_influence runs federated_quality), and each answers ``--help`` (bench/scale.py's
-once raised a TypeError: a help string held a bare ``%``)."""
+(bench/federated_quality.py once imported a function the client no longer had), in one
+process and in seconds, and each answers ``--help`` (bench/scale.py's once raised a
+TypeError: a help string held a bare ``%``). Each one's run, at tiny sizes, is
+tests/test_bench_smoke.py's."""
 
 from __future__ import annotations
 
