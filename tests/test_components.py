@@ -123,3 +123,22 @@ def test_bert_masks_only_real_tokens_at_the_configured_rate():
     assert abs(chosen[:, :48].float().mean().item() - 0.25) < 0.02
     loss = model.loss(ids, mask, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(loss)
+
+
+def test_a_model_built_on_the_meta_device_draws_nothing_and_imports_no_compiler():
+    """Every server, client and benchmark builds the model on the meta device for its shapes;
+    drawing initial values there imported torch._dynamo, some 2 s of CPU per process."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from modeling import ModelConfig, build_model\n"
+            "with torch.device('meta'):\n"
+            "    model = build_model(ModelConfig(hidden_size=32, num_hidden_layers=2,\n"
+            "        num_attention_heads=2, num_key_value_heads=1, intermediate_size=64))\n"
+            "assert all(p.is_meta for p in model.parameters())\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

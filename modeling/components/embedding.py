@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
+from modeling.components.init import normal
 from modeling.registry import registry
 
 
@@ -14,5 +16,10 @@ class TokenEmbedding(nn.Embedding):
     """A lookup table of one vector per token id (canonical ``embed_tokens.weight``)."""
 
     def __init__(self, config: Any, **_: Any) -> None:
-        super().__init__(config.vocab_size, config.hidden_size)
-        nn.init.normal_(self.weight, std=config.initializer_range)
+        # Given a weight, nn.Embedding skips its own N(0, 1) draw; that draw is made here but
+        # on the meta device (see ``normal``), so a seed gives the weights it always gave.
+        super().__init__(config.vocab_size, config.hidden_size,
+                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+        normal(self.weight, config.initializer_range)
