@@ -138,7 +138,10 @@ def federated_options(args: argparse.Namespace) -> FederatedOptions:
 
 
 def run_federated(args: argparse.Namespace) -> int:
-    # SIGTERM leaves the run like Ctrl-C does
+    # Ctrl-C leaves the run, and SIGTERM likewise. SIGINT's handler is set here, not left to
+    # Python: a shell starts a background job (`cmd &`) with SIGINT ignored, and Python keeps
+    # an ignored SIGINT, so such a client would never hear the Ctrl-C meant for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         parallel = DataParallel.from_environment(resolve_device(args.device))
@@ -148,7 +151,8 @@ def run_federated(args: argparse.Namespace) -> int:
             follow(parallel)  # rank 0 talks to the coordinator; this rank trains its share
             parallel.close()
             return 0
-        summary = FederatedClient(federated_options(args), parallel=parallel).run()
+        options = federated_options(args)
+        summary = FederatedClient(options, parallel=parallel).run()
         if parallel is not None:
             parallel.close()
     except MatformerError as error:
@@ -157,7 +161,9 @@ def run_federated(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("matformer-client: left the run", file=sys.stderr)
         return 130
-    print(f"matformer-client: {summary.client_id} trained {summary.rounds_trained} rounds at "
+    # its --name, the member's name in the coordinator's log and dashboard (under [auth]
+    # mode = "keys" they show the key's name); the client id names only this session
+    print(f"matformer-client: {options.name} trained {summary.rounds_trained} rounds at "
           f"tier {summary.tier}, sent {summary.bytes_sent / 1024:,.1f} KiB, received "
           f"{summary.update_bytes / 1024:,.1f} KiB of updates, "
           f"{summary.resynchronisations} resynchronisations")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from client.progress import duration
+
 
 class StepProgress:
     def __init__(self, total: int, first: int, log_every: int, say: Callable[[str], None],
@@ -37,8 +39,5 @@ class StepProgress:
         """The time the remaining steps take at this process's pace so far."""
         if done >= self.total:
             return "done"
-        seconds = (time.perf_counter() - self.started) / (done - self.first) * (
-            self.total - done)
-        minutes, seconds = divmod(round(seconds), 60)
-        hours, minutes = divmod(minutes, 60)
-        return "left " + (f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s")
+        pace = (time.perf_counter() - self.started) / (done - self.first)  # s per step
+        return f"left {duration(pace * (self.total - done))}"

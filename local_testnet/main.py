@@ -160,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         grpc_port, http_port = free_port(), free_port()
         while http_port == grpc_port:
             http_port = free_port()
+        # the server stays up after the finish: the testnet reads its final /status, then
+        # stops it
         overrides += [f"server.grpc_port={grpc_port}", f"server.http_port={http_port}",
-                      'server.host="127.0.0.1"']
+                      'server.host="127.0.0.1"', "server.stay_after_finish=true"]
         config = load_run_config(config_path, overrides)
     except (MatformerError, OSError, tomllib.TOMLDecodeError) as err:
         print(f"local-testnet: {err}", file=sys.stderr)
@@ -245,7 +247,13 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
     tiers = sorted(config.tiers.allowed)
     first, last = (run_dir / "checkpoints" / f"round-{r}"
                    for r in (checkpoints[0], checkpoints[-1]))
-    initial, final = held.loss(first, tiers), held.loss(last, tiers)
+
+    def evaluated(checkpoint: Path) -> dict[int, float]:  # said first: it takes a while
+        say(f"[testnet] evaluating held-out loss of {checkpoint.name} at tiers "
+            f"{', '.join(map(str, tiers))} on {len(held.examples)} sequences…")
+        return held.loss(checkpoint, tiers)
+
+    initial, final = evaluated(first), evaluated(last)
     counts: dict[int, int] = {}
     for tier in tiers_seen.values():
         counts[tier] = counts.get(tier, 0) + 1

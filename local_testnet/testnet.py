@@ -47,9 +47,10 @@ class ClientSpec:
     tier: int  # requested with --tier; the coordinator may assign another
     speed: float = 1.0  # --compute-speed: the fraction of this machine's speed it computes at
 
-    @property
-    def prefix(self) -> str:
-        return f"{self.name} t{self.tier}" + (f" x{self.speed:g}" if self.speed != 1 else "")
+    def describe(self) -> str:
+        """Who it is and what it is asked: "client-0 (tier 0, at 0.5x this machine's speed)"."""
+        return f"{self.name} (tier {self.tier}" + (
+            f", at {self.speed:g}x this machine's speed)" if self.speed != 1 else ")")
 
 
 @dataclass(kw_only=True)
@@ -84,6 +85,7 @@ class Testnet:
     # -- the run --------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        say("[testnet] starting the server")
         self._start_server()
         for spec in self.plan.clients:
             self._start_client(spec)
@@ -94,6 +96,8 @@ class Testnet:
                 self.tiers_seen[member["name"]] = member["tier"]
             self._time_restart()
             if self.status.get("phase") == "finished":
+                say(f"[testnet] the run finished after {self.status.get('round')} rounds; "
+                    "waiting for the clients to leave")
                 break
             self._chaos_step()
             time.sleep(CHAOS_POLL_S if self._events or self._down else POLL_S)
@@ -154,7 +158,10 @@ class Testnet:
             elif "catching up from round" in line:
                 say(f"[testnet] {spec.name} catches up: {line}")
 
-        self.clients[spec.name] = Child.start(spec.prefix, argv, env=child_env(p.env),
+        if not restarted:
+            say(f"[testnet] starting {spec.describe()}")
+        # the prefix is the member's name: the one its --name gives the coordinator
+        self.clients[spec.name] = Child.start(spec.name, argv, env=child_env(p.env),
                                               on_line=announce_rejoin if restarted else None)
 
     # -- chaos ------------------------------------------------------------------------------

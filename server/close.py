@@ -31,6 +31,7 @@ from server.errors import RunDirectoryUnavailable
 from server.limits import clip_to_peers
 from server.membership import Member
 from server.rounds import OpenRound, RoundAssignment
+from server.run_log import round_line
 from server.state import RunState
 from server.update_steps import Carried, close_round
 
@@ -281,6 +282,7 @@ def _record(c: Coordinator, rnd: OpenRound,
             member.last_round_seconds = submission.received_at - rnd.opened_at
     c.history.loss(rnd)
     c.history.round(rnd, by_name)
+    log.info("%s", round_line(c, rnd))
     _track(c, rnd.index)
 
 

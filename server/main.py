@@ -11,7 +11,9 @@ under uvicorn on a thread; both use TLS when [tls] names cert and key, and both 
 TLS is served, with a warning at start). A third thread is the coordinator's close worker
 (``Coordinator.run_closes``): it closes each round as soon as it is ready and at its deadline
 even when no client calls, so no member's call waits for a close. SIGINT/SIGTERM stop all
-three; state.json is already on disk.
+three; state.json is already on disk. Once the run is finished the server logs its summary
+and exits 0 when the members have left, unless [server] stay_after_finish
+(``server/run_end.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from server.coordinator import Coordinator
 from server.errors import InvalidValue, PortUnavailable, WrongType
 from server.http import build_app
 from server.keys import KeyFile
+from server.run_end import END_POLL_S, RunEnd
 from server.service import CoordinatorService
 
 # The server pings a connection quiet for KEEPALIVE_S and closes it, ending its calls, when
@@ -281,15 +284,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        server = RunningServer.start(load_config(args.config, args.overrides))
+        config = load_config(args.config, args.overrides)
+        server = RunningServer.start(config)
     except MatformerError as err:
         print(f"matformer-server: {err}", file=sys.stderr)
         return 2
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    stop.wait()
-    log.info("stopping; the run resumes from %s", server.service.coordinator.dir)
+    end = RunEnd(server.service.coordinator, stay=config.server.stay_after_finish)
+    while not stop.wait(END_POLL_S) and not end.reached():
+        pass
+    if stop.is_set():
+        log.info("stopping; %s", "the run is finished" if end.finished_at is not None else
+                 f"the run resumes from {server.service.coordinator.dir}")
     server.stop()
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,7 +196,18 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     # no round opens without two members ready to train (min_clients = 2, a speed measured),
     # so the restarted client trains again, overlapped or not
     restarted = log[log.index("[testnet] restarting client-1"):]
-    assert "[client-1 t1] round" in restarted, restarted
+    assert "[client-1] round" in restarted, restarted
+    # one name per process: each line's prefix is the testnet, the server or a member's
+    # name, the one the client says it trained under (issue 32, row 9)
+    prefixes = {line[1:line.index("]")] for line in log.splitlines()
+                if line.startswith("[") and "]" in line}
+    assert prefixes == {"testnet", "server", "client-0", "client-1"}, prefixes
+    for name in ("client-0", "client-1"):
+        assert f"[{name}] matformer-client: {name} trained " in log
+    # progress while it runs: a line per round from the server, the finish, the evaluation
+    assert re.search(r"\[server\] .* round 7 closed \(8/8\): ", log), log[-4000:]
+    assert "the run is finished: 8 rounds, " in log
+    assert "[testnet] evaluating held-out loss of round-8 at tiers 0, 1 on " in log
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])

@@ -18,6 +18,9 @@ class ServerSection:
     host: str = "127.0.0.1"  # address both servers bind; "0.0.0.0" to accept other machines
     grpc_port: int = 7070  # coordinator service (clients)
     http_port: int = 7071  # status, dashboard, metrics, checkpoint files
+    # once the run is finished: false exits once the members have left (server/run_end.py),
+    # true keeps the dashboard and the checkpoint files served until Ctrl-C
+    stay_after_finish: bool = False
 
     def __post_init__(self) -> None:
         require(bool(self.host), "[server] host is empty; give an address such as 127.0.0.1.")
