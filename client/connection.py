@@ -43,6 +43,7 @@ from client.errors import (
 )
 from client.heartbeat import Heartbeat
 from client.local_round import LocalSteps
+from client.progress import Planned
 from modeling.compression import CompressionConfig, RoundUpdate, SparseResult
 from modeling.optim import constant_after_warmup
 from protocol.auth import session_metadata
@@ -58,6 +59,7 @@ from protocol.updates import read_updates
 T = TypeVar("T")
 RETRY_FIRST_S = 0.2  # first backoff; doubles per attempt up to RETRY_MAX_S, with jitter
 RETRY_MAX_S = 5.0
+LEAVE_S = 5.0  # a Leave's deadline, and how long it is retried: Ctrl-C never waits longer
 
 Code = grpc.StatusCode
 # What a status means, call by call: the coordinator's answers the client acts on. Any other
@@ -146,6 +148,7 @@ class Membership:
     checkpoint: PublishedCheckpoint | None  # None: none yet, the run's initial weights
     settings: RunSettings
     schema_hash: str  # canonical schema hash of the run's model
+    planned: Planned  # how far the run goes
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,7 @@ class Train:
     tier: int
     sequence_ids: tuple[int, ...]
     assignment_id: str
+    run_tokens: int = 0  # the run's tokens in completed rounds when this was handed out
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,9 +172,10 @@ class Wait:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    """The run is over after ``round`` rounds."""
+    """The run is over after ``round`` rounds and ``run_tokens`` tokens."""
 
     round: int
+    run_tokens: int = 0
 
 
 class Submitted(NamedTuple):
@@ -184,10 +189,10 @@ class Submitted(NamedTuple):
 
 def _work(reply: pb.RoundAssignment) -> Train | Wait | Finished:
     if reply.state == pb.ROUND_STATE_FINISHED:
-        return Finished(round=reply.round)
+        return Finished(round=reply.round, run_tokens=reply.run_tokens)
     if reply.state == pb.ROUND_STATE_TRAIN:
         return Train(round=reply.round, tier=reply.tier, sequence_ids=tuple(reply.sequence_ids),
-                     assignment_id=reply.assignment_id)
+                     assignment_id=reply.assignment_id, run_tokens=reply.run_tokens)
     return Wait(round=reply.round, retry_after_s=reply.retry_after_seconds)
 
 
@@ -238,9 +243,8 @@ class Connection:
         member of that session, so it takes its name back without waiting."""
         capabilities = pb.Capabilities(
             device_kind=device_kind, device_name=device_name, memory_bytes=memory_bytes,
-            load_strategy=load_strategy, microbatch_tokens=microbatch_tokens)
-        if tier is not None:
-            capabilities.requested_tier = tier
+            load_strategy=load_strategy, microbatch_tokens=microbatch_tokens,
+            requested_tier=tier)  # None leaves it unset: any tier
         request = pb.JoinRequest(run_id=run_id, join_token=join_token, client_name=name,
                                  capabilities=capabilities)
         metadata = session_metadata(previous_session) if previous_session else ()
@@ -254,13 +258,12 @@ class Connection:
                           ffn_width=reply.ffn_width, tier_reason=reply.tier_reason,
                           round=reply.round, checkpoint=checkpoint,
                           settings=RunSettings.from_proto(reply.settings),
-                          schema_hash=reply.schema_hash)
+                          schema_hash=reply.schema_hash, planned=Planned(
+                              reply.rounds_planned or None, reply.tokens_planned or None))
 
     def heartbeat(self, round_index: int, tokens_per_second: float | None = None, *,
                   patience_s: float | None = None) -> None:
-        request = pb.HeartbeatRequest(round=round_index)
-        if tokens_per_second is not None:
-            request.tokens_per_second = tokens_per_second
+        request = pb.HeartbeatRequest(round=round_index, tokens_per_second=tokens_per_second)
         self._call("Heartbeat", lambda: self.stub.Heartbeat(request, metadata=self.metadata),
                    patience_s=patience_s)
 
@@ -336,8 +339,9 @@ class Connection:
             pb.DownloadCheckpointRequest(path=path), metadata=self.metadata), dest, sha256))
 
     def leave(self, reason: str) -> None:
-        self._call("Leave", lambda: self.stub.Leave(pb.LeaveRequest(reason=reason),
-                                                    metadata=self.metadata))
+        self._call("Leave", lambda: self.stub.Leave(
+            pb.LeaveRequest(reason=reason), metadata=self.metadata, timeout=LEAVE_S),
+            patience_s=LEAVE_S)
 
     # -- retries and the meaning of a status --------------------------------------------
 

@@ -268,7 +268,7 @@ class FederatedClient:
         self.summary.rounds_trained += 1
         self.summary.bytes_sent += sent
         self.summary.losses.append((work.round, loss))
-        progress.update(work.round, self.tier, loss, done.tokens / done.seconds, sent, accepted)
+        progress.update(work, self.tier, loss, done.tokens / done.seconds, sent, accepted)
 
     # -- weights ------------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ class SynchronousRounds:
         c = self.client
         o = c.options
         bar = o.progress if o.progress is not None else sys.stderr.isatty()
-        with Progress(c.log, bar) as progress:
+        with Progress(c.log, bar, c.member.planned) as progress:
             while o.max_rounds is None or c.summary.rounds_trained < o.max_rounds:
                 work = c.connection.get_round()
                 if work.round > c.applied:
@@ -64,6 +64,7 @@ class SynchronousRounds:
                 match work:
                     case Finished():
                         c.summary.finished = True
+                        progress.finished(work)
                         digest = c.replica.hash(c.tier)[:12]
                         c.log(f"the run finished after round {work.round - 1}; replica "
                               f"at round {c.applied}, weight hash {digest}")
@@ -104,8 +105,9 @@ class OverlappedRounds:
     def run(self) -> None:
         c, o = self.client, self.client.options
         bar = o.progress if o.progress is not None else sys.stderr.isatty()
+        interrupted = False
         try:
-            with Progress(c.log, bar) as progress, c.connection.keep_alive(
+            with Progress(c.log, bar, c.member.planned) as progress, c.connection.keep_alive(
                     lambda: c.applied):
                 while o.max_rounds is None or c.summary.rounds_trained < o.max_rounds:
                     work = self._next(progress)
@@ -113,9 +115,14 @@ class OverlappedRounds:
                         return
                     self._train(work, progress)
                 self._settle_upload(progress)
+        except KeyboardInterrupt:
+            # Ctrl-C waits for no call in flight (a GetUpdates held for UPDATE_WAIT_S, an
+            # upload retrying): the client leaves and closes the connection, which ends them
+            interrupted = True
+            raise
         finally:
             for pool in (self.uploads, self.fetches, self.downloads):
-                pool.shutdown(wait=True, cancel_futures=True)
+                pool.shutdown(wait=not interrupted, cancel_futures=True)
 
     # -- the next assignment ------------------------------------------------------------
 
@@ -132,6 +139,7 @@ class OverlappedRounds:
             match work:
                 case Finished():
                     c.summary.finished = True
+                    progress.finished(work)
                     c._catch_up()
                     c.log(f"the run finished after round {work.round - 1}; replica at round "
                           f"{c.applied}, weight hash {c.replica.hash(c.tier)[:12]}")

@@ -2,9 +2,10 @@
 the models that FastAPI's OpenAPI schema (``/openapi.json``, browsable at ``/docs``) is
 made from. The dashboard at ``/`` reads this API and nothing else.
 
-- ``GET /api/run``: phase, round, tokens, the open round;
+- ``GET /api/run``: phase, round, tokens, the open round, each tier's last loss;
 - ``GET /api/clients``: members (device, memory, tier and why, speed, share of the last
-  round, last seen, rejections), the clients excluded and those that left, with why;
+  round, last seen, rejections), the clients excluded and those that left (one record per
+  name, the newest ``MAX_DEPARTED``), with why, and how many took part in the run;
 - ``GET /api/loss?since_round=R``: training loss per tier per round;
 - ``GET /api/rounds?since_round=R``: each completed round: duration, slowest client, bytes
   sent against their dense size, who was dropped and why;
@@ -60,6 +61,11 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LossPoint(Strict):
+    round: int
+    loss: float = Field(description="token-weighted mean training loss its clients reported")
+
+
 class OpenRoundInfo(Strict):
     round: int
     opened_at: float = Field(description="server clock, seconds since the epoch")
@@ -81,6 +87,8 @@ class RunInfo(Strict):
     min_clients: int
     allowed_tiers: list[int]
     checkpoints: list[int] = Field(description="rounds with a checkpoint")
+    last_loss: dict[str, LossPoint] = Field(description="tier → its loss in the last round "
+                                                        "it trained: a finished run's final")
     open_round: OpenRoundInfo | None
     server_time: float = Field(description="the server clock when this was read; ages "
                                            "(last seen) are relative to it")
@@ -140,18 +148,19 @@ class DepartedClient(Strict):
     round: int = Field(description="rounds completed when it left")
     reason: PublicText = Field(description="what it said when leaving, or why its session "
                                            "expired")
+    leaves: int = Field(description="how often a member of this name left: each time "
+                                    "replaces its record, the latest kept")
 
 
 class Clients(Strict):
     members: list[ClientInfo]
     excluded: list[ExcludedClient]
-    departed: list[DepartedClient] = Field(description="members that left, newest last "
-                                                       f"(the last {MAX_DEPARTED})")
-
-
-class LossPoint(Strict):
-    round: int
-    loss: float = Field(description="token-weighted mean training loss its clients reported")
+    departed: list[DepartedClient] = Field(description="members that left, one record per "
+                                                       f"name, newest last (the last "
+                                                       f"{MAX_DEPARTED})")
+    departed_beyond: int = Field(description="members that left before those listed")
+    took_part: int = Field(description="members of the run from its start, one per name: "
+                                       "those here, those that left and those excluded")
 
 
 class DroppedClient(Strict):
@@ -244,6 +253,9 @@ def run_info(snap: dict[str, Any]) -> RunInfo:
                    tokens=snap["tokens"], rounds_planned=snap["rounds_planned"],
                    tokens_planned=snap["tokens_planned"], min_clients=snap["min_clients"],
                    allowed_tiers=snap["allowed_tiers"], checkpoints=snap["checkpoints"],
+                   last_loss={tier: LossPoint(round=int(r), loss=loss)
+                              for tier, (r, loss) in sorted(snap["last_loss"].items(),
+                                                            key=lambda kv: int(kv[0]))},
                    open_round=None if opened is None else OpenRoundInfo(**opened),
                    server_time=snap["now"])
 
@@ -275,8 +287,12 @@ def clients_info(snap: dict[str, Any], operator: bool) -> Clients:
                                  if m["last_round_seconds"] > 0 else None)))
     excluded = [ExcludedClient(**{**e, "reason": e["reason"] if operator else WITHHELD})
                 for e in snap["excluded"]]
+    named = {m["name"] for m in snap["members"]} | {d["name"] for d in snap["departed"]} | {
+        e["name"] or e["client_id"] for e in snap["excluded"]}
     return Clients(members=members, excluded=excluded,
-                   departed=[DepartedClient(**d) for d in snap["departed"]])
+                   departed=[DepartedClient(**d) for d in snap["departed"]],
+                   departed_beyond=snap["departed_beyond"],
+                   took_part=len(named) + snap["departed_beyond"])
 
 
 def rounds_info(rounds: list[dict[str, Any]], operator: bool) -> list[RoundRecord]:

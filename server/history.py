@@ -49,13 +49,19 @@ class RunHistory:
         log.info("round %d: %s %s: %s", state.round, kind, client_id or "-", detail)
 
     def departed(self, member: Member, why: str) -> None:
-        """What the status API showed of a member that left, with why."""
+        """What the status API showed of a member that left, with why. One record per name:
+        a member that leaves again replaces its record (``leaves`` counts every time), so
+        the list holds the newest MAX_DEPARTED members; older ones are only counted."""
         state = self._state()
+        before = [d for d in state.departed if d["name"] == member.name]
+        state.departed[:] = [d for d in state.departed if d["name"] != member.name]
         state.departed.append({
             "client_id": member.client_id, "name": member.name, "tier": member.tier,
             "device_kind": member.device_kind, "device_name": member.device_name,
             "tokens_per_second": member.tokens_per_second, "last_round": member.last_round,
-            "left_at": self._clock(), "round": state.round, "reason": why})
+            "left_at": self._clock(), "round": state.round, "reason": why,
+            "leaves": 1 + sum(d["leaves"] for d in before)})
+        state.departed_beyond += max(len(state.departed) - MAX_DEPARTED, 0)
         del state.departed[:-MAX_DEPARTED]
 
     def loss(self, rnd: OpenRound) -> None:
@@ -99,7 +105,7 @@ class RunHistory:
         ``round_index`` on, events after seq ``events_after``; None leaves them out."""
         state = self._state()
         return {
-            "departed": list(state.departed),
+            "departed": list(state.departed), "departed_beyond": state.departed_beyond,
             "last_loss": {tier: points[-1] for tier, points in state.loss.items() if points},
             "loss": {} if round_index is None else {
                 tier: _tail(points, round_index, lambda p: p[0])

@@ -48,9 +48,18 @@ def settings(coordinator: Coordinator) -> pb.TrainingSettings:
     return settings
 
 
-def assignment(assigned: RoundAssignment) -> pb.RoundAssignment:
-    """A member's work in a round: ROUND_STATE_TRAIN."""
+def planned(coordinator: Coordinator) -> dict[str, int]:
+    """JoinReply's stop, for a client's progress: [round] rounds when that stop comes first
+    (every round counted full, as ``planned_rounds`` does), and [round] tokens; 0 for none."""
+    stop = coordinator.config.round
+    rounds_first = stop.rounds is not None and stop.rounds == stop.planned_rounds
+    return {"rounds_planned": stop.rounds if rounds_first else 0,
+            "tokens_planned": stop.tokens or 0}
+
+
+def assignment(assigned: RoundAssignment, run_tokens: int) -> pb.RoundAssignment:
+    """A member's work in a round: ROUND_STATE_TRAIN (``run_tokens``: the run's so far)."""
     return pb.RoundAssignment(
         state=pb.ROUND_STATE_TRAIN, round=assigned.round,
         sequence_ids=assigned.sequence_ids, tier=assigned.tier,
-        assignment_id=assigned.assignment_id)
+        assignment_id=assigned.assignment_id, run_tokens=run_tokens)

@@ -126,7 +126,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                             ffn_width=tier.ffn_width, tier_reason=tier.reason,
                             round=c.state.round,
                             checkpoint=replies.checkpoint_ref(c, tier.tier),
-                            settings=replies.settings(c), schema_hash=self.schema_hash)
+                            settings=replies.settings(c), schema_hash=self.schema_hash,
+                            **replies.planned(c))
 
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatReply:
@@ -153,7 +154,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         client_id = self._session(context)
         _call(context, lambda: c.heartbeat(client_id))
         if c.phase == "finished":
-            return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=c.state.round)
+            return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=c.state.round,
+                                      run_tokens=c.state.tokens)
         after = request.after_round if request.HasField("after_round") else None
         assignment = c.assignment_for(client_id, after)
         if assignment is None:
@@ -161,8 +163,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             retry = RETRY_AFTER_S if expected is None else min(
                 RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, expected))
             return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=c.state.round,
-                                      retry_after_seconds=retry)
-        return replies.assignment(assignment)
+                                      retry_after_seconds=retry, run_tokens=c.state.tokens)
+        return replies.assignment(assignment, c.state.tokens)
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.Sequence]:
@@ -251,7 +253,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 _abort(context, err, consequence)
             # the next round's work rides on the answer (overlapped rounds hand it out ahead)
             return pb.SubmitReply(accepted=accepted, assignments=[
-                replies.assignment(a) for a in c.pending(client_id)])
+                replies.assignment(a, c.state.tokens) for a in c.pending(client_id)])
 
     # -- catching up --------------------------------------------------------------------
 

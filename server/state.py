@@ -34,6 +34,7 @@ class RunState:
     events: list[dict[str, Any]] = field(default_factory=list)  # Coordinator._event, oldest first
     rounds: list[dict[str, Any]] = field(default_factory=list)  # Coordinator._record_round
     departed: list[dict[str, Any]] = field(default_factory=list)  # members that left, and why
+    departed_beyond: int = 0  # members that left, beyond the newest that ``departed`` keeps
 
     def save(self, run_dir: Path) -> None:
         """Write state.json (ValueError for a number that is not finite: never saved)."""
@@ -55,6 +56,8 @@ class RunState:
         state = cls(**data)
         for seq, event in enumerate(state.events):  # numbered since the status API pages them
             event.setdefault("seq", seq)
+        for record in state.departed:  # counted since a member's leaves are folded into one
+            record.setdefault("leaves", 1)
         return state
 
 

@@ -40,6 +40,7 @@ API_PATHS = ["/api/run", "/api/clients", "/api/loss", "/api/rounds", "/api/event
 ROUNDS = 20
 LATENCY_MS = 100.0  # on every client call: rounds of most of a second, long enough to watch
 ROUNDS_SHOWN = 12  # rows of the recent-rounds table (dashboard.js ROUNDS_SHOWN)
+DEPARTED_SHOWN = 10  # rows of the left-the-run list (dashboard.js DEPARTED_SHOWN)
 WAIT_S = 60.0
 AGREE_S = 20.0  # the page may be one poll behind the API; it must catch up within this
 LAST_SEEN_TOLERANCE_S = 5.0  # heartbeats move last_seen between the page's poll and ours
@@ -69,6 +70,10 @@ return {
     .map((r) => ({ client_id: r.dataset.clientId, ...fields(r) })),
   departed: [...document.querySelectorAll("#departed li[data-client-id]")]
     .map((r) => ({ client_id: r.dataset.clientId, ...fields(r) })),
+  departed_more: val(q('#departed [data-field="more"]')),
+  story: { phase: q("#story").dataset.phase, text: q("#story").textContent.trim(),
+           ...fields(q("#story")) },
+  no_members: q("#clients tbody tr.empty")?.textContent.trim() ?? null,
   excluded: [...document.querySelectorAll("#excluded li[data-client-id]")]
     .map((r) => ({ client_id: r.dataset.clientId, ...fields(r) })),
   loss: series("#loss-chart"), bytes: series("#bytes-chart"),
@@ -112,7 +117,8 @@ class LiveRun:
             config=config, run_dir=tmp_path / "run", clients=CLIENTS, env=join_token_env(config),
             grpc_port=grpc_port, http_port=http_port, latency_ms=LATENCY_MS,
             overrides=[f"server.grpc_port={grpc_port}", f"server.http_port={http_port}",
-                       'server.host="127.0.0.1"']))
+                       'server.host="127.0.0.1"',
+                       "server.stay_after_finish=true"]))  # the page is read after the end
         self.base = self.net.http_base
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="testnet", daemon=True)
@@ -291,12 +297,20 @@ def compare(page: dict, api: dict) -> list[str]:
     excluded = {e["client_id"]: e["reason"] for e in api["clients"]["excluded"]}
     if {e["client_id"]: e["reason"]["text"] for e in page["excluded"]} != excluded:
         errors.append(f"excluded {page['excluded']}, the API says {excluded}")
-    departed = [(d["client_id"], d["name"], d["tier"], d["round"], d["reason"])
-                for d in reversed(api["clients"]["departed"])]  # the page: newest first
+    clients = api["clients"]
+    departed = [(d["client_id"], d["name"], d["tier"], d["round"], d["reason"], d["leaves"])
+                for d in reversed(clients["departed"])]  # the page: newest first
     shown = [(d["client_id"], d["name"]["text"], int(d["tier"]["value"]),
-              int(d["round"]["value"]), d["reason"]["text"]) for d in page["departed"]]
-    if shown != departed:
+              int(d["round"]["value"]), d["reason"]["text"],
+              int(d["leaves"]["value"]) if "leaves" in d else 1) for d in page["departed"]]
+    if shown != departed[:DEPARTED_SHOWN]:
         errors.append(f"departed {shown}, the API says {departed}")
+    more = len(departed) - len(shown) + clients["departed_beyond"]
+    if (int(page["departed_more"]["value"]) if page["departed_more"] else 0) != more:
+        errors.append(f"departed: {page['departed_more']} more, the API says {more}")
+    took = page["story"].get("took_part")
+    if took is None or took["value"] != str(clients["took_part"]):
+        errors.append(f"took part: {took}, the API says {clients['took_part']}")
 
     for tier, loss in api["loss"].items():
         expected = [(p["round"], p["loss"]) for p in loss]
@@ -440,6 +454,16 @@ def test_dashboard_follows_a_live_run(browser, live_run, tmp_path):
     # every client left when the run finished: the page lists them with what they said
     assert {d["name"]["text"] for d in page["departed"]} == names
     assert int(page["round"]["value"]) == ROUNDS and page["conn"] == "finished"
+    # and tells the run's story: how it ended, who took part, each tier's final loss
+    story = page["story"]
+    assert story["phase"] == "finished" and story["summary"]["text"] == (
+        f"The run finished after {ROUNDS} rounds and {api['run']['tokens']:,} tokens.")
+    assert story["took_part"]["text"].startswith(f"{len(names)} members took part: ")
+    assert set(story["took_part"]["text"].split(": ", 1)[1].rstrip(".").split(", ")) == names
+    final = " · ".join(f"tier {t} {p['loss']:.3f}" for t, p in api["run"]["last_loss"].items())
+    assert set(api["run"]["last_loss"]) == {"0", "1"}
+    assert story["final_loss"]["text"] == f"Final loss: {final}."
+    assert page["no_members"] == f"no members now: {len(names)} members took part (see below)"
 
     live_run.net.stop()  # the server goes away: the page keeps its data and says so
     wait_for(lambda: browser.execute_script(READ_PAGE)["conn"] == "disconnected", WAIT_S,

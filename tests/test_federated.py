@@ -472,8 +472,9 @@ def test_checkpoint_files_come_from_a_local_copy_when_their_sha256_matches(tmp_p
             state_dir=tmp_path / "clients" / "m", checkpoint=str(mirror), progress=False,
             max_rounds=0), log=logs.append)
         c.run()
-        # only the manifest comes from the coordinator; config and weights from the copy
-        assert any(f"1 files downloaded, 3 from {mirror}" in line for line in logs), logs
+        # only the manifest comes from the coordinator; config, weights and the tokenizer's
+        # two files from the copy
+        assert any(f"1 files downloaded, 5 from {mirror}" in line for line in logs), logs
         # a tampered copy is not used: the file comes from the coordinator instead
         weights = next((mirror / "round-0" / "tier2").glob("*.safetensors"))
         weights.write_bytes(weights.read_bytes()[:-8] + b"tampered")
@@ -482,28 +483,40 @@ def test_checkpoint_files_come_from_a_local_copy_when_their_sha256_matches(tmp_p
                                                 state_dir=tmp_path / "clients" / "w"),
                             log=logs.append)
         c.run()
-        assert any(f"2 files downloaded, 2 from {mirror}" in line for line in logs), logs
+        assert any(f"2 files downloaded, 4 from {mirror}" in line for line in logs), logs
         assert same(held(c), master_slice(server, c))
     finally:
         server.stop()
 
 
-@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM"])
-def test_the_client_command_leaves_the_run_on_ctrl_c_and_sigterm(tmp_path, mdat, signal_name):
+def client_command(server, tmp_path, *, ignoring_sigint: bool = False):
+    """``matformer-client train`` as a process, training in the run of ``server``;
+    ``ignoring_sigint``: started as a shell starts a background job (``cmd &``), with SIGINT
+    ignored."""
     import os
-    import signal
     import subprocess
     import sys
+
+    command = [sys.executable, "-m", "client.cli", "train", "--server",
+               f"127.0.0.1:{server.grpc_port}", "--join-token", TOKEN, "--name", "leaver",
+               "--state-dir", str(tmp_path / "leaver"), "--no-progress"]
+    if ignoring_sigint:  # exec keeps the ignored SIGINT, as it does for a background job
+        command = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', *command]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("signal_name, ignoring_sigint", [
+    ("SIGINT", False), ("SIGTERM", False), ("SIGINT", True)],
+    ids=["SIGINT", "SIGTERM", "SIGINT-to-a-background-job"])
+def test_the_client_command_leaves_the_run_on_ctrl_c_and_sigterm(tmp_path, mdat, signal_name,
+                                                                 ignoring_sigint):
+    import signal
 
     server = start(tmp_path, mdat, rounds=1000, min_clients=1)
     coordinator = server.service.coordinator
     try:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", "train", "--server",
-             f"127.0.0.1:{server.grpc_port}", "--join-token", TOKEN, "--name", "leaver",
-             "--state-dir", str(tmp_path / "leaver"), "--no-progress"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        process = client_command(server, tmp_path, ignoring_sigint=ignoring_sigint)
         wait_for_round(server, 2, timeout=90)  # it is training
         assert [m.name for m in coordinator.membership.members.values()] == ["leaver"]
         process.send_signal(getattr(signal, signal_name))
@@ -515,6 +528,27 @@ def test_the_client_command_leaves_the_run_on_ctrl_c_and_sigterm(tmp_path, mdat,
         if process.poll() is None:
             process.kill()
         server.stop()
+
+
+def test_ctrl_c_ends_a_client_whose_coordinator_is_gone(tmp_path, mdat):
+    """Leaving is a courtesy: with the coordinator gone, Ctrl-C ends the client after a short
+    Leave (it used to retry Leave for the 60 s a lost call is retried)."""
+    import signal
+
+    server = start(tmp_path, mdat, rounds=1000, min_clients=1)
+    process = client_command(server, tmp_path)
+    try:
+        try:
+            wait_for_round(server, 2, timeout=90)  # it is training
+        finally:
+            server.stop()
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=30)  # far less than the 60 s of retries
+        assert process.returncode == 130, output
+        assert "left the run" in output
+    finally:
+        if process.poll() is None:
+            process.kill()
 
 
 def test_a_second_client_command_on_one_machine_is_refused_at_once(tmp_path, mdat):

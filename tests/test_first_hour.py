@@ -337,3 +337,21 @@ def test_a_damaged_token_file_is_named_when_the_data_is_opened(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.startswith("matformer-train: error: ") and "the file is damaged" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_generate_refuses_a_tokenizer_of_another_vocabulary_in_one_line(bpe, tmp_path):
+    """A checkpoint without its tokenizer, read through bytes, died with a traceback from
+    ByteTokenizer.decode at the first id past 259."""
+    from client.standalone import main as train_main
+
+    root, _, ids = bpe
+    out = tmp_path / "model"
+    train_main([*bpe_training(root), "--out", str(out)])
+    (out / "tokenizer.json").unlink()
+    said = subprocess.run([sys.executable, "-m", "scripts.generate", str(out), "--prompt", "def"],
+                          capture_output=True, text=True, timeout=120)
+    assert said.returncode == 2 and "Traceback" not in said.stderr
+    assert said.stderr.strip() == (
+        f"matformer-generate: error: the tokenizer has 260 ids and the model {ids:,}: they were "
+        "not trained together; give the model's own with --tokenizer tokenizer.json or --data "
+        "MDAT --strategy S.")

@@ -24,6 +24,7 @@ from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from protocol.submission import submission_messages
 from server.api import WITHHELD, hide_paths, rounds_info
 from server.config import RunConfig
+from server.history import MAX_DEPARTED
 from server.main import RunningServer
 from server.state import RunState
 
@@ -356,6 +357,83 @@ def test_events_saved_before_they_were_numbered_get_numbers_on_load(tmp_path):
     loaded = RunState.load(tmp_path)
     assert [(e["seq"], e["detail"]) for e in loaded.events] == [(0, "a"), (1, "b")]
     assert loaded.rounds == [] and loaded.departed == []
+
+
+def test_a_finished_run_that_everyone_left_says_who_took_part_and_its_last_loss(tmp_path):
+    server = RunningServer.start(RunConfig.load(served_run_toml(
+        tmp_path, min_clients=1, round={"min_clients": 1, "deadline_s": 30.0,
+                                        "tokens_per_round": 1024, "rounds": 1})),
+        grpc_port=0, http_port=0)
+    try:
+        assert server.wait_until_http_ready()
+        c = server.service.coordinator
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}",
+                                   options=GRPC_OPTIONS) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            alice = stub.Join(join_request(server, name="alice"))
+            submit(stub, c, alice, loss=3.25)
+            committed(c, 1)
+            stub.Leave(pb.LeaveRequest(reason="finished"),
+                       metadata=session_metadata(alice.session_token))
+        run, clients = get(server, "/api/run"), get(server, "/api/clients")
+        assert run["phase"] == "finished" and run["last_loss"] == {
+            "0": {"round": 0, "loss": 3.25}}
+        assert clients["members"] == [] and clients["took_part"] == 1
+        assert [(d["name"], d["reason"], d["leaves"]) for d in clients["departed"]] == [
+            ("alice", "finished", 1)]
+    finally:
+        server.stop()
+
+
+def test_who_left_is_one_record_per_name_and_the_list_is_bounded(tmp_path):
+    """A member that leaves and comes back again and again keeps one record that counts its
+    leaves; beyond MAX_DEPARTED names the oldest are only counted, and the run still says
+    how many took part, also after a restart."""
+    toml = served_run_toml(tmp_path, min_clients=1000,  # no round opens: joins and leaves only
+                           faults={"max_joins_per_minute": 10_000})
+    server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
+    try:
+        assert server.wait_until_http_ready()
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}",
+                                   options=GRPC_OPTIONS) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+
+            def visit(name: str, reason: str) -> None:
+                reply = stub.Join(join_request(server, name=name), timeout=10)
+                stub.Leave(pb.LeaveRequest(reason=reason), timeout=10,
+                           metadata=session_metadata(reply.session_token))
+
+            for n in range(3):
+                visit("alice", f"visit {n}")
+            clients = get(server, "/api/clients")
+            assert [(d["name"], d["reason"], d["leaves"]) for d in clients["departed"]] == [
+                ("alice", "visit 2", 3)]
+            assert (clients["took_part"], clients["departed_beyond"]) == (1, 0)
+            for n in range(MAX_DEPARTED + 5):
+                visit(f"visitor-{n}", "bye")
+            stub.Join(join_request(server, name="bob"), timeout=10)  # stays
+        openapi = get(server, "/openapi.json")
+        for path in ("/api/clients", "/api/dashboard"):
+            body = get(server, path)
+            assert response_errors(openapi, path, body) == []
+            clients = body["clients"] if path == "/api/dashboard" else body
+            assert [d["name"] for d in clients["departed"]] == [
+                f"visitor-{n}" for n in range(5, MAX_DEPARTED + 5)]
+            assert clients["departed_beyond"] == 6  # alice and the first five visitors
+            assert clients["took_part"] == 1 + (MAX_DEPARTED + 5) + 1  # alice, visitors, bob
+    finally:
+        server.stop()
+    saved = RunState.load(server.service.coordinator.dir)
+    assert (len(saved.departed), saved.departed_beyond) == (MAX_DEPARTED, 6)
+
+
+def test_departed_members_saved_before_leaves_were_counted_left_once(tmp_path):
+    RunState(run_id="old", data_fingerprint="f", departed=[
+        {"client_id": "client-0", "name": "a", "tier": 0, "device_kind": "cpu",
+         "device_name": "", "tokens_per_second": 1.0, "last_round": None, "left_at": 1.0,
+         "round": 0, "reason": "done"}]).save(tmp_path)
+    (record,) = RunState.load(tmp_path).departed
+    assert record["leaves"] == 1
 
 
 def test_each_members_bytes_both_ways_against_dense(run):

@@ -9,6 +9,8 @@ const FINISHED_POLL_MS = 5000; // a finished run changes only if it is resumed
 const FETCH_TIMEOUT_MS = 5000;
 const ROUNDS_SHOWN = 12; // rows of the recent-rounds table
 const EVENTS_KEPT = 200; // rows of the events table
+const DEPARTED_SHOWN = 10; // rows of the left-the-run list; the rest are counted
+const NAMES_SHOWN = 12; // names in the run's story; the rest are counted
 const TIER_COLORS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#0891b2",
                      "#ca8a04", "#4b5563"];
 const GIB = 2 ** 30;
@@ -179,10 +181,41 @@ function clientRow(m) {
   return row;
 }
 
+const count = (n, noun) => `${fmt(n, 0)} ${noun}${n === 1 ? "" : "s"}`; // "1 member"
+
+// What the run came to, in a few sentences: where it is (or how it ended), who took part,
+// and (once finished) each tier's final loss.
+function renderStory(run, clients) {
+  const summary = run.phase === "finished"
+    ? `The run finished after ${count(run.round, "round")} and ${count(run.tokens, "token")}.`
+    : `${run.phase === "waiting" ? "Waiting" : "Training"}: ${count(run.round, "round")}`
+      + (run.rounds_planned === null ? "" : ` of ${fmt(run.rounds_planned, 0)}`)
+      + ` done, ${count(clients.members.length, "member")} in the run now.`;
+  // every name once, those here first, then those that left (newest first), the excluded
+  const names = [...new Set([...clients.members.map((m) => m.name),
+                             ...[...clients.departed].reverse().map((d) => d.name),
+                             ...clients.excluded.map((e) => e.name || e.client_id)])];
+  const rest = clients.took_part - Math.min(names.length, NAMES_SHOWN); // counted, not named
+  const who = clients.took_part === 0 ? "No member has joined yet."
+    : `${count(clients.took_part, "member")} took part: ${names.slice(0, NAMES_SHOWN).join(", ")}`
+      + `${rest > 0 ? ` and ${fmt(rest, 0)} more` : ""}.`;
+  const parts = [node("span", { "data-field": "summary" }, summary), " ",
+                 node("span", { "data-field": "took_part", "data-value": clients.took_part },
+                      who)];
+  const losses = Object.entries(run.last_loss);
+  if (run.phase === "finished" && losses.length) {
+    parts.push(" ", node("span", { "data-field": "final_loss" }, "Final loss: "
+      + losses.map(([tier, p]) => `tier ${tier} ${fmt(p.loss, 3)}`).join(" · ") + "."));
+  }
+  $("#story").dataset.phase = run.phase;
+  $("#story").replaceChildren(...parts);
+}
+
 function renderClients(clients) {
   const rows = [...clients.members]
     .sort((a, b) => a.tier - b.tier || a.name.localeCompare(b.name)).map(clientRow);
-  if (!rows.length) rows.push(emptyRow(11, "no clients have joined"));
+  if (!rows.length) rows.push(emptyRow(11, clients.took_part === 0 ? "no clients have joined"
+    : `no members now: ${count(clients.took_part, "member")} took part (see below)`));
   $("#clients tbody").replaceChildren(...rows);
   const excluded = clients.excluded.map((e) => {
     const item = node("li", { "data-client-id": e.client_id });
@@ -192,14 +225,23 @@ function renderClients(clients) {
   });
   if (!excluded.length) excluded.push(node("li", { class: "muted" }, "none"));
   $("#excluded").replaceChildren(...excluded);
-  const departed = [...clients.departed].reverse().map((d) => {
+  const departed = [...clients.departed].reverse().slice(0, DEPARTED_SHOWN).map((d) => {
     const item = node("li", { "data-client-id": d.client_id });
     item.append(node("b", { "data-field": "name" }, d.name), " ", tierBadge(d.tier),
                 " left in round ",
                 node("span", { "data-field": "round", "data-value": d.round }, fmt(d.round, 0)),
                 ": ", node("span", { "data-field": "reason" }, d.reason));
+    if (d.leaves > 1) {
+      item.append(node("span", { "data-field": "leaves", "data-value": d.leaves,
+                                 class: "leaves" }, `(left ${fmt(d.leaves, 0)} times)`));
+    }
     return item;
   });
+  const more = clients.departed.length - departed.length + clients.departed_beyond;
+  if (more > 0) {
+    departed.push(node("li", { "data-field": "more", "data-value": more, class: "muted" },
+                       `and ${count(more, "member")} more that left earlier`));
+  }
   if (!departed.length) departed.push(node("li", { class: "muted" }, "none"));
   $("#departed").replaceChildren(...departed);
 }
@@ -287,6 +329,7 @@ function renderEvents() {
 
 function render(snap, grew) {
   renderRun(snap.run);
+  renderStory(snap.run, snap.clients);
   renderClients(snap.clients);
   if (grew.rounds) {
     renderCharts();

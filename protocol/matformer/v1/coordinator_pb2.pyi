@@ -181,7 +181,7 @@ class InnerOptimizer(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., schedule: _Optional[str] = ..., final_lr: _Optional[float] = ..., planned_rounds: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings", "schema_hash")
+    __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings", "schema_hash", "rounds_planned", "tokens_planned")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,8 @@ class JoinReply(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_PLANNED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PLANNED_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     session_token: str
     tier: int
@@ -200,7 +202,9 @@ class JoinReply(_message.Message):
     checkpoint: CheckpointRef
     settings: TrainingSettings
     schema_hash: str
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tier: _Optional[int] = ..., ffn_width: _Optional[int] = ..., tier_reason: _Optional[str] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., schema_hash: _Optional[str] = ...) -> None: ...
+    rounds_planned: int
+    tokens_planned: int
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tier: _Optional[int] = ..., ffn_width: _Optional[int] = ..., tier_reason: _Optional[str] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., schema_hash: _Optional[str] = ..., rounds_planned: _Optional[int] = ..., tokens_planned: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("round", "tokens_per_second")
@@ -223,20 +227,22 @@ class GetRoundRequest(_message.Message):
     def __init__(self, after_round: _Optional[int] = ...) -> None: ...
 
 class RoundAssignment(_message.Message):
-    __slots__ = ("state", "round", "sequence_ids", "tier", "retry_after_seconds", "assignment_id")
+    __slots__ = ("state", "round", "sequence_ids", "tier", "retry_after_seconds", "assignment_id", "run_tokens")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     state: RoundState
     round: int
     sequence_ids: _containers.RepeatedScalarFieldContainer[int]
     tier: int
     retry_after_seconds: float
     assignment_id: str
-    def __init__(self, state: _Optional[_Union[RoundState, str]] = ..., round: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[int] = ..., retry_after_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ...) -> None: ...
+    run_tokens: int
+    def __init__(self, state: _Optional[_Union[RoundState, str]] = ..., round: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[int] = ..., retry_after_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ..., run_tokens: _Optional[int] = ...) -> None: ...
 
 class FetchSequencesRequest(_message.Message):
     __slots__ = ("ids",)
