@@ -76,6 +76,14 @@ def main(argv: list[str] | None = None) -> None:
         device = resolve_device(args.device)
         model = load_pretrained(args.checkpoint,
                                 trust_remote_code=args.trust_remote_code).to(device)
+        guessed = args.data is None and args.tokenizer is None and not (
+            args.checkpoint / TOKENIZER_FILE).is_file()  # bytes, for want of another
+        if text.vocab_size > model.config.vocab_size or (
+                guessed and text.vocab_size != model.config.vocab_size):
+            raise MatformerError(
+                f"the tokenizer has {text.vocab_size:,} ids and the model "
+                f"{model.config.vocab_size:,}: they were not trained together; give the "
+                "model's own with --tokenizer tokenizer.json or --data MDAT --strategy S.")
         prompt = torch.tensor(text.encode(args.prompt)[0], dtype=torch.long, device=device)
         ids = generate(model, prompt, tier=args.tier, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
