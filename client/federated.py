@@ -200,8 +200,8 @@ class FederatedClient:
         self.member = member
         self.summary = ClientSummary(client_id=member.client_id, tier=member.tier)
         self.sequences = SequenceSource(self.connection, member.settings, local=o.data)
-        self.log(f"joined as {member.client_id} at tier {member.tier} (FFN width "
-                 f"{member.ffn_width}): {member.tier_reason}")
+        self.log(f"joined as {o.name} (session {member.client_id}) at tier {member.tier} "
+                 f"(FFN width {member.ffn_width}): {member.tier_reason}")
         # loading and the speed probe can take longer than the coordinator's heartbeat
         # timeout on a slow machine: keep the new member alive meanwhile
         with self.connection.keep_alive(lambda: member.round):

@@ -192,6 +192,8 @@ class Event(Strict):
     round: int
     kind: EventKind
     client_id: str | None
+    name: str | None = Field(None, description="the member's name, where the event is about "
+                                                "a member")
     detail: PublicText = Field(description=f"an exclusion's reason is shown to the operator "
                                            f"only; others read {WITHHELD!r}")
 

@@ -38,15 +38,20 @@ class RunHistory:
         self._state = state  # the coordinator's current RunState (a failed close swaps it)
         self._clock = clock
 
-    def event(self, kind: EventKind, client_id: str | None, detail: str) -> None:
+    def event(self, kind: EventKind, who: Member | str | None, detail: str) -> None:
         """One line of the run's history (joins, leaves, drops, re-tierings, exclusions,
-        checkpoints, sequences left out of the data); the log gets it too."""
+        checkpoints, sequences left out of the data) about a member (or its client id when
+        it is no longer one), or about none; the log gets it too, naming the member as it
+        names itself."""
         state = self._state()
         seq = state.events[-1]["seq"] + 1 if state.events else 0
+        client_id, name = (who.client_id, who.name) if isinstance(who, Member) else (who, None)
         state.events.append({"seq": seq, "time": self._clock(), "round": state.round,
-                             "kind": kind, "client_id": client_id, "detail": detail})
+                             "kind": kind, "client_id": client_id, "name": name,
+                             "detail": detail})
         del state.events[:-MAX_EVENTS]
-        log.info("round %d: %s %s: %s", state.round, kind, client_id or "-", detail)
+        said = f"{name} ({client_id})" if name else client_id or "-"
+        log.info("round %d: %s %s: %s", state.round, kind, said, detail)
 
     def departed(self, member: Member, why: str) -> None:
         """What the status API showed of a member that left, with why. One record per name:

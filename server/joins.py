@@ -51,7 +51,7 @@ def join(c: Coordinator, capabilities: Capabilities, *, key: KeyHolder | None = 
                else f"silent for {silent:.0f} s; its name was taken by a new join")
     joined = membership.join(capabilities, now=now, key_hash=key.key_hash if key else "")
     member, tier, _ = joined
-    c.history.event("join", member.client_id,
+    c.history.event("join", member,
                     f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")
     return joined
 
@@ -81,16 +81,17 @@ def remove(c: Coordinator, member: Member, why: str, *, dropped: str | None = No
     c.membership.leave(member.client_id)
     c.pipeline.drop_member(member.client_id, dropped or why)
     c.history.departed(member, why)
-    c.history.event("leave", member.client_id, why)
+    c.history.event("leave", member, why)
 
 
 def exclude(c: Coordinator, client_id: str, reason: str) -> None:
     """Remove a member for good (too many bad results, or an operator's decision): its
     unsubmitted ids go back to the queue, and its later calls are answered
     PERMISSION_DENIED with ``reason``. Raises UnknownClient for a non-member."""
+    who = c.membership.members.get(client_id, client_id)
     c.membership.exclude(client_id, reason)
     c.pipeline.drop_member(client_id, f"excluded: {reason}")
-    c.history.event("exclude", client_id, reason)
+    c.history.event("exclude", who, reason)
     c.save()
 
 
@@ -104,7 +105,7 @@ def expire_sessions(c: Coordinator, now: float) -> None:
         c.history.departed(member, f"silent for {now - member.last_seen:.0f} s: its session "
                                    "expired")
         c.history.event(
-            "expire", member.client_id,
+            "expire", member,
             f"silent for {now - member.last_seen:.0f} s (session_ttl_s {ttl:g}): its session "
             "expired; it must join again")
 
@@ -121,7 +122,7 @@ def count_refusal(c: Coordinator, client_id: str, error: Exception) -> str:
     member = c.membership.get(client_id)
     member.rejections += 1
     limit = c.config.faults.max_rejections
-    c.history.event("reject", client_id, f"refused submission {member.rejections}"
+    c.history.event("reject", member, f"refused submission {member.rejections}"
                     f"{f' of {limit}' if limit else ''}: {type(error).__name__}: "
                     f"{str(error)[:200]}")
     if limit and member.rejections >= limit:

@@ -252,7 +252,8 @@ class RoundPipeline:
         for client in pending:
             self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
             rnd.dropped[client] = "its submission was refused"
-            self.history.event("drop", client, f"its submission for round {rnd.index} was "
+            self.history.event("drop", self.membership.members.get(client, client),
+                               f"its submission for round {rnd.index} was "
                                "refused; the round closes without it")
 
     def drop_member(self, client_id: str, why: str) -> None:
@@ -277,8 +278,8 @@ class RoundPipeline:
     def missed(self, client_id: str, why: str) -> None:
         """A member dropped from a round: a smaller share next time (its speed estimate is
         halved) and, after [faults] miss_limit misses in a row, the next smaller tier."""
-        self.history.event("drop", client_id, why)
         member = self.membership.members.get(client_id)
+        self.history.event("drop", member or client_id, why)
         if member is None:
             return
         member.missed += 1
@@ -319,7 +320,7 @@ class RoundPipeline:
         member.tier = tier
         member.missed = member.early = 0
         member.tier_reason = f"moved from tier {old} to tier {tier}: {why}"
-        self.history.event("retier", member.client_id, member.tier_reason)
+        self.history.event("retier", member, member.tier_reason)
 
 
 def trusted_speeds(members: Sequence[Member]) -> list[tuple[str, float]]:

@@ -279,6 +279,8 @@ def test_events_are_numbered_and_paged(run):
     assert kinds == [("join", ids["alice"]), ("join", ids["bob"]), ("leave", ids["bob"]),
                      ("join", ids["carol"]), ("exclude", ids["carol"])]
     assert "bob (cpu) at tier 1" in events[1]["detail"]
+    # each names the member as it names itself, as the client's own lines do (issue 32, 9)
+    assert [e["name"] for e in events] == ["alice", "bob", "bob", "carol", "carol"]
     assert [e["seq"] for e in get(server, "/api/events?after=2")] == [3, 4]
     assert [e["seq"] for e in get(server, "/api/events?limit=2")] == [3, 4]
     assert http_get(server, "/api/events?after=-2")[0] == 422
