@@ -41,9 +41,10 @@ from modeling.optim import LocalOptimizer
 
 DEFAULT_OUT = Path("runs/standalone")
 # the options a resumed run must share with the one that saved (what it trains and how)
-SHAPING = ("config", "data", "strategy", "view", "seq_len", "batch_tokens", "steps", "epochs",
-           "tiers", "tier_mode", "optimizer", "lr", "warmup_steps", "hold_steps", "schedule",
-           "final_lr", "weight_decay", "grad_clip", "seed", "batching", "precision")
+SHAPING = ("config", "init", "data", "strategy", "view", "seq_len", "batch_tokens", "steps",
+           "epochs", "tiers", "tier_mode", "optimizer", "lr", "warmup_steps", "hold_steps",
+           "schedule", "final_lr", "weight_decay", "grad_clip", "seed", "batching",
+           "precision")
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from client.step_progress import StepProgress
 from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
 from modeling.checkpoint import save_pretrained
+from modeling.checkpoint.loader import load_for_tier
 from modeling.commands import command_parser
 from modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
 from modeling.distributed import DataParallel
@@ -76,6 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a train.toml (every option below, in sections; "
                              "examples/train.toml), or a model config JSON (default: a tiny "
                              "model)")
+    parser.add_argument("--init", default=None, metavar="CHECKPOINT",
+                        help="start from this checkpoint's weights and architecture (a "
+                             "Matformer or Hugging Face Llama folder, or a hub repo id in the "
+                             "cache), with this run's optimizer settings: finetuning")
     parser.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
                         help="override a key of the train.toml (repeatable)")
     parser.add_argument("--data", type=Path, default=None,
@@ -226,13 +231,26 @@ def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return metrics
 
 
+def starting_point(init: str | None, architecture_named: bool) -> torch.nn.Module | None:
+    """The model ``--init`` names, loaded whole (its own architecture), or None."""
+    if init is None:
+        return None
+    if architecture_named:
+        raise ConfigError("--init takes the architecture of its checkpoint; leave out --config "
+                          "and train.toml's [model].")
+    return load_for_tier(init, 0, "universal")[0]
+
+
 def _train(args: argparse.Namespace, device: torch.device, parallel: DataParallel | None
            ) -> dict[str, dict[str, float]]:
     leader = parallel is None or parallel.leader
     say = print if leader else (lambda *_, **__: None)
     fields = getattr(args, "model_fields", None)  # train.toml's [model]
-    named = fields is not None or bool(args.config)
-    if fields is not None:
+    named = fields is not None or bool(args.config) or args.init is not None
+    start = starting_point(args.init, fields is not None or bool(args.config))
+    if start is not None:
+        config = start.config
+    elif fields is not None:
         config = ModelConfig(**fields)
     else:
         config = ModelConfig.from_json(args.config) if args.config else ModelConfig(**TINY)
@@ -270,7 +288,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                  **TrainedOn(str(mdat.path.resolve()), args.strategy, args.view, args.seq_len,
                              args.seed).files()}
         torch.manual_seed(args.seed)
-        model = build_model(config).to(device)
+        model = (start if start is not None else build_model(config)).to(device)
         if parallel is not None:
             parallel.broadcast_parameters(model)
         if len(order) < len(reader):

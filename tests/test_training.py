@@ -344,3 +344,62 @@ def test_epochs_set_the_runs_length_and_exclude_steps(small_docs, tmp_path, caps
         main(["--data", str(small_docs), "--steps", "3", "--epochs", "1", "--out",
               str(tmp_path / "both")])
     assert "give --steps or --epochs, not both" in capsys.readouterr().err
+
+
+def test_init_finetunes_a_hugging_face_llama_from_its_own_loss(tmp_path):
+    """matformer-train --init starts from a checkpoint's weights and architecture: a Llama
+    that transformers saved trains, and its first step's loss is the one transformers gives
+    the same sequences (issue 33: finetuning)."""
+    import numpy as np
+    import transformers
+
+    from client.epochs import Epochs
+    from client.standalone import parse_args
+    from modeling.mdat import Mdat
+    from modeling.training import split_held_out, with_targets
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+        tie_word_embeddings=False)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    build_default_mdat(tmp_path / "docs.mdat", limit=80).close()
+    argv = ["--init", str(tmp_path / "hf"), "--data", str(tmp_path / "docs.mdat"),
+            "--steps", "2", "--batch-tokens", "512", "--seq-len", "128", "--tiers", "0",
+            "--batching", "padded", "--track", "none", "--out", str(tmp_path / "run")]
+    main(argv)
+    first = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"][0]
+
+    args = parse_args(argv)  # the sequences of step 0, as the run chose them
+    with Mdat.open(tmp_path / "docs.mdat") as mdat:
+        reader = mdat.sequences(args.strategy, args.seq_len)
+        lengths = reader.lengths()
+        config = json.loads((tmp_path / "run" / "config.json").read_text())
+        assert config["intermediate_size"] == 128 and config["vocab_size"] == 260
+        from modeling.checkpoint import read_config
+
+        order = with_targets(mdat.shuffle(None, args.strategy, args.seq_len, args.seed),
+                             lengths, read_config(tmp_path / "run"))
+        ids, _ = Epochs(split_held_out(order)[0], lengths, args).step(0)
+        sequences = [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in ids]
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for tokens in sequences:
+            logits = hf(tokens[None]).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits, tokens[1:], reduction="sum").item()
+            count += len(tokens) - 1
+    assert first["loss"]["0"] == pytest.approx(total / count, rel=1e-5)
+
+
+def test_init_takes_its_checkpoints_architecture_or_refuses_another(tmp_path, capsys):
+    build_default_mdat(tmp_path / "docs.mdat", limit=60).close()
+    common = ["--data", str(tmp_path / "docs.mdat"), "--steps", "1", "--batch-tokens", "512",
+              "--seq-len", "128", "--tiers", "0", "--track", "none"]
+    main([*common, "--out", str(tmp_path / "base")])
+    (tmp_path / "model.json").write_text((tmp_path / "base" / "config.json").read_text())
+    with pytest.raises(SystemExit) as exited:
+        main([*common, "--init", str(tmp_path / "base"), "--config",
+              str(tmp_path / "model.json"), "--out", str(tmp_path / "refused")])
+    assert exited.value.code == 2
+    assert "--init takes the architecture of its checkpoint" in capsys.readouterr().err
