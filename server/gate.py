@@ -70,8 +70,9 @@ class SubmissionGate:
         if assignment_id is not None and assignment_id != assigned.assignment_id:
             raise StaleAssignment(
                 f"results for assignment {assignment_id!r}, but {client_id}'s assignment in "
-                f"round {rnd.index} is {assigned.assignment_id!r} (the coordinator restarted "
-                "and split the round anew); drop them and fetch the current assignment.")
+                f"round {rnd.index} is {assigned.assignment_id!r} (the round's work was "
+                "handed out anew: the member missed its deadline, or the coordinator "
+                "restarted); drop them and fetch the current assignment.")
         if client_id in rnd.submissions:
             raise AlreadySubmitted(f"{client_id} already submitted for round {rnd.index}; a "
                                    "client submits once per round.")
