@@ -12,8 +12,10 @@ Every key is a command-line option of ``matformer-train`` (``[data] path`` is ``
 ``[model] config`` is ``--config``), typed and checked by that option's own parser; an
 unknown section or key is refused naming the valid ones. ``--set SECTION.KEY=VALUE``
 overrides a key of the file, and a flag given on the command line overrides both.
-``examples/train.toml`` shows every key with its default. A ``--config`` that is not a
-``.toml`` file is a bare model config, as before.
+``examples/train.toml`` shows every key with its default. A ``--config`` JSON in seed 000's
+layout (``model_config``, ``training``, ``tokenizer``, ``data``) is read onto the same options
+by `client.seed_config` (``--set`` takes its dotted keys there: ``training.lr=0.001``); any
+other ``--config`` that is not a ``.toml`` file is a bare model config, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from client import seed_config
 from modeling.config import ModelConfig
 from modeling.errors import ConfigError, did_you_mean
 
@@ -42,9 +45,13 @@ DESTINATIONS = {("data", "path"): "data"}  # keys whose option has another name
 def apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
     """``args`` with the ``--config`` TOML's values (after ``--set``) wherever the command
     line left an option at its default."""
+    if args.config is not None and args.config.suffix != ".toml" and \
+            seed_config.is_seed_config(args.config):
+        return _apply_seed(args, parser)
     if args.config is None or args.config.suffix != ".toml":
         if args.set:
-            raise ConfigError("--set overrides keys of a train.toml; give --config train.toml.")
+            raise ConfigError("--set overrides keys of a train.toml or a seed config JSON; "
+                              "give --config train.toml.")
         return args
     tables = _read(args.config)
     for override in args.set or []:
@@ -69,6 +76,20 @@ def apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse
             elif getattr(args, dest) == defaults[dest]:
                 setattr(args, dest, converted)
     args.config = model_config  # None: inline fields, or no [model] (the default tiny model)
+    return args
+
+
+def _apply_seed(args: argparse.Namespace, parser: argparse.ArgumentParser
+                ) -> argparse.Namespace:
+    """``apply`` for a seed config JSON: its keys where the command line left the default."""
+    actions = {a.dest: a for a in parser._actions}
+    given_seq_len = None if args.seq_len == actions["seq_len"].default else args.seq_len
+    run = seed_config.read(args.config, args.set or [], given_seq_len)
+    for dest, (key, value) in run.options.items():
+        if getattr(args, dest) == actions[dest].default:
+            setattr(args, dest, _converted(actions[dest], key, value, args.config.parent))
+    run.check_tokenizer(args.data, args.strategy)
+    args.model_fields, args.config = run.model, None
     return args
 
 

@@ -18,8 +18,9 @@ from modeling.errors import ConfigError, HookPositionError, did_you_mean
 HOOK_POSITIONS = ("pre_attn", "pre_mlp", "post_mlp", "pre_output")
 
 
-def _reject_unknown(kind: str, given: dict[str, Any], cls: type) -> None:
-    valid = [f.name for f in dataclasses.fields(cls)]
+def _reject_unknown(kind: str, given: dict[str, Any], cls: type, also: tuple[str, ...] = ()
+                    ) -> None:
+    valid = [f.name for f in dataclasses.fields(cls)] + list(also)
     for key in given:
         if key not in valid:
             raise ConfigError(f"unknown {kind} key {key!r}: {did_you_mean(key, valid)}valid "
@@ -198,8 +199,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Build from a JSON-like dict; unknown keys are an error naming the closest one."""
-        _reject_unknown("model config", data, cls)
+        """Build from a JSON-like dict; unknown keys are an error naming the closest one.
+        Seed 000's spellings are read too (`SEED_SPELLINGS`)."""
+        _reject_unknown("model config", data, cls, SEED_SPELLINGS)
+        data = _from_seed_spellings(data)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -218,6 +221,45 @@ class ModelConfig:
 
     def to_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+# Seed 000's model-config keys that are other fields here: ffn_factor (the FFN width is
+# ffn_factor × hidden_size) and training_objective (is_causal, by objective).
+SEED_SPELLINGS = ("ffn_factor", "training_objective")
+OBJECTIVES = {"causal": True, "autoregressive": True, "masked": False}
+
+
+def _from_seed_spellings(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with `SEED_SPELLINGS` turned into our fields; one that disagrees with the
+    field given beside it is refused."""
+    data = dict(data)
+    if "ffn_factor" in data:
+        factor = data.pop("ffn_factor")
+        hidden = data.get("hidden_size", ModelConfig.__dataclass_fields__["hidden_size"].default)
+        width = factor * hidden if _is_number(factor) and _is_number(hidden) else 0
+        if width < 1 or abs(width - round(width)) > 1e-6:  # 0.1 × 30 is 3.0000000000000004
+            raise ConfigError(f"ffn_factor={factor!r} × hidden_size={hidden!r} is no whole "
+                              "number of FFN neurons; give a factor that makes one, or "
+                              "intermediate_size.")
+        _agree(data, "intermediate_size", round(width), f"ffn_factor={factor} × hidden_size")
+    if "training_objective" in data:
+        objective = data.pop("training_objective")
+        if not isinstance(objective, str) or objective not in OBJECTIVES:
+            raise ConfigError(f"training_objective {objective!r} is not one of "
+                              f"{', '.join(OBJECTIVES)}.")
+        _agree(data, "is_causal", OBJECTIVES[objective], f"training_objective={objective!r}")
+    return data
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _agree(data: dict[str, Any], field: str, value: Any, source: str) -> None:
+    if field in data and data[field] != value:
+        raise ConfigError(f"{field}={data[field]!r} disagrees with {source} ({value!r}); give "
+                          "one of the two, or make them agree.")
+    data[field] = value
 
 
 def _divisors_near(n: int, k: int) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import inspect
 import logging
 import os
 import sys
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from modeling.config import ModelConfig
 from modeling.errors import RegistryError, did_you_mean
 
 log = logging.getLogger("matformer.registry")
@@ -54,6 +56,15 @@ class Implementation:
         if check is not None and not check():
             return "its is_available() check failed on this machine"
         return None
+
+
+def _own_parameters(cls: type) -> set[str]:
+    """The names ``cls``'s constructor takes (not its ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return set()
+    return {p.name for p in parameters if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 
 def _env_key(category: str, variant: str) -> str:
@@ -158,8 +169,19 @@ class Registry:
         return self.select(category, variant, requested).cls
 
     def create(self, category: str, variant: str, *args: Any, **kwargs: Any) -> Any:
-        """Instantiate the selected implementation with the given arguments."""
-        return self.get(category, variant)(*args, **kwargs)
+        """Instantiate the selected implementation with the given arguments.
+
+        A model component (one built from a ``config``) may be given the config's fields
+        instead, as seed 000 writes ``create("mlp", "swiglu", hidden_size=768, ffn_factor=4)``:
+        the keywords that are not the constructor's own build a `ModelConfig` (defaults for
+        the rest, unknown ones refused by name)."""
+        cls = self.get(category, variant)
+        own = _own_parameters(cls)
+        if not args and "config" not in kwargs and "config" in own:
+            fields = {key: value for key, value in kwargs.items() if key not in own}
+            kwargs = {key: value for key, value in kwargs.items() if key in own}
+            kwargs["config"] = ModelConfig.from_dict(fields)
+        return cls(*args, **kwargs)
 
     def _best_available(
         self, candidates: list[Implementation], category: str, variant: str
