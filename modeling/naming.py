@@ -44,13 +44,30 @@ def canonical_state_dict(model: nn.Module, state: Mapping[str, Tensor] | None = 
 
 
 def load_canonical_state_dict(
-    model: nn.Module, state: Mapping[str, Tensor], strict: bool = True
+    model: nn.Module, state: Mapping[str, Tensor], strict: bool = True, assign: bool = False
 ) -> None:
-    """Load tensors keyed by canonical names into ``model``, whatever its implementations."""
+    """Load tensors keyed by canonical names into ``model``, whatever its implementations.
+
+    ``assign``: the model takes the tensors themselves rather than copies into its own (a
+    model built on the meta device has none to copy into); a parameter that two names share
+    (a tied head) is one parameter again afterwards."""
     to_own = {canonical: own for own, canonical in canonical_names(model).items()}
     unknown = [name for name in state if name not in to_own]
     if strict and unknown:
         raise KeyError(f"tensors with no place in this model: {', '.join(sorted(unknown)[:8])}")
-    model.load_state_dict(
-        {to_own[name]: value for name, value in state.items() if name in to_own}, strict=strict
-    )
+    own_state = {to_own[name]: value for name, value in state.items() if name in to_own}
+    if assign:
+        own_state = _as_parameters(model, own_state)
+    model.load_state_dict(own_state, strict=strict, assign=assign)
+
+
+def _as_parameters(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with each tensor bound for a parameter made that parameter: one per
+    parameter of ``model`` however many names it has, holding the tensor of its last name
+    (the one a copying load would leave in it)."""
+    own = {name: p for name, p in model.state_dict(keep_vars=True).items()
+           if isinstance(p, nn.Parameter) and name in state}
+    value = {id(p): state[name] for name, p in own.items()}  # a later name overwrites
+    made = {id(p): nn.Parameter(value[id(p)], requires_grad=p.requires_grad)
+            for p in own.values()}
+    return {**state, **{name: made[id(p)] for name, p in own.items()}}

@@ -52,7 +52,7 @@ EXPECTED = {
                              *(f"lengths.{key}" for key in ("seq_len", "sdpa_s", "wersa_s",
                                                            "speedup", "sdpa_peak_mib",
                                                            "wersa_peak_mib"))),
-    "checkpoint_io": expect("transformers/ours"),
+    "checkpoint_io": expect("ours/transformers"),
     "compression": expect("aggregate dct, one result per tier"),
     "data_parallel": expect("vs 1 rank", "tokens_per_s_ratio",
                             *per(("runs.2fsdp",), "tokens_per_s", "final_loss",

@@ -85,7 +85,7 @@ def test_the_server_exits_once_its_finished_run_is_left_and_says_so_again(tmp_pa
     assert re.search(r"the run is finished: 2 rounds, [\d,]+ tokens in \d+ s; members solo; "
                      r"last training loss tier 0 [\d.]+; final checkpoint \S+round-2\n", said)
     assert "every member has left" in said, said
-    assert said.index("leave client-0: finished") < said.index("every member has left")
+    assert said.index("leave solo (client-0): finished") < said.index("every member has left")
 
     again = subprocess.run(server_argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=EXIT_S)

@@ -159,7 +159,8 @@ def test_a_download_damaged_in_transit_is_refused_and_fetched_again(running, cor
     model = load(resolved)
     assert sent[:3] == [MANIFEST_NAME, "config.json", "config.json"]
     assert files.downloaded == [f"round-0/{MANIFEST_NAME}", "round-0/config.json",
-                                "round-0/tier1/config.json", SLICE]
+                                "round-0/tier1/config.json", SLICE, "round-0/tokenizer.json",
+                                "round-0/tokenizer_config.json"]  # the tier's common files
     (line,) = logs
     assert "refused download 1 of 3 of round-0/config.json" in line and "sha256" in line
     master = server.service.coordinator.master

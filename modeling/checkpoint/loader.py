@@ -55,7 +55,7 @@ from modeling.checkpoint.manifest import (
     slice_folder,
     weights_digest,
 )
-from modeling.checkpoint.pretrained import load_state_into
+from modeling.checkpoint.pretrained import model_from_state
 from modeling.checkpoint.remote_code import consented, packed_modules
 from modeling.checkpoint.repository import (
     HubRepository,
@@ -78,7 +78,6 @@ from modeling.errors import (
     TierNotInManifest,
 )
 from modeling.matformer import Tier, layer_widths, tier_label
-from modeling.models import build_model
 
 STRATEGIES = ("auto", "sliced", "universal")
 
@@ -368,9 +367,7 @@ def load(resolved: ResolvedCheckpoint) -> nn.Module:
             matformer_layer_tiers=None if isinstance(tier, int) else tiers,
         )
         state = slice_state(state, widths)
-    model = build_model(config)
-    load_state_into(model, state, resolved.directory)
-    return model
+    return model_from_state(config, state, resolved.directory)
 
 
 def load_for_tier(source: str | Path, tier: Tier = 0, strategy: str = "auto",

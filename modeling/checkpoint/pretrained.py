@@ -21,8 +21,10 @@ from modeling.checkpoint.files import (
 from modeling.checkpoint.hf_config import from_config_dict, is_llama_shaped, to_config_dict
 from modeling.checkpoint.manifest import MANIFEST_NAME, is_slice_folder
 from modeling.checkpoint.remote_code import consented, module_files, pack_code, packed_modules
+from modeling.components.buffers import fill_computed_buffers
 from modeling.config import ModelConfig
 from modeling.errors import CheckpointError, ShapeMismatch
+from modeling.layer_spec import model_spec
 from modeling.models import build_model
 from modeling.naming import canonical_names, canonical_state_dict, load_canonical_state_dict
 
@@ -95,12 +97,43 @@ def check_shapes(model: nn.Module, state: dict[str, Tensor], source: Path) -> No
             )
 
 
-def load_state_into(model: nn.Module, state: dict[str, Tensor], source: Path) -> None:
-    """Check shapes, restore a tied head, and load canonical tensors (all or nothing)."""
+def _with_tied_head(model: nn.Module, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with the head a tied model shares with its embedding, where it was left out."""
     if model.config.tie_word_embeddings and TIED_HEAD not in state and EMBEDDING in state:
-        state = {**state, TIED_HEAD: state[EMBEDDING]}
+        return {**state, TIED_HEAD: state[EMBEDDING]}
+    return state
+
+
+def load_state_into(model: nn.Module, state: dict[str, Tensor], source: Path) -> None:
+    """Check shapes, restore a tied head, and copy canonical tensors into ``model``."""
+    state = _with_tied_head(model, state)
     check_shapes(model, state, source)
     load_canonical_state_dict(model, state)
+
+
+def model_from_state(config: ModelConfig, state: dict[str, Tensor], source: Path,
+                     dtype: torch.dtype | None = None) -> nn.Module:
+    """The model ``config`` describes, holding ``state``'s tensors (canonical names) as its
+    parameters: taken as they are, memory-mapped from the checkpoint, where they have the
+    parameter's dtype (``dtype``, else the build's own), else cast once.
+
+    It is built on the meta device, so no weight is drawn only to be overwritten, and its
+    computed buffers are then computed for real (``fill_computed_buffers``); a component
+    holding a buffer it does not declare gets a real build instead: slower, as exact."""
+    model_spec(config)  # imports the config's own modules here: their tensors must be real
+    with torch.device("meta"):
+        model = build_model(config)
+    if not fill_computed_buffers(model):
+        model = build_model(config)
+    check_shapes(model, state, source)
+    names = canonical_names(model)
+    wanted = {names[own_name]: dtype if dtype is not None and own.is_floating_point()
+              else own.dtype for own_name, own in model.state_dict(keep_vars=True).items()}
+    # no copy where a tensor is already as wanted; a tier's slice of a column is copied
+    state = {name: tensor.to(wanted.get(name, tensor.dtype)).contiguous()
+             for name, tensor in state.items()}
+    load_canonical_state_dict(model, _with_tied_head(model, state), assign=True)
+    return model if dtype is None else model.to(dtype)  # the computed buffers too, as before
 
 
 def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None, *,
@@ -109,7 +142,4 @@ def load_pretrained(directory: str | Path, dtype: torch.dtype | None = None, *,
     module files run only with ``trust_remote_code`` (`remote_code.consented`)."""
     directory = Path(directory)
     config = consented(read_config(directory), trust_remote_code, directory)
-    state = read_weights(directory)
-    model = build_model(config)
-    load_state_into(model, state, directory)
-    return model if dtype is None else model.to(dtype)
+    return model_from_state(config, read_weights(directory), directory, dtype)

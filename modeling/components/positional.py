@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from modeling.components.buffers import ComputedBuffers
 from modeling.registry import registry
 
 
@@ -55,21 +56,26 @@ class LearnablePositions(PositionalEncoding):
 
 
 @registry.register("positional", "sinusoidal", "torch")
-class SinusoidalPositions(PositionalEncoding):
+class SinusoidalPositions(PositionalEncoding, ComputedBuffers):
     """The fixed sin/cos table of the original transformer, added to the embeddings."""
 
     def __init__(self, config: Any, **_: Any) -> None:
         super().__init__(config)
-        length, dim = config.max_position_embeddings, config.hidden_size
+        self.length, self.dim = config.max_position_embeddings, config.hidden_size
+        self.scale = config.initializer_range
+        self.register_computed_buffers()
+
+    def computed_buffers(self) -> dict[str, Tensor]:
+        length, dim = self.length, self.dim
         position = torch.arange(length, dtype=torch.float32)[:, None]
         freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(1e4) / dim))
-        table = torch.zeros(length, dim)
+        table = torch.zeros(length, dim)  # (T, C)
         table[:, 0::2] = torch.sin(position * freq)
         table[:, 1::2] = torch.cos(position * freq[: dim // 2])
         # sin/cos have RMS 1/√2; rescale to the token embeddings' init scale so that
         # positions do not drown the tokens (the original scaled tokens up by √C instead).
-        table *= config.initializer_range * math.sqrt(2)
-        self.register_buffer("table", table, persistent=False)
+        table *= self.scale * math.sqrt(2)
+        return {"table": table}
 
     def embed(self, x, positions):
         return x + self.table[positions].to(x.dtype)
@@ -104,12 +110,16 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 @registry.register("positional", "alibi", "torch")
-class AlibiPositions(PositionalEncoding):
+class AlibiPositions(PositionalEncoding, ComputedBuffers):
     """ALiBi: each head penalises attention linearly in the query-key distance."""
 
     def __init__(self, config: Any, **_: Any) -> None:
         super().__init__(config)
-        self.register_buffer("slopes", _alibi_slopes(config.num_attention_heads), persistent=False)
+        self.heads = config.num_attention_heads
+        self.register_computed_buffers()
+
+    def computed_buffers(self) -> dict[str, Tensor]:
+        return {"slopes": _alibi_slopes(self.heads)}
 
     def prepare(self, positions, dtype):
         distance = (positions[:, :, None] - positions[:, None, :]).abs()  # (B, T, T)

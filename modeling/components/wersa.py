@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from modeling.components.buffers import ComputedBuffers
 from modeling.components.kernels import AttentionKernel, segment_runs
 from modeling.components.positional import PositionalEncoding
 from modeling.errors import WersaUnsupported
@@ -146,7 +147,7 @@ def random_projection(head_dim: int, features: int, seed: int) -> Tensor:
                    metadata={"doc": "WERSA: Haar-filtered random-feature attention, linear "
                                     "time (an approximation of softmax)",
                              "approximate": True})
-class WersaAttention(AttentionKernel):
+class WersaAttention(AttentionKernel, ComputedBuffers):
     """WERSA (module docstring). Priority below torch's 0: used only when asked for
     (``attn_impl = "wersa"``, ``MATFORMER_ATTENTION_KERNEL=wersa`` or set_preferences).
 
@@ -171,8 +172,11 @@ class WersaAttention(AttentionKernel):
         nn.init.zeros_(self.scale_gate.weight)
         nn.init.zeros_(self.scale_gate.bias)
         self.log_bandwidth = nn.Parameter(torch.zeros(()))
-        self.register_buffer("projection", random_projection(head_dim, features, seed),
-                             persistent=False)
+        self.head_dim, self.num_features, self.seed = head_dim, features, seed
+        self.register_computed_buffers()
+
+    def computed_buffers(self) -> dict[str, Tensor]:
+        return {"projection": random_projection(self.head_dim, self.num_features, self.seed)}
 
     def forward(self, q, k, v, *, causal, segment_ids=None, bias=None):
         check_inputs(q, k, bias, segment_ids)
