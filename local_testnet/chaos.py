@@ -1,7 +1,7 @@
 """``local-testnet --chaos SEED``: kill clients and the server on a seeded schedule, then prove
 nothing was lost.
 
-    plan = chaos_plan(seed, rounds=150, clients=["client-0", "client-1", "client-2"])
+    plan = chaos_plan(seed, rounds=150, clients=["member-0", "member-1", "member-2"])
     ...                                     # the testnet carries the plan out (testnet.py)
     check = check_run(config, clients)      # after the run: the ledger audit + replica hashes
 

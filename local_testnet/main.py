@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill_client_at is not None and args.kill_client_at >= config.round.planned_rounds:
         say(f"[testnet] --kill-client-at {args.kill_client_at} is past the run's last round "
             f"({config.round.planned_rounds - 1}); no client will be killed")
-    clients = [ClientSpec(name=f"client-{i}", tier=args.tiers[i % len(args.tiers)],
+    clients = [ClientSpec(name=f"member-{i}", tier=args.tiers[i % len(args.tiers)],
                           speed=args.client_speeds[i % len(args.client_speeds)])
                for i in range(args.num_clients)]
     say(f"[testnet] run {config.run.id} in {run_dir}: {len(clients)} clients at tiers "

@@ -48,7 +48,7 @@ class ClientSpec:
     speed: float = 1.0  # --compute-speed: the fraction of this machine's speed it computes at
 
     def describe(self) -> str:
-        """Who it is and what it is asked: "client-0 (tier 0, at 0.5x this machine's speed)"."""
+        """Who it is and what it is asked: "member-0 (tier 0, at 0.5x this machine's speed)"."""
         return f"{self.name} (tier {self.tier}" + (
             f", at {self.speed:g}x this machine's speed)" if self.speed != 1 else ")")
 

@@ -181,28 +181,28 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
         # never faster than the 20 Mbit/s link, up or down (the time also holds latency)
         assert cost["bytes_down"] * 8 / 1e6 / cost["down_s"] <= 20 * 1.05, name
         assert cost["bytes_up"] * 8 / 1e6 / (cost["up_s"] + cost["down_s"]) <= 20 * 1.05
-    assert sorted(summary["clients"]) == ["client-0", "client-1"]
+    assert sorted(summary["clients"]) == ["member-0", "member-1"]
     # every replica holds the coordinator's weights for its tier after the last round, and
     # every sequence was trained exactly once
     monkeypatch.setenv("TESTNET_JOIN_TOKEN", "read-the-config")  # the run's own is gone
-    check = check_run(RunConfig.load(config), ["client-0", "client-1"])
-    assert check.replicas == {"client-0": "equal", "client-1": "equal"}, check.replicas
+    check = check_run(RunConfig.load(config), ["member-0", "member-1"])
+    assert check.replicas == {"member-0": "equal", "member-1": "equal"}, check.replicas
     assert check.audit.exactly_once
     assert "x below dense float32 both ways; computing" in log
-    assert "[testnet] killed client-1" in log
-    assert "replaced by a new join as 'client-1'" in log  # no wait for the dead one's silence
-    assert "[testnet] client-1 rejoined the run" in log
-    assert "[testnet] client-1 catches up" in log
+    assert "[testnet] killed member-1" in log
+    assert "replaced by a new join as 'member-1'" in log  # no wait for the dead one's silence
+    assert "[testnet] member-1 rejoined the run" in log
+    assert "[testnet] member-1 catches up" in log
     # no round opens without two members ready to train (min_clients = 2, a speed measured),
     # so the restarted client trains again, overlapped or not
-    restarted = log[log.index("[testnet] restarting client-1"):]
-    assert "[client-1] round" in restarted, restarted
+    restarted = log[log.index("[testnet] restarting member-1"):]
+    assert "[member-1] round" in restarted, restarted
     # one name per process: each line's prefix is the testnet, the server or a member's
     # name, the one the client says it trained under (issue 32, row 9)
     prefixes = {line[1:line.index("]")] for line in log.splitlines()
                 if line.startswith("[") and "]" in line}
-    assert prefixes == {"testnet", "server", "client-0", "client-1"}, prefixes
-    for name in ("client-0", "client-1"):
+    assert prefixes == {"testnet", "server", "member-0", "member-1"}, prefixes
+    for name in ("member-0", "member-1"):
         assert f"[{name}] matformer-client: {name} trained " in log
     # progress while it runs: a line per round from the server, the finish, the evaluation
     assert re.search(r"\[server\] .* round 7 closed \(8/8\): ", log), log[-4000:]
@@ -219,7 +219,7 @@ def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap)
     config = local_testnet_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=30,
                                 faults=faults)
     seed = 3
-    planned = chaos_plan(seed, rounds=30, clients=["client-0", "client-1"])
+    planned = chaos_plan(seed, rounds=30, clients=["member-0", "member-1"])
     assert [e.target for e in planned].count(SERVER) == 1 and planned[2].round == 18
     result = subprocess.run(
         [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
