@@ -56,6 +56,26 @@ def mdat_with_one_token_tails(path: Path, documents: int = 40) -> Path:
     return path
 
 
+def bpe_mdat(root: Path, texts: list[str], vocab_size: int, *, pretokenize: bool = True):
+    """``root/bpe.mdat``, holding ``texts`` under strategy "bpe": a BPE tokenizer.json
+    (``root/tokenizer.json``) trained on them, as a user builds one for their own data.
+    Returns the tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size,
+                                                       special_tokens=["<unk>", "<eos>"]))
+    bpe.save(str(root / "tokenizer.json"))
+    with Mdat.create(root / "bpe.mdat") as mdat:
+        mdat.add_records("t", ({"text": t} for t in texts))
+        mdat.add_strategy({"strategy_name": "bpe", "tokenizer_type": "huggingface",
+                           "tokenizer_name": str(root / "tokenizer.json"), "chunk_size": 16})
+        if pretokenize:
+            mdat.pretokenize("bpe")
+    return bpe
+
+
 @pytest.fixture
 def universal():
     torch.manual_seed(0)

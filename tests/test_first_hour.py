@@ -148,23 +148,11 @@ def test_a_client_says_at_once_that_the_coordinator_does_not_answer():
 def bpe(tmp_path_factory):
     """A container pretokenized by a BPE tokenizer of more ids than the default model's 260,
     as a user builds one for their own data: (its folder, the tokenizer, its vocabulary)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    from modeling.mdat import Mdat
+    from conftest import bpe_mdat
 
     root = tmp_path_factory.mktemp("bpe")
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
     texts = [f"def read_{i}(path): return open(path).read() + {i * 7}" for i in range(300)]
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=1000,
-                                                       special_tokens=["<unk>", "<eos>"]))
-    bpe.save(str(root / "tokenizer.json"))
-    with Mdat.create(root / "bpe.mdat") as mdat:
-        mdat.add_records("t", ({"text": t} for t in texts))
-        mdat.add_strategy({"strategy_name": "bpe", "tokenizer_type": "huggingface",
-                           "tokenizer_name": str(root / "tokenizer.json"),
-                           "chunk_size": 16})
-        mdat.pretokenize("bpe")
+    bpe = bpe_mdat(root, texts, 1000)
     return root, bpe, bpe.get_vocab_size()
 
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import bpe_mdat, tiny_config
 
 from modeling import AutoregressiveModel, BERTModel
 from modeling.errors import ConfigError
@@ -94,10 +94,8 @@ def test_the_command_writes_the_same_greedy_text_with_and_without_the_cache(tmp_
 
 
 def test_the_command_takes_the_tokenizer_of_the_models_mdat_strategy(tmp_path, capsys):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     from modeling.checkpoint import save_pretrained
-    from modeling.mdat import Mdat, build_default_mdat
+    from modeling.mdat import build_default_mdat
     from scripts.generate import main
 
     build_default_mdat(tmp_path / "docs.mdat", limit=20).close()
@@ -111,18 +109,8 @@ def test_the_command_takes_the_tokenizer_of_the_models_mdat_strategy(tmp_path, c
         runs.append(capsys.readouterr().out)
     assert runs[0] == runs[1]
 
-    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
     texts = ["def read(path): return open(path).read()", "the value of x is returned"] * 20
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=90,
-                                                       special_tokens=["<unk>", "<eos>"]))
-    bpe.save(str(tmp_path / "tokenizer.json"))
-    with Mdat.create(tmp_path / "bpe.mdat") as mdat:
-        mdat.add_records("t", ({"text": t} for t in texts))
-        mdat.add_strategy({"strategy_name": "bpe", "tokenizer_type": "huggingface",
-                           "tokenizer_name": str(tmp_path / "tokenizer.json"),
-                           "chunk_size": 16})
-    vocab = bpe.get_vocab_size()
+    vocab = bpe_mdat(tmp_path, texts, 90, pretokenize=False).get_vocab_size()
     save_pretrained(AutoregressiveModel(tiny_config(vocab_size=vocab, mask_token_id=None,
                                                     pad_token_id=0, bos_token_id=None,
                                                     eos_token_id=None)), tmp_path / "bpe-model")
