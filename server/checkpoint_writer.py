@@ -1,7 +1,7 @@
 """Checkpoints beside the rounds, and which are kept (docs/architecture.md, "The coordinator").
 
     writer = CheckpointWriter(coordinator)
-    writer.start(round_index, master)   # (lock held) written by a thread of its own
+    writer.start(round_index, master, carried)   # (lock held) by a thread of its own
     writer.wait()                       # (no lock) until it is done; re-raises a crash
     writer.retire()                     # (lock held) keep_last, then prune the update log
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from server.errors import RunDirectoryUnavailable
+from server.update_steps import Carried
 
 if TYPE_CHECKING:
     from server.coordinator import Coordinator
@@ -35,10 +36,12 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
 
-    def start(self, round_index: int, master: Mapping[str, Tensor]) -> None:
-        """(lock held) Write the checkpoint of ``round_index`` from a thread of its own."""
+    def start(self, round_index: int, master: Mapping[str, Tensor], carried: Carried) -> None:
+        """(lock held) Write the checkpoint of ``round_index`` (weights and the outer state
+        carried after its round) from a thread of its own. Neither is changed in place
+        afterwards: later closes make new tensors."""
         self.writing = round_index
-        self._thread = threading.Thread(target=self._write, args=(round_index, master),
+        self._thread = threading.Thread(target=self._write, args=(round_index, master, carried),
                                         name=f"checkpoint-{round_index}", daemon=True)
         self._thread.start()
 
@@ -52,10 +55,10 @@ class CheckpointWriter:
         if failed is not None:
             raise failed
 
-    def _write(self, round_index: int, master: Mapping[str, Tensor]) -> None:
+    def _write(self, round_index: int, master: Mapping[str, Tensor], carried: Carried) -> None:
         c = self.c
         try:
-            c.checkpoints.write(round_index, master)
+            c.checkpoints.write(round_index, master, carried)
         except OSError as err:
             with c._lock:
                 why = f"{type(err).__name__}: {err.strerror or err}"

@@ -5,7 +5,7 @@ is the coordinator's call (it lists them in state.json); the store writes, reads
 folders.
 
     store = CheckpointStore(run_dir / "checkpoints", model_config, tiers=[0, 1, 2])
-    store.write(10, master)              # staging folder, fsync, renames: universal last
+    store.write(10, master, carried)     # staging folder, fsync, renames: universal last
     store.ref(10).path                   # the universal folder; its manifest lists the slices
     store.keep_only({8, 10}, why="retired (keep_last)")
 """
@@ -30,7 +30,9 @@ from modeling.mdat import Mdat
 from modeling.mdat.checkpoint_tokenizer import tokenizer_files
 from modeling.models import build_model
 from modeling.naming import canonical_state_dict, load_canonical_state_dict
+from server.outer_state import load_carried, save_carried
 from server.sections.model import DataSection
+from server.update_steps import Carried
 
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
 log = logging.getLogger("matformer.server")
@@ -64,11 +66,13 @@ class CheckpointStore:
     def ref(self, round_index: int) -> CheckpointRef:
         return CheckpointRef(round=round_index, path=self.path(round_index))
 
-    def write(self, round_index: int, master: Mapping[str, Tensor]) -> None:
+    def write(self, round_index: int, master: Mapping[str, Tensor],
+              carried: Carried | None = None) -> None:
         """``master`` (canonical names) as a universal checkpoint plus the slices of every
-        allowed tier (so a client of any tier downloads only its slice), appearing whole or
-        not at all: all of it is written in ``.staging-round-N/``, fsynced, then renamed
-        into place."""
+        allowed tier (so a client of any tier downloads only its slice) and the outer state
+        ``carried`` after its round (``outer_state.py``; no manifest lists it, so no client
+        downloads it), appearing whole or not at all: all of it is written in
+        ``.staging-round-N/``, fsynced, then renamed into place."""
         target = self.path(round_index)
         staging = target.parent / f"{STAGING_PREFIX}{target.name}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -77,6 +81,7 @@ class CheckpointStore:
         load_canonical_state_dict(model, master)
         save_pretrained(model, staging / target.name, files=self.files)
         export_tiers(staging / target.name, self.sliced_tiers)
+        save_carried(staging / target.name, carried or Carried())
         fsync_tree(staging)
         if target.exists():  # left by a crash before state.json recorded this checkpoint
             shutil.rmtree(target)
@@ -93,6 +98,10 @@ class CheckpointStore:
         model = build_model(self.model_config)
         load_state_into(model, read_weights(directory), directory)
         return {n: t.detach().clone() for n, t in canonical_state_dict(model).items()}
+
+    def read_carried(self, round_index: int) -> Carried | None:
+        """The outer state saved with the checkpoint; None for one written without it."""
+        return load_carried(self.path(round_index))
 
     def keep_only(self, keep: Collection[int], *, why: str, level: int = logging.INFO) -> None:
         """Remove every folder but those of the rounds in ``keep``, and every staging

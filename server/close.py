@@ -30,6 +30,7 @@ from modeling.tracking import NoTracker, open_tracker
 from server.errors import RunDirectoryUnavailable
 from server.limits import clip_to_peers
 from server.membership import Member
+from server.outer_state import carried_bytes, close_settings
 from server.rounds import OpenRound, RoundAssignment
 from server.run_log import round_line
 from server.state import RunState
@@ -159,7 +160,7 @@ def close(c: Coordinator, closing: Closing) -> None:
             for hook in c.round_closed:
                 hook(closed)
             if closing.checkpoint and not closing.finishes:
-                c.writer.start(closing.round + 1, master)
+                c.writer.start(closing.round + 1, master, closing.carried)
         if closing.finishes:
             c.pipeline.cancel("the run finished")
         c.writer.retire()
@@ -169,7 +170,8 @@ def close(c: Coordinator, closing: Closing) -> None:
 def room_to_close(c: Coordinator) -> bool:
     """Whether the run directory has room for what closing a round writes (an update, a
     checkpoint with its slices, state.json); a round opens only then. Said once."""
-    need = CLOSE_RESERVE * sum(t.numel() * t.element_size() for t in c.master.values())
+    need = (CLOSE_RESERVE * sum(t.numel() * t.element_size() for t in c.master.values())
+            + carried_bytes(c.carried))  # saved with the checkpoint
     free = shutil.disk_usage(c.dir).free
     if free >= need:
         c.waiting_for_disk = False
@@ -190,8 +192,9 @@ def _compute(c: Coordinator, closing: Closing) -> dict[str, Tensor] | None:
     clip = c.config.faults.peer_clip
     by_name = {name: clip_to_peers(results, clip) for name, results in closing.by_name.items()}
     votes = c.config.update.vote == "majority"
-    master, steps, carried = close_round(closing.update.build(), c.master, by_name, c.carried,
-                                         votes=votes, momentum=c.config.update.momentum_of())
+    rule, momentum = closing.update.build(), c.config.update.momentum_of()
+    master, steps, carried = close_round(rule, c.master, by_name, c.carried, votes=votes,
+                                         momentum=momentum)
     master = c.tied(master)
     closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
     if closing.broken:  # the limits on results make this unreachable; never serve it
@@ -202,12 +205,15 @@ def _compute(c: Coordinator, closing: Closing) -> dict[str, Tensor] | None:
         round=r, update=closing.update, steps=steps,
         hashes=c.tier_hashes(sorted(closing.tiers), master),
         coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()})
-    c.log.append(closing.logged)
+    if rule.broadcast is None and momentum is None:  # nothing carried: the steps suffice
+        c.log.append(closing.logged)
+    else:  # a resume closes the round again to rebuild the carried state (outer_state.py)
+        c.log.append(closing.logged, inputs=by_name, outer=close_settings(votes, momentum))
     c.ledger.record(r, [i for a in closing.delivered.values() for i in a.sequence_ids])
     if closing.checkpoint:
         c.writer.wait()  # one write at a time; also before the last one
         if closing.finishes:  # the run's last weights are listed before it is finished
-            c.checkpoints.write(r + 1, master)
+            c.checkpoints.write(r + 1, master, carried)
     return master
 
 

@@ -103,8 +103,8 @@ class Coordinator:
         self.tracker: Tracker | None = None  # opened with the first round it records
         self.gate = SubmissionGate(self.shapes,
                                    SubmissionLimits(config.compression, config.faults))
-        # the broadcast's residual and the outer momentum, carried from round to round; not
-        # saved (docs/architecture.md, "The update record")
+        # the broadcast's residual and the outer momentum, carried from round to round and
+        # saved with each checkpoint (server/outer_state.py)
         self.carried = Carried()
         self._close_s = 0.0  # how long the last close took
         self.writer = CheckpointWriter(self)
@@ -118,7 +118,7 @@ class Coordinator:
         self.state, self.membership, self.queue = resume.records(self, saved, order)
         self.pipeline = RoundPipeline(config, self.membership, self.history, self.queue,
                                       self._length)
-        self.master = resume.master(self, saved, initial)
+        self.master, self.carried = resume.master(self, saved, initial)
 
     # -- calls from clients -------------------------------------------------------------
 

@@ -22,7 +22,9 @@ from modeling.naming import canonical_state_dict
 from modeling.training import target_tokens
 from server.errors import ResumeError
 from server.membership import Membership
+from server.outer_state import settings_of
 from server.state import RunState
+from server.update_steps import Carried, close_round
 from server.work import WorkQueue
 
 if TYPE_CHECKING:
@@ -49,9 +51,10 @@ def records(c: Coordinator, saved: RunState | None, order: np.ndarray
 
 
 def master(c: Coordinator, saved: RunState | None, initial: Mapping[str, Tensor] | None
-           ) -> dict[str, Tensor]:
-    """The master to go on from, once what a kill left half-written is cleared away: a new
-    run's (its checkpoint round-0 written and listed), or the saved run's, replayed."""
+           ) -> tuple[dict[str, Tensor], Carried]:
+    """The master and the carried outer state to go on from, once what a kill left
+    half-written is cleared away: a new run's (its checkpoint round-0 written and listed),
+    or the saved run's, replayed."""
     _remove_temp_files(c.dir)
     c.writer.remove_unlisted()
     c.ledger.truncate(0 if saved is None else saved.round)
@@ -68,10 +71,10 @@ def master(c: Coordinator, saved: RunState | None, initial: Mapping[str, Tensor]
             f"sequences, of fewer than {target_tokens(c.model_config)} tokens: they carry no "
             "target")
     start = _initial(c, initial)
-    c.checkpoints.write(0, start)
+    c.checkpoints.write(0, start, Carried())
     c.state.checkpoints.append(0)
     c.save()
-    return start
+    return start, Carried()
 
 
 def _finished_or_extended(c: Coordinator, saved: RunState) -> None:
@@ -132,20 +135,39 @@ def _initial(c: Coordinator, initial: Mapping[str, Tensor] | None
     return c.tied({n: t.detach().clone() for n, t in initial.items()})
 
 
-def _replayed(c: Coordinator) -> dict[str, Tensor]:
-    """The master of the saved state: latest checkpoint, then the logged updates since,
-    checked against the hashes the log recorded."""
+def _replayed(c: Coordinator) -> tuple[dict[str, Tensor], Carried]:
+    """The master and carried state of the saved run: the latest checkpoint's, then the
+    rounds logged since closed again from their logged inputs (``outer_state.py``), checked
+    against the weight hashes the log recorded. A round logged without inputs (before they
+    were logged) is applied from its steps, and the carried state begins at zero from there,
+    said once; so does a checkpoint saved without outer state."""
     base = c.state.checkpoints[-1]
     try:
         master = c.checkpoints.read(base)
     except FileNotFoundError as err:
         raise ResumeError(f"state.json names checkpoint {err}, which is missing; "
                           "restore it, or start a new run directory.") from None
+    carried = c.checkpoints.read_carried(base)  # None: not known from here on
+    lost = None if carried is not None else f"checkpoint round-{base} holds no outer state"
     entries = [c.log.read(r) for r in range(base, c.state.round)]
     for entry in entries:
-        master = c.tied(entry.apply(master))
+        logged = None if carried is None else c.log.read_inputs(entry.round)
+        if logged is None:
+            if carried is not None:
+                lost = f"round {entry.round} was logged without the results it aggregated"
+            master, carried = c.tied(entry.apply(master)), None
+            continue
+        by_name, outer = logged
+        votes, momentum = settings_of(outer)
+        master, _, carried = close_round(entry.update.build(), master, by_name, carried,
+                                         votes=votes, momentum=momentum)
+        master = c.tied(master)
     if entries and c.tier_hashes(list(entries[-1].hashes), master) != entries[-1].hashes:
         raise ResumeError(f"replaying {c.dir / 'updates'} onto checkpoint round-{base} "
                           "does not reproduce the logged weight hashes; the log or the "
                           "checkpoint was altered. Restore them, or start a new run.")
-    return master
+    if lost and (c.config.update.momentum or c.config.update.broadcast(c.config.compression)):
+        log.warning("%s (written by an earlier version): the outer momentum and the "
+                    "broadcast's residual start again from zero, so the run goes on along "
+                    "another path than it would have without the restart", lost)
+    return master, Carried() if carried is None else carried

@@ -9,10 +9,16 @@ Applying the logged rounds in order to the checkpoint they follow gives the mast
 bit for bit, which is how a coordinator resumes and a late joiner catches up. Both files are
 written through a temporary name and renamed, the tensors first: a round is logged once its
 json is.
+
+A run whose update carries state from round to round (a compressed broadcast's residual,
+an outer momentum) also logs each round's inputs, ``round-<r>.inputs.safetensors`` with
+their fields in the json (``server/outer_state.py``): a resume closes those rounds again to
+rebuild that state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +32,14 @@ from modeling.compression import (
     CoefficientStep,
     DenseStep,
     RoundUpdate,
+    SparseResult,
     Step,
     UpdateConfig,
     pack_bits,
     position_bits,
     unpack_bits,
 )
+from server.outer_state import results_from, results_record
 
 
 class UpdateLog:
@@ -39,12 +47,23 @@ class UpdateLog:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    def _paths(self, round_index: int) -> tuple[Path, Path]:
+    def _paths(self, round_index: int) -> tuple[Path, Path, Path]:
+        """(steps' tensors, json, inputs' tensors) of a round."""
         stem = self.directory / f"round-{round_index}"
-        return stem.with_suffix(".safetensors"), stem.with_suffix(".json")
+        return (stem.with_suffix(".safetensors"), stem.with_suffix(".json"),
+                stem.with_suffix(".inputs.safetensors"))
 
-    def append(self, entry: RoundUpdate) -> None:
-        tensors_path, json_path = self._paths(entry.round)
+    def append(self, entry: RoundUpdate,
+               inputs: Mapping[str, Sequence[SparseResult]] | None = None,
+               outer: Mapping[str, Any] | None = None) -> None:
+        """Log ``entry``; with ``inputs``, the results its close aggregated and ``outer``,
+        the settings of that close the entry does not hold (vote, momentum)."""
+        tensors_path, json_path, inputs_path = self._paths(entry.round)
+        inputs_meta = None
+        if inputs is not None:
+            tensors, inputs_meta = results_record(inputs)
+            with built_aside(inputs_path) as staging:
+                save_file(tensors, str(staging))
         tensors, steps = {}, {}
         for name, step in entry.steps.items():
             steps[name] = {"shape": list(step.shape), "covered": step.covered, "box": step.box}
@@ -64,10 +83,11 @@ class UpdateLog:
             "weight_decay": update.weight_decay, "broadcast_topk": update.broadcast_topk,
             "chunk": update.chunk, "hashes": {str(t): h for t, h in entry.hashes.items()},
             "coverage_tokens": entry.coverage_tokens, "steps": steps,
+            **({} if inputs is None else {"inputs": inputs_meta, "outer": dict(outer or {})}),
         })
 
     def read(self, round_index: int) -> RoundUpdate:
-        tensors_path, json_path = self._paths(round_index)
+        tensors_path, json_path, _ = self._paths(round_index)
         meta = read_json(json_path)
         tensors = load_file(str(tensors_path))
         return RoundUpdate(
@@ -79,6 +99,17 @@ class UpdateLog:
             hashes={int(t): h for t, h in meta["hashes"].items()},
             coverage_tokens=meta["coverage_tokens"],
         )
+
+    def read_inputs(self, round_index: int
+                    ) -> tuple[dict[str, list[SparseResult]], dict[str, Any]] | None:
+        """The results round ``round_index``'s close aggregated and its outer settings; None
+        when the round logged none (a run that carries nothing, or a round logged before
+        inputs were)."""
+        _, json_path, inputs_path = self._paths(round_index)
+        meta = read_json(json_path)
+        if "inputs" not in meta:
+            return None
+        return results_from(load_file(str(inputs_path)), meta["inputs"]), meta["outer"]
 
     def discard(self, round_index: int) -> None:
         """Forget round ``round_index`` (a close that could not be completed)."""

@@ -84,8 +84,8 @@ class Carried:
     """What the coordinator carries from one round's steps to the next, per canonical name
     (float32): the broadcast's residual (what it left out, as the chunkwise DCT of its
     values over whole chunks: ``Broadcast.residual_of``) and the outer momentum buffer
-    (universal shape). Neither is logged, and a restart begins both at zero: replicas apply
-    only steps, so they never need either (docs/architecture.md, "The update record")."""
+    (universal shape). Replicas apply only steps and never need either; the coordinator
+    saves both with each checkpoint and rebuilds them on resume (``server/outer_state.py``)."""
 
     residual: dict[str, Tensor] = field(default_factory=dict)
     momentum: dict[str, Tensor] = field(default_factory=dict)

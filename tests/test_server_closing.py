@@ -176,8 +176,8 @@ def test_a_failed_close_keeps_the_broadcast_residual_and_a_restart_stays_exact(
     c.advance()  # the disk has room again: round 3 closes as it would have
     c.flush()  # (and writes its checkpoint) before another coordinator opens the directory
     assert same(c.master, straight.master) and same(c.carried.residual, straight.carried.residual)
-    resumed = Coordinator(c.config, clock=clock)  # replays the logged (compressed) steps
-    assert same(resumed.master, c.master) and resumed.carried.residual == {}
+    resumed = Coordinator(c.config, clock=clock)  # closes the logged rounds again
+    assert same(resumed.master, c.master) and same(resumed.carried.residual, c.carried.residual)
 
 
 def test_checkpoints_are_written_while_the_next_rounds_go_on(tmp_path, mdat_path, monkeypatch):

@@ -1,0 +1,113 @@
+"""The outer state a restart needs besides the weights (docs/architecture.md, "The update
+record"): the broadcast's residual and the outer momentum (``Carried``), saved with every
+checkpoint, and each logged round's inputs, so that a resume rebuilds them exactly.
+
+Replicas apply only steps, so the steps alone rebuild the weights; but the residual and the
+momentum follow the aggregates, which no step holds. So a checkpoint ``round-K`` holds the
+carried state after its round (``matformer_outer_state.safetensors``, written in the same
+staging folder as the weights: whole or not at all), and each round the log holds since
+holds the results its close aggregated (``updates/round-<r>.inputs.safetensors``, as they
+went into ``close_round``: after the peer clip). A resume closes the logged rounds again
+from the checkpoint's weights and carried state, which gives bit for bit the weights and
+the carried state of the run that was not interrupted.
+
+A run whose update carries nothing (no compressed broadcast, no outer momentum) logs no
+inputs. Chunk ids and positions are stored at the narrowest integer dtype that holds them
+(as on the wire), values at the dtype they arrived in: a round's inputs take about what its
+members uploaded.
+
+    save_carried(folder, carried)            # into a checkpoint's staging folder
+    carried = load_carried(folder)           # None for a checkpoint written before this
+    tensors, meta = results_record(by_name)  # a round's inputs, for the update log
+    by_name = results_from(tensors, meta)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from modeling.compression import ChunkGrid, SparseResult, index_dtype
+from server.update_steps import Carried, Momentum
+
+OUTER_STATE_NAME = "matformer_outer_state.safetensors"
+_KINDS = ("residual", "momentum")
+
+
+def save_carried(folder: Path, carried: Carried) -> None:
+    """``carried`` as ``folder/matformer_outer_state.safetensors`` (float32, by name)."""
+    tensors = {f"{kind}/{name}": tensor.contiguous()
+               for kind in _KINDS for name, tensor in getattr(carried, kind).items()}
+    save_file(tensors, str(Path(folder) / OUTER_STATE_NAME),
+              metadata={"format": "matformer-outer-state", "version": "1"})
+
+
+def load_carried(folder: Path) -> Carried | None:
+    """The carried state saved with the checkpoint in ``folder``; None when it has none (a
+    checkpoint written before outer state was saved)."""
+    path = Path(folder) / OUTER_STATE_NAME
+    if not path.is_file():
+        return None
+    carried = Carried()
+    for key, tensor in load_file(str(path)).items():
+        kind, _, name = key.partition("/")
+        getattr(carried, kind)[name] = tensor
+    return carried
+
+
+def close_settings(votes: bool, momentum: Momentum | None) -> dict[str, Any]:
+    """What a logged round's close used besides its ``UpdateConfig``, for the round's json."""
+    return {"votes": votes, "momentum": None if momentum is None else
+            {"factor": momentum.factor, "nesterov": momentum.nesterov}}
+
+
+def settings_of(outer: Mapping[str, Any]) -> tuple[bool, Momentum | None]:
+    """Inverse of ``close_settings``: (votes, momentum)."""
+    momentum = outer["momentum"]
+    return outer["votes"], None if momentum is None else Momentum(**momentum)
+
+
+def carried_bytes(carried: Carried) -> int:
+    """Bytes ``carried`` takes, in memory and in a checkpoint."""
+    return sum(t.numel() * t.element_size()
+               for kind in _KINDS for t in getattr(carried, kind).values())
+
+
+def results_record(by_name: Mapping[str, Sequence[SparseResult]]
+                   ) -> tuple[dict[str, Tensor], dict[str, list[dict[str, Any]]]]:
+    """A round's results as tensors (``<name>/<j>/chunks|indices|values``) and their fields
+    (by name, in aggregation order)."""
+    tensors, meta = {}, {}
+    for name, results in by_name.items():
+        meta[name] = []
+        for j, result in enumerate(results):
+            chunks, indices = result.chunks, result.indices
+            if result.chunk:
+                grid = ChunkGrid(shape=result.shape, chunk=result.chunk)
+                chunks = chunks.to(index_dtype(grid.size))
+                indices = indices.to(index_dtype(grid.chunk_numel))
+            for field, tensor in (("chunks", chunks), ("indices", indices),
+                                  ("values", result.values)):
+                tensors[f"{name}/{j}/{field}"] = tensor.contiguous()
+            meta[name].append({"shape": list(result.shape),
+                               "region": [list(r) for r in result.region],
+                               "encoding": result.encoding, "chunk": list(result.chunk),
+                               "tokens": result.tokens})
+    return tensors, meta
+
+
+def results_from(tensors: Mapping[str, Tensor], meta: Mapping[str, list[dict[str, Any]]]
+                 ) -> dict[str, list[SparseResult]]:
+    """Inverse of ``results_record``."""
+    return {name: [SparseResult(
+        name=name, shape=tuple(fields["shape"]),
+        region=tuple(tuple(r) for r in fields["region"]), encoding=fields["encoding"],
+        chunk=tuple(fields["chunk"]), chunks=tensors[f"{name}/{j}/chunks"].to(torch.int64),
+        indices=tensors[f"{name}/{j}/indices"].to(torch.int64),
+        values=tensors[f"{name}/{j}/values"], tokens=fields["tokens"])
+        for j, fields in enumerate(entries)] for name, entries in meta.items()}

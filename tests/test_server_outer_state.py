@@ -1,0 +1,130 @@
+"""The outer state survives a restart (issue 33, item 1): under local steps with DiLoCo's
+outer Nesterov momentum and a compressed broadcast, a coordinator killed at any point of a
+round's close, or between rounds, and restarted ends bit for bit where the run that was
+never interrupted ends: weights, the broadcast's residual and the momentum buffer."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from helpers import Clock, run_tables
+from rounds import caps, drive, same
+
+import server.checkpoints as checkpoints_module
+import server.update_log as update_log_module
+from modeling.checkpoint.export import read_manifest
+from server.config import RunConfig
+from server.coordinator import Coordinator
+from server.ledger import TrainedLedger
+from server.outer_state import OUTER_STATE_NAME, load_carried
+from server.state import RunState
+
+ROUNDS = 6
+
+
+def outer_config(run_dir, mdat_path) -> RunConfig:
+    """Local steps (so [update] takes DiLoCo's outer SGD: lr 0.7, momentum 0.9, Nesterov)
+    and a broadcast of 8 DCT coefficients per 16 × 16 chunk; checkpoints every 2 rounds."""
+    return RunConfig.from_dict(run_tables(
+        mdat_path, run={"id": "outer", "dir": str(run_dir)},
+        round={"min_clients": 1, "deadline_s": 10.0, "tokens_per_round": 1024, "rounds": 20},
+        checkpoint={"every_rounds": 2}, inner={"batch_tokens": 256},
+        update={"broadcast_topk": 8}, compression={"encoding": "dense", "chunk": 16}))
+
+
+class Crash(BaseException):
+    """Stands for kill -9: nothing after the crash point runs."""
+
+
+def crash(*_, **__):
+    raise Crash
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, mdat_path):
+    clock = Clock()
+    c = Coordinator(outer_config(tmp_path_factory.mktemp("straight"), mdat_path), clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, ROUNDS)
+    update = c.config.update
+    assert (update.rule, update.lr, update.momentum, update.nesterov) == ("sgd", 0.7, 0.9, True)
+    assert c.carried.momentum and c.carried.residual  # both carried, neither zero
+    assert all(t.abs().sum() > 0 for t in [*c.carried.momentum.values(),
+                                           *c.carried.residual.values()])
+    return c, cid
+
+
+CRASHES = {  # where round 3's close is killed; it writes checkpoint round-4
+    "between rounds": None,  # round 3 is open, nothing of it written
+    "update log": (update_log_module, "write_json_atomic"),  # inputs and steps, no json
+    "outer state": (checkpoints_module, "save_carried"),  # weights and slices staged
+    "slices": (checkpoints_module, "export_tiers"),
+    "state.json": (RunState, "save"),
+    "ledger": (TrainedLedger, "record"),
+}
+
+
+@pytest.mark.parametrize("point", CRASHES)
+def test_a_kill_anywhere_resumes_weights_residual_and_momentum_bit_for_bit(
+        tmp_path, mdat_path, monkeypatch, straight, point):
+    reference, cid = straight
+    clock = Clock()
+    config = outer_config(tmp_path / "run", mdat_path)
+    first = Coordinator(config, clock=clock)
+    assert first.join(caps("a", tier=1))[0].client_id == cid
+    drive(first, clock, cid, 3)
+    if CRASHES[point] is not None:
+        with monkeypatch.context() as patch:
+            patch.setattr(*CRASHES[point], crash)
+            with pytest.raises(Crash):
+                drive(first, clock, cid, 1)
+    del first
+
+    resumed = Coordinator(config, clock=clock)
+    assert resumed.state.checkpoints == [0, 2] and resumed.state.round in (3, 4)
+    resumed.advance()
+    drive(resumed, clock, cid, ROUNDS - resumed.state.round)
+    assert same(resumed.master, reference.master)
+    assert same(resumed.carried.residual, reference.carried.residual)
+    assert same(resumed.carried.momentum, reference.carried.momentum)
+
+
+def test_the_outer_state_is_saved_with_each_checkpoint_and_served_to_no_one(straight):
+    c, _ = straight
+    latest = c.latest_checkpoint().path
+    saved = load_carried(latest)
+    assert saved is not None and saved.momentum.keys() == c.master.keys()
+    assert saved.residual.keys() == c.master.keys()
+    manifest = read_manifest(latest)
+    listed = {f for tier in manifest.tiers for f in tier.files} | set(manifest.common_files)
+    assert OUTER_STATE_NAME not in listed and not (latest / "tier1" / OUTER_STATE_NAME).exists()
+    # the log holds each round's inputs since the checkpoint before the latest
+    logged = sorted(p.name for p in (c.dir / "updates").glob("*.inputs.safetensors"))
+    since = c.state.checkpoints[-2]
+    assert logged == [f"round-{r}.inputs.safetensors" for r in range(since, ROUNDS)]
+
+
+def test_a_checkpoint_from_before_outer_state_resumes_from_zero_saying_so_once(
+        tmp_path, mdat_path, caplog):
+    clock = Clock()
+    config = outer_config(tmp_path / "run", mdat_path)
+    c = Coordinator(config, clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, 3)
+    # as an earlier version left it: no outer state, no logged inputs
+    (c.dir / "checkpoints" / "round-2" / OUTER_STATE_NAME).unlink()
+    (c.dir / "updates" / "round-2.inputs.safetensors").unlink()
+    entry = json.loads((c.dir / "updates" / "round-2.json").read_text())
+    del entry["inputs"], entry["outer"]
+    (c.dir / "updates" / "round-2.json").write_text(json.dumps(entry))
+    with caplog.at_level(logging.WARNING, logger="matformer.server"):
+        resumed = Coordinator(config, clock=clock)
+    said = [r.getMessage() for r in caplog.records if "start again from zero" in r.getMessage()]
+    assert len(said) == 1 and "checkpoint round-2 holds no outer state" in said[0]
+    assert same(resumed.master, c.master)  # the weights, from the logged steps
+    assert resumed.carried.momentum == {} and resumed.carried.residual == {}
+    resumed.advance()
+    drive(resumed, clock, cid, 1)  # and it trains on
+    assert resumed.state.round == 4
