@@ -31,7 +31,7 @@ from modeling.config import ModelConfig
 from modeling.errors import ConfigError, did_you_mean
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("config",),
+    "model": ("config", "init"),
     "data": ("path", "documents", "strategy", "view", "seq_len", "batching"),
     "training": ("steps", "epochs", "optimizer", "lr", "final_lr", "warmup_steps", "hold_steps",
                  "schedule", "weight_decay", "grad_clip", "batch_tokens", "microbatch_tokens",
@@ -57,15 +57,16 @@ def apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse
     for override in args.set or []:
         _override(tables, override)
     model = tables.get("model", {})
-    if "config" in model and len(model) > 1:
-        raise ConfigError(f"{args.config}: [model] takes config = \"model.json\" or the "
-                          f"model's fields inline, not both (it has config and "
-                          f"{', '.join(k for k in model if k != 'config')}).")
+    named = [key for key in SECTIONS["model"] if key in model]
+    if named and len(model) > 1:
+        raise ConfigError(f"{args.config}: [model] takes config = \"model.json\", init = "
+                          f"\"CHECKPOINT\" or the model's fields inline, one of them (it has "
+                          f"{', '.join(model)}).")
     actions = {a.dest: a for a in parser._actions}
     defaults = {dest: action.default for dest, action in actions.items()}
     args.model_fields, model_config = None, None
     for section, table in tables.items():
-        if section == "model" and "config" not in table:
+        if section == "model" and not named:
             args.model_fields = _model_fields(table)
             continue
         for key, value in table.items():
@@ -73,6 +74,9 @@ def apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse
             converted = _converted(actions[dest], f"[{section}] {key}", value, args.config.parent)
             if (section, key) == ("model", "config"):
                 model_config = converted  # --config itself names this file
+            elif (section, key) == ("model", "init") and args.init is None:
+                folder = args.config.parent / converted  # a folder beside it, or a hub id
+                args.init = str(folder) if folder.exists() else converted
             elif getattr(args, dest) == defaults[dest]:
                 setattr(args, dest, converted)
     args.config = model_config  # None: inline fields, or no [model] (the default tiny model)
@@ -106,7 +110,7 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
                               f"{did_you_mean(section, SECTIONS)}valid: {', '.join(SECTIONS)}.")
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: {section} must be a [{section}] table.")
-        if section == "model" and "config" not in table:
+        if section == "model" and not set(SECTIONS["model"]) & set(table):
             continue  # inline model fields, checked against ModelConfig
         for key in table:
             if key not in SECTIONS[section]:

@@ -128,7 +128,7 @@ def _initial(c: Coordinator, initial: Mapping[str, Tensor] | None
         model = c.config.model
         if model.checkpoint is not None:
             initial = canonical_state_dict(load_pretrained(
-                model.checkpoint, trust_remote_code=model.trust_remote_code))
+                model.checkpoint_folder(), trust_remote_code=model.trust_remote_code))
         else:
             torch.manual_seed(c.config.data.seed)
             initial = canonical_state_dict(build_model(c.model_config))

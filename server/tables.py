@@ -4,10 +4,10 @@ Every section of run.toml is a ``@dataclass(kw_only=True, slots=True)``. ``read_
 checks a table against the fields before the dataclass's own checks run: unknown keys (named
 with the valid ones and the closest match), missing required keys, and types (an integer is
 accepted as a float, a bool is not an integer; a ``Path`` is a string relative to the folder
-of the TOML file), and the range every number keeps whatever its key: floats are finite
-(TOML can write ``inf`` and ``nan``), integers fit TOML's 64 bits (``tomllib`` reads any
-size). ``table_of`` turns a section back into plain data that ``read_table`` reads to an
-equal section.
+of the TOML file, a ``FolderOrRepo`` such a path or a Hugging Face hub id), and the range
+every number keeps whatever its key: floats are finite (TOML can write ``inf`` and ``nan``),
+integers fit TOML's 64 bits (``tomllib`` reads any size). ``table_of`` turns a section back
+into plain data that ``read_table`` reads to an equal section.
 
 A field with ``metadata={"secret": True}`` never has its value quoted in an error.
 """
@@ -21,11 +21,21 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from modeling.checkpoint.repository import is_repo_id
 from modeling.errors import MatformerError, did_you_mean
 from server.errors import InvalidValue, MissingKey, ServerConfigError, UnknownKey, WrongType
 
 T = TypeVar("T")
 INT64 = (-(2**63), 2**63 - 1)  # TOML's integers: every wire field and seed holds these
+
+
+class FolderOrRepo(str):
+    """A checkpoint's source: a local folder (absolute, resolved against the TOML's folder)
+    or a Hugging Face hub repository id (``org/name``, where no such folder is)."""
+
+    @property
+    def is_repo(self) -> bool:
+        return not Path(self).is_absolute()
 
 
 def reject_unknown(where: str, given: Iterable[str], valid: list[str]) -> None:
@@ -70,7 +80,7 @@ def table_of(section: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, Path):
+    if isinstance(value, Path | FolderOrRepo):
         return str(value)
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
@@ -91,6 +101,12 @@ def _coerce(where: str, value: Any, hint: Any, base: Path, secret: bool) -> Any:
     if hint is Path:
         _expect(isinstance(value, str | Path), where, "a path (string)", value, secret)
         return (base / Path(value).expanduser()).resolve()
+    if hint is FolderOrRepo:
+        _expect(isinstance(value, str | Path), where, "a folder or a hub id (string)", value,
+                secret)
+        folder = (base / Path(value).expanduser()).resolve()
+        repo = not folder.exists() and is_repo_id(str(value)) and not Path(value).is_absolute()
+        return FolderOrRepo(value if repo else folder)
     if hint is float:
         _expect(isinstance(value, int | float) and not isinstance(value, bool), where,
                 "a number", value, secret)

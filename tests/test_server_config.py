@@ -268,7 +268,7 @@ def test_model_from_a_checkpoint_folder_must_be_universal(tmp_path):
     (tmp_path / "ckpt").mkdir()
     ModelConfig(**MODEL).to_json(tmp_path / "ckpt" / "config.json")
     config = RunConfig.from_dict(minimal(model={"checkpoint": "ckpt"}), base=tmp_path)
-    assert config.model.checkpoint == tmp_path / "ckpt"
+    assert config.model.checkpoint_folder() == tmp_path / "ckpt"
     ModelConfig(**{**MODEL, "intermediate_size": 128, "matformer_tier": 1}).to_json(
         tmp_path / "ckpt" / "config.json")
     with pytest.raises(InvalidValue, match=r"tier 1 slice; a run trains the universal"):

@@ -101,7 +101,7 @@ WEIGHTS = {
     "hardware.precision": '"bf16"',
 }
 # the rest, each with its own observable effect below
-OTHERS = ("model.config", "data.documents", "data.batching", "training.steps",
+OTHERS = ("model.config", "model.init", "data.documents", "data.batching", "training.steps",
           "training.epochs", "training.tiers", "training.tier_mode",
           "training.microbatch_tokens", "training.microbatch_examples",
           "training.save_every", "training.keep_last", "hardware.device", "hardware.compile",
@@ -124,8 +124,17 @@ def test_model_config_names_the_model(data, base, tmp_path, capsys):
     assert bigger["weights"]["model.embed_tokens.weight"].shape[1] == 48
     with pytest.raises(SystemExit):  # a file and inline fields at once: which is meant?
         run(data, tmp_path / "both", f'model.config="{data}/model.json"')
-    assert "[model] takes config = \"model.json\" or the model's fields inline, not both" \
-        in capsys.readouterr().err
+    assert "[model] takes config = \"model.json\", init = \"CHECKPOINT\" or the model's " \
+        "fields inline, one of them" in capsys.readouterr().err
+
+
+def test_model_init_starts_from_a_checkpoints_weights(data, base, tmp_path):
+    """[model] init: the base run's model, finetuned: its architecture, and its weights as
+    the start (the held-out loss before the first step is the base run's final one)."""
+    tuned = run(data, tmp_path / "tuned", f'model.init="{base["out"]}"', drop=tuple(MODEL))
+    assert tuned["metrics"]["initial"] == base["metrics"]["final"]
+    assert tuned["weights"].keys() == base["weights"].keys()
+    assert differs(base["weights"], tuned["weights"])
 
 
 def test_batching_packs_short_sequences_together(data, tmp_path):

@@ -3,6 +3,7 @@ its members may train."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -13,6 +14,7 @@ from typing import Any
 
 from modeling.checkpoint.files import CONFIG_NAME
 from modeling.checkpoint.hf_config import from_config_dict
+from modeling.checkpoint.loader import resolve
 from modeling.checkpoint.pretrained import read_config
 from modeling.checkpoint.remote_code import consented
 from modeling.compression import universal_shapes
@@ -21,7 +23,7 @@ from modeling.errors import MatformerError
 from modeling.mdat import DEFAULT_STRATEGY
 from server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey
 from server.sections.checks import require, within
-from server.tables import INT64, reject_unknown
+from server.tables import INT64, FolderOrRepo, reject_unknown
 from server.tiers import TierPolicy
 
 MAX_DIMENSION = 2**24  # vocab_size, hidden_size, intermediate_size, max_position_embeddings
@@ -37,7 +39,9 @@ class ModelSection:
 
     inline: dict[str, Any] | None = None  # ModelConfig fields, as in config.json
     config_path: Path | None = None  # a config.json (Matformer's or a Hugging Face Llama one)
-    checkpoint: Path | None = None  # a universal checkpoint folder: its weights start the run
+    # a universal checkpoint (ours, or a Hugging Face Llama: a folder, or a hub id whose files
+    # the hub cache holds or can download): its weights start the run
+    checkpoint: FolderOrRepo | None = None
     # run the module files the checkpoint carries (read them first); without it the model
     # must be built of registered components. Clients decide for themselves.
     trust_remote_code: bool = False
@@ -59,20 +63,42 @@ class ModelSection:
             where = "[model.inline]"
             config = _model(where, lambda: ModelConfig.from_dict(self.inline))
         else:
-            path = self.config_path if self.config_path is not None else (
-                self.checkpoint / CONFIG_NAME)
+            folder = self.checkpoint_folder()
+            path = self.config_path if folder is None else folder / CONFIG_NAME
             where = f"[model] {path}"
             if not path.is_file():
                 raise MissingFile(f"{where} does not exist; fix the path in [model].")
-            if self.checkpoint is None:
+            if folder is None:
                 config = _model(where, lambda: from_config_dict(json.loads(path.read_text())))
             else:  # its module files are the checkpoint's, found and allowed as for any load
                 config = _model(where, lambda: consented(
-                    read_config(self.checkpoint), self.trust_remote_code, self.checkpoint))
+                    read_config(folder), self.trust_remote_code, folder))
         require(config.matformer_tier == 0 and config.matformer_layer_tiers is None,
                 f"{where} describes a tier {config.matformer_tier} slice; a run trains the "
                 "universal (tier 0) model, so point [model] at the universal config.")
         return config
+
+
+    def checkpoint_folder(self) -> Path | None:
+        """The local folder of ``checkpoint``: the folder it names, or, for a hub id, the
+        snapshot in the hub cache holding its universal config and weights."""
+        if self.checkpoint is None:
+            return None
+        if not self.checkpoint.is_repo:
+            return Path(self.checkpoint)
+        return _hub_folder(str(self.checkpoint))
+
+
+@functools.lru_cache(maxsize=8)
+def _hub_folder(repo_id: str) -> Path:
+    """A hub repository's universal files, fetched (or found in the cache) once."""
+    try:
+        return resolve(repo_id, 0, "universal").directory
+    except MatformerError as err:
+        raise MissingFile(
+            f"[model] checkpoint {repo_id!r} is no folder here, and as a hub id it gave: {err} "
+            f"Download it first (huggingface-cli download {repo_id}), or give its folder."
+        ) from err
 
 
 def _check_size(config: ModelConfig) -> None:

@@ -1,0 +1,68 @@
+"""A federated run starts from a pretrained model (issue 33, item 3): [model] checkpoint takes
+a Hugging Face Llama folder or a hub id the hub cache holds, as ``matformer-train --init``
+does, and the run's first master is that model's weights."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import transformers
+from helpers import Clock, run_tables
+from rounds import caps, drive
+
+from server.config import RunConfig
+from server.coordinator import Coordinator
+from server.errors import ServerConfigError
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=260, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+        tie_word_embeddings=False))
+    folder = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def hub_cache(cache, repo, folder):
+    """``folder``'s files as the hub cache holds a downloaded ``repo``."""
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text("0123abcd")
+    shutil.copytree(folder, root / "snapshots" / "0123abcd")
+
+
+def run(tmp_path, mdat_path, checkpoint) -> Coordinator:
+    tables = run_tables(mdat_path, run={"id": "ft", "dir": str(tmp_path / "run")},
+                        model={"checkpoint": checkpoint})
+    return Coordinator(RunConfig.from_dict(tables, base=tmp_path), clock=Clock())
+
+
+@pytest.mark.parametrize("source", ["folder", "hub id"])
+def test_a_run_starts_from_a_hugging_face_llama(tmp_path, mdat_path, monkeypatch, llama,
+                                                source):
+    model, folder = llama
+    if source == "hub id":
+        hub_cache(tmp_path / "hub", "org/tiny-llama", folder)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    c = run(tmp_path, mdat_path, "org/tiny-llama" if source == "hub id" else str(folder))
+    weights = model.state_dict()
+    assert c.master.keys() == weights.keys()
+    assert all(torch.equal(c.master[name], weights[name]) for name in weights)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, c.clock, cid, 1)  # and it trains
+    assert c.state.round == 1
+    assert not torch.equal(c.master["lm_head.weight"], weights["lm_head.weight"])
+
+
+def test_a_hub_id_the_cache_lacks_is_named(tmp_path, mdat_path, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(ServerConfigError, match="huggingface-cli download org/absent"):
+        run(tmp_path, mdat_path, "org/absent")
