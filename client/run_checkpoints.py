@@ -45,6 +45,7 @@ SHAPING = ("config", "init", "data", "strategy", "view", "seq_len", "batch_token
            "epochs", "tiers", "tier_mode", "optimizer", "lr", "warmup_steps", "hold_steps",
            "schedule", "final_lr", "weight_decay", "grad_clip", "seed", "batching",
            "precision")
+LENGTH = ("steps", "epochs")  # of SHAPING, what a resume may raise: it extends the run
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,9 +119,13 @@ class Saved:
                                   "step-N folder of OUT/checkpoints/.") from None
         self.directory = directory
         self.trainer: dict[str, Any] = self.state["trainer"]
-        now = settings(args)
+        now, saved_settings = settings(args), self.trainer["settings"]
+        self.length = " ".join(f"--{name} {saved_settings[name]}" for name in LENGTH
+                               if saved_settings[name] != "None")  # as it was saved
+        self.extended = any(now[name] != saved_settings[name] for name in LENGTH)
         differ = [f"--{name.replace('_', '-')} {saved!r} (now {now[name]!r})"
-                  for name, saved in self.trainer["settings"].items() if now[name] != saved]
+                  for name, saved in saved_settings.items()
+                  if now[name] != saved and name not in LENGTH]
         if differ:
             listing = ", ".join(differ)
             raise CheckpointError(f"--resume {directory}: it was saved with {listing}; resume "

@@ -336,6 +336,13 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                 saved.trainer["tokens_seen"]
             initial = saved.trainer["initial"]
             say(f"matformer-train: resuming from {args.resume} after step {first}")
+            if saved.extended:  # a longer run: the schedule spans the new length from here
+                if first > total:
+                    raise ConfigError(f"--resume {args.resume} is at step {first}, past the "
+                                      f"{total} steps asked now; a run can only be lengthened.")
+                optimizer.scale_lr(optimizer.scale)  # the new schedule's lr at this step
+                say(f"matformer-train: the run, saved with {saved.length}, goes on to "
+                    f"{total} steps; its schedule spans the new length")
         tracker = NoTracker() if not leader else open_tracker(
             args.track, args.out / "tensorboard",
             project=args.project, name=args.out.name,

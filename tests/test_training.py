@@ -310,6 +310,27 @@ def test_the_schedule_holds_then_decays_to_final_lr(small_docs, tmp_path):
     assert lrs[5:] == pytest.approx([0.004, 0.004 * 2 / 3, 0.004 / 3])
 
 
+def test_a_finished_run_is_lengthened_by_resuming_with_more_steps(small_docs, tmp_path,
+                                                                  capsys):
+    """--resume with more --steps goes on from the saved state (issue 33: extending a
+    finished run): the steps done stay as they were, the schedule spans the new length from
+    there (the lr of step 4 is the 8-step schedule's), and fewer steps are refused."""
+    schedule = ["--warmup-steps", "1", "--schedule", "linear", "--final-lr", "0.0",
+                "--lr", "0.004", "--save-every", "4"]
+    _, four = _weights_after(small_docs, tmp_path / "run", "--steps", "4", *schedule)
+    step4 = tmp_path / "run" / "checkpoints" / "step-4"
+    _, eight = _weights_after(small_docs, tmp_path / "run", "--steps", "8", *schedule,
+                              "--resume", str(step4))
+    assert "goes on to 8 steps" in capsys.readouterr().out
+    assert eight["history"][:4] == four["history"] and len(eight["history"]) == 8
+    assert [h["lr"] for h in eight["history"][4:]] == pytest.approx(
+        [0.004 * (8 - k) / 7 for k in range(4, 8)])  # linear from step 1 to 0 at step 8
+    with pytest.raises(SystemExit):
+        _weights_after(small_docs, tmp_path / "run", "--steps", "3", *schedule,
+                       "--resume", str(step4))
+    assert "past the 3 steps asked now" in capsys.readouterr().err
+
+
 def test_epochs_reshuffle_per_epoch_reproducibly_and_cover_every_sequence(small_docs, tmp_path):
     from argparse import Namespace
 
