@@ -9,6 +9,7 @@ import numpy as np
 
 from modeling.batching import plan_batches, plan_packed
 from modeling.errors import ConfigError
+from modeling.run_order import RunOrder
 
 DEFAULT_STEPS = 200
 
@@ -21,22 +22,20 @@ def plan(lengths: list[int], args: argparse.Namespace) -> list[list[list[int]]]:
 
 
 class Epochs:
-    """The steps of a run over ``ids`` (the training sequences in the shuffle's order), one
-    epoch after another: epoch 0 in that order, each later one in a fresh order drawn from
-    the seed and its number, so a run is the same every time it is run or resumed."""
+    """The steps of a run over ``order``'s training sequences, one epoch after another, each
+    in the order ``RunOrder.epoch`` gives it (the same every time a run is run or
+    resumed)."""
 
-    def __init__(self, ids: np.ndarray, lengths: np.ndarray, args: argparse.Namespace) -> None:
-        self.ids, self.lengths, self.args = ids, lengths, args
-        self._epochs: list[tuple[np.ndarray, list[list[list[int]]]]] = []
+    def __init__(self, order: RunOrder, lengths: np.ndarray, args: argparse.Namespace) -> None:
+        self.order, self.lengths, self.args = order, lengths, args
+        self._plans: list[list[list[list[int]]]] = []
 
     def epoch(self, number: int) -> tuple[np.ndarray, list[list[list[int]]]]:
         """(sequence ids in the epoch's order, its steps' rows as positions in that order)."""
-        while len(self._epochs) <= number:
-            n = len(self._epochs)
-            order = self.ids if n == 0 else np.random.default_rng(
-                [self.args.seed, n]).permutation(self.ids)
-            self._epochs.append((order, plan(self.lengths[order].tolist(), self.args)))
-        return self._epochs[number]
+        while len(self._plans) <= number:
+            ids = self.order.epoch(len(self._plans))
+            self._plans.append(plan(self.lengths[ids].tolist(), self.args))
+        return self.order.epoch(number), self._plans[number]
 
     def steps(self) -> int:
         """The run's steps: ``--steps``, or ``--epochs`` whole epochs, or 200."""

@@ -49,15 +49,14 @@ from modeling.mdat import (
 from modeling.mdat.checkpoint_tokenizer import special_ids, tokenizer_files
 from modeling.mdat.trained_on import TrainedOn
 from modeling.optim import SCHEDULES, OptimizerConfig
+from modeling.run_order import RunOrder
 from modeling.tracking import TRACKERS, NoTracker, open_tracker
 from modeling.training import (
     StepOptions,
     TierSchedule,
     held_out_loss,
-    split_held_out,
     target_tokens,
     train_step_on_examples,
-    with_targets,
 )
 
 # A model that learns visibly in a minute on two CPU cores.
@@ -270,10 +269,9 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     if parallel is not None and not leader:
         parallel.barrier()  # rank 0 builds the default container and the shuffle first
     with open_data(args) as mdat:
-        reader = mdat.sequences(args.strategy, args.seq_len, args.view)
+        reader, order = RunOrder.open(mdat, args.strategy, args.seq_len, args.view, args.seed,
+                                      config)
         lengths = reader.lengths()
-        order = with_targets(mdat.shuffle(args.view, args.strategy, args.seq_len, args.seed),
-                             lengths, config)
         if parallel is not None and leader:
             parallel.barrier()
         strategy = mdat.strategy(args.strategy)
@@ -291,17 +289,16 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         model = (start if start is not None else build_model(config)).to(device)
         if parallel is not None:
             parallel.broadcast_parameters(model)
-        if len(order) < len(reader):
-            say(f"matformer-train: left out {len(reader) - len(order):,} sequences of fewer "
-                f"than {target_tokens(config)} tokens: they carry no target")
-        train_ids, eval_ids = split_held_out(order)  # the shuffle's last 5%: never trained
-        epochs = Epochs(train_ids, lengths, args)
+        if order.candidates < len(reader):
+            say(f"matformer-train: left out {len(reader) - order.candidates:,} sequences of "
+                f"fewer than {target_tokens(config)} tokens: they carry no target")
+        epochs = Epochs(order, lengths, args)
         total = epochs.steps()
-        eval_examples = sequences(reader, eval_ids, device)
+        eval_examples = sequences(reader, order.held_out, device)  # never trained
         world = parallel.world_size if parallel else 1
         say(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters on "
             f"{device} ({args.precision}{', compiled' if args.compile else ''}"
-            f"{f', {world} data-parallel ranks' if parallel else ''}); {len(train_ids):,} "
+            f"{f', {world} data-parallel ranks' if parallel else ''}); {len(order.training):,} "
             f"training sequences of up to {args.seq_len} tokens, {len(epochs.epoch(0)[1])} "
             f"{args.batching} batches of <= {args.batch_tokens} tokens an epoch, {total} steps; "
             f"tiers {tiers} ({args.tier_mode})")

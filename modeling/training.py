@@ -212,16 +212,6 @@ def train_step_on_examples(
     return losses
 
 
-HELD_OUT_FRACTION = 0.05  # the tail of a run's order that training never takes
-
-
-def split_held_out(order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(training ids, held-out ids) of a shuffled ``order``: its last 5% (at least one) are
-    held out, as standalone training and ``matformer-eval`` agree."""
-    held = max(1, int(len(order) * HELD_OUT_FRACTION))
-    return order[:-held], order[-held:]
-
-
 @torch.no_grad()
 def held_out_loss(
     model: TransformerWithLMHead,

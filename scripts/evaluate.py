@@ -35,7 +35,8 @@ from modeling.errors import MatformerError
 from modeling.matformer import Tier
 from modeling.mdat import DEFAULT_STRATEGY, Mdat
 from modeling.mdat.trained_on import RECORD_NAME, TrainedOn
-from modeling.training import held_out_loss, split_held_out, with_targets
+from modeling.run_order import RunOrder
+from modeling.training import held_out_loss, with_targets
 
 DEFAULT_SEQ_LEN = 256
 
@@ -101,12 +102,12 @@ def evaluate(args: argparse.Namespace) -> dict:
     model = load_pretrained(args.checkpoint, trust_remote_code=args.trust_remote_code).to(device)
     tiers = tiers_of(args)
     with Mdat.open(args.data) as mdat:
-        reader = mdat.sequences(args.strategy, args.seq_len, args.view)
         if args.split == "held-out":
-            order = with_targets(mdat.shuffle(args.view, args.strategy, args.seq_len,
-                                              args.seed), reader.lengths(), model.config)
-            ids = split_held_out(order)[1]
+            reader, order = RunOrder.open(mdat, args.strategy, args.seq_len, args.view,
+                                          args.seed, model.config)
+            ids = order.held_out
         else:
+            reader = mdat.sequences(args.strategy, args.seq_len, args.view)
             ids = with_targets(np.arange(len(reader)), reader.lengths(), model.config)
         ids = ids[:args.limit]
         examples = [torch.from_numpy(reader[int(i)].astype(np.int64)).to(device) for i in ids]

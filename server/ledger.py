@@ -11,11 +11,12 @@ One JSON line per completed round, appended and fsynced before ``state.json`` re
 round. A crash between the two leaves a line (possibly torn) for a round that will run
 again; ``truncate`` removes it on resume, so the ledger always matches ``state.json``.
 
-The audit's invariant: an id of the work queue's order (the shuffle's ids that carry a
-target, ``server.work.work_order``) is handed out fresh once per pass over it (the work
-queue's ``position`` says how many passes reached it). Each hand-out ends either trained
-in exactly one completed round or back in the queue's ``requeued`` list, waiting. So for
-every id, ``trained + waiting == handed out``; more is a duplicate, less is a lost sequence.
+The audit's invariant: a training id of the run's order (``modeling.run_order.RunOrder``,
+as ``server.work.work_order`` gives it) is handed out fresh once per epoch (the work queue's
+``position`` says how many epochs reached it), and a held-out id never. Each hand-out ends
+either trained in exactly one completed round or back in the queue's ``requeued`` list,
+waiting. So for every id, ``trained + waiting == handed out``; more is a duplicate, less is a
+lost sequence, and a held-out id trained is named as such.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from modeling.atomic import built_aside
+from modeling.run_order import RunOrder
 
 LEDGER_NAME = "trained.jsonl"
 
@@ -83,7 +85,7 @@ class TrainedLedger:
 
 @dataclass(kw_only=True)
 class LedgerAudit:
-    sequences: int  # ids in the work queue's order
+    sequences: int  # training ids in the run's order (an epoch)
     rounds: int  # completed rounds in the ledger
     handed_out: int  # fresh hand-outs over all passes
     trained: int  # sequence trainings recorded
@@ -92,30 +94,34 @@ class LedgerAudit:
     lost: list[int] = field(default_factory=list)  # ids handed out but neither trained nor waiting
     duplicated: list[int] = field(default_factory=list)  # ids trained more often than handed out
     repeated_rounds: list[int] = field(default_factory=list)  # rounds recorded twice
+    held_out_trained: list[int] = field(default_factory=list)  # held-out ids a round trained
 
     @property
     def exactly_once(self) -> bool:
-        return not (self.lost or self.duplicated or self.repeated_rounds)
+        return not (self.lost or self.duplicated or self.repeated_rounds
+                    or self.held_out_trained)
 
     def summary(self) -> str:
         verdict = "every sequence trained exactly once per pass" if self.exactly_once else (
-            f"{len(self.lost)} lost, {len(self.duplicated)} trained twice, rounds recorded twice: "
+            f"{len(self.lost)} lost, {len(self.duplicated)} trained twice, "
+            f"{len(self.held_out_trained)} held out but trained, rounds recorded twice: "
             f"{self.repeated_rounds[:5]}")
         return (f"{self.rounds} rounds, {self.trained} sequence trainings over "
                 f"{self.passes_complete} complete pass(es) of {self.sequences} sequences, "
                 f"{self.waiting} waiting in the queue: {verdict}")
 
 
-def audit(order: Sequence[int] | np.ndarray, queue: dict[str, Any],
+def audit(order: RunOrder | Sequence[int] | np.ndarray, queue: dict[str, Any],
           entries: Sequence[dict[str, Any]]) -> LedgerAudit:
-    """Check ``trained + waiting == handed out`` for every id of the queue's ``order``, given
-    the work queue's saved state and the ledger's entries."""
-    order = np.asarray(order)
-    n = len(order)
+    """Check ``trained + waiting == handed out`` for every id of the run's ``order`` (ids
+    alone: the same order every epoch), given the work queue's saved state and the ledger's
+    entries."""
+    if not isinstance(order, RunOrder):
+        order = RunOrder.fixed(order)
+    n = len(order.training)
     position = int(queue.get("position", 0))
-    passes, partial = divmod(position, n)
-    handed = Counter({int(i): passes for i in order})
-    handed.update(int(i) for i in order[:partial])
+    passes = position // n
+    handed = order.handed_out(position)
     waiting = Counter(int(i) for i in queue.get("requeued", []))
     trained: Counter[int] = Counter()
     seen_rounds: Counter[int] = Counter()
@@ -128,12 +134,13 @@ def audit(order: Sequence[int] | np.ndarray, queue: dict[str, Any],
     return LedgerAudit(sequences=n, rounds=len(entries), handed_out=position,
                        trained=sum(trained.values()), waiting=sum(waiting.values()),
                        passes_complete=passes, lost=lost, duplicated=duplicated,
-                       repeated_rounds=sorted(r for r, k in seen_rounds.items() if k > 1))
+                       repeated_rounds=sorted(r for r, k in seen_rounds.items() if k > 1),
+                       held_out_trained=sorted(set(map(int, order.held_out)) & set(trained)))
 
 
 def audit_run(config: Any) -> LedgerAudit:
     """The audit of ``config``'s run directory (a ``RunConfig``), from state.json, the ledger
-    and the order the run's work queue hands out (``server.work.work_order``)."""
+    and the run's order (``server.work.work_order``)."""
     from modeling.mdat import Mdat
     from server.state import RunState
     from server.work import work_order

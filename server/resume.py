@@ -12,13 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from modeling.checkpoint import load_pretrained
 from modeling.models import build_model
 from modeling.naming import canonical_state_dict
+from modeling.run_order import RunOrder
 from modeling.training import target_tokens
 from server.errors import ResumeError
 from server.membership import Membership
@@ -37,16 +37,16 @@ TEMP_NAME = re.compile(r"\..+\.(tmp|old)(-[0-9a-f]{8})?")
 log = logging.getLogger("matformer.server")
 
 
-def records(c: Coordinator, saved: RunState | None, order: np.ndarray
+def records(c: Coordinator, saved: RunState | None, order: RunOrder
             ) -> tuple[RunState, Membership, WorkQueue]:
     """The run's state, members and work queue: as saved, or new."""
     policy = c.config.tiers.build(c.model_config)
     if saved is not None:
-        _check_resumable(c, saved, len(order))
+        _check_resumable(c, saved, order.candidates)
         return (saved, Membership.from_dict(policy, saved.membership),
                 WorkQueue(order, **saved.queue))
     state = RunState(run_id=c.config.run.id, data_fingerprint=c.reader.fingerprint,
-                     sequences=len(order))
+                     sequences=order.candidates, held_out=len(order.held_out))
     return state, Membership(policy), WorkQueue(order)
 
 
@@ -65,9 +65,9 @@ def master(c: Coordinator, saved: RunState | None, initial: Mapping[str, Tensor]
             _finished_or_extended(c, saved)
         return replayed
     order = c.queue.order
-    if len(order) < len(c.reader):
+    if order.candidates < len(c.reader):
         c.history.event(
-            "data", None, f"left out {len(c.reader) - len(order):,} of {len(c.reader):,} "
+            "data", None, f"left out {len(c.reader) - order.candidates:,} of {len(c.reader):,} "
             f"sequences, of fewer than {target_tokens(c.model_config)} tokens: they carry no "
             "target")
     start = _initial(c, initial)

@@ -24,6 +24,7 @@ class RunState:
     run_id: str
     data_fingerprint: str  # the MDAT view the sequence ids refer to; checked on resume
     sequences: int | None = None  # ids in the work order (None: saved before it was recorded)
+    held_out: int | None = None  # of them held out (None: saved before runs held out a tail)
     round: int = 0  # rounds completed; the next round's index
     tokens: int = 0  # tokens trained on in completed rounds
     queue: dict[str, Any] = field(default_factory=dict)  # WorkQueue.to_dict()

@@ -1,16 +1,12 @@
-"""The run's work queue: sequence ids in the order of the run's shuffle, plus ids handed back;
-and how a round's ids are split among members (`assign`).
+"""The run's work queue: sequence ids in the run's order, plus ids handed back; and how a
+round's ids are split among members (`assign`).
 
 Each round takes ids from the front until the round's token budget is met: first the ids
-that came back from dropped clients (the latest handed back first), then fresh ids from the
-shuffled order.
-The order wraps around at its end (a new epoch over the same order). Everything here
-is a function of its state (``position`` and ``requeued``), so replaying the same events
-gives the same rounds.
-
-The order is ``work_order``'s: the shuffle without the sequences that carry no target (a
-one-token document tail, for a causal model), so no client is handed a batch it cannot
-train. The coordinator, the ledger's audit and the held-out tail all take it from there.
+that came back from dropped clients (the latest handed back first), then fresh ids of the
+run's order (``modeling.run_order.RunOrder``, the one definition standalone training and
+evaluation share): its training sequences, epoch after epoch in a fresh order each, never
+the held-out tail. Everything here is a function of its state (``position`` and
+``requeued``), so replaying the same events gives the same rounds.
 
 A round's ids are split into consecutive runs, one per member, sized in proportion to the
 speed it has shown (`assign`): deterministic, disjoint and covering, with no randomness of
@@ -26,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from modeling.mdat import Mdat, SequenceReader
+from modeling.run_order import RunOrder
 from modeling.training import with_targets
 from server.config import RunConfig
 from server.errors import ShardError
@@ -33,29 +30,31 @@ from server.state import RunState
 
 
 def work_order(mdat: Mdat, config: RunConfig, state: RunState | None = None
-               ) -> tuple[SequenceReader, np.ndarray]:
-    """The run's sequences (its [data]) and the ids its queue hands out, in order: the
-    shuffle's ids that carry a target for the run's model (`with_targets`). The other
-    ``len(reader) - len(order)`` are left out of the run. BatchError if none carries one;
-    ConfigError if the strategy gives ids the model has no embedding for.
+               ) -> tuple[SequenceReader, RunOrder]:
+    """The run's sequences (its [data]) and its order. BatchError if no sequence carries a
+    target; ConfigError if the strategy gives ids the model has no embedding for.
 
-    ``state`` (the saved run, if any) keeps a run's order what it was: a run saved before
-    orders left sequences out (its state has no ``sequences``) goes on over the whole shuffle,
-    since its queue positions count in it.
+    ``state`` (the saved run, if any) keeps a run's order what it was, since its queue
+    positions count in it: a run saved before orders held out a tail (its state has no
+    ``held_out``) goes on over the same order every epoch, the one it began with (the
+    shuffle's ids that carry a target, or, saved before those were left out, the whole
+    shuffle).
     """
-    data = config.data
-    mdat.strategy(data.strategy).fit_vocabulary(config.model.build(), named=True)
+    data, model = config.data, config.model.build()
+    mdat.strategy(data.strategy).fit_vocabulary(model, named=True)
+    if state is None or state.held_out is not None:
+        return RunOrder.open(mdat, data.strategy, data.max_seq_len, data.view, data.seed, model)
     reader = mdat.sequences(data.strategy, data.max_seq_len, data.view)
     shuffle = mdat.shuffle(data.view, data.strategy, data.max_seq_len, data.seed)
-    if state is not None and state.sequences is None:
-        return reader, shuffle
-    return reader, with_targets(shuffle, reader.lengths(), config.model.build())
+    if state.sequences is None:
+        return reader, RunOrder.fixed(shuffle)
+    return reader, RunOrder.fixed(with_targets(shuffle, reader.lengths(), model))
 
 
 class WorkQueue:
-    def __init__(self, order: np.ndarray, *, position: int = 0,
+    def __init__(self, order: RunOrder, *, position: int = 0,
                  requeued: Iterable[int] = ()) -> None:
-        self.order = np.asarray(order)  # (n,) the view's sequence ids, in shuffled order
+        self.order = order
         self.position = position  # fresh ids handed out so far (over all epochs)
         self.requeued = [int(i) for i in requeued]  # handed back, served before fresh ids
 
@@ -65,7 +64,7 @@ class WorkQueue:
         total = 0
         while True:
             fresh = not self.requeued
-            nxt = int(self.order[self.position % len(self.order)]) if fresh else self.requeued[0]
+            nxt = self.order.at(self.position) if fresh else self.requeued[0]
             size = length_of(nxt)
             if taken and total + size > budget_tokens:
                 return taken

@@ -168,10 +168,11 @@ def test_one_token_sequences_are_left_out_of_the_run_and_its_audit(tmp_path):
     total = len(coordinator.reader)
     assert [e["detail"] for e in coordinator.state.events if e["kind"] == "data"] == [
         f"left out 40 of {total} sequences, of fewer than 2 tokens: they carry no target"]
-    assert len(coordinator.queue.order) == total - 40
+    assert coordinator.queue.order.candidates == total - 40
     config = RunConfig.load(tmp_path / "run.toml")
     audit = audit_run(config)  # derives the same order as the coordinator
-    assert audit.exactly_once and audit.sequences == total - 40 and audit.trained == 6
+    assert audit.exactly_once and audit.trained == 6
+    assert audit.sequences == len(coordinator.queue.order.training)  # the tail held out
     losses = HeldOut.of(config).loss(tmp_path / "run" / "checkpoints" / "round-6", tiers=[0])
     assert math.isfinite(losses[0])
 

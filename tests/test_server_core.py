@@ -42,7 +42,7 @@ def test_assignment_is_proportional_to_tokens_per_second(tmp_path, mdat_path):
     assert c.phase == "collecting"
     a, b = c.assignment_for(fast.client_id), c.assignment_for(slow.client_id)
     ids = a.sequence_ids + b.sequence_ids
-    assert list(ids) == [int(i) for i in c.queue.order[:len(ids)]]  # the shuffled queue head
+    assert list(ids) == c.queue.order.training[:len(ids)].tolist()  # the shuffled queue head
     # claimed speeds count up to the lower median of the members' (1000) until a round
     # measures them: an even split
     assert abs(len(a.sequence_ids) - len(b.sequence_ids)) <= 1
@@ -296,12 +296,22 @@ def test_a_run_saved_before_orders_left_sequences_out_keeps_its_order(tmp_path):
     with Mdat.open(data) as mdat:
         shuffle = mdat.shuffle(None, TAILS_STRATEGY, 8, config.data.seed)
     fresh = Coordinator(config)
-    assert fresh.state.sequences == len(fresh.queue.order) == len(shuffle) - 40
+    assert fresh.state.sequences == fresh.queue.order.candidates == len(shuffle) - 40
     state_path = tmp_path / "run" / "state.json"
     state = json.loads(state_path.read_text())
-    state_path.write_text(json.dumps({k: v for k, v in state.items() if k != "sequences"}))
+    # saved before runs held out a tail: the shuffle's ids that carry a target, every epoch
+    state_path.write_text(json.dumps({k: v for k, v in state.items() if k != "held_out"}))
+    targets = Coordinator(config).queue.order
+    assert len(targets.held_out) == 0 and targets.seed is None
+    assert targets.training.tolist() == [i for i in shuffle.tolist()
+                                         if i in set(fresh.queue.order.training.tolist())
+                                         | set(fresh.queue.order.held_out.tolist())]
+    assert audit_run(config).sequences == len(shuffle) - 40
+    # saved before targetless sequences were left out: the whole shuffle
+    state_path.write_text(json.dumps({k: v for k, v in state.items()
+                                      if k not in ("sequences", "held_out")}))
     legacy = Coordinator(config)
-    assert legacy.queue.order.tolist() == shuffle.tolist()
+    assert legacy.queue.order.training.tolist() == shuffle.tolist()
     assert audit_run(config).sequences == len(shuffle)
     state_path.write_text(json.dumps(state | {"sequences": 7}))
     with pytest.raises(ResumeError, match="hands out 7 sequences"):

@@ -335,16 +335,18 @@ def test_epochs_reshuffle_per_epoch_reproducibly_and_cover_every_sequence(small_
     from argparse import Namespace
 
     from client.epochs import Epochs
+    from modeling.run_order import RunOrder
 
     ids, lengths = np.arange(100, 160), np.random.default_rng(0).integers(5, 120, 200)
     args = Namespace(seed=1, batching="packed", batch_tokens=256, seq_len=128, steps=None,
                      epochs=3)
-    epochs, again = Epochs(ids, lengths, args), Epochs(ids, lengths, args)
+    epochs = Epochs(RunOrder(ids, seed=1), lengths, args)
+    again = Epochs(RunOrder(ids, seed=1), lengths, args)
     orders = [epochs.epoch(n)[0] for n in range(3)]
     assert np.array_equal(orders[0], ids)  # the shuffle's own order first
     assert not np.array_equal(orders[1], orders[2])
     assert all(np.array_equal(a, again.epoch(n)[0]) for n, a in enumerate(orders))
-    other = Epochs(ids, lengths, Namespace(**{**vars(args), "seed": 2})).epoch(1)[0]
+    other = Epochs(RunOrder(ids, seed=2), lengths, args).epoch(1)[0]
     assert not np.array_equal(other, orders[1])
     per_epoch = [len(epochs.epoch(n)[1]) for n in range(3)]
     assert epochs.steps() == sum(per_epoch)
@@ -377,7 +379,7 @@ def test_init_finetunes_a_hugging_face_llama_from_its_own_loss(tmp_path):
     from client.epochs import Epochs
     from client.standalone import parse_args
     from modeling.mdat import Mdat
-    from modeling.training import split_held_out, with_targets
+    from modeling.run_order import RunOrder
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -394,15 +396,13 @@ def test_init_finetunes_a_hugging_face_llama_from_its_own_loss(tmp_path):
 
     args = parse_args(argv)  # the sequences of step 0, as the run chose them
     with Mdat.open(tmp_path / "docs.mdat") as mdat:
-        reader = mdat.sequences(args.strategy, args.seq_len)
-        lengths = reader.lengths()
         config = json.loads((tmp_path / "run" / "config.json").read_text())
         assert config["intermediate_size"] == 128 and config["vocab_size"] == 260
         from modeling.checkpoint import read_config
 
-        order = with_targets(mdat.shuffle(None, args.strategy, args.seq_len, args.seed),
-                             lengths, read_config(tmp_path / "run"))
-        ids, _ = Epochs(split_held_out(order)[0], lengths, args).step(0)
+        reader, order = RunOrder.open(mdat, args.strategy, args.seq_len, None, args.seed,
+                                      read_config(tmp_path / "run"))
+        ids, _ = Epochs(order, reader.lengths(), args).step(0)
         sequences = [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in ids]
     total, count = 0.0, 0
     with torch.no_grad():
