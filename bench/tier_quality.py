@@ -59,12 +59,12 @@ from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batch
 from modeling.matformer import tier_label
 from modeling.mdat import Mdat, build_default_mdat
 from modeling.optim import OptimizerConfig
+from modeling.run_order import RunOrder
 from modeling.tokenizers import train_tokenizer
 from modeling.training import (
     TierSchedule,
     held_out_loss,
     train_step_on_examples,
-    with_targets,
 )
 
 TIERS = [0, 1, 2]
@@ -138,13 +138,12 @@ def model_config(args: argparse.Namespace, intermediate_size: int) -> ModelConfi
                        **SPECIAL)
 
 
-def token_stream(train_ids: np.ndarray, lengths: np.ndarray, tokens: int, seed: int
-                 ) -> np.ndarray:
-    """The first sequences of the training stream holding ``tokens`` tokens: ``train_ids`` in
-    their order, then reshuffled (seed ``[seed, epoch]``) for each further epoch."""
-    epochs = [train_ids]
+def token_stream(order: RunOrder, lengths: np.ndarray, tokens: int) -> np.ndarray:
+    """The first sequences of the run's training stream holding ``tokens`` tokens: its
+    epochs one after another (``RunOrder.epoch``, as ``matformer-train`` takes them)."""
+    epochs = [order.epoch(0)]
     while lengths[np.concatenate(epochs)].sum() < tokens:
-        epochs.append(np.random.default_rng([seed, len(epochs)]).permutation(train_ids))
+        epochs.append(order.epoch(len(epochs)))
     stream = np.concatenate(epochs)
     return stream[:int(np.searchsorted(np.cumsum(lengths[stream]), tokens)) + 1]
 
@@ -192,21 +191,19 @@ def main() -> None:
     with mdat:
         reader = mdat.sequences(strategy, SEQ_LEN)
         lengths = reader.lengths().copy()
-        order = with_targets(mdat.shuffle(None, strategy, SEQ_LEN, args.seed), lengths,
-                             universal)
-        held = max(1, len(order) // 20)  # the shuffle's last 5%, as matformer-train holds out
-        train_ids, held_ids = order[:-held], order[-held:]
-        examples = sequences(reader, token_stream(train_ids, lengths, args.tokens, args.seed), CPU)
+        order = RunOrder.of(mdat.shuffle(None, strategy, SEQ_LEN, args.seed), lengths,
+                            universal, args.seed)  # as matformer-train orders and holds out
+        held_ids = order.held_out
+        examples = sequences(reader, token_stream(order, lengths, args.tokens), CPU)
         held_out = sequences(reader, held_ids, CPU)
     # Each independent model trains the stream's first third, so joint's tokens are theirs
-    share = examples[:len(token_stream(train_ids, lengths, args.tokens // len(TIERS),
-                                       args.seed))]
+    share = examples[:len(token_stream(order, lengths, args.tokens // len(TIERS)))]
     tokens = sum(map(len, examples))
     print(f"torch {torch.__version__} | cpu, {torch.get_num_threads()} threads | "
-          f"{args.dir}: BPE {args.vocab_size}, {len(order):,} sequences of <= {SEQ_LEN} "
-          f"tokens; held out: last {held:,} ({lengths[held_ids].sum():,} tokens) | "
+          f"{args.dir}: BPE {args.vocab_size}, {order.candidates:,} sequences of <= {SEQ_LEN} "
+          f"tokens; held out: last {len(held_ids):,} ({lengths[held_ids].sum():,} tokens) | "
           f"hidden {args.hidden_size}, {args.layers} layers, FFN {widths[0]} | {tokens:,} "
-          f"tokens ({tokens / lengths[train_ids].sum():.2f} epochs) in batches of <= "
+          f"tokens ({tokens / lengths[order.training].sum():.2f} epochs) in batches of <= "
           f"{args.batch_tokens:,}, AdamW lr {args.lr} | joint: {args.joint_mode}", flush=True)
 
     initial = evaluate(seeded_model(universal, args.seed), held_out, TIERS)

@@ -88,6 +88,14 @@ class AlreadySliced(CheckpointError):
     """A tier-sliced checkpoint was given where the universal one is needed."""
 
 
+class CheckpointExists(CheckpointError, FileExistsError):
+    """A new checkpoint was to be written to a folder that already holds files."""
+
+
+class NotConvertible(CheckpointError):
+    """A checkpoint whose FFN neurons cannot be ordered: not Llama-shaped, or no FFN weights."""
+
+
 class PathEscapesRepository(ManifestError):
     """A manifest path is absolute, empty, or leads outside the repository."""
 

@@ -30,10 +30,10 @@ from pathlib import Path
 from modeling.atomic import built_aside, write_json_atomic
 from modeling.checkpoint.files import (
     CONFIG_NAME,
-    INDEX_NAME,
     copy_files,
     read_json,
     read_weights,
+    shard_bytes,
     weight_files,
     write_json,
     write_weights,
@@ -119,9 +119,7 @@ def export_tiers(
         slices[tuple(layer_tiers)] = (layer_tiers, layer_widths(config, layer_tiers))
 
     weights = weight_files(source)
-    shard_bytes = None
-    if weights[0] == INDEX_NAME:
-        shard_bytes = max((source / f).stat().st_size for f in weights[1:])
+    shard_size = shard_bytes(source)
     state = read_weights(source)
     common, left_out = common_files(source)
     if left_out:
@@ -150,7 +148,7 @@ def export_tiers(
                 tier_config, listed_modules(tier_config), staging)
             write_json(staging / CONFIG_NAME,
                        {**to_config_dict(tier_config, code), SOURCE_KEY: digest})
-            files = write_weights(slice_state(state, widths), staging, shard_bytes)
+            files = write_weights(slice_state(state, widths), staging, shard_size)
             listed = [CONFIG_NAME, *files]
             relative = [f"{target.name}/{name}" for name in listed]
             manifest.tiers.append(TierEntry(tier=tier, intermediate_size=widths[0],

@@ -71,6 +71,15 @@ def weight_files(directory: Path) -> list[str]:
     )
 
 
+def shard_bytes(directory: Path) -> int | None:
+    """The shard size that writes a copy of ``directory``'s weights sharded as they are (its
+    largest shard), or None when they are one file."""
+    files = weight_files(directory)
+    if files[0] != INDEX_NAME:
+        return None
+    return max((directory / name).stat().st_size for name in files[1:])
+
+
 def is_weights_file(path: str) -> bool:
     """Whether a checkpoint file holds weights (a safetensors file or a shard index)."""
     name = path.rsplit("/", 1)[-1]

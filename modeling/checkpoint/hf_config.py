@@ -24,13 +24,15 @@ from modeling.matformer import tier_of_width
 
 # A tier slice's record of the weights it was cut from (``export.export_tiers``).
 SOURCE_KEY = "matformer_source_sha256"
+# A converted model's record of how its FFN neurons were ordered (``neuron_order.convert``).
+NEURON_ORDER_KEY = "matformer_neuron_order"
 # Keys that carry nothing the model needs: Hugging Face's bookkeeping (or what we check
-# below), and the slice's provenance, which the loader reads.
+# below), and provenance: the slice's, which the loader reads, and a conversion's.
 _HF_ONLY = {
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
     "pretraining_tp", "attention_dropout", "rms_norm_eps", "hidden_act", "attention_bias",
     "mlp_bias", "rope_scaling", "head_dim", "rope_parameters", "layer_types",
-    "partial_rotary_factor", "auto_map", SOURCE_KEY,
+    "partial_rotary_factor", "auto_map", SOURCE_KEY, NEURON_ORDER_KEY,
 }
 _PLAIN_ROPE = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 LLAMA_LAYER = LayerConfig()  # the default layer is Llama's

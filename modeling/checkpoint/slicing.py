@@ -1,7 +1,9 @@
 """Tier slices of a canonical state dict (docs/architecture.md, "Names, tiers, regions").
 
 Layer ``i`` keeps FFN rows [:w_i] of ``gate_proj``/``up_proj`` and columns [:, :w_i] of
-``down_proj``; every other tensor is shared by all tiers and kept whole.
+``down_proj``; every other tensor is shared by all tiers and kept whole. This is the one
+place that knows which canonical tensors hold FFN neurons and along which axis
+(``neuron_axis``): slicing narrows that axis, and ``neuron_order`` permutes it.
 """
 
 from __future__ import annotations
@@ -11,19 +13,30 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-# model.layers.{i}.mlp.{gate,up,down}_proj.weight → (layer, which)
-_FFN = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+# model.layers.{i}.mlp.{gate,up,down}_proj.{weight,bias} → (layer, projection, kind)
+_FFN = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+
+
+def neuron_axis(name: str) -> tuple[int, int] | None:
+    """(layer, axis of its FFN neurons) of a canonical tensor that has one, else None: rows of
+    ``gate_proj`` and ``up_proj`` and their biases, columns of ``down_proj``. down_proj's bias
+    lies on the hidden side, so it has none."""
+    match = _FFN.match(name)
+    if match is None:
+        return None
+    layer, projection, kind = int(match.group(1)), match.group(2), match.group(3)
+    if projection == "down_proj":
+        return None if kind == "bias" else (layer, 1)
+    return layer, 0
 
 
 def slice_state(state: dict[str, Tensor], widths: Sequence[int]) -> dict[str, Tensor]:
     """The canonical tensors of a model whose layer ``i`` has FFN width ``widths[i]``."""
     sliced = {}
     for name, tensor in state.items():
-        match = _FFN.match(name)
-        if match:
-            width = widths[int(match.group(1))]
-            axis = 1 if match.group(2) == "down_proj" else 0
-            tensor = tensor.narrow(axis, 0, width)
+        found = neuron_axis(name)
+        if found is not None:
+            layer, axis = found
+            tensor = tensor.narrow(axis, 0, widths[layer])
         sliced[name] = tensor
     return sliced
-
