@@ -13,6 +13,9 @@ from importlib import metadata
 import torch
 
 DISTRIBUTION = "matformer"
+# the name a command runs under when ``matformer <verb>`` runs it (scripts/matformer.py):
+# its usage and errors then say "matformer train", not "matformer-train"
+invoked_as: str | None = None
 
 
 def version() -> str:
@@ -49,6 +52,7 @@ def _named(action: argparse.Action) -> bool:
 def command_parser(prog: str, description: str | None = None, *, epilog: str | None = None
                    ) -> argparse.ArgumentParser:
     """A command's parser: ``--version`` and defaults in ``--help``."""
+    prog = invoked_as or prog
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
                                      formatter_class=DefaultsShown)
     parser.add_argument("--version", action="version",

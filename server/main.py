@@ -260,7 +260,7 @@ def keys_main(argv: list[str]) -> int:
                 issued = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry["issued"]))
                 print(f"{name}\tissued {issued} UTC")
     except MatformerError as err:
-        print(f"matformer-server keys: {err}", file=sys.stderr)
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2
     if config.auth.mode != "keys":
         print(f"note: {args.config} has [auth] mode = \"{config.auth.mode}\"; the coordinator "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -58,13 +60,10 @@ def test_the_client_command_exits_at_once_on_an_ignored_flag():
         "to train on this machine alone.")
 
 
-COMMANDS = {  # each command's main, as pyproject's [project.scripts] names it
-    "matformer-train": "client.standalone", "matformer-client": "client.cli",
-    "matformer-server": "server.main", "matformer-eval": "scripts.evaluate",
-    "matformer-generate": "scripts.generate", "matformer-mdat": "scripts.mdat_cli",
-    "matformer-export-tiers": "scripts.export_matformer_tiers",
-    "local-testnet": "local_testnet.main",
-}
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+# each command's module, as pyproject's [project.scripts] names it: none can be left out
+COMMANDS = {name: target.partition(":")[0] for name, target in
+            tomllib.loads(PYPROJECT.read_text())["project"]["scripts"].items()}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -77,6 +76,21 @@ def test_every_command_says_its_version(command, capsys):
     assert exited.value.code == 0
     said = capsys.readouterr().out
     assert said.startswith(f"{command} {metadata.version('matformer')} (torch ")
+
+
+def test_one_command_runs_every_verb_under_its_own_name(tmp_path, capsys):
+    from scripts.matformer import VERBS, main, runner
+
+    assert all(callable(runner(verb)) for verb in VERBS)
+    with pytest.raises(SystemExit) as exited:
+        main(["eval", "--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: matformer eval")
+    assert main(["trian"]) == 2
+    assert "no verb 'trian'; did you mean 'train'?" in capsys.readouterr().err
+    done = subprocess.run(["matformer", "keys", "list", "--config", str(tmp_path / "no.toml")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("matformer keys: error:")
 
 
 def test_help_shows_the_defaults(capsys):
