@@ -19,6 +19,7 @@ import logging
 import shutil
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -193,8 +194,15 @@ def _compute(c: Coordinator, closing: Closing) -> dict[str, Tensor] | None:
     by_name = {name: clip_to_peers(results, clip) for name, results in closing.by_name.items()}
     votes = c.config.update.vote == "majority"
     rule, momentum = closing.update.build(), c.config.update.momentum_of()
-    master, steps, carried = close_round(rule, c.master, by_name, c.carried, votes=votes,
-                                         momentum=momentum)
+    with ThreadPoolExecutor(1, thread_name_prefix="inputs") as beside:
+        # a resume closes the round again from its inputs to rebuild what it carries
+        # (outer_state.py); written while the round is computed, logged with it
+        inputs = None if rule.broadcast is None and momentum is None else \
+            beside.submit(c.log.write_inputs, closing.round, by_name)
+        master, steps, carried = close_round(rule, c.master, by_name, c.carried, votes=votes,
+                                             momentum=momentum)
+        fields = None if inputs is None else {
+            "inputs": inputs.result(), "outer": close_settings(votes, momentum)}
     master = c.tied(master)
     closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
     if closing.broken:  # the limits on results make this unreachable; never serve it
@@ -205,10 +213,7 @@ def _compute(c: Coordinator, closing: Closing) -> dict[str, Tensor] | None:
         round=r, update=closing.update, steps=steps,
         hashes=c.tier_hashes(sorted(closing.tiers), master),
         coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()})
-    if rule.broadcast is None and momentum is None:  # nothing carried: the steps suffice
-        c.log.append(closing.logged)
-    else:  # a resume closes the round again to rebuild the carried state (outer_state.py)
-        c.log.append(closing.logged, inputs=by_name, outer=close_settings(votes, momentum))
+    c.log.append(closing.logged, fields)
     c.ledger.record(r, [i for a in closing.delivered.values() for i in a.sequence_ids])
     if closing.checkpoint:
         c.writer.wait()  # one write at a time; also before the last one

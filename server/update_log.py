@@ -53,17 +53,20 @@ class UpdateLog:
         return (stem.with_suffix(".safetensors"), stem.with_suffix(".json"),
                 stem.with_suffix(".inputs.safetensors"))
 
-    def append(self, entry: RoundUpdate,
-               inputs: Mapping[str, Sequence[SparseResult]] | None = None,
-               outer: Mapping[str, Any] | None = None) -> None:
-        """Log ``entry``; with ``inputs``, the results its close aggregated and ``outer``,
-        the settings of that close the entry does not hold (vote, momentum)."""
-        tensors_path, json_path, inputs_path = self._paths(entry.round)
-        inputs_meta = None
-        if inputs is not None:
-            tensors, inputs_meta = results_record(inputs)
-            with built_aside(inputs_path) as staging:
-                save_file(tensors, str(staging))
+    def write_inputs(self, round_index: int,
+                     inputs: Mapping[str, Sequence[SparseResult]]) -> dict[str, Any]:
+        """Write the results round ``round_index``'s close aggregates (whole or not at all),
+        before ``append`` logs the round; returns their fields, which ``append`` records. It
+        reads only the results, so it may run beside the close's computation."""
+        tensors, meta = results_record(inputs)
+        with built_aside(self._paths(round_index)[2]) as staging:
+            save_file(tensors, str(staging))
+        return meta
+
+    def append(self, entry: RoundUpdate, inputs: Mapping[str, Any] | None = None) -> None:
+        """Log ``entry``; ``inputs``: the fields ``write_inputs`` returned, and ``outer``,
+        the settings of the close the entry does not hold (vote, momentum)."""
+        tensors_path, json_path, _ = self._paths(entry.round)
         tensors, steps = {}, {}
         for name, step in entry.steps.items():
             steps[name] = {"shape": list(step.shape), "covered": step.covered, "box": step.box}
@@ -83,7 +86,7 @@ class UpdateLog:
             "weight_decay": update.weight_decay, "broadcast_topk": update.broadcast_topk,
             "chunk": update.chunk, "hashes": {str(t): h for t, h in entry.hashes.items()},
             "coverage_tokens": entry.coverage_tokens, "steps": steps,
-            **({} if inputs is None else {"inputs": inputs_meta, "outer": dict(outer or {})}),
+            **(inputs or {}),
         })
 
     def read(self, round_index: int) -> RoundUpdate:
