@@ -1,6 +1,6 @@
 """Quality at equal tokens on the embedded corpus: final held-out loss per tier.
 
-Five runs train the same model (``client.standalone.TINY``) from the same initial weights on
+The runs train the same model (``client.standalone.TINY``) from the same initial weights on
 the same sequences of the stdlib-docstrings MDAT:
 
   A  federated: a real coordinator and 3 ``FederatedClient``s at tiers 0, 1, 2; DeMo
@@ -13,20 +13,25 @@ the same sequences of the stdlib-docstrings MDAT:
      steps of ``--batch-tokens`` (D's batch) and send the DCT-compressed pseudo-gradient; the
      coordinator's outer step is SGD of ``--outer-lr`` with ``--outer-momentum`` (Nesterov).
      The same tokens in ``--local-rounds`` rounds
+  LB as L, all 3 clients at tier 0 (as B is to A); each trains tier 0 alone, as in every
+     federated run here (``FederatedOptions.also_train`` empty), where P sums tiers 0, 1, 2
   O  as L with overlapped rounds ([round] overlap): each round trains on the weights after
      the round before last, while that round closes; same sequences, same tokens
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
   P  as D in steps of 3 × ``--batch-tokens``: what data-parallel training by 3 workers at
-     L's inner batch computes, a third of D's steps. L replaces it, so L / P is the price of
-     local steps and compression over data parallelism; L / D adds the price of parallelism
+     L's inner batch computes, a third of D's steps. LB replaces it, so LB / P is the price
+     of local steps and compression over data parallelism (and of how L's inner steps
+     differ from P's: no gradient clipping, a constant lr after warmup); L / LB the price
+     of heterogeneous tiers (L's FFN tail, trained by its tier-0 client alone, sees a third
+     of the tokens, P's all of them); L / D adds the price of parallelism
 
 The coordinator hands out the run's order (``server.work.work_order``: the shuffle of seed
 ``data.seed`` without the sequences that carry no target) from its start,
 ``--tokens-per-round`` per round; D trains on exactly the sequences those rounds take, in the
-same order, in steps of ``--batch-tokens``. Held out: the last 5% of the same order (as in
-``client.standalone``); every sequence a client trained on is checked against it. Each run's
-initial and final universal checkpoints are evaluated at tiers 0, 1, 2; B's tiers 1 and 2
-are MatFormer slices of a model only ever trained at tier 0.
+same order, in steps of ``--batch-tokens``. Held out: the order's tail that no run trains on
+(``modeling.run_order``: the last 5%); every sequence a client trained on is checked against
+it. Each run's initial and final universal checkpoints are evaluated at tiers 0, 1, 2; B's
+and LB's tiers 1 and 2 are MatFormer slices of a model only ever trained at tier 0.
 
 Bytes are every message a client sent and received (``ClientSummary.bytes_up/bytes_down``,
 the join's checkpoint download included), per client and round. Against L stands what
@@ -40,8 +45,9 @@ peer_clip; 0: off, unset: the run's default).
     python bench/federated_quality.py
     python bench/federated_quality.py --runs A,B --rounds 15 --lr 0.01
     python bench/federated_quality.py --runs L,D,P --json quality.json
+    python bench/federated_quality.py --runs LB,L,P --seed 1
     python bench/federated_quality.py --runs L --attack-scale 1000
-    python bench/federated_quality.py --smoke     # A and D, one round on 60 docstrings
+    python bench/federated_quality.py --smoke     # A, LB, D, P: one round on 60 docstrings
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ from modeling.mdat import (
 )
 from modeling.naming import canonical_state_dict
 from modeling.optim import OptimizerConfig
+from modeling.run_order import RunOrder
 from modeling.training import TierSchedule, held_out_loss, train_step_on_examples
 from server.config import RunConfig
 from server.main import RunningServer
@@ -109,11 +116,13 @@ RUNS = {
     "L": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", local_steps=True),
     "O": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", local_steps=True,
                       overlap=True),
+    "LB": FederatedRun(tiers=(0, 0, 0), encoding="dct", value_dtype="bfloat16", local_steps=True),
 }
 DP_WORKERS = 3  # data-parallel reference: a ring all-reduce among this many workers
 STANDALONE = "D"
 DATA_PARALLEL = "P"  # standalone at the global batch of DP_WORKERS data-parallel workers
-SMOKE = dict(runs="A,D", rounds=1, local_rounds=1, tokens_per_round=2048, warmup_rounds=0,
+NAMES = ", ".join([*RUNS, STANDALONE, DATA_PARALLEL])  # what --runs takes
+SMOKE = dict(runs="A,LB,D,P", rounds=1, local_rounds=1, tokens_per_round=2048, warmup_rounds=0,
              documents=60)
 
 
@@ -148,7 +157,7 @@ class Outcome:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", default="A,B,C,D,E,L,P",
-                        help="any of A, B, C, D, E, L, P")
+                        help=f"comma-separated, any of {NAMES}")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--tokens-per-round", type=int, default=8192)
     parser.add_argument("--lr", type=float, default=0.02, help="sign rule's peak lr (A, B, C)")
@@ -212,7 +221,7 @@ def rounds_of(run: FederatedRun, args: argparse.Namespace) -> tuple[int, int]:
     return args.rounds, args.tokens_per_round
 
 
-def planned_rounds(order: np.ndarray, reader: SequenceReader, rounds: int, tokens: int
+def planned_rounds(order: RunOrder, reader: SequenceReader, rounds: int, tokens: int
                    ) -> list[list[int]]:
     """The sequence ids of each round, as the coordinator's queue takes them when no client
     drops out (each run checks it did)."""
@@ -394,23 +403,23 @@ def main() -> None:
     names = [n.strip().upper() for n in args.runs.split(",")]
     unknown = set(names) - {*RUNS, STANDALONE, DATA_PARALLEL}
     if unknown:
-        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from A, B, C, D, E, L, P")
+        raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from {NAMES}")
     data = data_path(args.documents)
     with Mdat.open(data) as mdat:
         # Every run's coordinator hands out the same order: A's config stands for them all.
         reader, order = work_order(mdat, run_config("A", RUNS["A"], data, args))
-        held_out = order[-max(1, len(order) // 20):]  # as client.standalone holds out
+        held_out = order.held_out  # the run's held-out tail (modeling.run_order)
         planned = planned_rounds(order, reader, args.rounds, args.tokens_per_round)
         local = planned_rounds(order, reader, *rounds_of(RUNS["L"], args))
-        if max(sum(map(len, planned)), sum(map(len, local))) > len(order) - len(held_out):
+        if max(sum(map(len, planned)), sum(map(len, local))) > len(order.training):
             raise SystemExit(f"{args.rounds} rounds of {args.tokens_per_round} tokens reach "
-                             "the held-out tail of the order; lower --rounds or "
+                             "past the first epoch of the order; lower --rounds or "
                              "--tokens-per-round, or raise --documents.")
         eval_examples = [torch.from_numpy(reader[int(i)].astype(np.int64)) for i in held_out]
     held = HeldOut(eval_examples)
     used = sum(map(len, planned))
     print(f"torch {torch.__version__} | cpu, {torch.get_num_threads()} threads | {data}: "
-          f"{len(order):,} sequences of <= {args.seq_len} tokens | TINY model | "
+          f"{order.candidates:,} sequences of <= {args.seq_len} tokens | TINY model | "
           f"{args.rounds} rounds x {args.tokens_per_round:,} tokens: first {used:,} sequences "
           f"of the order (seed {args.seed}); held out: last {len(held_out):,} "
           f"({sum(len(e) for e in eval_examples):,} tokens) | sign lr {args.lr}, warmup "
@@ -453,7 +462,8 @@ def main() -> None:
     for note in notes:
         print(note)
     for first, other in [("A", "B"), ("A", "C"), ("A", STANDALONE), ("A", "E"),
-                         ("L", STANDALONE), ("L", DATA_PARALLEL), ("L", "A"), ("O", "L")]:
+                         ("L", STANDALONE), ("L", DATA_PARALLEL), ("LB", DATA_PARALLEL),
+                         ("L", "LB"), ("L", "A"), ("O", "L")]:
         if first in outcomes and other in outcomes:
             ratios = ", ".join(
                 f"tier {t} {outcomes[first].final[t] / outcomes[other].final[t]:.3f}"
