@@ -197,8 +197,8 @@ def _compute(c: Coordinator, closing: Closing) -> dict[str, Tensor] | None:
     with ThreadPoolExecutor(1, thread_name_prefix="inputs") as beside:
         # a resume closes the round again from its inputs to rebuild what it carries
         # (outer_state.py); written while the round is computed, logged with it
-        inputs = None if rule.broadcast is None and momentum is None else \
-            beside.submit(c.log.write_inputs, closing.round, by_name)
+        inputs = beside.submit(c.log.write_inputs, closing.round, by_name) \
+            if c.config.update.carries_state(c.config.compression) else None
         master, steps, carried = close_round(rule, c.master, by_name, c.carried, votes=votes,
                                              momentum=momentum)
         fields = None if inputs is None else {

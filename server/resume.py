@@ -166,7 +166,7 @@ def _replayed(c: Coordinator) -> tuple[dict[str, Tensor], Carried]:
         raise ResumeError(f"replaying {c.dir / 'updates'} onto checkpoint round-{base} "
                           "does not reproduce the logged weight hashes; the log or the "
                           "checkpoint was altered. Restore them, or start a new run.")
-    if lost and (c.config.update.momentum or c.config.update.broadcast(c.config.compression)):
+    if lost and c.config.update.carries_state(c.config.compression):
         log.warning("%s (written by an earlier version): the outer momentum and the "
                     "broadcast's residual start again from zero, so the run goes on along "
                     "another path than it would have without the restart", lost)

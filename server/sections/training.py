@@ -122,6 +122,11 @@ class UpdateSection:
             return self.broadcast_topk
         return 0 if compression.encoding == "dense" else DEFAULT_BROADCAST_TOPK
 
+    def carries_state(self, compression: CompressionConfig) -> bool:
+        """Whether the outer step carries state from round to round (the broadcast's
+        residual, the momentum buffer), which a resume rebuilds (server/outer_state.py)."""
+        return bool(self.momentum) or bool(self.broadcast(compression))
+
     def momentum_of(self) -> Momentum | None:
         """The outer step's momentum, None without one."""
         return Momentum(self.momentum, self.nesterov) if self.momentum else None
