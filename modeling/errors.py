@@ -29,6 +29,36 @@ class ConfigError(MatformerError, ValueError):
     """A model or layer config is malformed (unknown key, impossible shape, bad value)."""
 
 
+class SettingsError(ConfigError):
+    """A settings file (run.toml, train.toml, a strategy) or its flags cannot be used as
+    written; `modeling.settings` raises the kinds below."""
+
+
+class InvalidToml(SettingsError):
+    """The file is not TOML at all."""
+
+
+class UnknownKey(SettingsError):
+    """A section or key the file does not have; the message lists the valid ones."""
+
+
+class MissingKey(SettingsError):
+    """A required key (or one of a set of alternatives) is absent."""
+
+
+class ConflictingKeys(SettingsError):
+    """Keys that exclude each other were given together."""
+
+
+class WrongType(SettingsError):
+    """A value of the wrong TOML type (a string where a number belongs, ...)."""
+
+
+class InvalidValue(SettingsError):
+    """A value of the right type that makes no sense (a negative port, a number out of its
+    range, a tier the model does not have, ...)."""
+
+
 class DeviceUnavailable(ConfigError):
     """A device was asked for that this machine does not have (or that is no device)."""
 

@@ -32,6 +32,7 @@ from typing import Any, get_type_hints
 from modeling.compression import ENCODERS, Broadcast, CompressionConfig, universal_shapes
 from modeling.errors import CompressionConfigError, TierError
 from modeling.matformer import tier_width
+from modeling.settings import read_table, reject_unknown, table_of
 from server.errors import InvalidToml, InvalidValue, MissingFile
 from server.sections import (
     OUTER_DEFAULTS,
@@ -50,7 +51,6 @@ from server.sections import (
     UpdateSection,
     check_compression,
 )
-from server.tables import read_table, reject_unknown, table_of
 
 RENAMED_ENCODINGS = {"none": "dense", "demo": "dct"}  # names run.toml once took → today's
 

@@ -4,40 +4,18 @@ from __future__ import annotations
 
 import grpc
 
+from modeling.errors import ConflictingKeys as ConflictingKeys  # run.toml's errors are
+from modeling.errors import InvalidToml as InvalidToml  # those of every settings file
+from modeling.errors import InvalidValue as InvalidValue
 from modeling.errors import MatformerError
+from modeling.errors import MissingKey as MissingKey
+from modeling.errors import SettingsError as ServerConfigError
+from modeling.errors import UnknownKey as UnknownKey
+from modeling.errors import WrongType as WrongType
 
 
 class ServerError(MatformerError):
     """Base class of every error the server raises on purpose."""
-
-
-class ServerConfigError(ServerError, ValueError):
-    """run.toml (or a RunConfig built in code) cannot be used as written."""
-
-
-class InvalidToml(ServerConfigError):
-    """The file is not TOML at all."""
-
-
-class UnknownKey(ServerConfigError):
-    """A section or key that run.toml does not have; the message lists the valid ones."""
-
-
-class MissingKey(ServerConfigError):
-    """A required key (or one of a set of alternatives) is absent."""
-
-
-class ConflictingKeys(ServerConfigError):
-    """Keys that exclude each other were given together."""
-
-
-class WrongType(ServerConfigError):
-    """A value of the wrong TOML type (a string where a number belongs, ...)."""
-
-
-class InvalidValue(ServerConfigError):
-    """A value of the right type that makes no sense (a negative port, fractions not summing
-    to 1, a tier the model does not have, ...)."""
 
 
 class MissingSecret(ServerConfigError):

@@ -16,6 +16,7 @@ from helpers import checked_tables
 from modeling.checkpoint.hf_config import is_llama_shaped
 from modeling.compression import CompressionConfig
 from modeling.config import ModelConfig
+from modeling.settings import table_of
 from server.config import RunConfig
 from server.errors import (
     ConflictingKeys,
@@ -39,7 +40,6 @@ from server.sections import (
     TlsSection,
     UpdateSection,
 )
-from server.tables import table_of
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "run.toml"

@@ -1,6 +1,6 @@
 """The checks every run.toml section runs on its own values, and the bound several share.
 
-Each section's ranges beyond "positive" sit beside it (server.tables bounds every number
+Each section's ranges beyond "positive" sit beside it (modeling.settings bounds every number
 further: floats finite, integers 64-bit); each keeps out a value that would crash or wreck
 the run.
 """

@@ -21,9 +21,9 @@ from modeling.compression import universal_shapes
 from modeling.config import ModelConfig
 from modeling.errors import MatformerError
 from modeling.mdat import DEFAULT_STRATEGY
+from modeling.settings import INT64, FolderOrRepo, reject_unknown
 from server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey
 from server.sections.checks import require, within
-from server.tables import INT64, FolderOrRepo, reject_unknown
 from server.tiers import TierPolicy
 
 MAX_DIMENSION = 2**24  # vocab_size, hidden_size, intermediate_size, max_position_embeddings
