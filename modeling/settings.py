@@ -65,15 +65,16 @@ def setting(default: Any = _MISSING, *, help: str = "", low: float | None = None
             secret: bool = False, flag: str | None = None) -> Any:
     """A key of a section: ``default`` (absent: required; a list or dict is copied per
     instance), the range ``low <= value <= high`` (``low < value`` when ``above``; None: open),
-    ``choices`` (or a function giving them, for registries filled later), ``help`` for the
-    schema and ``--help``, and ``flag``: the option that sets it (None: ``--key-name``; "":
-    none)."""
+    ``choices`` (or a function giving them, for registries filled later; a mapping of each to
+    what it means, as strings, has an invalid value's error explain them), ``help`` for the
+    schema and ``--help``, ``secret`` (never shown, in errors or the repr) and ``flag``: the
+    option that sets it (None: ``--key-name``; "": none)."""
     metadata = {"help": help, "low": low, "high": high, "above": above, "unit": unit,
                 "choices": choices, "secret": secret, "flag": flag}
     if isinstance(default, list | dict):
         return dataclasses.field(default_factory=lambda: type(default)(default),
-                                 metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+                                 repr=not secret, metadata=metadata)
+    return dataclasses.field(default=default, repr=not secret, metadata=metadata)
 
 
 def reject_unknown(where: str, given: Iterable[str], valid: list[str]) -> None:
@@ -130,7 +131,8 @@ def _check(where: str, value: Any, metadata: Mapping[str, Any]) -> None:
     choices = choices_of(metadata)
     if choices is not None and value not in choices:
         raise InvalidValue(f"{where} {value!r} is not one of {', '.join(map(str, choices))}; "
-                           f"{did_you_mean(str(value), map(str, choices))}choose one.")
+                           f"{did_you_mean(str(value), map(str, choices))}choose one"
+                           f"{_meanings(metadata['choices'])}.")
     low, high, above = metadata.get("low"), metadata.get("high"), metadata.get("above")
     if low is None and high is None:
         return
@@ -146,6 +148,14 @@ def _check(where: str, value: Any, metadata: Mapping[str, Any]) -> None:
         bound = f"lie in {'(' if above else '['}{low}, {high}]"
     got = "another value" if metadata.get("secret") else value
     raise InvalidValue(f"{where} must {bound}{metadata.get('unit', '')}, got {got}.")
+
+
+def _meanings(choices: Any) -> str:
+    """`` (a: what a means; b: ...)`` for choices declared as a mapping of each to its
+    meaning; "" for others (a registry maps names to objects)."""
+    if isinstance(choices, Mapping) and all(isinstance(m, str) for m in choices.values()):
+        return f" ({'; '.join(f'{c}: {m}' for c, m in choices.items())})"
+    return ""
 
 
 def _plain(value: Any) -> Any:
@@ -336,11 +346,13 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
 def given_flags(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The keys of ``cls`` the command line gave, as a table ``read_table`` reads (relative
     paths made absolute: a flag's path is relative to the working directory)."""
-    given = {}
+    given, hints = {}, get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.init and flag_of(f) is not None and getattr(args, f.name, None) is not None:
-            value = getattr(args, f.name)
-            given[f.name] = str(Path(value).resolve()) if isinstance(value, Path) else value
+            value, hint = getattr(args, f.name), _optional_inner(hints[f.name])
+            if hint in (Path, FolderOrRepo):  # a folder here, or (FolderOrRepo) a hub id
+                value = str(_coerce(flag_of(f), value, hint, Path.cwd(), False))
+            given[f.name] = value
     return given
 
 

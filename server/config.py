@@ -8,6 +8,7 @@
     config.auth.token()                         # the join token (never in repr/str)
     config.auth.operator()                      # the operator token (HTTP writes), or None
     RunConfig.from_dict(config.to_dict()) == config
+    run_schema()                                # run.toml's JSON schema, from the same keys
 
 Relative paths resolve against the TOML file's folder. ``examples/run.toml`` shows every key
 with its default. Compression encodings take modeling's names (``dense | topk | dct``); the
@@ -32,12 +33,13 @@ from typing import Any, get_type_hints
 from modeling.compression import ENCODERS, Broadcast, CompressionConfig, universal_shapes
 from modeling.errors import CompressionConfigError, TierError
 from modeling.matformer import tier_width
-from modeling.settings import read_table, reject_unknown, table_of
+from modeling.settings import json_schema, read_table, reject_unknown, table_of
 from server.errors import InvalidToml, InvalidValue, MissingFile
 from server.sections import (
     OUTER_DEFAULTS,
     AuthSection,
     CheckpointSection,
+    CompressionSection,
     DataSection,
     FaultsSection,
     InnerSection,
@@ -49,7 +51,6 @@ from server.sections import (
     TlsSection,
     TrackingSection,
     UpdateSection,
-    check_compression,
 )
 
 RENAMED_ENCODINGS = {"none": "dense", "demo": "dct"}  # names run.toml once took → today's
@@ -78,7 +79,7 @@ class RunConfig:
     def validate(self) -> None:
         """Checks across sections (each section has checked itself already), and modeling's
         [compression] against what a run needs."""
-        check_compression(self.compression)
+        read_table(CompressionSection, table_of(self.compression), "compression", Path())
         model = self.model.build()
         for tier in self.tiers.allowed:
             try:
@@ -161,6 +162,22 @@ def _refuse_renamed_encoding(encoding: Any) -> None:
             f"{encoding!r} is now called {RENAMED_ENCODINGS[encoding]!r}: write "
             f'encoding = "{RENAMED_ENCODINGS[encoding]}".'
         )
+
+
+def run_schema() -> dict[str, Any]:
+    """The JSON schema (draft 2020-12) of run.toml, from the declarations RunConfig reads with:
+    [compression] as ``CompressionSection`` declares it, and ``auth`` also as a mode alone
+    (``auth = "none"``). Checks across keys and sections are RunConfig's alone."""
+    sections = {**get_type_hints(RunConfig), "compression": CompressionSection}
+    required = [f.name for f in dataclasses.fields(RunConfig)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    schema = json_schema(sections, title="run.toml", required=required, description=(
+        "One federated Matformer run, for `matformer-server --config run.toml`; "
+        "examples/run.toml shows every key with its default."))
+    auth = schema["properties"]["auth"]
+    mode = {**auth["properties"]["mode"], "description": "short for [auth] mode = this"}
+    schema["properties"]["auth"] = {"anyOf": [mode, auth]}
+    return schema
 
 
 def read_toml(path: Path) -> dict[str, Any]:

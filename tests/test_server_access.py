@@ -237,8 +237,9 @@ def test_operator_token_from_the_environment(monkeypatch):
 
 
 @pytest.mark.parametrize(("auth", "error", "pattern"), [
-    ({"mode": "nnone"}, InvalidValue, r"\[auth\] mode 'nnone' is unknown; choose \"token\""),
-    ("open", InvalidValue, r"\[auth\] mode 'open' is unknown"),
+    ({"mode": "nnone"}, InvalidValue, r"\[auth\] mode 'nnone' is not one of token, keys, none; "
+     r"did you mean 'none'\? choose one \(token: clients present the join token; keys: "),
+    ("open", InvalidValue, r"\[auth\] mode 'open' is not one of token, keys, none"),
     ({"mode": "none", "join_token": "t"}, ConflictingKeys,
      r'mode = "none" admits clients without the join token, but join_token is given; '
      r'remove it'),

@@ -150,11 +150,11 @@ def test_wrong_types(data, pattern):
 
 
 @pytest.mark.parametrize(("data", "pattern"), [
-    (with_keys("server", grpc_port=-1), r"grpc_port must lie in 1\.\.65535, got -1"),
+    (with_keys("server", grpc_port=-1), r"\[server\] grpc_port must lie in \[1, 65535\], got -1\."),
     (with_keys("server", http_port=7070), r"both 7070; give each its own port"),
     (with_keys("round", deadline_s=0), r"deadline_s must lie in \[1\.0, 2592000\.0\] seconds"),
     (with_keys("round", min_clients=0), r"min_clients must be >= 1"),
-    (with_keys("data", max_seq_len=0), r"max_seq_len must be a positive integer, got 0"),
+    (with_keys("data", max_seq_len=0), r"\[data\] max_seq_len must be >= 1, got 0\."),
     (with_keys("data", max_seq_len=512), r"exceeds the model's max_position_embeddings 256"),
     (with_keys("round", tokens_per_round=100), r"less than one sequence"),
     (with_keys("tiers", mix={"0": 0.5, "1": 0.4}), r"shares sum to 0\.9; make them sum to 1"),
@@ -163,16 +163,17 @@ def test_wrong_types(data, pattern):
     (with_keys("tiers", allowed=[0, 9]), r"allowed tier 9: .*not a whole number"),
     (with_keys("tiers", allowed=[]), r"allowed is empty"),
     (with_keys("run", id="my run"), r"rename it"),
-    (with_keys("update", rule="adam"), r"choose one of sgd, sign"),
-    (with_keys("update", schedule="step"), r"choose one of cosine, linear, constant"),
-    (with_keys("update", vote="median"), r"\[update\] vote 'median' is unknown; choose one of "
-                                         r"mean, majority"),
+    (with_keys("update", rule="adam"), r"\[update\] rule 'adam' is not one of sgd, sign"),
+    (with_keys("update", schedule="step"),
+     r"\[update\] schedule 'step' is not one of cosine, linear, constant; choose one\."),
+    (with_keys("update", vote="median"), r"\[update\] vote 'median' is not one of mean, "
+                                         r"majority; did you mean 'mean'\? choose one\."),
     (with_keys("update", rule="sgd", vote="majority"), r'vote = "majority" counts signs, so it '
                                                         r'needs rule = "sign", not \'sgd\''),
     (with_keys("update", final_lr=1.0), r"final_lr must lie in \[0, lr=0\.001\]"),
     (with_keys("update", warmup_rounds=11), r"warmup_rounds 11 exceeds the 10 rounds"),
     (with_keys("inner", batch_tokens=1024, schedule="step"),
-     r"\[inner\] schedule 'step' is unknown; choose one of cosine, linear, constant"),
+     r"\[inner\] schedule 'step' is not one of cosine, linear, constant; choose one\."),
     (with_keys("inner", batch_tokens=1024, final_lr=0.01),
      r"\[inner\] final_lr must lie in \[0, lr=0\.001\], got 0\.01"),
     (with_keys("compression", encoding="zip"), r"\[compression\] .*zip"),

@@ -5,14 +5,14 @@ what a resume or a loading client needs is never removed."""
 from __future__ import annotations
 
 import pytest
-from helpers import Clock, run_config
+from helpers import Clock, checked_tables, run_config
 from rounds import caps, drive, same
 
 import server.coordinator as coordinator_module
 from server.checkpoints import CheckpointStore
+from server.config import RunConfig
 from server.coordinator import Coordinator
 from server.errors import InvalidValue
-from server.sections import CheckpointSection
 
 
 def folders(c: Coordinator) -> list[str]:
@@ -83,4 +83,4 @@ def test_a_failed_save_while_retiring_keeps_every_checkpoint(tmp_path, mdat_path
 
 def test_keep_last_below_two_is_refused():
     with pytest.raises(InvalidValue, match=r"\[checkpoint\] keep_last must lie in \[2, "):
-        CheckpointSection(keep_last=1)
+        RunConfig.from_dict(checked_tables(checkpoint={"keep_last": 1}))

@@ -1,15 +1,18 @@
-"""The sections of run.toml, one typed dataclass each (``[compression]`` is modeling's own
-``CompressionConfig``), in modules by what they configure:
+"""The sections of run.toml, one typed dataclass each, whose keys are declared with
+``modeling.settings.setting`` (default, range or choices, help), in modules by what they
+configure:
 
     run.py       [run], [checkpoint], [tracking]: the run's name and what it keeps
     model.py     [model], [data], [tiers]: what is trained, on what, in which slices
-    training.py  [round], [update], [inner], and what a run needs of [compression]
+    training.py  [round], [update], [inner], [compression]: rounds, steps, encodings
     access.py    [server], [auth], [tls]: where the servers listen and who may use them
     faults.py    [faults]: members that fail or misbehave, and what their calls may hold
-    checks.py    the range checks they share
+    checks.py    what checks by hand share: a range computed from other keys
 
-Each checks its own values when built; checks that need two sections (tiers against the
-model, ...) live in ``server.config.RunConfig.validate``.
+Reading a table checks each key against its declaration; a section's ``__post_init__``
+checks what involves two keys, and ``server.config.RunConfig.validate`` what involves two
+sections (tiers against the model, ...). The run holds modeling's own ``CompressionConfig``;
+``CompressionSection`` declares its keys as run.toml reads them, with the bounds a run needs.
 
 See ``examples/run.toml`` for every key, its default and what it does.
 """
@@ -20,16 +23,17 @@ from server.sections.model import DataSection, ModelSection, TiersSection
 from server.sections.run import CheckpointSection, RunSection, TrackingSection
 from server.sections.training import (
     OUTER_DEFAULTS,
+    CompressionSection,
     InnerSection,
     RoundSection,
     UpdateSection,
-    check_compression,
 )
 
 __all__ = [
     "OUTER_DEFAULTS",
     "AuthSection",
     "CheckpointSection",
+    "CompressionSection",
     "DataSection",
     "FaultsSection",
     "InnerSection",
@@ -41,5 +45,4 @@ __all__ = [
     "TlsSection",
     "TrackingSection",
     "UpdateSection",
-    "check_compression",
 ]

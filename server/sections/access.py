@@ -4,29 +4,35 @@ the run, and the certificate both servers present."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from modeling.settings import setting
 from server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey, MissingSecret
 from server.sections.checks import require
 
-AUTH_MODES = ("token", "keys", "none")
+# What each [auth] mode asks of a joining client (an unknown mode's error lists them)
+AUTH_MODES = {
+    "token": "clients present the join token",
+    "keys": "clients present keys issued with `matformer-server keys add NAME`",
+    "none": "no join token, and the server listens on loopback only",
+}
 
 
 @dataclass(kw_only=True, slots=True)
 class ServerSection:
-    host: str = "127.0.0.1"  # address both servers bind; "0.0.0.0" to accept other machines
-    grpc_port: int = 7070  # coordinator service (clients)
-    http_port: int = 7071  # status, dashboard, metrics, checkpoint files
-    # once the run is finished: false exits once the members have left (server/run_end.py),
-    # true keeps the dashboard and the checkpoint files served until Ctrl-C
-    stay_after_finish: bool = False
+    host: str = setting("127.0.0.1", help=(
+        "address both servers bind; \"0.0.0.0\" accepts clients from other machines"))
+    grpc_port: int = setting(7070, low=1, high=65535, help="the coordinator service (clients)")
+    http_port: int = setting(7071, low=1, high=65535, help=(
+        "status, dashboard, metrics and checkpoint files"))
+    # false exits once the members have left (server/run_end.py)
+    stay_after_finish: bool = setting(False, help=(
+        "once the run is finished, keep the dashboard and checkpoint files served until "
+        "Ctrl-C"))
 
     def __post_init__(self) -> None:
         require(bool(self.host), "[server] host is empty; give an address such as 127.0.0.1.")
-        for key in ("grpc_port", "http_port"):
-            port = getattr(self, key)
-            require(1 <= port <= 65535, f"[server] {key} must lie in 1..65535, got {port}.")
         require(self.grpc_port != self.http_port,
                 f"[server] grpc_port and http_port are both {self.grpc_port}; give each its own "
                 "port.")
@@ -40,21 +46,20 @@ class AuthSection:
     name. ``mode = "none"`` admits any client without a join token, and the server then
     listens on loopback only, whatever [server] host says."""
 
-    # token: Join needs the join token | keys: a client key | none: nothing, loopback only
-    mode: str = "token"
-    join_token: str | None = field(default=None, repr=False, metadata={"secret": True})
-    join_token_env: str | None = None  # name of the environment variable holding the token
-    # The operator token unlocks the HTTP side's writes (POST ...); without one it is read-only.
-    operator_token: str | None = field(default=None, repr=False, metadata={"secret": True})
-    operator_token_env: str | None = None
-    keys_file: Path | None = None  # mode = "keys": the client keys; None: keys.json in [run] dir
+    mode: str = setting("token", choices=AUTH_MODES, help="who may join; " + "; ".join(
+        f"{mode}: {meaning}" for mode, meaning in AUTH_MODES.items()))
+    join_token: str | None = setting(None, secret=True, help=(
+        "the join token itself (then keep this file private)"))
+    join_token_env: str | None = setting(None, help=(
+        "name of the environment variable holding the join token"))
+    operator_token: str | None = setting(None, secret=True, help=(
+        "the token HTTP writes (POST /api/...) need; unset: HTTP is read-only"))
+    operator_token_env: str | None = setting(None, help=(
+        "name of the environment variable holding the operator token"))
+    keys_file: Path | None = setting(None, help=(  # noqa: RUF009
+        "mode = \"keys\": the client keys; unset: keys.json in [run] dir"))
 
     def __post_init__(self) -> None:
-        require(self.mode in AUTH_MODES,
-                f"[auth] mode {self.mode!r} is unknown; choose \"token\" (clients present the "
-                "join token), \"keys\" (clients present keys issued with `matformer-server "
-                "keys add NAME`) or \"none\" (no join token; the server listens on loopback "
-                "only).")
         for key in ("join_token", "operator_token"):
             if getattr(self, key) is not None and getattr(self, f"{key}_env") is not None:
                 raise ConflictingKeys(f"[auth] gives both {key} and {key}_env; keep one.")
@@ -104,8 +109,8 @@ class TlsSection:
     """TLS for the gRPC and HTTP servers (one certificate for both): both files or neither
     (then plaintext, for loopback runs)."""
 
-    cert: Path | None = None  # PEM certificate chain
-    key: Path | None = None  # PEM private key
+    cert: Path | None = setting(None, help="PEM certificate chain")  # noqa: RUF009
+    key: Path | None = setting(None, help="PEM private key")  # noqa: RUF009
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):

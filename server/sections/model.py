@@ -8,7 +8,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from modeling.compression import universal_shapes
 from modeling.config import ModelConfig
 from modeling.errors import MatformerError
 from modeling.mdat import DEFAULT_STRATEGY
-from modeling.settings import INT64, FolderOrRepo, reject_unknown
+from modeling.settings import INT64, FolderOrRepo, reject_unknown, setting
 from server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey
 from server.sections.checks import require, within
 from server.tiers import TierPolicy
@@ -37,14 +37,16 @@ _MIX_TOLERANCE = 1e-6
 class ModelSection:
     """Where the model comes from: exactly one of the three keys."""
 
-    inline: dict[str, Any] | None = None  # ModelConfig fields, as in config.json
-    config_path: Path | None = None  # a config.json (Matformer's or a Hugging Face Llama one)
-    # a universal checkpoint (ours, or a Hugging Face Llama: a folder, or a hub id whose files
-    # the hub cache holds or can download): its weights start the run
-    checkpoint: FolderOrRepo | None = None
-    # run the module files the checkpoint carries (read them first); without it the model
-    # must be built of registered components. Clients decide for themselves.
-    trust_remote_code: bool = False
+    inline: dict[str, Any] | None = setting(None, help=(  # noqa: RUF009
+        "ModelConfig fields, as in config.json (modeling/config.py)"))
+    config_path: Path | None = setting(None, help=(  # noqa: RUF009
+        "a config.json (Matformer's or a Hugging Face Llama one); random init"))
+    checkpoint: FolderOrRepo | None = setting(None, help=(  # noqa: RUF009
+        "a universal checkpoint whose weights start the run: ours or a Hugging Face Llama, "
+        "as a folder or a hub id the hub cache holds or can download"))
+    trust_remote_code: bool = setting(False, help=(  # clients decide for themselves
+        "run the module files the checkpoint carries (read them first); off: its model must "
+        "be built of registered components"))
 
     def __post_init__(self) -> None:
         given = [k for k in ("inline", "config_path", "checkpoint") if getattr(self, k) is not None]
@@ -139,23 +141,23 @@ def _model(where: str, make: Callable[[], ModelConfig]) -> ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataSection:
-    path: Path  # the MDAT container
-    strategy: str = DEFAULT_STRATEGY["strategy_name"]  # its pretokenization strategy
-    view: str | None = None  # a view of the container; None: all of it
-    max_seq_len: int = 256  # tokens per sequence (a multiple of the strategy's chunk size)
-    seed: int = 0  # seed of the shuffle that orders sequences over rounds
-
-    def __post_init__(self) -> None:
-        require(self.max_seq_len >= 1,
-                f"[data] max_seq_len must be a positive integer, got {self.max_seq_len}.")
-        within("[data] seed", self.seed, 0, INT64[1])  # numpy's shuffle needs seed >= 0
+    path: Path = setting(help="the MDAT container")  # noqa: RUF009
+    strategy: str = setting(DEFAULT_STRATEGY["strategy_name"],
+                            help="the container's pretokenization strategy")
+    view: str | None = setting(None, help="a view of the container; unset: all of it")
+    max_seq_len: int = setting(256, low=1, help=(
+        "tokens per sequence, a multiple of the strategy's chunk size"))
+    seed: int = setting(0, low=0, high=INT64[1], help=(  # numpy's shuffle needs seed >= 0
+        "seed of the shuffle that orders sequences over rounds"))
 
 
 @dataclass(kw_only=True, slots=True)
 class TiersSection:
-    allowed: list[int] = field(default_factory=lambda: [0, 1, 2])  # tiers clients may get
-    pins: dict[str, int] = field(default_factory=dict)  # client name → tier, always
-    mix: dict[int, float] = field(default_factory=dict)  # tier → target share of members
+    allowed: list[int] = setting([0, 1, 2], help=(  # noqa: RUF009
+        f"tiers clients may be given, 0..{MAX_TIER}; each must halve the FFN evenly"))
+    pins: dict[str, int] = setting({}, help="client name → tier, always")  # noqa: RUF009
+    mix: dict[int, float] = setting({}, help=(  # noqa: RUF009
+        "tier → target share of members, summing to 1; empty: none"))
 
     def __post_init__(self) -> None:
         require(bool(self.allowed), "[tiers] allowed is empty; list at least one tier.")

@@ -1,16 +1,29 @@
-"""[round], [update] and [inner], and what a run needs of [compression]: when rounds open
-and close, how members train their share and how the results become each round's step."""
+"""[round], [update], [inner] and [compression]: when rounds open and close, how members
+train their share and encode their results, and how the results become each round's step."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from modeling.compression import UPDATE_RULES, CompressionConfig, UpdateConfig
+from modeling.compression import (
+    ENCODERS,
+    UPDATE_RULES,
+    VALUE_DTYPES,
+    CompressionConfig,
+    UpdateConfig,
+)
 from modeling.errors import MatformerError
-from modeling.optim import SCHEDULES, OptimizerConfig, constant_after_warmup, lr_factor
+from modeling.optim import (
+    OPTIMIZER_NAMES,
+    SCHEDULES,
+    OptimizerConfig,
+    constant_after_warmup,
+    lr_factor,
+)
+from modeling.settings import setting
 from server.errors import InvalidValue, MissingKey
-from server.sections.checks import MAX_SECONDS, require, within
+from server.sections.checks import MAX_SECONDS, SECONDS, require, within
 from server.update_steps import Momentum
 
 MIN_DEADLINE_S = 1.0  # no round is ever trained and submitted in less
@@ -27,28 +40,22 @@ class RoundSection:
     """When rounds start and end, and when the run stops: after ``rounds`` rounds or ``tokens``
     tokens, whichever comes first (at least one of the two)."""
 
-    min_clients: int = 1  # members ready to train (their speed measured) before a round opens
-    deadline_s: float = 60.0  # a client that has not submitted by then is dropped from the round
-    tokens_per_round: int = 8192  # the round's token budget, shared by speed among clients
-    rounds: int | None = None
-    tokens: int | None = None
-    # hand out round r+1's work before round r closes: members train it on the weights they
-    # hold and apply round r's update when it arrives (a one-round-delayed update)
-    overlap: bool = False
+    min_clients: int = setting(1, low=1, help=(
+        "members ready to train (their speed measured) before a round opens"))
+    deadline_s: float = setting(60.0, low=MIN_DEADLINE_S, high=MAX_SECONDS, unit=SECONDS,
+                                help="a client that has not submitted by then leaves the round")
+    tokens_per_round: int = setting(8192, low=1, help=(
+        "the round's token budget, shared among clients by their measured speed"))
+    rounds: int | None = setting(None, low=1, help="stop after this many rounds ...")
+    tokens: int | None = setting(None, low=1, help="... or this many tokens, whichever first")
+    # Members train round r+1 on the weights they hold and apply round r's update when it
+    # arrives: a one-round-delayed update.
+    overlap: bool = setting(False, help="hand out round r+1's work before round r closes")
 
     def __post_init__(self) -> None:
-        require(self.min_clients >= 1,
-                f"[round] min_clients must be >= 1, got {self.min_clients}.")
-        within("[round] deadline_s", self.deadline_s, MIN_DEADLINE_S, MAX_SECONDS,
-               unit=" seconds")
-        require(self.tokens_per_round >= 1,
-                f"[round] tokens_per_round must be >= 1, got {self.tokens_per_round}.")
         if self.rounds is None and self.tokens is None:
             raise MissingKey("[round] needs a stop: rounds, tokens, or both (whichever comes "
                              "first).")
-        for key in ("rounds", "tokens"):
-            value = getattr(self, key)
-            require(value is None or value >= 1, f"[round] {key} must be >= 1, got {value}.")
 
     @property
     def planned_rounds(self) -> int:
@@ -62,59 +69,48 @@ class RoundSection:
 class UpdateSection:
     """How the coordinator and every client apply the aggregate (docs/architecture.md, "The
     update record"), with a per-round learning-rate schedule (modeling.optim.lr_factor,
-    counted in rounds)."""
+    counted in rounds). With [inner] local steps and no rule given, the keys left out take
+    DiLoCo's outer optimizer: sgd, lr 0.7 (constant), momentum 0.9, nesterov."""
 
-    rule: str = "sign"  # sign (DeMo) | sgd
-    lr: float = 1e-3  # peak learning rate, reached at the end of warmup
-    weight_decay: float = 0.0  # decoupled, on covered elements
-    # rule = "sgd": momentum of the step, torch.optim.SGD's (buf ← μ·buf + aggregate), kept
-    # by the coordinator; nesterov: step along aggregate + μ·buf. With [inner] local steps
-    # and no [update] rule given, DiLoCo's outer optimizer: sgd, lr 0.7 (constant), momentum
-    # 0.9, nesterov.
-    momentum: float = 0.0
-    nesterov: bool = False
-    warmup_rounds: int = 0  # linear warmup from lr / warmup_rounds to lr
-    schedule: str = "cosine"  # cosine | linear | constant, after warmup
-    final_lr: float = 0.0  # learning rate at the last planned round (cosine, linear)
-    # mean: results weighted by their tokens | majority (rule = "sign"): one sign vote per
-    # result, so no member outweighs another whatever its share or magnitude
-    vote: str = "mean"
-    # What clients download: the top broadcast_topk DCT coefficients per [compression] chunk
-    # of the aggregate, as int8 levels that every replica decodes to the same bits, with the
-    # rest carried to the next round (0: the exact aggregate, 1 byte per element or 4 under
-    # sgd). Default: 48 when clients send top-k or DCT results, 0 for dense ones.
-    broadcast_topk: int | None = None
+    rule: str = setting("sign", choices=UPDATE_RULES, help=(
+        "sign (DeMo: w ← w − lr·sign(agg)) | sgd (w ← w − lr·agg)"))
+    lr: float = setting(1e-3, low=0, above=True, high=MAX_LR, help=(
+        "peak learning rate, reached at the end of warmup"))
+    weight_decay: float = setting(0.0, low=0, help=(
+        "decoupled, w ← w·(1 − lr·wd) on covered elements; at most 1 / lr"))
+    momentum: float = setting(0.0, low=0, help=(
+        "rule sgd: buf ← μ·buf + agg (torch.optim.SGD's), kept by the coordinator; below 1"))
+    nesterov: bool = setting(False, help="step along agg + μ·buf (needs momentum > 0)")
+    warmup_rounds: int = setting(0, low=0, help="linear warmup from lr / warmup_rounds to lr")
+    schedule: str = setting("cosine", choices=SCHEDULES, help="the decay after warmup")
+    final_lr: float = setting(0.0, low=0, help=(
+        "learning rate at the last planned round (cosine, linear); at most lr"))
+    vote: str = setting("mean", choices=VOTES, help=(
+        "mean: results weighted by their tokens | majority (rule sign): one sign vote per "
+        "result, so no member outweighs another"))
+    # The top-k coefficients of each [compression] chunk of the aggregate go as int8 levels
+    # that every replica decodes to the same bits; the rest is carried to the next round.
+    # 0 sends the exact aggregate, 1 byte per element (4 under sgd).
+    broadcast_topk: int | None = setting(None, low=0, high=UINT32_MAX, help=(
+        "DCT coefficients per chunk clients download; 0: the exact aggregate; unset: "
+        f"{DEFAULT_BROADCAST_TOPK}, or 0 for dense results"))
 
     def __post_init__(self) -> None:
-        require(self.rule in UPDATE_RULES,
-                f"[update] rule {self.rule!r} is unknown; choose one of "
-                f"{', '.join(UPDATE_RULES)}.")
-        require(self.vote in VOTES,
-                f"[update] vote {self.vote!r} is unknown; choose one of {', '.join(VOTES)}.")
         require(self.vote == "mean" or self.rule == "sign",
                 f"[update] vote = \"majority\" counts signs, so it needs rule = \"sign\", not "
                 f"{self.rule!r}.")
-        require(self.schedule in SCHEDULES,
-                f"[update] schedule {self.schedule!r} is unknown; choose one of "
-                f"{', '.join(SCHEDULES)}.")
-        within("[update] lr", self.lr, 0, MAX_LR, above=True)
-        require(0 <= self.final_lr <= self.lr,
+        require(self.final_lr <= self.lr,
                 f"[update] final_lr must lie in [0, lr={self.lr}], got {self.final_lr}.")
-        require(0 <= self.weight_decay <= 1 / self.lr,
+        require(self.weight_decay <= 1 / self.lr,
                 f"[update] weight_decay must lie in [0, 1 / lr] = [0, {1 / self.lr:g}], got "
                 f"{self.weight_decay}: beyond 1 / lr the decay w ← w·(1 − lr·wd) flips the sign "
                 "of the weights.")
-        require(0 <= self.momentum < 1,
-                f"[update] momentum must lie in [0, 1), got {self.momentum}.")
+        require(self.momentum < 1, f"[update] momentum must lie in [0, 1), got {self.momentum}.")
         require(self.momentum == 0 or self.rule == "sgd",
                 f"[update] momentum needs rule = \"sgd\" (the sign rule reads only the "
                 f"aggregate's signs), not {self.rule!r}.")
         require(not self.nesterov or self.momentum > 0,
                 "[update] nesterov needs a momentum > 0.")
-        require(self.warmup_rounds >= 0,
-                f"[update] warmup_rounds must be >= 0, got {self.warmup_rounds}.")
-        if self.broadcast_topk is not None:
-            within("[update] broadcast_topk", self.broadcast_topk, 0, UINT32_MAX)
 
     def broadcast(self, compression: CompressionConfig) -> int:
         """Coefficients per chunk in the broadcast (0: exact), the default resolved."""
@@ -159,29 +155,29 @@ class InnerSection:
     step of this optimizer each, and submits its pseudo-gradient, the change of its tier's
     weights over the round. 0: one gradient per round, the coordinator's step alone."""
 
-    batch_tokens: int = 0  # tokens per inner step (padded, as matformer-train's budget)
-    optimizer: str = "adamw"  # adamw | adam | muon
-    lr: float = 1e-3  # the inner optimizer's peak learning rate
-    weight_decay: float = 0.1  # on matrices (ndim >= 2), as matformer-train applies it
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    warmup_steps: int = 0  # linear warmup over each client's own steps, counted across rounds
-    # after warmup: cosine | linear from lr at round 0 to final_lr at the last planned round
-    # ([round] rounds or tokens), the run's clock, the same for every client; or constant
-    schedule: str = "constant"
-    final_lr: float | None = None  # None: lr / 10, as matformer-train decays
+    batch_tokens: int = setting(0, low=0, high=UINT32_MAX, help=(
+        "> 0: local steps, batches of this many tokens (padded); 0: one gradient per round"))
+    optimizer: str = setting("adamw", choices=OPTIMIZER_NAMES, help="the inner optimizer")
+    lr: float = setting(1e-3, low=0, above=True, help="its peak learning rate, after warmup")
+    weight_decay: float = setting(0.1, low=0, help=(
+        "on matrices (ndim >= 2), as matformer-train applies it"))
+    betas: list[float] = setting([0.9, 0.95], help=(  # noqa: RUF009
+        "Adam's moment decay rates, in [0, 1)"))
+    eps: float = setting(1e-8, low=0, above=True, help="Adam's denominator floor")
+    warmup_steps: int = setting(0, low=0, high=UINT32_MAX, help=(
+        "linear warmup over each client's own steps, counted across rounds"))
+    # After warmup, cosine and linear fall from lr at round 0 to final_lr at the last planned
+    # round ([round] rounds or tokens): the run's clock, the same for every client.
+    schedule: str = setting("constant", choices=SCHEDULES, help="the decay after warmup")
+    final_lr: float | None = setting(None, low=0, help=(
+        "learning rate at the last planned round, at most lr; unset: lr / 10"))
 
     def __post_init__(self) -> None:
-        within("[inner] batch_tokens", self.batch_tokens, 0, UINT32_MAX)
-        within("[inner] warmup_steps", self.warmup_steps, 0, UINT32_MAX)
-        require(self.schedule in SCHEDULES,
-                f"[inner] schedule {self.schedule!r} is unknown; choose one of "
-                f"{', '.join(SCHEDULES)}.")
         try:
             self.build()
         except MatformerError as err:
             raise InvalidValue(f"[inner] {err}") from err
-        require(0 <= self.final_lr_value <= self.lr,
+        require(self.final_lr_value <= self.lr,
                 f"[inner] final_lr must lie in [0, lr={self.lr}], got {self.final_lr}.")
 
     @property
@@ -199,13 +195,28 @@ class InnerSection:
                                      warmup_steps=self.warmup_steps)
 
 
-def check_compression(compression: CompressionConfig) -> None:
-    """What [compression] (modeling's CompressionConfig, which checks its own lower bounds)
-    must keep for a run: an lr that scales gradients no more than [update] lr may, a chunk
-    within the uint32 field that carries it to clients, and (for chunked encodings) no more
-    values per chunk than a chunk of the run's matrices holds."""
-    within("[compression] lr", compression.lr, 0, MAX_LR, above=True)
-    within("[compression] chunk", compression.chunk, 1, UINT32_MAX)
-    if compression.encoding != "dense":
-        within("[compression] topk", compression.topk, 1,
-               min(compression.chunk ** 2, UINT32_MAX), unit=f" (chunk {compression.chunk}²)")
+_MODELING = CompressionConfig()  # modeling's defaults, which run.toml keeps
+
+
+@dataclass(kw_only=True, slots=True)
+class CompressionSection:
+    """How clients encode their results: the keys of modeling's CompressionConfig (which the
+    run holds) with the bounds a run needs, such as the uint32 fields that carry them."""
+
+    encoding: str = setting(_MODELING.encoding, choices=ENCODERS, help=(
+        "dense | topk | dct (modeling.compression.encodings)"))
+    chunk: int = setting(_MODELING.chunk, low=1, high=UINT32_MAX, help=(
+        "chunk side on the universal grid, clipped to smaller dimensions"))
+    topk: int = setting(_MODELING.topk, low=1, help=(  # at most chunk²: __post_init__
+        "values kept per chunk (topk, dct); at most chunk²"))
+    value_dtype: str = setting(_MODELING.value_dtype, choices=VALUE_DTYPES, help=(
+        "dtype of the values sent (topk, dct); dense sends float32, or float64 when asked"))
+    decay: float = setting(_MODELING.decay, low=0, high=1, help=(
+        "momentum decay β in m ← β·m + lr·g; 1 accumulates without decay"))
+    lr: float = setting(_MODELING.lr, low=0, above=True, high=MAX_LR, help=(
+        "gradient scale lr in m ← β·m + lr·g; the step size is [update] lr"))
+
+    def __post_init__(self) -> None:
+        if self.encoding != "dense":
+            within("[compression] topk", self.topk, 1, min(self.chunk ** 2, UINT32_MAX),
+                   unit=f" (chunk {self.chunk}²)")
