@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from client import train_config
 from client.errors import RankSilent
 from client.federated import JOIN_TOKEN_ENV, FederatedClient, FederatedOptions
 from client.node import follow
@@ -43,7 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_federated_arguments(train.add_argument_group("federated run (with --server)"))
     args = parser.parse_args(argv)
     if args.server:
-        unused = [d for d in _given(args, add_arguments) if d not in SHARED]
+        named = {key: name for name, (_, key) in train_config.KEYS.items()}  # path: data
+        unused = [d for d in _given(args, add_arguments) if named.get(d, d) not in SHARED]
         where = ("standalone training only (in a federated run the coordinator's run.toml "
                  "decides). Drop {them}, or leave out --server to train on this machine alone")
     else:
@@ -144,6 +146,7 @@ def run_federated(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
+        args = train_config.apply(args)  # the defaults of the shared keys, checked
         parallel = DataParallel.from_environment(resolve_device(args.device))
         if parallel is not None:
             parallel = parallel.watched(args.rank_timeout_s, _leave_silent_node)

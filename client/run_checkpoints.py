@@ -45,11 +45,21 @@ SHAPING = ("config", "init", "data", "strategy", "view", "seq_len", "batch_token
            "epochs", "tiers", "tier_mode", "optimizer", "lr", "warmup_steps", "hold_steps",
            "schedule", "final_lr", "weight_decay", "grad_clip", "seed", "batching",
            "precision")
+PATHS = ("config", "init", "data")  # of SHAPING, those that name a file or folder
 LENGTH = ("steps", "epochs")  # of SHAPING, what a resume may raise: it extends the run
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {name: str(getattr(args, name)) for name in SHAPING}
+
+
+def _absolute(saved: dict[str, str]) -> dict[str, str]:
+    """Saved settings with their paths absolute, as flags give them now (a checkpoint saved
+    before that holds them as typed, relative to the folder the run started in); an ``init``
+    that names no folder here is a hub id, kept as it is."""
+    return {name: str(Path(value).resolve()) if name in PATHS and value != "None" and
+            (name != "init" or Path(value).exists()) else value
+            for name, value in saved.items()}
 
 
 def folder(out: Path) -> Path:
@@ -119,7 +129,7 @@ class Saved:
                                   "step-N folder of OUT/checkpoints/.") from None
         self.directory = directory
         self.trainer: dict[str, Any] = self.state["trainer"]
-        now, saved_settings = settings(args), self.trainer["settings"]
+        now, saved_settings = settings(args), _absolute(self.trainer["settings"])
         self.length = " ".join(f"--{name} {saved_settings[name]}" for name in LENGTH
                                if saved_settings[name] != "None")  # as it was saved
         self.extended = any(now[name] != saved_settings[name] for name in LENGTH)

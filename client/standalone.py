@@ -28,29 +28,23 @@ import numpy as np
 import torch
 
 from client import run_checkpoints, train_config
-from client.epochs import DEFAULT_STEPS, Epochs
+from client.epochs import Epochs
 from client.step_progress import StepProgress
 from modeling import ModelConfig, build_model
 from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
 from modeling.checkpoint import save_pretrained
 from modeling.checkpoint.loader import load_for_tier
 from modeling.commands import command_parser
-from modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
+from modeling.devices import Precision, compile_model, resolve_device
 from modeling.distributed import DataParallel
 from modeling.errors import ConfigError, MatformerError
-from modeling.mdat import (
-    DEFAULT_DATA,
-    DEFAULT_STRATEGY,
-    Mdat,
-    SequenceReader,
-    build_default_mdat,
-    default_data_path,
-)
+from modeling.mdat import Mdat, SequenceReader, build_default_mdat, default_data_path
 from modeling.mdat.checkpoint_tokenizer import special_ids, tokenizer_files
 from modeling.mdat.trained_on import TrainedOn
-from modeling.optim import SCHEDULES, OptimizerConfig
+from modeling.optim import OptimizerConfig
 from modeling.run_order import RunOrder
-from modeling.tracking import TRACKERS, NoTracker, open_tracker
+from modeling.settings import add_flags
+from modeling.tracking import NoTracker, open_tracker
 from modeling.training import (
     StepOptions,
     TierSchedule,
@@ -71,84 +65,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The standalone training options (shared by `matformer-train` and `matformer-client`)."""
-    parser.add_argument("--config", type=Path,
-                        help="a train.toml (every option below, in sections; "
-                             "examples/train.toml), or a model config JSON (default: a tiny "
-                             "model)")
-    parser.add_argument("--init", default=None, metavar="CHECKPOINT",
-                        help="start from this checkpoint's weights and architecture (a "
-                             "Matformer or Hugging Face Llama folder, or a hub repo id in the "
-                             "cache), with this run's optimizer settings: finetuning")
+    """The standalone training options (shared by `matformer-train` and `matformer-client`):
+    a flag for each key of train.toml (`client.train_config`), section by section."""
     parser.add_argument("--set", action="append", default=None, metavar="SECTION.KEY=VALUE",
                         help="override a key of the train.toml (repeatable)")
-    parser.add_argument("--data", type=Path, default=None,
-                        help=f"MDAT container (default: {DEFAULT_DATA}, built from the stdlib "
-                             "docstrings on first use)")
-    parser.add_argument("--documents", type=int, default=None,
-                        help="how many docstrings the default container holds (default: all)")
-    parser.add_argument("--strategy", default=DEFAULT_STRATEGY["strategy_name"],
-                        help="pretokenization strategy of the container")
-    parser.add_argument("--view", default=None, help="view of the container (default: all)")
-    parser.add_argument("--seq-len", type=int, default=256,
-                        help="max_seq_len, a multiple of the strategy's chunk_size")
-    parser.add_argument("--batch-tokens", type=int, default=1024,
-                        help="token budget of one optimizer step (padded tokens)")
-    parser.add_argument("--microbatch-tokens", type=int, default=512,
-                        help="padded tokens per forward/backward pass (shrinks on OOM)")
-    parser.add_argument("--microbatch-examples", type=int, default=64,
-                        help="rows per forward/backward pass (shrinks on OOM)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"optimizer steps (default {DEFAULT_STEPS}; or give --epochs)")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help="passes over the training sequences, each in a fresh order")
-    parser.add_argument("--tiers", default="0,1,2", help="comma-separated tiers to train")
-    parser.add_argument("--tier-mode", choices=["all", "sample"], default="all",
-                        help="all: every tier each step (summed losses); sample: one per step")
-    parser.add_argument("--optimizer", choices=["adam", "adamw", "muon"], default="adamw")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup-steps", type=int, default=None,
-                        help="linear warmup (default 20, or the whole run when shorter)")
-    parser.add_argument("--hold-steps", type=int, default=0,
-                        help="steps at the peak lr after warmup, before the decay")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="cosine",
-                        help="the decay after warmup and hold, to --final-lr at the last step")
-    parser.add_argument("--final-lr", type=float, default=None, help="default: lr / 10")
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--grad-clip", type=float, default=1.0,
-                        help="clip the gradient's norm to this (0: no clipping)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--project", default="matformer",
-                        help="trackio's or W&B's project (the run is named after --out)")
-    parser.add_argument("--log-every", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"the run's folder: the final model, checkpoints/, tensorboard/ "
-                             f"(default {run_checkpoints.DEFAULT_OUT}; with --resume, the "
-                             "checkpoint's run)")
-    parser.add_argument("--save-every", type=int, default=0,
-                        help="write OUT/checkpoints/step-N every N steps (0: none)")
-    parser.add_argument("--keep-last", type=int, default=2,
-                        help="how many of those checkpoints to keep")
-    parser.add_argument("--track", choices=TRACKERS, default="tensorboard",
-                        help="where the figures go as it trains: TensorBoard event files in "
-                             "OUT/tensorboard/ (default), trackio, wandb, or none")
     parser.add_argument("--resume", type=Path, default=None,
                         help="go on from OUT/checkpoints/step-N, as if never stopped (into "
                              "OUT)")
-    hardware = parser.add_argument_group("hardware (also under torchrun: data parallel)")
-    hardware.add_argument("--device", default="cpu",
-                          help="cpu | cuda | cuda:N | mps; a device this machine lacks is an "
-                               "error. Under torchrun, cuda means each rank's local GPU")
-    hardware.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                          help="fp32, or autocast to bf16/fp16 with float32 weights")
-    hardware.add_argument("--compile", action="store_true",
-                          help="torch.compile the model (needs a C++ compiler on CPU)")
-    hardware.add_argument("--fsdp", action="store_true",
-                          help="under torchrun: shard weights, gradients and optimizer state "
-                               "over the ranks (FSDP2), for a model one device cannot hold")
-    hardware.add_argument("--batching", choices=("packed", "padded"), default="packed",
-                          help="packed: sequences end to end in rows of --seq-len tokens "
-                               "(almost no padding); padded: one sequence a row")
+    for name, section in train_config.SECTIONS.items():
+        add_flags(parser.add_argument_group(f"[{name}]", section.__doc__), section)
 
 
 def open_data(args: argparse.Namespace) -> Mdat:
@@ -215,9 +140,7 @@ def _without_resume(argv: list[str]) -> list[str]:
 
 def train(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Run the training ``args`` describe; returns the metrics it also writes (rank 0)."""
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = train_config.apply(args, parser)
+    args = train_config.apply(args)
     args.out = run_checkpoints.run_folder(args.out, args.resume)
     device = resolve_device(args.device)
     parallel = DataParallel.from_environment(device, sharded=args.fsdp)

@@ -1,169 +1,238 @@
-"""`matformer-train --config train.toml`: a whole training run in one file.
+"""`matformer-train --config train.toml`: a whole training run in one file, its keys declared
+once below (`modeling.settings`). From each section's declaration come the checks of the file,
+``train_schema()``, and the flags of ``matformer-train``: a key's flag is ``--key-name``
+(``[data] path`` is ``--data``), and it sets ``args.key_name`` (``args.data``).
 
-    [model]      config = "model.json", or the model's fields inline (hidden_size = 512, ...)
-    [data]       path, documents, strategy, view, seq_len, batching
-    [training]   steps | epochs, optimizer, lr, final_lr, warmup_steps, hold_steps, schedule,
-                 weight_decay, grad_clip, batch_tokens, microbatch_tokens, microbatch_examples,
-                 tiers, tier_mode, seed, save_every, keep_last
-    [hardware]   device, precision, compile, fsdp
-    [logging]    track, project, log_every, out
-
-Every key is a command-line option of ``matformer-train`` (``[data] path`` is ``--data``,
-``[model] config`` is ``--config``), typed and checked by that option's own parser; an
-unknown section or key is refused naming the valid ones. ``--set SECTION.KEY=VALUE``
-overrides a key of the file, and a flag given on the command line overrides both.
-``examples/train.toml`` shows every key with its default. A ``--config`` JSON in seed 000's
-layout (``model_config``, ``training``, ``tokenizer``, ``data``) is read onto the same options
-by `client.seed_config` (``--set`` takes its dotted keys there: ``training.lr=0.001``); any
-other ``--config`` that is not a ``.toml`` file is a bare model config, as before.
+A run's settings are the defaults, then the file's keys, then ``--set SECTION.KEY=VALUE``,
+then the flags given, checked once per section. A path in the file is relative to its folder,
+a flag's to the working directory. ``examples/train.toml`` shows every key with its default.
+A ``--config`` JSON in seed 000's layout (``model_config``, ``training``, ``tokenizer``,
+``data``) is read onto the same keys by `client.seed_config` (``--set`` takes its dotted keys
+there: ``training.lr=0.001``); any other ``--config`` that is not a ``.toml`` file is
+``[model] config``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import re
 import tomllib
+from dataclasses import Field, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from client import seed_config
+from client.epochs import DEFAULT_STEPS
+from client.run_checkpoints import DEFAULT_OUT
 from modeling.config import ModelConfig
-from modeling.errors import ConfigError, did_you_mean
+from modeling.devices import PRECISIONS
+from modeling.errors import ConfigError, InvalidValue, UnknownKey, WrongType, did_you_mean
+from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY
+from modeling.optim import OPTIMIZER_NAMES, SCHEDULES
+from modeling.settings import (
+    FolderOrRepo,
+    flag_of,
+    given_flags,
+    json_schema,
+    read_table,
+    reject_unknown,
+    setting,
+)
+from modeling.tracking import TRACKERS
 
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("config", "init"),
-    "data": ("path", "documents", "strategy", "view", "seq_len", "batching"),
-    "training": ("steps", "epochs", "optimizer", "lr", "final_lr", "warmup_steps", "hold_steps",
-                 "schedule", "weight_decay", "grad_clip", "batch_tokens", "microbatch_tokens",
-                 "microbatch_examples", "tiers", "tier_mode", "seed", "save_every", "keep_last"),
-    "hardware": ("device", "precision", "compile", "fsdp"),
-    "logging": ("track", "project", "log_every", "out"),
-}
-DESTINATIONS = {("data", "path"): "data"}  # keys whose option has another name
+TIERS = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*")  # "0,1,2", as --tiers takes them
 
 
-def apply(args: argparse.Namespace, parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """``args`` with the ``--config`` TOML's values (after ``--set``) wherever the command
-    line left an option at its default."""
-    if args.config is not None and args.config.suffix != ".toml" and \
-            seed_config.is_seed_config(args.config):
-        return _apply_seed(args, parser)
-    if args.config is None or args.config.suffix != ".toml":
-        if args.set:
-            raise ConfigError("--set overrides keys of a train.toml or a seed config JSON; "
-                              "give --config train.toml.")
-        return args
-    tables = _read(args.config)
-    for override in args.set or []:
+@dataclass(kw_only=True, slots=True)
+class ModelSection:
+    """The model: a config JSON, a checkpoint to finetune, or (without these keys)
+    ModelConfig's fields inline; none of them: a tiny model."""
+
+    config: Path | None = setting(None, flag="--config", help=(  # noqa: RUF009
+        "a model config JSON; on the command line also a train.toml or a seed config JSON, "
+        "whose keys then set the run (examples/train.toml)"))
+    init: FolderOrRepo | None = setting(None, help=(  # noqa: RUF009
+        "start from this checkpoint's weights and architecture (a Matformer or Hugging Face "
+        "Llama folder, or a hub repo id in the cache), with this run's optimizer settings: "
+        "finetuning"))
+
+
+@dataclass(kw_only=True, slots=True)
+class DataSection:
+    """What the run trains on: the sequences of an MDAT container."""
+
+    path: Path | None = setting(None, flag="--data", help=(  # noqa: RUF009
+        f"an MDAT container (without it {DEFAULT_DATA}, built from the stdlib docstrings on "
+        "first use)"))
+    documents: int | None = setting(None, low=1, help="docstrings in the default container (all)")
+    strategy: str = setting(DEFAULT_STRATEGY["strategy_name"], help="the container's strategy")
+    view: str | None = setting(None, help="a view of the container (without it, all of it)")
+    seq_len: int = setting(256, low=1, help="max_seq_len, a multiple of the strategy's chunk_size")
+    batching: str = setting("packed", choices=("packed", "padded"), help=(
+        "packed: sequences end to end in rows of seq_len tokens; padded: one sequence a row"))
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainingSection:
+    """How it trains: the run's length, the optimizer and its schedule, batches and tiers."""
+
+    steps: int | None = setting(None, low=1, help=f"optimizer steps (without it {DEFAULT_STEPS})")
+    epochs: int | None = setting(None, low=1, help="passes over the data, each in a fresh order")
+    optimizer: str = setting("adamw", choices=OPTIMIZER_NAMES, help="the local optimizer")
+    lr: float = setting(3e-3, low=0, above=True, help="peak learning rate")
+    final_lr: float | None = setting(None, low=0, help="where the decay ends (without it, lr / 10)")
+    warmup_steps: int | None = setting(None, low=0, help="linear warmup (without it, 20 at most)")
+    hold_steps: int = setting(0, low=0, help="steps at the peak lr after warmup, before the decay")
+    schedule: str = setting("cosine", choices=SCHEDULES, help="the decay after warmup and hold")
+    weight_decay: float = setting(0.01, low=0, help="decoupled (AdamW), on matrices only")
+    grad_clip: float = setting(1.0, low=0, help="clip the gradient's norm to this (0: no clipping)")
+    batch_tokens: int = setting(1024, low=1, help="padded tokens per optimizer step")
+    microbatch_tokens: int = setting(512, low=1, help="tokens a forward/backward (shrinks on OOM)")
+    microbatch_examples: int = setting(64, low=1, help="rows a forward/backward (shrinks on OOM)")
+    tiers: str = setting("0,1,2", help="comma-separated tiers to train (a list in TOML too)")
+    tier_mode: str = setting("all", choices=("all", "sample"), help=(
+        "all: every tier each step (summed losses); sample: one a step"))
+    seed: int = setting(0, low=0, help="of the shuffle, the epochs' orders, masks and tier draws")
+    save_every: int = setting(0, low=0, help="write OUT/checkpoints/step-N every N steps (0: none)")
+    keep_last: int = setting(2, low=1, help="how many of those checkpoints to keep")
+
+    def __post_init__(self) -> None:
+        if not TIERS.fullmatch(self.tiers):
+            raise InvalidValue(f"[training] tiers must be tier numbers such as \"0,1,2\" or "
+                               f"[0, 1, 2], got {self.tiers!r}.")
+
+
+@dataclass(kw_only=True, slots=True)
+class HardwareSection:
+    """Where it runs (also under torchrun: data parallel)."""
+
+    device: str = setting("cpu", help=(
+        "cpu | cuda | cuda:N | mps; a device this machine lacks is an error. Under torchrun, "
+        "cuda means each rank's local GPU"))
+    precision: str = setting("fp32", choices=PRECISIONS, help="fp32, or autocast, float32 weights")
+    compile: bool = setting(False, help="torch.compile the model (needs a C++ compiler on CPU)")
+    fsdp: bool = setting(False, help=(
+        "under torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2), "
+        "for a model one device cannot hold"))
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingSection:
+    """What it shows and where it writes."""
+
+    track: str = setting("tensorboard", choices=TRACKERS, help=(
+        "where the figures go as it trains: TensorBoard event files in OUT/tensorboard/, "
+        "trackio, wandb, or none"))
+    project: str = setting("matformer", help="trackio's or W&B's project (the run: out's name)")
+    log_every: int = setting(20, low=1, help="print the losses every this many steps")
+    out: Path | None = setting(None, help=(  # noqa: RUF009
+        f"the run's folder: the final model, checkpoints/, tensorboard/ (without it "
+        f"{DEFAULT_OUT}, or with --resume the checkpoint's run)"))
+
+
+SECTIONS: dict[str, type] = {"model": ModelSection, "data": DataSection,
+                             "training": TrainingSection, "hardware": HardwareSection,
+                             "logging": LoggingSection}
+
+
+def attribute(key: Field) -> str:
+    """The name a key's value has on the command line's namespace: its flag's."""
+    return flag_of(key).removeprefix("--").replace("-", "_")
+
+
+# attribute → (section, key): where a seed config's options go
+KEYS = {attribute(f): (name, f.name) for name, cls in SECTIONS.items() for f in fields(cls)}
+
+
+def apply(args: argparse.Namespace) -> argparse.Namespace:
+    """``args``, as parsed with the flags of the sections, with every key of train.toml
+    checked and set: the defaults, then the ``--config`` file's keys, ``--set``, the flags."""
+    flags = {name: given_flags(args, cls) for name, cls in SECTIONS.items()}
+    file, overrides, seed, model_fields = args.config, args.set or [], None, None
+    if file is not None and (file.suffix == ".toml" or seed_config.is_seed_config(file)):
+        del flags["model"]["config"]  # --config names this file
+        if file.suffix == ".toml":
+            tables = _read(file)
+        else:
+            seed = seed_config.read(file, overrides, flags["data"].get("seq_len"))
+            tables, overrides, model_fields = {}, [], seed.model
+            for name, (_, value) in seed.options.items():
+                section, key = KEYS[name]
+                tables.setdefault(section, {})[key] = value
+    elif overrides:
+        raise ConfigError("--set overrides keys of a train.toml or a seed config JSON; "
+                          "give --config train.toml.")
+    else:
+        tables = {}
+    for override in overrides:
         _override(tables, override)
+    _check_sections(tables)
+    if isinstance(tiers := tables.get("training", {}).get("tiers"), list):
+        tables["training"]["tiers"] = ",".join(map(str, tiers))  # tiers = [0, 1] is "0,1"
     model = tables.get("model", {})
-    named = [key for key in SECTIONS["model"] if key in model]
-    if named and len(model) > 1:
-        raise ConfigError(f"{args.config}: [model] takes config = \"model.json\", init = "
+    if model and not model.keys() & {"config", "init"}:
+        reject_unknown("[model]", model, ["config", "init", *ModelConfig.__dataclass_fields__])
+        model_fields, tables["model"] = dict(model), {}
+    elif len(model) > 1:
+        raise ConfigError(f"{file}: [model] takes config = \"model.json\", init = "
                           f"\"CHECKPOINT\" or the model's fields inline, one of them (it has "
                           f"{', '.join(model)}).")
-    actions = {a.dest: a for a in parser._actions}
-    defaults = {dest: action.default for dest, action in actions.items()}
-    args.model_fields, model_config = None, None
-    for section, table in tables.items():
-        if section == "model" and not named:
-            args.model_fields = _model_fields(table)
-            continue
-        for key, value in table.items():
-            dest = DESTINATIONS.get((section, key), key)
-            converted = _converted(actions[dest], f"[{section}] {key}", value, args.config.parent)
-            if (section, key) == ("model", "config"):
-                model_config = converted  # --config itself names this file
-            elif (section, key) == ("model", "init") and args.init is None:
-                folder = args.config.parent / converted  # a folder beside it, or a hub id
-                args.init = str(folder) if folder.exists() else converted
-            elif getattr(args, dest) == defaults[dest]:
-                setattr(args, dest, converted)
-    args.config = model_config  # None: inline fields, or no [model] (the default tiny model)
+    base = file.parent if file is not None else Path.cwd()
+    for name, cls in SECTIONS.items():
+        section = read_table(cls, {**tables.get(name, {}), **flags[name]}, name, base)
+        for key in fields(section):
+            setattr(args, attribute(key), getattr(section, key.name))
+    args.model_fields = model_fields  # None: a config JSON, a checkpoint, or the tiny model
+    if seed is not None:
+        seed.check_tokenizer(args.data, args.strategy)
     return args
 
 
-def _apply_seed(args: argparse.Namespace, parser: argparse.ArgumentParser
-                ) -> argparse.Namespace:
-    """``apply`` for a seed config JSON: its keys where the command line left the default."""
-    actions = {a.dest: a for a in parser._actions}
-    given_seq_len = None if args.seq_len == actions["seq_len"].default else args.seq_len
-    run = seed_config.read(args.config, args.set or [], given_seq_len)
-    for dest, (key, value) in run.options.items():
-        if getattr(args, dest) == actions[dest].default:
-            setattr(args, dest, _converted(actions[dest], key, value, args.config.parent))
-    run.check_tokenizer(args.data, args.strategy)
-    args.model_fields, args.config = run.model, None
-    return args
-
-
-def _read(path: Path) -> dict[str, dict[str, Any]]:
+def _read(path: Path) -> dict[str, Any]:
     try:
-        tables = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except OSError as err:
         raise ConfigError(f"--config {path}: {err.strerror or err}.") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"--config {path} is not valid TOML: {err}.") from None
-    for section, table in tables.items():
-        if section not in SECTIONS:
-            raise ConfigError(f"{path}: unknown section [{section}]; "
-                              f"{did_you_mean(section, SECTIONS)}valid: {', '.join(SECTIONS)}.")
+
+
+def _check_sections(tables: dict[str, Any]) -> None:
+    for name, table in tables.items():
+        if name not in SECTIONS:
+            raise UnknownKey(f"train.toml has no section [{name}]; "
+                             f"{did_you_mean(name, SECTIONS)}valid: {', '.join(SECTIONS)}.")
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: {section} must be a [{section}] table.")
-        if section == "model" and not set(SECTIONS["model"]) & set(table):
-            continue  # inline model fields, checked against ModelConfig
-        for key in table:
-            if key not in SECTIONS[section]:
-                raise ConfigError(
-                    f"{path}: unknown key {key!r} in [{section}]; "
-                    f"{did_you_mean(key, SECTIONS[section])}valid: "
-                    f"{', '.join(SECTIONS[section])}.")
-    return tables
+            raise WrongType(f"[{name}] must be a table, got {table!r}.")
 
 
-def _override(tables: dict[str, dict[str, Any]], override: str) -> None:
+def _override(tables: dict[str, Any], override: str) -> None:
     """``SECTION.KEY=VALUE`` into ``tables``; VALUE is read as TOML, else as a string."""
     target, _, raw = override.partition("=")
     section, _, key = target.partition(".")
-    if not raw or not key or section not in SECTIONS or (
-            section != "model" and key not in SECTIONS[section]):
+    if not raw or not key:
         raise ConfigError(f"--set {override!r}: give SECTION.KEY=VALUE with a key of "
                           f"train.toml (sections: {', '.join(SECTIONS)}).")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
-    tables.setdefault(section, {})[key] = value
+    table = tables.setdefault(section, {})
+    if isinstance(table, dict):  # else _check_sections says what it is
+        table[key] = value
 
 
-def _converted(action: argparse.Action, name: str, value: Any, base: Path) -> Any:
-    """``value`` as the option's own parser would take it, or a ConfigError naming it."""
-    if isinstance(action, argparse._StoreTrueAction):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be true or false, got {value!r}.")
-        return value
-    if isinstance(value, list):  # tiers = [0, 1, 2]
-        value = ",".join(str(v) for v in value)
-    if isinstance(value, bool | dict):
-        raise ConfigError(f"{name} must be a number or a string, got {value!r}.")
-    try:
-        converted = action.type(str(value)) if action.type else str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name}: {value!r} is not a valid "
-                          f"{getattr(action.type, '__name__', 'value')}.") from None
-    if action.choices is not None and converted not in action.choices:
-        raise ConfigError(f"{name} {value!r} is not one of "
-                          f"{', '.join(map(str, action.choices))}.")
-    if isinstance(converted, Path) and not converted.is_absolute():
-        # relative to the train.toml, like run.toml's paths, and said without "examples/.."
-        converted = Path(os.path.normpath(base / converted))
-    return converted
-
-
-def _model_fields(table: dict[str, Any]) -> dict[str, Any]:
-    known = ModelConfig.__dataclass_fields__
-    for key in table:
-        if key not in known:
-            raise ConfigError(f"unknown key {key!r} in [model]; {did_you_mean(key, known)}"
-                              "give config = \"model.json\" or ModelConfig's fields.")
-    return dict(table)
+def train_schema() -> dict[str, Any]:
+    """The JSON schema (draft 2020-12) of train.toml."""
+    schema = json_schema(SECTIONS, title="train.toml", description=(
+        "A standalone training run (matformer-train --config); every key is also a flag."))
+    sections = schema["properties"]
+    sections["model"] = {"description": sections["model"].pop("description"), "anyOf": [
+        {**sections["model"], "maxProperties": 1},
+        {"type": "object", "propertyNames": {"enum": list(ModelConfig.__dataclass_fields__)},
+         "description": "ModelConfig's fields inline (modeling/config.py)"}]}
+    tiers = sections["training"]["properties"]["tiers"]
+    tiers["anyOf"] = [{"type": "string", "pattern": f"^(?:{TIERS.pattern})$"},
+                      {"type": "array", "items": {"type": "integer", "minimum": 0}}]
+    del tiers["type"]
+    return schema

@@ -18,7 +18,7 @@ from client.federated import FederatedOptions
 @pytest.mark.parametrize(("flags", "named"), [
     (["--lr", "0.1"], "--lr applies"),
     (["--steps", "5", "--optimizer", "muon", "--out", "x", "--track", "none"],
-     "--steps, --optimizer, --out, --track apply"),
+     "--steps, --optimizer, --track, --out apply"),
     (["--fsdp"], "--fsdp applies"),
     (["--set", "training.lr=0.1"], "--set applies"),
 ])
@@ -97,10 +97,11 @@ def test_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         parse_args(["train", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert "--lr LR default: 0.003" in shown  # an option without help text
+    assert "--lr LR peak learning rate (default: 0.003)" in shown  # from train.toml's key
     assert "(simulates a slow network) (default: 0.0)" in shown  # a zero is shown too
     assert "how many of those checkpoints to keep (default: 2)" in shown  # not twice
-    assert "--compile torch.compile the model (needs a C++ compiler on CPU) --fsdp" in shown
+    assert ("--compile, --no-compile torch.compile the model (needs a C++ compiler on CPU) "
+            "(default: False) --fsdp") in shown
 
 
 def test_ctrl_c_in_training_says_how_to_resume_without_a_traceback(tmp_path):

@@ -4,7 +4,6 @@ training_objective are model fields, and the registry builds a component from co
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import logging
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from client.standalone import add_arguments, main, parse_args
+from client.standalone import main, parse_args
 from client.train_config import apply
 from modeling import ModelConfig, registry
 from modeling.errors import ConfigError
@@ -76,9 +75,7 @@ def test_the_seeds_config_json_trains(seed_run, caplog, monkeypatch):
 
 
 def test_the_seeds_keys_become_these_options(seed_run):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = apply(parse_args(["--config", str(seed_run / "seed.json")]), parser)
+    args = apply(parse_args(["--config", str(seed_run / "seed.json")]))
     assert {key: getattr(args, key) for key in (
         "optimizer", "lr", "final_lr", "schedule", "warmup_steps", "hold_steps",
         "weight_decay", "grad_clip", "epochs", "save_every", "seed", "seq_len",
@@ -93,8 +90,7 @@ def test_the_seeds_keys_become_these_options(seed_run):
                                      seed_run / "checkpoints" / "Test-Model")
     assert args.config is None and args.model_fields["intermediate_size"] == 512
     flags = apply(parse_args(["--config", str(seed_run / "seed.json"), "--lr", "0.01",
-                              "--seq-len", "512", "--set", "training.lr_scheduling=false"]),
-                  parser)
+                              "--seq-len", "512", "--set", "training.lr_scheduling=false"]))
     assert (flags.lr, flags.seq_len, flags.batch_tokens) == (0.01, 512, 4 * 5 * 512)
     assert (flags.schedule, flags.warmup_steps, flags.hold_steps) == ("constant", 0, 0)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -109,7 +110,8 @@ OTHERS = ("model.config", "model.init", "data.documents", "data.batching", "trai
 
 
 def test_every_key_has_a_case():
-    keys = {f"{section}.{key}" for section, names in SECTIONS.items() for key in names}
+    keys = {f"{section}.{key.name}" for section, declared in SECTIONS.items()
+            for key in fields(declared)}
     assert keys == set(WEIGHTS) | set(OTHERS)
 
 

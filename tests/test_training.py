@@ -378,6 +378,7 @@ def test_init_finetunes_a_hugging_face_llama_from_its_own_loss(tmp_path):
 
     from client.epochs import Epochs
     from client.standalone import parse_args
+    from client.train_config import apply
     from modeling.mdat import Mdat
     from modeling.run_order import RunOrder
 
@@ -394,7 +395,7 @@ def test_init_finetunes_a_hugging_face_llama_from_its_own_loss(tmp_path):
     main(argv)
     first = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"][0]
 
-    args = parse_args(argv)  # the sequences of step 0, as the run chose them
+    args = apply(parse_args(argv))  # the sequences of step 0, as the run chose them
     with Mdat.open(tmp_path / "docs.mdat") as mdat:
         config = json.loads((tmp_path / "run" / "config.json").read_text())
         assert config["intermediate_size"] == 128 and config["vocab_size"] == 260

@@ -1,8 +1,10 @@
 """Pretokenization strategies: the JSON that says how documents become tokens and chunks.
 
 The fields follow the MDAT design (``strategy_name``, ``tokenizer_type``, ``splitter_class``,
-``chunk_size``, ...). `Strategy.from_dict` checks names and types of the plain data; building
-the tokenizer and splitter (`modeling.mdat.document_splitter`) checks that they exist.
+``chunk_size``, ...), declared with `modeling.settings.setting`: `Strategy.from_dict` checks
+names, types, ranges and choices of the plain data (``strategy_schema()`` says as much for
+editors); building the tokenizer and splitter (`modeling.mdat.document_splitter`) checks that
+they exist.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from modeling.errors import ConfigError, InvalidName, StrategyError, closest, did_you_mean
+from modeling.errors import ConfigError, InvalidName, SettingsError, StrategyError
+from modeling.settings import read_table, section_schema, setting
 
 if TYPE_CHECKING:
     from modeling.config import ModelConfig
@@ -38,29 +41,38 @@ def check_name(kind: str, name: object) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Strategy:
-    strategy_name: str
-    chunk_size: int  # tokens per chunk at most; sequence lengths are multiples of it
-    tokenizer_type: str = "bytes"  # an "mdat_tokenizer" registry variant
-    # "huggingface": a tokenizer.json, a folder holding one, or a hub repo id (org/name)
-    tokenizer_name: str | None = None
-    tokenizer_sha256: str | None = None  # of that file; filled in when the strategy is added
-    tokenizer_revision: str | None = None  # of a hub repo tokenizer_name (None: main)
-    vocab_size: int | None = None  # None: the tokenizer's own
-    # Special ids; None: the tokenizer's own, if its file names one. Sequences never hold
+    """How documents become tokens and chunks (a pretokenization strategy)."""
+
+    strategy_name: str = setting(help="its name, a folder name in the container")
+    chunk_size: int = setting(low=1, help=(
+        "tokens per chunk at most; sequence lengths are multiples of it"))
+    tokenizer_type: str = setting("bytes", help="an \"mdat_tokenizer\" registry variant")
+    tokenizer_name: str | None = setting(None, help=(
+        "huggingface: a tokenizer.json, a folder holding one, or a hub repo id (org/name)"))
+    tokenizer_sha256: str | None = setting(None, help=(
+        "of that file; filled in when the strategy is added"))
+    tokenizer_revision: str | None = setting(None, help=(
+        "of a hub repo tokenizer_name (null: main)"))
+    vocab_size: int | None = setting(None, low=1, help="null: the tokenizer's own")
+    # Special ids; null: the tokenizer's own, if its file names one. Sequences never hold
     # them: consumers add them where they want them (see `modeling.mdat.sequences`).
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    mask_token_id: int | None = None
-    splitter_class: str = "fixed_chunks"  # a "splitter" registry variant
-    splitter_init: dict | None = None  # keyword arguments of the splitter's constructor
-    splitter_arguments: dict | None = None  # keyword arguments of every splitter call
-    modality: str = "text"
-    wants_from_db: tuple[str, ...] = ("data",)  # document fields the splitter receives
-    wants_raw: bool = True  # True: "data" is the text (str); False: its UTF-8 bytes
-    returns: tuple[str, ...] = ("tokens", "chunks")  # the keys of the splitter's result
+    bos_token_id: int | None = setting(None, help="the beginning-of-sequence id")
+    eos_token_id: int | None = setting(None, help="the end-of-sequence id")
+    mask_token_id: int | None = setting(None, help="the mask id (masked objective)")
+    splitter_class: str = setting("fixed_chunks", help="a \"splitter\" registry variant")
+    splitter_init: dict[str, Any] | None = setting(None, help=(  # noqa: RUF009
+        "keyword arguments of the splitter's constructor"))
+    splitter_arguments: dict[str, Any] | None = setting(None, help=(  # noqa: RUF009
+        "keyword arguments of every splitter call"))
+    modality: str = setting("text", choices=("text",), help="what the documents are")
+    wants_from_db: tuple[str, ...] = setting(("data",), help=(
+        f"document fields the splitter receives, of {', '.join(DOCUMENT_FIELDS)}"))
+    wants_raw: bool = setting(True, help="true: \"data\" is the text; false: its UTF-8 bytes")
+    returns: tuple[str, ...] = setting(DATABASES, help="the keys of the splitter's result")
     # Always ("tokens", "chunks"), the only results pretokenize stores; the field stays so
     # that strategy JSON files of the MDAT design load unchanged, and is checked to be that.
-    required_databases: tuple[str, ...] = DATABASES
+    required_databases: tuple[str, ...] = setting(DATABASES, help=(
+        f"always {', '.join(DATABASES)}: what pretokenization stores"))
 
     @property
     def name(self) -> str:
@@ -73,19 +85,10 @@ class Strategy:
 
     @classmethod
     def from_dict(cls, definition: dict[str, Any]) -> Strategy:
-        valid = [spec.name for spec in fields(cls)]
-        unknown = [key for key in definition if key not in valid]
-        if unknown:
-            hints = [f"{key!r} ({did_you_mean(key, valid).strip()})"
-                     if closest(key, valid) else repr(key) for key in unknown]
-            raise StrategyError(
-                f"unknown strategy field {', '.join(hints)}; valid fields: {', '.join(valid)}."
-            )
-        missing = [key for key in ("strategy_name", "chunk_size") if key not in definition]
-        if missing:
-            raise StrategyError(f"a strategy needs {' and '.join(missing)}; add it to the JSON.")
-        values = {key: _typed_value(key, value) for key, value in definition.items()}
-        strategy = cls(**values)
+        try:
+            strategy = read_table(cls, definition, "strategy", Path())  # no paths
+        except SettingsError as err:  # StrategyError is what users of strategies catch
+            raise StrategyError(str(err)) from None
         strategy._check_values()
         return strategy
 
@@ -125,10 +128,6 @@ class Strategy:
     def _check_values(self) -> None:
         check_name("strategy", self.strategy_name)
         problems = []
-        if self.chunk_size <= 0:
-            problems.append(f"chunk_size must be positive, got {self.chunk_size}")
-        if self.modality != "text":
-            problems.append(f"modality {self.modality!r} is not supported (only 'text')")
         if not set(self.wants_from_db) <= set(DOCUMENT_FIELDS):
             problems.append(f"wants_from_db may hold {list(DOCUMENT_FIELDS)}, got "
                             f"{list(self.wants_from_db)}")
@@ -141,30 +140,12 @@ class Strategy:
             raise StrategyError(f"strategy {self.strategy_name!r}: {'; '.join(problems)}.")
 
 
-_INT = (int,)
-_OPTIONAL_INT = (int, type(None))
-_NAMES = (list, tuple)
-_TYPES: dict[str, tuple[type, ...]] = {
-    "strategy_name": (str,), "chunk_size": _INT, "tokenizer_type": (str,),
-    "tokenizer_name": (str, type(None)), "tokenizer_sha256": (str, type(None)),
-    "tokenizer_revision": (str, type(None)),
-    "vocab_size": _OPTIONAL_INT,
-    "bos_token_id": _OPTIONAL_INT, "eos_token_id": _OPTIONAL_INT, "mask_token_id": _OPTIONAL_INT,
-    "splitter_class": (str,), "splitter_init": (dict, type(None)),
-    "splitter_arguments": (dict, type(None)), "modality": (str,), "wants_from_db": _NAMES,
-    "wants_raw": (bool,), "returns": _NAMES, "required_databases": _NAMES,
-}
-
-
-def _typed_value(key: str, value: Any) -> Any:
-    """``value`` when it has the type field ``key`` takes (lists become tuples)."""
-    expected = _TYPES[key]
-    wrong_bool = isinstance(value, bool) and bool not in expected
-    if wrong_bool or not isinstance(value, expected):
-        names = " or ".join("null" if t is type(None) else t.__name__ for t in expected)
-        raise StrategyError(f"strategy field {key!r} must be {names}, got {value!r}.")
-    if expected is _NAMES:
-        if not all(isinstance(item, str) for item in value):
-            raise StrategyError(f"strategy field {key!r} must list strings, got {value!r}.")
-        return tuple(value)
-    return value
+def strategy_schema() -> dict[str, Any]:
+    """The JSON schema (draft 2020-12) of a strategy JSON file."""
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "strategy",
+              **section_schema(Strategy)}
+    for key in fields(Strategy):
+        if key.default is None:  # JSON writes a key not given as null
+            schema["properties"][key.name]["type"] = [
+                schema["properties"][key.name]["type"], "null"]
+    return schema
