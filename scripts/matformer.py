@@ -5,6 +5,7 @@
     matformer client train --server HOST:PORT --tier 1
     matformer train --steps 200
     matformer keys add alice --config run.toml
+    matformer schema run
 
 Each verb runs the command of the same job (``matformer-server``, ``matformer-train``,
 ``local-testnet``…, which stay as they are) with the rest of the line, and its usage and
@@ -35,6 +36,7 @@ VERBS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "mdat": ("scripts.mdat_cli:main", (), "build and inspect MDAT dataset containers"),
     "export": ("scripts.export_matformer_tiers:main", (), "a checkpoint's tier slices"),
     "convert": ("scripts.convert:main", (), "a dense model made nested (FFN neurons ordered)"),
+    "schema": ("scripts.schema:main", (), "the JSON schema of run.toml, train.toml or a strategy"),
 }
 
 
