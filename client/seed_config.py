@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from modeling.commands import apply_overrides
 from modeling.config import SEED_SPELLINGS, LayerConfig, ModelConfig
 from modeling.errors import ConfigError, did_you_mean
 from modeling.mdat import DEFAULT_STRATEGY, Mdat
@@ -97,11 +98,9 @@ def is_seed_config(path: Path) -> bool:
 
 
 def read(path: Path, overrides: list[str], seq_len: int | None) -> SeedRun:
-    """The seed config at ``path`` after ``--set KEY=VALUE`` ``overrides`` (dotted keys,
-    JSON values); ``seq_len``: the command line's, if it gave one."""
-    data = json.loads(path.read_text())
-    for override in overrides:
-        _override(data, override)
+    """The seed config at ``path`` after ``--set SECTION.KEY=VALUE`` ``overrides`` (VALUE in
+    TOML syntax); ``seq_len``: the command line's, if it gave one."""
+    data = apply_overrides(json.loads(path.read_text()), overrides)
     _check_keys(path, data)
     model = ModelConfig.from_dict(data.get("model_config") or {})
     values = _run_values(data)
@@ -193,20 +192,3 @@ def _run_values(data: dict[str, Any]) -> dict[str, Any]:
     values.update({key: value for key, value in data.items() if key not in SECTIONS})
     return values
 
-
-def _override(data: dict[str, Any], override: str) -> None:
-    """``KEY=VALUE`` into ``data``: KEY dotted (training.lr), VALUE as JSON, else a string."""
-    key, _, raw = override.partition("=")
-    if not key or not raw:
-        raise ConfigError(f"--set {override!r}: give KEY=VALUE, KEY a dotted key of the seed "
-                          "config (training.lr, model_config.hidden_size).")
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = raw
-    *parents, name = key.split(".")
-    for parent in parents:
-        data = data.setdefault(parent, {})
-        if not isinstance(data, dict):
-            raise ConfigError(f"--set {override!r}: {parent} is no section of the config.")
-    data[name] = value

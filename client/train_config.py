@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import tomllib
 from dataclasses import Field, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 from client import seed_config
 from client.epochs import DEFAULT_STEPS
 from client.run_checkpoints import DEFAULT_OUT
+from modeling.commands import apply_overrides
 from modeling.config import ModelConfig
 from modeling.devices import PRECISIONS
 from modeling.errors import ConfigError, InvalidValue, UnknownKey, WrongType, did_you_mean
@@ -35,6 +35,7 @@ from modeling.settings import (
     given_flags,
     json_schema,
     read_table,
+    read_toml,
     reject_unknown,
     setting,
 )
@@ -152,7 +153,7 @@ def apply(args: argparse.Namespace) -> argparse.Namespace:
     if file is not None and (file.suffix == ".toml" or seed_config.is_seed_config(file)):
         del flags["model"]["config"]  # --config names this file
         if file.suffix == ".toml":
-            tables = _read(file)
+            tables = read_toml(file)
         else:
             seed = seed_config.read(file, overrides, flags["data"].get("seq_len"))
             tables, overrides, model_fields = {}, [], seed.model
@@ -164,8 +165,7 @@ def apply(args: argparse.Namespace) -> argparse.Namespace:
                           "give --config train.toml.")
     else:
         tables = {}
-    for override in overrides:
-        _override(tables, override)
+    tables = apply_overrides(tables, overrides)
     _check_sections(tables)
     if isinstance(tiers := tables.get("training", {}).get("tiers"), list):
         tables["training"]["tiers"] = ",".join(map(str, tiers))  # tiers = [0, 1] is "0,1"
@@ -188,15 +188,6 @@ def apply(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        return tomllib.loads(path.read_text())
-    except OSError as err:
-        raise ConfigError(f"--config {path}: {err.strerror or err}.") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"--config {path} is not valid TOML: {err}.") from None
-
-
 def _check_sections(tables: dict[str, Any]) -> None:
     for name, table in tables.items():
         if name not in SECTIONS:
@@ -204,22 +195,6 @@ def _check_sections(tables: dict[str, Any]) -> None:
                              f"{did_you_mean(name, SECTIONS)}valid: {', '.join(SECTIONS)}.")
         if not isinstance(table, dict):
             raise WrongType(f"[{name}] must be a table, got {table!r}.")
-
-
-def _override(tables: dict[str, Any], override: str) -> None:
-    """``SECTION.KEY=VALUE`` into ``tables``; VALUE is read as TOML, else as a string."""
-    target, _, raw = override.partition("=")
-    section, _, key = target.partition(".")
-    if not raw or not key:
-        raise ConfigError(f"--set {override!r}: give SECTION.KEY=VALUE with a key of "
-                          f"train.toml (sections: {', '.join(SECTIONS)}).")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw
-    table = tables.setdefault(section, {})
-    if isinstance(table, dict):  # else _check_sections says what it is
-        table[key] = value
 
 
 def train_schema() -> dict[str, Any]:

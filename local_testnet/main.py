@@ -44,11 +44,10 @@ from local_testnet.testnet import (
     TestnetFailed,
     TestnetPlan,
 )
-from modeling.commands import command_parser
+from modeling.commands import apply_overrides, command_parser
 from modeling.errors import MatformerError
 from protocol.auth import new_join_token
 from server.config import RunConfig
-from server.main import apply_overrides
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 DEFAULT_RUN_DIR = Path("runs/testnet")

@@ -1,5 +1,5 @@
-"""What every matformer command line shares: ``--version``, and each option's default shown in
-``--help``.
+"""What every matformer command line shares: ``--version``, each option's default shown in
+``--help``, and ``--set SECTION.KEY=VALUE`` overrides of a settings file.
 
     parser = command_parser("matformer-eval", "Held-out loss per tier of a checkpoint.")
 """
@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
+import tomllib
+from collections.abc import Iterable
 from importlib import metadata
+from typing import Any
 
 import torch
+
+from modeling.errors import InvalidValue, WrongType
 
 DISTRIBUTION = "matformer"
 # the name a command runs under when ``matformer <verb>`` runs it (scripts/matformer.py):
@@ -58,3 +64,33 @@ def command_parser(prog: str, description: str | None = None, *, epilog: str | N
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s {version()} (torch {torch.__version__})")
     return parser
+
+
+_BARE_WORD = re.compile(r"[^\s\"'\[\]{}=]+")  # an unquoted --set string value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of the parsed ``data`` with each ``--set SECTION.KEY=VALUE`` applied in order
+    (VALUE in TOML syntax; a bare word that is not TOML is a string). A key the file would
+    not accept is refused by its reader, in the same words as in the file."""
+    data = copy.deepcopy(data)
+    for text in overrides:
+        key, sep, raw = text.partition("=")
+        path, raw = [part.strip() for part in key.split(".")], raw.strip()
+        if not sep or len(path) < 2 or not all(path):
+            raise InvalidValue(f"--set {text!r} is not SECTION.KEY=VALUE; write e.g. "
+                               "--set round.rounds=5.")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            if not _BARE_WORD.fullmatch(raw):
+                raise InvalidValue(f"--set {text!r}: {raw!r} is not a TOML value; quote "
+                                   "strings, e.g. --set run.id='\"my-run\"'.") from None
+            value = raw
+        table = data
+        for i, part in enumerate(path[:-1]):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise WrongType(f"--set {text!r}: {'.'.join(path[:i + 1])} is not a table.")
+        table[path[-1]] = value
+    return data

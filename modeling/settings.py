@@ -1,10 +1,8 @@
 """Settings files declared once: run.toml, train.toml and a pretokenization strategy.
 
 A section is a ``@dataclass(kw_only=True, slots=True)`` whose fields are its keys, each
-declared with ``setting``: its default, its range or choices, and one line of help. From that
-one declaration come the reading of a table (types, unknown keys with a did-you-mean, missing
-keys, ranges, choices), the plain data that reads back equal, a JSON schema, and the flags of
-a command whose options are the same keys::
+declared with ``setting``. From that one declaration come the reading of a table, the checks
+of a section built in code, plain data that reads back equal, a JSON schema and flags::
 
     @dataclass(kw_only=True, slots=True)
     class CheckpointSection:
@@ -12,17 +10,16 @@ a command whose options are the same keys::
 
     read_table(CheckpointSection, {"every_rounds": 0}, "checkpoint", base)
     # InvalidValue: [checkpoint] every_rounds must be >= 1, got 0.
+    check_declared(CheckpointSection(every_rounds=0), "checkpoint")  # the same error
     table_of(section)                       # -> {"every_rounds": 10}
     json_schema({"checkpoint": CheckpointSection}, title="run.toml")
     add_flags(parser, CheckpointSection)    # --every-rounds N (default: 10)
     given_flags(args, CheckpointSection)    # -> the keys given on the command line
+    read_toml(path)                         # the file parsed, or an error naming it
 
-Types: an integer is accepted as a float, a bool is not an integer; a ``Path`` is a string
-relative to the folder of the file, a ``FolderOrRepo`` such a path or a Hugging Face hub id.
-Every number keeps a range whatever its key: floats are finite (TOML can write ``inf`` and
-``nan``), integers fit TOML's 64 bits (``tomllib`` reads any size). A field declared
-``secret=True`` never has its value quoted in an error. Checks that need two keys stay in the
-section's ``__post_init__``.
+An integer is accepted as a float, a bool is not an integer; a ``Path`` is relative to the
+file's folder; floats are finite and integers fit TOML's 64 bits. Checks that need two keys
+stay in the section's ``__post_init__``.
 """
 
 from __future__ import annotations
@@ -30,12 +27,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import tomllib
 import types
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from modeling.errors import (
+    InvalidToml,
     InvalidValue,
     MatformerError,
     MissingKey,
@@ -85,21 +84,31 @@ def reject_unknown(where: str, given: Iterable[str], valid: list[str]) -> None:
                              f"keys: {', '.join(valid)}.")
 
 
+def read_toml(path: Path) -> dict[str, Any]:
+    """The parsed TOML file at ``path``, or an error naming it and what is wrong."""
+    try:
+        return tomllib.loads(path.read_text())
+    except OSError as err:
+        raise SettingsError(f"cannot read {path}: {err.strerror or err}; check the path.") \
+            from None
+    except tomllib.TOMLDecodeError as err:
+        raise InvalidToml(f"{path} is not valid TOML: {err}; fix it there.") from None
+
+
 def read_table(cls: type[T], table: Any, section: str, base: Path) -> T:
     """An instance of the dataclass ``cls`` from the TOML table of ``[section]``."""
     if not isinstance(table, dict):
         raise WrongType(f"[{section}] must be a table, got {_shown(table)}.")
-    fields = [f for f in dataclasses.fields(cls) if f.init]
+    fields = _keys(cls)
     reject_unknown(f"[{section}]", table, [f.name for f in fields])
-    hints = get_type_hints(cls)
-    values = {}
+    hints, values = get_type_hints(cls), {}
     for f in fields:
         if f.name in table:
             secret = f.metadata.get("secret", False)
             value = _coerce(f"{section}.{f.name}", table[f.name], hints[f.name], base, secret)
-            _check(f"[{section}] {f.name}", value, f.metadata)
+            _check(section, f, value)  # before __post_init__, whose checks assume the ranges
             values[f.name] = value
-        elif f.default is _MISSING and f.default_factory is _MISSING:
+        elif default_of(f) is _MISSING:
             raise MissingKey(f"[{section}] is missing the required key {f.name!r}; add it.")
     try:
         return cls(**values)
@@ -109,14 +118,18 @@ def read_table(cls: type[T], table: Any, section: str, base: Path) -> T:
         raise InvalidValue(f"[{section}] {err}") from err
 
 
+def check_declared(instance: Any, section: str) -> None:
+    """The declared choices and ranges of every key of ``instance``, as ``read_table`` checks
+    them: for a section built in code."""
+    for f in _keys(type(instance)):
+        _check(section, f, getattr(instance, f.name))
+
+
 def table_of(section: Any) -> dict[str, Any]:
     """Plain data (TOML and JSON types) for a section: None values left out, paths as
     strings, integer dict keys as strings."""
-    return {
-        f.name: _plain(getattr(section, f.name))
-        for f in dataclasses.fields(section)
-        if f.init and getattr(section, f.name) is not None
-    }
+    return {f.name: _plain(getattr(section, f.name)) for f in _keys(type(section))
+            if getattr(section, f.name) is not None}
 
 
 def choices_of(metadata: Mapping[str, Any]) -> list[str] | None:
@@ -124,21 +137,28 @@ def choices_of(metadata: Mapping[str, Any]) -> list[str] | None:
     return list(choices() if callable(choices) else choices) if choices is not None else None
 
 
-def _check(where: str, value: Any, metadata: Mapping[str, Any]) -> None:
-    """The declared choices and range of a key, on its value (None: not given)."""
+def default_of(f: dataclasses.Field) -> Any:
+    """The default of the key ``f`` (a fresh copy of a list), or ``MISSING``: required."""
+    return f.default_factory() if f.default_factory is not _MISSING else f.default
+
+
+def _keys(cls: type) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if f.init]
+
+
+def _check(section: str, f: dataclasses.Field, value: Any) -> None:
+    """The declared choices and range of the key ``f``, on its value (None: not given)."""
     if value is None:
         return
+    where, metadata = f"[{section}] {f.name}", f.metadata
     choices = choices_of(metadata)
     if choices is not None and value not in choices:
         raise InvalidValue(f"{where} {value!r} is not one of {', '.join(map(str, choices))}; "
                            f"{did_you_mean(str(value), map(str, choices))}choose one"
                            f"{_meanings(metadata['choices'])}.")
     low, high, above = metadata.get("low"), metadata.get("high"), metadata.get("above")
-    if low is None and high is None:
-        return
-    ok = (low is None or (low < value if above else low <= value)) and \
-        (high is None or value <= high)
-    if ok:
+    if (low is None or (low < value if above else low <= value)) and \
+            (high is None or value <= high):
         return
     if high is None:
         bound = f"be {'>' if above else '>='} {low}"
@@ -168,24 +188,30 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _unwrap(hint: Any) -> tuple[Any, bool]:
+    """``X`` of ``X | None`` (TOML has no null: an optional key is one left out), and whether
+    ``hint`` was optional."""
+    if get_origin(hint) in (Union, types.UnionType):
+        (inner,) = [a for a in get_args(hint) if a is not type(None)]
+        return inner, True
+    return hint, False
+
+
 def _coerce(where: str, value: Any, hint: Any, base: Path, secret: bool) -> Any:
+    hint, optional = _unwrap(hint)
+    if value is None and optional:
+        return None
     origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):  # X | None
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(where, value, inner, base, secret)
     if hint is Any:
         return value
-    if hint is Path:
-        _expect(isinstance(value, str | Path), where, "a path (string)", value, secret)
-        return (base / Path(value).expanduser()).resolve()
-    if hint is FolderOrRepo:
+    if hint in (Path, FolderOrRepo):
+        kind = "a path (string)" if hint is Path else "a folder or a hub id (string)"
+        _expect(isinstance(value, str | Path), where, kind, value, secret)
+        folder = (base / Path(value).expanduser()).resolve()
+        if hint is Path:
+            return folder
         from modeling.checkpoint.repository import is_repo_id  # the checkpoint package is big
 
-        _expect(isinstance(value, str | Path), where, "a folder or a hub id (string)", value,
-                secret)
-        folder = (base / Path(value).expanduser()).resolve()
         repo = not folder.exists() and is_repo_id(str(value)) and not Path(value).is_absolute()
         return FolderOrRepo(value if repo else folder)
     if hint is float:
@@ -243,28 +269,19 @@ def json_schema(sections: Mapping[str, type], *, title: str, description: str = 
                 required: Iterable[str] = ()) -> dict[str, Any]:
     """A JSON schema (draft 2020-12) of a file made of ``sections``; ``required`` names the
     sections it must have."""
-    return {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "title": title,
-        "description": description,
-        "type": "object",
-        "additionalProperties": False,
-        "required": list(required),
-        "properties": {name: section_schema(cls) for name, cls in sections.items()},
-    }
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": title,
+            "description": description, "type": "object", "additionalProperties": False,
+            "required": list(required),
+            "properties": {name: section_schema(cls) for name, cls in sections.items()}}
 
 
 def section_schema(cls: type) -> dict[str, Any]:
     """The schema of one section: an object of exactly its keys."""
-    hints = get_type_hints(cls)
-    fields = [f for f in dataclasses.fields(cls) if f.init]
+    hints, fields = get_type_hints(cls), _keys(cls)
     schema: dict[str, Any] = {
-        "type": "object",
-        "additionalProperties": False,
+        "type": "object", "additionalProperties": False,
         "properties": {f.name: _field_schema(f, hints[f.name]) for f in fields},
-        "required": [f.name for f in fields
-                     if f.default is _MISSING and f.default_factory is _MISSING],
-    }
+        "required": [f.name for f in fields if default_of(f) is _MISSING]}
     if cls.__doc__ and not cls.__doc__.startswith(f"{cls.__name__}("):  # dataclass's own
         schema["description"] = " ".join(cls.__doc__.split())
     return schema
@@ -281,17 +298,14 @@ def _field_schema(f: dataclasses.Field, hint: Any) -> dict[str, Any]:
         schema["exclusiveMinimum" if meta.get("above") else "minimum"] = meta["low"]
     if meta.get("high") is not None:
         schema["maximum"] = meta["high"]
-    default = f.default_factory() if f.default_factory is not _MISSING else f.default
-    if default is not _MISSING and default is not None and not meta.get("secret"):
+    if (default := default_of(f)) not in (_MISSING, None) and not meta.get("secret"):
         schema["default"] = _plain(default)
     return schema
 
 
 def _type_schema(hint: Any) -> dict[str, Any]:
+    hint = _unwrap(hint)[0]
     origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):
-        (inner,) = [a for a in args if a is not type(None)]
-        return _type_schema(inner)  # TOML has no null: an optional key is one left out
     if hint is bool:
         return {"type": "boolean"}
     if hint is int:
@@ -325,11 +339,11 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
     Every option defaults to None (not given), so ``given_flags`` can tell what the command
     line set; a bool key gets ``--key`` and ``--no-key``."""
     hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if not f.init or (flag := flag_of(f)) is None:
+    for f in _keys(cls):
+        if (flag := flag_of(f)) is None:
             continue
-        hint = _optional_inner(hints[f.name])
-        default = f.default_factory() if f.default_factory is not _MISSING else f.default
+        hint = _unwrap(hints[f.name])[0]
+        default = default_of(f)
         shown = "required" if default is _MISSING else f"default: {_flag_text(default)}"
         if (choices := choices_of(f.metadata)) is not None:
             shown = f"one of {', '.join(map(str, choices))}; {shown}"
@@ -347,9 +361,9 @@ def given_flags(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The keys of ``cls`` the command line gave, as a table ``read_table`` reads (relative
     paths made absolute: a flag's path is relative to the working directory)."""
     given, hints = {}, get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.init and flag_of(f) is not None and getattr(args, f.name, None) is not None:
-            value, hint = getattr(args, f.name), _optional_inner(hints[f.name])
+    for f in _keys(cls):
+        if flag_of(f) is not None and getattr(args, f.name, None) is not None:
+            value, hint = getattr(args, f.name), _unwrap(hints[f.name])[0]
             if hint in (Path, FolderOrRepo):  # a folder here, or (FolderOrRepo) a hub id
                 value = str(_coerce(flag_of(f), value, hint, Path.cwd(), False))
             given[f.name] = value
@@ -363,13 +377,6 @@ def _flag_text(value: Any) -> str:
     if isinstance(value, list | tuple):
         return ",".join(map(str, value))
     return str(_plain(value))
-
-
-def _optional_inner(hint: Any) -> Any:
-    if get_origin(hint) in (Union, types.UnionType):
-        (inner,) = [a for a in get_args(hint) if a is not type(None)]
-        return inner
-    return hint
 
 
 def _parse_flag(hint: Any) -> Callable[[str], Any]:

@@ -1,6 +1,6 @@
 """``RunConfig``: everything ``matformer-server --config run.toml`` needs, as typed sections.
 
-    config = RunConfig.load("run.toml")        # checked whole, or a ServerConfigError
+    config = RunConfig.load("run.toml", ["round.rounds=5"])  # with --set: checked whole
     config.model.build()                        # -> ModelConfig (universal)
     config.tiers.build(config.model.build())    # -> TierPolicy
     config.compression.build()                  # -> modeling's Compressor
@@ -25,21 +25,29 @@ the ``*_env`` keys.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from modeling.commands import apply_overrides
 from modeling.compression import ENCODERS, Broadcast, CompressionConfig, universal_shapes
 from modeling.errors import CompressionConfigError, TierError
 from modeling.matformer import tier_width
-from modeling.settings import json_schema, read_table, reject_unknown, table_of
-from server.errors import InvalidToml, InvalidValue, MissingFile
+from modeling.settings import (
+    check_declared,
+    default_of,
+    json_schema,
+    read_table,
+    read_toml,
+    reject_unknown,
+    table_of,
+)
+from server.errors import InvalidValue, MissingFile
 from server.sections import (
     OUTER_DEFAULTS,
     AuthSection,
     CheckpointSection,
-    CompressionSection,
     DataSection,
     FaultsSection,
     InnerSection,
@@ -77,9 +85,10 @@ class RunConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Checks across sections (each section has checked itself already), and modeling's
-        [compression] against what a run needs."""
-        read_table(CompressionSection, table_of(self.compression), "compression", Path())
+        """Each section's declared ranges (a config built in code has not been read), then
+        the checks across sections."""
+        for f in dataclasses.fields(self):
+            check_declared(getattr(self, f.name), f.name)
         model = self.model.build()
         for tier in self.tiers.allowed:
             try:
@@ -116,9 +125,15 @@ class RunConfig:
             )
 
     @classmethod
-    def load(cls, path: str | Path) -> RunConfig:
+    def load(cls, path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
+        """run.toml at ``path`` with ``--set SECTION.KEY=VALUE`` ``overrides`` applied;
+        relative paths (also those of overrides) resolve against the file's folder."""
         path = Path(path)
-        return cls.from_dict(read_toml(path), base=path.resolve().parent)
+        if not path.is_file():
+            raise MissingFile(f"{path} does not exist; pass the run's TOML file "
+                              "(examples/run.toml shows one).")
+        return cls.from_dict(apply_overrides(read_toml(path), overrides),
+                             base=path.resolve().parent)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, base: str | Path = ".") -> RunConfig:
@@ -165,27 +180,15 @@ def _refuse_renamed_encoding(encoding: Any) -> None:
 
 
 def run_schema() -> dict[str, Any]:
-    """The JSON schema (draft 2020-12) of run.toml, from the declarations RunConfig reads with:
-    [compression] as ``CompressionSection`` declares it, and ``auth`` also as a mode alone
-    (``auth = "none"``). Checks across keys and sections are RunConfig's alone."""
-    sections = {**get_type_hints(RunConfig), "compression": CompressionSection}
-    required = [f.name for f in dataclasses.fields(RunConfig)
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    schema = json_schema(sections, title="run.toml", required=required, description=(
-        "One federated Matformer run, for `matformer-server --config run.toml`; "
-        "examples/run.toml shows every key with its default."))
+    """The JSON schema (draft 2020-12) of run.toml, from the declarations RunConfig reads with,
+    ``auth`` also as a mode alone (``auth = "none"``). Checks across keys and sections are
+    RunConfig's alone."""
+    required = [f.name for f in dataclasses.fields(RunConfig) if default_of(f) is MISSING]
+    schema = json_schema(get_type_hints(RunConfig), title="run.toml", required=required,
+                         description="One federated Matformer run, for `matformer-server "
+                         "--config run.toml`; examples/run.toml shows every key with its default.")
     auth = schema["properties"]["auth"]
     mode = {**auth["properties"]["mode"], "description": "short for [auth] mode = this"}
     schema["properties"]["auth"] = {"anyOf": [mode, auth]}
     return schema
 
-
-def read_toml(path: Path) -> dict[str, Any]:
-    """The parsed run.toml at ``path``, or a named error saying what to fix."""
-    if not path.is_file():
-        raise MissingFile(f"{path} does not exist; pass the run's TOML file "
-                          "(examples/run.toml shows one).")
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise InvalidToml(f"{path} is not valid TOML: {err}; fix it there.") from err

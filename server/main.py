@@ -18,20 +18,16 @@ and exits 0 when the members have left, unless [server] stay_after_finish
 
 from __future__ import annotations
 
-import copy
 import ipaddress
 import logging
-import re
 import signal
 import socket
 import sys
 import threading
 import time
-import tomllib
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import uvicorn
@@ -42,9 +38,9 @@ from protocol.channel import GRPC_OPTIONS
 from protocol.health import add_health
 from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from server.call_slots import RequestGate
-from server.config import RunConfig, read_toml
+from server.config import RunConfig
 from server.coordinator import Coordinator
-from server.errors import InvalidValue, PortUnavailable, WrongType
+from server.errors import PortUnavailable
 from server.http import build_app
 from server.keys import KeyFile
 from server.run_end import END_POLL_S, RunEnd
@@ -56,7 +52,6 @@ from server.service import CoordinatorService
 KEEPALIVE_S = 60
 KEEPALIVE_TIMEOUT_S = 20
 STOP_GRACE_S = 2.0
-_BARE_WORD = re.compile(r"[^\s\"'\[\]{}=]+")  # an unquoted --set string value
 
 log = logging.getLogger("matformer.server")
 
@@ -193,46 +188,6 @@ def server_options(config: RunConfig) -> tuple[tuple[str, int], ...]:
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000))
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``SECTION.KEY=VALUE`` (VALUE in TOML syntax; a bare word that is not TOML is taken as
-    a string) → the key path and the value."""
-    key, sep, raw = text.partition("=")
-    path = [part.strip() for part in key.split(".")]
-    if not sep or len(path) < 2 or not all(path):
-        raise InvalidValue(f"--set {text!r} is not SECTION.KEY=VALUE; write e.g. "
-                           "--set round.rounds=5.")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        if not _BARE_WORD.fullmatch(raw.strip()):
-            raise InvalidValue(f"--set {text!r}: {raw.strip()!r} is not a TOML value; quote "
-                               "strings, e.g. --set run.id='\"my-run\"'.") from None
-        value = raw.strip()
-    return path, value
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """A copy of the parsed TOML ``data`` with every ``--set`` applied in order; a key the
-    file would not accept is refused later, by ``RunConfig.from_dict``, in the same words."""
-    data = copy.deepcopy(data)
-    for text in overrides:
-        path, value = parse_override(text)
-        table = data
-        for i, part in enumerate(path[:-1]):
-            table = table.setdefault(part, {})
-            if not isinstance(table, dict):
-                raise WrongType(f"--set {text!r}: {'.'.join(path[:i + 1])} is not a table.")
-        table[path[-1]] = value
-    return data
-
-
-def load_config(path: Path, overrides: list[str] = ()) -> RunConfig:
-    """run.toml at ``path`` with ``--set`` overrides applied; relative paths (also those of
-    overrides) resolve against the file's folder."""
-    return RunConfig.from_dict(apply_overrides(read_toml(path), list(overrides)),
-                               base=path.resolve().parent)
-
-
 def keys_main(argv: list[str]) -> int:
     """``matformer-server keys add|remove|list``: the run's client keys (server/keys.py)."""
     parser = command_parser(
@@ -245,7 +200,7 @@ def keys_main(argv: list[str]) -> int:
     if args.action != "list" and not args.name:
         parser.error(f"keys {args.action} needs a NAME")
     try:
-        config = load_config(args.config)
+        config = RunConfig.load(args.config)
         keys = KeyFile(config.keys_path)
         if args.action == "add":
             key = keys.add(args.name)
@@ -284,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
-        config = load_config(args.config, args.overrides)
+        config = RunConfig.load(args.config, args.overrides)
         server = RunningServer.start(config)
     except MatformerError as err:
         print(f"matformer-server: {err}", file=sys.stderr)

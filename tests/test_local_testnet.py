@@ -23,10 +23,10 @@ from local_testnet.report import (
     write_plot,
     write_summary,
 )
+from modeling.commands import apply_overrides
 from modeling.mdat import build_default_mdat
 from server.config import RunConfig
 from server.errors import InvalidValue, UnknownKey, WrongType
-from server.main import load_config, parse_override
 from server.main import main as server_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,38 +108,40 @@ def test_summary_holds_the_table_numbers(tmp_path):
 
 # -- matformer-server --set ------------------------------------------------------------------
 
-def test_parse_override_reads_toml_values_and_bare_words():
-    assert parse_override("round.rounds=5") == (["round", "rounds"], 5)
-    assert parse_override("tiers.allowed=[0, 1]") == (["tiers", "allowed"], [0, 1])
-    assert parse_override('server.host="0.0.0.0"') == (["server", "host"], "0.0.0.0")
-    assert parse_override("run.dir=runs/x") == (["run", "dir"], "runs/x")
+def test_an_override_reads_toml_values_and_bare_words():
+    assert apply_overrides({"round": {"rounds": 2}}, ["round.rounds=5", "tiers.allowed=[0, 1]",
+                                                      'server.host="0.0.0.0"', "run.dir=runs/x"]
+                           ) == {"round": {"rounds": 5}, "tiers": {"allowed": [0, 1]},
+                                 "server": {"host": "0.0.0.0"}, "run": {"dir": "runs/x"}}
     with pytest.raises(InvalidValue, match=r"SECTION\.KEY=VALUE"):
-        parse_override("rounds=5")
+        apply_overrides({}, ["rounds=5"])
     with pytest.raises(InvalidValue, match=r"SECTION\.KEY=VALUE"):
-        parse_override("round.rounds")
+        apply_overrides({}, ["round.rounds"])
+    with pytest.raises(InvalidValue, match="not a TOML value"):
+        apply_overrides({}, ["run.id=my run"])
 
 
 def test_override_takes_effect(tmp_path):
     path = local_testnet_toml(tmp_path / "run.toml")
-    config = load_config(path, ["round.rounds=7", "server.grpc_port=7100",
+    config = RunConfig.load(path, ["round.rounds=7", "server.grpc_port=7100",
                                 "model.inline.hidden_size=64", 'run.dir="other"'])
     assert config.round.rounds == 7 and config.server.grpc_port == 7100
     assert config.model.build().hidden_size == 64
     assert config.run.dir == (tmp_path / "other").resolve()  # relative to the file, as in it
-    assert load_config(path).round.rounds == 5
+    assert RunConfig.load(path).round.rounds == 5
 
 
 def test_typo_in_an_override_reads_like_a_typo_in_the_file(tmp_path):
     with pytest.raises(UnknownKey) as from_file:
-        load_config(local_testnet_toml(tmp_path / "typo.toml", checkpoint={"evry_rounds": 2}))
+        RunConfig.load(local_testnet_toml(tmp_path / "typo.toml", checkpoint={"evry_rounds": 2}))
     with pytest.raises(UnknownKey) as from_set:
-        load_config(local_testnet_toml(tmp_path / "run.toml"), ["checkpoint.evry_rounds=2"])
+        RunConfig.load(local_testnet_toml(tmp_path / "run.toml"), ["checkpoint.evry_rounds=2"])
     assert str(from_set.value) == str(from_file.value)
     assert "did you mean 'every_rounds'" in str(from_set.value)
     with pytest.raises(UnknownKey, match="valid keys: run, model"):
-        load_config(local_testnet_toml(tmp_path / "run.toml"), ["rond.rounds=2"])
+        RunConfig.load(local_testnet_toml(tmp_path / "run.toml"), ["rond.rounds=2"])
     with pytest.raises(WrongType, match=r"round\.rounds is not a table"):
-        load_config(local_testnet_toml(tmp_path / "run.toml"), ["round.rounds.x=2"])
+        RunConfig.load(local_testnet_toml(tmp_path / "run.toml"), ["round.rounds.x=2"])
 
 
 def test_server_refuses_a_bad_override_before_serving(tmp_path, capsys):

@@ -30,7 +30,7 @@ from server.errors import (
     SessionInvalid,
 )
 from server.keys import KeyFile, KeyFileError
-from server.main import RunningServer, load_config, main
+from server.main import RunningServer, main
 
 # -- the keys file --------------------------------------------------------------------
 
@@ -182,7 +182,7 @@ def test_keys_mode_over_grpc_with_keys_issued_by_the_command(tmp_path):
     listed = subprocess.run([sys.executable, "-m", "server.main", "keys", "list",
                              "--config", str(toml)], capture_output=True, text=True, check=True)
     assert listed.stdout.startswith("alice\tissued ")
-    server = RunningServer.start(load_config(toml), grpc_port=0, http_port=0)
+    server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     stub = pb_grpc.CoordinatorStub(channel)
     try:
@@ -202,7 +202,7 @@ def test_keys_mode_over_grpc_with_keys_issued_by_the_command(tmp_path):
 
 
 def test_name_and_rate_refusals_carry_their_codes_over_grpc(tmp_path):
-    config = load_config(served_run_toml(tmp_path, min_clients=5),
+    config = RunConfig.load(served_run_toml(tmp_path, min_clients=5),
                          ["faults.max_joins_per_minute=2"])
     server = RunningServer.start(config, grpc_port=0, http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
@@ -229,7 +229,7 @@ def test_a_taken_port_is_a_named_error_not_a_traceback(tmp_path, capsys):
     toml = served_run_toml(tmp_path)
     try:
         with pytest.raises(PortUnavailable, match=f"gRPC port {port}.*choose \\[server\\]"):
-            RunningServer.start(load_config(toml), grpc_port=port, http_port=0)
+            RunningServer.start(RunConfig.load(toml), grpc_port=port, http_port=0)
         free = socket.socket()
         free.bind(("127.0.0.1", 0))
         http_port = free.getsockname()[1]

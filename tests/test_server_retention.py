@@ -4,6 +4,8 @@ what a resume or a loading client needs is never removed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers import Clock, checked_tables, run_config
 from rounds import caps, drive, same
@@ -13,6 +15,7 @@ from server.checkpoints import CheckpointStore
 from server.config import RunConfig
 from server.coordinator import Coordinator
 from server.errors import InvalidValue
+from server.sections import CheckpointSection
 
 
 def folders(c: Coordinator) -> list[str]:
@@ -84,3 +87,6 @@ def test_a_failed_save_while_retiring_keeps_every_checkpoint(tmp_path, mdat_path
 def test_keep_last_below_two_is_refused():
     with pytest.raises(InvalidValue, match=r"\[checkpoint\] keep_last must lie in \[2, "):
         RunConfig.from_dict(checked_tables(checkpoint={"keep_last": 1}))
+    config = RunConfig.from_dict(checked_tables())  # and in a config built in code
+    with pytest.raises(InvalidValue, match=r"\[checkpoint\] keep_last must lie in \[2, "):
+        dataclasses.replace(config, checkpoint=CheckpointSection(keep_last=1))

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modeling.compression.encodings import Encoding, get_encoding
+from modeling.compression.encodings import ENCODERS, Encoding, get_encoding
 from modeling.compression.feedback import ErrorFeedback
 from modeling.compression.grid import ChunkGrid, Region, region_shape
 from modeling.compression.sparse import SparseResult
-from modeling.errors import CompressionConfigError, ResultShapeMismatch
+from modeling.errors import CompressionConfigError, ResultShapeMismatch, SettingsError
+from modeling.settings import check_declared, setting
+
+UINT32_MAX = 2**32 - 1  # chunk and topk travel to clients as uint32 (TrainingSettings)
+MAX_LR = 10.0  # a run's bound on a learning rate: a step of 10·sign(aggregate) wipes out weights
 
 # Value dtypes a result may travel in. bfloat16 keeps fp32's exponent range, which small
 # lr-scaled momenta need (float16 loses precision below 6e-5 and rounds values below 3e-8 to 0).
@@ -31,29 +35,35 @@ VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 @dataclass(kw_only=True, slots=True)
 class CompressionConfig:
-    encoding: str = "dct"  # dense | topk | dct (modeling.compression.encodings)
-    chunk: int = 64  # chunk side on the universal grid, clipped to smaller dimensions
-    topk: int = 32  # values kept per chunk (topk, dct)
-    # dtype of the values sent (topk, dct); dense sends float32, or float64 when asked
-    value_dtype: str = "bfloat16"
-    decay: float = 0.999  # momentum decay β in m ← β·m + lr·g; 1 accumulates without decay
-    lr: float = 1.0  # gradient scale lr in m ← β·m + lr·g
+    """How clients encode their results: run.toml's [compression], with the bounds of the
+    uint32 fields that carry it to them."""
+
+    encoding: str = setting("dct", choices=ENCODERS, help=(
+        "dense | topk | dct (modeling.compression.encodings)"))
+    chunk: int = setting(64, low=1, high=UINT32_MAX, help=(
+        "chunk side on the universal grid, clipped to smaller dimensions"))
+    topk: int = setting(32, low=1, help=(  # at most chunk²: __post_init__
+        "values kept per chunk (topk, dct); at most chunk²"))
+    value_dtype: str = setting("bfloat16", choices=VALUE_DTYPES, help=(
+        "dtype of the values sent (topk, dct); dense sends float32, or float64 when asked"))
+    decay: float = setting(0.999, low=0, high=1, help=(
+        "momentum decay β in m ← β·m + lr·g; 1 accumulates without decay"))
+    lr: float = setting(1.0, low=0, above=True, high=MAX_LR, help=(
+        "gradient scale lr in m ← β·m + lr·g; the step size is [update] lr"))
 
     def __post_init__(self) -> None:
-        get_encoding(self.encoding)  # raises UnknownEncoding
-        checks = [
-            (self.chunk >= 1, f"chunk must be >= 1, got {self.chunk}"),
-            (self.topk >= 1, f"topk must be >= 1, got {self.topk}"),
-            (self.value_dtype in VALUE_DTYPES,
-             f"value_dtype must be one of {', '.join(VALUE_DTYPES)}, got {self.value_dtype!r}"),
-            (self.value_dtype != "float64" or self.encoding == "dense",
-             f"value_dtype float64 is for encoding dense (exact results), not {self.encoding}"),
-            (0.0 <= self.decay <= 1.0, f"decay must lie in [0, 1], got {self.decay}"),
-            (self.lr > 0.0, f"lr must be > 0, got {self.lr}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise CompressionConfigError(message + ".")
+        get_encoding(self.encoding)  # raises UnknownEncoding, with a did-you-mean
+        try:
+            check_declared(self, "compression")
+        except SettingsError as err:
+            raise CompressionConfigError(str(err)) from None
+        if self.value_dtype == "float64" and self.encoding != "dense":
+            raise CompressionConfigError(f"value_dtype float64 is for encoding dense (exact "
+                                         f"results), not {self.encoding}.")
+        most = min(self.chunk ** 2, UINT32_MAX)
+        if self.encoding != "dense" and self.topk > most:
+            raise CompressionConfigError(f"topk must lie in [1, {most}] (chunk {self.chunk}²), "
+                                         f"got {self.topk}.")
 
     def build(self) -> Compressor:
         return Compressor(

@@ -4,15 +4,15 @@ configure:
 
     run.py       [run], [checkpoint], [tracking]: the run's name and what it keeps
     model.py     [model], [data], [tiers]: what is trained, on what, in which slices
-    training.py  [round], [update], [inner], [compression]: rounds, steps, encodings
+    training.py  [round], [update], [inner]: rounds and steps
     access.py    [server], [auth], [tls]: where the servers listen and who may use them
     faults.py    [faults]: members that fail or misbehave, and what their calls may hold
     checks.py    what checks by hand share: a range computed from other keys
 
 Reading a table checks each key against its declaration; a section's ``__post_init__``
 checks what involves two keys, and ``server.config.RunConfig.validate`` what involves two
-sections (tiers against the model, ...). The run holds modeling's own ``CompressionConfig``;
-``CompressionSection`` declares its keys as run.toml reads them, with the bounds a run needs.
+sections (tiers against the model, ...). [compression] is modeling's ``CompressionConfig``,
+declared the same way.
 
 See ``examples/run.toml`` for every key, its default and what it does.
 """
@@ -23,7 +23,6 @@ from server.sections.model import DataSection, ModelSection, TiersSection
 from server.sections.run import CheckpointSection, RunSection, TrackingSection
 from server.sections.training import (
     OUTER_DEFAULTS,
-    CompressionSection,
     InnerSection,
     RoundSection,
     UpdateSection,
@@ -33,7 +32,6 @@ __all__ = [
     "OUTER_DEFAULTS",
     "AuthSection",
     "CheckpointSection",
-    "CompressionSection",
     "DataSection",
     "FaultsSection",
     "InnerSection",

@@ -80,7 +80,6 @@ class ModelSection:
                 "universal (tier 0) model, so point [model] at the universal config.")
         return config
 
-
     def checkpoint_folder(self) -> Path | None:
         """The local folder of ``checkpoint``: the folder it names, or, for a hub id, the
         snapshot in the hub cache holding its universal config and weights."""

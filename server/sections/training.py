@@ -1,18 +1,14 @@
-"""[round], [update], [inner] and [compression]: when rounds open and close, how members
-train their share and encode their results, and how the results become each round's step."""
+"""[round], [update] and [inner]: when rounds open and close, how members train their share,
+and how the results become each round's step. [compression] is modeling's own
+``CompressionConfig``."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from modeling.compression import (
-    ENCODERS,
-    UPDATE_RULES,
-    VALUE_DTYPES,
-    CompressionConfig,
-    UpdateConfig,
-)
+from modeling.compression import UPDATE_RULES, CompressionConfig, UpdateConfig
+from modeling.compression.compressor import MAX_LR, UINT32_MAX
 from modeling.errors import MatformerError
 from modeling.optim import (
     OPTIMIZER_NAMES,
@@ -23,12 +19,10 @@ from modeling.optim import (
 )
 from modeling.settings import setting
 from server.errors import InvalidValue, MissingKey
-from server.sections.checks import MAX_SECONDS, SECONDS, require, within
+from server.sections.checks import MAX_SECONDS, SECONDS, require
 from server.update_steps import Momentum
 
 MIN_DEADLINE_S = 1.0  # no round is ever trained and submitted in less
-MAX_LR = 10.0  # a step of 10·sign(aggregate) already wipes out any trained weight
-UINT32_MAX = 2**32 - 1  # chunk and topk travel to clients as uint32 (TrainingSettings)
 # Broadcast coefficients per 64 × 64 chunk: with DeMo's 32 per chunk sent up, a tier-0
 # client moves about 1/128 of dense float32 both ways (bench/scale.py)
 DEFAULT_BROADCAST_TOPK = 48
@@ -142,7 +136,6 @@ class UpdateSection:
                             broadcast_topk=self.broadcast(compression), chunk=compression.chunk)
 
 
-
 # [update] when [inner] enables local steps and gives no rule: DiLoCo's outer optimizer
 OUTER_DEFAULTS = {"rule": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True,
                   "schedule": "constant"}
@@ -193,30 +186,3 @@ class InnerSection:
         return constant_after_warmup(self.optimizer, lr=self.lr, weight_decay=self.weight_decay,
                                      betas=tuple(self.betas), eps=self.eps,
                                      warmup_steps=self.warmup_steps)
-
-
-_MODELING = CompressionConfig()  # modeling's defaults, which run.toml keeps
-
-
-@dataclass(kw_only=True, slots=True)
-class CompressionSection:
-    """How clients encode their results: the keys of modeling's CompressionConfig (which the
-    run holds) with the bounds a run needs, such as the uint32 fields that carry them."""
-
-    encoding: str = setting(_MODELING.encoding, choices=ENCODERS, help=(
-        "dense | topk | dct (modeling.compression.encodings)"))
-    chunk: int = setting(_MODELING.chunk, low=1, high=UINT32_MAX, help=(
-        "chunk side on the universal grid, clipped to smaller dimensions"))
-    topk: int = setting(_MODELING.topk, low=1, help=(  # at most chunk²: __post_init__
-        "values kept per chunk (topk, dct); at most chunk²"))
-    value_dtype: str = setting(_MODELING.value_dtype, choices=VALUE_DTYPES, help=(
-        "dtype of the values sent (topk, dct); dense sends float32, or float64 when asked"))
-    decay: float = setting(_MODELING.decay, low=0, high=1, help=(
-        "momentum decay β in m ← β·m + lr·g; 1 accumulates without decay"))
-    lr: float = setting(_MODELING.lr, low=0, above=True, high=MAX_LR, help=(
-        "gradient scale lr in m ← β·m + lr·g; the step size is [update] lr"))
-
-    def __post_init__(self) -> None:
-        if self.encoding != "dense":
-            within("[compression] topk", self.topk, 1, min(self.chunk ** 2, UINT32_MAX),
-                   unit=f" (chunk {self.chunk}²)")
