@@ -34,7 +34,7 @@ from harness import (
 )
 from torch import nn
 
-from modeling import registry
+from matformer.modeling import registry
 
 SMOKE = dict(lengths="128,256", heads=2, head_dim=16, features=16, chunk=32, steps=2,
              warmup=1, threads=1)

@@ -39,10 +39,10 @@ import torch
 from harness import parse
 from safetensors.torch import load_file, save_file
 
-from modeling import AutoregressiveModel, LayerConfig, ModelConfig, canonical_state_dict
-from modeling.checkpoint import load_pretrained, save_pretrained
-from modeling.checkpoint.export import export_tiers
-from modeling.checkpoint.loader import load_for_tier
+from matformer.modeling import AutoregressiveModel, LayerConfig, ModelConfig, canonical_state_dict
+from matformer.modeling.checkpoint import load_pretrained, save_pretrained
+from matformer.modeling.checkpoint.export import export_tiers
+from matformer.modeling.checkpoint.loader import load_for_tier
 
 MB = 1e6
 SMOKE = dict(vocab_size=512, hidden_size=64, layers=2, heads=4, kv_heads=2,

@@ -33,8 +33,8 @@ import torch
 from harness import CPU_SHARE_FLOOR, parse, print_table
 from torch import Tensor
 
-from modeling import ModelConfig
-from modeling.compression import (
+from matformer.modeling import ModelConfig
+from matformer.modeling.compression import (
     VALUE_DTYPES,
     CompressionConfig,
     Compressor,
@@ -46,7 +46,7 @@ from modeling.compression import (
     tier_regions,
     universal_shapes,
 )
-from server.aggregation import Aggregate, aggregate
+from matformer.server.aggregation import Aggregate, aggregate
 
 SMOKE = dict(vocab_size=512, hidden_size=64, layers=2, heads=4, kv_heads=2,
              intermediate_size=256, repeats=1, threads=1)

@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from harness import parse
 
-from modeling import ModelConfig, build_model
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_packed
-from modeling.distributed import DataParallel
-from modeling.optim import OptimizerConfig
-from modeling.training import StepOptions, TierSchedule, train_step_on_examples
+from matformer.modeling import ModelConfig, build_model
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_packed
+from matformer.modeling.distributed import DataParallel
+from matformer.modeling.optim import OptimizerConfig
+from matformer.modeling.training import StepOptions, TierSchedule, train_step_on_examples
 
 SMOKE = dict(hidden_size=32, layers=1, heads=2, vocab_size=512, seq_len=64, batch_tokens=256,
              microbatch_tokens=128, steps=2, warmup=1, runs="2fsdp")

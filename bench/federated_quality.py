@@ -68,29 +68,29 @@ import torch
 from harness import parse, print_table
 from torch import Tensor
 
-from client.connection import Train
-from client.federated import FederatedClient, FederatedOptions
-from client.standalone import TINY
-from client.summary import ClientSummary
-from modeling import ModelConfig, build_model
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
-from modeling.checkpoint import load_pretrained
-from modeling.compression import SparseResult
-from modeling.matformer import tier_label
-from modeling.mdat import (
+from matformer.client.connection import Train
+from matformer.client.federated import FederatedClient, FederatedOptions
+from matformer.client.standalone import TINY
+from matformer.client.summary import ClientSummary
+from matformer.modeling import ModelConfig, build_model
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
+from matformer.modeling.checkpoint import load_pretrained
+from matformer.modeling.compression import SparseResult
+from matformer.modeling.matformer import tier_label
+from matformer.modeling.mdat import (
     DEFAULT_DATA,
     DEFAULT_STRATEGY,
     Mdat,
     SequenceReader,
     build_default_mdat,
 )
-from modeling.naming import canonical_state_dict
-from modeling.optim import OptimizerConfig
-from modeling.run_order import RunOrder
-from modeling.training import TierSchedule, held_out_loss, train_step_on_examples
-from server.config import RunConfig
-from server.main import RunningServer
-from server.work import WorkQueue, work_order
+from matformer.modeling.naming import canonical_state_dict
+from matformer.modeling.optim import OptimizerConfig
+from matformer.modeling.run_order import RunOrder
+from matformer.modeling.training import TierSchedule, held_out_loss, train_step_on_examples
+from matformer.server.config import RunConfig
+from matformer.server.main import RunningServer
+from matformer.server.work import WorkQueue, work_order
 
 TIERS = [0, 1, 2]  # evaluated for every run
 EVAL_BATCH_TOKENS = 8192

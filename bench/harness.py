@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from modeling import ModelConfig
-from modeling.devices import Precision
-from modeling.optim import LocalOptimizer
+from matformer.modeling import ModelConfig
+from matformer.modeling.devices import Precision
+from matformer.modeling.optim import LocalOptimizer
 
 Step = Callable[[], None]
 

@@ -70,13 +70,13 @@ def peak_rss_mib() -> float:
 
 def measure(mode: str, args: argparse.Namespace, out: multiprocessing.Queue) -> None:
     """One mode in this (fresh) process: figures put on ``out``."""
-    from client.local_round import LocalRound, LocalSteps
-    from client.replica import Replica
-    from modeling import ModelConfig, build_model
-    from modeling.batching import AdaptiveLimitsConfig
-    from modeling.compression import CompressionConfig
-    from modeling.optim import OptimizerConfig
-    from modeling.training import TierSchedule
+    from matformer.client.local_round import LocalRound, LocalSteps
+    from matformer.client.replica import Replica
+    from matformer.modeling import ModelConfig, build_model
+    from matformer.modeling.batching import AdaptiveLimitsConfig
+    from matformer.modeling.compression import CompressionConfig
+    from matformer.modeling.optim import OptimizerConfig
+    from matformer.modeling.training import TierSchedule
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

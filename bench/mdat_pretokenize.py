@@ -22,9 +22,9 @@ from typing import Any
 
 from harness import parse
 
-from modeling.corpus import python_docs
-from modeling.mdat import Mdat
-from modeling.tokenizers import train_tokenizer
+from matformer.modeling.corpus import python_docs
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.tokenizers import train_tokenizer
 
 SMOKE = dict(documents=200, copies=1, repeats=1)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 from harness import parse
 
-from modeling.mdat import SaettaReader, build_default_mdat, export_saetta
+from matformer.modeling.mdat import SaettaReader, build_default_mdat, export_saetta
 
 BASELINE = "memmap"
 SMOKE = dict(limit=100, reads=1000, repeats=1)

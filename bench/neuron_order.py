@@ -60,16 +60,16 @@ import torch
 from harness import parse, print_table
 from tier_quality import evaluate, seeded_model, token_stream, train
 
-from client.standalone import TINY, sequences
-from modeling import ModelConfig
-from modeling.checkpoint import load_pretrained, save_pretrained
-from modeling.checkpoint.neuron_order import Calibration, convert
-from modeling.matformer import layer_widths
-from modeling.mdat import DEFAULT_STRATEGY, Mdat, build_default_mdat, default_data_path
-from modeling.run_order import RunOrder
-from modeling.training import TierSchedule
-from server.config import RunConfig
-from server.work import work_order
+from matformer.client.standalone import TINY, sequences
+from matformer.modeling import ModelConfig
+from matformer.modeling.checkpoint import load_pretrained, save_pretrained
+from matformer.modeling.checkpoint.neuron_order import Calibration, convert
+from matformer.modeling.matformer import layer_widths
+from matformer.modeling.mdat import DEFAULT_STRATEGY, Mdat, build_default_mdat, default_data_path
+from matformer.modeling.run_order import RunOrder
+from matformer.modeling.training import TierSchedule
+from matformer.server.config import RunConfig
+from matformer.server.work import work_order
 
 TIERS = [0, 1, 2]
 SEQ_LEN = 256
@@ -197,7 +197,7 @@ def federated_finetune(path: Path, order: RunOrder) -> tuple[Path, dict]:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     with log.open("w") as out:
         done = subprocess.run(
-            [sys.executable, "-m", "local_testnet.main", "--config", str(path),
+            [sys.executable, "-m", "matformer.local_testnet.main", "--config", str(path),
              "--num-clients", str(len(TIERS)), "--tiers", ",".join(map(str, TIERS))],
             cwd=path.parent, env=env, stdout=out, stderr=subprocess.STDOUT)
     run = path.with_name("run")

@@ -63,10 +63,10 @@ import grpc
 import torch
 from harness import parse, print_table
 
-import server.close as close_module
-import server.coordinator as coordinator_module
-from modeling import ModelConfig
-from modeling.compression import (
+import matformer.server.close as close_module
+import matformer.server.coordinator as coordinator_module
+from matformer.modeling import ModelConfig
+from matformer.modeling.compression import (
     DENSE_BYTES_PER_VALUE,
     CompressionConfig,
     SparseResult,
@@ -75,16 +75,16 @@ from modeling.compression import (
     tier_regions,
     universal_shapes,
 )
-from modeling.mdat import build_default_mdat
-from protocol.auth import session_metadata
-from protocol.channel import GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.sparse import encode_sparse_result
-from protocol.updates import read_updates
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.main import RunningServer
+from matformer.modeling.mdat import build_default_mdat
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.sparse import encode_sparse_result
+from matformer.protocol.updates import read_updates
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.main import RunningServer
 
 NAN = float("nan")
 JOIN_TOKEN = "bench"

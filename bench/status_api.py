@@ -35,11 +35,11 @@ from pathlib import Path
 import grpc
 from harness import parse, print_table
 
-from protocol.channel import GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.config import RunConfig
-from server.history import MAX_EVENTS
-from server.main import RunningServer
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.server.config import RunConfig
+from matformer.server.history import MAX_EVENTS
+from matformer.server.main import RunningServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers import served_run_toml

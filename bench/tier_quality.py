@@ -53,15 +53,15 @@ import torch
 from harness import parse, print_table
 from torch import Tensor
 
-from client.standalone import sequences
-from modeling import ModelConfig, build_model
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
-from modeling.matformer import tier_label
-from modeling.mdat import Mdat, build_default_mdat
-from modeling.optim import OptimizerConfig
-from modeling.run_order import RunOrder
-from modeling.tokenizers import train_tokenizer
-from modeling.training import (
+from matformer.client.standalone import sequences
+from matformer.modeling import ModelConfig, build_model
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
+from matformer.modeling.matformer import tier_label
+from matformer.modeling.mdat import Mdat, build_default_mdat
+from matformer.modeling.optim import OptimizerConfig
+from matformer.modeling.run_order import RunOrder
+from matformer.modeling.tokenizers import train_tokenizer
+from matformer.modeling.training import (
     TierSchedule,
     held_out_loss,
     train_step_on_examples,

@@ -36,8 +36,8 @@ from harness import (
     train_step,
 )
 
-from modeling import AutoregressiveModel, ModelConfig, TierError, tier_width
-from modeling.optim import OptimizerConfig
+from matformer.modeling import AutoregressiveModel, ModelConfig, TierError, tier_width
+from matformer.modeling.optim import OptimizerConfig
 
 
 def matmul_flops_per_token(config: ModelConfig, width: int, seq_len: int) -> int:

@@ -50,17 +50,17 @@ from harness import (
 )
 from torch import Tensor
 
-from modeling import AutoregressiveModel, ModelConfig
-from modeling.batching import (
+from matformer.modeling import AutoregressiveModel, ModelConfig
+from matformer.modeling.batching import (
     accumulate_gradients,
     padded_tokens,
     plan_batches,
     plan_packed,
     split_microbatches,
 )
-from modeling.corpus import python_docs
-from modeling.optim import OptimizerConfig
-from modeling.tokenizers import ByteTokenizer
+from matformer.modeling.corpus import python_docs
+from matformer.modeling.optim import OptimizerConfig
+from matformer.modeling.tokenizers import ByteTokenizer
 
 SMOKE = dict(plan_count=200, plan_max=256, plan_budget=1024, docs=40, max_len=128,
              hidden_size=32, layers=1, intermediate_size=64, repeats=2, warmup=1, threads=1)

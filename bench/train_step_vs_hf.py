@@ -53,10 +53,10 @@ from harness import (
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from modeling import AutoregressiveModel, ModelConfig, canonical_state_dict
-from modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
-from modeling.errors import DeviceUnavailable
-from modeling.optim import OptimizerConfig
+from matformer.modeling import AutoregressiveModel, ModelConfig, canonical_state_dict
+from matformer.modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
+from matformer.modeling.errors import DeviceUnavailable
+from matformer.modeling.optim import OptimizerConfig
 
 # Largest |loss difference| at which the two models count as computing the same thing, by
 # the dtype the matmuls run in (the weights' under --dtype, autocast's under --precision).

@@ -76,14 +76,14 @@ from harness import parse, print_table
 from scale import JOIN_TOKEN, Submissions, probing, run_config, tiers_of
 from scale import SHAPES as NAMED_SHAPES
 
-from client.connection import Connection, Finished, Train, Wait
-from modeling.compression import CompressionConfig, SparseResult
-from modeling.mdat import build_default_mdat
-from protocol.channel import GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.config import RunConfig
-from server.main import RunningServer
-from server.pipeline import WINDOW
+from matformer.client.connection import Connection, Finished, Train, Wait
+from matformer.modeling.compression import CompressionConfig, SparseResult
+from matformer.modeling.mdat import build_default_mdat
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.server.config import RunConfig
+from matformer.server.main import RunningServer
+from matformer.server.pipeline import WINDOW
 
 # tiny: scale.py's default shape (4M parameters); micro: --smoke's (0.2M)
 SHAPES = {"tiny": {"vocab_size": 260, "hidden_size": 256, "layers": 4, "heads": 4,

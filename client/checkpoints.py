@@ -18,16 +18,16 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from client.connection import Connection, PublishedCheckpoint
-from client.errors import ClientError, DamagedTransfer, NotServed
-from client.replica import Replica
-from modeling.checkpoint.files import read_json
-from modeling.checkpoint.loader import load, resolve
-from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
-from modeling.checkpoint.repository import HubRepository, LocalRepository, normalize
-from modeling.checkpoint.schema import canonical_schema_hash
-from modeling.errors import MatformerError, PathEscapesRepository
-from protocol.errors import ChecksumMismatch, MalformedStream
+from matformer.client.connection import Connection, PublishedCheckpoint
+from matformer.client.errors import ClientError, DamagedTransfer, NotServed
+from matformer.client.replica import Replica
+from matformer.modeling.checkpoint.files import read_json
+from matformer.modeling.checkpoint.loader import load, resolve
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
+from matformer.modeling.checkpoint.repository import HubRepository, LocalRepository, normalize
+from matformer.modeling.checkpoint.schema import canonical_schema_hash
+from matformer.modeling.errors import MatformerError, PathEscapesRepository
+from matformer.protocol.errors import ChecksumMismatch, MalformedStream
 
 DOWNLOAD_ATTEMPTS = 3  # of a checkpoint file that arrives damaged, before giving up
 Mirror = LocalRepository | HubRepository

@@ -17,17 +17,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from client import train_config
-from client.errors import RankSilent
-from client.federated import JOIN_TOKEN_ENV, FederatedClient, FederatedOptions
-from client.node import follow
-from client.standalone import add_arguments, run
-from modeling import trust
-from modeling.checkpoint.loader import STRATEGIES
-from modeling.commands import DefaultsShown, command_parser
-from modeling.devices import resolve_device
-from modeling.distributed import DataParallel
-from modeling.errors import MatformerError
+from matformer.client import train_config
+from matformer.client.errors import RankSilent
+from matformer.client.federated import JOIN_TOKEN_ENV, FederatedClient, FederatedOptions
+from matformer.client.node import follow
+from matformer.client.standalone import add_arguments, run
+from matformer.modeling import trust
+from matformer.modeling.checkpoint.loader import STRATEGIES
+from matformer.modeling.commands import DefaultsShown, command_parser
+from matformer.modeling.devices import resolve_device
+from matformer.modeling.distributed import DataParallel
+from matformer.modeling.errors import MatformerError
 
 # the standalone flags a federated client reads too: FederatedOptions fields of the same name
 SHARED = ("data", "device", "precision", "batching", "compile", "microbatch_tokens",

@@ -30,7 +30,7 @@ from typing import NamedTuple, TypeVar
 import grpc
 import torch
 
-from client.errors import (
+from matformer.client.errors import (
     DamagedOnServer,
     Excluded,
     NameTaken,
@@ -41,20 +41,20 @@ from client.errors import (
     Unreachable,
     UpdatesPruned,
 )
-from client.heartbeat import Heartbeat
-from client.local_round import LocalSteps
-from client.progress import Planned
-from modeling.compression import CompressionConfig, RoundUpdate, SparseResult
-from modeling.optim import constant_after_warmup
-from protocol.auth import session_metadata
-from protocol.channel import CLIENT_OPTIONS
-from protocol.files import receive_file
-from protocol.link import metered
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.submission import submission_messages
-from protocol.tensors import decode_tensor
-from protocol.updates import read_updates
+from matformer.client.heartbeat import Heartbeat
+from matformer.client.local_round import LocalSteps
+from matformer.client.progress import Planned
+from matformer.modeling.compression import CompressionConfig, RoundUpdate, SparseResult
+from matformer.modeling.optim import constant_after_warmup
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import CLIENT_OPTIONS
+from matformer.protocol.files import receive_file
+from matformer.protocol.link import metered
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.submission import submission_messages
+from matformer.protocol.tensors import decode_tensor
+from matformer.protocol.updates import read_updates
 
 T = TypeVar("T")
 RETRY_FIRST_S = 0.2  # first backoff; doubles per attempt up to RETRY_MAX_S, with jitter

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client.connection import Connection, RunSettings
-from client.errors import DataMismatch
-from modeling.mdat import Mdat, SequenceReader
+from matformer.client.connection import Connection, RunSettings
+from matformer.client.errors import DataMismatch
+from matformer.modeling.mdat import Mdat, SequenceReader
 
 
 class SequenceSource:

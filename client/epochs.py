@@ -7,9 +7,9 @@ import argparse
 
 import numpy as np
 
-from modeling.batching import plan_batches, plan_packed
-from modeling.errors import ConfigError
-from modeling.run_order import RunOrder
+from matformer.modeling.batching import plan_batches, plan_packed
+from matformer.modeling.errors import ConfigError
+from matformer.modeling.run_order import RunOrder
 
 DEFAULT_STEPS = 200
 

@@ -3,7 +3,7 @@
 The transport edge (``client.connection``) turns the coordinator's status codes into the
 errors below, so nothing past it handles a gRPC status."""
 
-from modeling.errors import MatformerError
+from matformer.modeling.errors import MatformerError
 
 
 class ClientError(MatformerError):

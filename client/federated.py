@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from client.checkpoints import load_replica, open_mirror
-from client.connection import Connection, Membership, PublishedCheckpoint, Train
-from client.data import SequenceSource
-from client.errors import (
+from matformer.client.checkpoints import load_replica, open_mirror
+from matformer.client.connection import Connection, Membership, PublishedCheckpoint, Train
+from matformer.client.data import SequenceSource
+from matformer.client.errors import (
     ClientError,
     FeedbackStateMismatch,
     NameTaken,
@@ -46,19 +46,24 @@ from client.errors import (
     SessionEnded,
     UpdatesPruned,
 )
-from client.local_round import Advance, LocalRound, RoundSetup, RoundWork
-from client.node import Node
-from client.probe import device_name, measure_tokens_per_second, memory_bytes
-from client.progress import Progress
-from client.replica import Replica
-from client.rounds import OverlappedRounds, SynchronousRounds
-from client.state_dir import feedback_path, held, previous_session, save_session
-from client.summary import ClientSummary, Cost, write_summary
-from modeling.checkpoint.loader import STRATEGIES
-from modeling.compression import DENSE_BYTES_PER_VALUE, RoundUpdate, region_shape, tier_regions
-from modeling.devices import compile_model, resolve_device
-from modeling.distributed import DataParallel
-from modeling.matformer import tier_label
+from matformer.client.local_round import Advance, LocalRound, RoundSetup, RoundWork
+from matformer.client.node import Node
+from matformer.client.probe import device_name, measure_tokens_per_second, memory_bytes
+from matformer.client.progress import Progress
+from matformer.client.replica import Replica
+from matformer.client.rounds import OverlappedRounds, SynchronousRounds
+from matformer.client.state_dir import feedback_path, held, previous_session, save_session
+from matformer.client.summary import ClientSummary, Cost, write_summary
+from matformer.modeling.checkpoint.loader import STRATEGIES
+from matformer.modeling.compression import (
+    DENSE_BYTES_PER_VALUE,
+    RoundUpdate,
+    region_shape,
+    tier_regions,
+)
+from matformer.modeling.devices import compile_model, resolve_device
+from matformer.modeling.distributed import DataParallel
+from matformer.modeling.matformer import tier_label
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 NAME_PATIENCE_S = 90.0  # how long a Join waits for its name to be freed (ALREADY_EXISTS)

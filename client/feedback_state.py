@@ -18,12 +18,12 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from client.errors import FeedbackStateMismatch
-from modeling.atomic import built_aside
-from modeling.checkpoint.training_state import join_tensors, split_tensors
-from modeling.compression import Compressor, ErrorFeedback, Region
-from modeling.errors import MatformerError
-from modeling.optim import LocalOptimizer
+from matformer.client.errors import FeedbackStateMismatch
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.checkpoint.training_state import join_tensors, split_tensors
+from matformer.modeling.compression import Compressor, ErrorFeedback, Region
+from matformer.modeling.errors import MatformerError
+from matformer.modeling.optim import LocalOptimizer
 
 FORMAT = "matformer-error-feedback-v1"
 INNER = "inner"  # the key prefix of the inner optimizer's tensors

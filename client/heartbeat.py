@@ -6,10 +6,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from client.errors import Refused, Unreachable
+from matformer.client.errors import Refused, Unreachable
 
 if TYPE_CHECKING:
-    from client.connection import Connection
+    from matformer.client.connection import Connection
 
 
 class Heartbeat:

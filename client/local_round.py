@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from client.feedback_state import FeedbackState
-from client.replica import Replica
-from modeling.batching import (
+from matformer.client.feedback_state import FeedbackState
+from matformer.client.replica import Replica
+from matformer.modeling.batching import (
     AdaptiveLimits,
     AdaptiveLimitsConfig,
     MicrobatchRunner,
@@ -31,13 +31,19 @@ from modeling.batching import (
     plan_batches,
     plan_packed,
 )
-from modeling.compression import Compressor, Region, SparseResult, region_slices, tier_regions
-from modeling.config import ModelConfig
-from modeling.devices import Precision
-from modeling.distributed import DataParallel
-from modeling.matformer import Tier
-from modeling.optim import LocalOptimizer, OptimizerConfig, lr_factor
-from modeling.training import StepOptions, TierSchedule, tier_gradients
+from matformer.modeling.compression import (
+    Compressor,
+    Region,
+    SparseResult,
+    region_slices,
+    tier_regions,
+)
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.devices import Precision
+from matformer.modeling.distributed import DataParallel
+from matformer.modeling.matformer import Tier
+from matformer.modeling.optim import LocalOptimizer, OptimizerConfig, lr_factor
+from matformer.modeling.training import StepOptions, TierSchedule, tier_gradients
 
 
 @dataclass(kw_only=True, slots=True)

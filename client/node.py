@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from client.local_round import LocalRound, RoundSetup
-from client.probe import measure_tokens_per_second, memory_bytes
-from client.replica import Replica
-from modeling import build_model
-from modeling.compression import RoundUpdate
-from modeling.devices import compile_model
-from modeling.distributed import DataParallel
+from matformer.client.local_round import LocalRound, RoundSetup
+from matformer.client.probe import measure_tokens_per_second, memory_bytes
+from matformer.client.replica import Replica
+from matformer.modeling import build_model
+from matformer.modeling.compression import RoundUpdate
+from matformer.modeling.devices import compile_model
+from matformer.modeling.distributed import DataParallel
 
 
 class Node:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
-from modeling.devices import Precision
-from modeling.matformer import Tier
-from modeling.models import AutoregressiveModel
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+from matformer.modeling.devices import Precision
+from matformer.modeling.matformer import Tier
+from matformer.modeling.models import AutoregressiveModel
 
 
 def device_name(device: torch.device) -> str:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tqdm import tqdm
 
-    from client.connection import Finished, Train
+    from matformer.client.connection import Finished, Train
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,16 +15,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from client.errors import ModelMismatch
-from modeling.compression import (
+from matformer.client.errors import ModelMismatch
+from matformer.modeling.compression import (
     Region,
     RoundUpdate,
     tier_regions,
     universal_shapes,
     weight_hash,
 )
-from modeling.matformer import Tier
-from modeling.naming import canonical_names, canonical_state_dict
+from matformer.modeling.matformer import Tier
+from matformer.modeling.naming import canonical_names, canonical_state_dict
 
 
 class Replica:

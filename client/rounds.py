@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from torch import Tensor
 
-from client.connection import Finished, Submitted, Train, Wait
-from client.errors import RoundOver, UpdatesPruned
-from client.local_round import Advance
-from client.progress import Progress
-from modeling.compression import RoundUpdate
-from modeling.matformer import tier_label
+from matformer.client.connection import Finished, Submitted, Train, Wait
+from matformer.client.errors import RoundOver, UpdatesPruned
+from matformer.client.local_round import Advance
+from matformer.client.progress import Progress
+from matformer.modeling.compression import RoundUpdate
+from matformer.modeling.matformer import tier_label
 
 if TYPE_CHECKING:
-    from client.federated import FederatedClient
+    from matformer.client.federated import FederatedClient
 
 T = TypeVar("T")
 UPDATE_WAIT_S = 20.0  # how long one GetUpdates may wait for a round to close

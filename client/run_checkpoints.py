@@ -29,15 +29,15 @@ from typing import Any
 
 import torch
 
-from modeling.atomic import built_aside
-from modeling.checkpoint import save_pretrained
-from modeling.checkpoint.files import read_weights
-from modeling.checkpoint.pretrained import load_state_into
-from modeling.checkpoint.training_state import load_training_state, save_training_state
-from modeling.devices import Precision
-from modeling.distributed import DataParallel, shard_optimizer_state
-from modeling.errors import CheckpointError
-from modeling.optim import LocalOptimizer
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.checkpoint import save_pretrained
+from matformer.modeling.checkpoint.files import read_weights
+from matformer.modeling.checkpoint.pretrained import load_state_into
+from matformer.modeling.checkpoint.training_state import load_training_state, save_training_state
+from matformer.modeling.devices import Precision
+from matformer.modeling.distributed import DataParallel, shard_optimizer_state
+from matformer.modeling.errors import CheckpointError
+from matformer.modeling.optim import LocalOptimizer
 
 DEFAULT_OUT = Path("runs/standalone")
 # the options a resumed run must share with the one that saved (what it trains and how)

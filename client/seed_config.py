@@ -35,10 +35,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from modeling.commands import apply_overrides
-from modeling.config import SEED_SPELLINGS, LayerConfig, ModelConfig
-from modeling.errors import ConfigError, did_you_mean
-from modeling.mdat import DEFAULT_STRATEGY, Mdat
+from matformer.modeling.commands import apply_overrides
+from matformer.modeling.config import SEED_SPELLINGS, LayerConfig, ModelConfig
+from matformer.modeling.errors import ConfigError, did_you_mean
+from matformer.modeling.mdat import DEFAULT_STRATEGY, Mdat
 
 log = logging.getLogger("matformer.config")
 

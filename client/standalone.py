@@ -27,25 +27,25 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client import run_checkpoints, train_config
-from client.epochs import Epochs
-from client.step_progress import StepProgress
-from modeling import ModelConfig, build_model
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
-from modeling.checkpoint import save_pretrained
-from modeling.checkpoint.loader import load_for_tier
-from modeling.commands import command_parser
-from modeling.devices import Precision, compile_model, resolve_device
-from modeling.distributed import DataParallel
-from modeling.errors import ConfigError, MatformerError
-from modeling.mdat import Mdat, SequenceReader, build_default_mdat, default_data_path
-from modeling.mdat.checkpoint_tokenizer import special_ids, tokenizer_files
-from modeling.mdat.trained_on import TrainedOn
-from modeling.optim import OptimizerConfig
-from modeling.run_order import RunOrder
-from modeling.settings import add_flags
-from modeling.tracking import NoTracker, open_tracker
-from modeling.training import (
+from matformer.client import run_checkpoints, train_config
+from matformer.client.epochs import Epochs
+from matformer.client.step_progress import StepProgress
+from matformer.modeling import ModelConfig, build_model
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+from matformer.modeling.checkpoint import save_pretrained
+from matformer.modeling.checkpoint.loader import load_for_tier
+from matformer.modeling.commands import command_parser
+from matformer.modeling.devices import Precision, compile_model, resolve_device
+from matformer.modeling.distributed import DataParallel
+from matformer.modeling.errors import ConfigError, MatformerError
+from matformer.modeling.mdat import Mdat, SequenceReader, build_default_mdat, default_data_path
+from matformer.modeling.mdat.checkpoint_tokenizer import special_ids, tokenizer_files
+from matformer.modeling.mdat.trained_on import TrainedOn
+from matformer.modeling.optim import OptimizerConfig
+from matformer.modeling.run_order import RunOrder
+from matformer.modeling.settings import add_flags
+from matformer.modeling.tracking import NoTracker, open_tracker
+from matformer.modeling.training import (
     StepOptions,
     TierSchedule,
     held_out_loss,

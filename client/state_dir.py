@@ -11,8 +11,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from client.errors import ClientError
-from modeling.atomic import write_json_atomic
+from matformer.client.errors import ClientError
+from matformer.modeling.atomic import write_json_atomic
 
 try:
     import fcntl

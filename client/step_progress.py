@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from client.progress import duration
+from matformer.client.progress import duration
 
 
 class StepProgress:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from client.connection import Connection
+    from matformer.client.connection import Connection
 
 SUMMARY_FILE = "summary.json"  # written in the state dir when the client stops
 DOWNLOADS = ("GetUpdates", "FetchSequences", "DownloadCheckpoint")  # the calls that download

@@ -20,16 +20,16 @@ from dataclasses import Field, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from client import seed_config
-from client.epochs import DEFAULT_STEPS
-from client.run_checkpoints import DEFAULT_OUT
-from modeling.commands import apply_overrides
-from modeling.config import ModelConfig
-from modeling.devices import PRECISIONS
-from modeling.errors import ConfigError, InvalidValue, UnknownKey, WrongType, did_you_mean
-from modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY
-from modeling.optim import OPTIMIZER_NAMES, SCHEDULES
-from modeling.settings import (
+from matformer.client import seed_config
+from matformer.client.epochs import DEFAULT_STEPS
+from matformer.client.run_checkpoints import DEFAULT_OUT
+from matformer.modeling.commands import apply_overrides
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.devices import PRECISIONS
+from matformer.modeling.errors import ConfigError, InvalidValue, UnknownKey, WrongType, did_you_mean
+from matformer.modeling.mdat import DEFAULT_DATA, DEFAULT_STRATEGY
+from matformer.modeling.optim import OPTIMIZER_NAMES, SCHEDULES
+from matformer.modeling.settings import (
     FolderOrRepo,
     flag_of,
     given_flags,
@@ -39,7 +39,7 @@ from modeling.settings import (
     reject_unknown,
     setting,
 )
-from modeling.tracking import TRACKERS
+from matformer.modeling.tracking import TRACKERS
 
 TIERS = re.compile(r"\s*\d+\s*(,\s*\d+\s*)*")  # "0,1,2", as --tiers takes them
 
@@ -49,10 +49,10 @@ class ModelSection:
     """The model: a config JSON, a checkpoint to finetune, or (without these keys)
     ModelConfig's fields inline; none of them: a tiny model."""
 
-    config: Path | None = setting(None, flag="--config", help=(  # noqa: RUF009
+    config: Path | None = setting(None, flag="--config", help=(
         "a model config JSON; on the command line also a train.toml or a seed config JSON, "
         "whose keys then set the run (examples/train.toml)"))
-    init: FolderOrRepo | None = setting(None, help=(  # noqa: RUF009
+    init: FolderOrRepo | None = setting(None, help=(
         "start from this checkpoint's weights and architecture (a Matformer or Hugging Face "
         "Llama folder, or a hub repo id in the cache), with this run's optimizer settings: "
         "finetuning"))
@@ -62,7 +62,7 @@ class ModelSection:
 class DataSection:
     """What the run trains on: the sequences of an MDAT container."""
 
-    path: Path | None = setting(None, flag="--data", help=(  # noqa: RUF009
+    path: Path | None = setting(None, flag="--data", help=(
         f"an MDAT container (without it {DEFAULT_DATA}, built from the stdlib docstrings on "
         "first use)"))
     documents: int | None = setting(None, low=1, help="docstrings in the default container (all)")
@@ -126,7 +126,7 @@ class LoggingSection:
         "trackio, wandb, or none"))
     project: str = setting("matformer", help="trackio's or W&B's project (the run: out's name)")
     log_every: int = setting(20, low=1, help="print the losses every this many steps")
-    out: Path | None = setting(None, help=(  # noqa: RUF009
+    out: Path | None = setting(None, help=(
         f"the run's folder: the final model, checkpoints/, tensorboard/ (without it "
         f"{DEFAULT_OUT}, or with --resume the checkpoint's run)"))
 

@@ -20,10 +20,10 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from client.summary import SUMMARY_FILE
-from server.config import RunConfig
-from server.ledger import LedgerAudit, audit_run
-from server.update_log import UpdateLog
+from matformer.client.summary import SUMMARY_FILE
+from matformer.server.config import RunConfig
+from matformer.server.ledger import LedgerAudit, audit_run
+from matformer.server.update_log import UpdateLog
 
 SERVER = "server"
 

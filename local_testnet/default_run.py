@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from modeling.mdat import build_default_mdat, default_data_path
-from modeling.mdat.catalogue import CATALOGUE_NAME
+from matformer.modeling.mdat import build_default_mdat, default_data_path
+from matformer.modeling.mdat.catalogue import CATALOGUE_NAME
 
 RUN_TOML = """\
 # run.toml written by local-testnet (the embedded default); the keys are those of

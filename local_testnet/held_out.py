@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modeling.checkpoint import load_pretrained
-from modeling.mdat import Mdat
-from modeling.training import held_out_loss
-from server.config import RunConfig
-from server.work import work_order
+from matformer.modeling.checkpoint import load_pretrained
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.training import held_out_loss
+from matformer.server.config import RunConfig
+from matformer.server.work import work_order
 
 MAX_SEQUENCES = 128  # of the tail, so that evaluating stays a few seconds on a CPU
 BATCH_TOKENS = 2048

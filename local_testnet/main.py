@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from local_testnet.chaos import ChaosEvent, chaos_plan, check_run, format_chaos
-from local_testnet.default_run import ensure_default_data, write_default_run
-from local_testnet.held_out import HeldOut
-from local_testnet.processes import free_port, say
-from local_testnet.report import (
+from matformer.local_testnet.chaos import ChaosEvent, chaos_plan, check_run, format_chaos
+from matformer.local_testnet.default_run import ensure_default_data, write_default_run
+from matformer.local_testnet.held_out import HeldOut
+from matformer.local_testnet.processes import free_port, say
+from matformer.local_testnet.report import (
     client_costs,
     format_costs,
     format_table,
@@ -37,17 +37,17 @@ from local_testnet.report import (
     write_plot,
     write_summary,
 )
-from local_testnet.testnet import (
+from matformer.local_testnet.testnet import (
     RESTART_AFTER_S,
     ClientSpec,
     Testnet,
     TestnetFailed,
     TestnetPlan,
 )
-from modeling.commands import apply_overrides, command_parser
-from modeling.errors import MatformerError
-from protocol.auth import new_join_token
-from server.config import RunConfig
+from matformer.modeling.commands import apply_overrides, command_parser
+from matformer.modeling.errors import MatformerError
+from matformer.protocol.auth import new_join_token
+from matformer.server.config import RunConfig
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 DEFAULT_RUN_DIR = Path("runs/testnet")
@@ -264,7 +264,10 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
     summary = write_summary(run_dir / "summary.json", reports, status, wall_s=round(train_s, 1),
                             first_checkpoint=first.name, final_checkpoint=last.name,
                             clients=costs)
-    say(f"\nwrote {plot}, {summary}; checkpoints, tier slices and manifest in {last.parent}")
+    drawn = f"{plot}, " if plot else ""
+    say(f"\nwrote {drawn}{summary}; checkpoints, tier slices and manifest in {last.parent}")
+    if plot is None:
+        say("no loss.png: it needs matplotlib (pip install 'matformer[plot]')")
     worse = [r.tier for r in reports if r.tier in final and not r.improved]
     if worse:
         print(f"local-testnet: the held-out loss did not fall at tier(s) {worse}; train longer "

@@ -1,7 +1,7 @@
 """The testnet's children: the server and the clients, each a process whose output is
 streamed line by line with a prefix, its name (``[server] ...``, ``[member-0] ...``).
 
-    child = Child.start("server", [sys.executable, "-m", "server.main", ...], env=env)
+    child = Child.start("server", [sys.executable, "-m", "matformer.server.main", ...], env=env)
     child.alive, child.returncode, child.tail()   # the last lines it printed
     child.stop()                                  # SIGTERM, then SIGKILL after a grace period
 """

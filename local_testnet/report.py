@@ -20,11 +20,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display on a server or in CI
-import matplotlib.pyplot as plt  # after choosing the backend
-
 NAN = float("nan")
 
 
@@ -74,10 +69,18 @@ def format_table(reports: list[TierReport]) -> str:
 
 
 def write_plot(status: dict[str, Any], path: Path,
-               costs: dict[str, dict[str, Any]] | None = None) -> Path:
+               costs: dict[str, dict[str, Any]] | None = None) -> Path | None:
     """Training loss per tier over rounds, the bytes of each round's results as sent
     (compressed) against dense float32 (the dashboard's two charts), and with ``costs``
-    (``client_costs``) what each client moved up and down against dense both ways."""
+    (``client_costs``) what each client moved up and down against dense both ways. None when
+    matplotlib (the ``plot`` extra) is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None  # an optional extra: pip install 'matformer[plot]'
+    matplotlib.use("Agg")  # files only: no display on a server or in CI
+    import matplotlib.pyplot as plt  # after choosing the backend
+
     costs = costs or {}
     fig, axes = plt.subplots(1, 3 if costs else 2, figsize=(16 if costs else 11, 4))
     losses, sent = axes[:2]

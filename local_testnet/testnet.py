@@ -4,8 +4,8 @@
     status = net.run()   # the final /status JSON; TestnetFailed when a child dies
     net.stop()           # always: stops whatever is still running
 
-The server is ``python -m server.main --config run.toml --set ...``; each client is
-``python -m client.cli train --server 127.0.0.1:PORT ...`` with its own state dir. The
+The server is ``python -m matformer.server.main --config run.toml --set ...``; each client is
+``python -m matformer.client.cli train --server 127.0.0.1:PORT ...`` with its own state dir. The
 testnet polls ``GET /status`` to follow the run and carries out the plan's ``events``
 (``--kill-client-at`` or ``--chaos``, local_testnet/chaos.py): once an event's round is open
 it SIGKILLs the client (or the server), then restarts it with the same command, name and
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from local_testnet.chaos import SERVER, ChaosEvent, ChaosRecord
-from local_testnet.processes import Child, child_env, python_module, say, wait_serving
-from server.state import RunState
+from matformer.local_testnet.chaos import SERVER, ChaosEvent, ChaosRecord
+from matformer.local_testnet.processes import Child, child_env, python_module, say, wait_serving
+from matformer.server.state import RunState
 
 POLL_S = 0.5
 CHAOS_POLL_S = 0.1  # while kills are pending: rounds of a small run take well under a second
@@ -127,7 +127,7 @@ class Testnet:
 
     def _start_server(self) -> None:
         p = self.plan
-        argv = python_module("server.main", "--config", str(p.config),
+        argv = python_module("matformer.server.main", "--config", str(p.config),
                              *(arg for o in p.overrides for arg in ("--set", o)))
         self.server = Child.start("server", argv, env=child_env(p.env))
         address = f"127.0.0.1:{p.grpc_port}"
@@ -140,7 +140,7 @@ class Testnet:
     def _start_client(self, spec: ClientSpec, *, restarted: bool = False) -> None:
         p = self.plan
         argv = python_module(
-            "client.cli", "train", "--server", f"127.0.0.1:{p.grpc_port}",
+            "matformer.client.cli", "train", "--server", f"127.0.0.1:{p.grpc_port}",
             "--tier", str(spec.tier), "--name", spec.name,
             "--state-dir", str(p.run_dir / "clients" / spec.name), "--no-progress")
         if spec.speed != 1:

@@ -3,11 +3,11 @@
 Importing the package registers the built-in components.
 """
 
-from modeling import components  # noqa: F401  (registers built-ins)
-from modeling.batch import MaskedBatch, PackedBatch
-from modeling.config import HOOK_POSITIONS, LayerConfig, ModelConfig
-from modeling.equivalence import assert_batch_equivalent
-from modeling.errors import (
+from matformer.modeling import components  # noqa: F401  (registers built-ins)
+from matformer.modeling.batch import MaskedBatch, PackedBatch
+from matformer.modeling.config import HOOK_POSITIONS, LayerConfig, ModelConfig
+from matformer.modeling.equivalence import assert_batch_equivalent
+from matformer.modeling.errors import (
     BatchError,
     ConfigError,
     HookPositionError,
@@ -15,8 +15,8 @@ from modeling.errors import (
     RegistryError,
     TierError,
 )
-from modeling.matformer import layer_widths, tier_width
-from modeling.models import (
+from matformer.modeling.matformer import layer_widths, tier_width
+from matformer.modeling.models import (
     AutoregressiveModel,
     BERTModel,
     NakedTransformer,
@@ -24,9 +24,13 @@ from modeling.models import (
     TransformerWithLMHead,
     build_model,
 )
-from modeling.naming import canonical_names, canonical_state_dict, load_canonical_state_dict
-from modeling.registry import Registry, registry
-from modeling.spec import Identity, ModuleSpec, build_module
+from matformer.modeling.naming import (
+    canonical_names,
+    canonical_state_dict,
+    load_canonical_state_dict,
+)
+from matformer.modeling.registry import Registry, registry
+from matformer.modeling.spec import Identity, ModuleSpec, build_module
 
 __all__ = [
     "HOOK_POSITIONS",

@@ -7,11 +7,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from modeling.components.init import linear
-from modeling.components.kernels import SdpaAttention
-from modeling.components.positional import PositionalEncoding
-from modeling.generation_cache import KVCache
-from modeling.spec import ModuleSpec, build_module
+from matformer.modeling.components.init import linear
+from matformer.modeling.components.kernels import SdpaAttention
+from matformer.modeling.components.positional import PositionalEncoding
+from matformer.modeling.generation_cache import KVCache
+from matformer.modeling.spec import ModuleSpec, build_module
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modeling.errors import BatchError
+from matformer.modeling.errors import BatchError
 
 
 def _check_examples(examples: Sequence[Tensor]) -> None:

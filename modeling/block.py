@@ -11,10 +11,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from modeling.attention import AttentionContext
-from modeling.config import HOOK_POSITIONS
-from modeling.registry import registry
-from modeling.spec import Identity, ModuleSpec, build_module
+from matformer.modeling.attention import AttentionContext
+from matformer.modeling.config import HOOK_POSITIONS
+from matformer.modeling.registry import registry
+from matformer.modeling.spec import Identity, ModuleSpec, build_module
 
 
 @dataclass(slots=True)

@@ -11,14 +11,13 @@ import copy
 import re
 import tomllib
 from collections.abc import Iterable
-from importlib import metadata
 from typing import Any
 
 import torch
 
-from modeling.errors import InvalidValue, WrongType
+import matformer
+from matformer.modeling.errors import InvalidValue, WrongType
 
-DISTRIBUTION = "matformer"
 # the name a command runs under when ``matformer <verb>`` runs it (scripts/matformer.py):
 # its usage and errors then say "matformer train", not "matformer-train"
 invoked_as: str | None = None
@@ -26,10 +25,7 @@ invoked_as: str | None = None
 
 def version() -> str:
     """This installation's version, as pip knows it."""
-    try:
-        return metadata.version(DISTRIBUTION)
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed; pip install -e .)"
+    return matformer.__version__
 
 
 class DefaultsShown(argparse.HelpFormatter):

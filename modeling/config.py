@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import ConfigError, HookPositionError, did_you_mean
+from matformer.modeling.errors import ConfigError, HookPositionError, did_you_mean
 
 # Where a block calls hooks; see modeling/block.py for the exact points.
 HOOK_POSITIONS = ("pre_attn", "pre_mlp", "post_mlp", "pre_output")

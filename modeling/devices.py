@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from modeling.errors import ConfigError, DeviceUnavailable
+from matformer.modeling.errors import ConfigError, DeviceUnavailable
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

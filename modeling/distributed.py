@@ -1,6 +1,6 @@
 """Data parallelism across the processes ``torchrun`` starts: one batch, split by tokens.
 
-    torchrun --no-python --nproc-per-node 4 matformer-train ...   # or -m client.standalone
+    torchrun --no-python --nproc-per-node 4 matformer-train ...  # or -m matformer.client.standalone
 
 Each process (rank) trains its share of every batch and the gradients are summed across
 ranks before anyone uses them, so every rank holds the same gradient, takes the same step
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from modeling.errors import ConfigError
+from matformer.modeling.errors import ConfigError
 
 BUCKET_VALUES = 1 << 24  # values per all-reduce call (64 MiB of float32), as DDP buckets
 PULSES_PER_TIMEOUT = 5  # a watched rank shows it lives this many times per timeout

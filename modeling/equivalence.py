@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from modeling.batch import Batch, MaskedBatch
+from matformer.modeling.batch import Batch, MaskedBatch
 
 
 def assert_batch_equivalent(

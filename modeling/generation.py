@@ -19,11 +19,11 @@ import logging
 import torch
 from torch import Tensor
 
-from modeling.components.positional import PositionalEncoding
-from modeling.errors import ConfigError
-from modeling.generation_cache import KVCache
-from modeling.matformer import Tier
-from modeling.models import TransformerWithLMHead
+from matformer.modeling.components.positional import PositionalEncoding
+from matformer.modeling.errors import ConfigError
+from matformer.modeling.generation_cache import KVCache
+from matformer.modeling.matformer import Tier
+from matformer.modeling.models import TransformerWithLMHead
 
 log = logging.getLogger("matformer.generation")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from modeling.errors import BatchError
+from matformer.modeling.errors import BatchError
 
 
 class KVCache:

@@ -24,13 +24,18 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput, MaskedLMOutput
 
-from modeling.checkpoint.hf_config import from_config_dict
-from modeling.config import ModelConfig
-from modeling.models import build_model
-from modeling.naming import canonical_names
+from matformer.modeling.checkpoint.hf_config import from_config_dict
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.models import build_model
+from matformer.modeling.naming import canonical_names
+
+try:
+    from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput, MaskedLMOutput
+except ImportError as error:  # an optional extra: only checkpoints' own code comes here
+    raise ImportError("opening a Matformer checkpoint's code through transformers needs "
+                      "transformers: pip install 'matformer[transformers]'.") from error
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modeling.attention import AttentionSubmodules, SelfAttention
-from modeling.block import BlockSubmodules
-from modeling.config import LayerConfig, ModelConfig
-from modeling.registry import Registry
-from modeling.registry import registry as default_registry
-from modeling.spec import Identity, ModuleSpec
+from matformer.modeling.attention import AttentionSubmodules, SelfAttention
+from matformer.modeling.block import BlockSubmodules
+from matformer.modeling.config import LayerConfig, ModelConfig
+from matformer.modeling.registry import Registry
+from matformer.modeling.registry import registry as default_registry
+from matformer.modeling.spec import Identity, ModuleSpec
 
 
 @dataclass(slots=True)

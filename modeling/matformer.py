@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from modeling.errors import TierError
+from matformer.modeling.errors import TierError
 
 Tier = int | Sequence[int]  # one tier for every layer, or one per layer (Mix'n'Match)
 

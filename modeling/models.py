@@ -18,16 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modeling.attention import AttentionContext
-from modeling.batch import Batch, TokenLayout, layout, next_token_targets
-from modeling.components.init import linear
-from modeling.components.loss import IGNORE_INDEX
-from modeling.config import ModelConfig
-from modeling.errors import ConfigError
-from modeling.generation_cache import KVCache
-from modeling.layer_spec import ModelSpec, model_spec
-from modeling.matformer import Tier, layer_widths
-from modeling.spec import build_module
+from matformer.modeling.attention import AttentionContext
+from matformer.modeling.batch import Batch, TokenLayout, layout, next_token_targets
+from matformer.modeling.components.init import linear
+from matformer.modeling.components.loss import IGNORE_INDEX
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.errors import ConfigError
+from matformer.modeling.generation_cache import KVCache
+from matformer.modeling.layer_spec import ModelSpec, model_spec
+from matformer.modeling.matformer import Tier, layer_widths
+from matformer.modeling.spec import build_module
 
 
 class NakedTransformer(nn.Module):

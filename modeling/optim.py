@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from modeling.errors import ConfigError
+from matformer.modeling.errors import ConfigError
 
 OPTIMIZER_NAMES = ("adam", "adamw", "muon")
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.config import ModelConfig
-from modeling.errors import RegistryError, did_you_mean
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.errors import RegistryError, did_you_mean
 
 log = logging.getLogger("matformer.registry")
 

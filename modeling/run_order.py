@@ -27,10 +27,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from modeling.config import ModelConfig
-from modeling.errors import BatchError
-from modeling.mdat import Mdat, SequenceReader
-from modeling.training import with_targets
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.errors import BatchError
+from matformer.modeling.mdat import Mdat, SequenceReader
+from matformer.modeling.training import with_targets
 
 HELD_OUT_FRACTION = 0.05  # the tail of the candidates that no run trains on
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from modeling.errors import (
+from matformer.modeling.errors import (
     InvalidToml,
     InvalidValue,
     MatformerError,
@@ -210,7 +210,9 @@ def _coerce(where: str, value: Any, hint: Any, base: Path, secret: bool) -> Any:
         folder = (base / Path(value).expanduser()).resolve()
         if hint is Path:
             return folder
-        from modeling.checkpoint.repository import is_repo_id  # the checkpoint package is big
+        from matformer.modeling.checkpoint.repository import (
+            is_repo_id,  # the checkpoint package is big
+        )
 
         repo = not folder.exists() and is_repo_id(str(value)) and not Path(value).is_absolute()
         return FolderOrRepo(value if repo else folder)

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from modeling.errors import ConfigError, did_you_mean
+from matformer.modeling.errors import ConfigError, did_you_mean
 
 
 class Identity(nn.Module):

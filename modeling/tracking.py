@@ -19,7 +19,7 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Protocol
 
-from modeling.errors import ConfigError
+from matformer.modeling.errors import ConfigError
 
 TRACKERS = ("tensorboard", "trackio", "wandb", "none")
 

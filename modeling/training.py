@@ -23,17 +23,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from modeling.batch import MaskedBatch
-from modeling.batching import MicrobatchRunner, accumulate_gradients, split_microbatches
-from modeling.batching.accumulate import TrainingExamples
-from modeling.components.loss import IGNORE_INDEX
-from modeling.config import ModelConfig
-from modeling.devices import Precision
-from modeling.distributed import DataParallel
-from modeling.errors import BatchDoesNotFit, BatchError, ConfigError
-from modeling.matformer import Tier, layer_widths, tier_label
-from modeling.models import TransformerWithLMHead
-from modeling.optim import LocalOptimizer
+from matformer.modeling.batch import MaskedBatch
+from matformer.modeling.batching import MicrobatchRunner, accumulate_gradients, split_microbatches
+from matformer.modeling.batching.accumulate import TrainingExamples
+from matformer.modeling.components.loss import IGNORE_INDEX
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.devices import Precision
+from matformer.modeling.distributed import DataParallel
+from matformer.modeling.errors import BatchDoesNotFit, BatchError, ConfigError
+from matformer.modeling.matformer import Tier, layer_widths, tier_label
+from matformer.modeling.models import TransformerWithLMHead
+from matformer.modeling.optim import LocalOptimizer
 
 MODES = ("all", "sample")
 

@@ -8,7 +8,7 @@ Streams carry one parameter per message, so a message can exceed gRPC's 4 MiB de
 
 from __future__ import annotations
 
-from protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 
 COORDINATOR_SERVICE: str = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024

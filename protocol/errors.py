@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from modeling.errors import MatformerError
+from matformer.modeling.errors import MatformerError
 
 
 class ProtocolError(MatformerError, ValueError):

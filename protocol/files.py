@@ -10,9 +10,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from modeling.atomic import built_aside
-from protocol.errors import ChecksumMismatch, MalformedStream, UnsafePath
-from protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.modeling.atomic import built_aside
+from matformer.protocol.errors import ChecksumMismatch, MalformedStream, UnsafePath
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 
 CHUNK_BYTES = 2 * 1024 * 1024
 MAX_PATH_CHARS = 1024  # longer paths, or names over MAX_NAME_CHARS, are refused as unsafe

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from protocol.channel import COORDINATOR_SERVICE
+from matformer.protocol.channel import COORDINATOR_SERVICE
 
 
 def add_health(server: grpc.Server) -> health.HealthServicer:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     ChunkGrid,
     Compressor,
     Region,
@@ -29,10 +29,10 @@ from modeling.compression import (
     region_shape,
     validate,
 )
-from modeling.errors import CompressionError
-from protocol.errors import LayoutMismatch, MalformedSparseResult
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.tensors import DTYPES, decode_tensor, dtype_name, encode_tensor
+from matformer.modeling.errors import CompressionError
+from matformer.protocol.errors import LayoutMismatch, MalformedSparseResult
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.tensors import DTYPES, decode_tensor, dtype_name, encode_tensor
 
 _TENSOR_FIELDS = ("chunks", "indices", "values")
 _INTEGER = {name for name, dtype in DTYPES.items()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 
-from modeling.compression.sparse import SparseResult
-from protocol.errors import LayoutMismatch, MalformedStream
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.sparse import ResultLayout, decode_sparse_result, encode_sparse_result
+from matformer.modeling.compression.sparse import SparseResult
+from matformer.protocol.errors import LayoutMismatch, MalformedStream
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.sparse import ResultLayout, decode_sparse_result, encode_sparse_result
 
 
 def submission_messages(header: pb.SubmitHeader,

@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from protocol.errors import ProtocolError, TensorSizeMismatch, UnknownDtype
-from protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.errors import ProtocolError, TensorSizeMismatch, UnknownDtype
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     UPDATE_RULES,
     ChunkGrid,
     CoefficientStep,
@@ -28,10 +28,10 @@ from modeling.compression import (
     region_shape,
     unpack_bits,
 )
-from modeling.errors import CompressionError
-from protocol.errors import MalformedStream
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.tensors import decode_tensor, encode_tensor
+from matformer.modeling.errors import CompressionError
+from matformer.protocol.errors import MalformedStream
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.tensors import decode_tensor, encode_tensor
 
 
 def update_messages(updates: Iterable[RoundUpdate]) -> Iterator[pb.UpdateMessage]:

@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from modeling.checkpoint import read_config
-from modeling.checkpoint.neuron_order import Calibration, convert
-from modeling.commands import command_parser
-from modeling.devices import resolve_device
-from modeling.errors import MatformerError, TierError
-from modeling.matformer import layer_widths
-from modeling.mdat import DEFAULT_STRATEGY
+from matformer.modeling.checkpoint import read_config
+from matformer.modeling.checkpoint.neuron_order import Calibration, convert
+from matformer.modeling.commands import command_parser
+from matformer.modeling.devices import resolve_device
+from matformer.modeling.errors import MatformerError, TierError
+from matformer.modeling.matformer import layer_widths
+from matformer.modeling.mdat import DEFAULT_STRATEGY
 
 PROG = "matformer-convert"
 

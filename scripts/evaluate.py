@@ -27,16 +27,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from modeling import trust
-from modeling.checkpoint import load_pretrained
-from modeling.commands import command_parser
-from modeling.devices import PRECISIONS, Precision, resolve_device
-from modeling.errors import MatformerError
-from modeling.matformer import Tier
-from modeling.mdat import DEFAULT_STRATEGY, Mdat
-from modeling.mdat.trained_on import RECORD_NAME, TrainedOn
-from modeling.run_order import RunOrder
-from modeling.training import held_out_loss, with_targets
+from matformer.modeling import trust
+from matformer.modeling.checkpoint import load_pretrained
+from matformer.modeling.commands import command_parser
+from matformer.modeling.devices import PRECISIONS, Precision, resolve_device
+from matformer.modeling.errors import MatformerError
+from matformer.modeling.matformer import Tier
+from matformer.modeling.mdat import DEFAULT_STRATEGY, Mdat
+from matformer.modeling.mdat.trained_on import RECORD_NAME, TrainedOn
+from matformer.modeling.run_order import RunOrder
+from matformer.modeling.training import held_out_loss, with_targets
 
 DEFAULT_SEQ_LEN = 256
 

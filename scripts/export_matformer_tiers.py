@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from modeling.checkpoint.export import export_tiers
-from modeling.commands import command_parser
-from modeling.errors import MatformerError
-from modeling.matformer import tier_label
+from matformer.modeling.checkpoint.export import export_tiers
+from matformer.modeling.commands import command_parser
+from matformer.modeling.errors import MatformerError
+from matformer.modeling.matformer import tier_label
 
 
 def main(argv: list[str] | None = None) -> None:

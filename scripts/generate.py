@@ -18,17 +18,17 @@ from pathlib import Path
 
 import torch
 
-from modeling import trust
-from modeling.checkpoint import load_pretrained
-from modeling.commands import command_parser
-from modeling.devices import resolve_device
-from modeling.errors import MatformerError
-from modeling.generation import generate
-from modeling.mdat import DEFAULT_STRATEGY, Mdat
-from modeling.mdat.pretok_files import TOKENIZER_FILE
-from modeling.mdat.pretok_workers import build_splitter
-from modeling.tokenizers import build_text_tokenizer
-from modeling.tokenizers.text import TextTokenizer
+from matformer.modeling import trust
+from matformer.modeling.checkpoint import load_pretrained
+from matformer.modeling.commands import command_parser
+from matformer.modeling.devices import resolve_device
+from matformer.modeling.errors import MatformerError
+from matformer.modeling.generation import generate
+from matformer.modeling.mdat import DEFAULT_STRATEGY, Mdat
+from matformer.modeling.mdat.pretok_files import TOKENIZER_FILE
+from matformer.modeling.mdat.pretok_workers import build_splitter
+from matformer.modeling.tokenizers import build_text_tokenizer
+from matformer.modeling.tokenizers.text import TextTokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -20,11 +20,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from modeling import commands
-from modeling.errors import did_you_mean
+from matformer.modeling import commands
+from matformer.modeling.errors import did_you_mean
 
 PROG = "matformer"
-# verb → (the module and function that run it, a leading argument it takes, what it does)
+# verb → (the module, below matformer., and the function that run it, a leading argument it
+# takes, what it does)
 VERBS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "testnet": ("local_testnet.main:main", (), "a whole federated run on this machine"),
     "server": ("server.main:main", (), "coordinate a federated run (its run.toml)"),
@@ -53,7 +54,7 @@ def runner(verb: str) -> Callable[[list[str]], Any]:
     """The function that runs ``verb``, imported now."""
     target, _, _ = VERBS[verb]
     module, _, function = target.partition(":")
-    return getattr(importlib.import_module(module), function)
+    return getattr(importlib.import_module(f"matformer.{module}"), function)
 
 
 def main(argv: list[str] | None = None) -> int:

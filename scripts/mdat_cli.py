@@ -10,18 +10,18 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from modeling import trust
-from modeling.commands import DefaultsShown, command_parser
-from modeling.errors import MatformerError
-from modeling.mdat import (
+from matformer.modeling import trust
+from matformer.modeling.commands import DefaultsShown, command_parser
+from matformer.modeling.errors import MatformerError
+from matformer.modeling.mdat import (
     Mdat,
     SubmdatInfo,
     build_default_mdat,
     export_saetta,
 )
-from modeling.mdat.tables import READ_LIMIT_ENV, READ_LIMIT_MIB
-from modeling.mdat.views import Quota
-from modeling.tokenizers import DEFAULT_SPECIAL_TOKENS, train_tokenizer
+from matformer.modeling.mdat.tables import READ_LIMIT_ENV, READ_LIMIT_MIB
+from matformer.modeling.mdat.views import Quota
+from matformer.modeling.tokenizers import DEFAULT_SPECIAL_TOKENS, train_tokenizer
 
 Command = Callable[[argparse.Namespace], None]
 

@@ -15,23 +15,23 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from modeling.commands import command_parser
+from matformer.modeling.commands import command_parser
 
 
 def _run() -> dict[str, Any]:
-    from server.config import run_schema
+    from matformer.server.config import run_schema
 
     return run_schema()
 
 
 def _train() -> dict[str, Any]:
-    from client.train_config import train_schema
+    from matformer.client.train_config import train_schema
 
     return train_schema()
 
 
 def _strategy() -> dict[str, Any]:
-    from modeling.mdat.strategy import strategy_schema
+    from matformer.modeling.mdat.strategy import strategy_schema
 
     return strategy_schema()
 

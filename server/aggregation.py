@@ -27,13 +27,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modeling.compression.dct import chunkwise_dct
-from modeling.compression.encodings import ChunkTopK, decode, get_encoding
-from modeling.compression.grid import ChunkGrid, Region, full_region, region_slices
-from modeling.compression.sparse import SparseResult
-from modeling.compression.steps import bounding_box
-from modeling.compression.validation import validate_group
-from modeling.errors import CompressionError
+from matformer.modeling.compression.dct import chunkwise_dct
+from matformer.modeling.compression.encodings import ChunkTopK, decode, get_encoding
+from matformer.modeling.compression.grid import ChunkGrid, Region, full_region, region_slices
+from matformer.modeling.compression.sparse import SparseResult
+from matformer.modeling.compression.steps import bounding_box
+from matformer.modeling.compression.validation import validate_group
+from matformer.modeling.errors import CompressionError
 
 
 @dataclass(frozen=True, slots=True)

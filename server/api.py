@@ -31,9 +31,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from server.coordinator import Coordinator
-from server.history import MAX_DEPARTED, EventKind
-from server.operator_access import operator_reader
+from matformer.server.coordinator import Coordinator
+from matformer.server.history import MAX_DEPARTED, EventKind
+from matformer.server.operator_access import operator_reader
 
 EVENTS_LIMIT = 200  # the most events one response carries unless asked for fewer
 WITHHELD = "(the reason is shown to the operator only)"

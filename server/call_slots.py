@@ -43,8 +43,14 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import Message
 
-from protocol.auth import SESSION_METADATA_KEY
-from server.errors import CallRefused, NoRequestSlot, NoStreamSlot, StreamIdle, TooManyCalls
+from matformer.protocol.auth import SESSION_METADATA_KEY
+from matformer.server.errors import (
+    CallRefused,
+    NoRequestSlot,
+    NoStreamSlot,
+    StreamIdle,
+    TooManyCalls,
+)
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)

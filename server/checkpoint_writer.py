@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from server.errors import RunDirectoryUnavailable
-from server.update_steps import Carried
+from matformer.server.errors import RunDirectoryUnavailable
+from matformer.server.update_steps import Carried
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from matformer.server.coordinator import Coordinator
 
 log = logging.getLogger("matformer.server")
 

@@ -20,19 +20,19 @@ from pathlib import Path
 
 from torch import Tensor
 
-from modeling.atomic import fsync_path, fsync_tree
-from modeling.checkpoint import save_pretrained
-from modeling.checkpoint.export import export_tiers
-from modeling.checkpoint.files import read_weights
-from modeling.checkpoint.pretrained import load_state_into
-from modeling.config import ModelConfig
-from modeling.mdat import Mdat
-from modeling.mdat.checkpoint_tokenizer import tokenizer_files
-from modeling.models import build_model
-from modeling.naming import canonical_state_dict, load_canonical_state_dict
-from server.outer_state import load_carried, save_carried
-from server.sections.model import DataSection
-from server.update_steps import Carried
+from matformer.modeling.atomic import fsync_path, fsync_tree
+from matformer.modeling.checkpoint import save_pretrained
+from matformer.modeling.checkpoint.export import export_tiers
+from matformer.modeling.checkpoint.files import read_weights
+from matformer.modeling.checkpoint.pretrained import load_state_into
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.mdat.checkpoint_tokenizer import tokenizer_files
+from matformer.modeling.models import build_model
+from matformer.modeling.naming import canonical_state_dict, load_canonical_state_dict
+from matformer.server.outer_state import load_carried, save_carried
+from matformer.server.sections.model import DataSection
+from matformer.server.update_steps import Carried
 
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
 log = logging.getLogger("matformer.server")

@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import torch
 from torch import Tensor
 
-from modeling.compression import RoundUpdate, SparseResult, UpdateConfig
-from modeling.tracking import NoTracker, open_tracker
-from server.errors import RunDirectoryUnavailable
-from server.limits import clip_to_peers
-from server.membership import Member
-from server.outer_state import carried_bytes, close_settings
-from server.rounds import OpenRound, RoundAssignment
-from server.run_log import round_line
-from server.state import RunState
-from server.update_steps import Carried, close_round
+from matformer.modeling.compression import RoundUpdate, SparseResult, UpdateConfig
+from matformer.modeling.tracking import NoTracker, open_tracker
+from matformer.server.errors import RunDirectoryUnavailable
+from matformer.server.limits import clip_to_peers
+from matformer.server.membership import Member
+from matformer.server.outer_state import carried_bytes, close_settings
+from matformer.server.rounds import OpenRound, RoundAssignment
+from matformer.server.run_log import round_line
+from matformer.server.state import RunState
+from matformer.server.update_steps import Carried, close_round
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from matformer.server.coordinator import Coordinator
 
 # Free space a round needs before it opens, in multiples of the master's size: the update
 # (at most the master's size), a checkpoint and its tier slices (under twice), state.json.

@@ -30,11 +30,11 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from modeling.commands import apply_overrides
-from modeling.compression import ENCODERS, Broadcast, CompressionConfig, universal_shapes
-from modeling.errors import CompressionConfigError, TierError
-from modeling.matformer import tier_width
-from modeling.settings import (
+from matformer.modeling.commands import apply_overrides
+from matformer.modeling.compression import ENCODERS, Broadcast, CompressionConfig, universal_shapes
+from matformer.modeling.errors import CompressionConfigError, TierError
+from matformer.modeling.matformer import tier_width
+from matformer.modeling.settings import (
     check_declared,
     default_of,
     json_schema,
@@ -43,8 +43,8 @@ from modeling.settings import (
     reject_unknown,
     table_of,
 )
-from server.errors import InvalidValue, MissingFile
-from server.sections import (
+from matformer.server.errors import InvalidValue, MissingFile
+from matformer.server.sections import (
     OUTER_DEFAULTS,
     AuthSection,
     CheckpointSection,

@@ -34,7 +34,7 @@ from typing import Any
 
 from torch import Tensor
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     DENSE_BYTES_PER_VALUE,
     Region,
     RoundUpdate,
@@ -44,32 +44,32 @@ from modeling.compression import (
     tier_regions,
     universal_shapes,
 )
-from modeling.mdat import Mdat
-from modeling.tracking import Tracker
-from server import joins, resume, status
-from server.checkpoint_writer import CheckpointWriter
-from server.checkpoints import CheckpointRef, CheckpointStore
-from server.close import ClosedRound, CloseWorker, Closing, close, room_to_close
-from server.config import RunConfig
-from server.errors import (
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.tracking import Tracker
+from matformer.server import joins, resume, status
+from matformer.server.checkpoint_writer import CheckpointWriter
+from matformer.server.checkpoints import CheckpointRef, CheckpointStore
+from matformer.server.close import ClosedRound, CloseWorker, Closing, close, room_to_close
+from matformer.server.config import RunConfig
+from matformer.server.errors import (
     Excluded,
     RunDirectoryUnavailable,
     SessionInvalid,
     UpdatesPruned,
 )
-from server.gate import SubmissionGate
-from server.history import RunHistory
-from server.keys import KeyHolder
-from server.ledger import TrainedLedger
-from server.limits import SubmissionLimits
-from server.membership import Member
-from server.pipeline import RoundPipeline
-from server.rounds import OpenRound, RoundAssignment, Submission
-from server.state import RunState
-from server.tiers import Capabilities, TierAssignment, check_speed
-from server.update_log import UpdateLog
-from server.update_steps import Carried
-from server.work import work_order
+from matformer.server.gate import SubmissionGate
+from matformer.server.history import RunHistory
+from matformer.server.keys import KeyHolder
+from matformer.server.ledger import TrainedLedger
+from matformer.server.limits import SubmissionLimits
+from matformer.server.membership import Member
+from matformer.server.pipeline import RoundPipeline
+from matformer.server.rounds import OpenRound, RoundAssignment, Submission
+from matformer.server.state import RunState
+from matformer.server.tiers import Capabilities, TierAssignment, check_speed
+from matformer.server.update_log import UpdateLog
+from matformer.server.update_steps import Carried
+from matformer.server.work import work_order
 
 SAVE_INTERVAL_S = 1.0  # joins, leaves and refusals reach state.json at most this often
 

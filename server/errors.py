@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import grpc
 
-from modeling.errors import ConflictingKeys as ConflictingKeys  # run.toml's errors are
-from modeling.errors import InvalidToml as InvalidToml  # those of every settings file
-from modeling.errors import InvalidValue as InvalidValue
-from modeling.errors import MatformerError
-from modeling.errors import MissingKey as MissingKey
-from modeling.errors import SettingsError as ServerConfigError
-from modeling.errors import UnknownKey as UnknownKey
-from modeling.errors import WrongType as WrongType
+from matformer.modeling.errors import ConflictingKeys as ConflictingKeys  # run.toml's errors are
+from matformer.modeling.errors import InvalidToml as InvalidToml  # those of every settings file
+from matformer.modeling.errors import InvalidValue as InvalidValue
+from matformer.modeling.errors import MatformerError
+from matformer.modeling.errors import MissingKey as MissingKey
+from matformer.modeling.errors import SettingsError as ServerConfigError
+from matformer.modeling.errors import UnknownKey as UnknownKey
+from matformer.modeling.errors import WrongType as WrongType
 
 
 class ServerError(MatformerError):

@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from modeling.compression import Region, SparseResult, validate
-from modeling.errors import CompressionError
-from server.errors import (
+from matformer.modeling.compression import Region, SparseResult, validate
+from matformer.modeling.errors import CompressionError
+from matformer.server.errors import (
     AlreadySubmitted,
     BadReport,
     DuplicateResult,
@@ -36,9 +36,9 @@ from server.errors import (
     WrongRegion,
     WrongTokenCount,
 )
-from server.limits import SubmissionLimits
-from server.rounds import OpenRound, RoundAssignment
-from server.tiers import MAX_TOKENS_PER_SECOND
+from matformer.server.limits import SubmissionLimits
+from matformer.server.rounds import OpenRound, RoundAssignment
+from matformer.server.tiers import MAX_TOKENS_PER_SECOND
 
 MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about 10
 

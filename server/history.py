@@ -19,10 +19,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from modeling.compression import DENSE_BYTES_PER_VALUE, SparseResult, region_shape
-from server.membership import Member
-from server.rounds import OpenRound
-from server.state import RunState
+from matformer.modeling.compression import DENSE_BYTES_PER_VALUE, SparseResult, region_shape
+from matformer.server.membership import Member
+from matformer.server.rounds import OpenRound
+from matformer.server.state import RunState
 
 EventKind = Literal["join", "leave", "drop", "retier", "exclude", "expire", "reject",
                     "checkpoint", "data", "disk", "discard", "resume", "extend"]

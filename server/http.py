@@ -31,12 +31,12 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTex
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from protocol.errors import UnsafePath
-from server.api import build_router
-from server.errors import FileNotServed, ServedFileDamaged, UnknownClient
-from server.operator_access import operator_refusal
-from server.served_files import served_files
-from server.service import CoordinatorService
+from matformer.protocol.errors import UnsafePath
+from matformer.server.api import build_router
+from matformer.server.errors import FileNotServed, ServedFileDamaged, UnknownClient
+from matformer.server.operator_access import operator_refusal
+from matformer.server.served_files import served_files
+from matformer.server.service import CoordinatorService
 
 STATIC = Path(__file__).parent / "static"  # the dashboard: index.html, dashboard.js, .css
 READ_METHODS = ("GET", "HEAD")  # open to all; every other method needs the operator token

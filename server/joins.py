@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from server.errors import Excluded, JoinsTooFast, NameTaken, RunFull
-from server.keys import KeyHolder
-from server.membership import Member
-from server.tiers import Capabilities, TierAssignment
+from matformer.server.errors import Excluded, JoinsTooFast, NameTaken, RunFull
+from matformer.server.keys import KeyHolder
+from matformer.server.membership import Member
+from matformer.server.tiers import Capabilities, TierAssignment
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from matformer.server.coordinator import Coordinator
 
 
 def join(c: Coordinator, capabilities: Capabilities, *, key: KeyHolder | None = None,

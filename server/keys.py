@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modeling.atomic import write_json_atomic
-from protocol.auth import token_hash, tokens_equal
-from server.errors import ServerError
-from server.tiers import valid_name
+from matformer.modeling.atomic import write_json_atomic
+from matformer.protocol.auth import token_hash, tokens_equal
+from matformer.server.errors import ServerError
+from matformer.server.tiers import valid_name
 
 KEYS_VERSION = 1
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from modeling.atomic import built_aside
-from modeling.run_order import RunOrder
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.run_order import RunOrder
 
 LEDGER_NAME = "trained.jsonl"
 
@@ -141,9 +141,9 @@ def audit(order: RunOrder | Sequence[int] | np.ndarray, queue: dict[str, Any],
 def audit_run(config: Any) -> LedgerAudit:
     """The audit of ``config``'s run directory (a ``RunConfig``), from state.json, the ledger
     and the run's order (``server.work.work_order``)."""
-    from modeling.mdat import Mdat
-    from server.state import RunState
-    from server.work import work_order
+    from matformer.modeling.mdat import Mdat
+    from matformer.server.state import RunState
+    from matformer.server.work import work_order
 
     state = RunState.load(Path(config.run.dir))
     if state is None:

@@ -17,10 +17,10 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from modeling.compression import CompressionConfig, SparseResult, region_shape
-from modeling.compression.grid import ChunkGrid
-from server.errors import NormTooLarge, TooManyCoefficients, ValueTooLarge, WrongEncoding
-from server.sections import FaultsSection
+from matformer.modeling.compression import CompressionConfig, SparseResult, region_shape
+from matformer.modeling.compression.grid import ChunkGrid
+from matformer.server.errors import NormTooLarge, TooManyCoefficients, ValueTooLarge, WrongEncoding
+from matformer.server.sections import FaultsSection
 
 # No healthy client sends a coefficient this large, and below it every sum the coordinator
 # forms (a chunk's inverse DCT, the token-weighted mean, the master update) stays finite in

@@ -32,19 +32,19 @@ from pathlib import Path
 import grpc
 import uvicorn
 
-from modeling.commands import command_parser
-from modeling.errors import MatformerError
-from protocol.channel import GRPC_OPTIONS
-from protocol.health import add_health
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.call_slots import RequestGate
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.errors import PortUnavailable
-from server.http import build_app
-from server.keys import KeyFile
-from server.run_end import END_POLL_S, RunEnd
-from server.service import CoordinatorService
+from matformer.modeling.commands import command_parser
+from matformer.modeling.errors import MatformerError
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.health import add_health
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.server.call_slots import RequestGate
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import PortUnavailable
+from matformer.server.http import build_app
+from matformer.server.keys import KeyFile
+from matformer.server.run_end import END_POLL_S, RunEnd
+from matformer.server.service import CoordinatorService
 
 # The server pings a connection quiet for KEEPALIVE_S and closes it, ending its calls, when
 # the ping is not answered within KEEPALIVE_TIMEOUT_S: a vanished client's calls free their

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.auth import SessionTokens
-from server.errors import UnknownClient
-from server.tiers import Capabilities, TierAssignment, TierPolicy
+from matformer.protocol.auth import SessionTokens
+from matformer.server.errors import UnknownClient
+from matformer.server.tiers import Capabilities, TierAssignment, TierPolicy
 
 
 @dataclass(kw_only=True, slots=True)

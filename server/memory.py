@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import math
 
-from modeling.compression import region_shape, tier_regions, universal_config, universal_shapes
-from modeling.config import ModelConfig
-from modeling.matformer import tier_width
+from matformer.modeling.compression import (
+    region_shape,
+    tier_regions,
+    universal_config,
+    universal_shapes,
+)
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.matformer import tier_width
 
 FP32 = 4
 STATE_COPIES = 4  # weights, gradients, error-feedback momentum, one working copy

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from fastapi import Header, HTTPException
 
-from protocol.auth import tokens_equal
+from matformer.protocol.auth import tokens_equal
 
 
 def operator_refusal(authorization: str | None, operator_token: str | None

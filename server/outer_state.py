@@ -32,8 +32,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from modeling.compression import ChunkGrid, SparseResult, index_dtype
-from server.update_steps import Carried, Momentum
+from matformer.modeling.compression import ChunkGrid, SparseResult, index_dtype
+from matformer.server.update_steps import Carried, Momentum
 
 OUTER_STATE_NAME = "matformer_outer_state.safetensors"
 _KINDS = ("residual", "momentum")

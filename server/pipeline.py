@@ -25,11 +25,11 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from server.config import RunConfig
-from server.history import RunHistory
-from server.membership import Member, Membership
-from server.rounds import OpenRound, RoundAssignment, Submission
-from server.work import WorkQueue, assign
+from matformer.server.config import RunConfig
+from matformer.server.history import RunHistory
+from matformer.server.membership import Member, Membership
+from matformer.server.rounds import OpenRound, RoundAssignment, Submission
+from matformer.server.work import WorkQueue, assign
 
 # Rounds collected at once with overlap: the one whose results are arriving, the one being
 # trained, and the one handed out with the answer to a submission.

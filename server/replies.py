@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from modeling.checkpoint.export import read_manifest
-from modeling.checkpoint.manifest import MANIFEST_NAME
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from server.rounds import RoundAssignment
+from matformer.modeling.checkpoint.export import read_manifest
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.server.rounds import RoundAssignment
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from matformer.server.coordinator import Coordinator
 
 
 def checkpoint_ref(coordinator: Coordinator, tier: int) -> pb.CheckpointRef:

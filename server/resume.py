@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from modeling.checkpoint import load_pretrained
-from modeling.models import build_model
-from modeling.naming import canonical_state_dict
-from modeling.run_order import RunOrder
-from modeling.training import target_tokens
-from server.errors import ResumeError
-from server.membership import Membership
-from server.outer_state import settings_of
-from server.state import RunState
-from server.update_steps import Carried, close_round
-from server.work import WorkQueue
+from matformer.modeling.checkpoint import load_pretrained
+from matformer.modeling.models import build_model
+from matformer.modeling.naming import canonical_state_dict
+from matformer.modeling.run_order import RunOrder
+from matformer.modeling.training import target_tokens
+from matformer.server.errors import ResumeError
+from matformer.server.membership import Membership
+from matformer.server.outer_state import settings_of
+from matformer.server.state import RunState
+from matformer.server.update_steps import Carried, close_round
+from matformer.server.work import WorkQueue
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from matformer.server.coordinator import Coordinator
 
 # Names that atomic writes (modeling/atomic.py) give their temporary files and folders
 # (".state.json.tmp-1a2b3c4d", ".round-4.old-1a2b3c4d"): what a kill during a write leaves.

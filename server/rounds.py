@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from modeling.compression import SparseResult
+from matformer.modeling.compression import SparseResult
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,10 +21,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from server.run_log import summary_line
+from matformer.server.run_log import summary_line
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from matformer.server.coordinator import Coordinator
 
 END_POLL_S = 0.5  # how often the server looks whether its run ended
 log = logging.getLogger("matformer.server")

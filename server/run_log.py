@@ -12,10 +12,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from server.rounds import OpenRound
+from matformer.server.rounds import OpenRound
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from matformer.server.coordinator import Coordinator
 
 NAMES_SHOWN = 6  # members named in a line; more are counted
 

@@ -21,13 +21,13 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from modeling.checkpoint.files import read_json
-from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
-from modeling.checkpoint.repository import normalize
-from modeling.errors import MatformerError
-from protocol.files import resolve_inside, send_file
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from server.errors import FileNotServed, ServedFileDamaged
+from matformer.modeling.checkpoint.files import read_json
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
+from matformer.modeling.checkpoint.repository import normalize
+from matformer.modeling.errors import MatformerError
+from matformer.protocol.files import resolve_inside, send_file
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.server.errors import FileNotServed, ServedFileDamaged
 
 log = logging.getLogger("matformer.server")
 Stamp = tuple[int, int, int]  # (size, mtime_ns, inode): a file unchanged since it was read

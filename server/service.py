@@ -35,19 +35,19 @@ import grpc
 import torch
 from google.protobuf.message import Message
 
-from modeling.checkpoint.schema import canonical_schema_hash
-from modeling.errors import CheckpointError, CompressionError
-from protocol.auth import SESSION_METADATA_KEY, check_join_token, presented_session
-from protocol.errors import MalformedStream, ProtocolError
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.sparse import ResultLayout, result_layouts
-from protocol.submission import read_results, read_submission
-from protocol.tensors import encode_tensor
-from server import replies
-from server.call_slots import CallLimits, CallSlots, Watch, end_call
-from server.coordinator import Coordinator
-from server.errors import (
+from matformer.modeling.checkpoint.schema import canonical_schema_hash
+from matformer.modeling.errors import CheckpointError, CompressionError
+from matformer.protocol.auth import SESSION_METADATA_KEY, check_join_token, presented_session
+from matformer.protocol.errors import MalformedStream, ProtocolError
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.sparse import ResultLayout, result_layouts
+from matformer.protocol.submission import read_results, read_submission
+from matformer.protocol.tensors import encode_tensor
+from matformer.server import replies
+from matformer.server.call_slots import CallLimits, CallSlots, Watch, end_call
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import (
     BadResult,
     CallRefused,
     CoordinatorError,
@@ -60,10 +60,10 @@ from server.errors import (
     TierAssignmentError,
     UpdatesPruned,
 )
-from server.keys import KeyFile, KeyFileError, KeyHolder
-from server.served_files import served_files
-from server.tiers import Capabilities
-from server.update_cache import UpdateCache
+from matformer.server.keys import KeyFile, KeyFileError, KeyHolder
+from matformer.server.served_files import served_files
+from matformer.server.tiers import Capabilities
+from matformer.server.update_cache import UpdateCache
 
 log = logging.getLogger("matformer.server")
 

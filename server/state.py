@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.atomic import write_json_atomic
-from server.errors import ResumeError
+from matformer.modeling.atomic import write_json_atomic
+from matformer.server.errors import ResumeError
 
 STATE_NAME = "state.json"
 

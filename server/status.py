@@ -7,7 +7,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from matformer.server.coordinator import Coordinator
 
 
 def snapshot(c: Coordinator, *, since_round: int | None = 0, events_after: int | None = -1

@@ -23,10 +23,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from modeling.config import ModelConfig
-from modeling.matformer import tier_width
-from server.errors import BadCapabilities, NoAllowedTier, NoTierFits, PinnedTierDoesNotFit
-from server.memory import TrainingMemory
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.matformer import tier_width
+from matformer.server.errors import BadCapabilities, NoAllowedTier, NoTierFits, PinnedTierDoesNotFit
+from matformer.server.memory import TrainingMemory
 
 
 @dataclass(frozen=True, slots=True)

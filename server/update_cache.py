@@ -18,9 +18,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from modeling.compression import Region, RoundUpdate
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.updates import update_messages
+from matformer.modeling.compression import Region, RoundUpdate
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.updates import update_messages
 
 CACHE_BYTES = 512 * 2**20  # encoded messages kept, newest rounds first
 

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from modeling.atomic import built_aside, write_json_atomic
-from modeling.checkpoint.files import read_json
-from modeling.compression import (
+from matformer.modeling.atomic import built_aside, write_json_atomic
+from matformer.modeling.checkpoint.files import read_json
+from matformer.modeling.compression import (
     ChunkGrid,
     CoefficientStep,
     DenseStep,
@@ -39,7 +39,7 @@ from modeling.compression import (
     position_bits,
     unpack_bits,
 )
-from server.outer_state import results_from, results_record
+from matformer.server.outer_state import results_from, results_record
 
 
 class UpdateLog:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     Broadcast,
     ChunkGrid,
     Region,
@@ -32,8 +32,8 @@ from modeling.compression import (
     dense_step,
     get_encoding,
 )
-from modeling.compression.encodings import ChunkTopK
-from server.aggregation import Aggregate, aggregate, coefficient_mean
+from matformer.modeling.compression.encodings import ChunkTopK
+from matformer.server.aggregation import Aggregate, aggregate, coefficient_mean
 
 
 def update_step(rule: UpdateRule, aggregate: Aggregate, covered: Sequence[Region],

@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from modeling.mdat import Mdat, SequenceReader
-from modeling.run_order import RunOrder
-from modeling.training import with_targets
-from server.config import RunConfig
-from server.errors import ShardError
-from server.state import RunState
+from matformer.modeling.mdat import Mdat, SequenceReader
+from matformer.modeling.run_order import RunOrder
+from matformer.modeling.training import with_targets
+from matformer.server.config import RunConfig
+from matformer.server.errors import ShardError
+from matformer.server.state import RunState
 
 
 def work_order(mdat: Mdat, config: RunConfig, state: RunState | None = None

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from modeling import AutoregressiveModel, ModelConfig, registry
-from modeling.checkpoint.manifest import MANIFEST_NAME
-from modeling.mdat import Mdat, build_default_mdat
+from matformer.modeling import AutoregressiveModel, ModelConfig, registry
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
+from matformer.modeling.mdat import Mdat, build_default_mdat
 
 TAILS_STRATEGY = "fixed8"  # what ``mdat_with_one_token_tails`` pretokenizes: bytes, chunks of 8
 

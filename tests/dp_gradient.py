@@ -13,10 +13,10 @@ import sys
 import torch
 from conftest import tiny_config  # this script's folder is on sys.path, as pytest's rootdir
 
-from modeling import build_model
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows
-from modeling.distributed import DataParallel
-from modeling.training import StepOptions, TierSchedule, tier_gradients
+from matformer.modeling import build_model
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows
+from matformer.modeling.distributed import DataParallel
+from matformer.modeling.training import StepOptions, TierSchedule, tier_gradients
 
 
 def step(objective: str, parallel: DataParallel | None,

@@ -62,17 +62,17 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyStrategyDefinition
 
-from modeling.checkpoint.manifest import MANIFEST_NAME
-from modeling.compression import weight_hash
-from protocol.auth import session_metadata
-from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.sparse import encode_sparse_result
-from protocol.tensors import DTYPES
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.main import RunningServer
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
+from matformer.modeling.compression import weight_hash
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.sparse import encode_sparse_result
+from matformer.protocol.tensors import DTYPES
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.main import RunningServer
 
 JOIN_TOKEN = "fuzz-join-token"
 RUN_ID = "fuzz"

@@ -16,8 +16,8 @@ from typing import Any
 
 from conftest import tiny_config
 
-from modeling.mdat import build_default_mdat
-from server.config import RunConfig
+from matformer.modeling.mdat import build_default_mdat
+from matformer.server.config import RunConfig
 
 JOIN_TOKEN = "join-secret"
 OPERATOR_TOKEN = "operator-secret"

@@ -9,9 +9,9 @@ import time
 import torch
 from helpers import Clock
 
-from modeling.compression import CompressionConfig, SparseResult, region_shape
-from server.coordinator import Coordinator
-from server.tiers import Capabilities
+from matformer.modeling.compression import CompressionConfig, SparseResult, region_shape
+from matformer.server.coordinator import Coordinator
+from matformer.server.tiers import Capabilities
 
 DENSE = CompressionConfig(encoding="dense").build()
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel, BERTModel, registry
-from modeling.components.positional import AlibiPositions
+from matformer.modeling import AutoregressiveModel, BERTModel, registry
+from matformer.modeling.components.positional import AlibiPositions
 
 # Approximations of softmax (wersa) have self-consistency tests of their own (test_wersa.py).
 KERNELS = [impl.name for impl in registry.implementations("attention", "kernel")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import (
+from matformer.modeling import (
     AutoregressiveModel,
     BatchError,
     BERTModel,
@@ -16,7 +16,7 @@ from modeling import (
     assert_batch_equivalent,
     registry,
 )
-from modeling.components.kernels import segment_runs
+from matformer.modeling.components.kernels import segment_runs
 
 # Approximations of softmax (wersa) have self-consistency tests of their own (test_wersa.py).
 KERNELS = [impl.name for impl in registry.implementations("attention", "kernel")

@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel
-from modeling.batch import MaskedBatch
-from modeling.batching import accumulate_gradients, split_microbatches
-from modeling.errors import BatchError
+from matformer.modeling import AutoregressiveModel
+from matformer.modeling.batch import MaskedBatch
+from matformer.modeling.batching import accumulate_gradients, split_microbatches
+from matformer.modeling.errors import BatchError
 
 LENGTHS = [5, 17, 9, 30, 2, 12, 1, 23]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchLimits, length_regime
-from modeling.errors import BatchDoesNotFit, ConfigError
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchLimits, length_regime
+from matformer.modeling.errors import BatchDoesNotFit, ConfigError
 
 
 def _limits(**overrides):

@@ -7,17 +7,17 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel, BERTModel
-from modeling.batching import (
+from matformer.modeling import AutoregressiveModel, BERTModel
+from matformer.modeling.batching import (
     AdaptiveLimitsConfig,
     MicrobatchRunner,
     pack_rows,
     plan_batches,
     plan_packed,
 )
-from modeling.batching.plan import window_runs
-from modeling.errors import SequenceTooLong
-from modeling.training import TierSchedule, tier_gradients
+from matformer.modeling.batching.plan import window_runs
+from matformer.modeling.errors import SequenceTooLong
+from matformer.modeling.training import TierSchedule, tier_gradients
 
 BUDGET, ROW = 16_384, 2048
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from modeling.batching import padded_tokens, plan_batches, split_microbatches
-from modeling.errors import BatchError, ConfigError, SequenceTooLong
+from matformer.modeling.batching import padded_tokens, plan_batches, split_microbatches
+from matformer.modeling.errors import BatchError, ConfigError, SequenceTooLong
 
 LENGTHS = [3, 9, 2, 4, 8, 1, 1, 1]
 

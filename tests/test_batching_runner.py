@@ -6,15 +6,15 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel
-from modeling.batch import MaskedBatch
-from modeling.batching import (
+from matformer.modeling import AutoregressiveModel
+from matformer.modeling.batch import MaskedBatch
+from matformer.modeling.batching import (
     AdaptiveLimitsConfig,
     MicrobatchLimits,
     MicrobatchRunner,
     padded_tokens,
 )
-from modeling.errors import BatchDoesNotFit, BatchError
+from matformer.modeling.errors import BatchDoesNotFit, BatchError
 
 LENGTHS = [20, 3, 17, 9, 30, 2, 12, 23]  # longest 30: regime 5
 

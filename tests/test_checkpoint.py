@@ -9,14 +9,20 @@ import torch
 from conftest import tiny_config
 from safetensors.torch import load_file, save_file
 
-from modeling import AutoregressiveModel, BERTModel, TierError
-from modeling.checkpoint import load_pretrained, save_pretrained
-from modeling.checkpoint.export import export_tiers, read_manifest
-from modeling.checkpoint.files import INDEX_NAME, WEIGHTS_NAME
-from modeling.checkpoint.hf_config import from_config_dict, to_config_dict
-from modeling.checkpoint.manifest import sha256_of
-from modeling.errors import AlreadySliced, CheckpointError, ConfigError, MissingShard, ShapeMismatch
-from scripts.export_matformer_tiers import main as export_main
+from matformer.modeling import AutoregressiveModel, BERTModel, TierError
+from matformer.modeling.checkpoint import load_pretrained, save_pretrained
+from matformer.modeling.checkpoint.export import export_tiers, read_manifest
+from matformer.modeling.checkpoint.files import INDEX_NAME, WEIGHTS_NAME
+from matformer.modeling.checkpoint.hf_config import from_config_dict, to_config_dict
+from matformer.modeling.checkpoint.manifest import sha256_of
+from matformer.modeling.errors import (
+    AlreadySliced,
+    CheckpointError,
+    ConfigError,
+    MissingShard,
+    ShapeMismatch,
+)
+from matformer.scripts.export_matformer_tiers import main as export_main
 
 transformers = pytest.importorskip("transformers")
 
@@ -242,7 +248,7 @@ def test_failed_export_leaves_no_half_written_tier(tmp_path, monkeypatch):
             raise OSError("disk full")
         save_file(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr("modeling.checkpoint.files.save_file", failing_save)
+    monkeypatch.setattr("matformer.modeling.checkpoint.files.save_file", failing_save)
     with pytest.raises(OSError, match="disk full"):
         export_tiers(source, [1, 2])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
@@ -251,8 +257,11 @@ def test_failed_export_leaves_no_half_written_tier(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])
 def test_optimizer_state_round_trips_without_pickle(tmp_path, name):
-    from modeling.checkpoint.training_state import load_training_state, save_training_state
-    from modeling.optim import OptimizerConfig
+    from matformer.modeling.checkpoint.training_state import (
+        load_training_state,
+        save_training_state,
+    )
+    from matformer.modeling.optim import OptimizerConfig
 
     def run(model, optimizer, steps):
         for _ in range(steps):

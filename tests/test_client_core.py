@@ -10,16 +10,16 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from client.errors import FeedbackStateMismatch, ModelMismatch
-from client.local_round import LocalRound, LocalSteps
-from client.replica import Replica
-from modeling import AutoregressiveModel
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
-from modeling.checkpoint.export import export_tiers
-from modeling.checkpoint.loader import load_for_tier
-from modeling.checkpoint.pretrained import save_pretrained
-from modeling.checkpoint.slicing import slice_state
-from modeling.compression import (
+from matformer.client.errors import FeedbackStateMismatch, ModelMismatch
+from matformer.client.local_round import LocalRound, LocalSteps
+from matformer.client.replica import Replica
+from matformer.modeling import AutoregressiveModel
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+from matformer.modeling.checkpoint.export import export_tiers
+from matformer.modeling.checkpoint.loader import load_for_tier
+from matformer.modeling.checkpoint.pretrained import save_pretrained
+from matformer.modeling.checkpoint.slicing import slice_state
+from matformer.modeling.compression import (
     CompressionConfig,
     RoundUpdate,
     UpdateConfig,
@@ -28,11 +28,11 @@ from modeling.compression import (
     universal_shapes,
     weight_hash,
 )
-from modeling.matformer import layer_widths, tier_label
-from modeling.naming import canonical_state_dict, load_canonical_state_dict
-from modeling.optim import OptimizerConfig
-from modeling.training import TierSchedule, train_step_on_examples
-from server.update_steps import Carried, close_round
+from matformer.modeling.matformer import layer_widths, tier_label
+from matformer.modeling.naming import canonical_state_dict, load_canonical_state_dict
+from matformer.modeling.optim import OptimizerConfig
+from matformer.modeling.training import TierSchedule, train_step_on_examples
+from matformer.server.update_steps import Carried, close_round
 
 LR = 0.1
 DENSE = CompressionConfig(encoding="dense", decay=0.0, lr=1.0)

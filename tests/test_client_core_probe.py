@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from conftest import tiny_config
 
-from client.probe import device_name, measure_tokens_per_second, memory_bytes
-from modeling import AutoregressiveModel
+from matformer.client.probe import device_name, measure_tokens_per_second, memory_bytes
+from matformer.modeling import AutoregressiveModel
 
 
 def test_the_probe_reports_a_plausible_cpu_and_a_positive_speed():

@@ -11,14 +11,14 @@ import pytest
 from helpers import JOIN_TOKEN, run_tables, write_run_toml
 from wire import join_request
 
-from client.connection import Finished, Train
-from client.federated import FederatedClient, FederatedOptions
-from client.progress import Planned, Progress
-from modeling.mdat import build_default_mdat
-from protocol.channel import GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.config import RunConfig
-from server.main import RunningServer
+from matformer.client.connection import Finished, Train
+from matformer.client.federated import FederatedClient, FederatedOptions
+from matformer.client.progress import Planned, Progress
+from matformer.modeling.mdat import build_default_mdat
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.server.config import RunConfig
+from matformer.server.main import RunningServer
 
 LEFT = r"  left \d+m\d\ds$"  # the time left, at the pace so far
 

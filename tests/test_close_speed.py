@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     Broadcast,
     ChunkGrid,
     CoefficientStep,
@@ -23,12 +23,12 @@ from modeling.compression import (
     region_slices,
     steps,
 )
-from modeling.compression.dct import chunkwise_dct, exact_bits, exact_idct
-from modeling.compression.steps import _largest
-from protocol.updates import read_updates, update_messages
-from server import update_steps
-from server.aggregation import aggregate, coefficient_mean
-from server.update_steps import Carried, close_round
+from matformer.modeling.compression.dct import chunkwise_dct, exact_bits, exact_idct
+from matformer.modeling.compression.steps import _largest
+from matformer.protocol.updates import read_updates, update_messages
+from matformer.server import update_steps
+from matformer.server.aggregation import aggregate, coefficient_mean
+from matformer.server.update_steps import Carried, close_round
 
 UP = "model.layers.0.mlp.up_proj.weight"
 SHAPE = (256, 128)  # FFN rows × hidden: every tier's width lies on the 64-grid

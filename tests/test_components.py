@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel, BERTModel, registry
+from matformer.modeling import AutoregressiveModel, BERTModel, registry
 
 POSITIONAL = registry.variants("positional")
 NORMS = registry.variants("norm")

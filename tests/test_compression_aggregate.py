@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel
-from modeling.compression import (
+from matformer.modeling import AutoregressiveModel
+from matformer.modeling.compression import (
     CompressionConfig,
     SparseResult,
     UpdateConfig,
@@ -19,7 +19,7 @@ from modeling.compression import (
     tier_regions,
     universal_shapes,
 )
-from modeling.errors import (
+from matformer.modeling.errors import (
     BadTokenCount,
     ChunkIdError,
     ChunkIndexError,
@@ -30,9 +30,9 @@ from modeling.errors import (
     ResultShapeMismatch,
     UnknownEncoding,
 )
-from server import aggregation
-from server.aggregation import aggregate, scatter
-from server.update_steps import update_step
+from matformer.server import aggregation
+from matformer.server.aggregation import aggregate, scatter
+from matformer.server.update_steps import update_step
 
 DOWN = (2, 4)  # a down_proj: FFN width 4 in columns; tier 1 covers columns [:2]
 
@@ -288,9 +288,9 @@ def test_bad_update_settings_are_named_errors():
 def test_weight_hash_of_a_tier_slice_equals_the_masters_hash_at_that_tier():
     from conftest import tiny_config
 
-    from modeling import AutoregressiveModel, layer_widths
-    from modeling.checkpoint.slicing import slice_state
-    from modeling.compression import tier_regions, universal_shapes, weight_hash
+    from matformer.modeling import AutoregressiveModel, layer_widths
+    from matformer.modeling.checkpoint.slicing import slice_state
+    from matformer.modeling.compression import tier_regions, universal_shapes, weight_hash
 
     config = tiny_config()
     master = AutoregressiveModel(config).state_dict()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     ChunkGrid,
     CompressionConfig,
     dct,
@@ -18,7 +18,7 @@ from modeling.compression import (
     index_dtype,
     payload_bytes,
 )
-from modeling.errors import CompressionConfigError, UnknownEncoding
+from matformer.modeling.errors import CompressionConfigError, UnknownEncoding
 
 SHAPE = (192, 100)
 TIER1 = ((0, 96), (0, 100))  # ends mid-chunk: partial edge chunks in both dimensions

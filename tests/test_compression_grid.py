@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     ChunkGrid,
     CompressionConfig,
     full_region,
@@ -15,7 +15,7 @@ from modeling.compression import (
     tier_regions,
     universal_shapes,
 )
-from modeling.errors import RegionError
+from matformer.modeling.errors import RegionError
 
 FFN = ("gate_proj", "up_proj", "down_proj")
 

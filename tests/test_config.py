@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import (
+from matformer.modeling import (
     AutoregressiveModel,
     ConfigError,
     HookPositionError,
@@ -16,7 +16,7 @@ from modeling import (
     RegistryError,
     TierError,
 )
-from modeling.config import LayerConfig
+from matformer.modeling.config import LayerConfig
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_unknown_component_fails_before_allocation(layer, message, no_allocation
 def test_bad_tier_fails_before_any_compute(no_allocation):
     config = tiny_config()
     with pytest.raises(TierError):
-        from modeling import layer_widths
+        from matformer.modeling import layer_widths
         layer_widths(config, 9)
 
 

@@ -13,19 +13,19 @@ import torch.nn.functional as F
 from conftest import tiny_config
 from safetensors.torch import load_file, save_file
 
-from modeling import AutoregressiveModel
-from modeling.checkpoint import load_pretrained, save_pretrained
-from modeling.checkpoint.files import INDEX_NAME, WEIGHTS_NAME, read_weights
-from modeling.checkpoint.neuron_order import (
+from matformer.modeling import AutoregressiveModel
+from matformer.modeling.checkpoint import load_pretrained, save_pretrained
+from matformer.modeling.checkpoint.files import INDEX_NAME, WEIGHTS_NAME, read_weights
+from matformer.modeling.checkpoint.neuron_order import (
     Calibration,
     activation_scores,
     ffn_names,
     permute_neurons,
     weight_scores,
 )
-from modeling.mdat.trained_on import RECORD_NAME
-from modeling.naming import canonical_state_dict
-from scripts.convert import main
+from matformer.modeling.mdat.trained_on import RECORD_NAME
+from matformer.modeling.naming import canonical_state_dict
+from matformer.scripts.convert import main
 
 transformers = pytest.importorskip("transformers")
 

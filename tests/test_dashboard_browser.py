@@ -21,10 +21,10 @@ import pytest
 from helpers import local_testnet_toml
 from openapi import api_paths, response_errors
 
-from local_testnet import testnet
-from local_testnet.main import join_token_env
-from local_testnet.processes import free_port
-from modeling.mdat import build_default_mdat
+from matformer.local_testnet import testnet
+from matformer.local_testnet.main import join_token_env
+from matformer.local_testnet.processes import free_port
+from matformer.modeling.mdat import build_default_mdat
 
 STATIC = Path(__file__).resolve().parents[1] / "server" / "static"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -127,9 +127,9 @@ class LiveRun:
         """A member that joins with markup in its strings and leaves at once; its name."""
         import grpc
 
-        from protocol.auth import session_metadata
-        from protocol.matformer.v1 import coordinator_pb2 as pb
-        from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+        from matformer.protocol.auth import session_metadata
+        from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+        from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 
         token = next(iter(self.net.plan.env.values()), "")
         with grpc.insecure_channel(f"127.0.0.1:{self.net.plan.grpc_port}") as channel:

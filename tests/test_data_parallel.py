@@ -13,9 +13,9 @@ import pytest
 import torch
 from dp_gradient import step
 
-from modeling.batching.accumulate import TrainingExamples
-from modeling.distributed import DataParallel
-from modeling.mdat import build_default_mdat
+from matformer.modeling.batching.accumulate import TrainingExamples
+from matformer.modeling.distributed import DataParallel
+from matformer.modeling.mdat import build_default_mdat
 
 TESTS = Path(__file__).parent
 
@@ -66,7 +66,7 @@ def test_shares_split_rows_by_tokens_and_cover_the_batch():
 def test_masks_depend_on_the_documents_position_not_on_the_share():
     from conftest import tiny_config
 
-    from modeling import BERTModel
+    from matformer.modeling import BERTModel
 
     model = BERTModel(tiny_config(is_causal=False))
     docs = [torch.randint(3, 90, (40,)) for _ in range(4)]
@@ -88,7 +88,7 @@ def docs(tmp_path_factory):
 def test_standalone_training_on_two_ranks_follows_the_one_rank_run(mode, docs, tmp_path):
     """Replicated: every rank holds the model, gradients summed after the step's passes.
     FSDP2: every rank holds a shard, gathered and reduced in lockstep passes."""
-    args = ["-m", "client.standalone", "--data", str(docs), "--steps", "6",
+    args = ["-m", "matformer.client.standalone", "--data", str(docs), "--steps", "6",
             "--warmup-steps", "2", "--batch-tokens", "512", "--seq-len", "128",
             "--tiers", "0,2", "--log-every", "3"]
     torchrun(2, *args, *(["--fsdp"] if mode == "fsdp" else []), "--out", str(tmp_path / "two"))
@@ -104,7 +104,7 @@ def test_standalone_training_on_two_ranks_follows_the_one_rank_run(mode, docs, t
 
 
 def test_fsdp_needs_torchrun(docs, tmp_path, capsys):
-    from client.standalone import main
+    from matformer.client.standalone import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--data", str(docs), "--fsdp", "--out", str(tmp_path)])
@@ -115,7 +115,7 @@ def test_fsdp_needs_torchrun(docs, tmp_path, capsys):
 def test_an_fsdp_run_resumes_bit_for_bit_and_on_any_number_of_ranks(docs, tmp_path):
     from safetensors.torch import load_file
 
-    args = ["-m", "client.standalone", "--data", str(docs), "--steps", "6",
+    args = ["-m", "matformer.client.standalone", "--data", str(docs), "--steps", "6",
             "--warmup-steps", "2", "--batch-tokens", "512", "--seq-len", "128", "--tiers", "0,2",
             "--save-every", "2", "--keep-last", "3", "--track", "none"]
     straight = tmp_path / "straight"

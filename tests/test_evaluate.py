@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from client.standalone import main as train
-from modeling.mdat import build_default_mdat
-from scripts.evaluate import main as evaluate
+from matformer.client.standalone import main as train
+from matformer.modeling.mdat import build_default_mdat
+from matformer.scripts.evaluate import main as evaluate
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_an_evaluation_over_budget_is_microbatched_and_split_after_oom(trained, 
     whole = run_eval(trained, tmp_path)
     small = run_eval(trained, tmp_path, "--max-eval-tokens-per-microbatch", "128",
                      "--max-examples-per-microbatch", "1")
-    from modeling.models import TransformerWithLMHead
+    from matformer.modeling.models import TransformerWithLMHead
 
     loss, calls = TransformerWithLMHead.labelled_loss, []
 
@@ -71,7 +71,7 @@ def test_an_evaluation_over_budget_is_microbatched_and_split_after_oom(trained, 
 
 def test_one_sequence_that_does_not_fit_is_a_named_error(trained, tmp_path, monkeypatch,
                                                          capsys):
-    from modeling.models import TransformerWithLMHead
+    from matformer.modeling.models import TransformerWithLMHead
 
     def never_fits(model, batch, labels, **kwargs):
         raise torch.OutOfMemoryError("out of memory (injected)")

@@ -8,14 +8,14 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel, RegistryError, canonical_state_dict, registry
+from matformer.modeling import AutoregressiveModel, RegistryError, canonical_state_dict, registry
 
 USER_MODULE = textwrap.dedent('''
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    from modeling import registry
+    from matformer.modeling import registry
 
 
     @registry.register("hook", "{prefix}_gate", "default")

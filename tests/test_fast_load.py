@@ -11,16 +11,16 @@ from conftest import tiny_config
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from modeling import build_model, registry
-from modeling.checkpoint import load_pretrained, save_pretrained
-from modeling.checkpoint.export import export_tiers
-from modeling.checkpoint.files import WEIGHTS_NAME, read_weights
-from modeling.checkpoint.loader import load_for_tier
-from modeling.checkpoint.pretrained import load_state_into
-from modeling.checkpoint.slicing import slice_state
-from modeling.components.positional import PositionalEncoding
-from modeling.errors import ShapeMismatch
-from modeling.naming import canonical_state_dict
+from matformer.modeling import build_model, registry
+from matformer.modeling.checkpoint import load_pretrained, save_pretrained
+from matformer.modeling.checkpoint.export import export_tiers
+from matformer.modeling.checkpoint.files import WEIGHTS_NAME, read_weights
+from matformer.modeling.checkpoint.loader import load_for_tier
+from matformer.modeling.checkpoint.pretrained import load_state_into
+from matformer.modeling.checkpoint.slicing import slice_state
+from matformer.modeling.components.positional import PositionalEncoding
+from matformer.modeling.errors import ShapeMismatch
+from matformer.modeling.naming import canonical_state_dict
 
 IDS = torch.arange(3, 15)[None]
 

@@ -13,21 +13,26 @@ from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 from helpers import run_tables, write_run_toml
 from rounds import committed
 
-from client.connection import PublishedCheckpoint
-from client.errors import DataMismatch, ReplicaDiverged, RoundOver
-from client.federated import FederatedClient, FederatedOptions
-from client.replica import Replica
-from local_testnet.held_out import HeldOut
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows, plan_packed
-from modeling.checkpoint import load_pretrained
-from modeling.compression import region_slices
-from modeling.mdat import DEFAULT_STRATEGY, build_default_mdat
-from modeling.naming import canonical_state_dict
-from modeling.optim import OptimizerConfig, lr_factor
-from modeling.training import TierSchedule, train_step_on_examples
-from server.config import RunConfig
-from server.ledger import audit_run
-from server.main import RunningServer
+from matformer.client.connection import PublishedCheckpoint
+from matformer.client.errors import DataMismatch, ReplicaDiverged, RoundOver
+from matformer.client.federated import FederatedClient, FederatedOptions
+from matformer.client.replica import Replica
+from matformer.local_testnet.held_out import HeldOut
+from matformer.modeling.batching import (
+    AdaptiveLimitsConfig,
+    MicrobatchRunner,
+    pack_rows,
+    plan_packed,
+)
+from matformer.modeling.checkpoint import load_pretrained
+from matformer.modeling.compression import region_slices
+from matformer.modeling.mdat import DEFAULT_STRATEGY, build_default_mdat
+from matformer.modeling.naming import canonical_state_dict
+from matformer.modeling.optim import OptimizerConfig, lr_factor
+from matformer.modeling.training import TierSchedule, train_step_on_examples
+from matformer.server.config import RunConfig
+from matformer.server.ledger import audit_run
+from matformer.server.main import RunningServer
 
 TOKEN = "federated-test-token"
 SEQ_LEN = 128  # the runs' sequence length: the row length a client packs into
@@ -384,7 +389,7 @@ def test_local_data_must_match_the_runs_fingerprint(tmp_path, mdat):
 
 def _forged(coordinator, client_id, fault):
     """A tier-1 client's results with one ``fault``; the good ones when fault is None."""
-    from modeling.compression import CompressionConfig
+    from matformer.modeling.compression import CompressionConfig
 
     tier = coordinator.membership.get(client_id).tier
     regions, shapes = coordinator.regions(tier), coordinator.shapes
@@ -416,11 +421,11 @@ def _forged(coordinator, client_id, fault):
 def test_bad_results_are_refused_over_grpc_and_change_nothing(tmp_path, mdat, fault):
     import grpc
 
-    from protocol.auth import session_metadata
-    from protocol.channel import GRPC_OPTIONS
-    from protocol.matformer.v1 import coordinator_pb2 as pb
-    from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-    from protocol.submission import submission_messages
+    from matformer.protocol.auth import session_metadata
+    from matformer.protocol.channel import GRPC_OPTIONS
+    from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+    from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+    from matformer.protocol.submission import submission_messages
 
     server = start(tmp_path, mdat, encoding="dense", rule="sgd", rounds=2)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
@@ -498,7 +503,7 @@ def client_command(server, tmp_path, *, ignoring_sigint: bool = False):
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "client.cli", "train", "--server",
+    command = [sys.executable, "-m", "matformer.client.cli", "train", "--server",
                f"127.0.0.1:{server.grpc_port}", "--join-token", TOKEN, "--name", "leaver",
                "--state-dir", str(tmp_path / "leaver"), "--no-progress"]
     if ignoring_sigint:  # exec keeps the ignored SIGINT, as it does for a background job
@@ -562,11 +567,11 @@ def test_a_second_client_command_on_one_machine_is_refused_at_once(tmp_path, mda
     import subprocess
     import sys
 
-    from client.state_dir import held
+    from matformer.client.state_dir import held
 
     server = start(tmp_path, mdat, rounds=1000, min_clients=1)
     coordinator = server.service.coordinator
-    command = [sys.executable, "-m", "client.cli", "train", "--server",
+    command = [sys.executable, "-m", "matformer.client.cli", "train", "--server",
                f"127.0.0.1:{server.grpc_port}", "--join-token", TOKEN, "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     first = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
@@ -629,7 +634,7 @@ def test_a_two_rank_client_submits_what_one_rank_does_and_its_ranks_agree(tmp_pa
         try:
             done = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={ranks}", "-m", "client.cli", "train", "--server",
+                 f"--nproc-per-node={ranks}", "-m", "matformer.client.cli", "train", "--server",
                  f"127.0.0.1:{server.grpc_port}", "--join-token", TOKEN, "--name", "node",
                  "--tier", "0", "--microbatch-tokens", "256", "--state-dir", str(run / "node"),
                  "--no-progress"],

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from client.cli import SHARED, parse_args
-from client.federated import FederatedOptions
+from matformer.client.cli import SHARED, parse_args
+from matformer.client.federated import FederatedOptions
 
 
 @pytest.mark.parametrize(("flags", "named"), [
@@ -50,8 +50,8 @@ def test_the_flags_both_kinds_of_training_read_are_taken_by_a_federated_client()
 
 def test_the_client_command_exits_at_once_on_an_ignored_flag():
     done = subprocess.run(
-        [sys.executable, "-m", "client.cli", "train", "--server", "127.0.0.1:7070", "--lr",
-         "0.1"], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "matformer.client.cli", "train", "--server", "127.0.0.1:7070",
+         "--lr", "0.1"], capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 2
     assert done.stderr.splitlines()[-1] == (
@@ -79,7 +79,7 @@ def test_every_command_says_its_version(command, capsys):
 
 
 def test_one_command_runs_every_verb_under_its_own_name(tmp_path, capsys):
-    from scripts.matformer import VERBS, main, runner
+    from matformer.scripts.matformer import VERBS, main, runner
 
     assert all(callable(runner(verb)) for verb in VERBS)
     with pytest.raises(SystemExit) as exited:
@@ -109,13 +109,13 @@ def test_ctrl_c_in_training_says_how_to_resume_without_a_traceback(tmp_path):
     import signal
     import time
 
-    from client.standalone import parse_args as train_args
-    from modeling.mdat import build_default_mdat
+    from matformer.client.standalone import parse_args as train_args
+    from matformer.modeling.mdat import build_default_mdat
 
     build_default_mdat(tmp_path / "docs.mdat", limit=120).close()
     out = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "client.standalone", "--data", str(tmp_path / "docs.mdat"),
+        [sys.executable, "-m", "matformer.client.standalone", "--data", str(tmp_path / "docs.mdat"),
          "--steps", "2000", "--batch-tokens", "512", "--seq-len", "128", "--save-every", "2",
          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -140,8 +140,8 @@ def test_a_client_says_at_once_that_the_coordinator_does_not_answer():
     """It retried for 60 s in silence; now the first unanswered call is said, once."""
     import socket
 
-    from client.connection import Connection
-    from client.errors import Unreachable
+    from matformer.client.connection import Connection
+    from matformer.client.errors import Unreachable
 
     with socket.socket() as taken:  # a port nothing listens on
         taken.bind(("127.0.0.1", 0))
@@ -183,8 +183,8 @@ def test_the_models_vocabulary_follows_a_strategys_or_the_mismatch_is_one_line(b
     that names a smaller model is refused in one line naming both sizes."""
     import json
 
-    from client.standalone import TINY
-    from client.standalone import main as train_main
+    from matformer.client.standalone import TINY
+    from matformer.client.standalone import main as train_main
 
     root, _, ids = bpe
     assert ids > 260
@@ -215,8 +215,8 @@ def test_a_model_trained_on_a_users_bpe_opens_with_autotokenizer_and_pipeline(bp
 
     from transformers import AutoTokenizer, pipeline
 
-    from client.standalone import main as train_main
-    from scripts.export_matformer_tiers import main as export_main
+    from matformer.client.standalone import main as train_main
+    from matformer.scripts.export_matformer_tiers import main as export_main
 
     root, tokenizer, _ = bpe
     out = tmp_path / "model"
@@ -235,7 +235,7 @@ def test_a_model_trained_on_a_users_bpe_opens_with_autotokenizer_and_pipeline(bp
     assert written.startswith(text) and len(written) > len(text)
 
     said = subprocess.run(
-        [sys.executable, "-m", "scripts.generate", str(out), "--prompt", text,
+        [sys.executable, "-m", "matformer.scripts.generate", str(out), "--prompt", text,
          "--max-new-tokens", "4", "--temperature", "0"],
         capture_output=True, text=True, timeout=120)
     assert said.returncode == 0, said.stderr
@@ -249,12 +249,12 @@ def test_a_run_is_one_folder_and_its_slices_follow_its_weights(tmp_path, monkeyp
 
     from transformers import AutoTokenizer
 
-    from client.standalone import main as train_main
-    from modeling.checkpoint.loader import resolve
-    from modeling.errors import SliceMismatch
-    from modeling.mdat import build_default_mdat
-    from modeling.tokenizers import ByteTokenizer
-    from scripts.export_matformer_tiers import main as export_main
+    from matformer.client.standalone import main as train_main
+    from matformer.modeling.checkpoint.loader import resolve
+    from matformer.modeling.errors import SliceMismatch
+    from matformer.modeling.mdat import build_default_mdat
+    from matformer.modeling.tokenizers import ByteTokenizer
+    from matformer.scripts.export_matformer_tiers import main as export_main
 
     build_default_mdat(tmp_path / "docs.mdat", limit=80).close()
     common = ["--data", str(tmp_path / "docs.mdat"), "--steps", "2", "--batch-tokens", "512",
@@ -288,9 +288,9 @@ def test_a_run_is_one_folder_and_its_slices_follow_its_weights(tmp_path, monkeyp
 def test_a_checkpoint_resumes_into_its_own_run_or_is_refused(tmp_path, monkeypatch, capsys):
     """--resume OTHER/checkpoints/step-N without --out wrote into runs/standalone, replacing
     another run's model. A checkpoint now knows its run and goes on there."""
-    from client.standalone import main as train_main
-    from modeling.checkpoint.manifest import sha256_of
-    from modeling.mdat import build_default_mdat
+    from matformer.client.standalone import main as train_main
+    from matformer.modeling.checkpoint.manifest import sha256_of
+    from matformer.modeling.mdat import build_default_mdat
 
     monkeypatch.chdir(tmp_path)
     build_default_mdat(tmp_path / "docs.mdat", limit=80).close()
@@ -319,9 +319,9 @@ def test_a_damaged_token_file_is_named_when_the_data_is_opened(tmp_path, capsys)
     embedding lookup; every id is now checked against the strategy's vocabulary on opening."""
     import numpy as np
 
-    from client.standalone import main as train_main
-    from modeling.errors import MdatCorrupt
-    from modeling.mdat import DEFAULT_STRATEGY, Mdat, build_default_mdat
+    from matformer.client.standalone import main as train_main
+    from matformer.modeling.errors import MdatCorrupt
+    from matformer.modeling.mdat import DEFAULT_STRATEGY, Mdat, build_default_mdat
 
     build_default_mdat(tmp_path / "docs.mdat", limit=40).close()
     [tokens] = (tmp_path / "docs.mdat").rglob("tokens.npy")
@@ -345,14 +345,14 @@ def test_a_damaged_token_file_is_named_when_the_data_is_opened(tmp_path, capsys)
 def test_generate_refuses_a_tokenizer_of_another_vocabulary_in_one_line(bpe, tmp_path):
     """A checkpoint without its tokenizer, read through bytes, died with a traceback from
     ByteTokenizer.decode at the first id past 259."""
-    from client.standalone import main as train_main
+    from matformer.client.standalone import main as train_main
 
     root, _, ids = bpe
     out = tmp_path / "model"
     train_main([*bpe_training(root), "--out", str(out)])
     (out / "tokenizer.json").unlink()
-    said = subprocess.run([sys.executable, "-m", "scripts.generate", str(out), "--prompt", "def"],
-                          capture_output=True, text=True, timeout=120)
+    said = subprocess.run([sys.executable, "-m", "matformer.scripts.generate", str(out),
+                           "--prompt", "def"], capture_output=True, text=True, timeout=120)
     assert said.returncode == 2 and "Traceback" not in said.stderr
     assert said.stderr.strip() == (
         f"matformer-generate: error: the tokenizer has 260 ids and the model {ids:,}: they were "

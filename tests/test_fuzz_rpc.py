@@ -20,15 +20,15 @@ from fuzz_rpc import (
     valid_submission,
 )
 
-from protocol.auth import session_metadata
-from protocol.channel import COORDINATOR_SERVICE
-from protocol.errors import UnsafePath
-from protocol.files import resolve_inside
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.coordinator import Coordinator
-from server.membership import Member
-from server.tiers import Capabilities, TierAssignment
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import COORDINATOR_SERVICE
+from matformer.protocol.errors import UnsafePath
+from matformer.protocol.files import resolve_inside
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.server.coordinator import Coordinator
+from matformer.server.membership import Member
+from matformer.server.tiers import Capabilities, TierAssignment
 
 EXAMPLES = 250
 SECONDS = 120.0  # a cap, not a target: the cases end first, also on a busy machine

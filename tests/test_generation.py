@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import bpe_mdat, tiny_config
 
-from modeling import AutoregressiveModel, BERTModel
-from modeling.errors import ConfigError
-from modeling.generation import generate
+from matformer.modeling import AutoregressiveModel, BERTModel
+from matformer.modeling.errors import ConfigError
+from matformer.modeling.generation import generate
 
 
 @pytest.mark.parametrize("positional", ["rope", "learnable", "sinusoidal", "nope"])
@@ -75,8 +75,8 @@ def test_a_masked_model_does_not_generate():
 
 
 def test_the_command_writes_the_same_greedy_text_with_and_without_the_cache(tmp_path, capsys):
-    from modeling.checkpoint import save_pretrained
-    from scripts.generate import main
+    from matformer.modeling.checkpoint import save_pretrained
+    from matformer.scripts.generate import main
 
     torch.manual_seed(0)
     save_pretrained(AutoregressiveModel(tiny_config(vocab_size=260, mask_token_id=259)),
@@ -94,9 +94,9 @@ def test_the_command_writes_the_same_greedy_text_with_and_without_the_cache(tmp_
 
 
 def test_the_command_takes_the_tokenizer_of_the_models_mdat_strategy(tmp_path, capsys):
-    from modeling.checkpoint import save_pretrained
-    from modeling.mdat import build_default_mdat
-    from scripts.generate import main
+    from matformer.modeling.checkpoint import save_pretrained
+    from matformer.modeling.mdat import build_default_mdat
+    from matformer.scripts.generate import main
 
     build_default_mdat(tmp_path / "docs.mdat", limit=20).close()
     torch.manual_seed(0)

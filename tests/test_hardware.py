@@ -9,14 +9,19 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from client.cli import main as client_main
-from client.standalone import main as train_main
-from modeling import AutoregressiveModel, build_model
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
-from modeling.devices import LossScale, Precision, compile_model, resolve_device
-from modeling.errors import DeviceUnavailable
-from modeling.mdat import build_default_mdat
-from modeling.training import StepOptions, TierSchedule, tier_gradients, train_step_on_examples
+from matformer.client.cli import main as client_main
+from matformer.client.standalone import main as train_main
+from matformer.modeling import AutoregressiveModel, build_model
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+from matformer.modeling.devices import LossScale, Precision, compile_model, resolve_device
+from matformer.modeling.errors import DeviceUnavailable
+from matformer.modeling.mdat import build_default_mdat
+from matformer.modeling.training import (
+    StepOptions,
+    TierSchedule,
+    tier_gradients,
+    train_step_on_examples,
+)
 
 ABSENT = "cuda:7" if torch.cuda.device_count() < 8 else "cuda:99"
 

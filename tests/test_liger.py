@@ -9,13 +9,13 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel, registry
-from modeling.components import liger
-from modeling.components.liger import LigerCrossEntropy, LigerRMSNorm, LigerSwiGLU
-from modeling.components.loss import IGNORE_INDEX, CrossEntropy
-from modeling.components.mlp import SwiGLU
-from modeling.components.norms import RMSNorm
-from modeling.registry import Implementation
+from matformer.modeling import AutoregressiveModel, registry
+from matformer.modeling.components import liger
+from matformer.modeling.components.liger import LigerCrossEntropy, LigerRMSNorm, LigerSwiGLU
+from matformer.modeling.components.loss import IGNORE_INDEX, CrossEntropy
+from matformer.modeling.components.mlp import SwiGLU
+from matformer.modeling.components.norms import RMSNorm
+from matformer.modeling.registry import Implementation
 
 ENTRIES = {  # (category, variant) → (torch class, liger class)
     ("norm", "rmsnorm"): (RMSNorm, LigerRMSNorm),

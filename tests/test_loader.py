@@ -9,15 +9,15 @@ import pytest
 import torch
 from conftest import edit_manifest, logits, tiny_config
 
-from modeling import AutoregressiveModel
-from modeling.checkpoint import save_pretrained
-from modeling.checkpoint.export import export_tiers
-from modeling.checkpoint.hf_config import infer_metadata
-from modeling.checkpoint.loader import load_for_tier, resolve
-from modeling.checkpoint.manifest import MANIFEST_NAME
-from modeling.checkpoint.repository import normalize
-from modeling.checkpoint.schema import canonical_schema_hash, local_schema_hash
-from modeling.errors import (
+from matformer.modeling import AutoregressiveModel
+from matformer.modeling.checkpoint import save_pretrained
+from matformer.modeling.checkpoint.export import export_tiers
+from matformer.modeling.checkpoint.hf_config import infer_metadata
+from matformer.modeling.checkpoint.loader import load_for_tier, resolve
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
+from matformer.modeling.checkpoint.repository import normalize
+from matformer.modeling.checkpoint.schema import canonical_schema_hash, local_schema_hash
+from matformer.modeling.errors import (
     AlreadySliced,
     CheckpointError,
     ConfigError,
@@ -28,7 +28,7 @@ from modeling.errors import (
     PathEscapesRepository,
     TierNotInManifest,
 )
-from modeling.naming import canonical_names
+from matformer.modeling.naming import canonical_names
 
 
 @pytest.fixture
@@ -251,7 +251,7 @@ def test_mix_n_match_export_and_load(tmp_path, universal):
 
 
 def test_mix_n_match_export_refuses_widening_lists(tmp_path, universal):
-    from modeling import TierError
+    from matformer.modeling import TierError
 
     source = save_pretrained(universal, tmp_path / "tiny")
     with pytest.raises(TierError, match="grow wider with depth"):

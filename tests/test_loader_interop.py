@@ -14,14 +14,14 @@ import pytest
 import torch
 from conftest import edit_manifest, logits, tiny_config
 
-from modeling import AutoregressiveModel
-from modeling.checkpoint import save_pretrained
-from modeling.checkpoint.export import export_tiers, read_manifest
-from modeling.checkpoint.files import INDEX_NAME, WEIGHTS_NAME, read_weights
-from modeling.checkpoint.hf_config import from_config_dict, infer_metadata
-from modeling.checkpoint.loader import load_for_tier, resolve
-from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest
-from modeling.errors import (
+from matformer.modeling import AutoregressiveModel
+from matformer.modeling.checkpoint import save_pretrained
+from matformer.modeling.checkpoint.export import export_tiers, read_manifest
+from matformer.modeling.checkpoint.files import INDEX_NAME, WEIGHTS_NAME, read_weights
+from matformer.modeling.checkpoint.hf_config import from_config_dict, infer_metadata
+from matformer.modeling.checkpoint.loader import load_for_tier, resolve
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME, Manifest
+from matformer.modeling.errors import (
     CheckpointError,
     ConfigError,
     IncompleteTier,
@@ -29,7 +29,7 @@ from modeling.errors import (
     ManifestMissing,
     SliceMismatch,
 )
-from scripts.export_matformer_tiers import main as export_main
+from matformer.scripts.export_matformer_tiers import main as export_main
 
 
 @pytest.fixture

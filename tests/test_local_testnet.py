@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import local_testnet_toml
 
-from local_testnet.chaos import SERVER, chaos_plan, check_run
-from local_testnet.report import (
+from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
+from matformer.local_testnet.report import (
     format_table,
     moved_mib,
     tier_reports,
@@ -23,11 +23,11 @@ from local_testnet.report import (
     write_plot,
     write_summary,
 )
-from modeling.commands import apply_overrides
-from modeling.mdat import build_default_mdat
-from server.config import RunConfig
-from server.errors import InvalidValue, UnknownKey, WrongType
-from server.main import main as server_main
+from matformer.modeling.commands import apply_overrides
+from matformer.modeling.mdat import build_default_mdat
+from matformer.server.config import RunConfig
+from matformer.server.errors import InvalidValue, UnknownKey, WrongType
+from matformer.server.main import main as server_main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -162,8 +162,8 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
                                 auth={"join_token_env": "TESTNET_JOIN_TOKEN"})
     env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
     result = subprocess.run(
-        [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
-         "--config", str(config), "--kill-client-at", "2", "--latency-ms", "150",
+        [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "2",
+         "--tiers", "0,1", "--config", str(config), "--kill-client-at", "2", "--latency-ms", "150",
          "--bandwidth-mbit", "20", *(["--overlap"] if overlap else [])],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
     log = result.stdout + result.stderr
@@ -224,8 +224,9 @@ def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap)
     planned = chaos_plan(seed, rounds=30, clients=["member-0", "member-1"])
     assert [e.target for e in planned].count(SERVER) == 1 and planned[2].round == 18
     result = subprocess.run(
-        [sys.executable, "-m", "local_testnet.main", "--num-clients", "2", "--tiers", "0,1",
-         "--config", str(config), "--chaos", str(seed), *(["--overlap"] if overlap else [])],
+        [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "2",
+         "--tiers", "0,1", "--config", str(config), "--chaos", str(seed),
+         *(["--overlap"] if overlap else [])],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]

@@ -6,10 +6,10 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel, TierError, canonical_state_dict, layer_widths
-from modeling.checkpoint.slicing import slice_state
-from modeling.matformer import tier_width
-from modeling.naming import load_canonical_state_dict
+from matformer.modeling import AutoregressiveModel, TierError, canonical_state_dict, layer_widths
+from matformer.modeling.checkpoint.slicing import slice_state
+from matformer.modeling.matformer import tier_width
+from matformer.modeling.naming import load_canonical_state_dict
 
 TIERS = [1, 2, 3]
 

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from modeling.atomic import built_aside
-from modeling.mdat import Mdat
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.mdat import Mdat
 
 
 @pytest.fixture

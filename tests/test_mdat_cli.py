@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from modeling.mdat import Mdat, SaettaReader
-from scripts.mdat_cli import main
+from matformer.modeling.mdat import Mdat, SaettaReader
+from matformer.scripts.mdat_cli import main
 
 
 def run(capsys, *argv: str) -> tuple[str, str]:

@@ -5,7 +5,7 @@ from dataclasses import astuple
 
 import pytest
 
-from modeling.errors import (
+from matformer.modeling.errors import (
     InvalidName,
     MdatExists,
     MdatFormatError,
@@ -13,7 +13,7 @@ from modeling.errors import (
     SubmdatLimit,
     UnknownName,
 )
-from modeling.mdat import Mdat, SubmdatInfo
+from matformer.modeling.mdat import Mdat, SubmdatInfo
 
 
 def test_create_lays_out_the_folder_and_catalogue(tmp_path) -> None:

@@ -10,9 +10,9 @@ import lmdb
 import numpy as np
 import pytest
 
-from modeling.errors import MdatCorrupt
-from modeling.mdat import Mdat
-from modeling.mdat.lmdb_files import document_key
+from matformer.modeling.errors import MdatCorrupt
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.mdat.lmdb_files import document_key
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [f"document number {i}. " * (20 + i) for i in range(400)]
@@ -114,8 +114,8 @@ def test_damaged_values(mdat) -> None:
 
 CHECK_IN_FRESH_PROCESS = """
 import sys
-from modeling.errors import MdatCorrupt
-from modeling.mdat import Mdat
+from matformer.modeling.errors import MdatCorrupt
+from matformer.modeling.mdat import Mdat
 for name in ("plain", "packed"):
     try:
         Mdat.open(sys.argv[1]).submdat(name).text(4)

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from modeling.corpus import python_docs
-from modeling.mdat import DEFAULT_STRATEGY, DEFAULT_SUBMDAT, build_default_mdat
+from matformer.modeling.corpus import python_docs
+from matformer.modeling.mdat import DEFAULT_STRATEGY, DEFAULT_SUBMDAT, build_default_mdat
 
 
 def test_default_container_holds_the_docstrings_pretokenized(tmp_path) -> None:

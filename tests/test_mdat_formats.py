@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from modeling.errors import (
+from matformer.modeling.errors import (
     BadRecord,
     EmptyDocument,
     FormatUnavailable,
@@ -22,10 +22,10 @@ from modeling.errors import (
     SplitError,
     UnreadableSource,
 )
-from modeling.mdat import Mdat, SubmdatInfo
-from modeling.mdat import tables as tables_module
-from modeling.mdat.submdat import SIZES_NAME
-from scripts.mdat_cli import main
+from matformer.modeling.mdat import Mdat, SubmdatInfo
+from matformer.modeling.mdat import tables as tables_module
+from matformer.modeling.mdat.submdat import SIZES_NAME
+from matformer.scripts.mdat_cli import main
 
 pa = pytest.importorskip("pyarrow", reason="pyarrow is missing: pip install 'matformer[formats]'")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -392,7 +392,7 @@ def test_cli_reads_a_hub_id_with_hf_hub_cache_and_hf_hub_offline(tmp_path) -> No
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "datasets-cache"), "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "scripts.mdat_cli", "add", str(tmp_path / "c"), "d",
+        [sys.executable, "-m", "matformer.scripts.mdat_cli", "add", str(tmp_path / "c"), "d",
          "--hf-dataset", "org/tiny", "--split", "train"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr

@@ -15,7 +15,7 @@ import lmdb
 import numpy as np
 import pytest
 
-from modeling.errors import (
+from matformer.modeling.errors import (
     BadRecord,
     EmptyDocument,
     MdatCorrupt,
@@ -25,9 +25,9 @@ from modeling.errors import (
     SourceNotFound,
     SubmdatIncomplete,
 )
-from modeling.mdat import Mdat
-from modeling.mdat.lmdb_files import document_key
-from modeling.mdat.npy_files import AppendableNpy
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.mdat.lmdb_files import document_key
+from matformer.modeling.mdat.npy_files import AppendableNpy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -279,7 +279,7 @@ def test_a_writer_that_cannot_open_a_file_leaks_none(tmp_path, damage) -> None:
 
 SLOW_IMPORT = """
 import sys, time
-from modeling.mdat import Mdat
+from matformer.modeling.mdat import Mdat
 records = [{"text": f"document {i} " * (i % 7 + 1), "n": i} for i in range(100_000)]
 def slow():
     for record in records:

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from modeling.corpus import python_docs
-from modeling.errors import SplitterError
-from modeling.mdat import Mdat
-from modeling.mdat.pretok_files import CHUNK_STARTS, DOC_STARTS, HISTOGRAM, TOKENS
+from matformer.modeling.corpus import python_docs
+from matformer.modeling.errors import SplitterError
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.mdat.pretok_files import CHUNK_STARTS, DOC_STARTS, HISTOGRAM, TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [f"{i:04d} {text}" for i, text in enumerate(python_docs(limit=60))]
@@ -27,8 +27,8 @@ FLAKY_SPLITTER = '''
 import os
 import time
 
-from modeling.mdat.builtin_splitters import fixed_lengths
-from modeling.registry import registry
+from matformer.modeling.mdat.builtin_splitters import fixed_lengths
+from matformer.modeling.registry import registry
 
 
 @registry.register("splitter", "test_flaky_bytes", "default")
@@ -116,7 +116,7 @@ def test_interrupted_pretokenization_resumes_to_identical_files(tmp_path, monkey
 
 SLOW_PRETOKENIZE = """
 import sys
-from modeling.mdat import Mdat
+from matformer.modeling.mdat import Mdat
 Mdat.open(sys.argv[1], trust_remote_code=True).pretokenize("s", batch_size=4,
                                                  processes=int(sys.argv[2]))
 """

@@ -2,8 +2,8 @@
 
 import pytest
 
-from modeling.errors import InvalidName, SubmdatInUse, UnknownName
-from modeling.mdat import Mdat
+from matformer.modeling.errors import InvalidName, SubmdatInUse, UnknownName
+from matformer.modeling.mdat import Mdat
 
 
 @pytest.fixture

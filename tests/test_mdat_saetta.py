@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from modeling.corpus import python_docs
-from modeling.errors import SaettaError
-from modeling.mdat import Mdat, SaettaReader, export_saetta
+from matformer.modeling.corpus import python_docs
+from matformer.modeling.errors import SaettaError
+from matformer.modeling.mdat import Mdat, SaettaReader, export_saetta
 
 
 @pytest.fixture(scope="module")

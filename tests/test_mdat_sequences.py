@@ -5,10 +5,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from modeling.corpus import python_docs
-from modeling.errors import PretokIncomplete, SequenceLengthError
-from modeling.mdat import Mdat, SequenceLocation
-from modeling.tokenizers import ByteTokenizer
+from matformer.modeling.corpus import python_docs
+from matformer.modeling.errors import PretokIncomplete, SequenceLengthError
+from matformer.modeling.mdat import Mdat, SequenceLocation
+from matformer.modeling.tokenizers import ByteTokenizer
 
 DOCS = list(python_docs(limit=40))
 CHUNK = 32

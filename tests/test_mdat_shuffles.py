@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from modeling.errors import StaleShuffle, UnknownName
-from modeling.mdat import Mdat
+from matformer.modeling.errors import StaleShuffle, UnknownName
+from matformer.modeling.mdat import Mdat
 
 TEXTS = [f"Document {i}. " + "words and more words. " * (i % 5 + 1) for i in range(30)]
 
@@ -73,7 +73,7 @@ def test_two_processes_making_the_same_shuffle_at_once_both_get_it(tmp_path) -> 
     describes other data is refused by name."""
     import dataclasses
 
-    from modeling.errors import MdatError
+    from matformer.modeling.errors import MdatError
 
     build(tmp_path / "c").close()
     with Mdat.open(tmp_path / "c") as first, Mdat.open(tmp_path / "c") as second:

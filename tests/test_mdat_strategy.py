@@ -5,7 +5,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from modeling.errors import (
+from matformer.modeling.errors import (
     InvalidName,
     NameTaken,
     SplitterError,
@@ -14,11 +14,11 @@ from modeling.errors import (
     UnknownName,
     UnknownSplitter,
 )
-from modeling.mdat import Mdat, Strategy
-from modeling.mdat.builtin_splitters import SentenceChunks, pack_sentences
-from modeling.mdat.document_splitter import DocumentSplitter
-from modeling.registry import registry
-from modeling.tokenizers import BytesTokenizer
+from matformer.modeling.mdat import Mdat, Strategy
+from matformer.modeling.mdat.builtin_splitters import SentenceChunks, pack_sentences
+from matformer.modeling.mdat.document_splitter import DocumentSplitter
+from matformer.modeling.registry import registry
+from matformer.modeling.tokenizers import BytesTokenizer
 
 SEED_EXAMPLE = {
     "strategy_name": "Bytes64",
@@ -182,7 +182,7 @@ def test_pack_sentences_cuts_only_long_sentences() -> None:
 
 CUSTOM_SPLITTER = '''
 import numpy as np
-from modeling.registry import registry
+from matformer.modeling.registry import registry
 
 
 @registry.register("splitter", "test_word_chunks", "default")

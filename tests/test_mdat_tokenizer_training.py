@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from modeling.corpus import python_docs
-from modeling.errors import StrategyError, TokenizerChanged
-from modeling.mdat import Mdat
-from modeling.tokenizers import train_tokenizer
+from matformer.modeling.corpus import python_docs
+from matformer.modeling.errors import StrategyError, TokenizerChanged
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.tokenizers import train_tokenizer
 
 DOCS = list(python_docs(limit=80))
 
@@ -158,7 +158,7 @@ def test_a_hub_tokenizer_resolves_through_the_cache_and_is_pinned(trained, tmp_p
 
 
 def test_a_hub_tokenizer_missing_from_the_offline_cache_is_named(trained, offline_hub) -> None:
-    from modeling.errors import TokenizerNotFound
+    from matformer.modeling.errors import TokenizerNotFound
 
     mdat, _ = trained
     with pytest.raises(TokenizerNotFound, match=r"hub:org/absent: no tokenizer.json there"):

@@ -5,16 +5,16 @@ import json
 import numpy as np
 import pytest
 
-from modeling.corpus import python_docs
-from modeling.errors import (
+from matformer.modeling.corpus import python_docs
+from matformer.modeling.errors import (
     InvalidName,
     NameTaken,
     QuotaError,
     QuotaTooLarge,
     UnknownName,
 )
-from modeling.mdat import Mdat
-from server.work import assign
+from matformer.modeling.mdat import Mdat
+from matformer.server.work import assign
 
 DOCS = list(python_docs(limit=50))
 

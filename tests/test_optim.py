@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from modeling.optim import (
+from matformer.modeling.optim import (
     OPTIMIZER_NAMES,
     LocalOptimizer,
     OptimizerConfig,

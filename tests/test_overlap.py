@@ -15,15 +15,15 @@ from rounds import committed, flat_results
 from test_federated import SEQ_LEN, client, held, same, start
 from wire import header_of, join_request, joined, serving_config
 
-import server.close as close_module
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows
-from modeling.checkpoint import load_pretrained
-from modeling.mdat import build_default_mdat
-from modeling.naming import canonical_state_dict
-from modeling.training import TierSchedule, tier_gradients
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.submission import submission_messages
-from server.config import RunConfig
+import matformer.server.close as close_module
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows
+from matformer.modeling.checkpoint import load_pretrained
+from matformer.modeling.mdat import build_default_mdat
+from matformer.modeling.naming import canonical_state_dict
+from matformer.modeling.training import TierSchedule, tier_gradients
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.submission import submission_messages
+from matformer.server.config import RunConfig
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from protocol.auth import SessionTokens, new_join_token, token_hash, tokens_equal
+from matformer.protocol.auth import SessionTokens, new_join_token, token_hash, tokens_equal
 
 
 def test_a_token_names_its_client_until_revoked() -> None:

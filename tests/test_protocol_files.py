@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from protocol.errors import ChecksumMismatch, MalformedStream, UnsafePath
-from protocol.files import CHUNK_BYTES, receive_file, resolve_inside, send_file
-from protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.errors import ChecksumMismatch, MalformedStream, UnsafePath
+from matformer.protocol.files import CHUNK_BYTES, receive_file, resolve_inside, send_file
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 
 
 def _file(tmp_path: Path, size: int) -> tuple[Path, bytes]:

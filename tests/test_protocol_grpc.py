@@ -14,31 +14,31 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     CompressionConfig,
     RoundUpdate,
     SparseResult,
     UpdateConfig,
 )
-from protocol.auth import (
+from matformer.protocol.auth import (
     SessionTokens,
     check_join_token,
     require_session,
     session_metadata,
     with_session,
 )
-from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
-from protocol.errors import ProtocolError
-from protocol.files import receive_file, resolve_inside, send_file
-from protocol.health import add_health
-from protocol.link import Bucket, metered
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.sparse import ResultLayout, encode_sparse_result, result_layouts
-from protocol.submission import read_results, read_submission, submission_messages
-from protocol.updates import read_updates, update_messages
-from server.aggregation import aggregate
-from server.update_steps import update_step
+from matformer.protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
+from matformer.protocol.errors import ProtocolError
+from matformer.protocol.files import receive_file, resolve_inside, send_file
+from matformer.protocol.health import add_health
+from matformer.protocol.link import Bucket, metered
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.sparse import ResultLayout, encode_sparse_result, result_layouts
+from matformer.protocol.submission import read_results, read_submission, submission_messages
+from matformer.protocol.updates import read_updates, update_messages
+from matformer.server.aggregation import aggregate
+from matformer.server.update_steps import update_step
 
 JOIN_TOKEN = "join-secret"
 MANIFEST = "round-2/matformer_manifest.json"

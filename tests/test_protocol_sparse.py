@@ -9,20 +9,20 @@ import itertools
 import pytest
 import torch
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     CompressionConfig,
     SparseResult,
     payload_bytes,
 )
-from protocol.errors import (
+from matformer.protocol.errors import (
     LayoutMismatch,
     MalformedSparseResult,
     MalformedStream,
 )
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.sparse import ResultLayout, decode_sparse_result, encode_sparse_result
-from protocol.submission import read_results, read_submission, submission_messages
-from protocol.tensors import dtype_name, encode_tensor
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.sparse import ResultLayout, decode_sparse_result, encode_sparse_result
+from matformer.protocol.submission import read_results, read_submission, submission_messages
+from matformer.protocol.tensors import dtype_name, encode_tensor
 
 UP = "model.layers.0.mlp.up_proj.weight"
 SHAPE = (16, 12)  # universal up_proj; tier 1 covers rows [0, 8)

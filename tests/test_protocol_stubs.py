@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.generate import GENERATOR_VERSION, REPO_ROOT, generate
+from matformer.protocol.generate import GENERATOR_VERSION, REPO_ROOT, generate
 
 
 def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
@@ -19,12 +19,13 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
     for fresh in generate(tmp_path):
         committed = REPO_ROOT / fresh.relative_to(tmp_path)
         assert committed.read_bytes() == fresh.read_bytes(), (
-            f"{committed.relative_to(REPO_ROOT)} is stale: run `python -m protocol.generate`"
+            f"{committed.relative_to(REPO_ROOT)} is stale: run "
+            "`python -m matformer.protocol.generate`"
         )
 
 
 def test_stubs_import_from_the_package() -> None:
-    from protocol.matformer.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from matformer.protocol.matformer.v1 import coordinator_pb2, coordinator_pb2_grpc
 
     assert coordinator_pb2.DESCRIPTOR.package == "matformer.v1"
     assert hasattr(coordinator_pb2_grpc, "CoordinatorStub")

@@ -6,9 +6,9 @@ import grpc
 import pytest
 import torch
 
-from protocol.errors import ProtocolError, TensorSizeMismatch, UnknownDtype
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.tensors import DTYPES, decode_tensor, encode_tensor
+from matformer.protocol.errors import ProtocolError, TensorSizeMismatch, UnknownDtype
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.tensors import DTYPES, decode_tensor, encode_tensor
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

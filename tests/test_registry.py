@@ -7,8 +7,8 @@ import logging
 import pytest
 from conftest import tiny_config
 
-from modeling import AutoregressiveModel, Registry, RegistryError, registry
-from modeling.components.kernels import SdpaAttention, TorchAttention
+from matformer.modeling import AutoregressiveModel, Registry, RegistryError, registry
+from matformer.modeling.components.kernels import SdpaAttention, TorchAttention
 
 
 def make_registry() -> Registry:

@@ -19,13 +19,13 @@ import torch
 from conftest import tiny_config
 from test_external_modules import USER_MODULE
 
-from modeling import build_model
-from modeling.checkpoint import load_pretrained, save_pretrained
-from modeling.checkpoint.export import export_tiers
-from modeling.checkpoint.remote_code import CONFIG_CODE, MODEL_CODE
-from modeling.errors import CheckpointError
-from modeling.naming import canonical_state_dict
-from server.checkpoints import CheckpointStore
+from matformer.modeling import build_model
+from matformer.modeling.checkpoint import load_pretrained, save_pretrained
+from matformer.modeling.checkpoint.export import export_tiers
+from matformer.modeling.checkpoint.remote_code import CONFIG_CODE, MODEL_CODE
+from matformer.modeling.errors import CheckpointError
+from matformer.modeling.naming import canonical_state_dict
+from matformer.server.checkpoints import CheckpointStore
 
 pytest.importorskip("transformers")
 
@@ -51,8 +51,8 @@ LOAD = textwrap.dedent("""
     import json, sys
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
-    from modeling.checkpoint import load_pretrained
-    from modeling.generation import generate
+    from matformer.modeling.checkpoint import load_pretrained
+    from matformer.modeling.generation import generate
 
     ids = torch.tensor({ids})
     results = {{}}
@@ -181,7 +181,7 @@ def test_a_folder_path_of_this_machine_never_reaches_config_json(tmp_path):
 
 
 def test_two_module_files_of_one_name_are_refused(tmp_path):
-    from modeling import registry
+    from matformer.modeling import registry
 
     for prefix, folder in (("rc3", "a"), ("rc4", "b")):
         (tmp_path / folder).mkdir()
@@ -198,7 +198,7 @@ def test_two_module_files_of_one_name_are_refused(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["sliced", "universal"])
 def test_a_client_loads_a_packed_slice_through_the_manifest(saved, strategy):
-    from modeling.checkpoint.loader import load_for_tier
+    from matformer.modeling.checkpoint.loader import load_for_tier
 
     root, expected = saved  # the module folder is gone: the packed copies must serve
     source = root / "alibi_layernorm_own_ffn_and_hook"

@@ -7,9 +7,9 @@ import tomllib
 import pytest
 from helpers import checked_tables
 
-from server.config import RunConfig
-from server.errors import WrongType
-from server.sections import RoundSection
+from matformer.server.config import RunConfig
+from matformer.server.errors import WrongType
+from matformer.server.sections import RoundSection
 
 
 def round_table(**keys) -> dict:

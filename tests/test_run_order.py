@@ -13,14 +13,14 @@ from conftest import tiny_config
 from helpers import Clock, run_config
 from rounds import caps, drive
 
-from client.epochs import Epochs
-from local_testnet.held_out import HeldOut
-from modeling.errors import BatchError
-from modeling.mdat import DEFAULT_STRATEGY, Mdat
-from modeling.run_order import RunOrder
-from server.coordinator import Coordinator
-from server.ledger import TrainedLedger, audit_run
-from server.work import work_order
+from matformer.client.epochs import Epochs
+from matformer.local_testnet.held_out import HeldOut
+from matformer.modeling.errors import BatchError
+from matformer.modeling.mdat import DEFAULT_STRATEGY, Mdat
+from matformer.modeling.run_order import RunOrder
+from matformer.server.coordinator import Coordinator
+from matformer.server.ledger import TrainedLedger, audit_run
+from matformer.server.work import work_order
 
 
 def test_epochs_are_fresh_orders_of_the_same_training_ids_and_never_the_held_out_tail():

@@ -17,8 +17,8 @@ import pytest
 from helpers import CHECKED_MODEL, checked_tables, write_run_toml
 from jsonschema import Draft202012Validator
 
-from server.config import RunConfig, run_schema
-from server.errors import InvalidValue, ServerConfigError, UnknownKey
+from matformer.server.config import RunConfig, run_schema
+from matformer.server.errors import InvalidValue, ServerConfigError, UnknownKey
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").rglob("run.toml"))

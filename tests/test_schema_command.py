@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from jsonschema import Draft202012Validator
 
-from modeling.mdat import DEFAULT_STRATEGY
-from scripts.matformer import main
+from matformer.modeling.mdat import DEFAULT_STRATEGY
+from matformer.scripts.matformer import main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from client.standalone import main, parse_args
-from client.train_config import apply
-from modeling import ModelConfig, registry
-from modeling.errors import ConfigError
-from modeling.mdat import Mdat
-from modeling.tokenizers import train_tokenizer
+from matformer.client.standalone import main, parse_args
+from matformer.client.train_config import apply
+from matformer.modeling import ModelConfig, registry
+from matformer.modeling.errors import ConfigError
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.tokenizers import train_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SEED_CONFIG = FIXTURES / "seed000_config.json"  # the seed's five sections, as it writes them

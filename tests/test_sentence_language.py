@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from modeling.mdat import sentence_ends
-from modeling.mdat.builtin_splitters import SentenceChunks
-from modeling.tokenizers.text import BytesTokenizer
+from matformer.modeling.mdat import sentence_ends
+from matformer.modeling.mdat.builtin_splitters import SentenceChunks
+from matformer.modeling.tokenizers.text import BytesTokenizer
 
 TEXT = "Il Sig. Rossi arriva. Poi parte."
 

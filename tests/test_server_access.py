@@ -20,13 +20,13 @@ from certs import self_signed
 from helpers import JOIN_TOKEN, OPERATOR_TOKEN, checked_tables, served_run_toml
 from wire import code_of, join_request
 
-from protocol.auth import session_metadata
-from protocol.channel import GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.config import RunConfig
-from server.errors import ConflictingKeys, InvalidValue, MissingKey, MissingSecret
-from server.main import RunningServer, bind_host
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.server.config import RunConfig
+from matformer.server.errors import ConflictingKeys, InvalidValue, MissingKey, MissingSecret
+from matformer.server.main import RunningServer, bind_host
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -17,16 +17,16 @@ from openapi import api_paths, response_errors
 from rounds import assigned, committed
 from wire import http_get, join_request
 
-from protocol.auth import session_metadata
-from protocol.channel import GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.submission import submission_messages
-from server.api import WITHHELD, hide_paths, rounds_info
-from server.config import RunConfig
-from server.history import MAX_DEPARTED
-from server.main import RunningServer
-from server.state import RunState
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.submission import submission_messages
+from matformer.server.api import WITHHELD, hide_paths, rounds_info
+from matformer.server.config import RunConfig
+from matformer.server.history import MAX_DEPARTED
+from matformer.server.main import RunningServer
+from matformer.server.state import RunState
 
 API = ("/api/run", "/api/clients", "/api/loss", "/api/rounds", "/api/events",
        "/api/dashboard")

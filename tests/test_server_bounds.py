@@ -30,15 +30,15 @@ from wire import (
     stalled_unary,
 )
 
-from modeling.compression import CompressionConfig
-from protocol.auth import session_metadata
-from protocol.channel import GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.sparse import encode_sparse_result
-from protocol.submission import submission_messages
-from server.call_slots import CallLimits, CallSlots
-from server.errors import NoStreamSlot, StaleRound, StreamIdle, TooManyCalls
+from matformer.modeling.compression import CompressionConfig
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.sparse import encode_sparse_result
+from matformer.protocol.submission import submission_messages
+from matformer.server.call_slots import CallLimits, CallSlots
+from matformer.server.errors import NoStreamSlot, StaleRound, StreamIdle, TooManyCalls
 
 # -- worker threads ----------------------------------------------------------------------------
 
@@ -233,7 +233,7 @@ def test_a_stream_of_tiny_results_is_refused_early_with_bounded_memory(tmp_path)
     grpc_port, http_port = free_ports(2)
     with open(tmp_path / "server.log", "w") as log:
         child = subprocess.Popen(
-            [sys.executable, "-m", "server.main", "--config", str(path),
+            [sys.executable, "-m", "matformer.server.main", "--config", str(path),
              "--set", f"server.grpc_port={grpc_port}", "--set", f"server.http_port={http_port}"],
             stdout=log, stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=GRPC_OPTIONS)

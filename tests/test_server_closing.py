@@ -11,16 +11,16 @@ from helpers import Clock, run_config
 from rounds import caps, committed, disk_full, drive, flat_results, results, same
 from wire import header_of, joined, serving
 
-import server.checkpoints as checkpoints_module
-import server.update_steps as update_steps_module
-from modeling.compression import CoefficientStep, CompressionConfig
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.submission import submission_messages
-from protocol.updates import read_updates
-from server.coordinator import Coordinator
-from server.errors import RunDirectoryUnavailable
-from server.update_cache import UpdateCache
-from server.update_log import UpdateLog
+import matformer.server.checkpoints as checkpoints_module
+import matformer.server.update_steps as update_steps_module
+from matformer.modeling.compression import CoefficientStep, CompressionConfig
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.submission import submission_messages
+from matformer.protocol.updates import read_updates
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import RunDirectoryUnavailable
+from matformer.server.update_cache import UpdateCache
+from matformer.server.update_log import UpdateLog
 
 UP = "model.layers.0.mlp.up_proj.weight"
 WAIT_S = 30.0  # a generous bound on a wait that, with the lock taken, would never end

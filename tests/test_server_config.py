@@ -13,12 +13,12 @@ import pytest
 from helpers import CHECKED_MODEL as MODEL
 from helpers import checked_tables
 
-from modeling.checkpoint.hf_config import is_llama_shaped
-from modeling.compression import CompressionConfig
-from modeling.config import ModelConfig
-from modeling.settings import table_of
-from server.config import RunConfig
-from server.errors import (
+from matformer.modeling.checkpoint.hf_config import is_llama_shaped
+from matformer.modeling.compression import CompressionConfig
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.settings import table_of
+from matformer.server.config import RunConfig
+from matformer.server.errors import (
     ConflictingKeys,
     InvalidToml,
     InvalidValue,
@@ -29,8 +29,8 @@ from server.errors import (
     UnknownKey,
     WrongType,
 )
-from server.main import main
-from server.sections import (
+from matformer.server.main import main
+from matformer.server.sections import (
     CheckpointSection,
     DataSection,
     InnerSection,

@@ -14,10 +14,10 @@ import torch
 from helpers import Clock, run_config
 from rounds import caps, drive, gradient, results, same
 
-from modeling.checkpoint.export import read_manifest
-from modeling.checkpoint.files import read_weights
-from server.coordinator import Coordinator
-from server.errors import (
+from matformer.modeling.checkpoint.export import read_manifest
+from matformer.modeling.checkpoint.files import read_weights
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import (
     BadResult,
     DuplicateResult,
     MalformedResult,
@@ -285,9 +285,9 @@ def test_a_run_saved_before_orders_left_sequences_out_keeps_its_order(tmp_path):
 
     from conftest import TAILS_STRATEGY, mdat_with_one_token_tails
 
-    from modeling.mdat import Mdat
-    from server.errors import ResumeError
-    from server.ledger import audit_run
+    from matformer.modeling.mdat import Mdat
+    from matformer.server.errors import ResumeError
+    from matformer.server.ledger import audit_run
 
     data = mdat_with_one_token_tails(tmp_path / "tails.mdat")
     config = run_config(tmp_path / "run", data)

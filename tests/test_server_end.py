@@ -14,9 +14,9 @@ import sys
 from helpers import JOIN_TOKEN, TESTNET_MODEL, Clock, run_config, served_run_toml
 from rounds import caps, drive
 
-from local_testnet.processes import free_port
-from server.coordinator import Coordinator
-from server.run_end import RunEnd
+from matformer.local_testnet.processes import free_port
+from matformer.server.coordinator import Coordinator
+from matformer.server.run_end import RunEnd
 
 EXIT_S = 180  # generous: two processes share two cores; a hang fails, never a slow run
 
@@ -60,12 +60,12 @@ def test_the_server_exits_once_its_finished_run_is_left_and_says_so_again(tmp_pa
                                     "tokens_per_round": 1024, "rounds": 2})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ports = [f"server.grpc_port={free_port()}", f"server.http_port={free_port()}"]
-    server_argv = [sys.executable, "-m", "server.main", "--config", str(config),
+    server_argv = [sys.executable, "-m", "matformer.server.main", "--config", str(config),
                    *(arg for o in ports for arg in ("--set", o))]
     server = subprocess.Popen(server_argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     client = subprocess.Popen(
-        [sys.executable, "-m", "client.cli", "train", "--server",
+        [sys.executable, "-m", "matformer.client.cli", "train", "--server",
          f"127.0.0.1:{ports[0].split('=')[1]}", "--join-token", JOIN_TOKEN, "--name", "solo",
          "--state-dir", str(tmp_path / "solo"), "--no-progress"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -11,12 +11,12 @@ import torch
 from helpers import Clock, run_config
 from rounds import caps, drive, events, gradient, results, same
 
-import server.checkpoints as checkpoints_module
-from modeling.compression import CompressionConfig
-from server.checkpoints import STAGING_PREFIX
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.errors import (
+import matformer.server.checkpoints as checkpoints_module
+from matformer.modeling.compression import CompressionConfig
+from matformer.server.checkpoints import STAGING_PREFIX
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import (
     Excluded,
     NormTooLarge,
     SessionInvalid,
@@ -24,9 +24,9 @@ from server.errors import (
     TooManyCoefficients,
     WrongEncoding,
 )
-from server.ledger import LEDGER_NAME, TrainedLedger, audit
-from server.sections import FaultsSection
-from server.state import RunState
+from matformer.server.ledger import LEDGER_NAME, TrainedLedger, audit
+from matformer.server.sections import FaultsSection
+from matformer.server.state import RunState
 
 
 def config_with(run_dir, mdat, *, compression=None, **faults) -> RunConfig:
@@ -289,12 +289,12 @@ def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
     from rounds import flat_results
     from wire import code_of, join_request
 
-    from protocol.auth import session_metadata
-    from protocol.channel import GRPC_OPTIONS
-    from protocol.matformer.v1 import coordinator_pb2 as pb
-    from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-    from protocol.submission import submission_messages
-    from server.main import RunningServer
+    from matformer.protocol.auth import session_metadata
+    from matformer.protocol.channel import GRPC_OPTIONS
+    from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+    from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+    from matformer.protocol.submission import submission_messages
+    from matformer.server.main import RunningServer
 
     path = served_run_toml(tmp_path, min_clients=1,
                            faults={"max_rejections": 3, "max_submission_mb": 1})

@@ -13,10 +13,10 @@ import torch
 from helpers import Clock, run_config
 from rounds import caps, disk_full, drive, events, gradient, results, same
 
-import server.close as close_module
-from modeling.compression import SparseResult
-from server.coordinator import Coordinator
-from server.errors import (
+import matformer.server.close as close_module
+from matformer.modeling.compression import SparseResult
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import (
     BadCapabilities,
     BadReport,
     Excluded,
@@ -26,9 +26,9 @@ from server.errors import (
     ValueTooLarge,
     WrongTokenCount,
 )
-from server.ledger import TrainedLedger, audit
-from server.state import RunState
-from server.update_log import UpdateLog
+from matformer.server.ledger import TrainedLedger, audit
+from matformer.server.state import RunState
+from matformer.server.update_log import UpdateLog
 
 # -- 1. weights come from the assignment, not from what a client claims -----------------------
 
@@ -152,7 +152,7 @@ def test_a_value_no_healthy_client_sends_is_refused(tmp_path, mdat_path):
 
 def test_an_update_that_is_not_finite_is_discarded_not_served(tmp_path, mdat_path,
                                                                monkeypatch):
-    monkeypatch.setattr("server.limits.MAX_ABS_VALUE", math.inf)  # past the first guard
+    monkeypatch.setattr("matformer.server.limits.MAX_ABS_VALUE", math.inf)  # past the first guard
     config = run_config(tmp_path / "run", mdat_path)
     config = dataclasses.replace(config, update=dataclasses.replace(config.update, lr=2.0))
     c = Coordinator(config, clock=Clock())

@@ -16,12 +16,12 @@ from helpers import Clock, run_config, served_run_toml
 from rounds import caps
 from wire import code_of, join_request
 
-from protocol.auth import session_metadata
-from protocol.channel import GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.errors import (
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import (
     Excluded,
     JoinsTooFast,
     NameTaken,
@@ -29,8 +29,8 @@ from server.errors import (
     RunFull,
     SessionInvalid,
 )
-from server.keys import KeyFile, KeyFileError
-from server.main import RunningServer, main
+from matformer.server.keys import KeyFile, KeyFileError
+from matformer.server.main import RunningServer, main
 
 # -- the keys file --------------------------------------------------------------------
 
@@ -174,12 +174,12 @@ def keys_toml(tmp_path):
 
 def test_keys_mode_over_grpc_with_keys_issued_by_the_command(tmp_path):
     toml = keys_toml(tmp_path)
-    issued = subprocess.run([sys.executable, "-m", "server.main", "keys", "add", "alice",
+    issued = subprocess.run([sys.executable, "-m", "matformer.server.main", "keys", "add", "alice",
                              "--config", str(toml)], capture_output=True, text=True, check=True,
                             cwd=os.getcwd())
     key = issued.stdout.split()[0]
     assert key.startswith("alice.") and "keeps only its hash" in issued.stdout
-    listed = subprocess.run([sys.executable, "-m", "server.main", "keys", "list",
+    listed = subprocess.run([sys.executable, "-m", "matformer.server.main", "keys", "list",
                              "--config", str(toml)], capture_output=True, text=True, check=True)
     assert listed.stdout.startswith("alice\tissued ")
     server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)

@@ -12,14 +12,14 @@ import pytest
 from helpers import Clock, run_tables
 from rounds import caps, drive, same
 
-import server.checkpoints as checkpoints_module
-import server.update_log as update_log_module
-from modeling.checkpoint.export import read_manifest
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.ledger import TrainedLedger
-from server.outer_state import OUTER_STATE_NAME, load_carried
-from server.state import RunState
+import matformer.server.checkpoints as checkpoints_module
+import matformer.server.update_log as update_log_module
+from matformer.modeling.checkpoint.export import read_manifest
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.ledger import TrainedLedger
+from matformer.server.outer_state import OUTER_STATE_NAME, load_carried
+from matformer.server.state import RunState
 
 ROUNDS = 6
 

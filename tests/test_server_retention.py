@@ -10,12 +10,12 @@ import pytest
 from helpers import Clock, checked_tables, run_config
 from rounds import caps, drive, same
 
-import server.coordinator as coordinator_module
-from server.checkpoints import CheckpointStore
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.errors import InvalidValue
-from server.sections import CheckpointSection
+import matformer.server.coordinator as coordinator_module
+from matformer.server.checkpoints import CheckpointStore
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import InvalidValue
+from matformer.server.sections import CheckpointSection
 
 
 def folders(c: Coordinator) -> list[str]:

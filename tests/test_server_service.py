@@ -14,17 +14,17 @@ from helpers import served_run_toml
 from rounds import committed, flat_results
 from wire import code_of, http_get, join_request, schema_hash
 
-from modeling.checkpoint.manifest import MANIFEST_NAME
-from protocol.auth import session_metadata
-from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
-from protocol.files import receive_file
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.submission import submission_messages
-from protocol.tensors import decode_tensor
-from protocol.updates import read_updates
-from server.config import RunConfig
-from server.main import RunningServer, main
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
+from matformer.protocol.files import receive_file
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.submission import submission_messages
+from matformer.protocol.tensors import decode_tensor
+from matformer.protocol.updates import read_updates
+from matformer.server.config import RunConfig
+from matformer.server.main import RunningServer, main
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,7 @@ def test_main_refuses_a_model_smaller_than_its_datas_vocabulary(tmp_path, capsys
     from conftest import tiny_config
     from helpers import run_tables, write_run_toml
 
-    from modeling.mdat import build_default_mdat
+    from matformer.modeling.mdat import build_default_mdat
 
     build_default_mdat(tmp_path / "docs.mdat", limit=5).close()  # bytes: 260 ids
     model = dataclasses.asdict(tiny_config(vocab_size=200, mask_token_id=199,

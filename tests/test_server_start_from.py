@@ -12,9 +12,9 @@ import transformers
 from helpers import Clock, run_tables
 from rounds import caps, drive
 
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.errors import ServerConfigError
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import ServerConfigError
 
 
 @pytest.fixture(scope="module")

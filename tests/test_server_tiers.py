@@ -11,17 +11,17 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from modeling.config import ModelConfig
-from server.errors import (
+from matformer.modeling.config import ModelConfig
+from matformer.server.errors import (
     BadCapabilities,
     NoAllowedTier,
     NoTierFits,
     PinnedTierDoesNotFit,
     TierAssignmentError,
 )
-from server.memory import TrainingMemory
-from server.sections import TiersSection
-from server.tiers import Capabilities, TierPolicy
+from matformer.server.memory import TrainingMemory
+from matformer.server.sections import TiersSection
+from matformer.server.tiers import Capabilities, TierPolicy
 
 MODEL = ModelConfig(vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                     intermediate_size=256, max_position_embeddings=64)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from server.errors import ShardError
-from server.work import assign
+from matformer.server.errors import ShardError
+from matformer.server.work import assign
 
 
 def test_shard_sizes_follow_the_shares() -> None:

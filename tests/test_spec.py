@@ -9,13 +9,14 @@ import torch
 from conftest import tiny_config
 from torch import nn
 
-from modeling.components.norms import RMSNorm
-from modeling.errors import ConfigError
-from modeling.spec import ModuleSpec, build_module
+from matformer.modeling.components.norms import RMSNorm
+from matformer.modeling.errors import ConfigError
+from matformer.modeling.spec import ModuleSpec, build_module
 
 
 @pytest.mark.parametrize("module", [
-    RMSNorm, "modeling.components.norms.RMSNorm", ("modeling.components.norms", "RMSNorm"),
+    RMSNorm, "matformer.modeling.components.norms.RMSNorm",
+    ("matformer.modeling.components.norms", "RMSNorm"),
 ], ids=["class", "dotted", "tuple"])
 def test_a_path_builds_what_the_class_builds(module):
     config = tiny_config()
@@ -47,10 +48,10 @@ def test_a_users_class_on_the_path_is_imported_when_the_spec_is_built(tmp_path, 
 
 @pytest.mark.parametrize("module, message", [
     ("no_such_package.layers.Block", r"cannot import 'no_such_package.layers'"),
-    ("modeling.components.norms.RMSNrom", r"has no 'RMSNrom'; did you mean 'RMSNorm'"),
-    ("modeling.components.norms.registry", r"is Registry .* not a torch.nn.Module class"),
+    ("matformer.modeling.components.norms.RMSNrom", r"has no 'RMSNrom'; did you mean 'RMSNorm'"),
+    ("matformer.modeling.components.norms.registry", r"is Registry .* not a torch.nn.Module class"),
     ("RMSNorm", r"give a class, 'package.module.Class' or \('package.module', 'Class'\)"),
-    (("modeling.components.norms",), r"give a class"),
+    (("matformer.modeling.components.norms",), r"give a class"),
 ])
 def test_a_path_that_leads_nowhere_is_named(module, message):
     with pytest.raises(ConfigError, match=message):
@@ -65,6 +66,6 @@ def test_nested_specs_resolve_their_own_paths():
             self.second = build_module(submodules[1], config=config)
 
     built = build_module(ModuleSpec(Pair, submodules=(
-        ModuleSpec("modeling.components.norms.LayerNorm"),
-        ModuleSpec(("modeling.components.norms", "RMSNorm")))), config=tiny_config())
+        ModuleSpec("matformer.modeling.components.norms.LayerNorm"),
+        ModuleSpec(("matformer.modeling.components.norms", "RMSNorm")))), config=tiny_config())
     assert [type(m).__name__ for m in (built.first, built.second)] == ["LayerNorm", "RMSNorm"]

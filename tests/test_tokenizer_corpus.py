@@ -3,8 +3,8 @@ import itertools
 import pytest
 import torch
 
-from modeling.corpus import python_docs, python_docs_tokens
-from modeling.tokenizers import ByteTokenizer
+from matformer.modeling.corpus import python_docs, python_docs_tokens
+from matformer.modeling.tokenizers import ByteTokenizer
 
 TOK = ByteTokenizer()
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from client.standalone import TINY, main, parse_args
-from client.train_config import SECTIONS, apply
-from modeling.mdat import build_default_mdat
+from matformer.client.standalone import TINY, main, parse_args
+from matformer.client.train_config import SECTIONS, apply
+from matformer.modeling.mdat import build_default_mdat
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train.toml"
 

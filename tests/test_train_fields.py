@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import client.standalone
-import modeling.batching.runner
-from client.standalone import TINY, main
-from client.train_config import SECTIONS
-from modeling.errors import ConfigError
-from modeling.mdat import DEFAULT_STRATEGY, build_default_mdat
+from matformer.client import standalone
+from matformer.client.standalone import TINY, main
+from matformer.client.train_config import SECTIONS
+from matformer.modeling.batching import runner
+from matformer.modeling.errors import ConfigError
+from matformer.modeling.mdat import DEFAULT_STRATEGY, build_default_mdat
 
 SENTENCES = {**DEFAULT_STRATEGY, "strategy_name": "sentences128",
              "splitter_class": "sentence_chunks"}
@@ -189,8 +189,8 @@ def test_microbatch_limits_shape_every_pass(data, tmp_path, monkeypatch, key, va
         plans.append(plan)
         return plan
 
-    split = modeling.batching.runner.split_microbatches
-    monkeypatch.setattr(modeling.batching.runner, "split_microbatches", recording)
+    split = runner.split_microbatches
+    monkeypatch.setattr(runner, "split_microbatches", recording)
     run(data, tmp_path / "base", "data.seq_len=256")
     assert max(len(mb) for plan in plans for mb in plan) > 1  # the defaults group rows
     plans.clear()
@@ -220,7 +220,7 @@ def test_hardware_keys_reach_the_device_setup(data, tmp_path, capsys, key, messa
 
 def test_compile_compiles_the_model(data, tmp_path, monkeypatch):
     compiled = []
-    monkeypatch.setattr(client.standalone, "compile_model", compiled.append)
+    monkeypatch.setattr(standalone, "compile_model", compiled.append)
     result = run(data, tmp_path, "hardware.compile=true")
     assert len(compiled) == 1 and result["metrics"]["compile"] is True
 

@@ -15,12 +15,12 @@ from typing import Any, get_args, get_type_hints
 import pytest
 from jsonschema import Draft202012Validator
 
-from client.standalone import parse_args
-from client.train_config import SECTIONS, apply, attribute, train_schema
-from modeling.errors import InvalidValue, StrategyError, UnknownKey
-from modeling.mdat import DEFAULT_STRATEGY, Strategy
-from modeling.mdat.strategy import strategy_schema
-from modeling.settings import FolderOrRepo, choices_of, flag_of
+from matformer.client.standalone import parse_args
+from matformer.client.train_config import SECTIONS, apply, attribute, train_schema
+from matformer.modeling.errors import InvalidValue, StrategyError, UnknownKey
+from matformer.modeling.mdat import DEFAULT_STRATEGY, Strategy
+from matformer.modeling.mdat.strategy import strategy_schema
+from matformer.modeling.settings import FolderOrRepo, choices_of, flag_of
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train.toml"
@@ -160,7 +160,7 @@ def test_a_strategy_typo_gets_a_did_you_mean_and_a_range_its_range():
 
 def test_a_checkpoint_saved_with_relative_paths_compares_them_from_where_it_resumes(
         tmp_path, monkeypatch):
-    from client.run_checkpoints import _absolute
+    from matformer.client.run_checkpoints import _absolute
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "base").mkdir()

@@ -10,13 +10,13 @@ import pytest
 import torch
 from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 
-from client.standalone import main
-from modeling import AutoregressiveModel, BatchError, ConfigError, TierError
-from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
-from modeling.checkpoint import load_pretrained
-from modeling.matformer import tier_label
-from modeling.mdat import build_default_mdat
-from modeling.training import TierSchedule, train_step_on_examples, with_targets
+from matformer.client.standalone import main
+from matformer.modeling import AutoregressiveModel, BatchError, ConfigError, TierError
+from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+from matformer.modeling.checkpoint import load_pretrained
+from matformer.modeling.matformer import tier_label
+from matformer.modeling.mdat import build_default_mdat
+from matformer.modeling.training import TierSchedule, train_step_on_examples, with_targets
 
 
 def _whole_batch_step(model, optimizer, inputs, schedule, step):
@@ -123,9 +123,9 @@ def test_standalone_training_leaves_out_one_token_sequences_and_trains_to_the_en
 
 
 def test_token_budget_step_equals_the_whole_batch_step_at_every_tier():
-    from modeling import MaskedBatch
-    from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
-    from modeling.training import train_step_on_examples
+    from matformer.modeling import MaskedBatch
+    from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
+    from matformer.modeling.training import train_step_on_examples
 
     torch.manual_seed(0)
     model = AutoregressiveModel(tiny_config())
@@ -146,7 +146,7 @@ def test_token_budget_step_equals_the_whole_batch_step_at_every_tier():
 
 
 def test_client_train_reports_a_bad_data_path_in_one_line(tmp_path, capsys):
-    from client.cli import main as client_main
+    from matformer.client.cli import main as client_main
 
     with pytest.raises(SystemExit) as exit_info:
         client_main(["train", "--data", str(tmp_path / "missing.mdat"), "--steps", "30"])
@@ -174,7 +174,7 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run_bit_for_bit(tmp_path):
 
     out = tmp_path / "killed"
     process = subprocess.Popen(
-        [sys.executable, "-m", "client.standalone", *common, "--out", str(out),
+        [sys.executable, "-m", "matformer.client.standalone", *common, "--out", str(out),
          "--save-every", "4", "--keep-last", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -334,8 +334,8 @@ def test_a_finished_run_is_lengthened_by_resuming_with_more_steps(small_docs, tm
 def test_epochs_reshuffle_per_epoch_reproducibly_and_cover_every_sequence(small_docs, tmp_path):
     from argparse import Namespace
 
-    from client.epochs import Epochs
-    from modeling.run_order import RunOrder
+    from matformer.client.epochs import Epochs
+    from matformer.modeling.run_order import RunOrder
 
     ids, lengths = np.arange(100, 160), np.random.default_rng(0).integers(5, 120, 200)
     args = Namespace(seed=1, batching="packed", batch_tokens=256, seq_len=128, steps=None,
@@ -376,11 +376,11 @@ def test_init_finetunes_a_hugging_face_llama_from_its_own_loss(tmp_path):
     import numpy as np
     import transformers
 
-    from client.epochs import Epochs
-    from client.standalone import parse_args
-    from client.train_config import apply
-    from modeling.mdat import Mdat
-    from modeling.run_order import RunOrder
+    from matformer.client.epochs import Epochs
+    from matformer.client.standalone import parse_args
+    from matformer.client.train_config import apply
+    from matformer.modeling.mdat import Mdat
+    from matformer.modeling.run_order import RunOrder
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -399,7 +399,7 @@ def test_init_finetunes_a_hugging_face_llama_from_its_own_loss(tmp_path):
     with Mdat.open(tmp_path / "docs.mdat") as mdat:
         config = json.loads((tmp_path / "run" / "config.json").read_text())
         assert config["intermediate_size"] == 128 and config["vocab_size"] == 260
-        from modeling.checkpoint import read_config
+        from matformer.modeling.checkpoint import read_config
 
         reader, order = RunOrder.open(mdat, args.strategy, args.seq_len, None, args.seed,
                                       read_config(tmp_path / "run"))

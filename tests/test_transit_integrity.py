@@ -11,17 +11,17 @@ import pytest
 from helpers import JOIN_TOKEN, served_run_toml
 from wire import code_of, http_get
 
-import server.served_files
-from client.checkpoints import DOWNLOAD_ATTEMPTS, CheckpointFiles
-from client.connection import Connection
-from client.errors import DamagedOnServer, DamagedTransfer
-from modeling.checkpoint.loader import load, resolve
-from modeling.checkpoint.manifest import MANIFEST_NAME
-from modeling.naming import canonical_state_dict
-from protocol.files import receive_file
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from server.config import RunConfig
-from server.main import RunningServer
+from matformer.client.checkpoints import DOWNLOAD_ATTEMPTS, CheckpointFiles
+from matformer.client.connection import Connection
+from matformer.client.errors import DamagedOnServer, DamagedTransfer
+from matformer.modeling.checkpoint.loader import load, resolve
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
+from matformer.modeling.naming import canonical_state_dict
+from matformer.protocol.files import receive_file
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.server import served_files
+from matformer.server.config import RunConfig
+from matformer.server.main import RunningServer
 
 SLICE = "round-0/tier1/model.safetensors"  # listed only as tier1/... in round-0's
 
@@ -52,7 +52,7 @@ def corrupting(monkeypatch):
     sent: list[str] = []
 
     def install(plan):
-        real = server.served_files.send_file
+        real = served_files.send_file
 
         def send_file(path, *args, **kwargs):
             sent.append(path.name)
@@ -63,7 +63,7 @@ def corrupting(monkeypatch):
                     corrupt = False
                 yield chunk
 
-        monkeypatch.setattr(server.served_files, "send_file", send_file)
+        monkeypatch.setattr(served_files, "send_file", send_file)
         return sent
 
     return install
@@ -132,13 +132,13 @@ def test_a_file_rewritten_while_it_is_sent_is_cut_off(running, checkpoints, monk
     target = checkpoints / SLICE
     good = target.read_bytes()
     download(connection, SLICE, tmp_path / "first")  # checked before sending: cached as good
-    real = server.served_files.send_file
+    real = served_files.send_file
 
     def rewritten_meanwhile(path, *args, **kwargs):
         path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(server.served_files, "send_file", rewritten_meanwhile)
+    monkeypatch.setattr(served_files, "send_file", rewritten_meanwhile)
     try:
         code, details = code_of(lambda: receive_file(connection.stub.DownloadCheckpoint(
             pb.DownloadCheckpointRequest(path=SLICE), metadata=connection.metadata),

@@ -20,18 +20,22 @@ import torch
 from conftest import tiny_config
 from helpers import run_tables, write_run_toml
 
-from client.checkpoints import CheckpointFiles
-from client.connection import Connection
-from modeling.checkpoint import load_pretrained, save_pretrained
-from modeling.checkpoint.files import CONFIG_NAME
-from modeling.checkpoint.hf_config import to_config_dict
-from modeling.checkpoint.loader import load_for_tier
-from modeling.errors import CodeOutsideCheckpoint, PathEscapesRepository, RemoteCodeRefused
-from modeling.mdat import Mdat, build_default_mdat
-from modeling.models import build_model
-from server.config import RunConfig
-from server.errors import InvalidValue
-from server.main import RunningServer
+from matformer.client.checkpoints import CheckpointFiles
+from matformer.client.connection import Connection
+from matformer.modeling.checkpoint import load_pretrained, save_pretrained
+from matformer.modeling.checkpoint.files import CONFIG_NAME
+from matformer.modeling.checkpoint.hf_config import to_config_dict
+from matformer.modeling.checkpoint.loader import load_for_tier
+from matformer.modeling.errors import (
+    CodeOutsideCheckpoint,
+    PathEscapesRepository,
+    RemoteCodeRefused,
+)
+from matformer.modeling.mdat import Mdat, build_default_mdat
+from matformer.modeling.models import build_model
+from matformer.server.config import RunConfig
+from matformer.server.errors import InvalidValue
+from matformer.server.main import RunningServer
 
 TOKEN = "trust-test"
 PLANTED = '''
@@ -40,7 +44,7 @@ from pathlib import Path
 
 from torch import nn
 
-from modeling import registry
+from matformer.modeling import registry
 
 Path({marker!r}, f"ran-{{os.getpid()}}").write_text({tag!r})
 
@@ -59,8 +63,8 @@ PLANTED_SPLITTER = '''
 import os
 from pathlib import Path
 
-from modeling import registry
-from modeling.mdat.builtin_splitters import fixed_lengths
+from matformer.modeling import registry
+from matformer.modeling.mdat.builtin_splitters import fixed_lengths
 
 Path({marker!r}, f"ran-{{os.getpid()}}").write_text("splitter")
 
@@ -129,7 +133,7 @@ def test_code_the_user_registered_already_needs_no_consent(tmp_path):
     own.mkdir()
     (own / "mine.py").write_text(PLANTED.format(marker=str(tmp_path / "mine"), name=name,
                                                 tag="mine"))
-    from modeling import registry
+    from matformer.modeling import registry
     registry.load_modules(str(own))
     load_pretrained(folder)
     assert ran(marker) == {}
@@ -185,14 +189,15 @@ def _command(module: str, *args: str) -> subprocess.CompletedProcess:
 def test_eval_and_generate_run_a_checkpoints_code_only_when_told(tmp_path):
     marker = tmp_path / "marker"
     folder = str(planted_checkpoint(tmp_path / "ckpt", marker))
-    for refused in (_command("scripts.generate", folder, "--prompt", "def"),
-                    _command("scripts.evaluate", folder, "--data", str(tmp_path / "none"))):
+    for refused in (_command("matformer.scripts.generate", folder, "--prompt", "def"),
+                    _command("matformer.scripts.evaluate", folder, "--data",
+                             str(tmp_path / "none"))):
         assert refused.returncode == 2, refused.stderr
         assert "--trust-remote-code" in refused.stderr and "Traceback" not in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1
     assert ran(marker) == {}
-    done = _command("scripts.generate", folder, "--prompt", "def", "--max-new-tokens", "3",
-                    "--trust-remote-code")
+    done = _command("matformer.scripts.generate", folder, "--prompt", "def",
+                    "--max-new-tokens", "3", "--trust-remote-code")
     assert done.returncode == 0, done.stderr
     assert list(ran(marker).values()) == ["checkpoint"]
 
@@ -221,18 +226,19 @@ def test_a_containers_functions_never_run_without_consent(tmp_path):
     (model / CONFIG_NAME).write_text(json.dumps(config))
     custom = str(_container(tmp_path / "custom.mdat", marker, "planted"))
     plain = str(_container(tmp_path / "plain.mdat", marker, "fixed_chunks"))
-    generate = ("scripts.generate", str(model), "--prompt", "def", "--max-new-tokens", "2",
-                "--strategy", "s")
+    generate = ("matformer.scripts.generate", str(model), "--prompt", "def",
+                "--max-new-tokens", "2", "--strategy", "s")
     refused = [_command(*generate, "--data", custom),
-               _command("scripts.mdat_cli", "pretokenize", custom, "s")]
+               _command("matformer.scripts.mdat_cli", "pretokenize", custom, "s")]
     for result in refused:
         assert result.returncode == 2, result.stderr
         assert "functions" in result.stderr and "--trust-remote-code" in result.stderr
     # a strategy of built-in parts works without it, and its container's code stays unrun
     assert _command(*generate, "--data", plain).returncode == 0
-    assert _command("scripts.mdat_cli", "pretokenize", plain, "s").returncode == 0
+    assert _command("matformer.scripts.mdat_cli", "pretokenize", plain, "s").returncode == 0
     assert ran(marker) == {}
-    allowed = _command("scripts.mdat_cli", "pretokenize", custom, "s", "--trust-remote-code")
+    allowed = _command("matformer.scripts.mdat_cli", "pretokenize", custom, "s",
+                       "--trust-remote-code")
     assert allowed.returncode == 0, allowed.stderr
     assert list(ran(marker).values()) == ["splitter"]
 
@@ -275,7 +281,8 @@ def test_a_client_runs_the_runs_code_only_when_its_operator_allows(tmp_path):
     server = _served(tmp_path, planted_checkpoint(tmp_path / "ckpt", marker))
     try:
         def client(name: str, *extra: str) -> subprocess.CompletedProcess:
-            return _command("client.cli", "train", "--server", f"127.0.0.1:{server.grpc_port}",
+            return _command("matformer.client.cli", "train", "--server",
+                            f"127.0.0.1:{server.grpc_port}",
                             "--join-token", TOKEN, "--name", name, "--tier", "1",
                             "--state-dir", str(tmp_path / name), "--max-rounds", "0",
                             "--no-progress", *extra)

@@ -18,14 +18,14 @@ from rounds import assigned, caps, committed, drive, events, flat_results
 from safetensors import SafetensorError
 from wire import code_of, header_of, joined, serving_config
 
-import protocol.sparse as sparse_module
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from protocol.sparse import encode_sparse_result
-from protocol.submission import submission_messages
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.main import RunningServer
+import matformer.protocol.sparse as sparse_module
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.sparse import encode_sparse_result
+from matformer.protocol.submission import submission_messages
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.main import RunningServer
 
 EMBED = "model.embed_tokens.weight"  # (260, 32): 33 × 4 chunks of 8 × 8, positions in int8
 TOPK = {"encoding": "topk", "chunk": 8, "topk": 4, "value_dtype": "float32"}

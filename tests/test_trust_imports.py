@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from test_mdat_formats import SHA, TEXTS, hub_cache, needs_datasets, write_parquet
 
-from modeling.errors import ImportTooLarge, SourceOutsideDataset, UnreadableSource
-from modeling.mdat import Mdat
-from modeling.mdat.tables import READ_LIMIT_ENV
-from scripts.mdat_cli import main
+from matformer.modeling.errors import ImportTooLarge, SourceOutsideDataset, UnreadableSource
+from matformer.modeling.mdat import Mdat
+from matformer.modeling.mdat.tables import READ_LIMIT_ENV
+from matformer.scripts.mdat_cli import main
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -27,7 +27,7 @@ MIB = 1 << 20
 # cannot take the machine), and prints its exit code and how far its peak RSS grew.
 MEASURED_CLI = """
 import json, resource, sys
-from scripts.mdat_cli import main
+from matformer.scripts.mdat_cli import main
 held = next(int(line.split()[1]) for line in open("/proc/self/status")
             if line.startswith("VmData:")) << 10
 resource.setrlimit(resource.RLIMIT_DATA, (held + (2 << 30), resource.RLIM_INFINITY))

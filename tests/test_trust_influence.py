@@ -17,13 +17,13 @@ import torch
 from helpers import Clock, checked_tables, run_config, run_tables, write_run_toml
 from rounds import caps, events, results
 
-from client.federated import FederatedClient, FederatedOptions
-from modeling.compression import SparseResult
-from modeling.mdat import build_default_mdat
-from server.config import RunConfig
-from server.coordinator import Coordinator
-from server.errors import InvalidValue, NormTooLarge
-from server.main import RunningServer
+from matformer.client.federated import FederatedClient, FederatedOptions
+from matformer.modeling.compression import SparseResult
+from matformer.modeling.mdat import build_default_mdat
+from matformer.server.config import RunConfig
+from matformer.server.coordinator import Coordinator
+from matformer.server.errors import InvalidValue, NormTooLarge
+from matformer.server.main import RunningServer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "trust-influence-token"

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from helpers import JOIN_TOKEN, run_tables, write_run_toml
 
-from client.federated import FederatedClient, FederatedOptions
-from modeling.mdat import build_default_mdat
-from server.config import RunConfig
-from server.main import RunningServer
+from matformer.client.federated import FederatedClient, FederatedOptions
+from matformer.modeling.mdat import build_default_mdat
+from matformer.server.config import RunConfig
+from matformer.server.main import RunningServer
 
 ROOT = Path(__file__).parent.parent
 SILENT = "rank 0 of this node has shown no sign of life"
@@ -43,7 +43,7 @@ def start_node(server: RunningServer, tmp_path: Path, *options: str) -> subproce
     """``torchrun`` with 2 CPU ranks as the client "node"; its output in tmp_path/node.*."""
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "client.cli", "train", "--server", f"127.0.0.1:{server.grpc_port}",
+         "-m", "matformer.client.cli", "train", "--server", f"127.0.0.1:{server.grpc_port}",
          "--join-token", JOIN_TOKEN, "--name", "node", "--tier", "0",
          "--microbatch-tokens", "256", "--state-dir", str(tmp_path / "node"), "--no-progress",
          *options],

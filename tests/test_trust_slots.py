@@ -17,13 +17,13 @@ import pytest
 from helpers import served_run_toml
 from wire import header_of, join_request, joined, serving_config, stalled, stalled_unary
 
-from protocol.auth import session_metadata
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.call_slots import CallLimits, CallSlots
-from server.config import RunConfig
-from server.errors import NoStreamSlot, StreamIdle
-from server.main import RunningServer
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.server.call_slots import CallLimits, CallSlots
+from matformer.server.config import RunConfig
+from matformer.server.errors import NoStreamSlot, StreamIdle
+from matformer.server.main import RunningServer
 
 COALITION = 8  # members, each holding its 4 calls: 2 streams and 2 calls with no request
 SEQUENCE_TOKENS = 128  # helpers.run_tables' max_seq_len
@@ -177,7 +177,7 @@ def test_a_client_reaches_a_restarted_coordinator_within_seconds(tmp_path):
     coordinator was back; the client's channel now tries again every 2 s at most."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from client.connection import Connection
+    from matformer.client.connection import Connection
 
     config = RunConfig.load(served_run_toml(tmp_path, min_clients=1))
     server = RunningServer.start(config, grpc_port=0, http_port=0)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from modeling.compression import (
+from matformer.modeling.compression import (
     Broadcast,
     CoefficientStep,
     CompressionConfig,
@@ -20,14 +20,14 @@ from modeling.compression import (
     region_slices,
     unpack_bits,
 )
-from modeling.compression.dct import LEVEL_MAX, dct_matrix, exact_bits, integer_dct_matrix
-from modeling.errors import CompressionConfigError
-from protocol.errors import MalformedStream
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.updates import decode_step, encode_step, read_updates, update_messages
-from server.aggregation import aggregate
-from server.update_log import UpdateLog
-from server.update_steps import Carried, close_round, update_step
+from matformer.modeling.compression.dct import LEVEL_MAX, dct_matrix, exact_bits, integer_dct_matrix
+from matformer.modeling.errors import CompressionConfigError
+from matformer.protocol.errors import MalformedStream
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.updates import decode_step, encode_step, read_updates, update_messages
+from matformer.server.aggregation import aggregate
+from matformer.server.update_log import UpdateLog
+from matformer.server.update_steps import Carried, close_round, update_step
 
 UP = "model.layers.0.mlp.up_proj.weight"
 SHAPE = (192, 130)  # FFN rows × hidden: partial edge chunks along both dimensions
@@ -80,7 +80,7 @@ def test_the_broadcast_decode_is_exact_integer_arithmetic():
     levels = levels.reshape(-1, *step.chunk)
     m0, m1 = (integer_dct_matrix(n, bits).long() for n in step.chunk)
     reference = torch.einsum("ai,nab,bj->nij", m0, levels, m1)  # int64: exact by definition
-    from modeling.compression.dct import exact_idct
+    from matformer.modeling.compression.dct import exact_idct
     assert torch.equal(exact_idct(levels, bits), reference.double())
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_config
 
-from modeling import (
+from matformer.modeling import (
     AutoregressiveModel,
     BERTModel,
     MaskedBatch,
@@ -24,18 +24,18 @@ from modeling import (
     canonical_names,
     registry,
 )
-from modeling.checkpoint import load_pretrained, save_pretrained
-from modeling.components.kernels import SdpaAttention
-from modeling.components.wersa import (
+from matformer.modeling.checkpoint import load_pretrained, save_pretrained
+from matformer.modeling.components.kernels import SdpaAttention
+from matformer.modeling.components.wersa import (
     WersaAttention,
     linear_attention,
     run_starts,
     scale_bands,
 )
-from modeling.errors import WersaUnsupported
-from modeling.generation import generate
-from modeling.generation_cache import KVCache
-from modeling.optim import OptimizerConfig
+from matformer.modeling.errors import WersaUnsupported
+from matformer.modeling.generation import generate
+from matformer.modeling.generation_cache import KVCache
+from matformer.modeling.optim import OptimizerConfig
 
 CAUSAL = pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 LENGTHS = [9, 3, 14, 1, 6]

@@ -15,14 +15,14 @@ import grpc
 import pytest
 from helpers import JOIN_TOKEN, served_run_toml
 
-from modeling.checkpoint.schema import canonical_schema_hash
-from protocol.auth import session_metadata
-from protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
-from protocol.matformer.v1 import coordinator_pb2 as pb
-from protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from server.call_slots import CallLimits
-from server.config import RunConfig
-from server.main import RunningServer
+from matformer.modeling.checkpoint.schema import canonical_schema_hash
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.server.call_slots import CallLimits
+from matformer.server.config import RunConfig
+from matformer.server.main import RunningServer
 
 HONEST_TIMEOUT_S = 5.0  # what an honest call is given, client side
 

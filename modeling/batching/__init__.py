@@ -5,7 +5,7 @@ are padded (``plan_batches``: one sequence a row) or packed (``plan_packed``: se
 to end in rows of a fixed length, almost no padding). A typical loop, one optimizer step
 per batch::
 
-    from modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
+    from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, plan_batches
 
     runner = MicrobatchRunner(model, AdaptiveLimitsConfig(max_tokens=4096).build())
     for indices in plan_batches(lengths, max_tokens=16384):
@@ -13,18 +13,22 @@ per batch::
         optimizer.step()
 """
 
-from modeling.batching.accumulate import AccumulatedLoss, TrainingExamples, accumulate_gradients
-from modeling.batching.cost import padded_tokens
-from modeling.batching.limits import (
+from matformer.modeling.batching.accumulate import (
+    AccumulatedLoss,
+    TrainingExamples,
+    accumulate_gradients,
+)
+from matformer.modeling.batching.cost import padded_tokens
+from matformer.modeling.batching.limits import (
     AdaptiveLimits,
     AdaptiveLimitsConfig,
     MicrobatchLimits,
     length_regime,
 )
-from modeling.batching.microbatches import split_microbatches
-from modeling.batching.pack import pack_rows, plan_packed
-from modeling.batching.plan import plan_batches
-from modeling.batching.runner import MicrobatchRunner
+from matformer.modeling.batching.microbatches import split_microbatches
+from matformer.modeling.batching.pack import pack_rows, plan_packed
+from matformer.modeling.batching.plan import plan_batches
+from matformer.modeling.batching.runner import MicrobatchRunner
 
 __all__ = [
     "AccumulatedLoss",

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modeling.batch import MaskedBatch, PackedBatch
-from modeling.batching.cost import padded_tokens
-from modeling.components.loss import IGNORE_INDEX
-from modeling.devices import Precision
-from modeling.errors import BatchError
-from modeling.matformer import Tier
-from modeling.models import TransformerWithLMHead
+from matformer.modeling.batch import MaskedBatch, PackedBatch
+from matformer.modeling.batching.cost import padded_tokens
+from matformer.modeling.components.loss import IGNORE_INDEX
+from matformer.modeling.devices import Precision
+from matformer.modeling.errors import BatchError
+from matformer.modeling.matformer import Tier
+from matformer.modeling.models import TransformerWithLMHead
 
 
 @dataclass(kw_only=True, slots=True)

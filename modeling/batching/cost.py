@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from modeling.errors import BatchError, ConfigError, SequenceTooLong
+from matformer.modeling.errors import BatchError, ConfigError, SequenceTooLong
 
 
 def padded_tokens(lengths: Sequence[int]) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from modeling.errors import BatchDoesNotFit, ConfigError
+from matformer.modeling.errors import BatchDoesNotFit, ConfigError
 
 
 @dataclass(kw_only=True, slots=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from modeling.batching.cost import checked_lengths
-from modeling.errors import ConfigError
+from matformer.modeling.batching.cost import checked_lengths
+from matformer.modeling.errors import ConfigError
 
 
 def split_microbatches(

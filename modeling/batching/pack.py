@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from modeling.batching.cost import checked_lengths
-from modeling.batching.plan import window_runs
-from modeling.errors import ConfigError
+from matformer.modeling.batching.cost import checked_lengths
+from matformer.modeling.batching.plan import window_runs
+from matformer.modeling.errors import ConfigError
 
 Rows = list[list[int]]  # each row: indices of the sequences laid end to end in it
 

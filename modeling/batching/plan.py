@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from modeling.batching.cost import checked_lengths
-from modeling.errors import ConfigError
+from matformer.modeling.batching.cost import checked_lengths
+from matformer.modeling.errors import ConfigError
 
 
 def plan_batches(

@@ -17,14 +17,14 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from modeling.batching.accumulate import AccumulatedLoss, accumulate_gradients
-from modeling.batching.cost import padded_tokens
-from modeling.batching.limits import AdaptiveLimits
-from modeling.batching.microbatches import split_microbatches
-from modeling.devices import Precision
-from modeling.errors import BatchDoesNotFit, BatchError
-from modeling.matformer import Tier
-from modeling.models import AutoregressiveModel
+from matformer.modeling.batching.accumulate import AccumulatedLoss, accumulate_gradients
+from matformer.modeling.batching.cost import padded_tokens
+from matformer.modeling.batching.limits import AdaptiveLimits
+from matformer.modeling.batching.microbatches import split_microbatches
+from matformer.modeling.devices import Precision
+from matformer.modeling.errors import BatchDoesNotFit, BatchError
+from matformer.modeling.matformer import Tier
+from matformer.modeling.models import AutoregressiveModel
 
 Result = TypeVar("Result")
 Attempt = Callable[[list[list[int]]], Result]  # microbatches (index lists) → result

@@ -1,5 +1,5 @@
 """Checkpoints: Hugging Face compatible directories, tier slices, manifest and loader."""
 
-from modeling.checkpoint.pretrained import load_pretrained, read_config, save_pretrained
+from matformer.modeling.checkpoint.pretrained import load_pretrained, read_config, save_pretrained
 
 __all__ = ["load_pretrained", "read_config", "save_pretrained"]

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from modeling.atomic import built_aside, write_json_atomic
-from modeling.checkpoint.files import (
+from matformer.modeling.atomic import built_aside, write_json_atomic
+from matformer.modeling.checkpoint.files import (
     CONFIG_NAME,
     copy_files,
     read_json,
@@ -38,8 +38,8 @@ from modeling.checkpoint.files import (
     write_json,
     write_weights,
 )
-from modeling.checkpoint.hf_config import SOURCE_KEY, is_llama_shaped, to_config_dict
-from modeling.checkpoint.manifest import (
+from matformer.modeling.checkpoint.hf_config import SOURCE_KEY, is_llama_shaped, to_config_dict
+from matformer.modeling.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
     TierEntry,
@@ -48,11 +48,11 @@ from modeling.checkpoint.manifest import (
     slice_folder,
     weights_digest,
 )
-from modeling.checkpoint.pretrained import read_config
-from modeling.checkpoint.remote_code import listed_modules, pack_code
-from modeling.checkpoint.slicing import slice_state
-from modeling.errors import AlreadySliced, TierError
-from modeling.matformer import layer_widths
+from matformer.modeling.checkpoint.pretrained import read_config
+from matformer.modeling.checkpoint.remote_code import listed_modules, pack_code
+from matformer.modeling.checkpoint.slicing import slice_state
+from matformer.modeling.errors import AlreadySliced, TierError
+from matformer.modeling.matformer import layer_widths
 
 log = logging.getLogger("matformer.checkpoint")
 

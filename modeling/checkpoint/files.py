@@ -17,7 +17,7 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from modeling.errors import CheckpointError, MissingShard
+from matformer.modeling.errors import CheckpointError, MissingShard
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

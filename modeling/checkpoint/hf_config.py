@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from modeling.config import LayerConfig, ModelConfig
-from modeling.errors import ConfigError, TierError, closest
-from modeling.matformer import tier_of_width
+from matformer.modeling.config import LayerConfig, ModelConfig
+from matformer.modeling.errors import ConfigError, TierError, closest
+from matformer.modeling.matformer import tier_of_width
 
 # A tier slice's record of the weights it was cut from (``export.export_tiers``).
 SOURCE_KEY = "matformer_source_sha256"

@@ -15,16 +15,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modeling.checkpoint.files import (
+from matformer.modeling.checkpoint.files import (
     CONFIG_NAME,
     INDEX_NAME,
     WEIGHTS_NAME,
     is_weights_file,
     read_json,
 )
-from modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
-from modeling.checkpoint.repository import normalize
-from modeling.errors import IncompleteTier, IntegrityError, MatformerError
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
+from matformer.modeling.checkpoint.repository import normalize
+from matformer.modeling.errors import IncompleteTier, IntegrityError, MatformerError
 
 
 class Unusable(Exception):

@@ -37,9 +37,9 @@ from typing import Any
 
 from torch import nn
 
-from modeling.checkpoint.files import CONFIG_NAME, read_json, read_weights
-from modeling.checkpoint.hf_config import SOURCE_KEY, from_config_dict
-from modeling.checkpoint.listing import (
+from matformer.modeling.checkpoint.files import CONFIG_NAME, read_json, read_weights
+from matformer.modeling.checkpoint.hf_config import SOURCE_KEY, from_config_dict
+from matformer.modeling.checkpoint.listing import (
     Fetcher,
     ListedFiles,
     Unusable,
@@ -47,7 +47,7 @@ from modeling.checkpoint.listing import (
     in_folder,
     listed,
 )
-from modeling.checkpoint.manifest import (
+from matformer.modeling.checkpoint.manifest import (
     MANIFEST_NAME,
     Manifest,
     beside_folder,
@@ -55,18 +55,18 @@ from modeling.checkpoint.manifest import (
     slice_folder,
     weights_digest,
 )
-from modeling.checkpoint.pretrained import model_from_state
-from modeling.checkpoint.remote_code import consented, packed_modules
-from modeling.checkpoint.repository import (
+from matformer.modeling.checkpoint.pretrained import model_from_state
+from matformer.modeling.checkpoint.remote_code import consented, packed_modules
+from matformer.modeling.checkpoint.repository import (
     HubRepository,
     LocalRepository,
     is_repo_id,
     normalize,
 )
-from modeling.checkpoint.schema import canonical_schema_hash
-from modeling.checkpoint.slicing import slice_state
-from modeling.config import ModelConfig
-from modeling.errors import (
+from matformer.modeling.checkpoint.schema import canonical_schema_hash
+from matformer.modeling.checkpoint.slicing import slice_state
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.errors import (
     AlreadySliced,
     CheckpointError,
     ConfigError,
@@ -77,7 +77,7 @@ from modeling.errors import (
     SliceMismatch,
     TierNotInManifest,
 )
-from modeling.matformer import Tier, layer_widths, tier_label
+from matformer.modeling.matformer import Tier, layer_widths, tier_label
 
 STRATEGIES = ("auto", "sliced", "universal")
 

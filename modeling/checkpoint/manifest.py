@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import ManifestError, ManifestVersionError
-from modeling.matformer import Tier, tier_label
+from matformer.modeling.errors import ManifestError, ManifestVersionError
+from matformer.modeling.matformer import Tier, tier_label
 
 MANIFEST_NAME = "matformer_manifest.json"
 SCHEMA_VERSION = 1

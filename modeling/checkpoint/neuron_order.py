@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modeling.atomic import built_aside
-from modeling.checkpoint.export import common_files, export_tiers
-from modeling.checkpoint.files import (
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.checkpoint.export import common_files, export_tiers
+from matformer.modeling.checkpoint.files import (
     CONFIG_NAME,
     copy_files,
     read_weights,
@@ -51,23 +51,27 @@ from modeling.checkpoint.files import (
     write_json,
     write_weights,
 )
-from modeling.checkpoint.hf_config import NEURON_ORDER_KEY, is_llama_shaped, to_config_dict
-from modeling.checkpoint.manifest import Manifest
-from modeling.checkpoint.pretrained import model_from_state, read_config
-from modeling.checkpoint.slicing import neuron_axis
-from modeling.config import ModelConfig
-from modeling.errors import (
+from matformer.modeling.checkpoint.hf_config import (
+    NEURON_ORDER_KEY,
+    is_llama_shaped,
+    to_config_dict,
+)
+from matformer.modeling.checkpoint.manifest import Manifest
+from matformer.modeling.checkpoint.pretrained import model_from_state, read_config
+from matformer.modeling.checkpoint.slicing import neuron_axis
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.errors import (
     AlreadySliced,
     CheckpointExists,
     ConfigError,
     NotConvertible,
     TierError,
 )
-from modeling.matformer import layer_widths
-from modeling.mdat import DEFAULT_STRATEGY, Mdat
-from modeling.mdat.trained_on import RECORD_NAME
-from modeling.naming import canonical_state_dict
-from modeling.run_order import RunOrder
+from matformer.modeling.matformer import layer_widths
+from matformer.modeling.mdat import DEFAULT_STRATEGY, Mdat
+from matformer.modeling.mdat.trained_on import RECORD_NAME
+from matformer.modeling.naming import canonical_state_dict
+from matformer.modeling.run_order import RunOrder
 
 log = logging.getLogger("matformer.checkpoint")
 

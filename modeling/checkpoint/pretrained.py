@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from modeling.atomic import merged_aside
-from modeling.checkpoint.files import (
+from matformer.modeling.atomic import merged_aside
+from matformer.modeling.checkpoint.files import (
     CONFIG_NAME,
     read_json,
     read_weights,
@@ -18,15 +18,28 @@ from modeling.checkpoint.files import (
     write_json,
     write_weights,
 )
-from modeling.checkpoint.hf_config import from_config_dict, is_llama_shaped, to_config_dict
-from modeling.checkpoint.manifest import MANIFEST_NAME, is_slice_folder
-from modeling.checkpoint.remote_code import consented, module_files, pack_code, packed_modules
-from modeling.components.buffers import fill_computed_buffers
-from modeling.config import ModelConfig
-from modeling.errors import CheckpointError, ShapeMismatch
-from modeling.layer_spec import model_spec
-from modeling.models import build_model
-from modeling.naming import canonical_names, canonical_state_dict, load_canonical_state_dict
+from matformer.modeling.checkpoint.hf_config import (
+    from_config_dict,
+    is_llama_shaped,
+    to_config_dict,
+)
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME, is_slice_folder
+from matformer.modeling.checkpoint.remote_code import (
+    consented,
+    module_files,
+    pack_code,
+    packed_modules,
+)
+from matformer.modeling.components.buffers import fill_computed_buffers
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.errors import CheckpointError, ShapeMismatch
+from matformer.modeling.layer_spec import model_spec
+from matformer.modeling.models import build_model
+from matformer.modeling.naming import (
+    canonical_names,
+    canonical_state_dict,
+    load_canonical_state_dict,
+)
 
 TIED_HEAD = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"

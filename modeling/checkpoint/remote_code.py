@@ -27,11 +27,16 @@ from pathlib import Path
 
 from torch import nn
 
-from modeling.checkpoint.files import CONFIG_NAME
-from modeling.config import ModelConfig
-from modeling.errors import CheckpointError, CodeOutsideCheckpoint, RegistryError, RemoteCodeRefused
-from modeling.layer_spec import model_spec
-from modeling.trust import refusal
+from matformer.modeling.checkpoint.files import CONFIG_NAME
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.errors import (
+    CheckpointError,
+    CodeOutsideCheckpoint,
+    RegistryError,
+    RemoteCodeRefused,
+)
+from matformer.modeling.layer_spec import model_spec
+from matformer.modeling.trust import refusal
 
 CONFIG_CODE = "configuration_matformer.py"
 MODEL_CODE = "modeling_matformer.py"
@@ -40,7 +45,7 @@ _PACKAGE = Path(__file__).resolve().parents[1]  # modeling/: the components that
 _CONFIGURATION = '''"""The config of a Matformer model, for transformers (written by Matformer)."""
 
 try:
-    from modeling.hf_remote import MatformerConfigBase
+    from matformer.modeling.hf_remote import MatformerConfigBase
 except ImportError as error:
     raise ImportError("this checkpoint's code builds the model with the matformer package; "
                       "install it (pip install matformer).") from error
@@ -57,7 +62,7 @@ AutoModelForCausalLM or AutoModelForMaskedLM.from_pretrained(folder, trust_remot
 from .configuration_matformer import MatformerConfig
 {imports}
 try:
-    from modeling.hf_remote import MatformerCausalLMBase, MatformerMaskedLMBase
+    from matformer.modeling.hf_remote import MatformerCausalLMBase, MatformerMaskedLMBase
 except ImportError as error:
     raise ImportError("this checkpoint's code builds the model with the matformer package; "
                       "install it (pip install matformer).") from error

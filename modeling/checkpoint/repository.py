@@ -10,7 +10,7 @@ from __future__ import annotations
 import posixpath
 from pathlib import Path, PurePosixPath
 
-from modeling.errors import PathEscapesRepository
+from matformer.modeling.errors import PathEscapesRepository
 
 
 def normalize(path: str, base: str = "") -> str:

@@ -13,7 +13,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 
-from modeling.config import ModelConfig
+from matformer.modeling.config import ModelConfig
 
 # Fields that change how a model is initialised or found, not what it computes.
 _NOT_ARCHITECTURE = ("initializer_range", "external_modules_path")

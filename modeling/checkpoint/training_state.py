@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from modeling.atomic import write_json_atomic
-from modeling.checkpoint.files import read_json
-from modeling.errors import CheckpointError
+from matformer.modeling.atomic import write_json_atomic
+from matformer.modeling.checkpoint.files import read_json
+from matformer.modeling.errors import CheckpointError
 
 STATE_TENSORS = "training_state.safetensors"
 STATE_JSON = "training_state.json"

@@ -1,6 +1,6 @@
 """Built-in registry entries; importing this package registers them all."""
 
-from modeling.components import (  # noqa: F401
+from matformer.modeling.components import (  # noqa: F401
     embedding,
     hooks,
     kernels,

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from modeling.components.init import normal
-from modeling.registry import registry
+from matformer.modeling.components.init import normal
+from matformer.modeling.registry import registry
 
 
 @registry.register("embedding", "token", "torch")

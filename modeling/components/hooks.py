@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from modeling.registry import registry
+from matformer.modeling.registry import registry
 
 
 @registry.register("hook", "layer_scale", "torch")

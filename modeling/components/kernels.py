@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modeling.registry import registry
+from matformer.modeling.registry import registry
 
 log = logging.getLogger("matformer.attention")
 

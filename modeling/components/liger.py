@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modeling.components.loss import IGNORE_INDEX, CrossEntropy
-from modeling.components.mlp import SwiGLU, prefix
-from modeling.components.norms import RMSNorm
-from modeling.registry import registry
+from matformer.modeling.components.loss import IGNORE_INDEX, CrossEntropy
+from matformer.modeling.components.mlp import SwiGLU, prefix
+from matformer.modeling.components.norms import RMSNorm
+from matformer.modeling.registry import registry
 
 log = logging.getLogger("matformer.liger")
 

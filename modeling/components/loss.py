@@ -7,7 +7,7 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modeling.registry import registry
+from matformer.modeling.registry import registry
 
 IGNORE_INDEX = -100  # label of positions that carry no loss (padding, unmasked tokens)
 

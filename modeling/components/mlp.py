@@ -13,8 +13,8 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modeling.components.init import linear
-from modeling.registry import registry
+from matformer.modeling.components.init import linear
+from matformer.modeling.registry import registry
 
 
 def prefix(weight: Tensor, dim: int, width: int) -> Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modeling.registry import registry
+from matformer.modeling.registry import registry
 
 
 @registry.register("norm", "rmsnorm", "torch")

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from modeling.components.buffers import ComputedBuffers
-from modeling.registry import registry
+from matformer.modeling.components.buffers import ComputedBuffers
+from matformer.modeling.registry import registry
 
 
 class PositionalEncoding(nn.Module):

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from modeling.components.buffers import ComputedBuffers
-from modeling.components.kernels import AttentionKernel, segment_runs
-from modeling.components.positional import PositionalEncoding
-from modeling.errors import WersaUnsupported
-from modeling.registry import registry
+from matformer.modeling.components.buffers import ComputedBuffers
+from matformer.modeling.components.kernels import AttentionKernel, segment_runs
+from matformer.modeling.components.positional import PositionalEncoding
+from matformer.modeling.errors import WersaUnsupported
+from matformer.modeling.registry import registry
 
 
 def run_starts(keys: Tensor) -> Tensor:

@@ -5,26 +5,26 @@ weight hash that proves replicas equal. Aggregation and choosing a round's steps
 coordinator's alone (``server/aggregation.py``, ``server/update_steps.py``).
 """
 
-from modeling.compression.compressor import VALUE_DTYPES, CompressionConfig, Compressor
-from modeling.compression.dct import dct, dct_matrix, idct
-from modeling.compression.encodings import ENCODERS, decode, get_encoding
-from modeling.compression.feedback import ErrorFeedback
-from modeling.compression.grid import (
+from matformer.modeling.compression.compressor import VALUE_DTYPES, CompressionConfig, Compressor
+from matformer.modeling.compression.dct import dct, dct_matrix, idct
+from matformer.modeling.compression.encodings import ENCODERS, decode, get_encoding
+from matformer.modeling.compression.feedback import ErrorFeedback
+from matformer.modeling.compression.grid import (
     ChunkGrid,
     Region,
     full_region,
     region_shape,
     region_slices,
 )
-from modeling.compression.hashing import tier_hashes, weight_hash
-from modeling.compression.regions import (
+from matformer.modeling.compression.hashing import tier_hashes, weight_hash
+from matformer.modeling.compression.regions import (
     tier_region,
     tier_regions,
     universal_config,
     universal_shapes,
 )
-from modeling.compression.sparse import SparseResult
-from modeling.compression.steps import (
+from matformer.modeling.compression.sparse import SparseResult
+from matformer.modeling.compression.steps import (
     Broadcast,
     CoefficientStep,
     DenseStep,
@@ -33,7 +33,7 @@ from modeling.compression.steps import (
     dense_step,
     intersect,
 )
-from modeling.compression.update import (
+from matformer.modeling.compression.update import (
     UPDATE_RULES,
     RoundUpdate,
     UpdateConfig,
@@ -41,8 +41,8 @@ from modeling.compression.update import (
     sgd,
     sign,
 )
-from modeling.compression.validation import validate, validate_group
-from modeling.compression.wire import (
+from matformer.modeling.compression.validation import validate, validate_group
+from matformer.modeling.compression.wire import (
     DENSE_BYTES_PER_VALUE,
     index_dtype,
     pack_bits,

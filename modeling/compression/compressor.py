@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modeling.compression.encodings import ENCODERS, Encoding, get_encoding
-from modeling.compression.feedback import ErrorFeedback
-from modeling.compression.grid import ChunkGrid, Region, region_shape
-from modeling.compression.sparse import SparseResult
-from modeling.errors import CompressionConfigError, ResultShapeMismatch, SettingsError
-from modeling.settings import check_declared, setting
+from matformer.modeling.compression.encodings import ENCODERS, Encoding, get_encoding
+from matformer.modeling.compression.feedback import ErrorFeedback
+from matformer.modeling.compression.grid import ChunkGrid, Region, region_shape
+from matformer.modeling.compression.sparse import SparseResult
+from matformer.modeling.errors import CompressionConfigError, ResultShapeMismatch, SettingsError
+from matformer.modeling.settings import check_declared, setting
 
 UINT32_MAX = 2**32 - 1  # chunk and topk travel to clients as uint32 (TrainingSettings)
 MAX_LR = 10.0  # a run's bound on a learning rate: a step of 10·sign(aggregate) wipes out weights

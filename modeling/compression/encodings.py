@@ -17,10 +17,10 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from modeling.compression.dct import chunkwise_dct, chunkwise_idct, stacked
-from modeling.compression.grid import ChunkGrid, Region, region_shape
-from modeling.compression.sparse import SparseResult
-from modeling.errors import (
+from matformer.modeling.compression.dct import chunkwise_dct, chunkwise_idct, stacked
+from matformer.modeling.compression.grid import ChunkGrid, Region, region_shape
+from matformer.modeling.compression.sparse import SparseResult
+from matformer.modeling.errors import (
     ChunkIdError,
     ChunkIndexError,
     ResultShapeMismatch,

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from modeling.compression.encodings import decode
-from modeling.compression.grid import Region, region_shape
-from modeling.compression.sparse import SparseResult
-from modeling.errors import ResultShapeMismatch
+from matformer.modeling.compression.encodings import decode
+from matformer.modeling.compression.grid import Region, region_shape
+from matformer.modeling.compression.sparse import SparseResult
+from matformer.modeling.errors import ResultShapeMismatch
 
 if TYPE_CHECKING:
-    from modeling.compression.compressor import Compressor
+    from matformer.modeling.compression.compressor import Compressor
 
 
 class ErrorFeedback:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from modeling.errors import CompressionConfigError, RegionError
+from matformer.modeling.errors import CompressionConfigError, RegionError
 
 Region = tuple[tuple[int, int], ...]  # [start, stop) per dimension of the universal shape
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import Tensor
 
-from modeling.compression.grid import Region, full_region, region_shape, region_slices
+from matformer.modeling.compression.grid import Region, full_region, region_shape, region_slices
 
 
 def weight_hash(state: Mapping[str, Tensor], regions: Mapping[str, Region] | None = None) -> str:

@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from modeling.checkpoint.slicing import slice_state
-from modeling.compression.grid import Region
-from modeling.config import ModelConfig
-from modeling.matformer import Tier, layer_widths
-from modeling.models import build_model
-from modeling.naming import canonical_state_dict
+from matformer.modeling.checkpoint.slicing import slice_state
+from matformer.modeling.compression.grid import Region
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.matformer import Tier, layer_widths
+from matformer.modeling.models import build_model
+from matformer.modeling.naming import canonical_state_dict
 
 
 def universal_config(config: ModelConfig) -> ModelConfig:

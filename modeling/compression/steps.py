@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from modeling.compression.dct import (
+from matformer.modeling.compression.dct import (
     LEVEL_MAX,
     chunkwise_dct,
     chunkwise_idct,
@@ -36,14 +36,14 @@ from modeling.compression.dct import (
     exact_sparse_idct,
     row_order,
 )
-from modeling.compression.grid import (
+from matformer.modeling.compression.grid import (
     ChunkGrid,
     Region,
     full_region,
     region_shape,
     region_slices,
 )
-from modeling.errors import CompressionConfigError, RegionError
+from matformer.modeling.errors import CompressionConfigError, RegionError
 
 MIN_EXACT_BITS = 8  # fraction bits below this would make the integer DCT a poor inverse
 # Passes over every chunk go a few rows of chunks at a time, with temporaries of about this

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from modeling.compression.grid import Region, full_region
-from modeling.compression.steps import Broadcast, Step, intersect, within
-from modeling.errors import CompressionConfigError
+from matformer.modeling.compression.grid import Region, full_region
+from matformer.modeling.compression.steps import Broadcast, Step, intersect, within
+from matformer.modeling.errors import CompressionConfigError
 
 Rule = Callable[..., Tensor]  # (weight, values, covered | None, *, lr, weight_decay) → new
 

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from modeling.compression.encodings import get_encoding
-from modeling.compression.sparse import SparseResult
-from modeling.errors import BadTokenCount, NonFiniteValues, ResultShapeMismatch
+from matformer.modeling.compression.encodings import get_encoding
+from matformer.modeling.compression.sparse import SparseResult
+from matformer.modeling.errors import BadTokenCount, NonFiniteValues, ResultShapeMismatch
 
 
 def validate(result: SparseResult) -> None:

@@ -15,8 +15,8 @@ import math
 import numpy as np
 import torch
 
-from modeling.compression.grid import ChunkGrid
-from modeling.compression.sparse import SparseResult
+from matformer.modeling.compression.grid import ChunkGrid
+from matformer.modeling.compression.sparse import SparseResult
 
 _SIGNED = (torch.int8, torch.int16, torch.int32, torch.int64)
 # what ratios of bytes moved are taken against: float32 tensors of whole regions

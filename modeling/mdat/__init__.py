@@ -4,20 +4,20 @@ views, shuffles and saetta exports (docs/architecture.md, "MDAT, the dataset con
 The command line is ``matformer-mdat`` (``scripts/mdat_cli.py``).
 """
 
-from modeling.mdat.catalogue import PretokProgress, ShuffleInfo, SubmdatInfo
-from modeling.mdat.container import Mdat
-from modeling.mdat.default import (
+from matformer.modeling.mdat.catalogue import PretokProgress, ShuffleInfo, SubmdatInfo
+from matformer.modeling.mdat.container import Mdat
+from matformer.modeling.mdat.default import (
     DEFAULT_DATA,
     DEFAULT_STRATEGY,
     DEFAULT_SUBMDAT,
     build_default_mdat,
     default_data_path,
 )
-from modeling.mdat.saetta import SaettaReader, export_saetta
-from modeling.mdat.sequences import SequenceLocation, SequenceReader
-from modeling.mdat.strategy import Strategy
-from modeling.mdat.submdat import Submdat
-from modeling.mdat.views import View
+from matformer.modeling.mdat.saetta import SaettaReader, export_saetta
+from matformer.modeling.mdat.sequences import SequenceLocation, SequenceReader
+from matformer.modeling.mdat.strategy import Strategy
+from matformer.modeling.mdat.submdat import Submdat
+from matformer.modeling.mdat.views import View
 
 __all__ = [
     "DEFAULT_DATA",

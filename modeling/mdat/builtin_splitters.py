@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from modeling.mdat.sentence_ends import sentence_ends
-from modeling.registry import registry
-from modeling.tokenizers import TextTokenizer
+from matformer.modeling.mdat.sentence_ends import sentence_ends
+from matformer.modeling.registry import registry
+from matformer.modeling.tokenizers import TextTokenizer
 
 
 def document_text(document: dict[str, Any]) -> str:

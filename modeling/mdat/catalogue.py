@@ -15,7 +15,7 @@ from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import (
+from matformer.modeling.errors import (
     MdatCorrupt,
     MdatError,
     MdatFormatError,

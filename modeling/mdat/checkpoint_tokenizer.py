@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from modeling.checkpoint.files import read_json
-from modeling.mdat.pretok_files import TOKENIZER_FILE, strategy_folder
-from modeling.mdat.strategy import Strategy
-from modeling.tokenizers import ByteTokenizer, HuggingFaceTokenizer
-from modeling.tokenizers.byte_level import byte_level_json
+from matformer.modeling.checkpoint.files import read_json
+from matformer.modeling.mdat.pretok_files import TOKENIZER_FILE, strategy_folder
+from matformer.modeling.mdat.strategy import Strategy
+from matformer.modeling.tokenizers import ByteTokenizer, HuggingFaceTokenizer
+from matformer.modeling.tokenizers.byte_level import byte_level_json
 
 # tokenizer_config.json's key for each special id
 _SPECIAL_KEYS = {"bos_token_id": "bos_token", "eos_token_id": "eos_token",

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from modeling.atomic import built_aside
-from modeling.errors import (
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.errors import (
     InvalidName,
     MdatExists,
     NameTaken,
@@ -30,7 +30,7 @@ from modeling.errors import (
     SubmdatInUse,
     TokenizerChanged,
 )
-from modeling.mdat.catalogue import (
+from matformer.modeling.mdat.catalogue import (
     MAX_SUBMDATS,
     Catalogue,
     PretokProgress,
@@ -38,26 +38,33 @@ from modeling.mdat.catalogue import (
     SubmdatInfo,
     unknown,
 )
-from modeling.mdat.document_splitter import DocumentSplitter
-from modeling.mdat.fingerprints import describe, digest
-from modeling.mdat.hf_datasets import hf_dataset_source
-from modeling.mdat.importer import import_records
-from modeling.mdat.npy_files import load_npy
-from modeling.mdat.pretok_files import (
+from matformer.modeling.mdat.document_splitter import DocumentSplitter
+from matformer.modeling.mdat.fingerprints import describe, digest
+from matformer.modeling.mdat.hf_datasets import hf_dataset_source
+from matformer.modeling.mdat.importer import import_records
+from matformer.modeling.mdat.npy_files import load_npy
+from matformer.modeling.mdat.pretok_files import (
     TOKENIZER_FILE,
     PretokArrays,
     pretok_folder,
     strategy_folder,
 )
-from modeling.mdat.pretokenize import pretokenize
-from modeling.mdat.records import dict_records, folder_records, jsonl_records
-from modeling.mdat.sequences import SequenceReader, chunks_per_sequence
-from modeling.mdat.shuffles import read_shuffle, shuffle_name, shuffle_path, write_shuffle
-from modeling.mdat.strategy import Strategy, check_name
-from modeling.mdat.submdat import Submdat
-from modeling.mdat.tables import parquet_source
-from modeling.mdat.views import DEFAULT_VIEW, Quota, View, quota_documents, view_folder, write_view
-from modeling.tokenizers.text import locate_tokenizer
+from matformer.modeling.mdat.pretokenize import pretokenize
+from matformer.modeling.mdat.records import dict_records, folder_records, jsonl_records
+from matformer.modeling.mdat.sequences import SequenceReader, chunks_per_sequence
+from matformer.modeling.mdat.shuffles import read_shuffle, shuffle_name, shuffle_path, write_shuffle
+from matformer.modeling.mdat.strategy import Strategy, check_name
+from matformer.modeling.mdat.submdat import Submdat
+from matformer.modeling.mdat.tables import parquet_source
+from matformer.modeling.mdat.views import (
+    DEFAULT_VIEW,
+    Quota,
+    View,
+    quota_documents,
+    view_folder,
+    write_view,
+)
+from matformer.modeling.tokenizers.text import locate_tokenizer
 
 FOLDERS = ("datasets", "functions", "pretok", "shuffling", "views")
 # Per submdat of a view: its row, its complete pretokenization, its chosen documents (None: all).

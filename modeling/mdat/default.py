@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from modeling.corpus import python_docs
-from modeling.errors import ConfigError
-from modeling.mdat.catalogue import CATALOGUE_NAME
-from modeling.mdat.container import Mdat
+from matformer.modeling.corpus import python_docs
+from matformer.modeling.errors import ConfigError
+from matformer.modeling.mdat.catalogue import CATALOGUE_NAME
+from matformer.modeling.mdat.container import Mdat
 
 DEFAULT_SUBMDAT = "python_docs"
 DEFAULT_DATA = Path("runs/python_docs.mdat")  # where the tools build it, relative to the cwd

@@ -20,12 +20,17 @@ from typing import Any
 
 import numpy as np
 
-from modeling.errors import RemoteCodeRefused, SplitterError, StrategyError, UnknownSplitter
-from modeling.mdat import builtin_splitters as _builtin  # noqa: F401  (registers built-ins)
-from modeling.mdat.strategy import Strategy
-from modeling.registry import registry
-from modeling.tokenizers import build_text_tokenizer
-from modeling.trust import refusal
+from matformer.modeling.errors import (
+    RemoteCodeRefused,
+    SplitterError,
+    StrategyError,
+    UnknownSplitter,
+)
+from matformer.modeling.mdat import builtin_splitters as _builtin  # noqa: F401  (registers built-ins)
+from matformer.modeling.mdat.strategy import Strategy
+from matformer.modeling.registry import registry
+from matformer.modeling.tokenizers import build_text_tokenizer
+from matformer.modeling.trust import refusal
 
 
 class DocumentSplitter:

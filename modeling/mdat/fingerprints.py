@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from modeling.mdat.catalogue import PretokProgress, SubmdatInfo
-from modeling.mdat.strategy import Strategy
+from matformer.modeling.mdat.catalogue import PretokProgress, SubmdatInfo
+from matformer.modeling.mdat.strategy import Strategy
 
 Description = dict[str, Any]
 _SHOWN = 6  # changes named in a message at most

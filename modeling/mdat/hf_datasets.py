@@ -19,15 +19,15 @@ import os
 from collections.abc import Collection
 from pathlib import Path, PurePosixPath
 
-from modeling.errors import (
+from matformer.modeling.errors import (
     SourceNotFound,
     SourceOutsideDataset,
     SplitError,
     UnreadableSource,
     did_you_mean,
 )
-from modeling.mdat.saved_datasets import SavedDataset, saved_splits
-from modeling.mdat.tables import (
+from matformer.modeling.mdat.saved_datasets import SavedDataset, saved_splits
+from matformer.modeling.mdat.tables import (
     TableSource,
     optional_module,
     parquet_source,
@@ -41,7 +41,7 @@ def hf_dataset_source(dataset: str | os.PathLike[str], text_field: str, *, split
                       limit: int | None = None) -> TableSource:
     """The rows of a ``save_to_disk`` folder, or of a hub dataset id found in the cache;
     ``limit``: the read limit (default `tables.read_limit`)."""
-    from modeling.checkpoint.repository import is_repo_id
+    from matformer.modeling.checkpoint.repository import is_repo_id
 
     limit = read_limit() if limit is None else limit
     if is_repo_id(str(dataset)):

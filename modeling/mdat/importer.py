@@ -24,10 +24,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from modeling.errors import BadRecord, EmptyDocument, NameTaken, NotUtf8, ResumeMismatch
-from modeling.mdat.catalogue import Catalogue, SubmdatInfo
-from modeling.mdat.records import Document, Record, record_bytes
-from modeling.mdat.submdat import SubmdatWriter
+from matformer.modeling.errors import BadRecord, EmptyDocument, NameTaken, NotUtf8, ResumeMismatch
+from matformer.modeling.mdat.catalogue import Catalogue, SubmdatInfo
+from matformer.modeling.mdat.records import Document, Record, record_bytes
+from matformer.modeling.mdat.submdat import SubmdatWriter
 
 # The counter of skipped records each kind of bad record adds to.
 _SKIPPED_AS = {BadRecord: "invalid", NotUtf8: "not_utf8", EmptyDocument: "empty"}

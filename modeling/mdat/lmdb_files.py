@@ -21,7 +21,7 @@ from pathlib import Path
 
 import lmdb
 
-from modeling.errors import MdatCorrupt
+from matformer.modeling.errors import MdatCorrupt
 
 # The first map; writers double it whenever a transaction finds it full (`grow`).
 INITIAL_MAP_SIZE = 256 << 20

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from modeling.atomic import built_aside
-from modeling.errors import MdatCorrupt
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.errors import MdatCorrupt
 
 _MAGIC = b"\x93NUMPY\x01\x00"
 _HEADER_BYTES = 128  # a multiple of 64, as the .npy format asks

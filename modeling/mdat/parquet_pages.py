@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from modeling.errors import UnreadableSource
+from matformer.modeling.errors import UnreadableSource
 
 if TYPE_CHECKING:
     import pyarrow.parquet as pq

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from modeling.errors import MdatCorrupt
-from modeling.mdat.catalogue import PretokProgress
-from modeling.mdat.npy_files import AppendableNpy, load_npy, save_npy
+from matformer.modeling.errors import MdatCorrupt
+from matformer.modeling.mdat.catalogue import PretokProgress
+from matformer.modeling.mdat.npy_files import AppendableNpy, load_npy, save_npy
 
 TOKENS = "tokens.npy"
 CHUNK_STARTS = "chunk_starts.npy"

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from modeling.mdat.catalogue import SubmdatInfo
-from modeling.mdat.document_splitter import DocumentSplitter
-from modeling.mdat.pretok_files import TOKENIZER_FILE, strategy_folder
-from modeling.mdat.strategy import Strategy
-from modeling.mdat.submdat import Submdat
+from matformer.modeling.mdat.catalogue import SubmdatInfo
+from matformer.modeling.mdat.document_splitter import DocumentSplitter
+from matformer.modeling.mdat.pretok_files import TOKENIZER_FILE, strategy_folder
+from matformer.modeling.mdat.strategy import Strategy
+from matformer.modeling.mdat.submdat import Submdat
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from modeling.errors import MdatCorrupt
-from modeling.mdat.catalogue import Catalogue, PretokProgress, SubmdatInfo
-from modeling.mdat.pretok_files import PretokArrays, PretokWriter, pretok_folder
-from modeling.mdat.pretok_workers import read_batches, split_batches
-from modeling.mdat.strategy import Strategy
+from matformer.modeling.errors import MdatCorrupt
+from matformer.modeling.mdat.catalogue import Catalogue, PretokProgress, SubmdatInfo
+from matformer.modeling.mdat.pretok_files import PretokArrays, PretokWriter, pretok_folder
+from matformer.modeling.mdat.pretok_workers import read_batches, split_batches
+from matformer.modeling.mdat.strategy import Strategy
 
 log = logging.getLogger("matformer.mdat")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modeling.errors import BadRecord, EmptyDocument, NotUtf8
+from matformer.modeling.errors import BadRecord, EmptyDocument, NotUtf8
 
 _SKIP_HINT = "or pass skip_bad=True (--skip-bad) to skip and count such records"
 _LENGTH = struct.Struct("<Q")  # how long the field after it is

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from modeling.atomic import built_aside
-from modeling.errors import MdatCorrupt, SaettaError
-from modeling.mdat.npy_files import AppendableNpy, load_npy
-from modeling.mdat.sequences import SequenceReader
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.errors import MdatCorrupt, SaettaError
+from matformer.modeling.mdat.npy_files import AppendableNpy, load_npy
+from matformer.modeling.mdat.sequences import SequenceReader
 
 TOKENS = "tokens.npy"
 OFFSETS = "offsets.npy"

@@ -21,8 +21,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from modeling.errors import MdatError, SourceOutsideDataset, UnreadableSource
-from modeling.mdat.tables import TableSource, check_column, pyarrow_module, table_records
+from matformer.modeling.errors import MdatError, SourceOutsideDataset, UnreadableSource
+from matformer.modeling.mdat.tables import TableSource, check_column, pyarrow_module, table_records
 
 if TYPE_CHECKING:
     import pyarrow as pa

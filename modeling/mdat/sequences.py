@@ -26,9 +26,9 @@ from functools import cached_property
 
 import numpy as np
 
-from modeling.errors import SequenceLengthError
-from modeling.mdat.pretok_files import PretokArrays
-from modeling.mdat.strategy import Strategy
+from matformer.modeling.errors import SequenceLengthError
+from matformer.modeling.mdat.pretok_files import PretokArrays
+from matformer.modeling.mdat.strategy import Strategy
 
 
 def chunks_per_sequence(strategy: Strategy, max_seq_len: int) -> int:

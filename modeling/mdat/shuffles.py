@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from modeling.errors import StaleShuffle
-from modeling.mdat.catalogue import ShuffleInfo
-from modeling.mdat.fingerprints import Description, changes, digest
-from modeling.mdat.npy_files import load_npy, save_npy
+from matformer.modeling.errors import StaleShuffle
+from matformer.modeling.mdat.catalogue import ShuffleInfo
+from matformer.modeling.mdat.fingerprints import Description, changes, digest
+from matformer.modeling.mdat.npy_files import load_npy, save_npy
 
 
 def shuffle_name(view: str, strategy: str, max_seq_len: int, seed: int) -> str:

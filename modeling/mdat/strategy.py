@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from modeling.errors import ConfigError, InvalidName, SettingsError, StrategyError
-from modeling.settings import read_table, section_schema, setting
+from matformer.modeling.errors import ConfigError, InvalidName, SettingsError, StrategyError
+from matformer.modeling.settings import read_table, section_schema, setting
 
 if TYPE_CHECKING:
-    from modeling.config import ModelConfig
+    from matformer.modeling.config import ModelConfig
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 DOCUMENT_FIELDS = ("data", "meta")  # what a splitter may ask for in wants_from_db
@@ -60,9 +60,9 @@ class Strategy:
     eos_token_id: int | None = setting(None, help="the end-of-sequence id")
     mask_token_id: int | None = setting(None, help="the mask id (masked objective)")
     splitter_class: str = setting("fixed_chunks", help="a \"splitter\" registry variant")
-    splitter_init: dict[str, Any] | None = setting(None, help=(  # noqa: RUF009
+    splitter_init: dict[str, Any] | None = setting(None, help=(
         "keyword arguments of the splitter's constructor"))
-    splitter_arguments: dict[str, Any] | None = setting(None, help=(  # noqa: RUF009
+    splitter_arguments: dict[str, Any] | None = setting(None, help=(
         "keyword arguments of every splitter call"))
     modality: str = setting("text", choices=("text",), help="what the documents are")
     wants_from_db: tuple[str, ...] = setting(("data",), help=(

@@ -24,11 +24,11 @@ import lmdb
 import numpy as np
 import zstandard
 
-from modeling.errors import MdatCorrupt
-from modeling.mdat.catalogue import SubmdatInfo
-from modeling.mdat.lmdb_files import acquire, damaged, document_key, grow, release
-from modeling.mdat.npy_files import AppendableNpy, load_npy
-from modeling.mdat.records import Document
+from matformer.modeling.errors import MdatCorrupt
+from matformer.modeling.mdat.catalogue import SubmdatInfo
+from matformer.modeling.mdat.lmdb_files import acquire, damaged, document_key, grow, release
+from matformer.modeling.mdat.npy_files import AppendableNpy, load_npy
+from matformer.modeling.mdat.records import Document
 
 DATA_NAME = "data.db"
 META_NAME = "meta.db"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from modeling.errors import (
+from matformer.modeling.errors import (
     ConfigError,
     FormatUnavailable,
     ImportTooLarge,
@@ -33,8 +33,8 @@ from modeling.errors import (
     SourceNotFound,
     UnreadableSource,
 )
-from modeling.mdat.parquet_pages import ChunkPages, text_column_pages
-from modeling.mdat.records import Record, cell_record
+from matformer.modeling.mdat.parquet_pages import ChunkPages, text_column_pages
+from matformer.modeling.mdat.records import Record, cell_record
 
 if TYPE_CHECKING:
     import pyarrow as pa

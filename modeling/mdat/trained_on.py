@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from modeling.errors import CheckpointError
+from matformer.modeling.errors import CheckpointError
 
 RECORD_NAME = "matformer_data.json"
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-from modeling.atomic import built_aside
-from modeling.errors import QuotaError, QuotaTooLarge
-from modeling.mdat.catalogue import SubmdatInfo
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.errors import QuotaError, QuotaTooLarge
+from matformer.modeling.mdat.catalogue import SubmdatInfo
 
 Quota = int | float | str
 # Every document of every complete submdat; never stored. Importing or removing a submdat

@@ -3,15 +3,15 @@ an MDAT strategy can name and the one place they are built (``text.py``), and tr
 ``tokenizer.json`` on a submdat's text (``training.py``).
 """
 
-from modeling.tokenizers.byte_level import ByteTokenizer
-from modeling.tokenizers.text import (
+from matformer.modeling.tokenizers.byte_level import ByteTokenizer
+from matformer.modeling.tokenizers.text import (
     SPECIAL_TOKEN_NAMES,
     BytesTokenizer,
     HuggingFaceTokenizer,
     TextTokenizer,
     build_text_tokenizer,
 )
-from modeling.tokenizers.training import DEFAULT_SPECIAL_TOKENS, train_tokenizer
+from matformer.modeling.tokenizers.training import DEFAULT_SPECIAL_TOKENS, train_tokenizer
 
 __all__ = [
     "DEFAULT_SPECIAL_TOKENS",

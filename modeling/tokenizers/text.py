@@ -14,9 +14,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from modeling.errors import RegistryError, StrategyError, TokenizerNotFound
-from modeling.registry import registry
-from modeling.tokenizers.byte_level import ByteTokenizer
+from matformer.modeling.errors import RegistryError, StrategyError, TokenizerNotFound
+from matformer.modeling.registry import registry
+from matformer.modeling.tokenizers.byte_level import ByteTokenizer
 
 
 class TextTokenizer(Protocol):
@@ -115,7 +115,7 @@ def locate_tokenizer(name: str, revision: str | None = None) -> tuple[Path, str]
     hub cache: downloaded when missing, read from the cache alone under ``HF_HUB_OFFLINE=1``.
     A local file is recorded by its absolute path, a hub file by its repo id.
     """
-    from modeling.checkpoint.repository import HubRepository, is_repo_id
+    from matformer.modeling.checkpoint.repository import HubRepository, is_repo_id
 
     path = Path(name).expanduser()
     if path.is_dir():

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from modeling.atomic import built_aside
-from modeling.errors import StrategyError
+from matformer.modeling.atomic import built_aside
+from matformer.modeling.errors import StrategyError
 
 if TYPE_CHECKING:
-    from modeling.mdat.submdat import Submdat
+    from matformer.modeling.mdat.submdat import Submdat
 
 DEFAULT_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<mask>")
 _BATCH = 256  # documents read per cursor pass

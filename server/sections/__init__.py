@@ -17,11 +17,11 @@ declared the same way.
 See ``examples/run.toml`` for every key, its default and what it does.
 """
 
-from server.sections.access import AuthSection, ServerSection, TlsSection
-from server.sections.faults import FaultsSection
-from server.sections.model import DataSection, ModelSection, TiersSection
-from server.sections.run import CheckpointSection, RunSection, TrackingSection
-from server.sections.training import (
+from matformer.server.sections.access import AuthSection, ServerSection, TlsSection
+from matformer.server.sections.faults import FaultsSection
+from matformer.server.sections.model import DataSection, ModelSection, TiersSection
+from matformer.server.sections.run import CheckpointSection, RunSection, TrackingSection
+from matformer.server.sections.training import (
     OUTER_DEFAULTS,
     InnerSection,
     RoundSection,

@@ -7,9 +7,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from modeling.settings import setting
-from server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey, MissingSecret
-from server.sections.checks import require
+from matformer.modeling.settings import setting
+from matformer.server.errors import (
+    ConflictingKeys,
+    InvalidValue,
+    MissingFile,
+    MissingKey,
+    MissingSecret,
+)
+from matformer.server.sections.checks import require
 
 # What each [auth] mode asks of a joining client (an unknown mode's error lists them)
 AUTH_MODES = {
@@ -56,7 +62,7 @@ class AuthSection:
         "the token HTTP writes (POST /api/...) need; unset: HTTP is read-only"))
     operator_token_env: str | None = setting(None, help=(
         "name of the environment variable holding the operator token"))
-    keys_file: Path | None = setting(None, help=(  # noqa: RUF009
+    keys_file: Path | None = setting(None, help=(
         "mode = \"keys\": the client keys; unset: keys.json in [run] dir"))
 
     def __post_init__(self) -> None:
@@ -109,8 +115,8 @@ class TlsSection:
     """TLS for the gRPC and HTTP servers (one certificate for both): both files or neither
     (then plaintext, for loopback runs)."""
 
-    cert: Path | None = setting(None, help="PEM certificate chain")  # noqa: RUF009
-    key: Path | None = setting(None, help="PEM private key")  # noqa: RUF009
+    cert: Path | None = setting(None, help="PEM certificate chain")
+    key: Path | None = setting(None, help="PEM private key")
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):

@@ -3,7 +3,7 @@ keys or a computed bound, and the unit of their durations."""
 
 from __future__ import annotations
 
-from server.errors import InvalidValue
+from matformer.server.errors import InvalidValue
 
 MAX_SECONDS = 30 * 24 * 3600.0  # deadlines, heartbeats and session lifetimes
 SECONDS = " seconds"  # their unit, in a range's error

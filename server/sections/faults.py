@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from modeling.settings import setting
-from protocol.channel import MAX_MESSAGE_BYTES
-from server.call_slots import CallLimits
-from server.sections.checks import MAX_SECONDS, SECONDS, require
+from matformer.modeling.settings import setting
+from matformer.protocol.channel import MAX_MESSAGE_BYTES
+from matformer.server.call_slots import CallLimits
+from matformer.server.sections.checks import MAX_SECONDS, SECONDS, require
 
 MIN_HEARTBEAT_S = 0.1  # more often, every member's heartbeats become a busy loop of calls
 MIB = 1024 * 1024

@@ -12,19 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from modeling.checkpoint.files import CONFIG_NAME
-from modeling.checkpoint.hf_config import from_config_dict
-from modeling.checkpoint.loader import resolve
-from modeling.checkpoint.pretrained import read_config
-from modeling.checkpoint.remote_code import consented
-from modeling.compression import universal_shapes
-from modeling.config import ModelConfig
-from modeling.errors import MatformerError
-from modeling.mdat import DEFAULT_STRATEGY
-from modeling.settings import INT64, FolderOrRepo, reject_unknown, setting
-from server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey
-from server.sections.checks import require, within
-from server.tiers import TierPolicy
+from matformer.modeling.checkpoint.files import CONFIG_NAME
+from matformer.modeling.checkpoint.hf_config import from_config_dict
+from matformer.modeling.checkpoint.loader import resolve
+from matformer.modeling.checkpoint.pretrained import read_config
+from matformer.modeling.checkpoint.remote_code import consented
+from matformer.modeling.compression import universal_shapes
+from matformer.modeling.config import ModelConfig
+from matformer.modeling.errors import MatformerError
+from matformer.modeling.mdat import DEFAULT_STRATEGY
+from matformer.modeling.settings import INT64, FolderOrRepo, reject_unknown, setting
+from matformer.server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey
+from matformer.server.sections.checks import require, within
+from matformer.server.tiers import TierPolicy
 
 MAX_DIMENSION = 2**24  # vocab_size, hidden_size, intermediate_size, max_position_embeddings
 MAX_LAYERS = 1024  # the coordinator builds the model (on the meta device) to read its shapes
@@ -37,11 +37,11 @@ _MIX_TOLERANCE = 1e-6
 class ModelSection:
     """Where the model comes from: exactly one of the three keys."""
 
-    inline: dict[str, Any] | None = setting(None, help=(  # noqa: RUF009
+    inline: dict[str, Any] | None = setting(None, help=(
         "ModelConfig fields, as in config.json (modeling/config.py)"))
-    config_path: Path | None = setting(None, help=(  # noqa: RUF009
+    config_path: Path | None = setting(None, help=(
         "a config.json (Matformer's or a Hugging Face Llama one); random init"))
-    checkpoint: FolderOrRepo | None = setting(None, help=(  # noqa: RUF009
+    checkpoint: FolderOrRepo | None = setting(None, help=(
         "a universal checkpoint whose weights start the run: ours or a Hugging Face Llama, "
         "as a folder or a hub id the hub cache holds or can download"))
     trust_remote_code: bool = setting(False, help=(  # clients decide for themselves
@@ -140,7 +140,7 @@ def _model(where: str, make: Callable[[], ModelConfig]) -> ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class DataSection:
-    path: Path = setting(help="the MDAT container")  # noqa: RUF009
+    path: Path = setting(help="the MDAT container")
     strategy: str = setting(DEFAULT_STRATEGY["strategy_name"],
                             help="the container's pretokenization strategy")
     view: str | None = setting(None, help="a view of the container; unset: all of it")
@@ -152,10 +152,10 @@ class DataSection:
 
 @dataclass(kw_only=True, slots=True)
 class TiersSection:
-    allowed: list[int] = setting([0, 1, 2], help=(  # noqa: RUF009
+    allowed: list[int] = setting([0, 1, 2], help=(
         f"tiers clients may be given, 0..{MAX_TIER}; each must halve the FFN evenly"))
-    pins: dict[str, int] = setting({}, help="client name → tier, always")  # noqa: RUF009
-    mix: dict[int, float] = setting({}, help=(  # noqa: RUF009
+    pins: dict[str, int] = setting({}, help="client name → tier, always")
+    mix: dict[int, float] = setting({}, help=(
         "tier → target share of members, summing to 1; empty: none"))
 
     def __post_init__(self) -> None:

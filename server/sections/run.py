@@ -8,9 +8,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from modeling.settings import setting
-from modeling.tracking import TRACKERS
-from server.sections.checks import require
+from matformer.modeling.settings import setting
+from matformer.modeling.tracking import TRACKERS
+from matformer.server.sections.checks import require
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -19,7 +19,7 @@ _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 class RunSection:
     id: str = setting(help=(
         "names the run in Join requests, logs and the dashboard: letters, digits, '.', '_', '-'"))
-    dir: Path = setting(help=(  # noqa: RUF009
+    dir: Path = setting(help=(
         "run directory: state.json, checkpoints/, updates/ (created on start)"))
 
     def __post_init__(self) -> None:

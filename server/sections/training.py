@@ -7,20 +7,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from modeling.compression import UPDATE_RULES, CompressionConfig, UpdateConfig
-from modeling.compression.compressor import MAX_LR, UINT32_MAX
-from modeling.errors import MatformerError
-from modeling.optim import (
+from matformer.modeling.compression import UPDATE_RULES, CompressionConfig, UpdateConfig
+from matformer.modeling.compression.compressor import MAX_LR, UINT32_MAX
+from matformer.modeling.errors import MatformerError
+from matformer.modeling.optim import (
     OPTIMIZER_NAMES,
     SCHEDULES,
     OptimizerConfig,
     constant_after_warmup,
     lr_factor,
 )
-from modeling.settings import setting
-from server.errors import InvalidValue, MissingKey
-from server.sections.checks import MAX_SECONDS, SECONDS, require
-from server.update_steps import Momentum
+from matformer.modeling.settings import setting
+from matformer.server.errors import InvalidValue, MissingKey
+from matformer.server.sections.checks import MAX_SECONDS, SECONDS, require
+from matformer.server.update_steps import Momentum
 
 MIN_DEADLINE_S = 1.0  # no round is ever trained and submitted in less
 # Broadcast coefficients per 64 × 64 chunk: with DeMo's 32 per chunk sent up, a tier-0
@@ -154,7 +154,7 @@ class InnerSection:
     lr: float = setting(1e-3, low=0, above=True, help="its peak learning rate, after warmup")
     weight_decay: float = setting(0.1, low=0, help=(
         "on matrices (ndim >= 2), as matformer-train applies it"))
-    betas: list[float] = setting([0.9, 0.95], help=(  # noqa: RUF009
+    betas: list[float] = setting([0.9, 0.95], help=(
         "Adam's moment decay rates, in [0, 1)"))
     eps: float = setting(1e-8, low=0, above=True, help="Adam's denominator floor")
     warmup_steps: int = setting(0, low=0, high=UINT32_MAX, help=(

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protocol.matformer.v1 import coordinator_pb2 as protocol_dot_matformer_dot_v1_dot_coordinator__pb2
+from matformer.protocol.matformer.v1 import coordinator_pb2 as matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protocol/matformer/v1/coordinator_pb2_grpc.py depends on'
+        + ' but the generated code in matformer/protocol/matformer/v1/coordinator_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,48 +37,48 @@ class CoordinatorStub:
         """
         self.Join = channel.unary_unary(
                 '/matformer.v1.Coordinator/Join',
-                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinRequest.SerializeToString,
-                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinReply.FromString,
+                request_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinRequest.SerializeToString,
+                response_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinReply.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/matformer.v1.Coordinator/Heartbeat',
-                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
+                request_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
         self.GetRound = channel.unary_unary(
                 '/matformer.v1.Coordinator/GetRound',
-                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetRoundRequest.SerializeToString,
-                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.RoundAssignment.FromString,
+                request_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetRoundRequest.SerializeToString,
+                response_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.RoundAssignment.FromString,
                 _registered_method=True)
         self.FetchSequences = channel.unary_stream(
                 '/matformer.v1.Coordinator/FetchSequences',
-                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FetchSequencesRequest.SerializeToString,
-                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.Sequence.FromString,
+                request_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FetchSequencesRequest.SerializeToString,
+                response_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.Sequence.FromString,
                 _registered_method=True)
         self.SubmitResult = channel.stream_unary(
                 '/matformer.v1.Coordinator/SubmitResult',
-                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitMessage.SerializeToString,
-                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitReply.FromString,
+                request_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitMessage.SerializeToString,
+                response_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitReply.FromString,
                 _registered_method=True)
         self.GetUpdates = channel.unary_stream(
                 '/matformer.v1.Coordinator/GetUpdates',
-                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetUpdatesRequest.SerializeToString,
-                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.UpdateMessage.FromString,
+                request_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetUpdatesRequest.SerializeToString,
+                response_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.UpdateMessage.FromString,
                 _registered_method=True)
         self.GetCheckpoint = channel.unary_unary(
                 '/matformer.v1.Coordinator/GetCheckpoint',
-                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
-                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.CheckpointRef.FromString,
+                request_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
+                response_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.CheckpointRef.FromString,
                 _registered_method=True)
         self.DownloadCheckpoint = channel.unary_stream(
                 '/matformer.v1.Coordinator/DownloadCheckpoint',
-                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.DownloadCheckpointRequest.SerializeToString,
-                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FileChunk.FromString,
+                request_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.DownloadCheckpointRequest.SerializeToString,
+                response_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FileChunk.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/matformer.v1.Coordinator/Leave',
-                request_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
-                response_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveReply.FromString,
+                request_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveReply.FromString,
                 _registered_method=True)
 
 
@@ -155,48 +155,48 @@ def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
-                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinRequest.FromString,
-                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinReply.SerializeToString,
+                    request_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinRequest.FromString,
+                    response_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
-                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatReply.SerializeToString,
+                    request_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatRequest.FromString,
+                    response_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatReply.SerializeToString,
             ),
             'GetRound': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRound,
-                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetRoundRequest.FromString,
-                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.RoundAssignment.SerializeToString,
+                    request_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetRoundRequest.FromString,
+                    response_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.RoundAssignment.SerializeToString,
             ),
             'FetchSequences': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchSequences,
-                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FetchSequencesRequest.FromString,
-                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.Sequence.SerializeToString,
+                    request_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FetchSequencesRequest.FromString,
+                    response_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.Sequence.SerializeToString,
             ),
             'SubmitResult': grpc.stream_unary_rpc_method_handler(
                     servicer.SubmitResult,
-                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitMessage.FromString,
-                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitReply.SerializeToString,
+                    request_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitMessage.FromString,
+                    response_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitReply.SerializeToString,
             ),
             'GetUpdates': grpc.unary_stream_rpc_method_handler(
                     servicer.GetUpdates,
-                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetUpdatesRequest.FromString,
-                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.UpdateMessage.SerializeToString,
+                    request_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetUpdatesRequest.FromString,
+                    response_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.UpdateMessage.SerializeToString,
             ),
             'GetCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCheckpoint,
-                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.FromString,
-                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.CheckpointRef.SerializeToString,
+                    request_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.FromString,
+                    response_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.CheckpointRef.SerializeToString,
             ),
             'DownloadCheckpoint': grpc.unary_stream_rpc_method_handler(
                     servicer.DownloadCheckpoint,
-                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.DownloadCheckpointRequest.FromString,
-                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FileChunk.SerializeToString,
+                    request_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.DownloadCheckpointRequest.FromString,
+                    response_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FileChunk.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
-                    request_deserializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
-                    response_serializer=protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveReply.SerializeToString,
+                    request_deserializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveRequest.FromString,
+                    response_serializer=matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,8 +225,8 @@ class Coordinator:
             request,
             target,
             '/matformer.v1.Coordinator/Join',
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinRequest.SerializeToString,
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinReply.FromString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinRequest.SerializeToString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -252,8 +252,8 @@ class Coordinator:
             request,
             target,
             '/matformer.v1.Coordinator/Heartbeat',
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatRequest.SerializeToString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -279,8 +279,8 @@ class Coordinator:
             request,
             target,
             '/matformer.v1.Coordinator/GetRound',
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetRoundRequest.SerializeToString,
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.RoundAssignment.FromString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetRoundRequest.SerializeToString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.RoundAssignment.FromString,
             options,
             channel_credentials,
             insecure,
@@ -306,8 +306,8 @@ class Coordinator:
             request,
             target,
             '/matformer.v1.Coordinator/FetchSequences',
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FetchSequencesRequest.SerializeToString,
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.Sequence.FromString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FetchSequencesRequest.SerializeToString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.Sequence.FromString,
             options,
             channel_credentials,
             insecure,
@@ -333,8 +333,8 @@ class Coordinator:
             request_iterator,
             target,
             '/matformer.v1.Coordinator/SubmitResult',
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitMessage.SerializeToString,
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitReply.FromString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitMessage.SerializeToString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -360,8 +360,8 @@ class Coordinator:
             request,
             target,
             '/matformer.v1.Coordinator/GetUpdates',
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetUpdatesRequest.SerializeToString,
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.UpdateMessage.FromString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetUpdatesRequest.SerializeToString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.UpdateMessage.FromString,
             options,
             channel_credentials,
             insecure,
@@ -387,8 +387,8 @@ class Coordinator:
             request,
             target,
             '/matformer.v1.Coordinator/GetCheckpoint',
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.CheckpointRef.FromString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.GetCheckpointRequest.SerializeToString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.CheckpointRef.FromString,
             options,
             channel_credentials,
             insecure,
@@ -414,8 +414,8 @@ class Coordinator:
             request,
             target,
             '/matformer.v1.Coordinator/DownloadCheckpoint',
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.DownloadCheckpointRequest.SerializeToString,
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FileChunk.FromString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.DownloadCheckpointRequest.SerializeToString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -441,8 +441,8 @@ class Coordinator:
             request,
             target,
             '/matformer.v1.Coordinator/Leave',
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
-            protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveReply.FromString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveRequest.SerializeToString,
+            matformer_dot_protocol_dot_matformer_dot_v1_dot_coordinator__pb2.LeaveReply.FromString,
             options,
             channel_credentials,
             insecure,
