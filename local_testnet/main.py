@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 import tomllib
@@ -190,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
         bandwidth_mbit=args.bandwidth_mbit, events=events,
         tls_ca=config.tls.cert, env=env))
+    # `kill` and `timeout` stop the run as Ctrl-C does: the children are stopped with it
+    # (each runs in its own session, so nothing else would stop them)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         status = net.run()
     except TestnetFailed as err:
@@ -200,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         net.stop()
+        signal.signal(signal.SIGTERM, previous)
     train_s = time.monotonic() - started
     code = report(config, status, net.tiers_seen, train_s)
     if args.chaos is None:
@@ -274,6 +279,10 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
               "or raise [update] lr", file=sys.stderr)
         return 1
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +128,24 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(value)
+
+
+def run_testnet(argv: list[str], *, timeout: float, **popen: Any
+                ) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a testnet: past ``timeout`` it is stopped with SIGTERM, which
+    stops its server and clients too (SIGKILL, as ``subprocess.run`` sends, would leave them
+    running behind the test), and the output so far comes back with return code 124."""
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, **popen)
+    try:
+        out, err = process.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(argv, process.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            out, err = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+        err += f"\n[test] the testnet ran past {timeout} s and was stopped\n"
+        return subprocess.CompletedProcess(argv, 124, out, err)

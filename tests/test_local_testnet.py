@@ -7,12 +7,11 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import local_testnet_toml
+from helpers import local_testnet_toml, run_testnet
 
 from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
 from matformer.local_testnet.report import (
@@ -161,11 +160,11 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     config = local_testnet_toml(tmp_path / "run.toml", deadline=8.0, tokens=1024, rounds=8,
                                 auth={"join_token_env": "TESTNET_JOIN_TOKEN"})
     env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
-    result = subprocess.run(
+    result = run_testnet(
         [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "2",
          "--tiers", "0,1", "--config", str(config), "--kill-client-at", "2", "--latency-ms", "150",
          "--bandwidth-mbit", "20", *(["--overlap"] if overlap else [])],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+        cwd=REPO, env=env, timeout=170)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
     run = tmp_path / "run"
@@ -223,11 +222,11 @@ def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap)
     seed = 3
     planned = chaos_plan(seed, rounds=30, clients=["member-0", "member-1"])
     assert [e.target for e in planned].count(SERVER) == 1 and planned[2].round == 18
-    result = subprocess.run(
+    result = run_testnet(
         [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "2",
          "--tiers", "0,1", "--config", str(config), "--chaos", str(seed),
          *(["--overlap"] if overlap else [])],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        cwd=REPO, timeout=300)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
     chaos = json.loads((tmp_path / "run" / "summary.json").read_text())["chaos"]
