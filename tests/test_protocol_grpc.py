@@ -257,7 +257,9 @@ def test_health_reports_serving(served) -> None:
 
 @pytest.mark.parametrize("direction", ["download", "upload"])
 def test_a_throttled_channel_moves_data_at_its_bandwidth(served, tmp_path: Path, direction):
-    """``--bandwidth-mbit``: bytes ÷ seconds of a transfer within 20% of the limit."""
+    """``--bandwidth-mbit``: a transfer is never faster than the limit. (How exactly the link
+    spaces messages is the bucket's test below, on a fake clock: a busy machine only makes a
+    real transfer slower, so its lower bound would measure the machine, not the link.)"""
     coordinator, channel = served
     reply, _ = _authed(channel)
     limit_mbit = 40.0
@@ -284,7 +286,7 @@ def test_a_throttled_channel_moves_data_at_its_bandwidth(served, tmp_path: Path,
     seconds = time.perf_counter() - start
     assert moved > 2 << 20
     assert (meter.bytes_down if direction == "download" else meter.bytes_up) == moved
-    assert 0.8 <= moved * 8 / 1e6 / seconds / limit_mbit <= 1.2, (moved, seconds)
+    assert moved * 8 / 1e6 / seconds <= 1.05 * limit_mbit, (moved, seconds)
 
 
 def test_a_bucket_spaces_messages_by_their_size():
