@@ -278,10 +278,13 @@ class Connection:
             request, metadata=self.metadata)))
 
     def fetch_sequences(self, ids: Sequence[int]) -> list[torch.Tensor]:
-        """The token ids of ``ids``, in that order, as 1-D int64 tensors."""
+        """The token ids of ``ids``, in that order, as 1-D int64 tensors. Each id is asked for
+        once: an assignment can hold one twice (data shorter than a round's budget, or an id
+        handed back meeting its next epoch), and the coordinator refuses a repeat."""
 
         def fetch() -> list[torch.Tensor]:
-            stream = self.stub.FetchSequences(pb.FetchSequencesRequest(ids=list(ids)),
+            distinct = list(dict.fromkeys(ids))
+            stream = self.stub.FetchSequences(pb.FetchSequencesRequest(ids=distinct),
                                               metadata=self.metadata)
             got = {m.id: decode_tensor(m.tokens, f"sequence {m.id}").long() for m in stream}
             missing = [i for i in ids if i not in got]

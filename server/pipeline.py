@@ -5,7 +5,7 @@ over the active members), collected, closed and committed, in order.
     pipeline.open_rounds(now, first_index, room=True)   # as many as the window allows
     pipeline.drop_silent(now); pipeline.drop_refused()
     rnd = pipeline.ready(now)        # the oldest round, once complete or past its deadline
-    pipeline.detach(rnd)             # ... handed to the close; settle() once it commits
+    pipeline.detach(rnd, now)        # ... handed to the close; settle() once it commits
 
 Without overlap one round is collected at a time, and the next opens once it is committed.
 With ``[round] overlap`` up to ``WINDOW`` rounds are collected at once and a new one opens as
@@ -19,6 +19,7 @@ queue, a smaller share, in the end a smaller tier) and who finished early (a lar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import uuid
@@ -177,7 +178,7 @@ class RoundPipeline:
             if rnd is None or not detach:
                 return None, ended
             if rnd.submissions:
-                self.detach(rnd)
+                self.detach(rnd, now)
                 return rnd, ended
             self.collecting.remove(rnd)  # nobody delivered: round r opens again
             self.settle(rnd)
@@ -194,10 +195,19 @@ class RoundPipeline:
         rnd = self.collecting[0]
         return rnd if rnd.complete() or now >= rnd.deadline else None
 
-    def detach(self, rnd: OpenRound) -> None:
-        """Take ``rnd`` out of collection for its close."""
+    def detach(self, rnd: OpenRound, now: float) -> None:
+        """Take ``rnd`` out of collection for its close. The round behind it got its deadline
+        deadline_s after ``rnd``'s; its members are free for it from ``now``, so it ends no
+        later than deadline_s from now. Otherwise rounds that end early would push every
+        later deadline a further deadline_s out, and a member that goes quiet would hold a
+        round up for minutes."""
         self.collecting.remove(rnd)
         self.closing = rnd
+        if self.collecting and self.collecting[0].deadline > now + self.config.round.deadline_s:
+            behind = self.collecting[0]
+            behind.deadline = now + self.config.round.deadline_s
+            behind.assignments = {c: dataclasses.replace(a, deadline=behind.deadline)
+                                  for c, a in behind.assignments.items()}
 
     def reopen(self, rnd: OpenRound) -> None:
         """A close that failed: ``rnd`` is collected again (its results kept)."""

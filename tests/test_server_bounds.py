@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers import served_run_toml
+from helpers import JOIN_TOKEN, served_run_toml
 from rounds import committed, flat_results
 from wire import (
     HONEST_TIMEOUT_S,
@@ -30,6 +30,7 @@ from wire import (
     stalled_unary,
 )
 
+from matformer.client.connection import Connection
 from matformer.modeling.compression import CompressionConfig
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.channel import GRPC_OPTIONS
@@ -284,3 +285,25 @@ def test_fetch_sequences_serves_each_assigned_id_once(tmp_path):
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "assignment" in details
         served = stub.FetchSequences(pb.FetchSequencesRequest(ids=ids), metadata=auth)
         assert [s.id for s in served] == ids
+
+
+def test_a_member_whose_assignment_repeats_an_id_asks_for_it_once(tmp_path):
+    """A round can hand a member one id twice (the data is shorter than the round's budget,
+    or an id handed back meets its next epoch): the member asks for each id once and trains
+    the sequence twice, where it used to be refused and lose the round."""
+    with serving(tmp_path) as (server, _):
+        connection = Connection(f"127.0.0.1:{server.grpc_port}", patience_s=5.0)
+        try:
+            connection.join(name="alice", run_id="svc-test", join_token=JOIN_TOKEN,
+                            device_kind="cpu", device_name="test", memory_bytes=2**34,
+                            load_strategy="auto", microbatch_tokens=2048, tier=0)
+            connection.heartbeat(0, tokens_per_second=1000.0)  # measured: ready for work
+            ids = list(connection.get_round().sequence_ids)
+            repeated = [ids[-1], *ids, ids[0]]
+            got = connection.fetch_sequences(repeated)
+        finally:
+            connection.close()
+        reader = server.service.coordinator.reader
+        assert len(got) == len(repeated)
+        for i, tokens in zip(repeated, got, strict=True):
+            assert torch.equal(tokens, torch.from_numpy(reader[i].astype("int64")))

@@ -344,3 +344,36 @@ def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
     finally:
         channel.close()
         server.stop()
+
+
+def test_overlapped_rounds_that_end_early_do_not_push_later_deadlines_out(tmp_path, mdat_path):
+    """With overlap a round opens behind another with its deadline deadline_s after that
+    one's; when the round ahead ends early, the one behind must end no later than deadline_s
+    from then. Before, each early round pushed every later deadline a further deadline_s out
+    (the testnet's chaos run then waited 73 s on a member gone quiet, under a 20 s deadline)."""
+    clock = Clock()
+    config = config_with(tmp_path / "run", mdat_path, heartbeat_timeout_s=100.0)
+    c = Coordinator(dataclasses.replace(
+        config, round=dataclasses.replace(config.round, overlap=True)), clock=clock)
+    cid = c.join(caps("a"))[0].client_id
+    deadline_s = config.round.deadline_s
+    for _ in range(6):  # each round delivered 1 s after the one before
+        clock.now += 1.0
+        c.submit(cid, c.assignment_for(cid).round, results(c, cid), loss=1.0)
+        c.flush()
+        oldest = c.pipeline.collecting[0]
+        assert oldest.deadline <= clock.now + deadline_s
+        assert c.assignment_for(cid).deadline <= clock.now + deadline_s
+    assert c.state.round == 6 and len(c.pipeline.collecting) > 1
+    # then the member goes quiet (heartbeats, no results): the oldest round ends at its
+    # deadline, deadline_s after the last delivery, not rounds later
+    quiet_from = clock.now
+
+    def missed() -> bool:
+        return any("missed the round 6 deadline" in e["detail"] for e in events(c, "drop"))
+
+    while not missed() and clock.now < quiet_from + 10 * deadline_s:
+        clock.now += 0.5
+        c.heartbeat(cid)
+        c.advance()
+    assert missed() and clock.now <= quiet_from + deadline_s + 0.5
