@@ -180,6 +180,9 @@ class RoundRecord(Strict):
     slowest_client_id: str
     slowest_name: str
     slowest_s: float = Field(description="from the round's opening to the slowest results")
+    close_s: float = Field(0.0, description="its close, from the last results (or the "
+                                            "deadline) to the update's record; 0 in records "
+                                            "written before it was kept")
     bytes_sent: int = Field(description="the results as they arrived: compressed, framed")
     bytes_dense: int = Field(description="the same results as dense float32 tensors of the "
                                          "regions they cover")

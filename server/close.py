@@ -240,7 +240,7 @@ def _commit(c: Coordinator, closing: Closing, master: dict[str, Tensor] | None) 
             f"{len(broken) - 1} more) not finite; its sequences are requeued")
         c.save()
         return
-    _record(c, rnd, closing.by_name)
+    _record(c, rnd, closing.by_name, close_s=c.clock() - closing.started)
     c.state.round = r + 1
     c.state.tokens = closing.tokens_after
     c.state.finished = closing.finishes
@@ -279,8 +279,8 @@ def _undo_disk(c: Coordinator, closing: Closing) -> None:
         log.warning("undoing round %d on disk failed: %s", closing.round, err)
 
 
-def _record(c: Coordinator, rnd: OpenRound,
-            by_name: Mapping[str, list[SparseResult]]) -> None:
+def _record(c: Coordinator, rnd: OpenRound, by_name: Mapping[str, list[SparseResult]], *,
+            close_s: float) -> None:
     """(lock held) The completed round in the run's history and tracker, and each member's
     share of it."""
     tokens = sum(a.tokens for a in rnd.assignments.values())
@@ -292,7 +292,7 @@ def _record(c: Coordinator, rnd: OpenRound,
             member.last_round_share = member.last_round_tokens / tokens if tokens else 0.0
             member.last_round_seconds = submission.received_at - rnd.opened_at
     c.history.loss(rnd)
-    c.history.round(rnd, by_name)
+    c.history.round(rnd, by_name, close_s=close_s)
     log.info("%s", round_line(c, rnd))
     _track(c, rnd.index)
 

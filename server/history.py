@@ -7,7 +7,7 @@ changed once appended, so copies of the lists may be shallow.
 
     history = RunHistory(lambda: coordinator.state, clock)
     history.event("join", client_id, "joined at tier 1")
-    history.round(rnd, by_name)        # the closed round's record
+    history.round(rnd, by_name, close_s=s)  # the closed round's record
     history.since(round_index=5, events_after=12)
 """
 
@@ -82,9 +82,10 @@ class RunHistory:
         for tier, (weighted, tokens) in sorted(sums.items()):
             state.loss.setdefault(str(tier), []).append([rnd.index, weighted / tokens])
 
-    def round(self, rnd: OpenRound, by_name: Mapping[str, Sequence[SparseResult]]) -> None:
-        """The completed round: duration, slowest client, bytes as sent against their dense
-        float32 size, who was dropped."""
+    def round(self, rnd: OpenRound, by_name: Mapping[str, Sequence[SparseResult]], *,
+              close_s: float) -> None:
+        """The completed round: duration, slowest client, how long its close took, bytes as
+        sent against their dense float32 size, who was dropped."""
         now = self._clock()
         took = {c: s.received_at - rnd.opened_at for c, s in rnd.submissions.items()}
         slowest = max(took, key=took.__getitem__)
@@ -96,7 +97,7 @@ class RunHistory:
             "tokens": sum(a.tokens for a in rnd.assignments.values()),
             "clients": len(rnd.assignments),
             "slowest_client_id": slowest, "slowest_name": names.get(slowest, slowest),
-            "slowest_s": took[slowest],
+            "slowest_s": took[slowest], "close_s": close_s,
             "bytes_sent": sum(s.wire_bytes for s in rnd.submissions.values()),
             "bytes_dense": sum(DENSE_BYTES_PER_VALUE * math.prod(region_shape(r.region))
                                for results in by_name.values() for r in results),

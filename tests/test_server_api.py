@@ -182,6 +182,7 @@ def test_rounds_record_bytes_duration_slowest_and_drops(run):
     assert first["slowest_name"] == "bob"  # bob submitted after alice
     assert first["slowest_client_id"] == replies["bob"].client_id
     assert 0 <= first["slowest_s"] <= first["duration_s"]
+    assert 0 < first["close_s"] <= first["duration_s"] - first["slowest_s"]
     assert first["closed_at"] == pytest.approx(first["opened_at"] + first["duration_s"])
     assert first["dropped"] == []
     assert second["dropped"] == [{"client_id": replies["bob"].client_id, "name": "bob",
