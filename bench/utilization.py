@@ -25,8 +25,8 @@ the start of its compute in the round after the last (each member's own window: 
 every step per round). ``rpcs/round``: the calls it made in that window, counted by name at
 its channel (retries and heartbeats too), per round; the mean over members. ``rounds/min``
 over the median member's window. ``close ms``: from the round records (the status
-snapshot), the median over timed rounds of the time from the last result received to the
-round's record (aggregate, step, hash, log). While the timed rounds run, ``--beside``
+snapshot), the median over timed rounds of ``close_s``: from the round's handing over to
+its close (its last result in) to its record (aggregate, step, hash, log). While the timed rounds run, ``--beside``
 CPU-bound processes (``while True: pass``) run beside the server, and two prober threads,
 on the sessions of the first and the last member, send Heartbeat and GetRound in turn over
 their own loopback channel (``scale.probing``): ``hb p99`` is the 99th percentile of
@@ -453,8 +453,7 @@ def measure(args: argparse.Namespace, clients: int, compute_s: float, overlap: b
                 for future in playing:
                     future.result()
         records = server.snapshot(since_round=warmup)["rounds"]
-        close_s = [r["closed_at"] - r["opened_at"] - r["slowest_s"] for r in records
-                   if r["round"] < warmup + args.rounds]
+        close_s = [r["close_s"] for r in records if r["round"] < warmup + args.rounds]
         return Case(clients, compute_s, overlap, members, probes, close_s)
     finally:
         server.stop()  # a member still waiting gives up (Unreachable) once it is gone

@@ -63,6 +63,9 @@ EXPECTED = {
     "local_round_memory": expect("local steps add",
                                  *per(("gradient", "local"), "model_mib", "peak_mib",
                                       "round_mib", "seconds_per_round")),
+    "many_members": expect("coord cpu s/round", "members", "rounds_per_min", "close_ms",
+                           "coordinator_cpu_s_per_round", "coordinator_rss_mib",
+                           "bytes_in_per_round", "bytes_out_per_round", "heartbeat_p99_ms"),
     "mdat_pretokenize": expect("bpe-4096, fixed_chunks"),
     "mdat_read": expect("vs memmap"),
     # its smoke pass gives one model (unordered) the federated finetune: each takes ~30 s

@@ -1,0 +1,352 @@
+"""Where one coordinator stops keeping up: rounds, its close, CPU, memory, bytes and heartbeats
+as the members grow from 16 to 1,024 (issue 35; docs/scaling.md reads these figures).
+
+For each member count N a real coordinator serves on loopback in a process of its own
+(``utilization.ServerProcess``: ``RunningServer.start``, as ``matformer server`` runs it),
+pinned to the first core when the machine has more than one, and N simulated members run in
+this process, on the other cores, on one asyncio loop with a gRPC channel each. A member
+trains nothing but makes the calls of one and moves the bytes of one: it joins asking for
+tier ``i % 3``, heartbeats every [faults] heartbeat_s on its own schedule (first beat at a
+random phase), and per round asks GetRound, downloads its sequences (FetchSequences),
+uploads results the size of its tier's (a random gradient through error feedback and the
+run's compression, made once per tier before any timing: ``scale.Submissions``) and waits
+for the round's update with GetUpdates, as the client does.
+
+Figures per N, over the timed rounds (after one warm-up round):
+
+- ``rounds_per_min``: rounds closed per minute of wall time;
+- ``close_ms``: the median close, from the coordinator's own round records (``close_s``:
+  the last result or the deadline, to the update's record);
+- ``coordinator_cpu_s_per_round``: the coordinator process's user + system CPU seconds per
+  round (``/proc/PID/stat``), every thread of it;
+- ``coordinator_rss_mib``: its peak resident memory (``VmHWM``);
+- ``bytes_in_per_round`` and ``bytes_out_per_round``: every byte the members sent to and
+  received from the coordinator per round, heartbeats included, counted as each message's
+  protobuf size plus gRPC's 5-byte frame (HTTP/2 and TCP headers not counted);
+- ``heartbeat_p99_ms``: the 99th percentile of the members' heartbeat round trips.
+
+The members' own CPU share is printed beside (``members cpu``): on a small machine the
+members, not the coordinator, can be what limits the rate, and the coordinator's CPU per
+round is the figure that carries to a real deployment.
+
+    python bench/many_members.py --smoke               # 2 and 4 members, micro model: it runs
+    python bench/many_members.py --json runs/many.json           # tiny (4M): 16 ... 1,024
+    python bench/many_members.py --shape 150m --members 16,64 --json runs/many-150m.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from harness import parse, print_table
+from scale import Submissions, run_config, tiers_of
+from utilization import SHAPES, ServerProcess
+
+from matformer.modeling.mdat import build_default_mdat
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.sparse import encode_sparse_result
+from matformer.server.call_slots import CallLimits
+from matformer.server.config import RunConfig
+
+FRAME = 5  # gRPC's length prefix before every message
+WARMUP_ROUNDS = 1
+UPDATE_WAIT_S = 20.0  # one GetUpdates may wait this long for a round to close, as the client's
+MIN_WAIT_S = 0.05  # the shortest pause between GetRound polls, as the client's
+SMOKE = {"shape": "micro", "members": "2,4", "rounds": 1, "heartbeat_s": 1.0, "threads": 1}
+# what scale.run_config and scale.Submissions read that this benchmark does not vary
+FIXED = {"seq_len": 128, "tiers": "0,1,2", "rule": "sign", "momentum": 0.0,
+         "broadcast_topk": None, "encoding": "dct", "chunk": 64, "topk": 32,
+         "value_dtype": "bfloat16"}
+KEYS = ("members", "rounds_per_min", "close_ms", "coordinator_cpu_s_per_round",
+        "coordinator_rss_mib", "bytes_in_per_round", "bytes_out_per_round", "heartbeat_p99_ms")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                        help="micro: 0.2M parameters; tiny: 4M; 150m: 162M")
+    parser.add_argument("--members", default="16,64,256,1024",
+                        help="member counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per count")
+    parser.add_argument("--sequences-per-client", type=int, default=2,
+                        help="round token budget = members x this x 128 tokens")
+    parser.add_argument("--heartbeat-s", type=float, default=5.0,
+                        help="[faults] heartbeat_s: each member's heartbeat interval")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures per count")
+    parser.set_defaults(**FIXED)
+    args = parse(parser, SMOKE, argv)
+    for key, value in SHAPES[args.shape].items():
+        setattr(args, key, value)
+    try:
+        args.counts = [int(n) for n in args.members.split(",")]
+    except ValueError:
+        parser.error(f"--members {args.members!r}: give whole numbers, comma-separated.")
+    if min(args.counts) < 1 or args.rounds < 1:
+        parser.error("--members and --rounds must be positive.")
+    return args
+
+
+def many_config(args: argparse.Namespace, members: int, folder: Path, mdat: Path) -> RunConfig:
+    """``scale.run_config`` for ``members`` that stay a whole run: room for all of them, and
+    heartbeats on their schedule."""
+    config = run_config(args, members, folder, mdat)
+    faults = dataclasses.replace(
+        config.faults, heartbeat_s=args.heartbeat_s, heartbeat_timeout_s=600.0,
+        max_members=max(members, config.faults.max_members),
+        max_streams=min(1024, max(members, config.faults.max_streams)),
+        stream_idle_s=600.0, request_idle_s=600.0)
+    rounds = dataclasses.replace(config.round, rounds=WARMUP_ROUNDS + args.rounds + 1)
+    return dataclasses.replace(config, faults=faults, round=rounds)
+
+
+@dataclasses.dataclass(slots=True)
+class Traffic:
+    """Bytes both ways, and heartbeat round trips, of every member together."""
+
+    sent: int = 0
+    received: int = 0
+    heartbeats: list[float] = dataclasses.field(default_factory=list)
+    timing: bool = False  # heartbeats are kept only while the timed rounds run
+
+    def out(self, message: Any) -> Any:
+        self.sent += message.ByteSize() + FRAME
+        return message
+
+    def back(self, message: Any) -> Any:
+        self.received += message.ByteSize() + FRAME
+        return message
+
+
+@dataclasses.dataclass(slots=True)
+class Member:
+    stub: pb_grpc.CoordinatorStub
+    client_id: str
+    tier: int
+    auth: tuple[tuple[str, str], ...]
+    messages: list[pb.SubmitMessage]  # its tier's results, shared by the tier's members
+
+    def submission(self, work: pb.RoundAssignment, tokens: int, traffic: Traffic
+                   ) -> Iterator[pb.SubmitMessage]:
+        header = pb.SubmitHeader(round=work.round, client_id=self.client_id, tokens=tokens,
+                                 loss=3.0, train_seconds=1.0, assignment_id=work.assignment_id)
+        yield traffic.out(pb.SubmitMessage(header=header))
+        for message in self.messages:
+            message.result.tokens = tokens  # in place: the tensors are not copied
+            yield traffic.out(message)
+
+
+async def join(channel: grpc.aio.Channel, run_id: str, index: int, tier: int,
+               messages: dict[int, list[pb.SubmitMessage]], traffic: Traffic,
+               admitted: asyncio.Semaphore) -> Member:
+    """Member ``index`` joins, as many at once as the server takes calls without a session
+    (a refused Join is tried again, as the client does), and reports its speed."""
+    stub = pb_grpc.CoordinatorStub(channel)
+    request = pb.JoinRequest(
+        run_id=run_id, join_token="bench", client_name=f"member-{index}",
+        capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**40, requested_tier=tier,
+                                     tokens_per_second=1000.0, load_strategy="auto"))
+    async with admitted:
+        while True:
+            try:
+                reply = traffic.back(await stub.Join(traffic.out(request)))
+                break
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                await asyncio.sleep(0.1)
+    member = Member(stub, reply.client_id, reply.tier, session_metadata(reply.session_token),
+                    messages[reply.tier])
+    traffic.back(await stub.Heartbeat(traffic.out(pb.HeartbeatRequest(
+        round=reply.round, tokens_per_second=1000.0)), metadata=member.auth))
+    return member
+
+
+async def heartbeats(member: Member, every_s: float, traffic: Traffic) -> None:
+    """Beats every ``every_s`` from a random phase, on schedule: a slow answer delays no
+    later beat's start."""
+    start = time.monotonic() + random.uniform(0, every_s)
+    for k in range(10**9):
+        await asyncio.sleep(max(0.0, start + k * every_s - time.monotonic()))
+        sent = time.perf_counter()
+        traffic.back(await member.stub.Heartbeat(traffic.out(pb.HeartbeatRequest()),
+                                                 metadata=member.auth))
+        if traffic.timing:
+            traffic.heartbeats.append(time.perf_counter() - sent)
+
+
+async def play(member: Member, last_round: int, traffic: Traffic) -> None:
+    """The member's rounds up to ``last_round`` (not played): work, sequences, results, and
+    the round's update."""
+    while True:
+        work = traffic.back(await member.stub.GetRound(traffic.out(pb.GetRoundRequest()),
+                                                       metadata=member.auth))
+        if work.state == pb.ROUND_STATE_FINISHED or work.round >= last_round:
+            return
+        if work.state != pb.ROUND_STATE_TRAIN:
+            await asyncio.sleep(max(work.retry_after_seconds, MIN_WAIT_S))
+            continue
+        ids = list(dict.fromkeys(work.sequence_ids))
+        lengths = {s.id: s.tokens.shape[0] for s in await collect(
+            member.stub.FetchSequences(traffic.out(pb.FetchSequencesRequest(ids=ids)),
+                                       metadata=member.auth), traffic)}
+        tokens = sum(lengths[i] for i in work.sequence_ids)
+        traffic.back(await member.stub.SubmitResult(
+            member.submission(work, tokens, traffic), metadata=member.auth))
+        request = pb.GetUpdatesRequest(since_round=work.round, wait_seconds=UPDATE_WAIT_S,
+                                       tier=member.tier)
+        while not await collect(member.stub.GetUpdates(traffic.out(request),
+                                                       metadata=member.auth), traffic):
+            pass
+
+
+async def collect(stream: AsyncIterator[Any], traffic: Traffic) -> list[Any]:
+    return [traffic.back(message) async for message in stream]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of process ``pid``, every thread of it."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def start_pinned(config: RunConfig, threads: int | None) -> tuple[ServerProcess, bool]:
+    """The coordinator's process on the first core and this one on the rest, where there are
+    two or more (a process starts with its parent's cores, every thread of it); whether it
+    was pinned."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return ServerProcess(config, threads), False
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        server = ServerProcess(config, threads)
+    finally:
+        os.sched_setaffinity(0, cores[1:])
+    return server, True
+
+
+async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Path,
+                  messages: dict[int, list[pb.SubmitMessage]]) -> dict[str, Any]:
+    config = many_config(args, members, folder / f"{members}-members", mdat)
+    (folder / f"{members}-members").mkdir()
+    cores = os.sched_getaffinity(0)
+    server, pinned = start_pinned(config, args.threads)
+    pid = server.process.pid
+    traffic, tasks = Traffic(), []
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
+                for _ in range(members)]
+    tiers = tiers_of(args)
+    try:
+        admitted = asyncio.Semaphore(CallLimits().anonymous)
+        joined = await asyncio.gather(*(join(channel, config.run.id, i, tiers[i % len(tiers)],
+                                             messages, traffic, admitted)
+                                        for i, channel in enumerate(channels)))
+        tasks = [asyncio.create_task(heartbeats(m, args.heartbeat_s, traffic)) for m in joined]
+        last = WARMUP_ROUNDS + args.rounds
+        playing = [asyncio.create_task(play(m, last, traffic)) for m in joined]
+        while server.snapshot(since_round=None)["round"] < WARMUP_ROUNDS:
+            if any(p.done() for p in playing):
+                await asyncio.gather(*playing)  # a member failed: say why
+            await asyncio.sleep(0.05)
+        start, cpu, mine = time.perf_counter(), cpu_seconds(pid), time.process_time()
+        sent, received = traffic.sent, traffic.received
+        traffic.timing = True
+        await asyncio.gather(*playing)
+        while server.snapshot(since_round=None)["round"] < last:
+            await asyncio.sleep(0.05)
+        wall = time.perf_counter() - start
+        traffic.timing = False
+        cpu, mine = cpu_seconds(pid) - cpu, time.process_time() - mine
+        records = [r for r in server.snapshot(since_round=WARMUP_ROUNDS)["rounds"]
+                   if r["round"] < last]
+        beats = sorted(traffic.heartbeats)
+        return {
+            "members": members, "rounds": args.rounds,
+            "rounds_per_min": 60 * args.rounds / wall,
+            "close_ms": statistics.median(r["close_s"] for r in records) * 1e3,
+            "coordinator_cpu_s_per_round": cpu / args.rounds,
+            "coordinator_rss_mib": peak_rss_mib(pid),
+            "bytes_in_per_round": (traffic.sent - sent) / args.rounds,
+            "bytes_out_per_round": (traffic.received - received) / args.rounds,
+            "heartbeat_p99_ms": (beats[min(len(beats) - 1, int(0.99 * len(beats)))] * 1e3
+                                 if beats else float("nan")),
+            "heartbeats": len(beats), "members_cpu_share": mine / wall / max(
+                1, len(os.sched_getaffinity(0))), "coordinator_pinned": pinned}
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(channel.close() for channel in channels))
+        server.stop()
+        os.sched_setaffinity(0, cores)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    submissions = Submissions(args)
+    params = sum(torch.Size(s).numel() for s in submissions.shapes.values())
+    messages = {tier: [pb.SubmitMessage(result=encode_sparse_result(r))
+                       for r in submissions.results(tier, tier)] for tier in tiers_of(args)}
+    print(f"torch {torch.__version__} | {os.cpu_count()} cores | {args.shape}: {params:,} params "
+          f"| {args.encoding} chunk {args.chunk} top {args.topk} {args.value_dtype} | heartbeat "
+          f"every {args.heartbeat_s:g} s | {args.rounds} timed rounds | load average "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="matformer-bench-") as tmp:
+        folder = Path(tmp)
+        mdat = folder / "docs.mdat"
+        build_default_mdat(mdat, limit=200).close()
+        for n in args.counts:
+            cases.append(asyncio.run(measure(args, n, folder, mdat, messages)))
+            print(f"{n} members: {cases[-1]['rounds_per_min']:.1f} rounds/min", flush=True)
+    print()
+    print_table(["members", "rounds/min", "close ms", "coord cpu s/round", "coord rss MiB",
+                 "MB in/round", "MB out/round", "hb p99 ms", "members cpu"],
+                [[f"{c['members']:,}", f"{c['rounds_per_min']:.1f}", f"{c['close_ms']:,.0f}",
+                  f"{c['coordinator_cpu_s_per_round']:.2f}", f"{c['coordinator_rss_mib']:,.0f}",
+                  f"{c['bytes_in_per_round'] / 1e6:,.2f}",
+                  f"{c['bytes_out_per_round'] / 1e6:,.2f}", f"{c['heartbeat_p99_ms']:,.1f}",
+                  f"{c['members_cpu_share']:.0%}"] for c in cases])
+    first = cases[0]
+    print()
+    for c in cases[1:]:
+        print(f"{c['members']:,} vs {first['members']:,} members: coordinator cpu per round x"
+              f"{c['coordinator_cpu_s_per_round'] / first['coordinator_cpu_s_per_round']:.1f}, "
+              f"bytes in x{c['bytes_in_per_round'] / first['bytes_in_per_round']:.1f}, "
+              f"rounds/min x{c['rounds_per_min'] / first['rounds_per_min']:.2f}")
+    members_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"peak rss of the members' process: {members_mib:,.0f} MiB")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(cases, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
