@@ -46,9 +46,10 @@ import resource
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -74,6 +75,7 @@ SMOKE = {"shape": "micro", "members": "2,4", "rounds": 1, "heartbeat_s": 1.0, "t
 FIXED = {"seq_len": 128, "tiers": "0,1,2", "rule": "sign", "momentum": 0.0,
          "broadcast_topk": None, "encoding": "dct", "chunk": 64, "topk": 32,
          "value_dtype": "bfloat16"}
+T = TypeVar("T")
 KEYS = ("members", "rounds_per_min", "close_ms", "coordinator_cpu_s_per_round",
         "coordinator_rss_mib", "bytes_in_per_round", "bytes_out_per_round", "heartbeat_p99_ms")
 
@@ -124,6 +126,7 @@ class Traffic:
     sent: int = 0
     received: int = 0
     heartbeats: list[float] = dataclasses.field(default_factory=list)
+    failed: Counter[str] = dataclasses.field(default_factory=Counter)  # status → calls
     timing: bool = False  # heartbeats are kept only while the timed rounds run
 
     def out(self, message: Any) -> Any:
@@ -186,38 +189,69 @@ async def heartbeats(member: Member, every_s: float, traffic: Traffic) -> None:
     for k in range(10**9):
         await asyncio.sleep(max(0.0, start + k * every_s - time.monotonic()))
         sent = time.perf_counter()
-        traffic.back(await member.stub.Heartbeat(traffic.out(pb.HeartbeatRequest()),
-                                                 metadata=member.auth))
+        try:
+            traffic.back(await member.stub.Heartbeat(traffic.out(pb.HeartbeatRequest()),
+                                                     metadata=member.auth))
+        except grpc.aio.AioRpcError as err:  # the next beat is on schedule anyway
+            if err.code() not in TRANSIENT:
+                raise
+            traffic.failed[f"Heartbeat {err.code().name}"] += 1
+            continue
         if traffic.timing:
             traffic.heartbeats.append(time.perf_counter() - sent)
+
+
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED)
+RETRIES = 20
+
+
+async def retried(call: Callable[[], Awaitable[T]], traffic: Traffic) -> T:
+    """``call()``, made again after a transient failure, as the client's calls are (each
+    failure counted by its status)."""
+    for attempt in range(RETRIES):
+        try:
+            return await call()
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in TRANSIENT or attempt == RETRIES - 1:
+                raise
+            traffic.failed[err.code().name] += 1
+            await asyncio.sleep(0.5)
+    raise AssertionError("unreachable")
 
 
 async def play(member: Member, last_round: int, traffic: Traffic) -> None:
     """The member's rounds up to ``last_round`` (not played): work, sequences, results, and
     the round's update."""
+    auth = member.auth
     while True:
-        work = traffic.back(await member.stub.GetRound(traffic.out(pb.GetRoundRequest()),
-                                                       metadata=member.auth))
+        work = traffic.back(await retried(lambda: member.stub.GetRound(
+            traffic.out(pb.GetRoundRequest()), metadata=auth), traffic))
         if work.state == pb.ROUND_STATE_FINISHED or work.round >= last_round:
             return
         if work.state != pb.ROUND_STATE_TRAIN:
             await asyncio.sleep(max(work.retry_after_seconds, MIN_WAIT_S))
             continue
-        ids = list(dict.fromkeys(work.sequence_ids))
-        lengths = {s.id: s.tokens.shape[0] for s in await collect(
-            member.stub.FetchSequences(traffic.out(pb.FetchSequencesRequest(ids=ids)),
-                                       metadata=member.auth), traffic)}
-        tokens = sum(lengths[i] for i in work.sequence_ids)
-        traffic.back(await member.stub.SubmitResult(
-            member.submission(work, tokens, traffic), metadata=member.auth))
-        request = pb.GetUpdatesRequest(since_round=work.round, wait_seconds=UPDATE_WAIT_S,
-                                       tier=member.tier)
-        while not await collect(member.stub.GetUpdates(traffic.out(request),
-                                                       metadata=member.auth), traffic):
-            pass
+        await train(member, work, traffic)
 
 
-async def collect(stream: AsyncIterator[Any], traffic: Traffic) -> list[Any]:
+async def train(member: Member, work: pb.RoundAssignment, traffic: Traffic) -> None:
+    """One round's calls: its sequences, its results, then its update once it closed."""
+    auth = member.auth
+    fetch = pb.FetchSequencesRequest(ids=list(dict.fromkeys(work.sequence_ids)))
+    lengths = {s.id: s.tokens.shape[0] for s in await retried(lambda: collect(
+        member.stub.FetchSequences(traffic.out(fetch), metadata=auth), traffic), traffic)}
+    tokens = sum(lengths[i] for i in work.sequence_ids)
+    traffic.back(await retried(lambda: member.stub.SubmitResult(
+        member.submission(work, tokens, traffic), metadata=auth), traffic))
+    request = pb.GetUpdatesRequest(since_round=work.round, wait_seconds=UPDATE_WAIT_S,
+                                   tier=member.tier)
+    while not await retried(lambda: collect(member.stub.GetUpdates(
+            traffic.out(request), metadata=auth), traffic), traffic):
+        pass
+
+
+async def collect(stream: AsyncIterator[T], traffic: Traffic) -> list[T]:
     return [traffic.back(message) async for message in stream]
 
 
@@ -294,7 +328,8 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
             "bytes_out_per_round": (traffic.received - received) / args.rounds,
             "heartbeat_p99_ms": (beats[min(len(beats) - 1, int(0.99 * len(beats)))] * 1e3
                                  if beats else float("nan")),
-            "heartbeats": len(beats), "members_cpu_share": mine / wall / max(
+            "heartbeats": len(beats), "failed_calls": dict(traffic.failed),
+            "members_cpu_share": mine / wall / max(
                 1, len(os.sched_getaffinity(0))), "coordinator_pinned": pinned}
     finally:
         for task in tasks:

@@ -19,22 +19,22 @@ coordinator's real updates (read, not applied to a model).
 
 Per member, over the timed rounds (after the warm-up ones: one synchronous, three
 overlapped, so that every timed round is split by the speeds members showed in a delivered
-round; ``warmup_rounds``): ``utilization``, its seconds of
-compute over the wall seconds from the start of its compute in the first timed round to
-the start of its compute in the round after the last (each member's own window: one of
-every step per round). ``rpcs/round``: the calls it made in that window, counted by name at
-its channel (retries and heartbeats too), per round; the mean over members. ``rounds/min``
-over the median member's window. ``close ms``: from the round records (the status
-snapshot), the median over timed rounds of ``close_s``: from the round's handing over to
-its close (its last result in) to its record (aggregate, step, hash, log). While the timed rounds run, ``--beside``
-CPU-bound processes (``while True: pass``) run beside the server, and two prober threads,
-on the sessions of the first and the last member, send Heartbeat and GetRound in turn over
+round; ``warmup_rounds``): ``utilization``, its seconds of compute over the wall seconds
+from the start of its compute in the first timed round to the start of its compute in the
+round after the last (each member's own window: one of every step per round).
+``rpcs/round``: the calls it made in that window, counted by name at its channel (retries
+and heartbeats too), per round; the mean over members. ``rounds/min`` over the median
+member's window. ``close ms``: from the round records (the status snapshot), the median over
+timed rounds of ``close_s``: from the round's handing over to its close (its last result in)
+to its record (aggregate, step, hash, log). While the timed rounds run, ``--beside``
+CPU-bound processes (``while True: pass``) run beside the server, and two prober threads, on
+the sessions of the first and the last member, send Heartbeat and GetRound in turn over
 their own loopback channel (``scale.probing``): ``hb p99`` is the 99th percentile of
 Heartbeat's answers, ``hb max`` the slowest. A prober waits for each answer, so a call that
 stalls (the one that runs a close, in today's coordinator) is one sample however long it
 takes; the other prober samples on meanwhile, and ``hb max`` shows the stall. The members
-and the probers share this process (and its GIL); the server has its own unless
-``--server thread``. All of them, and the CPU-bound processes, share the machine's cores.
+and the probers share this process (and its GIL); the server has its own unless ``--server
+thread``. All of them, and the CPU-bound processes, share the machine's cores.
 
 ``--json OUT`` writes one object per case: ``clients``, ``compute_s_per_round``,
 ``utilization_min``, ``utilization_median``, ``rounds_per_min``, ``rpcs_per_round``,

@@ -1,13 +1,15 @@
 """Loading the run's checkpoint for this client's tier.
 
-    replica = load_replica(connection, checkpoint, tier, strategy="auto", cache=...,
+    replica = load_replica(broadcast, checkpoint, tier, strategy="auto", cache=...,
                            mirror=open_mirror("server"), device=device, schema_hash=...)
 
 The checkpoint loader resolves the coordinator's checkpoint through its manifest for the tier
 and ``--load-strategy`` (the slice when the manifest lists it, else the universal checkpoint
 sliced at load) and reads each file through ``CheckpointFiles``: from a local cache, from a
 mirror (``--checkpoint``: a folder or hub copy of the run's checkpoints), or downloaded from
-the coordinator, always checked against the manifest's sha256.
+the coordinator, always checked against the manifest's sha256. A download goes through
+``connection``: a ``Connection`` (gRPC), or a ``Broadcast`` that takes each file the manifest
+lists from an HTTP ``--mirror`` by its sha256 first (client/mirror.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from matformer.client.connection import Connection, PublishedCheckpoint
 from matformer.client.errors import ClientError, DamagedTransfer, NotServed
+from matformer.client.mirror import Broadcast
 from matformer.client.replica import Replica
 from matformer.modeling.checkpoint.files import read_json
 from matformer.modeling.checkpoint.loader import load, resolve
@@ -31,6 +34,7 @@ from matformer.protocol.errors import ChecksumMismatch, MalformedStream
 
 DOWNLOAD_ATTEMPTS = 3  # of a checkpoint file that arrives damaged, before giving up
 Mirror = LocalRepository | HubRepository
+Source = Connection | Broadcast  # what downloads a file: the same ``download`` either way
 
 
 def open_mirror(source: str) -> Mirror | None:
@@ -47,7 +51,7 @@ def open_mirror(source: str) -> Mirror | None:
     return LocalRepository(path)
 
 
-def load_replica(connection: Connection, checkpoint: PublishedCheckpoint, tier: int, *,
+def load_replica(connection: Source, checkpoint: PublishedCheckpoint, tier: int, *,
                  strategy: str, cache: Path, mirror: Mirror | None, device: torch.device,
                  schema_hash: str, log: Callable[[str], None],
                  trust_remote_code: bool = False) -> Replica:
@@ -82,7 +86,7 @@ class CheckpointFiles:
     to ``DOWNLOAD_ATTEMPTS`` times; each retry goes to ``log``.
     """
 
-    def __init__(self, connection: Connection, cache: Path, mirror: Mirror | None = None,
+    def __init__(self, connection: Source, cache: Path, mirror: Mirror | None = None,
                  log: Callable[[str], None] = lambda line: None) -> None:
         self.connection = connection
         self.log = log

@@ -79,6 +79,11 @@ def add_federated_arguments(federated: Any) -> None:
                            help="where checkpoint files come from: server (default), a folder "
                                 "or hf:ORG/NAME holding a copy of the run's checkpoints "
                                 "(files whose sha256 differs from the manifest are downloaded)")
+    federated.add_argument("--mirror", default=None, metavar="URL",
+                           help="base URL of an HTTP server or cache that serves the "
+                                "coordinator's HTTP side (or a copy of it): round updates and "
+                                "checkpoint files come from there, checked by sha256, and "
+                                "over gRPC whenever it fails")
     trust.add_option(federated)
     federated.add_argument("--join-token", default=None,
                            help=f"the run's join token (default: ${JOIN_TOKEN_ENV})")
@@ -126,7 +131,8 @@ def _speed(text: str) -> float:
 def federated_options(args: argparse.Namespace) -> FederatedOptions:
     options = FederatedOptions(
         server=args.server, tier=args.tier, load_strategy=args.load_strategy,
-        checkpoint=args.checkpoint, trust_remote_code=args.trust_remote_code,
+        checkpoint=args.checkpoint, mirror=args.mirror,
+        trust_remote_code=args.trust_remote_code,
         **{dest: getattr(args, dest) for dest in SHARED},
         join_token=args.join_token, run_id=args.run_id, state_dir=args.state_dir,
         tls_ca=args.tls_ca,

@@ -5,9 +5,9 @@
 1. Probe the device (kind, name, memory) and join with the run's join token. The coordinator
    assigns the tier, says why, and names its latest checkpoint.
 2. Load that checkpoint for the tier (``client.checkpoints``: through its manifest, from the
-   coordinator or a ``--checkpoint`` mirror, checked against the run's schema hash), measure
-   tokens/s at the tier on a short warm-up and report it (the coordinator sizes this client's
-   share by it), then replay the logged updates.
+   coordinator, a ``--checkpoint`` copy or, with updates too, a ``--mirror`` (``client.mirror``);
+   checked against the run's schema hash), measure tokens/s at the tier on a short warm-up and
+   report it (the coordinator sizes this client's share by it), then replay the logged updates.
 3. Each round: fetch the assigned sequences (``client.data``: from the coordinator, or a
    local MDAT whose fingerprint matches), accumulate gradients at the tier(s) and compress
    them with error feedback (``client.local_round``), submit; then apply the broadcast
@@ -47,6 +47,7 @@ from matformer.client.errors import (
     UpdatesPruned,
 )
 from matformer.client.local_round import Advance, LocalRound, RoundSetup, RoundWork
+from matformer.client.mirror import Broadcast
 from matformer.client.node import Node
 from matformer.client.probe import device_name, measure_tokens_per_second, memory_bytes
 from matformer.client.progress import Progress
@@ -77,6 +78,7 @@ class FederatedOptions:
     tier: int | None = None  # the smallest tier index (largest model) wanted; None: any
     load_strategy: str = "auto"  # auto | sliced | universal
     checkpoint: str = "server"  # server | a folder | hf:ORG/NAME holding the run's checkpoints
+    mirror: str | None = None  # base URL of an HTTP mirror of the broadcast (client/mirror.py)
     trust_remote_code: bool = False  # run module files the run's checkpoint carries
     data: Path | None = None  # a local copy of the run's MDAT; None: sequences from the server
     device: str = "cpu"  # cpu | cuda | cuda:N | mps (under torchrun: each rank's local GPU)
@@ -115,6 +117,7 @@ class FederatedClient:
         self.connection = Connection(options.server, tls_ca=options.tls_ca,
                                      latency_s=options.latency_ms / 1000,
                                      bandwidth_mbit=options.bandwidth_mbit, log=self.log)
+        self.broadcast = Broadcast(self.connection, options.mirror, self.log)  # updates, files
         self.member: Membership | None = None  # who this client is in the run, once joined
         self.summary: ClientSummary | None = None
         self.replica: Replica | None = None
@@ -267,7 +270,7 @@ class FederatedClient:
     def _accepted(self, work: Train, done: RoundWork, loss: float, sent: int, accepted: int,
                   progress: Progress) -> None:
         """A submission the coordinator took: the error feedback saved, the round counted."""
-        self.local_round.save(self._state_path())
+        self.local_round.save(feedback_path(self.state_dir))
         self._cost.compute_s += done.seconds
         self._cost.dense_up += self._dense_bytes()
         self.summary.rounds_trained += 1
@@ -279,7 +282,7 @@ class FederatedClient:
 
     def _load(self, checkpoint: PublishedCheckpoint) -> None:
         self.replica = load_replica(
-            self.connection, checkpoint, self.tier, strategy=self.options.load_strategy,
+            self.broadcast, checkpoint, self.tier, strategy=self.options.load_strategy,
             cache=self.state_dir / "checkpoints", mirror=self.mirror, device=self.device,
             schema_hash=self.member.schema_hash, log=self.log,
             trust_remote_code=self.options.trust_remote_code)
@@ -300,7 +303,7 @@ class FederatedClient:
                 self._load(self.connection.latest_checkpoint())
                 reloaded = True
             try:
-                updates = self.connection.updates(self.applied, self.tier)
+                updates = self.broadcast.updates(self.applied, self.tier)
             except UpdatesPruned:
                 if reloaded:
                     raise
@@ -321,7 +324,7 @@ class FederatedClient:
                      "reloading the checkpoint")
             reload = True
         self.summary.rounds_applied = self.applied
-        self.summary.update_bytes = self.connection.update_bytes
+        self.summary.update_bytes = self.broadcast.update_bytes
 
     def _replay(self, updates: list[RoundUpdate]) -> int | None:
         """Apply ``updates`` from round ``applied`` on; the first round after which the
@@ -353,8 +356,7 @@ class FederatedClient:
         setup = RoundSetup(
             tiers=(self.tier, *sorted(t for t in set(o.also_train) if t > self.tier)),
             microbatch_tokens=o.microbatch_tokens, microbatch_examples=o.microbatch_examples,
-            steps=settings.local_steps,
-            precision=o.precision,
+            steps=settings.local_steps, precision=o.precision,
             row_length=settings.sequence_length if o.batching == "packed" else None)
         self.node.setup(setup)
         self.local_round = setup.build(self.replica, settings.compression.build(),
@@ -363,14 +365,11 @@ class FederatedClient:
 
     # -- state kept across restarts ---------------------------------------------------------
 
-    def _state_path(self) -> Path:
-        return feedback_path(self.state_dir)
-
     def _restore_state(self, announce: bool = False) -> None:
         """The error-feedback momentum (and inner optimizer state) of the last accepted
         round: from the state dir, or fresh when none was saved or the saved one does not
         fit (then it is deleted)."""
-        path = self._state_path()
+        path = feedback_path(self.state_dir)
         if path.is_file():
             try:
                 self.local_round.restore(path)

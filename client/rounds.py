@@ -269,7 +269,7 @@ class OverlappedRounds:
     def _ask(self, since: int) -> None:
         """Ask for the updates from round ``since`` on, held until that round closes."""
         c = self.client
-        self.asked = self.downloads.submit(c.connection.updates, since, c.tier,
+        self.asked = self.downloads.submit(c.broadcast.updates, since, c.tier,
                                            wait_s=UPDATE_WAIT_S)
 
     def _apply_through(self, last: int) -> None:
@@ -304,4 +304,4 @@ class OverlappedRounds:
         for stale in [r for r in self.fetched if r < c.applied]:
             del self.fetched[stale]
         c.summary.rounds_applied = c.applied
-        c.summary.update_bytes = c.connection.update_bytes
+        c.summary.update_bytes = c.broadcast.update_bytes

@@ -10,6 +10,9 @@
 - ``GET /files/{path}``: the manifests of ``checkpoints/`` and the files they list, each checked
   against its sha256 first (404 for anything else, 500 for a damaged copy); ``HEAD`` answers
   the same without the body (its length and ``X-Checksum-Sha256``);
+- ``GET /updates?since_round=R&tier=T`` and ``GET /blobs/sha256/{hex}``: each round's update
+  per tier and each checkpoint file as an immutable, content-addressed resource any HTTP cache
+  can carry (server/blobs.py; ``app.state.blobs`` counts the bodies sent);
 - ``POST /api/clients/{client_id}/exclude`` with ``{"reason": "..."}``: the operator removes a
   member for good (``Coordinator.exclude``; 404 for a non-member).
 
@@ -17,7 +20,8 @@ Reads are open; no answer holds a filesystem path of this machine, and only a re
 the operator token sees why a client was excluded (server/api.py). Every other method needs
 ``Authorization: Bearer <operator token>`` ([auth] operator_token_env; server/operator_access.py):
 401 without it, 403 with a wrong one, 403 when the run has none (its HTTP side is then
-read-only). Clients never need this side.
+read-only). Clients need this side only to take the broadcast from a mirror of it
+(``matformer-client --mirror``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pydantic import BaseModel, Field
 
 from matformer.protocol.errors import UnsafePath
 from matformer.server.api import build_router
+from matformer.server.blobs import BlobStore, blob_router
 from matformer.server.errors import FileNotServed, ServedFileDamaged, UnknownClient
 from matformer.server.operator_access import operator_refusal
 from matformer.server.served_files import served_files
@@ -65,6 +70,8 @@ def build_app(service: CoordinatorService) -> FastAPI:
         return await call_next(request)
 
     app.include_router(build_router(coordinator, operator_token))
+    app.state.blobs = BlobStore(coordinator, service.updates, served_files(service.checkpoints))
+    app.include_router(blob_router(app.state.blobs))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -77,7 +84,9 @@ def build_app(service: CoordinatorService) -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> str:
-        return prometheus_text(coordinator.snapshot(since_round=None, events_after=None))
+        snap = coordinator.snapshot(since_round=None, events_after=None)
+        blobs = app.state.blobs.prometheus(f'run="{snap["run_id"]}"')
+        return prometheus_text(snap) + "\n".join(blobs) + "\n"
 
     @app.get("/files/{path:path}")
     @app.head("/files/{path:path}")

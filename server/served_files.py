@@ -5,21 +5,26 @@ sha256 (paths relative to the manifest's folder, as the loader reads them); temp
 files and anything else are not. A listed file is checked against the manifest before it is
 sent (digests are cached by size, mtime and inode, so repeated downloads do not rehash) and
 again while it streams: ``send_file`` hashes the bytes it actually read, and a file rewritten
-under the transfer is cut off with DATA_LOSS instead of ending as good.
+under the transfer is cut off with DATA_LOSS instead of ending as good (``read``, for HTTP,
+likewise withholds a whole file's last bytes unless they hash to its manifest's digest).
 
     files = served_files(coordinator.dir / "checkpoints")   # one per directory, gRPC and HTTP
     path, sha256 = files.verified("round-4/tier1/model.safetensors")
     for chunk in files.chunks("round-4/matformer_manifest.json"): ...
+    files.by_sha256(sha256)                  # "round-4/tier1/model.safetensors" (or a twin)
+    for data in files.read("round-4/tier1/model.safetensors", 0, size): ...
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from matformer.modeling.checkpoint.files import read_json
 from matformer.modeling.checkpoint.manifest import MANIFEST_NAME, Manifest, sha256_of
@@ -31,6 +36,7 @@ from matformer.server.errors import FileNotServed, ServedFileDamaged
 
 log = logging.getLogger("matformer.server")
 Stamp = tuple[int, int, int]  # (size, mtime_ns, inode): a file unchanged since it was read
+READ_BYTES = 2**20  # what ``read`` hands on at a time
 
 
 class ServedFiles:
@@ -80,6 +86,38 @@ class ServedFiles:
                 yield chunk
         except FileNotFoundError as err:
             raise FileNotServed(f"{relative} was removed; ask for the manifest again.") from err
+
+    def by_sha256(self, digest: str) -> str | None:
+        """A listed file whose manifest gives it ``digest`` (files of equal bytes are one),
+        None when no manifest lists it."""
+        return next((name for name, sha256 in self._listed().items() if sha256 == digest),
+                    None)
+
+    def read(self, relative: str, start: int, stop: int) -> Iterator[bytes]:
+        """Bytes ``start`` to ``stop`` of a listed file once ``verified``, from the very file
+        that was hashed (its size, mtime and inode unchanged since). When that is the whole
+        file, the bytes read must hash to its manifest's digest, or the last of them is never
+        handed on: ``ServedFileDamaged`` cuts the transfer off instead."""
+        with open(self.expected(relative)[0], "rb") as handle:
+            path, wanted = self.verified(relative)  # the path now, after the file was opened
+            if _stamp_of(handle) != _stamp(path) or _stamp(path)[0] < stop:
+                raise FileNotServed(f"{relative} changed while it was opened; ask again.")
+            digest = hashlib.sha256() if (start, stop) == (0, _stamp(path)[0]) else None
+            handle.seek(start)
+            held = b""  # the last bytes read, handed on once the next ones are in
+            for left in range(stop - start, 0, -READ_BYTES):
+                data = handle.read(min(READ_BYTES, left))
+                if len(data) != min(READ_BYTES, left):
+                    raise FileNotServed(f"{relative} was cut short while it was sent.")
+                if digest is not None:
+                    digest.update(data)
+                if held:
+                    yield held
+                held = data
+            if digest is not None and wanted is not None and digest.hexdigest() != wanted:
+                raise self._damaged(relative, digest.hexdigest(), wanted, " while it was sent")
+            if held:
+                yield held
 
     def _listed(self) -> dict[str, str | None]:
         """Every servable path (relative to ``root``) → its sha256, None for manifests."""
@@ -139,4 +177,9 @@ def _read(manifest_path: Path) -> dict[str, str]:
 
 def _stamp(path: Path) -> Stamp:
     info = os.stat(path)
+    return info.st_size, info.st_mtime_ns, info.st_ino
+
+
+def _stamp_of(handle: BinaryIO) -> Stamp:
+    info = os.fstat(handle.fileno())
     return info.st_size, info.st_mtime_ns, info.st_ino
