@@ -3,7 +3,7 @@
 
 from setuptools import find_packages, setup
 
-ROOTS = ("modeling", "protocol", "server", "client", "local_testnet", "scripts")
+ROOTS = ("modeling", "protocol", "server", "client", "relay", "local_testnet", "scripts")
 
 setup(
     packages=["matformer", *(f"matformer.{name}"

@@ -15,7 +15,6 @@ Exit code 0 when the run finished and the held-out loss fell at every tier (and,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -31,9 +30,12 @@ from matformer.local_testnet.default_run import ensure_default_data, write_defau
 from matformer.local_testnet.held_out import HeldOut
 from matformer.local_testnet.processes import free_port, say
 from matformer.local_testnet.report import (
+    add_to_summary,
     client_costs,
     format_costs,
+    format_relay_traffic,
     format_table,
+    relay_traffic,
     tier_reports,
     write_plot,
     write_summary,
@@ -55,6 +57,7 @@ DEFAULT_RUN_DIR = Path("runs/testnet")
 # The embedded run: about two and a half minutes on two CPU cores with three clients.
 DEFAULT_ROUNDS = 150
 DEFAULT_TOKENS_PER_ROUND = 4096
+RELAY_DEADLINE = 0.75  # of the root's deadline: a relay hands in what it has before it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,6 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--overlap", action="store_true",
                         help="overlapped rounds ([round] overlap): members train the next "
                              "round while the last one closes")
+    parser.add_argument("--relays", type=int, default=0, metavar="N",
+                        help="N relays between the coordinator and the clients (matformer "
+                             "relay), the clients spread over them: the root sees N members "
+                             "and one partial sum from each per round")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in runs/testnet instead of replacing it")
     # undocumented knobs of the embedded run, for tests and quick looks
@@ -108,12 +115,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--chaos plans its own kills; leave out --kill-client-at")
     if not args.tiers:
         parser.error("--tiers is empty; give at least one tier, e.g. --tiers 0,1,2")
+    if not 0 <= args.relays <= args.num_clients:
+        parser.error(f"--relays must lie in [0, --num-clients], got {args.relays}: each relay "
+                     "serves at least one client")
+    if args.relays and args.chaos is not None:
+        parser.error("--chaos kills clients and the server of a run without relays; leave out "
+                     "--relays")
     return args
 
 
 def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str]]:
     """The run.toml to start from and the overrides besides the ports."""
-    overrides = [f"round.min_clients={args.num_clients}"]
+    members = args.relays or args.num_clients  # what the root counts: relays, or clients
+    overrides = [f"round.min_clients={members}"]
     if args.overlap:
         overrides.append("round.overlap=true")
     if args.config is not None:
@@ -125,7 +139,7 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str]]:
         say(f"[testnet] replacing the previous run in {run_dir} (--resume continues it)")
         shutil.rmtree(run_dir)
     data = ensure_default_data(args.documents, say)
-    config = write_default_run(run_dir, data=data, min_clients=args.num_clients,
+    config = write_default_run(run_dir, data=data, min_clients=members,
                                rounds=args.rounds or DEFAULT_ROUNDS,
                                tokens_per_round=args.tokens_per_round)
     return config, overrides
@@ -171,8 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill_client_at is not None and args.kill_client_at >= config.round.planned_rounds:
         say(f"[testnet] --kill-client-at {args.kill_client_at} is past the run's last round "
             f"({config.round.planned_rounds - 1}); no client will be killed")
+    if args.relays and config.tls.cert is not None:
+        print("local-testnet: relays speak plain gRPC on loopback; run --relays without "
+              "[tls]", file=sys.stderr)
+        return 2
+    relay_ports = [free_port() for _ in range(args.relays)]
     clients = [ClientSpec(name=f"member-{i}", tier=args.tiers[i % len(args.tiers)],
-                          speed=args.client_speeds[i % len(args.client_speeds)])
+                          speed=args.client_speeds[i % len(args.client_speeds)],
+                          port=relay_ports[i % args.relays] if args.relays else None)
                for i in range(args.num_clients)]
     say(f"[testnet] run {config.run.id} in {run_dir}: {len(clients)} clients at tiers "
         f"{[c.tier for c in clients]}, {config.round.planned_rounds} rounds of "
@@ -190,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
         run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
         bandwidth_mbit=args.bandwidth_mbit, events=events,
-        tls_ca=config.tls.cert, env=env))
+        tls_ca=config.tls.cert, env=env, relay_ports=relay_ports,
+        relay_deadline_s=config.round.deadline_s * RELAY_DEADLINE))
     # `kill` and `timeout` stop the run as Ctrl-C does: the children are stopped with it
     # (each runs in its own session, so nothing else would stop them)
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -206,7 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         net.stop()
         signal.signal(signal.SIGTERM, previous)
     train_s = time.monotonic() - started
-    code = report(config, status, net.tiers_seen, train_s)
+    tiers_seen = net.tiers_seen
+    if args.relays:  # the root saw the relays; each client's summary says its tier
+        names = [c.name for c in clients]
+        tiers_seen = {n: c["tier"] for n, c in client_costs(run_dir / "clients", names).items()}
+    code = report(config, status, tiers_seen, train_s)
+    if args.relays:
+        relayed = relay_traffic(status, client_costs(run_dir / "clients", list(tiers_seen)))
+        say("\n" + format_relay_traffic(relayed))
+        add_to_summary(run_dir / "summary.json", "relays", relayed)
     if args.chaos is None:
         return code
     check = check_run(config, net.survivors)
@@ -220,17 +249,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_chaos(path: Path, seed: int, net: Testnet, check) -> None:
     """Add the chaos record and check to summary.json."""
-    summary = json.loads(path.read_text()) if path.is_file() else {}
     audit = check.audit
-    summary["chaos"] = {
+    add_to_summary(path, "chaos", {
         "seed": seed, "kills": net.chaos.kills, "client_kills": net.chaos.client_kills,
         "server_kills": net.chaos.server_kills, "skipped": len(net.chaos.skipped),
         "restart_to_round_s": net.chaos.restart_to_round_s, "rounds": check.rounds,
         "sequences_trained": audit.trained, "sequences_waiting": audit.waiting,
         "passes_complete": audit.passes_complete,
         "sequences_lost": len(audit.lost), "sequences_duplicated": len(audit.duplicated),
-        "replicas": check.replicas, "passed": check.passed}
-    path.write_text(json.dumps(summary, indent=1) + "\n")
+        "replicas": check.replicas, "passed": check.passed})
 
 
 def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s: float) -> int:

@@ -156,6 +156,37 @@ def write_summary(path: Path, reports: list[TierReport], status: dict[str, Any],
     return path
 
 
+def add_to_summary(path: Path, key: str, value: Any) -> None:
+    """``summary.json`` with ``key`` set to ``value``."""
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    summary[key] = value
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+def relay_traffic(status: dict[str, Any], costs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Bytes per round at the root (what its members, the relays, sent and received, as the
+    coordinator counted them) against what the clients behind the relays sent and received
+    (their own summaries): sequences, results, updates and checkpoint files alike."""
+    rounds = max(int(status.get("round") or 0), 1)
+    relays = status.get("clients", [])
+    return {
+        "relays": len(relays), "members": len(costs), "rounds": rounds,
+        "root_bytes_in_per_round": sum(r["bytes_up"] for r in relays) / rounds,
+        "root_bytes_out_per_round": sum(r["bytes_down"] for r in relays) / rounds,
+        "members_bytes_up_per_round": sum(c["bytes_up"] for c in costs.values()) / rounds,
+        "members_bytes_down_per_round": sum(c["bytes_down"] for c in costs.values()) / rounds,
+    }
+
+
+def format_relay_traffic(t: dict[str, Any]) -> str:
+    kib = 1024
+    return (f"through {t['relays']} relays: the root received "
+            f"{t['root_bytes_in_per_round'] / kib:,.1f} KiB and sent "
+            f"{t['root_bytes_out_per_round'] / kib:,.1f} KiB per round; its {t['members']} "
+            f"clients sent {t['members_bytes_up_per_round'] / kib:,.1f} KiB and received "
+            f"{t['members_bytes_down_per_round'] / kib:,.1f} KiB per round")
+
+
 COST_KEYS = ("bytes_up", "bytes_down", "dense_bytes_up", "dense_bytes_down", "compute_s",
              "up_s", "down_s", "wait_s", "apply_s", "wall_s")
 

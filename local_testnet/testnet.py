@@ -46,6 +46,7 @@ class ClientSpec:
     name: str
     tier: int  # requested with --tier; the coordinator may assign another
     speed: float = 1.0  # --compute-speed: the fraction of this machine's speed it computes at
+    port: int | None = None  # the relay it joins through (--relays); None: the root
 
     def describe(self) -> str:
         """Who it is and what it is asked: "member-0 (tier 0, at 0.5x this machine's speed)"."""
@@ -66,6 +67,8 @@ class TestnetPlan:
     events: list[ChaosEvent] = field(default_factory=list)  # kills, in round order
     tls_ca: Path | None = None
     env: dict[str, str] = field(default_factory=dict)  # the join token, for every child
+    relay_ports: list[int] = field(default_factory=list)  # one relay each (--relays)
+    relay_deadline_s: float = 45.0  # a relay's members' time for a round, under the root's
 
 
 class Testnet:
@@ -73,6 +76,7 @@ class Testnet:
         self.plan = plan
         self.server: Child | None = None
         self.clients: dict[str, Child] = {}
+        self.relays: dict[str, Child] = {}
         self.tiers_seen: dict[str, int] = {}  # client name → tier the coordinator gave it
         self.status: dict[str, Any] = {}
         self.chaos = ChaosRecord()
@@ -87,6 +91,8 @@ class Testnet:
     def run(self) -> dict[str, Any]:
         say("[testnet] starting the server")
         self._start_server()
+        for index, port in enumerate(self.plan.relay_ports):
+            self._start_relay(f"relay-{index}", port)
         for spec in self.plan.clients:
             self._start_client(spec)
         while True:
@@ -118,7 +124,7 @@ class Testnet:
 
     def stop(self) -> None:
         """Clients first (they leave the run), then the server (it saves its state)."""
-        for child in self.clients.values():
+        for child in [*self.clients.values(), *self.relays.values()]:
             child.stop()
         if self.server is not None:
             self.server.stop()
@@ -137,10 +143,25 @@ class Testnet:
             raise TestnetFailed(str(err)) from None
         say(f"[testnet] the server answers on {address} (gRPC); watch the run at {self.http_base}/")
 
+    def _start_relay(self, name: str, port: int) -> None:
+        """A relay between the root and the clients that join through ``port``."""
+        p = self.plan
+        argv = python_module("matformer.relay.main", "--upstream", f"127.0.0.1:{p.grpc_port}",
+                             "--port", str(port), "--name", name,
+                             "--dir", str(p.run_dir / "relays" / name),
+                             "--deadline-s", f"{p.relay_deadline_s:g}")
+        self.relays[name] = Child.start(name, argv, env=child_env(p.env))
+        try:
+            wait_serving(f"127.0.0.1:{port}", self.relays[name], SERVER_START_S)
+        except RuntimeError as err:
+            raise TestnetFailed(str(err)) from None
+        say(f"[testnet] {name} relays between the root and the clients on 127.0.0.1:{port}")
+
     def _start_client(self, spec: ClientSpec, *, restarted: bool = False) -> None:
         p = self.plan
         argv = python_module(
-            "matformer.client.cli", "train", "--server", f"127.0.0.1:{p.grpc_port}",
+            "matformer.client.cli", "train", "--server",
+            f"127.0.0.1:{spec.port if spec.port is not None else p.grpc_port}",
             "--tier", str(spec.tier), "--name", spec.name,
             "--state-dir", str(p.run_dir / "clients" / spec.name), "--no-progress")
         if spec.speed != 1:
@@ -229,14 +250,15 @@ class Testnet:
         if self.server is not None and not self.server.alive and down != SERVER:
             raise TestnetFailed(f"the server exited with code {self.server.returncode}; its "
                                 f"last lines:\n{self.server.tail()}")
-        for name, child in self.clients.items():
+        for name, child in [*self.clients.items(), *self.relays.items()]:
             if name != down and child.returncode not in (None, 0):
                 raise TestnetFailed(f"{name} exited with code {child.returncode}; its last "
                                     f"lines:\n{child.tail()}")
 
     def _wait_for_clients(self) -> None:
+        """The clients, then the relays, leave once the run finished."""
         deadline = time.monotonic() + CLIENT_EXIT_S
-        for name, child in self.clients.items():
+        for name, child in [*self.clients.items(), *self.relays.items()]:
             if self._down is not None and name == self._down[0]:
                 continue  # killed, and the run ended before its restart
             if not child.wait(max(deadline - time.monotonic(), 0.1)):

@@ -14,6 +14,7 @@ that parameter costs, never what a message declares), and the result checked by
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -73,6 +74,21 @@ def result_layouts(compressor: Compressor, shapes: Mapping[str, tuple[int, ...]]
         encoding=compressor.encoding_name,
         chunk=() if dense else ChunkGrid.of(shape, compressor.chunk).chunk,
         topk=compressor.topk, value_dtype=dtype_name(values)) for name, shape in shapes.items()}
+
+
+def partial_layouts(compressor: Compressor, shapes: Mapping[str, tuple[int, ...]],
+                    tier_regions: Mapping[int, Mapping[str, Region]]
+                    ) -> dict[tuple[str, Region], ResultLayout]:
+    """What the run accepts from a relay (``modeling.compression.partial``): for each
+    parameter and each tier's region of it, float32 values and up to a whole chunk of
+    positions per chunk; keyed by (name, region)."""
+    layouts: dict[tuple[str, Region], ResultLayout] = {}
+    for regions in tier_regions.values():
+        for name, layout in result_layouts(compressor, shapes, regions).items():
+            wide = dataclasses.replace(layout, value_dtype="float32",
+                                       topk=math.prod(layout.chunk) if layout.chunk else 0)
+            layouts[name, layout.region] = wide
+    return layouts
 
 
 def encode_sparse_result(result: SparseResult) -> pb.SparseResult:

@@ -30,6 +30,8 @@ VERBS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "testnet": ("local_testnet.main:main", (), "a whole federated run on this machine"),
     "server": ("server.main:main", (), "coordinate a federated run (its run.toml)"),
     "client": ("client.cli:main", (), "join a run as a member: matformer client train ..."),
+    "relay": ("relay.main:main", (), "a relay: one member to the root, a coordinator near"
+              " its members"),
     "keys": ("server.main:main", ("keys",), "the member keys of a run with [auth] mode keys"),
     "train": ("client.standalone:main", (), "train on this machine alone"),
     "eval": ("scripts.evaluate:main", (), "held-out loss and perplexity per tier"),

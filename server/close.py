@@ -88,8 +88,8 @@ class Closing:
                      if client in rnd.submissions}
         by_name: dict[str, list[SparseResult]] = {}
         for client in delivered:  # assignment order: aggregation order is deterministic
-            for name, result in rnd.submissions[client].results.items():
-                by_name.setdefault(name, []).append(result)
+            for result in rnd.submissions[client].results:
+                by_name.setdefault(result.name, []).append(result)
         tokens_after = c.state.tokens + sum(a.tokens for a in delivered.values())
         stop = c.config.round
         finishes = (stop.rounds is not None and r + 1 >= stop.rounds) or (

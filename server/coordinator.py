@@ -53,6 +53,7 @@ from matformer.server.close import ClosedRound, CloseWorker, Closing, close, roo
 from matformer.server.config import RunConfig
 from matformer.server.errors import (
     Excluded,
+    MissedNotAssigned,
     RunDirectoryUnavailable,
     SessionInvalid,
     UpdatesPruned,
@@ -172,22 +173,37 @@ class Coordinator:
 
     def submit(self, client_id: str, round_index: int, results: Sequence[SparseResult], *,
                loss: float | None = None, train_seconds: float | None = None,
-               assignment_id: str | None = None, wire_bytes: int = 0) -> None:
+               assignment_id: str | None = None, wire_bytes: int = 0,
+               missed: Sequence[int] = ()) -> None:
         """Take a client's results for a round being collected, all or none (the gate's
         BadResult keeps none; ``RoundPipeline.keep``). The results are checked without the
-        lock, the header again under it when they are kept."""
+        lock, the header again under it when they are kept. A relay's are partial sums,
+        and ``missed`` names the sequences of its assignment that its members did not
+        deliver: they go back to the queue."""
         with self._lock:
-            self.membership.heartbeat(client_id, now=self.clock())
+            relay = self.membership.heartbeat(client_id, now=self.clock()).relay
         self._advance()  # a round past its deadline ends before late results are looked at
         with self._lock:
             _, assigned = self._header(client_id, round_index, assignment_id)
-        kept = self.gate.results(assigned, self.regions(assigned.tier), results, loss=loss,
-                                 train_seconds=train_seconds)
+        if relay:
+            delivered = assigned.without(missed, self._length)
+            kept = self.gate.partials(
+                assigned, [self.regions(t) for t in self.config.tiers.allowed], results,
+                tokens=delivered.tokens, loss=loss, train_seconds=train_seconds)
+        elif missed:
+            raise MissedNotAssigned("only a relay names missed sequences; a member submits "
+                                    "its whole assignment or nothing.")
+        else:
+            kept = self.gate.results(assigned, self.regions(assigned.tier), results,
+                                     loss=loss, train_seconds=train_seconds)
         with self._lock:
             rnd, assigned = self._header(client_id, round_index, assignment_id)
-            self.pipeline.keep(rnd, assigned, Submission(
-                {r.name: r for r in kept}, loss, self.clock(), wire_bytes),
-                train_seconds=train_seconds, dense_bytes=self.dense_bytes(assigned.tier))
+            if relay:
+                delivered = assigned.without(missed, self._length)
+            self.pipeline.keep(rnd, delivered if relay else assigned, Submission(
+                kept, loss, self.clock(), wire_bytes),
+                train_seconds=train_seconds, dense_bytes=self.dense_bytes(assigned.tier),
+                missed=missed if relay else ())
         self._advance()  # the last submission makes the round ready to close
 
     def rejected(self, client_id: str, error: Exception) -> str:

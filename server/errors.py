@@ -135,6 +135,11 @@ class AlreadySubmitted(DuplicateResult):
     counted = False
 
 
+class MissedNotAssigned(BadResult):
+    """A submission names missed sequences its assignment does not hold, or is not a relay's
+    (only a relay names the sequences its members did not deliver)."""
+
+
 class MalformedResult(BadResult):
     """A result that fails modeling's checks (bad indices, NaN/Inf values, token count...)."""
 

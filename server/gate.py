@@ -20,7 +20,7 @@ gate never changes the round, so a refused submission leaves everything as it wa
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from matformer.modeling.compression import Region, SparseResult, validate
 from matformer.modeling.errors import CompressionError
@@ -108,22 +108,61 @@ class SubmissionGate:
                 validate(result)
             except CompressionError as err:
                 raise MalformedResult(str(err)) from err
-        check_reports(results, assigned.tokens, loss, train_seconds)
+        wrong = [r for r in results if r.tokens != assigned.tokens]
+        if wrong:
+            raise WrongTokenCount(
+                f"{wrong[0].name} claims {wrong[0].tokens} tokens ({len(wrong)} result(s) "
+                f"differ), but the assignment holds {assigned.tokens}; results are weighted by "
+                "the tokens assigned, so send that count.")
+        check_reports(assigned.tokens, loss, train_seconds)
         return self.limits.check(results)
 
+    def partials(self, assigned: RoundAssignment, regions: Iterable[Mapping[str, Region]],
+                 results: Sequence[SparseResult], *, tokens: int, loss: float | None,
+                 train_seconds: float | None) -> list[SparseResult]:
+        """A relay's results as the coordinator keeps them: per parameter at most one per
+        tier region (``regions``: each tier's), their tokens adding up to ``tokens`` (the
+        assignment's, less the sequences it missed); or the BadResult that refuses them."""
+        allowed: dict[str, set[Region]] = {}
+        for tier in regions:
+            for name, region in tier.items():
+                allowed.setdefault(name, set()).add(tuple(map(tuple, region)))
+        seen: set[tuple[str, Region]] = set()
+        covered: dict[str, int] = {}
+        for result in results:
+            name, region = result.name, tuple(map(tuple, result.region))
+            if name not in self.shapes:
+                raise UnknownParameter(f"{name!r} is not a parameter of this run's model; send "
+                                       "canonical names (modeling.naming).")
+            if tuple(result.shape) != self.shapes[name] or region not in allowed[name]:
+                raise WrongRegion(f"{name}: shape {tuple(result.shape)} region {region} is no "
+                                  f"tier's region of shape {self.shapes[name]}; a relay sends "
+                                  "one partial per parameter and tier region.")
+            if (name, region) in seen:
+                raise DuplicateResult(f"{name} region {region} appears twice in "
+                                      f"{assigned.client_id}'s submission for round "
+                                      f"{assigned.round}; fold each region's results into one.")
+            seen.add((name, region))
+            try:
+                validate(result)
+            except CompressionError as err:
+                raise MalformedResult(str(err)) from err
+            covered[name] = covered.get(name, 0) + result.tokens
+        wrong = sorted(name for name, count in covered.items() if count != tokens)
+        if wrong:
+            raise WrongTokenCount(
+                f"{wrong[0]}'s partials hold {covered[wrong[0]]} tokens ({len(wrong)} "
+                f"parameter(s) differ), but the members delivered {tokens}; each parameter's "
+                "partials add up to the tokens of the sequences they cover.")
+        check_reports(tokens, loss, train_seconds)
+        return self.limits.check(results, partial=True)
 
-def check_reports(results: Sequence[SparseResult], tokens: int, loss: float | None,
-                  train_seconds: float | None) -> None:
-    """BadResult unless what a client says of its work is the coordinator's own count or
-    physically possible: a result is weighted by the tokens assigned (a claimed count could
-    steer the whole update), and speed and loss feed the next round's split and the record.
+
+def check_reports(tokens: int, loss: float | None, train_seconds: float | None) -> None:
+    """BadResult unless what a client says of its work is physically possible: speed and
+    loss feed the next round's split and the record. (Its results' tokens are the
+    coordinator's own count, checked apart: a claimed count could steer the whole update.)
     A loss or time that is not a number is refused, whichever way it arrived."""
-    wrong = [r for r in results if r.tokens != tokens]
-    if wrong:
-        raise WrongTokenCount(
-            f"{wrong[0].name} claims {wrong[0].tokens} tokens ({len(wrong)} result(s) differ), "
-            f"but the assignment holds {tokens}; results are weighted by the tokens assigned, "
-            "so send that count.")
     if loss is not None and not (math.isfinite(loss) and 0.0 <= loss <= MAX_LOSS):
         raise BadReport(f"the reported loss {loss} is not in 0..{MAX_LOSS:g}; the client "
                         "diverged, so it should reload the checkpoint.")

@@ -116,7 +116,9 @@ def run_status(service: CoordinatorService) -> dict[str, Any]:
     now = snap["now"]
     clients = [{"client_id": m["client_id"], "name": m["name"], "tier": m["tier"],
                 "device": m["device_kind"], "tokens_per_second": m["tokens_per_second"],
-                "last_seen_s_ago": max(now - m["last_seen"], 0.0)} for m in snap["members"]]
+                "last_seen_s_ago": max(now - m["last_seen"], 0.0), "relay": m["relay"],
+                "bytes_up": m["bytes_up"], "bytes_down": m["bytes_down"]}
+               for m in snap["members"]]
     return {"run_id": snap["run_id"], "phase": snap["phase"], "round": snap["round"],
             "tokens": snap["tokens"], "checkpoints": snap["checkpoints"], "clients": clients,
             "loss": {tier: [{"round": int(r), "loss": loss} for r, loss in points]

@@ -33,10 +33,16 @@ class SubmissionLimits:
         self.compressor = compression.build()
         self.faults = faults
 
-    def check(self, results: Sequence[SparseResult]) -> list[SparseResult]:
-        """``results`` as the coordinator keeps them, or the BadResult that refuses them."""
+    def check(self, results: Sequence[SparseResult], *, partial: bool = False
+              ) -> list[SparseResult]:
+        """``results`` as the coordinator keeps them, or the BadResult that refuses them.
+        ``partial``: a relay's partial sums, whose layout (float32 values, up to a whole
+        chunk of positions) the wire checked; their values and norm are bounded alike."""
         for result in results:
-            self._check_one(result)
+            if partial:
+                self._check_magnitude(result)
+            else:
+                self._check_one(result)
         bound = self.faults.max_norm
         if bound is None:
             return list(results)
@@ -51,14 +57,17 @@ class SubmissionLimits:
         return [dataclasses.replace(r, values=(r.values.double() * scale).to(r.values.dtype))
                 for r in results]
 
+    def _check_magnitude(self, result: SparseResult) -> None:
+        largest = float(result.values.abs().max()) if result.values.numel() else 0.0
+        if largest > MAX_ABS_VALUE:
+            raise ValueTooLarge(f"{result.name} holds a value of magnitude {largest:.3g}, above "
+                                f"{MAX_ABS_VALUE:g}; the client's gradient exploded, so it "
+                                "should reload the checkpoint.")
+
     def _check_one(self, result: SparseResult) -> None:
         c = self.compressor
         name = result.name
-        largest = float(result.values.abs().max()) if result.values.numel() else 0.0
-        if largest > MAX_ABS_VALUE:
-            raise ValueTooLarge(f"{name} holds a value of magnitude {largest:.3g}, above "
-                                f"{MAX_ABS_VALUE:g}; the client's gradient exploded, so it "
-                                "should reload the checkpoint.")
+        self._check_magnitude(result)
         if result.encoding != c.encoding_name:
             raise WrongEncoding(f"{name} is encoded as {result.encoding!r}, the run uses "
                                 f"{c.encoding_name!r}; take the settings from JoinReply.")

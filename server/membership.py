@@ -50,6 +50,7 @@ class Member:
     dense_bytes_down: int = 0
     compute_s: float = 0.0
     last_round_compute_s: float = 0.0
+    relay: bool = False  # submits partial sums of its own members (docs/architecture.md)
 
 
 class Membership:
@@ -81,7 +82,8 @@ class Membership:
                         tokens_per_second=capabilities.tokens_per_second, last_seen=now,
                         memory_bytes=capabilities.memory_bytes,
                         microbatch_tokens=capabilities.microbatch_tokens,
-                        requested_tier=capabilities.requested_tier, key_hash=key_hash)
+                        requested_tier=capabilities.requested_tier, key_hash=key_hash,
+                        relay=capabilities.relay)
         self.members[client_id] = member
         return member, assignment, self.sessions.issue(client_id)
 

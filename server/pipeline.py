@@ -93,11 +93,15 @@ class RoundPipeline:
         return left if left > 0 else None
 
     def keep(self, rnd: OpenRound, assigned: RoundAssignment, submission: Submission, *,
-             train_seconds: float | None, dense_bytes: int) -> None:
+             train_seconds: float | None, dense_bytes: int, missed: Sequence[int] = ()) -> None:
         """A submission the gate passed, kept in its round, and what it says of its member:
         bytes, compute time, and its speed (``train_seconds``, the member's own compute
-        time; without it, or 0, the time since the round opened)."""
+        time; without it, or 0, the time since the round opened). A relay's ``assigned`` is
+        what it delivered, and ``missed`` the rest, which goes back to the queue."""
         client_id = assigned.client_id
+        if missed:  # a relay's members did not deliver these: its work is what they did
+            rnd.assignments[client_id] = assigned
+            self.queue.requeue(missed)
         rnd.submissions[client_id] = submission
         member = self.membership.get(client_id)
         member.bytes_up += submission.wire_bytes
@@ -317,7 +321,10 @@ class RoundPipeline:
 
     def _retier(self, member: Member, step: int, why: str) -> None:
         """Move ``member`` one allowed tier smaller (step +1) or larger (step -1) when the
-        tier policy allows; logged as an event with the reason."""
+        tier policy allows; logged as an event with the reason. Never a relay: its members'
+        tiers are the relay's to move."""
+        if member.relay:
+            return
         tier = self.membership.policy.moved(
             name=member.name, tier=member.tier, step=step, requested_tier=member.requested_tier,
             memory_bytes=member.memory_bytes,

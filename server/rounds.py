@@ -5,10 +5,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from matformer.modeling.compression import SparseResult
+from matformer.server.errors import MissedNotAssigned
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,10 +27,30 @@ class RoundAssignment:
     deadline: float  # clock time by which the results must be in
     assignment_id: str = ""  # names this split of this round; a submission quotes it
 
+    def without(self, missed: Sequence[int], length_of: Callable[[int], int]
+                ) -> RoundAssignment:
+        """This work less the sequences ``missed`` (each id as often as it is named): what
+        a relay delivered when some of its members did not. MissedNotAssigned names ids it
+        does not hold."""
+        left = Counter(self.sequence_ids)
+        left.subtract(missed)
+        foreign = sorted({i for i, n in left.items() if n < 0})
+        if foreign:
+            raise MissedNotAssigned(f"missed sequence ids {foreign[:5]} are not in "
+                                    f"{self.client_id}'s assignment for round {self.round} "
+                                    "(or are named more often than it holds them).")
+        kept: list[int] = []
+        for i in self.sequence_ids:
+            if left[i] > 0:
+                kept.append(i)
+                left[i] -= 1
+        return dataclasses.replace(self, sequence_ids=tuple(kept),
+                                   tokens=sum(length_of(i) for i in kept))
+
 
 @dataclass(slots=True)
 class Submission:
-    results: dict[str, SparseResult]  # canonical name → result
+    results: list[SparseResult]  # one per parameter; a relay's, one per parameter and tier
     loss: float | None
     received_at: float
     wire_bytes: int = 0  # the submission's size as it arrived (compressed, protobuf-framed)

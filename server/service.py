@@ -36,13 +36,14 @@ import torch
 from google.protobuf.message import Message
 
 from matformer.modeling.checkpoint.schema import canonical_schema_hash
+from matformer.modeling.compression import Region
 from matformer.modeling.errors import CheckpointError, CompressionError
 from matformer.protocol.auth import SESSION_METADATA_KEY, check_join_token, presented_session
 from matformer.protocol.errors import MalformedStream, ProtocolError
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from matformer.protocol.sparse import ResultLayout, result_layouts
-from matformer.protocol.submission import read_results, read_submission
+from matformer.protocol.sparse import ResultLayout, partial_layouts, result_layouts
+from matformer.protocol.submission import read_partials, read_results, read_submission
 from matformer.protocol.tensors import encode_tensor
 from matformer.server import replies
 from matformer.server.call_slots import CallLimits, CallSlots, Watch, end_call
@@ -85,6 +86,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             coordinator.assignment_for(client_id) is not None))
         # GetUpdates from memory: each round encoded once per tier, fed by every close
         self._result_layouts: dict[int, dict[str, ResultLayout]] = {}  # by tier (_layouts)
+        self._relay_layouts: dict[tuple[str, Region], ResultLayout] | None = None
         self.updates = UpdateCache(read=coordinator.log.read, regions=coordinator.regions)
         coordinator.round_closed.append(lambda closed: self.updates.put(closed.update))
         self.schema_hash = canonical_schema_hash(coordinator.model_config, coordinator.shapes)
@@ -109,6 +111,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           f"the client's model has canonical schema hash "
                           f"{request.schema.canonical_hash or '(none)'}, the run's model "
                           f"{self.schema_hash}; load the run's checkpoint (--checkpoint server).")
+        if request.relay and c.config.update.vote == "majority":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this run counts one sign vote per member ([update] vote = "
+                          "\"majority\"), which a relay's partial sum cannot carry; join its "
+                          "members directly, or run with vote = \"mean\".")
         caps = request.capabilities
         capabilities = Capabilities(
             name=request.client_name or "client", device_kind=caps.device_kind or "cpu",
@@ -117,7 +124,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             tokens_per_second=caps.tokens_per_second,
             # A client that does not say runs at least one sequence per pass.
             microbatch_tokens=caps.microbatch_tokens or c.config.data.max_seq_len,
-            device_name=caps.device_name[:200])
+            device_name=caps.device_name[:200], relay=request.relay)
         # a restarted client presents the session it had, to take its name back at once
         previous = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
         member, tier, token = _call(context, lambda: c.join(capabilities, key=key,
@@ -206,6 +213,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                                         c.regions(tier))
         return self._result_layouts[tier]
 
+    def _partial_layouts(self) -> dict[tuple[str, Region], ResultLayout]:
+        """What the run accepts from a relay: built once."""
+        if self._relay_layouts is None:
+            c = self.coordinator
+            self._relay_layouts = partial_layouts(
+                c.config.compression.build(), c.shapes,
+                {t: c.regions(t) for t in c.config.tiers.allowed})
+        return self._relay_layouts
+
     def SubmitResult(self, request_iterator: Iterator[pb.SubmitMessage],
                      context: grpc.ServicerContext) -> pb.SubmitReply:
         c = self.coordinator
@@ -233,15 +249,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             watch.until(time.monotonic() + assignment.deadline - c.clock(), StaleRound(
                 f"round {assignment.round} reached its deadline while this submission was "
                 "still arriving; nothing of it was kept, wait for the next assignment."))
-            # each result checked against the run's layout for the assigned tier before it
-            # is decoded, then checked whole, before the coordinator sees any
-            results = list(read_results(rest, self._layouts(assignment.tier)))
+            # each result checked against the run's layout for the assigned tier (a relay's:
+            # for a tier region) before it is decoded, then checked whole, before the
+            # coordinator sees any
+            if c.membership.get(client_id).relay:
+                results = list(read_partials(rest, self._partial_layouts()))
+            else:
+                results = list(read_results(rest, self._layouts(assignment.tier)))
             if not context.is_active():  # gRPC ends the stream at a message it cannot parse
                 raise MalformedStream("the SubmitResult stream broke off at a message that "
                                       "does not parse; nothing was kept, submit again.")
             c.submit(client_id, header.round, results, loss=header.loss,
                      train_seconds=header.train_seconds, assignment_id=header.assignment_id,
-                     wire_bytes=received)
+                     wire_bytes=received, missed=list(header.missed_ids))
             return len(results)
 
         with self._stream(context, client_id) as watch:

@@ -40,6 +40,7 @@ class Capabilities:
     tokens_per_second: float  # measured on a warm-up; sizes its share of a round
     microbatch_tokens: int  # tokens per forward/backward pass
     device_name: str = ""  # e.g. "NVIDIA H100 80GB HBM3" or the CPU model; shown to operators
+    relay: bool = False  # a relay: it submits the partial sums of members behind it
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,9 @@ class TierPolicy:
     def assign(self, client: Capabilities, members: Sequence[int] = ()) -> TierAssignment:
         """The tier for ``client``, given the tiers of the current ``members``."""
         check_capabilities(client)
+        if client.relay:  # it trains nothing; the largest tier's regions hold every other's
+            return self._assignment(self.allowed[0], 0, "a relay: it carries the tiers of "
+                                    "the members behind it")
         have = client.memory_bytes
 
         def need(tier: int) -> int:

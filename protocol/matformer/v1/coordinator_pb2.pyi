@@ -91,18 +91,20 @@ class Schema(_message.Message):
     def __init__(self, local_hash: _Optional[str] = ..., canonical_hash: _Optional[str] = ..., parameter_count: _Optional[int] = ..., tier: _Optional[int] = ..., sliced: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("run_id", "join_token", "capabilities", "schema", "client_name")
+    __slots__ = ("run_id", "join_token", "capabilities", "schema", "client_name", "relay")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     join_token: str
     capabilities: Capabilities
     schema: Schema
     client_name: str
-    def __init__(self, run_id: _Optional[str] = ..., join_token: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., client_name: _Optional[str] = ...) -> None: ...
+    relay: bool
+    def __init__(self, run_id: _Optional[str] = ..., join_token: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., schema: _Optional[_Union[Schema, _Mapping]] = ..., client_name: _Optional[str] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class TierEntry(_message.Message):
     __slots__ = ("tier", "intermediate_size", "files")
@@ -259,20 +261,22 @@ class Sequence(_message.Message):
     def __init__(self, id: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("round", "client_id", "tokens", "loss", "train_seconds", "assignment_id")
+    __slots__ = ("round", "client_id", "tokens", "loss", "train_seconds", "assignment_id", "missed_ids")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MISSED_IDS_FIELD_NUMBER: _ClassVar[int]
     round: int
     client_id: str
     tokens: int
     loss: float
     train_seconds: float
     assignment_id: str
-    def __init__(self, round: _Optional[int] = ..., client_id: _Optional[str] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ...) -> None: ...
+    missed_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round: _Optional[int] = ..., client_id: _Optional[str] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ..., missed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SubmitMessage(_message.Message):
     __slots__ = ("header", "result")

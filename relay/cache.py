@@ -1,0 +1,87 @@
+"""What the relay serves its members from the root: each round's update per tier and each
+checkpoint file, fetched from the root once and kept.
+
+    updates = UpdateCache(root)
+    updates.messages(since_round, tier, wait_s)   # the rounds from since_round on, as sent
+    files = FileCache(root, folder)
+    files.path("round-4/matformer_manifest.json")  # downloaded once, then from disk
+
+Members of one tier asking at once make one upstream call: the first asks, the others wait
+for its answer and take it from the cache. Updates and checkpoint files never change once
+published, so nothing here is ever refreshed; the oldest rounds leave past ``KEEP_ROUNDS``.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from matformer.protocol.files import resolve_inside
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.relay.upstream import Upstream, rounds_of
+
+KEEP_ROUNDS = 16  # per tier: a member that fell further behind loads a checkpoint
+
+
+class UpdateCache:
+    def __init__(self, root: Upstream) -> None:
+        self.root = root
+        self._rounds: dict[tuple[int, int], list[pb.UpdateMessage]] = {}  # (round, tier)
+        self._lock = threading.Lock()
+        self._asking: dict[int, threading.Lock] = {}  # one upstream call per tier at a time
+        self.fetched = 0  # rounds taken from the root
+        self.served = 0  # rounds sent to members
+
+    def messages(self, since_round: int, tier: int, wait_s: float) -> list[pb.UpdateMessage]:
+        """The rounds from ``since_round`` on that the root has closed, at ``tier``; waits up
+        to ``wait_s`` for ``since_round`` to close when none has. Raises the root's
+        ``grpc.RpcError`` (a pruned round, a stopped root) for the caller to pass on."""
+        held = self._held(since_round, tier)
+        if held:
+            return held
+        with self._lock:
+            asking = self._asking.setdefault(tier, threading.Lock())
+        with asking:  # another member may have asked meanwhile
+            held = self._held(since_round, tier)
+            if held:
+                return held
+            fresh = list(rounds_of(self.root.updates(since_round, tier, wait_s)))
+            with self._lock:
+                for round_index, messages in fresh:
+                    self._rounds[round_index, tier] = messages
+                    self.fetched += 1
+                for key in sorted(self._rounds)[:-KEEP_ROUNDS * 4]:  # every tier's oldest
+                    del self._rounds[key]
+        return self._held(since_round, tier)
+
+    def _held(self, since_round: int, tier: int) -> list[pb.UpdateMessage]:
+        sent: list[pb.UpdateMessage] = []
+        with self._lock:
+            round_index = since_round
+            while (round_index, tier) in self._rounds:
+                sent += self._rounds[round_index, tier]
+                round_index += 1
+            self.served += round_index - since_round
+        return sent
+
+
+class FileCache:
+    def __init__(self, root: Upstream, folder: Path) -> None:
+        self.root = root
+        self.folder = folder
+        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self.fetched = 0  # files taken from the root
+
+    def path(self, relative: str) -> Path:
+        """The root's file ``relative`` (of its checkpoint directory), on this disk.
+        Raises ``UnsafePath`` for a path outside it, the root's ``grpc.RpcError`` else."""
+        local = resolve_inside(self.folder, relative)
+        with self._lock:
+            lock = self._locks.setdefault(relative, threading.Lock())
+        with lock:
+            if not local.is_file():
+                local.parent.mkdir(parents=True, exist_ok=True)
+                self.root.download(relative, local)
+                self.fetched += 1
+        return local

@@ -1,0 +1,388 @@
+"""The relay's state: its members, the root's round it holds, and how that round's work is
+split, collected and folded into one submission upstream (docs/architecture.md, "Relays").
+
+    relay = Relay(root, deadline_s=45.0, folder=Path("runs/relay"), log=print)
+    relay.start()                          # joins the root, learns the model, starts threads
+    member, tier, token = relay.join(capabilities)
+    relay.assignment_for(client_id, after) # its part of the held round, or None
+    relay.submit(client_id, header, results)
+    relay.stop("done")
+
+Per root round: ask the root for work (GetRound), fetch its sequences once, split them among
+the live members by speed (the root's own ``assign``), collect each member's results through
+the root's own gate (``SubmissionGate``, for the member's tier), and once every member has
+answered, left, fallen silent or ``deadline_s`` passed, submit one partial sum per parameter
+and tier region with the sequences nobody delivered named as missed: the root puts them back
+in its queue. Nothing is submitted when no member delivered; the root then drops the relay
+from the round at its deadline, as it drops a member.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from matformer.client.connection import RunSettings
+from matformer.modeling.checkpoint.files import read_json
+from matformer.modeling.checkpoint.hf_config import from_config_dict
+from matformer.modeling.checkpoint.manifest import Manifest
+from matformer.modeling.compression import (
+    SparseResult,
+    tier_regions,
+    universal_config,
+    universal_shapes,
+)
+from matformer.modeling.compression.partial import partial_sums
+from matformer.modeling.errors import MatformerError
+from matformer.protocol.auth import SessionTokens
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.sparse import ResultLayout, result_layouts
+from matformer.relay.cache import FileCache, UpdateCache
+from matformer.relay.upstream import Upstream
+from matformer.server.errors import (
+    AlreadySubmitted,
+    NotInRound,
+    StaleAssignment,
+    StaleRound,
+    UnknownClient,
+)
+from matformer.server.gate import SubmissionGate
+from matformer.server.limits import SubmissionLimits
+from matformer.server.rounds import RoundAssignment
+from matformer.server.sections import FaultsSection
+from matformer.server.tiers import Capabilities, TierAssignment, TierPolicy
+from matformer.server.work import assign
+
+WAIT_S = 0.5  # between looks at the root when it has no work for the relay
+MEMBER_TIMEOUT_S = 30.0  # a member silent this long is gone: its part counts as missed
+
+
+class RelayError(MatformerError):
+    """The relay cannot serve the run as the root runs it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RelayMember:
+    client_id: str
+    name: str
+    tier: int
+    tokens_per_second: float
+    last_seen: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Part:
+    """One member's part of the held round, and what it delivered."""
+
+    assignment: RoundAssignment
+    results: list[SparseResult] | None = None
+    loss: float = 0.0
+    delivered_at: float = 0.0
+
+
+@dataclass(kw_only=True, slots=True)
+class HeldRound:
+    work: pb.RoundAssignment  # the root's assignment to the relay
+    sequences: dict[int, pb.Sequence]
+    parts: dict[str, Part]  # client id → its part
+    opened: float
+    deadline: float
+    missed: set[str] = field(default_factory=set)  # members gone before they delivered
+
+    def done(self, now: float) -> bool:
+        return now >= self.deadline or all(
+            p.results is not None or c in self.missed for c, p in self.parts.items())
+
+
+class Relay:
+    def __init__(self, root: Upstream, *, deadline_s: float, folder: Path,
+                 log: Callable[[str], None] = lambda line: None,
+                 member_timeout_s: float = MEMBER_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.root = root
+        self.deadline_s = deadline_s
+        self.member_timeout_s = member_timeout_s
+        self.log = log
+        self.clock = clock
+        self.updates = UpdateCache(root)
+        self.files = FileCache(root, folder / "checkpoints")
+        self.sessions = SessionTokens()
+        self.members: dict[str, RelayMember] = {}
+        self.held: HeldRound | None = None
+        self.finished = False
+        self.rounds_submitted = 0
+        self.joined: pb.JoinReply | None = None
+        self._next_id = 0
+        self._owed: dict[str, float] = {}  # ids rounding left each member short: assign's
+        self._changed = threading.Condition()  # guards everything above
+        self._stopping = threading.Event()
+        self._speed_changed = threading.Event()  # heartbeat the root now, not on schedule
+        self._threads: list[threading.Thread] = []
+
+    # -- the relay's life --------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join the root, learn the run's model from its latest checkpoint, and start the
+        heartbeat and round threads."""
+        self.joined = self.root.join(tokens_per_second=0.0)
+        settings = RunSettings.from_proto(self.joined.settings)
+        self.heartbeat_s = settings.heartbeat_s or 5.0
+        manifest_path = self.root.checkpoint().manifest_path
+        folder = manifest_path.rpartition("/")[0]
+        manifest = Manifest.from_dict(read_json(self.files.path(manifest_path)))
+        universal = manifest.entry(0)
+        config_file = next((f for f in [*(universal.files if universal else []),
+                                        *manifest.common_files]
+                            if f.rpartition("/")[2] == "config.json"), None)
+        if config_file is None:
+            raise RelayError(f"the root's checkpoint {folder} lists no universal config.json; "
+                             "a relay learns the run's model from it (export the tiers "
+                             "with this Matformer).")
+        config = universal_config(from_config_dict(read_json(self.files.path(
+            f"{folder}/{config_file}"))))
+        shapes = universal_shapes(config)
+        tiers = sorted(e.tier for e in manifest.tiers if not e.is_mix)
+        self.policy = TierPolicy(config, allowed=tiers, pins={}, mix={})
+        self.regions = {t: tier_regions(shapes, config, t) for t in tiers}
+        compressor = settings.compression.build()
+        self.layouts: dict[int, dict[str, ResultLayout]] = {
+            t: result_layouts(compressor, shapes, self.regions[t]) for t in tiers}
+        self.gate = SubmissionGate(shapes, SubmissionLimits(settings.compression,
+                                                            FaultsSection()))
+        self.log(f"joined the root at {self.root.address} as {self.root.client_id}; serving "
+                 f"tiers {', '.join(map(str, tiers))}")
+        for target in (self._beat, self._rounds):
+            thread = threading.Thread(target=target, daemon=True, name=target.__name__)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, reason: str) -> None:
+        self._stopping.set()
+        self._speed_changed.set()
+        with self._changed:
+            self._changed.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        with contextlib.suppress(grpc.RpcError):  # a courtesy: the root drops silent members
+            self.root.leave(reason)
+        self.root.close()
+
+    # -- members ---------------------------------------------------------------------------
+
+    def join(self, capabilities: Capabilities) -> tuple[RelayMember, TierAssignment, str]:
+        """A member of this relay: its tier by the root's own rule (its memory and request),
+        and its session. Raises the policy's ``TierAssignmentError``."""
+        tier = self.policy.assign(capabilities)
+        with self._changed:
+            client_id = f"{self.root.client_id}.m{self._next_id}"
+            self._next_id += 1
+            member = RelayMember(client_id=client_id, name=capabilities.name, tier=tier.tier,
+                                 tokens_per_second=capabilities.tokens_per_second,
+                                 last_seen=self.clock())
+            self.members[client_id] = member
+            self.log(f"{member.name} joined as {client_id} at tier {tier.tier}")
+            self._speed_changed.set()
+            return member, tier, self.sessions.issue(client_id)
+
+    def seen(self, client_id: str, tokens_per_second: float | None = None) -> RelayMember:
+        with self._changed:
+            member = self.members.get(client_id)
+            if member is None:
+                raise UnknownClient(f"{client_id} left this relay; call Join again.")
+            member.last_seen = self.clock()
+            if tokens_per_second is not None and tokens_per_second != member.tokens_per_second:
+                member.tokens_per_second = tokens_per_second
+                self._speed_changed.set()
+            return member
+
+    def leave(self, client_id: str) -> None:
+        with self._changed:
+            self.members.pop(client_id, None)
+            self.sessions.revoke(client_id)
+            if self.held is not None and client_id in self.held.parts:
+                self.held.missed.add(client_id)
+            self._changed.notify_all()
+
+    def wait_for_members(self, timeout_s: float) -> bool:
+        """Until every member left (they leave once told the run finished), at most
+        ``timeout_s``; whether they did."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self.members, timeout_s)
+
+    def speed(self) -> float:
+        """What the relay reports to the root: its live members' tokens/s together."""
+        now = self.clock()
+        with self._changed:
+            return sum(m.tokens_per_second for m in self.members.values()
+                       if now - m.last_seen <= self.member_timeout_s)
+
+    # -- a member's round ------------------------------------------------------------------
+
+    def assignment_for(self, client_id: str, after: int | None) -> RoundAssignment | None:
+        with self._changed:
+            held = self.held
+            if held is None or (after is not None and held.work.round <= after):
+                return None
+            part = held.parts.get(client_id)
+            return part.assignment if part is not None and part.results is None else None
+
+    def sequences(self, client_id: str, ids: list[int]) -> list[pb.Sequence]:
+        with self._changed:
+            part = self.held.parts.get(client_id) if self.held is not None else None
+            if part is None or not set(ids) <= set(part.assignment.sequence_ids):
+                raise NotInRound(f"sequence ids {ids[:5]} are not in {client_id}'s part of "
+                                 "the round this relay holds; ask GetRound again.")
+            return [self.held.sequences[i] for i in ids]
+
+    def part_of(self, client_id: str, round_index: int, assignment_id: str) -> Part:
+        """The member's part that a submission's header names. Raises StaleRound,
+        NotInRound, StaleAssignment or AlreadySubmitted, as the root does."""
+        with self._changed:
+            held = self.held
+            if held is None or held.work.round != round_index:
+                raise StaleRound(f"results for round {round_index}, which this relay no "
+                                 "longer collects; drop them and fetch the current assignment.")
+            part = held.parts.get(client_id)
+            if part is None:
+                raise NotInRound(f"{client_id} has no part in round {round_index}; wait for "
+                                 "the next round.")
+            if assignment_id != part.assignment.assignment_id:
+                raise StaleAssignment(f"results for {assignment_id!r}, but {client_id}'s part "
+                                      f"is {part.assignment.assignment_id!r}.")
+            if part.results is not None:
+                raise AlreadySubmitted(f"{client_id} already submitted for round "
+                                       f"{round_index}.")
+            if self.clock() >= held.deadline:
+                raise StaleRound(f"round {round_index} is past this relay's deadline; drop "
+                                 "its results.")
+            return part
+
+    def submit(self, client_id: str, header: pb.SubmitHeader,
+               results: list[SparseResult]) -> None:
+        """Keep a member's results once the root's gate passes them for its tier."""
+        part = self.part_of(client_id, header.round, header.assignment_id)
+        kept = self.gate.results(part.assignment, self.regions[part.assignment.tier],
+                                 results, loss=header.loss, train_seconds=header.train_seconds)
+        with self._changed:
+            self.part_of(client_id, header.round, header.assignment_id)  # still open
+            part.results, part.loss, part.delivered_at = kept, header.loss, self.clock()
+            member = self.members.get(client_id)
+            if member is not None and header.train_seconds > 0:  # the speed it showed
+                member.tokens_per_second = part.assignment.tokens / header.train_seconds
+            self._changed.notify_all()
+
+    # -- threads ---------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        """Heartbeat the root on schedule, and at once when the members' speed changes (a
+        relay of no members gets no work until it reports one)."""
+        while not self._stopping.is_set():
+            self._speed_changed.wait(self.heartbeat_s)
+            self._speed_changed.clear()
+            if self._stopping.is_set():
+                return
+            try:
+                self.root.heartbeat(self.rounds_submitted, self.speed())
+            except grpc.RpcError as err:
+                self.log(f"heartbeat to the root failed: {err.code().name}")
+
+    def _rounds(self) -> None:
+        while not self._stopping.is_set() and not self.finished:
+            try:
+                if not self._take_round():
+                    self._stopping.wait(WAIT_S)
+                    continue
+                with self._changed:
+                    while not self.held.done(self.clock()) and not self._stopping.is_set():
+                        self._mark_silent()
+                        self._changed.wait(min(1.0, max(0.0, self.held.deadline - self.clock())))
+                self._hand_in()
+            except grpc.RpcError as err:
+                self.log(f"the root answered {err.code().name}: {err.details()}")
+                with self._changed:
+                    self.held = None
+                self._stopping.wait(WAIT_S)
+
+    def _take_round(self) -> bool:
+        """Ask the root for work and split it among the live members; whether a round is
+        now held."""
+        work = self.root.get_round()
+        if work.state == pb.ROUND_STATE_FINISHED:
+            with self._changed:
+                self.finished = True
+                self._changed.notify_all()
+            return False
+        if work.state != pb.ROUND_STATE_TRAIN:
+            return False
+        now = self.clock()
+        with self._changed:
+            live = [m for m in self.members.values()
+                    if now - m.last_seen <= self.member_timeout_s and m.tokens_per_second > 0]
+        if not live:
+            return False
+        sequences = self.root.fetch(list(dict.fromkeys(work.sequence_ids)))
+        shares = assign(list(work.sequence_ids), [(m.client_id, m.tokens_per_second)
+                                                   for m in live], self._owed)
+        deadline = self.clock() + self.deadline_s
+        tiers = {m.client_id: m.tier for m in live}
+        parts = {client: Part(assignment=RoundAssignment(
+            round=work.round, client_id=client, tier=tiers[client],
+            sequence_ids=tuple(int(i) for i in ids),
+            tokens=sum(_length(sequences[int(i)]) for i in ids), deadline=deadline,
+            assignment_id=f"{work.assignment_id}/{client}"))
+            for client, ids in shares.items() if len(ids)}
+        with self._changed:
+            self.held = HeldRound(work=work, sequences=sequences, parts=parts,
+                                  opened=self.clock(), deadline=deadline)
+            self._changed.notify_all()
+        return True
+
+    def _mark_silent(self) -> None:
+        """(lock held) Members of the held round silent past ``member_timeout_s``: missed."""
+        now = self.clock()
+        for client, part in self.held.parts.items():
+            member = self.members.get(client)
+            if part.results is None and (
+                    member is None or now - member.last_seen > self.member_timeout_s):
+                self.held.missed.add(client)
+
+    def _hand_in(self) -> None:
+        """Submit the held round's partial sums upstream, naming what nobody delivered."""
+        with self._changed:
+            held, self.held = self.held, None
+            self._changed.notify_all()
+        if held is None:
+            return
+        delivered = [p for p in held.parts.values() if p.results is not None]
+        missed = [i for p in held.parts.values() if p.results is None
+                  for i in p.assignment.sequence_ids]
+        if not delivered:
+            self.log(f"round {held.work.round}: no member delivered; the root takes its "
+                     "sequences back at its deadline")
+            return
+        by_name: dict[str, list[SparseResult]] = {}
+        for part in delivered:
+            for result in part.results:
+                by_name.setdefault(result.name, []).append(result)
+        partials = [p for results in by_name.values() for p in partial_sums(results)]
+        tokens = sum(p.assignment.tokens for p in delivered)
+        header = pb.SubmitHeader(
+            round=held.work.round, client_id=self.root.client_id, tokens=tokens,
+            loss=sum(p.loss * p.assignment.tokens for p in delivered) / tokens,
+            train_seconds=max(p.delivered_at for p in delivered) - held.opened,
+            assignment_id=held.work.assignment_id, missed_ids=missed)
+        self.root.submit(header, partials)
+        self.rounds_submitted += 1
+        self.log(f"round {held.work.round}: {len(delivered)} of {len(held.parts)} members, "
+                 f"{tokens:,} tokens, {len(partials)} partials upstream"
+                 + (f"; {len(missed)} sequences missed" if missed else ""))
+
+
+def _length(sequence: pb.Sequence) -> int:
+    return int(sequence.tokens.shape[0])

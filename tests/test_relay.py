@@ -1,0 +1,219 @@
+"""Relays (relay/, docs/architecture.md "Relays"): a run whose members sit behind a relay
+ends where the same members joined directly end, and what a relay loses goes back to the
+root's queue. Real root coordinators and a real relay on loopback gRPC; members are stubs
+that submit fixed DCT results, so both runs aggregate the very same results."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import torch
+from helpers import JOIN_TOKEN, served_run_toml
+from rounds import assigned
+from wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, serving_config
+
+from matformer.modeling.compression import CompressionConfig
+from matformer.protocol.auth import session_metadata
+from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.submission import submission_messages
+from matformer.relay.main import RunningRelay
+from matformer.server.config import RunConfig
+
+ROUNDS = 3
+WAIT_S = 120.0  # generous: a busy two-core machine runs these
+COMPRESSION = {"encoding": "dct", "chunk": 16, "topk": 8}
+MEMBERS = (("m0", 0), ("m1", 1))  # name, tier
+SPEED = 1000.0  # tokens/s every member shows: the root and the relay split alike
+
+
+def config(folder, *, min_clients: int, **tables) -> RunConfig:
+    """The run both sides train: sgd on DCT results, tiers 0 and 1, no peer clip (a partial
+    is clipped as one result, where the members' own would each be), quick heartbeats."""
+    tables = {"compression": COMPRESSION, "faults": {"peer_clip": 0.0, "heartbeat_s": 0.5},
+              # the exact aggregate goes out: quantizing it (the default top-k of int8
+              # levels) could move a level where float rounding crosses a step
+              "update": {"rule": "sgd", "lr": 0.1, "schedule": "constant",
+                         "broadcast_topk": 0}, **tables}
+    return RunConfig.load(served_run_toml(folder, min_clients=min_clients,
+                                          round={"min_clients": min_clients,
+                                                 "deadline_s": 60.0, "tokens_per_round": 1024,
+                                                 "rounds": ROUNDS}, **tables))
+
+
+class Member:
+    """A member that submits, each round, DCT results of a gradient fixed by its name and the
+    round: the same results whichever coordinator it joined."""
+
+    def __init__(self, address: str, server, name: str, tier: int) -> None:
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        request = join_request(server, name=name)
+        request.capabilities.requested_tier = tier
+        self.reply = self.stub.Join(request, timeout=HONEST_TIMEOUT_S)
+        self.auth = session_metadata(self.reply.session_token)
+        self.name, self.tier = name, self.reply.tier
+        self.coordinator = server.service.coordinator  # the root: shapes and tier regions
+        self.compressor = CompressionConfig(**COMPRESSION).build()
+        self.rounds: list[pb.RoundAssignment] = []
+        self.tokens: list[int] = []  # trained per round
+
+    def results(self, work: pb.RoundAssignment, tokens: int):
+        c = self.coordinator
+        regions = c.regions(self.tier)
+        for name in sorted(c.shapes):
+            gen = torch.Generator().manual_seed(hash((self.name, name, work.round)) % 2**31)
+            values = torch.randn(c.shapes[name], generator=gen)
+            yield self.compressor.encode(
+                name, values[tuple(slice(a, b) for a, b in regions[name])],
+                shape=c.shapes[name], region=regions[name], tokens=tokens)
+
+    def work(self) -> pb.RoundAssignment | None:
+        """The next assignment, waiting while there is none; None once the run finished."""
+        give_up = time.monotonic() + WAIT_S
+        while time.monotonic() < give_up:
+            work = self.stub.GetRound(pb.GetRoundRequest(), metadata=self.auth,
+                                      timeout=HONEST_TIMEOUT_S)
+            if work.state == pb.ROUND_STATE_FINISHED:
+                return None
+            if work.state == pb.ROUND_STATE_TRAIN:
+                return work
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name} got no work within {WAIT_S:g} s")
+
+    def train(self, work: pb.RoundAssignment) -> None:
+        ids = list(dict.fromkeys(work.sequence_ids))
+        sequences = {s.id: s for s in self.stub.FetchSequences(
+            pb.FetchSequencesRequest(ids=ids), metadata=self.auth, timeout=WAIT_S)}
+        tokens = sum(sequences[i].tokens.shape[0] for i in work.sequence_ids)
+        self.stub.SubmitResult(submission_messages(
+            header_of(self.reply, work, tokens=tokens, train_seconds=tokens / SPEED),
+            self.results(work, tokens)),
+            metadata=self.auth, timeout=WAIT_S)
+        self.rounds.append(work)
+        self.tokens.append(tokens)
+        # as a member does: wait for the round's update before asking for more work
+        self.stub.GetUpdates(pb.GetUpdatesRequest(since_round=work.round, wait_seconds=WAIT_S,
+                                                  tier=self.tier), metadata=self.auth,
+                             timeout=WAIT_S).__iter__().__next__()
+
+    def play(self, rounds: int) -> None:
+        for _ in range(rounds):
+            work = self.work()
+            if work is None:
+                return
+            self.train(work)
+
+
+def run_members(address: str, server, rounds: int = ROUNDS) -> list[Member]:
+    members = [Member(address, server, name, tier) for name, tier in MEMBERS]
+    threads = [threading.Thread(target=m.play, args=(rounds,)) for m in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S * rounds)
+    return members
+
+
+def master(server, rounds: int = ROUNDS) -> dict[str, torch.Tensor]:
+    """The root's master once ``rounds`` rounds are committed."""
+    c = server.service.coordinator
+    if rounds:
+        c.wait_for_round(rounds - 1, WAIT_S)
+    assert c.state.round == rounds, f"the run closed {c.state.round} of {rounds} rounds"
+    return {name: tensor.clone() for name, tensor in c.master.items()}
+
+
+def relay_for(server, tmp_path, **kwargs) -> RunningRelay:
+    return RunningRelay.start(f"127.0.0.1:{server.grpc_port}", name="relay-a",
+                              join_token=JOIN_TOKEN, folder=tmp_path / "relay", **kwargs)
+
+
+def test_members_behind_a_relay_end_where_the_same_members_joined_directly_end(tmp_path):
+    with serving_config(config(tmp_path / "direct", min_clients=2)) as (server, _):
+        start = master(server, 0)
+        direct_members = run_members(f"127.0.0.1:{server.grpc_port}", server)
+        direct = master(server)
+    with serving_config(config(tmp_path / "relayed", min_clients=1)) as (server, _):
+        relay = relay_for(server, tmp_path)
+        try:
+            relayed_members = run_members(f"127.0.0.1:{relay.port}", server)
+            relayed = master(server)
+            root = server.service.coordinator
+            (relay_member,) = root.membership.members.values()
+            assert relay_member.relay and relay_member.name == "relay-a"
+        finally:
+            relay.stop("done")
+    # the same split: each member trained as many tokens each round either way
+    for a, b in zip(direct_members, relayed_members, strict=True):
+        assert len(a.tokens) == ROUNDS and a.tokens == b.tokens
+    assert direct.keys() == relayed.keys() == start.keys()
+    for name in direct:
+        # summed in another order, with one more division: float32 rounding, no more
+        torch.testing.assert_close(relayed[name], direct[name], rtol=1e-5, atol=1e-6)
+    assert max(float((direct[n] - start[n]).abs().max()) for n in direct) > 1e-3
+
+
+def test_a_relay_that_dies_is_a_member_that_dies_its_sequences_go_back(tmp_path):
+    with serving_config(config(tmp_path, min_clients=1)) as (server, stub):
+        root = server.service.coordinator
+        relay = relay_for(server, tmp_path)
+        member = Member(f"127.0.0.1:{relay.port}", server, "m0", 0)
+        work = member.work()  # the relay holds round 0's work from the root
+        held = root.assignment_for(relay.relay.root.client_id)
+        assert sorted(held.sequence_ids) == sorted(work.sequence_ids)
+        relay.stop("killed")  # it leaves the root before its members delivered
+        # a member that joins the root directly now is handed those very sequences
+        reply = stub.Join(join_request(server, name="direct"), timeout=HONEST_TIMEOUT_S)
+        auth = session_metadata(reply.session_token)
+        give_up = time.monotonic() + WAIT_S
+        while (again := stub.GetRound(pb.GetRoundRequest(), metadata=auth)).state != \
+                pb.ROUND_STATE_TRAIN:
+            assert time.monotonic() < give_up
+            time.sleep(0.05)
+        assert sorted(again.sequence_ids) == sorted(held.sequence_ids)
+
+
+def test_what_a_relays_member_does_not_deliver_goes_back_to_the_roots_queue(tmp_path):
+    with serving_config(config(tmp_path, min_clients=1)) as (server, _):
+        root = server.service.coordinator
+        relay = relay_for(server, tmp_path)
+        try:
+            address = f"127.0.0.1:{relay.port}"
+            first, second = (Member(address, server, n, t) for n, t in MEMBERS)
+            work_first, work_second = first.work(), second.work()
+            second.stub.Leave(pb.LeaveRequest(reason="gone"), metadata=second.auth)
+            first.train(work_first)  # the relay hands in: the first's part, the second missed
+            root.wait_for_round(0, WAIT_S)
+            assert root.state.round == 1
+            assert root.state.tokens == first.tokens[0]  # what was delivered, no more
+            # the next round hands the missed sequences out again, first
+            again = assigned(root, relay.relay.root.client_id)
+            assert again.round == 1
+            missed = list(work_second.sequence_ids)
+            assert list(again.sequence_ids[:len(missed)]) == missed
+        finally:
+            relay.stop("done")
+
+
+def test_the_root_refuses_a_relay_in_a_majority_vote_run(tmp_path):
+    run = config(tmp_path, min_clients=1, update={"rule": "sign", "lr": 0.01, "vote": "majority"})
+    with serving_config(run) as (server, stub):
+        request = join_request(server, name="relay-a")
+        request.relay = True
+        code, details = code_of(lambda: stub.Join(request, timeout=HONEST_TIMEOUT_S))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "vote" in details
+
+
+def test_only_a_relay_names_missed_sequences(tmp_path):
+    with serving_config(config(tmp_path, min_clients=1)) as (server, stub):
+        member = Member(f"127.0.0.1:{server.grpc_port}", server, "m0", 0)
+        work = member.work()
+        header = header_of(member.reply, work, tokens=1, missed_ids=[work.sequence_ids[0]])
+        code, details = code_of(lambda: stub.SubmitResult(
+            submission_messages(header, []), metadata=member.auth, timeout=WAIT_S))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "only a relay" in details
+
