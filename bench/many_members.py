@@ -25,6 +25,12 @@ Figures per N, over the timed rounds (after one warm-up round):
   protobuf size plus gRPC's 5-byte frame (HTTP/2 and TCP headers not counted);
 - ``heartbeat_p99_ms``: the 99th percentile of the members' heartbeat round trips.
 
+Beside them: ``failed_calls`` (calls that failed with a transient status and were made
+again, by status) and ``failed_details`` (the first failure's message of each),
+``join_s`` (until all N members had joined), ``timed_s`` (the timed rounds' wall time),
+``case_s`` (the whole case, server start to stop) and ``coordinator_threads`` (its threads
+after the timed rounds: gRPC's worker pool never shrinks, so this is its peak).
+
 The members' own CPU share is printed beside (``members cpu``): on a small machine the
 members, not the coordinator, can be what limits the rate, and the coordinator's CPU per
 round is the figure that carries to a real deployment.
@@ -127,6 +133,7 @@ class Traffic:
     received: int = 0
     heartbeats: list[float] = dataclasses.field(default_factory=list)
     failed: Counter[str] = dataclasses.field(default_factory=Counter)  # status → calls
+    why: dict[str, str] = dataclasses.field(default_factory=dict)  # status → first details
     timing: bool = False  # heartbeats are kept only while the timed rounds run
 
     def out(self, message: Any) -> Any:
@@ -136,6 +143,10 @@ class Traffic:
     def back(self, message: Any) -> Any:
         self.received += message.ByteSize() + FRAME
         return message
+
+    def fail(self, key: str, err: grpc.aio.AioRpcError) -> None:
+        self.failed[key] += 1
+        self.why.setdefault(key, err.details() or "")
 
 
 @dataclasses.dataclass(slots=True)
@@ -195,7 +206,7 @@ async def heartbeats(member: Member, every_s: float, traffic: Traffic) -> None:
         except grpc.aio.AioRpcError as err:  # the next beat is on schedule anyway
             if err.code() not in TRANSIENT:
                 raise
-            traffic.failed[f"Heartbeat {err.code().name}"] += 1
+            traffic.fail(f"Heartbeat {err.code().name}", err)
             continue
         if traffic.timing:
             traffic.heartbeats.append(time.perf_counter() - sent)
@@ -215,7 +226,7 @@ async def retried(call: Callable[[], Awaitable[T]], traffic: Traffic) -> T:
         except grpc.aio.AioRpcError as err:
             if err.code() not in TRANSIENT or attempt == RETRIES - 1:
                 raise
-            traffic.failed[err.code().name] += 1
+            traffic.fail(err.code().name, err)
             await asyncio.sleep(0.5)
     raise AssertionError("unreachable")
 
@@ -261,11 +272,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def peak_rss_mib(pid: int) -> float:
+def status_field(pid: int, name: str) -> int:
+    """The first number of field ``name`` in /proc/PID/status (-1 if it has none)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+        if line.startswith(f"{name}:"):
+            return int(line.split()[1])
+    return -1
+
+
+def peak_rss_mib(pid: int) -> float:
+    return status_field(pid, "VmHWM") / 1024  # kB
 
 
 def start_pinned(config: RunConfig, threads: int | None) -> tuple[ServerProcess, bool]:
@@ -295,10 +311,12 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
                 for _ in range(members)]
     tiers = tiers_of(args)
     try:
+        joining = time.perf_counter()
         admitted = asyncio.Semaphore(CallLimits().anonymous)
         joined = await asyncio.gather(*(join(channel, config.run.id, i, tiers[i % len(tiers)],
                                              messages, traffic, admitted)
                                         for i, channel in enumerate(channels)))
+        join_s = time.perf_counter() - joining
         tasks = [asyncio.create_task(heartbeats(m, args.heartbeat_s, traffic)) for m in joined]
         last = WARMUP_ROUNDS + args.rounds
         playing = [asyncio.create_task(play(m, last, traffic)) for m in joined]
@@ -315,6 +333,7 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
         wall = time.perf_counter() - start
         traffic.timing = False
         cpu, mine = cpu_seconds(pid) - cpu, time.process_time() - mine
+        threads = status_field(pid, "Threads")  # gRPC's pool never shrinks: its peak
         records = [r for r in server.snapshot(since_round=WARMUP_ROUNDS)["rounds"]
                    if r["round"] < last]
         beats = sorted(traffic.heartbeats)
@@ -329,6 +348,8 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
             "heartbeat_p99_ms": (beats[min(len(beats) - 1, int(0.99 * len(beats)))] * 1e3
                                  if beats else float("nan")),
             "heartbeats": len(beats), "failed_calls": dict(traffic.failed),
+            "failed_details": dict(traffic.why), "join_s": join_s, "timed_s": wall,
+            "coordinator_threads": threads,
             "members_cpu_share": mine / wall / max(
                 1, len(os.sched_getaffinity(0))), "coordinator_pinned": pinned}
     finally:
@@ -358,8 +379,15 @@ def main(argv: list[str] | None = None) -> None:
         mdat = folder / "docs.mdat"
         build_default_mdat(mdat, limit=200).close()
         for n in args.counts:
+            began = time.perf_counter()
             cases.append(asyncio.run(measure(args, n, folder, mdat, messages)))
-            print(f"{n} members: {cases[-1]['rounds_per_min']:.1f} rounds/min", flush=True)
+            case = cases[-1]
+            case["case_s"] = time.perf_counter() - began
+            print(f"{n} members: {case['rounds_per_min']:.1f} rounds/min; case "
+                  f"{case['case_s']:.0f} s (joins {case['join_s']:.1f} s, timed rounds "
+                  f"{case['timed_s']:.1f} s); coordinator threads {case['coordinator_threads']}"
+                  + (f"; failed calls {case['failed_calls']} {case['failed_details']}"
+                     if case["failed_calls"] else ""), flush=True)
     print()
     print_table(["members", "rounds/min", "close ms", "coord cpu s/round", "coord rss MiB",
                  "MB in/round", "MB out/round", "hb p99 ms", "members cpu"],

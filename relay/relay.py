@@ -116,6 +116,8 @@ class Relay:
         self.members: dict[str, RelayMember] = {}
         self.held: HeldRound | None = None
         self.finished = False
+        self.root_round = 0  # the root's current round, as its last answer said
+        self.run_tokens = 0  # ... and the tokens its completed rounds trained
         self.rounds_submitted = 0
         self.joined: pb.JoinReply | None = None
         self._next_id = 0
@@ -288,7 +290,10 @@ class Relay:
             if self._stopping.is_set():
                 return
             try:
-                self.root.heartbeat(self.rounds_submitted, self.speed())
+                held = self.held
+                reply = self.root.heartbeat(held.work.round if held else self.root_round,
+                                            self.speed())
+                self.root_round = max(self.root_round, reply.round)
             except grpc.RpcError as err:
                 self.log(f"heartbeat to the root failed: {err.code().name}")
 
@@ -313,6 +318,7 @@ class Relay:
         """Ask the root for work and split it among the live members; whether a round is
         now held."""
         work = self.root.get_round()
+        self.root_round, self.run_tokens = work.round, work.run_tokens
         if work.state == pb.ROUND_STATE_FINISHED:
             with self._changed:
                 self.finished = True

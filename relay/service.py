@@ -68,8 +68,7 @@ class RelayService(pb_grpc.CoordinatorServicer):
         client_id = self._session(context)
         speed = request.tokens_per_second if request.HasField("tokens_per_second") else None
         _call(context, lambda: self.relay.seen(client_id, speed))
-        held = self.relay.held
-        return pb.HeartbeatReply(round=held.work.round if held else request.round)
+        return pb.HeartbeatReply(round=self.relay.root_round)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         self.relay.leave(self._session(context))
@@ -80,17 +79,19 @@ class RelayService(pb_grpc.CoordinatorServicer):
         r = self.relay
         client_id = self._session(context)
         _call(context, lambda: r.seen(client_id))
+        # the root's round: a member catches up to it before it trains or finishes
         if r.finished:
-            return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED)
+            return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=r.root_round,
+                                      run_tokens=r.run_tokens)
         after = request.after_round if request.HasField("after_round") else None
         part = r.assignment_for(client_id, after)
         if part is None:
-            return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT,
-                                      retry_after_seconds=RETRY_AFTER_S)
+            return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=r.root_round,
+                                      retry_after_seconds=RETRY_AFTER_S,
+                                      run_tokens=r.run_tokens)
         return pb.RoundAssignment(state=pb.ROUND_STATE_TRAIN, round=part.round,
                                   sequence_ids=part.sequence_ids, tier=part.tier,
-                                  assignment_id=part.assignment_id,
-                                  run_tokens=r.held.work.run_tokens if r.held else 0)
+                                  assignment_id=part.assignment_id, run_tokens=r.run_tokens)
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.Sequence]:

@@ -240,3 +240,33 @@ def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap)
     assert "[testnet] killed the server (SIGKILL)" in log
     assert "resumed at round" in log  # the coordinator's own account of the restart
 
+
+
+def test_clients_behind_two_relays_train_the_run_and_the_report_shows_the_roots_bytes(
+        tmp_path, monkeypatch):
+    build_default_mdat(tmp_path / "d.mdat", limit=40).close()
+    config = local_testnet_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=6,
+                                auth={"join_token_env": "TESTNET_JOIN_TOKEN"})
+    env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
+    result = run_testnet(
+        [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "3",
+         "--tiers", "0,1", "--config", str(config), "--relays", "2"],
+        cwd=REPO, env=env, timeout=240)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["rounds"] == 6 and all(t["improved"] for t in summary["tiers"])
+    relays = summary["relays"]
+    assert (relays["relays"], relays["members"], relays["rounds"]) == (2, 3, 6)
+    assert relays["root_bytes_in_per_round"] > 0 and relays["root_bytes_out_per_round"] > 0
+    assert relays["members_bytes_up_per_round"] > 0
+    assert "through 2 relays: the root received " in log
+    # the root saw two members, each handing in one partial sum per round
+    assert re.search(r"round 5 closed \(6/6\): [\d,]+ tokens from relay-\d, relay-\d", log)
+    assert "relay: round 0: " in log and "partials upstream" in log
+    # the clients behind the relays hold the root's weights, and every sequence the run
+    # handed out was trained exactly once
+    monkeypatch.setenv("TESTNET_JOIN_TOKEN", "read-the-config")
+    check = check_run(RunConfig.load(config), ["member-0", "member-1", "member-2"])
+    assert set(check.replicas.values()) == {"equal"}, check.replicas
+    assert check.audit.exactly_once
