@@ -25,11 +25,12 @@ Figures per N, over the timed rounds (after one warm-up round):
   protobuf size plus gRPC's 5-byte frame (HTTP/2 and TCP headers not counted);
 - ``heartbeat_p99_ms``: the 99th percentile of the members' heartbeat round trips.
 
-Beside them: ``failed_calls`` (calls that failed with a transient status and were made
-again, by status) and ``failed_details`` (the first failure's message of each),
-``join_s`` (until all N members had joined), ``timed_s`` (the timed rounds' wall time),
-``case_s`` (the whole case, server start to stop) and ``coordinator_threads`` (its threads
-after the timed rounds: gRPC's worker pool never shrinks, so this is its peak).
+Beside them: ``heartbeat_max_ms`` (the slowest heartbeat), ``failed_calls`` (calls that
+failed with a transient status and were made again, by status) and ``failed_details`` (the
+first failure's message of each), ``join_s`` (until all N members had joined), ``timed_s``
+(the timed rounds' wall time), ``case_s`` (the whole case, server start to stop) and
+``coordinator_threads`` (its threads after the timed rounds: gRPC's worker pool never
+shrinks, so this is its peak).
 
 The members' own CPU share is printed beside (``members cpu``): on a small machine the
 members, not the coordinator, can be what limits the rate, and the coordinator's CPU per
@@ -347,6 +348,7 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
             "bytes_out_per_round": (traffic.received - received) / args.rounds,
             "heartbeat_p99_ms": (beats[min(len(beats) - 1, int(0.99 * len(beats)))] * 1e3
                                  if beats else float("nan")),
+            "heartbeat_max_ms": beats[-1] * 1e3 if beats else float("nan"),
             "heartbeats": len(beats), "failed_calls": dict(traffic.failed),
             "failed_details": dict(traffic.why), "join_s": join_s, "timed_s": wall,
             "coordinator_threads": threads,

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -47,9 +48,9 @@ class RunningRelay:
     @classmethod
     def start(cls, upstream: str, *, name: str, join_token: str, folder: Path,
               host: str = "127.0.0.1", port: int = 0, deadline_s: float = 45.0,
-              log=print) -> RunningRelay:
+              topk: int = 0, log: Callable[[str], None] = print) -> RunningRelay:
         relay = Relay(Upstream(upstream, name=name, join_token=join_token),
-                      deadline_s=deadline_s, folder=folder, log=log)
+                      deadline_s=deadline_s, folder=folder, topk=topk, log=log)
         relay.start()
         running = cls(relay, join_token, host=host, port=port)
         running.server.start()
@@ -74,6 +75,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=float, default=45.0,
                    help="how long members have for a round before the relay hands in what "
                         "it has; keep it under the run's [round] deadline_s (default: 45)")
+    p.add_argument("--topk", type=int, default=0, metavar="K",
+                   help="0 (default): hand the root the members' exact sum, which grows with "
+                        "the coefficients they send; K: only the K largest per chunk, the rest "
+                        "carried to the next round (lossy, one member's size however many)")
     p.add_argument("--dir", type=Path, default=Path("runs/relay"),
                    help="where the relay keeps checkpoint files (default: runs/relay)")
     return p
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         running = RunningRelay.start(args.upstream, name=args.name, join_token=token,
                                      folder=args.dir, host=args.host, port=args.port,
-                                     deadline_s=args.deadline_s,
+                                     deadline_s=args.deadline_s, topk=args.topk,
                                      log=lambda line: print(f"relay: {line}", flush=True))
     except MatformerError as error:
         print(f"matformer relay: error: {error}", file=sys.stderr)

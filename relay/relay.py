@@ -38,7 +38,7 @@ from matformer.modeling.compression import (
     universal_config,
     universal_shapes,
 )
-from matformer.modeling.compression.partial import partial_sums
+from matformer.modeling.compression.partial import Recompressor, partial_sums
 from matformer.modeling.errors import MatformerError
 from matformer.protocol.auth import SessionTokens
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
@@ -101,12 +101,14 @@ class HeldRound:
 
 
 class Relay:
-    def __init__(self, root: Upstream, *, deadline_s: float, folder: Path,
+    def __init__(self, root: Upstream, *, deadline_s: float, folder: Path, topk: int = 0,
                  log: Callable[[str], None] = lambda line: None,
                  member_timeout_s: float = MEMBER_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
         self.deadline_s = deadline_s
+        # 0: the members' exact sum; else cut to topk per chunk, the rest carried (lossy)
+        self.recompress = Recompressor(topk) if topk else None
         self.member_timeout_s = member_timeout_s
         self.log = log
         self.clock = clock
@@ -377,6 +379,8 @@ class Relay:
             for result in part.results:
                 by_name.setdefault(result.name, []).append(result)
         partials = [p for results in by_name.values() for p in partial_sums(results)]
+        if self.recompress is not None:
+            partials = [self.recompress(p) for p in partials]
         tokens = sum(p.assignment.tokens for p in delivered)
         header = pb.SubmitHeader(
             round=held.work.round, client_id=self.root.client_id, tokens=tokens,

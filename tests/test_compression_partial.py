@@ -67,3 +67,32 @@ def test_results_of_two_encodings_are_refused():
     topk = _results("topk", (256,))[0]
     with pytest.raises(CompressionError, match="several encodings"):
         partial_sums([dct, topk])
+
+
+def _dense_coefficients(result, ids) -> torch.Tensor:
+    """(chunks of the region, chunk_numel): a chunked result's coefficients, zeros elsewhere."""
+    out = torch.zeros(len(ids), 32 * 32)
+    rows = torch.searchsorted(ids, result.chunks.long()).unsqueeze(1)
+    out[rows, result.indices.long()] = result.values.float()
+    return out
+
+
+def test_a_recompressed_partial_sends_k_per_chunk_and_carries_the_rest_to_the_next_round():
+    from matformer.modeling.compression.grid import ChunkGrid
+    from matformer.modeling.compression.partial import Recompressor
+
+    cut = Recompressor(topk=8)
+    first, second = (partial_sums(_results("dct", (256,), seed=s))[0] for s in (1, 2))
+    ids = ChunkGrid(shape=SHAPE, chunk=(32, 32)).chunk_ids(first.region)
+    sent = cut(first)
+    assert sent.indices.shape == (len(ids), 8) and sent.tokens == first.tokens
+    carried = cut.carried[first.name, first.region].clone()
+    # nothing is lost: what went plus what stayed is the members' exact sum
+    assert torch.equal(_dense_coefficients(sent, ids) + carried, _dense_coefficients(first, ids))
+    # the largest go first: nothing carried is larger than what its chunk sent
+    assert bool((carried.abs().max(dim=1).values <= sent.values.abs().min(dim=1).values).all())
+    again = cut(second)  # next round: the carried coefficients ride along
+    assert torch.allclose(_dense_coefficients(again, ids) + cut.carried[first.name, first.region],
+                          carried + _dense_coefficients(second, ids))
+    dense = _results("dense", (128,))[0]
+    assert cut(dense) is dense

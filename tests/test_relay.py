@@ -217,3 +217,29 @@ def test_only_a_relay_names_missed_sequences(tmp_path):
             submission_messages(header, []), metadata=member.auth, timeout=WAIT_S))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "only a relay" in details
 
+
+
+def test_a_relay_with_topk_hands_the_root_k_coefficients_per_chunk(tmp_path):
+    """Two relays in one round, the same two members' tiers behind each: the exact one sends
+    the union of its members' positions, the one with --topk 2 two per chunk."""
+    with serving_config(config(tmp_path, min_clients=2)) as (server, _):
+        root = server.service.coordinator
+        exact = relay_for(server, tmp_path / "exact")
+        cut = RunningRelay.start(f"127.0.0.1:{server.grpc_port}", name="relay-b",
+                                 join_token=JOIN_TOKEN, folder=tmp_path / "cut", topk=2)
+        try:
+            members = [Member(f"127.0.0.1:{relay.port}", server, f"{relay.relay.root.name}-{n}",
+                              tier) for relay in (exact, cut) for n, tier in MEMBERS]
+            threads = [threading.Thread(target=m.play, args=(1,)) for m in members]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(WAIT_S)
+            root.wait_for_round(0, WAIT_S)
+            assert root.state.round == 1
+            up = {m.name: m.bytes_up for m in root.membership.members.values()}
+            assert up["relay-b"] < up["relay-a"] / 2, up
+            assert cut.relay.recompress.carried  # what it left for the next round
+        finally:
+            cut.stop("done")
+            exact.stop("done")

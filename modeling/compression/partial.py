@@ -81,3 +81,41 @@ def _fold(group: Sequence[SparseResult]) -> SparseResult:
     return SparseResult(name=first.name, shape=first.shape, region=first.region,
                         encoding=first.encoding, chunk=first.chunk, chunks=ids,
                         indices=positions, values=summed.gather(1, positions), tokens=tokens)
+
+
+class Recompressor:
+    """A relay's own error feedback (``matformer relay --topk K``): each partial cut to its
+    ``topk`` largest coefficients per chunk, the rest carried, per parameter and region, into
+    the next round's partial. It makes what a relay sends the size of one member's result
+    however many members it folds, at the price of exactness: the root gets the members' sum
+    late where it was cut, as a member's own error feedback sends late what its top-k left.
+    Dense results pass unchanged.
+
+    The carried coefficients are float32, one per element of the region's chunks: the size of
+    the region's weights in float32, per tier region the relay's members hold."""
+
+    def __init__(self, topk: int) -> None:
+        if topk < 1:
+            raise CompressionError(f"a relay keeps at least one coefficient per chunk, got "
+                                   f"--topk {topk}.")
+        self.topk = topk
+        self.carried: dict[tuple[str, Region], torch.Tensor] = {}  # (n, chunk_numel) each
+
+    def __call__(self, partial: SparseResult) -> SparseResult:
+        if not partial.chunk:
+            return partial
+        grid = ChunkGrid(shape=partial.shape, chunk=partial.chunk)
+        ids = grid.chunk_ids(partial.region)  # every chunk of the region, ascending
+        key = (partial.name, partial.region)
+        summed = self.carried.pop(key, None)
+        if summed is None:
+            summed = torch.zeros(len(ids), grid.chunk_numel)
+        rows = torch.searchsorted(ids, partial.chunks.long()).unsqueeze(1)
+        summed[rows, partial.indices.long()] += partial.values.float()  # positions unique
+        k = min(self.topk, grid.chunk_numel)
+        positions = summed.abs().topk(k, dim=1).indices.sort(dim=1).values
+        values = summed.gather(1, positions)
+        self.carried[key] = summed.scatter_(1, positions, 0.0)
+        return SparseResult(name=partial.name, shape=partial.shape, region=partial.region,
+                            encoding=partial.encoding, chunk=partial.chunk, chunks=ids,
+                            indices=positions, values=values, tokens=partial.tokens)
