@@ -27,6 +27,8 @@ from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import submission_messages
 
 FRAME_BYTES = 5  # gRPC's length-prefixed framing per message
+CALL_S = 60.0  # a unary call's answer
+TRANSFER_S = 600.0  # a stream's whole transfer (sequences, results, a checkpoint file)
 
 
 class Upstream:
@@ -50,47 +52,51 @@ class Upstream:
             run_id=self._run_id, join_token=self._join_token, client_name=self.name,
             relay=True, capabilities=pb.Capabilities(
                 device_kind="relay", device_name="relay", memory_bytes=1,
-                tokens_per_second=tokens_per_second)))))
+                tokens_per_second=tokens_per_second))), timeout=CALL_S))
         self.metadata = session_metadata(reply.session_token)
         self.client_id = reply.client_id
         return reply
 
     def heartbeat(self, round_index: int, tokens_per_second: float) -> pb.HeartbeatReply:
         return self._in(self.stub.Heartbeat(self._out(pb.HeartbeatRequest(
-            round=round_index, tokens_per_second=tokens_per_second)), metadata=self.metadata))
+            round=round_index, tokens_per_second=tokens_per_second)), metadata=self.metadata,
+            timeout=CALL_S))
 
     def get_round(self, after: int | None = None) -> pb.RoundAssignment:
         request = pb.GetRoundRequest() if after is None else pb.GetRoundRequest(after_round=after)
-        return self._in(self.stub.GetRound(self._out(request), metadata=self.metadata))
+        return self._in(self.stub.GetRound(self._out(request), metadata=self.metadata,
+                                           timeout=CALL_S))
 
     def fetch(self, ids: Sequence[int]) -> dict[int, pb.Sequence]:
         """The sequences ``ids`` (each once) as the root sends them."""
         stream = self.stub.FetchSequences(self._out(pb.FetchSequencesRequest(ids=ids)),
-                                          metadata=self.metadata)
+                                          metadata=self.metadata, timeout=TRANSFER_S)
         return {s.id: s for s in map(self._in, stream)}
 
     def submit(self, header: pb.SubmitHeader, results: Iterable[SparseResult]
                ) -> pb.SubmitReply:
         messages = (self._out(m) for m in submission_messages(header, results))
-        return self._in(self.stub.SubmitResult(messages, metadata=self.metadata))
+        return self._in(self.stub.SubmitResult(messages, metadata=self.metadata,
+                                               timeout=TRANSFER_S))
 
     def updates(self, since_round: int, tier: int, wait_s: float) -> list[pb.UpdateMessage]:
         return [self._in(m) for m in self.stub.GetUpdates(self._out(pb.GetUpdatesRequest(
-            since_round=since_round, tier=tier, wait_seconds=wait_s)), metadata=self.metadata)]
+            since_round=since_round, tier=tier, wait_seconds=wait_s)), metadata=self.metadata,
+            timeout=wait_s + TRANSFER_S)]
 
     def checkpoint(self) -> pb.CheckpointRef:
         return self._in(self.stub.GetCheckpoint(self._out(pb.GetCheckpointRequest()),
-                                                metadata=self.metadata))
+                                                metadata=self.metadata, timeout=CALL_S))
 
     def download(self, path: str, dest: Path) -> str:
         """A file of the root's checkpoint directory to ``dest`` (atomically); its sha256."""
         chunks = self.stub.DownloadCheckpoint(self._out(pb.DownloadCheckpointRequest(path=path)),
-                                              metadata=self.metadata)
+                                              metadata=self.metadata, timeout=TRANSFER_S)
         return receive_file(map(self._in, chunks), dest)
 
     def leave(self, reason: str) -> None:
         self.stub.Leave(self._out(pb.LeaveRequest(reason=reason)), metadata=self.metadata,
-                        timeout=10)
+                        timeout=10.0)
 
     def _out(self, message: Message) -> Message:
         self.bytes_up += message.ByteSize() + FRAME_BYTES
