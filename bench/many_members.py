@@ -32,6 +32,15 @@ first failure's message of each), ``join_s`` (until all N members had joined), `
 ``coordinator_threads`` (its threads after the timed rounds: gRPC's worker pool never
 shrinks, so this is its peak).
 
+With ``--relays R`` the members join through R relays (``matformer relay``, a process each
+on the members' cores), spread evenly, each member with positions of its own (its tier's
+results, each chunk's positions moved by a shift of its own: within a relay no two members
+send the same positions, the worst case for a partial sum). ``root_bytes_in_per_round`` and
+``root_bytes_out_per_round`` are what the coordinator itself counted from and to its members
+(submissions in; updates, sequences and checkpoint files out): the relays', with relays.
+``relays_cpu_s_per_round`` is the relays' CPU together. ``--relay-topk K`` passes the
+relays ``--topk K`` (0: exact partial sums).
+
 The members' own CPU share is printed beside (``members cpu``): on a small machine the
 members, not the coordinator, can be what limits the rate, and the coordinator's CPU per
 round is the figure that carries to a real deployment.
@@ -39,6 +48,7 @@ round is the figure that carries to a real deployment.
     python bench/many_members.py --smoke               # 2 and 4 members, micro model: it runs
     python bench/many_members.py --json runs/many.json           # tiny (4M): 16 ... 1,024
     python bench/many_members.py --shape 150m --members 16,64 --json runs/many-150m.json
+    python bench/many_members.py --members 256 --relays 8 --json runs/many-relays.json
 """
 
 from __future__ import annotations
@@ -61,15 +71,24 @@ from typing import Any, TypeVar
 import grpc
 import torch
 from harness import parse, print_table
-from scale import Submissions, run_config, tiers_of
+from scale import JOIN_TOKEN, Submissions, run_config, tiers_of
 from utilization import SHAPES, ServerProcess
 
+from matformer.local_testnet.processes import (
+    Child,
+    child_env,
+    free_port,
+    python_module,
+    wait_serving,
+)
+from matformer.modeling.compression import ChunkGrid
 from matformer.modeling.mdat import build_default_mdat
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.channel import GRPC_OPTIONS
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.sparse import encode_sparse_result
+from matformer.protocol.tensors import decode_tensor, encode_tensor
 from matformer.server.call_slots import CallLimits
 from matformer.server.config import RunConfig
 
@@ -99,6 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heartbeat-s", type=float, default=5.0,
                         help="[faults] heartbeat_s: each member's heartbeat interval")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--relays", type=int, default=0, metavar="R",
+                        help="the members join through R relays (matformer relay, a process "
+                             "each), spread evenly; 0: they join the coordinator")
+    parser.add_argument("--relay-topk", type=int, default=0, metavar="K",
+                        help="the relays' --topk: 0 hands the root the exact partial sums")
     parser.add_argument("--json", type=Path, default=None, help="write the figures per count")
     parser.set_defaults(**FIXED)
     args = parse(parser, SMOKE, argv)
@@ -110,6 +134,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--members {args.members!r}: give whole numbers, comma-separated.")
     if min(args.counts) < 1 or args.rounds < 1:
         parser.error("--members and --rounds must be positive.")
+    if args.relays < 0 or args.relays > min(args.counts):
+        parser.error("--relays must lie in [0, the smallest member count].")
     return args
 
 
@@ -117,6 +143,9 @@ def many_config(args: argparse.Namespace, members: int, folder: Path, mdat: Path
     """``scale.run_config`` for ``members`` that stay a whole run: room for all of them, and
     heartbeats on their schedule."""
     config = run_config(args, members, folder, mdat)
+    if args.relays:  # the root's members are the relays
+        config = dataclasses.replace(config, round=dataclasses.replace(
+            config.round, min_clients=args.relays))
     faults = dataclasses.replace(
         config.faults, heartbeat_s=args.heartbeat_s, heartbeat_timeout_s=600.0,
         max_members=max(members, config.faults.max_members),
@@ -168,14 +197,31 @@ class Member:
             yield traffic.out(message)
 
 
+def spread(messages: list[pb.SubmitMessage], shift: int) -> list[pb.SubmitMessage]:
+    """A member's own results: the tier's, each chunk's positions moved by ``shift`` (mod the
+    chunk's size), so that members behind one relay send positions of their own, as real
+    members mostly do, and its partial sum grows with them as it would."""
+    own = []
+    for message in messages:
+        result = pb.SparseResult()
+        result.CopyFrom(message.result)
+        if result.chunk:
+            size = ChunkGrid(shape=tuple(result.shape), chunk=tuple(result.chunk)).chunk_numel
+            positions = decode_tensor(result.indices)
+            result.indices.CopyFrom(encode_tensor(
+                ((positions.long() + shift) % size).to(positions.dtype)))
+        own.append(pb.SubmitMessage(result=result))
+    return own
+
+
 async def join(channel: grpc.aio.Channel, run_id: str, index: int, tier: int,
                messages: dict[int, list[pb.SubmitMessage]], traffic: Traffic,
-               admitted: asyncio.Semaphore) -> Member:
+               admitted: asyncio.Semaphore, *, own: bool = False) -> Member:
     """Member ``index`` joins, as many at once as the server takes calls without a session
     (a refused Join is tried again, as the client does), and reports its speed."""
     stub = pb_grpc.CoordinatorStub(channel)
     request = pb.JoinRequest(
-        run_id=run_id, join_token="bench", client_name=f"member-{index}",
+        run_id=run_id, join_token=JOIN_TOKEN, client_name=f"member-{index}",
         capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**40, requested_tier=tier,
                                      tokens_per_second=1000.0, load_strategy="auto"))
     async with admitted:
@@ -187,8 +233,9 @@ async def join(channel: grpc.aio.Channel, run_id: str, index: int, tier: int,
                 if err.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 await asyncio.sleep(0.1)
+    results = spread(messages[reply.tier], index * 977) if own else messages[reply.tier]
     member = Member(stub, reply.client_id, reply.tier, session_metadata(reply.session_token),
-                    messages[reply.tier])
+                    results)
     traffic.back(await stub.Heartbeat(traffic.out(pb.HeartbeatRequest(
         round=reply.round, tokens_per_second=1000.0)), metadata=member.auth))
     return member
@@ -300,6 +347,30 @@ def start_pinned(config: RunConfig, threads: int | None) -> tuple[ServerProcess,
     return server, True
 
 
+def start_relays(args: argparse.Namespace, upstream: int, folder: Path, deadline_s: float
+                 ) -> dict[int, Child]:
+    """``args.relays`` relays (``matformer relay``) in front of the coordinator at
+    ``upstream``, each a process on this process's cores, by the port members reach it on."""
+    relays = {}
+    for index in range(args.relays):
+        port = free_port()
+        argv = python_module(
+            "matformer.relay.main", "--upstream", f"127.0.0.1:{upstream}", "--port", str(port),
+            "--name", f"relay-{index}", "--join-token", JOIN_TOKEN, "--dir",
+            str(folder / f"relay-{index}"), "--deadline-s", f"{deadline_s:g}",
+            "--topk", str(args.relay_topk))
+        relays[port] = Child.start(f"relay-{index}", argv, env=child_env())
+        wait_serving(f"127.0.0.1:{port}", relays[port], 300.0)
+    return relays
+
+
+def root_bytes(server: ServerProcess) -> tuple[int, int]:
+    """What the coordinator received from and sent to its members (relays, or the members
+    themselves), as it counts them."""
+    members = server.snapshot(since_round=None)["members"]
+    return sum(m["bytes_up"] for m in members), sum(m["bytes_down"] for m in members)
+
+
 async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Path,
                   messages: dict[int, list[pb.SubmitMessage]]) -> dict[str, Any]:
     config = many_config(args, members, folder / f"{members}-members", mdat)
@@ -308,14 +379,19 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
     server, pinned = start_pinned(config, args.threads)
     pid = server.process.pid
     traffic, tasks = Traffic(), []
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
-                for _ in range(members)]
+    relays: dict[int, Child] = {}
+    channels: list[grpc.aio.Channel] = []
     tiers = tiers_of(args)
     try:
+        relays = start_relays(args, server.grpc_port, folder / f"{members}-members",
+                              0.9 * config.round.deadline_s)
+        ports = list(relays) or [server.grpc_port]
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{ports[i % len(ports)]}",
+                                              options=GRPC_OPTIONS) for i in range(members)]
         joining = time.perf_counter()
         admitted = asyncio.Semaphore(CallLimits().anonymous)
         joined = await asyncio.gather(*(join(channel, config.run.id, i, tiers[i % len(tiers)],
-                                             messages, traffic, admitted)
+                                             messages, traffic, admitted, own=bool(relays))
                                         for i, channel in enumerate(channels)))
         join_s = time.perf_counter() - joining
         tasks = [asyncio.create_task(heartbeats(m, args.heartbeat_s, traffic)) for m in joined]
@@ -326,7 +402,9 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
                 await asyncio.gather(*playing)  # a member failed: say why
             await asyncio.sleep(0.05)
         start, cpu, mine = time.perf_counter(), cpu_seconds(pid), time.process_time()
+        relay_cpu = sum(cpu_seconds(r.process.pid) for r in relays.values())
         sent, received = traffic.sent, traffic.received
+        root_in, root_out = root_bytes(server)
         traffic.timing = True
         await asyncio.gather(*playing)
         while server.snapshot(since_round=None)["round"] < last:
@@ -334,6 +412,9 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
         wall = time.perf_counter() - start
         traffic.timing = False
         cpu, mine = cpu_seconds(pid) - cpu, time.process_time() - mine
+        relay_cpu = sum(cpu_seconds(r.process.pid) for r in relays.values()) - relay_cpu
+        root_in, root_out = (now - then for now, then in zip(root_bytes(server),
+                                                             (root_in, root_out), strict=True))
         threads = status_field(pid, "Threads")  # gRPC's pool never shrinks: its peak
         records = [r for r in server.snapshot(since_round=WARMUP_ROUNDS)["rounds"]
                    if r["round"] < last]
@@ -346,6 +427,11 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
             "coordinator_rss_mib": peak_rss_mib(pid),
             "bytes_in_per_round": (traffic.sent - sent) / args.rounds,
             "bytes_out_per_round": (traffic.received - received) / args.rounds,
+            # at the coordinator: equal to the above without relays, the relays' with them
+            "root_bytes_in_per_round": root_in / args.rounds,
+            "root_bytes_out_per_round": root_out / args.rounds,
+            "relays": args.relays, "relay_topk": args.relay_topk,
+            "relays_cpu_s_per_round": relay_cpu / args.rounds,
             "heartbeat_p99_ms": (beats[min(len(beats) - 1, int(0.99 * len(beats)))] * 1e3
                                  if beats else float("nan")),
             "heartbeat_max_ms": beats[-1] * 1e3 if beats else float("nan"),
@@ -359,6 +445,8 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(channel.close() for channel in channels))
+        for relay in relays.values():
+            relay.stop()
         server.stop()
         os.sched_setaffinity(0, cores)
 
@@ -392,12 +480,16 @@ def main(argv: list[str] | None = None) -> None:
                      if case["failed_calls"] else ""), flush=True)
     print()
     print_table(["members", "rounds/min", "close ms", "coord cpu s/round", "coord rss MiB",
-                 "MB in/round", "MB out/round", "hb p99 ms", "members cpu"],
+                 "MB in/round", "MB out/round", "root MB in", "root MB out", "hb p99 ms",
+                 "members cpu", "relays cpu s/round"],
                 [[f"{c['members']:,}", f"{c['rounds_per_min']:.1f}", f"{c['close_ms']:,.0f}",
                   f"{c['coordinator_cpu_s_per_round']:.2f}", f"{c['coordinator_rss_mib']:,.0f}",
                   f"{c['bytes_in_per_round'] / 1e6:,.2f}",
-                  f"{c['bytes_out_per_round'] / 1e6:,.2f}", f"{c['heartbeat_p99_ms']:,.1f}",
-                  f"{c['members_cpu_share']:.0%}"] for c in cases])
+                  f"{c['bytes_out_per_round'] / 1e6:,.2f}",
+                  f"{c['root_bytes_in_per_round'] / 1e6:,.2f}",
+                  f"{c['root_bytes_out_per_round'] / 1e6:,.2f}", f"{c['heartbeat_p99_ms']:,.1f}",
+                  f"{c['members_cpu_share']:.0%}", f"{c['relays_cpu_s_per_round']:.2f}"]
+                 for c in cases])
     first = cases[0]
     print()
     for c in cases[1:]:

@@ -123,6 +123,7 @@ class Relay:
         self.rounds_submitted = 0
         self.joined: pb.JoinReply | None = None
         self._next_id = 0
+        self._retry_s = WAIT_S  # until the root's next answer: when it said to ask again
         self._owed: dict[str, float] = {}  # ids rounding left each member short: assign's
         self._changed = threading.Condition()  # guards everything above
         self._stopping = threading.Event()
@@ -303,7 +304,7 @@ class Relay:
         while not self._stopping.is_set() and not self.finished:
             try:
                 if not self._take_round():
-                    self._stopping.wait(WAIT_S)
+                    self._stopping.wait(self._retry_s)
                     continue
                 with self._changed:
                     while not self.held.done(self.clock()) and not self._stopping.is_set():
@@ -321,6 +322,7 @@ class Relay:
         now held."""
         work = self.root.get_round()
         self.root_round, self.run_tokens = work.round, work.run_tokens
+        self._retry_s = min(max(work.retry_after_seconds, 0.05), WAIT_S)
         if work.state == pb.ROUND_STATE_FINISHED:
             with self._changed:
                 self.finished = True

@@ -25,7 +25,7 @@ from matformer.server.errors import BadResult, CoordinatorError, TierAssignmentE
 from matformer.server.tiers import Capabilities
 
 T = TypeVar("T")
-RETRY_AFTER_S = 1.0  # a member with no part in the held round asks again after this
+RETRY_AFTER_S = 0.25  # a member with no part in the held round asks again after this
 _REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentError, BadResult,
             MatformerError)
 
