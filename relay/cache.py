@@ -6,14 +6,15 @@ checkpoint file, fetched from the root once and kept.
     files = FileCache(root, folder)
     files.path("round-4/matformer_manifest.json")  # downloaded once, then from disk
 
-Members of one tier asking at once make one upstream call: the first asks, the others wait
-for its answer and take it from the cache. Updates and checkpoint files never change once
+Members asking at once make one upstream call at a time: the first asks, the others wait for
+its answer and take what it brought from the cache. Updates and checkpoint files never change once
 published, so nothing here is ever refreshed; the oldest rounds leave past ``KEEP_ROUNDS``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from matformer.protocol.files import resolve_inside
@@ -28,7 +29,10 @@ class UpdateCache:
         self.root = root
         self._rounds: dict[tuple[int, int], list[pb.UpdateMessage]] = {}  # (round, tier)
         self._lock = threading.Lock()
-        self._asking: dict[int, threading.Lock] = {}  # one upstream call per tier at a time
+        # one upstream call at a time, whatever the tier: a call waiting for a close holds
+        # one of the few streams the root lets a member hold, and after the close the
+        # other tiers' calls answer at once
+        self._asking = threading.Lock()
         self.fetched = 0  # rounds taken from the root
         self.served = 0  # rounds sent to members
 
@@ -39,13 +43,13 @@ class UpdateCache:
         held = self._held(since_round, tier)
         if held:
             return held
-        with self._lock:
-            asking = self._asking.setdefault(tier, threading.Lock())
-        with asking:  # another member may have asked meanwhile
+        until = time.monotonic() + wait_s  # the member's wait, the queue for the call counted
+        with self._asking:  # another member may have asked meanwhile
             held = self._held(since_round, tier)
             if held:
                 return held
-            fresh = list(rounds_of(self.root.updates(since_round, tier, wait_s)))
+            fresh = list(rounds_of(self.root.updates(
+                since_round, tier, max(0.0, until - time.monotonic()))))
             with self._lock:
                 for round_index, messages in fresh:
                     self._rounds[round_index, tier] = messages

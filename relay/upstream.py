@@ -12,6 +12,7 @@ and every byte each way is counted: what the root sees of this relay.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from matformer.protocol.submission import submission_messages
 FRAME_BYTES = 5  # gRPC's length-prefixed framing per message
 CALL_S = 60.0  # a unary call's answer
 TRANSFER_S = 600.0  # a stream's whole transfer (sequences, results, a checkpoint file)
+# Streams at once: the root lets one member hold 4 calls, 3 of them streams ([faults]), and
+# the relay's heartbeat and GetRound may be two of the 4.
+STREAMS = 2
 
 
 class Upstream:
@@ -43,6 +47,7 @@ class Upstream:
         self.client_id = ""
         self.bytes_up = 0  # every message this relay sent the root, framed
         self.bytes_down = 0  # ... and received from it
+        self._streams = threading.BoundedSemaphore(STREAMS)
 
     def close(self) -> None:
         self._channel.close()
@@ -69,20 +74,23 @@ class Upstream:
 
     def fetch(self, ids: Sequence[int]) -> dict[int, pb.Sequence]:
         """The sequences ``ids`` (each once) as the root sends them."""
-        stream = self.stub.FetchSequences(self._out(pb.FetchSequencesRequest(ids=ids)),
-                                          metadata=self.metadata, timeout=TRANSFER_S)
-        return {s.id: s for s in map(self._in, stream)}
+        with self._streams:
+            stream = self.stub.FetchSequences(self._out(pb.FetchSequencesRequest(ids=ids)),
+                                              metadata=self.metadata, timeout=TRANSFER_S)
+            return {s.id: s for s in map(self._in, stream)}
 
     def submit(self, header: pb.SubmitHeader, results: Iterable[SparseResult]
                ) -> pb.SubmitReply:
         messages = (self._out(m) for m in submission_messages(header, results))
-        return self._in(self.stub.SubmitResult(messages, metadata=self.metadata,
-                                               timeout=TRANSFER_S))
+        with self._streams:
+            return self._in(self.stub.SubmitResult(messages, metadata=self.metadata,
+                                                   timeout=TRANSFER_S))
 
     def updates(self, since_round: int, tier: int, wait_s: float) -> list[pb.UpdateMessage]:
-        return [self._in(m) for m in self.stub.GetUpdates(self._out(pb.GetUpdatesRequest(
-            since_round=since_round, tier=tier, wait_seconds=wait_s)), metadata=self.metadata,
-            timeout=wait_s + TRANSFER_S)]
+        with self._streams:
+            return [self._in(m) for m in self.stub.GetUpdates(self._out(pb.GetUpdatesRequest(
+                since_round=since_round, tier=tier, wait_seconds=wait_s)),
+                metadata=self.metadata, timeout=wait_s + TRANSFER_S)]
 
     def checkpoint(self) -> pb.CheckpointRef:
         return self._in(self.stub.GetCheckpoint(self._out(pb.GetCheckpointRequest()),
@@ -90,9 +98,10 @@ class Upstream:
 
     def download(self, path: str, dest: Path) -> str:
         """A file of the root's checkpoint directory to ``dest`` (atomically); its sha256."""
-        chunks = self.stub.DownloadCheckpoint(self._out(pb.DownloadCheckpointRequest(path=path)),
-                                              metadata=self.metadata, timeout=TRANSFER_S)
-        return receive_file(map(self._in, chunks), dest)
+        with self._streams:
+            chunks = self.stub.DownloadCheckpoint(self._out(pb.DownloadCheckpointRequest(
+                path=path)), metadata=self.metadata, timeout=TRANSFER_S)
+            return receive_file(map(self._in, chunks), dest)
 
     def leave(self, reason: str) -> None:
         self.stub.Leave(self._out(pb.LeaveRequest(reason=reason)), metadata=self.metadata,
