@@ -31,7 +31,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from http.client import HTTPException
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
@@ -48,6 +48,7 @@ MIRROR_REST_S = 60.0  # after the mirror failed, how long downloads skip it
 READ_BYTES = 2**20
 LENGTH_BYTES = 4  # a frame's length prefix in a round's blob: unsigned, big-endian
 SHA256 = re.compile(r"[0-9a-f]{64}")
+T = TypeVar("T")
 
 
 class MirrorFailed(ClientError):
@@ -71,7 +72,13 @@ class HttpMirror:
         """The logged round updates from ``since_round`` on, cut to ``tier``, as
         ``Connection.updates`` gives them; [] also when the coordinator no longer logs
         ``since_round``. Raises ``MirrorFailed``."""
-        updates: list[RoundUpdate] = []
+        return [update for update, _ in self.rounds(since_round, tier, wait_s=wait_s)]
+
+    def rounds(self, since_round: int, tier: int, *, wait_s: float = 0.0
+               ) -> list[tuple[RoundUpdate, list[pb.UpdateMessage]]]:
+        """As ``updates``, each round's update with the GetUpdates messages it came as,
+        checked by decoding them (a relay passes them on). Raises ``MirrorFailed``."""
+        updates: list[tuple[RoundUpdate, list[pb.UpdateMessage]]] = []
         while True:
             entries, more = self._index(since_round + len(updates), tier,
                                         wait_s if not updates else 0)
@@ -85,7 +92,7 @@ class HttpMirror:
                     raise MirrorFailed(f"the blob listed for round {entry['round']} holds "
                                        f"rounds {[u.round for u in got]}.")
                 self.update_bytes += sum(m.ByteSize() for m in messages)
-                updates += got
+                updates.append((got[0], messages))
             if not more or not entries:
                 return updates
 
@@ -167,6 +174,44 @@ def unframed(blob: bytes) -> Iterator[pb.UpdateMessage]:
         offset += length
 
 
+class MirrorFirst:
+    """The mirror first when there is one, the coordinator without one and whenever the
+    mirror fails: a member's broadcast (``Broadcast``) and a relay's (relay/cache.py)."""
+
+    def __init__(self, mirror: str | None, log: Callable[[str], None]) -> None:
+        self.mirror = HttpMirror(mirror) if mirror else None
+        self.log = log
+        self.fallbacks = 0  # downloads the mirror failed, taken from the coordinator
+        self._resting_until = 0.0  # a mirror that failed is left alone until then
+
+    def take(self, what: str, from_mirror: Callable[[HttpMirror], T],
+             from_coordinator: Callable[[], T]) -> T:
+        """``from_mirror(mirror)`` when it answers with something, else
+        ``from_coordinator()``: an empty answer from the mirror is no answer (a round that
+        did not close in time, a log that no longer reaches back, a stale copy), so the
+        coordinator's is final."""
+        if self.mirror is not None and time.monotonic() >= self._resting_until:
+            try:
+                got = from_mirror(self.mirror)
+            except MirrorFailed as err:
+                self._fell_back(what, err)
+            else:
+                if got:
+                    return got
+        return from_coordinator()
+
+    def _fell_back(self, what: str, err: MirrorFailed) -> None:
+        """A mirror that hangs would cost every download its timeout: after a failure the
+        broadcast comes from the coordinator for ``MIRROR_REST_S``, then the mirror is tried
+        again."""
+        self.fallbacks += 1
+        self._resting_until = time.monotonic() + MIRROR_REST_S
+        if self.fallbacks == 1:
+            self.log(f"the mirror {self.mirror.url} failed for {what} ({err}); taking the "
+                     f"broadcast from the coordinator over gRPC, and the mirror again after "
+                     f"{MIRROR_REST_S:g} s each time it fails (said once)")
+
+
 class Broadcast:
     """Where this member takes the broadcast from: the mirror when one is given, the
     coordinator over gRPC without one and whenever the mirror fails."""
@@ -174,10 +219,15 @@ class Broadcast:
     def __init__(self, connection: Connection, mirror: str | None,
                  log: Callable[[str], None] = lambda line: None) -> None:
         self.connection = connection
-        self.mirror = HttpMirror(mirror) if mirror else None
-        self.log = log
-        self.fallbacks = 0  # downloads the mirror failed, taken over gRPC
-        self._resting_until = 0.0  # a mirror that failed is left alone until then
+        self.source = MirrorFirst(mirror, log)
+
+    @property
+    def mirror(self) -> HttpMirror | None:
+        return self.source.mirror
+
+    @property
+    def fallbacks(self) -> int:
+        return self.source.fallbacks
 
     @property
     def update_bytes(self) -> int:
@@ -189,36 +239,16 @@ class Broadcast:
         """``Connection.updates``, through the mirror when there is one. When the mirror
         lists none, the coordinator's answer is final: a round that did not close in time, a
         log that no longer reaches back, or a mirror that is a stale copy all look alike."""
-        if self._mirrored():
-            try:
-                got = self.mirror.updates(since_round, tier, wait_s=wait_s)
-            except MirrorFailed as err:
-                self._fell_back(f"updates from round {since_round}", err)
-            else:
-                if got:
-                    return got
-        return self.connection.updates(since_round, tier, wait_s=wait_s)
+        return self.source.take(
+            f"updates from round {since_round}",
+            lambda mirror: mirror.updates(since_round, tier, wait_s=wait_s),
+            lambda: self.connection.updates(since_round, tier, wait_s=wait_s))
 
     def download(self, path: str, dest: Path, sha256: str | None = None) -> str:
         """``Connection.download``; a file the manifest gives a sha256 comes from the mirror
         when there is one."""
-        if self._mirrored() and sha256 is not None:
-            try:
-                self.mirror.download(sha256, dest)
-                return sha256
-            except MirrorFailed as err:
-                self._fell_back(path, err)
-        return self.connection.download(path, dest, sha256)
-
-    def _mirrored(self) -> bool:
-        return self.mirror is not None and time.monotonic() >= self._resting_until
-
-    def _fell_back(self, what: str, err: MirrorFailed) -> None:
-        """A mirror that hangs would cost every download its timeout: after a failure the
-        broadcast comes over gRPC for ``MIRROR_REST_S``, then the mirror is tried again."""
-        self.fallbacks += 1
-        self._resting_until = time.monotonic() + MIRROR_REST_S
-        if self.fallbacks == 1:
-            self.log(f"the mirror {self.mirror.url} failed for {what} ({err}); taking the "
-                     f"broadcast from the coordinator over gRPC, and the mirror again after "
-                     f"{MIRROR_REST_S:g} s each time it fails (said once)")
+        if sha256 is None:
+            return self.connection.download(path, dest, sha256)
+        return self.source.take(
+            path, lambda mirror: mirror.download(sha256, dest) or sha256,
+            lambda: self.connection.download(path, dest, sha256))

@@ -1,9 +1,11 @@
 """What the relay serves its members from the root: each round's update per tier and each
-checkpoint file, fetched from the root once and kept.
+checkpoint file, fetched once and kept; from an HTTP mirror of the root's broadcast first
+when the relay has one (``--mirror``, ``client.mirror.MirrorFirst``), from the root else.
 
-    updates = UpdateCache(root)
+    source = MirrorFirst(mirror_url_or_None, log)
+    updates = UpdateCache(root, source)
     updates.messages(since_round, tier, wait_s)   # the rounds from since_round on, as sent
-    files = FileCache(root, folder)
+    files = FileCache(root, folder, source)
     files.path("round-4/matformer_manifest.json")  # downloaded once, then from disk
 
 Members asking at once make one upstream call at a time: the first asks, the others wait for
@@ -17,6 +19,9 @@ import threading
 import time
 from pathlib import Path
 
+from matformer.client.mirror import MirrorFirst
+from matformer.modeling.checkpoint.files import read_json
+from matformer.modeling.checkpoint.manifest import MANIFEST_NAME, Manifest
 from matformer.protocol.files import resolve_inside
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.relay.upstream import Upstream, rounds_of
@@ -25,8 +30,9 @@ KEEP_ROUNDS = 16  # per tier: a member that fell further behind loads a checkpoi
 
 
 class UpdateCache:
-    def __init__(self, root: Upstream) -> None:
+    def __init__(self, root: Upstream, source: MirrorFirst) -> None:
         self.root = root
+        self.source = source
         self._rounds: dict[tuple[int, int], list[pb.UpdateMessage]] = {}  # (round, tier)
         self._lock = threading.Lock()
         # one upstream call at a time, whatever the tier: a call waiting for a close holds
@@ -48,8 +54,12 @@ class UpdateCache:
             held = self._held(since_round, tier)
             if held:
                 return held
-            fresh = list(rounds_of(self.root.updates(
-                since_round, tier, max(0.0, until - time.monotonic()))))
+            fresh = self.source.take(
+                f"updates from round {since_round}",
+                lambda mirror: [(update.round, messages) for update, messages in mirror.rounds(
+                    since_round, tier, wait_s=max(0.0, until - time.monotonic()))],
+                lambda: list(rounds_of(self.root.updates(
+                    since_round, tier, max(0.0, until - time.monotonic())))))
             with self._lock:
                 for round_index, messages in fresh:
                     self._rounds[round_index, tier] = messages
@@ -70,9 +80,10 @@ class UpdateCache:
 
 
 class FileCache:
-    def __init__(self, root: Upstream, folder: Path) -> None:
+    def __init__(self, root: Upstream, folder: Path, source: MirrorFirst) -> None:
         self.root = root
         self.folder = folder
+        self.source = source
         self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
         self.fetched = 0  # files taken from the root
@@ -86,6 +97,20 @@ class FileCache:
         with lock:
             if not local.is_file():
                 local.parent.mkdir(parents=True, exist_ok=True)
-                self.root.download(relative, local)
+                sha256 = self._listed(relative)
+                if sha256 is None:  # a manifest, or a file no manifest vouches for
+                    self.root.download(relative, local)
+                else:
+                    self.source.take(relative, lambda m: m.download(sha256, local) or sha256,
+                                     lambda: self.root.download(relative, local))
                 self.fetched += 1
         return local
+
+    def _listed(self, relative: str) -> str | None:
+        """The sha256 the manifest of ``relative``'s checkpoint gives it (the manifest comes
+        from the root, as a member's does), None for a manifest or a path none lists."""
+        folder, _, name = relative.partition("/")
+        if self.source.mirror is None or not name or name == MANIFEST_NAME:
+            return None
+        manifest = Manifest.from_dict(read_json(self.path(f"{folder}/{MANIFEST_NAME}")))
+        return manifest.sha256.get(name)

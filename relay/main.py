@@ -48,9 +48,10 @@ class RunningRelay:
     @classmethod
     def start(cls, upstream: str, *, name: str, join_token: str, folder: Path,
               host: str = "127.0.0.1", port: int = 0, deadline_s: float = 45.0,
-              topk: int = 0, log: Callable[[str], None] = print) -> RunningRelay:
+              topk: int = 0, mirror: str | None = None,
+              log: Callable[[str], None] = print) -> RunningRelay:
         relay = Relay(Upstream(upstream, name=name, join_token=join_token),
-                      deadline_s=deadline_s, folder=folder, topk=topk, log=log)
+                      deadline_s=deadline_s, folder=folder, topk=topk, mirror=mirror, log=log)
         relay.start()
         running = cls(relay, join_token, host=host, port=port)
         running.server.start()
@@ -79,6 +80,10 @@ def parser() -> argparse.ArgumentParser:
                    help="0 (default): hand the root the members' exact sum, which grows with "
                         "the coefficients they send; K: only the K largest per chunk, the rest "
                         "carried to the next round (lossy, one member's size however many)")
+    p.add_argument("--mirror", default=None, metavar="URL",
+                   help="base URL of an HTTP cache of the root's HTTP side: round updates and "
+                        "checkpoint files come from there, checked by sha256, and from the "
+                        "root whenever it fails (as matformer client --mirror)")
     p.add_argument("--dir", type=Path, default=Path("runs/relay"),
                    help="where the relay keeps checkpoint files (default: runs/relay)")
     return p
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         running = RunningRelay.start(args.upstream, name=args.name, join_token=token,
                                      folder=args.dir, host=args.host, port=args.port,
                                      deadline_s=args.deadline_s, topk=args.topk,
+                                     mirror=args.mirror,
                                      log=lambda line: print(f"relay: {line}", flush=True))
     except MatformerError as error:
         print(f"matformer relay: error: {error}", file=sys.stderr)

@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 
 from matformer.client.connection import RunSettings
+from matformer.client.mirror import MirrorFirst
 from matformer.modeling.checkpoint.files import read_json
 from matformer.modeling.checkpoint.hf_config import from_config_dict
 from matformer.modeling.checkpoint.manifest import Manifest
@@ -102,7 +103,7 @@ class HeldRound:
 
 class Relay:
     def __init__(self, root: Upstream, *, deadline_s: float, folder: Path, topk: int = 0,
-                 log: Callable[[str], None] = lambda line: None,
+                 mirror: str | None = None, log: Callable[[str], None] = lambda line: None,
                  member_timeout_s: float = MEMBER_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
@@ -112,8 +113,9 @@ class Relay:
         self.member_timeout_s = member_timeout_s
         self.log = log
         self.clock = clock
-        self.updates = UpdateCache(root)
-        self.files = FileCache(root, folder / "checkpoints")
+        source = MirrorFirst(mirror, log)  # the broadcast from a cache of the root's, first
+        self.updates = UpdateCache(root, source)
+        self.files = FileCache(root, folder / "checkpoints", source)
         self.sessions = SessionTokens()
         self.members: dict[str, RelayMember] = {}
         self.held: HeldRound | None = None

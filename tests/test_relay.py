@@ -243,3 +243,20 @@ def test_a_relay_with_topk_hands_the_root_k_coefficients_per_chunk(tmp_path):
         finally:
             cut.stop("done")
             exact.stop("done")
+
+
+def test_a_relay_with_a_mirror_takes_the_broadcast_from_it(tmp_path):
+    """--mirror at the root's own HTTP side (where a cache would sit): updates and checkpoint
+    files come as blobs, checked by sha256, and the run goes on as without."""
+    with serving_config(config(tmp_path, min_clients=1)) as (server, _):
+        root = server.service.coordinator
+        relay = relay_for(server, tmp_path, mirror=f"http://127.0.0.1:{server.http_port}")
+        try:
+            run_members(f"127.0.0.1:{relay.port}", server, rounds=2)
+            root.wait_for_round(1, WAIT_S)
+            source = relay.relay.updates.source
+            assert source.fallbacks == 0 and source.mirror.update_bytes > 0
+            blobs = server.http_server.config.app.state.blobs
+            assert blobs.sent["update"] >= 1 and blobs.sent["file"] >= 1  # config.json
+        finally:
+            relay.stop("done")
