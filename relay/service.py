@@ -22,7 +22,7 @@ from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import read_results, read_submission
 from matformer.relay.relay import Relay
 from matformer.server.errors import BadResult, CoordinatorError, TierAssignmentError
-from matformer.server.tiers import Capabilities
+from matformer.server.service import capabilities_of, check_schema
 
 T = TypeVar("T")
 RETRY_AFTER_S = 0.25  # a member with no part in the held round asks again after this
@@ -43,19 +43,8 @@ class RelayService(pb_grpc.CoordinatorServicer):
                           "a relay joins the root, not another relay; give it the root's "
                           "address as --upstream.")
         joined = r.joined
-        if request.HasField("schema") and request.schema.canonical_hash != joined.schema_hash:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"the client's model has canonical schema hash "
-                          f"{request.schema.canonical_hash or '(none)'}, the run's model "
-                          f"{joined.schema_hash}; load the run's checkpoint.")
-        caps = request.capabilities
-        capabilities = Capabilities(
-            name=request.client_name or "client", device_kind=caps.device_kind or "cpu",
-            memory_bytes=caps.memory_bytes,
-            requested_tier=caps.requested_tier if caps.HasField("requested_tier") else None,
-            tokens_per_second=caps.tokens_per_second,
-            microbatch_tokens=caps.microbatch_tokens or joined.settings.sequence_length,
-            device_name=caps.device_name[:200])
+        check_schema(context, request, joined.schema_hash)
+        capabilities = capabilities_of(request, joined.settings.sequence_length)
         member, tier, token = _call(context, lambda: r.join(capabilities))
         reply = pb.JoinReply()
         reply.CopyFrom(joined)  # the run's settings, schema, plan and checkpoint

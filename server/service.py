@@ -104,27 +104,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"this server runs {c.config.run.id!r}, not {request.run_id!r}; "
                           "check --server.")
-        # No schema: the client loads the run's checkpoint after joining and checks
-        # JoinReply.schema_hash itself. A schema it sends must be the run's.
-        if request.HasField("schema") and request.schema.canonical_hash != self.schema_hash:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"the client's model has canonical schema hash "
-                          f"{request.schema.canonical_hash or '(none)'}, the run's model "
-                          f"{self.schema_hash}; load the run's checkpoint (--checkpoint server).")
+        check_schema(context, request, self.schema_hash)
         if request.relay and c.config.update.vote == "majority":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           "this run counts one sign vote per member ([update] vote = "
                           "\"majority\"), which a relay's partial sum cannot carry; join its "
                           "members directly, or run with vote = \"mean\".")
-        caps = request.capabilities
-        capabilities = Capabilities(
-            name=request.client_name or "client", device_kind=caps.device_kind or "cpu",
-            memory_bytes=caps.memory_bytes,
-            requested_tier=caps.requested_tier if caps.HasField("requested_tier") else None,
-            tokens_per_second=caps.tokens_per_second,
-            # A client that does not say runs at least one sequence per pass.
-            microbatch_tokens=caps.microbatch_tokens or c.config.data.max_seq_len,
-            device_name=caps.device_name[:200], relay=request.relay)
+        capabilities = capabilities_of(request, c.config.data.max_seq_len)
         # a restarted client presents the session it had, to take its name back at once
         previous = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
         member, tier, token = _call(context, lambda: c.join(capabilities, key=key,
@@ -377,6 +363,30 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
 class _NotYourSession(ProtocolError):
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def check_schema(context: grpc.ServicerContext, request: pb.JoinRequest, schema_hash: str
+                 ) -> None:
+    """FAILED_PRECONDITION for a Join whose model is not the run's. No schema: the client
+    loads the run's checkpoint after joining and checks JoinReply.schema_hash itself."""
+    if request.HasField("schema") and request.schema.canonical_hash != schema_hash:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"the client's model has canonical schema hash "
+                      f"{request.schema.canonical_hash or '(none)'}, the run's model "
+                      f"{schema_hash}; load the run's checkpoint (--checkpoint server).")
+
+
+def capabilities_of(request: pb.JoinRequest, sequence_length: int) -> Capabilities:
+    """What a Join says of the client, as the tier policy reads it (checked there)."""
+    caps = request.capabilities
+    return Capabilities(
+        name=request.client_name or "client", device_kind=caps.device_kind or "cpu",
+        memory_bytes=caps.memory_bytes,
+        requested_tier=caps.requested_tier if caps.HasField("requested_tier") else None,
+        tokens_per_second=caps.tokens_per_second,
+        # a client that does not say runs at least one sequence per pass
+        microbatch_tokens=caps.microbatch_tokens or sequence_length,
+        device_name=caps.device_name[:200], relay=request.relay)
 
 
 def _run_tier(c: Coordinator, tier: int) -> int:
