@@ -46,10 +46,15 @@ def join(c: Coordinator, capabilities: Capabilities, *, key: KeyHolder | None = 
             "--name (a restarted client proves its name with the session it saved in its "
             "--state-dir).")
     _admit_check(c, now, replacing=holder is not None)
+    # the tier first: a join the policy refuses (its capabilities, no tier that fits) must
+    # leave the member it would replace in place
+    tier = membership.policy.assign(capabilities, [
+        m.tier for m in membership.members.values() if m is not holder])
     if holder is not None:
         remove(c, holder, f"replaced by a new join as {holder.name!r}" if proven
                else f"silent for {silent:.0f} s; its name was taken by a new join")
-    joined = membership.join(capabilities, now=now, key_hash=key.key_hash if key else "")
+    joined = membership.join(capabilities, now=now, key_hash=key.key_hash if key else "",
+                             tier=tier)
     member, tier, _ = joined
     c.history.event("join", member,
                     f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")

@@ -69,10 +69,12 @@ class Membership:
         self.excluded_keys = dict(excluded_keys or {})  # client key hash → why it was excluded
         self._next_id = next_id
 
-    def join(self, capabilities: Capabilities, *, now: float, key_hash: str = ""
-             ) -> tuple[Member, TierAssignment, str]:
-        """A new member (its tier from the policy), its assignment and its session token."""
-        assignment = self.policy.assign(capabilities, [m.tier for m in self.members.values()])
+    def join(self, capabilities: Capabilities, *, now: float, key_hash: str = "",
+             tier: TierAssignment | None = None) -> tuple[Member, TierAssignment, str]:
+        """A new member (its tier from the policy, unless ``tier`` gives it), its assignment
+        and its session token."""
+        assignment = tier if tier is not None else self.policy.assign(
+            capabilities, [m.tier for m in self.members.values()])
         client_id = f"client-{self._next_id}"
         self._next_id += 1
         member = Member(client_id=client_id, name=capabilities.name,

@@ -180,7 +180,7 @@ def snapshot(server: RunningServer) -> dict[str, str]:
         open_round = None if rnd is None else {
             "index": rnd.index, "opened_at": rnd.opened_at, "deadline": rnd.deadline,
             "assignments": {k: dataclasses.asdict(a) for k, a in rnd.assignments.items()},
-            "submissions": {k: [sorted(s.results), s.wire_bytes]
+            "submissions": {k: [sorted((r.name, r.region) for r in s.results), s.wire_bytes]
                             for k, s in rnd.submissions.items()},
             "queue_before": rnd.queue_before}
         files = {str(p.relative_to(c.dir)): hashlib.sha256(p.read_bytes()).hexdigest()

@@ -3,6 +3,7 @@ member cap and a join-rate limit, and exclusions that bind to what a member can 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
 from matformer.server.errors import (
+    BadCapabilities,
     Excluded,
     JoinsTooFast,
     NameTaken,
@@ -131,6 +133,18 @@ def test_a_live_members_name_is_its_own_until_it_falls_silent(tmp_path, mdat_pat
     assert [m.client_id for m in c.membership.members.values()] == [taken.client_id]
     with pytest.raises(SessionInvalid):
         c.authenticate(new_token)
+
+
+def test_a_join_the_tier_policy_refuses_leaves_the_member_it_would_replace(tmp_path, mdat_path):
+    """Found by tests/test_fuzz_rpc.py: a join that proved alice's name with her session but
+    reported no memory removed alice, then was refused."""
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=3), clock=Clock())
+    alice, _, token = c.join(caps("alice"))
+    broken = dataclasses.replace(caps("alice"), memory_bytes=0)
+    with pytest.raises(BadCapabilities, match="reports 0 bytes of memory"):
+        c.join(broken, previous_session=token)
+    assert list(c.membership.members) == [alice.client_id]
+    assert c.authenticate(token) == alice.client_id
 
 
 def test_joins_are_rate_limited_and_capped(tmp_path, mdat_path):
