@@ -23,7 +23,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -45,6 +44,7 @@ from matformer.protocol.auth import SessionTokens
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.sparse import ResultLayout, result_layouts
 from matformer.relay.cache import FileCache, UpdateCache
+from matformer.relay.rounds import HeldRound, Part, RelayMember
 from matformer.relay.upstream import Upstream
 from matformer.server.errors import (
     AlreadySubmitted,
@@ -66,39 +66,6 @@ MEMBER_TIMEOUT_S = 30.0  # a member silent this long is gone: its part counts as
 
 class RelayError(MatformerError):
     """The relay cannot serve the run as the root runs it."""
-
-
-@dataclass(kw_only=True, slots=True)
-class RelayMember:
-    client_id: str
-    name: str
-    tier: int
-    tokens_per_second: float
-    last_seen: float
-
-
-@dataclass(kw_only=True, slots=True)
-class Part:
-    """One member's part of the held round, and what it delivered."""
-
-    assignment: RoundAssignment
-    results: list[SparseResult] | None = None
-    loss: float = 0.0
-    delivered_at: float = 0.0
-
-
-@dataclass(kw_only=True, slots=True)
-class HeldRound:
-    work: pb.RoundAssignment  # the root's assignment to the relay
-    sequences: dict[int, pb.Sequence]
-    parts: dict[str, Part]  # client id → its part
-    opened: float
-    deadline: float
-    missed: set[str] = field(default_factory=set)  # members gone before they delivered
-
-    def done(self, now: float) -> bool:
-        return now >= self.deadline or all(
-            p.results is not None or c in self.missed for c, p in self.parts.items())
 
 
 class Relay:
