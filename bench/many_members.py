@@ -45,7 +45,7 @@ The members' own CPU share is printed beside (``members cpu``): on a small machi
 members, not the coordinator, can be what limits the rate, and the coordinator's CPU per
 round is the figure that carries to a real deployment.
 
-    python bench/many_members.py --smoke               # 2 and 4 members, micro model: it runs
+    python bench/many_members.py --smoke    # 2 and 4 members through a relay, micro model: it runs
     python bench/many_members.py --json runs/many.json           # tiny (4M): 16 ... 1,024
     python bench/many_members.py --shape 150m --members 16,64 --json runs/many-150m.json
     python bench/many_members.py --members 256 --relays 8 --json runs/many-relays.json
@@ -96,7 +96,9 @@ FRAME = 5  # gRPC's length prefix before every message
 WARMUP_ROUNDS = 1
 UPDATE_WAIT_S = 20.0  # one GetUpdates may wait this long for a round to close, as the client's
 MIN_WAIT_S = 0.05  # the shortest pause between GetRound polls, as the client's
-SMOKE = {"shape": "micro", "members": "2,4", "rounds": 1, "heartbeat_s": 1.0, "threads": 1}
+# the smoke pass goes through a relay: every line the direct path runs, and the relays' too
+SMOKE = {"shape": "micro", "members": "2,4", "rounds": 1, "heartbeat_s": 1.0, "threads": 1,
+         "relays": 1}
 # what scale.run_config and scale.Submissions read that this benchmark does not vary
 FIXED = {"seq_len": 128, "tiers": "0,1,2", "rule": "sign", "momentum": 0.0,
          "broadcast_topk": None, "encoding": "dct", "chunk": 64, "topk": 32,
