@@ -47,7 +47,7 @@ from matformer.client.progress import Planned
 from matformer.modeling.compression import CompressionConfig, RoundUpdate, SparseResult
 from matformer.modeling.optim import constant_after_warmup
 from matformer.protocol.auth import session_metadata
-from matformer.protocol.channel import CLIENT_OPTIONS
+from matformer.protocol.channel import open_channel
 from matformer.protocol.files import receive_file
 from matformer.protocol.link import metered
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
@@ -205,11 +205,7 @@ class Connection:
                  log: Callable[[str], None] = lambda line: None) -> None:
         """``latency_s`` delays every call by that much and ``bandwidth_mbit`` limits each
         direction (local-testnet's simulated WAN; 0: no limit)."""
-        if tls_ca is not None:
-            credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
-            self.channel = grpc.secure_channel(address, credentials, options=CLIENT_OPTIONS)
-        else:
-            self.channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self.channel = open_channel(address, tls_ca=tls_ca)
         # every message counted each way (``meter``), and held to bandwidth_mbit if set
         self.channel, self.meter = metered(self.channel, mbit_per_s=bandwidth_mbit)
         self.address = address

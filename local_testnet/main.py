@@ -35,6 +35,7 @@ from matformer.local_testnet.report import (
     format_costs,
     format_relay_traffic,
     format_table,
+    relay_summaries,
     relay_traffic,
     tier_reports,
     write_plot,
@@ -185,10 +186,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill_client_at is not None and args.kill_client_at >= config.round.planned_rounds:
         say(f"[testnet] --kill-client-at {args.kill_client_at} is past the run's last round "
             f"({config.round.planned_rounds - 1}); no client will be killed")
-    if args.relays and config.tls.cert is not None:
-        print("local-testnet: relays speak plain gRPC on loopback; run --relays without "
-              "[tls]", file=sys.stderr)
-        return 2
     relay_ports = [free_port() for _ in range(args.relays)]
     clients = [ClientSpec(name=f"member-{i}", tier=args.tiers[i % len(args.tiers)],
                           speed=args.client_speeds[i % len(args.client_speeds)],
@@ -210,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
         run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
         bandwidth_mbit=args.bandwidth_mbit, events=events,
-        tls_ca=config.tls.cert, env=env, relay_ports=relay_ports,
+        tls_ca=config.tls.cert, tls_key=config.tls.key, env=env, relay_ports=relay_ports,
         relay_deadline_s=config.round.deadline_s * RELAY_DEADLINE))
     # `kill` and `timeout` stop the run as Ctrl-C does: the children are stopped with it
     # (each runs in its own session, so nothing else would stop them)
@@ -233,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         tiers_seen = {n: c["tier"] for n, c in client_costs(run_dir / "clients", names).items()}
     code = report(config, status, tiers_seen, train_s)
     if args.relays:
-        relayed = relay_traffic(status, client_costs(run_dir / "clients", list(tiers_seen)))
+        relayed = relay_traffic(status, relay_summaries(run_dir / "relays", list(net.relays)),
+                                client_costs(run_dir / "clients", list(tiers_seen)))
         say("\n" + format_relay_traffic(relayed))
         add_to_summary(run_dir / "summary.json", "relays", relayed)
     if args.chaos is None:

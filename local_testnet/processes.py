@@ -23,6 +23,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from matformer.protocol.channel import open_channel
+
 TAIL_LINES = 30  # lines of a child's output kept to show when it fails
 # Children share two cores: one thread each keeps them from oversubscribing the CPU.
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -124,8 +126,7 @@ def wait_serving(address: str, server: Child, timeout_s: float, *,
     """Return once the gRPC health service at ``address`` answers SERVING; RuntimeError when
     ``server`` exits first or ``timeout_s`` passes."""
     deadline = time.monotonic() + timeout_s
-    channel = (grpc.insecure_channel(address) if tls_ca is None else grpc.secure_channel(
-        address, grpc.ssl_channel_credentials(tls_ca.read_bytes())))
+    channel = open_channel(address, tls_ca=tls_ca, options=())
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:

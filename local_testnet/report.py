@@ -163,12 +163,13 @@ def add_to_summary(path: Path, key: str, value: Any) -> None:
     path.write_text(json.dumps(summary, indent=1) + "\n")
 
 
-def relay_traffic(status: dict[str, Any], costs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Bytes per round at the root (what its members, the relays, sent and received, as the
-    coordinator counted them) against what the clients behind the relays sent and received
-    (their own summaries): sequences, results, updates and checkpoint files alike."""
+def relay_traffic(status: dict[str, Any], relays: list[dict[str, Any]],
+                  costs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Bytes per round at the root (what its members, the relays, sent and received, as each
+    relay's summary counts them: the root forgets a member once it leaves) against what the
+    clients behind the relays sent and received (their own summaries): sequences, results,
+    updates and checkpoint files alike."""
     rounds = max(int(status.get("round") or 0), 1)
-    relays = status.get("clients", [])
     return {
         "relays": len(relays), "members": len(costs), "rounds": rounds,
         "root_bytes_in_per_round": sum(r["bytes_up"] for r in relays) / rounds,
@@ -189,6 +190,12 @@ def format_relay_traffic(t: dict[str, Any]) -> str:
 
 COST_KEYS = ("bytes_up", "bytes_down", "dense_bytes_up", "dense_bytes_down", "compute_s",
              "up_s", "down_s", "wait_s", "apply_s", "wall_s")
+
+
+def relay_summaries(relays_dir: Path, names: list[str]) -> list[dict[str, Any]]:
+    """The summary each relay wrote in its folder when it stopped (relay.relay.SUMMARY_FILE)."""
+    paths = [relays_dir / name / "summary.json" for name in names]
+    return [json.loads(path.read_text()) for path in paths if path.is_file()]
 
 
 def client_costs(clients_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -65,7 +65,8 @@ class TestnetPlan:
     latency_ms: float = 0.0
     bandwidth_mbit: float = 0.0  # each client's upload and download limit; 0: none
     events: list[ChaosEvent] = field(default_factory=list)  # kills, in round order
-    tls_ca: Path | None = None
+    tls_ca: Path | None = None  # [tls] cert: what clients (and relays) trust
+    tls_key: Path | None = None  # [tls] key: relays serve their clients with the same pair
     env: dict[str, str] = field(default_factory=dict)  # the join token, for every child
     relay_ports: list[int] = field(default_factory=list)  # one relay each (--relays)
     relay_deadline_s: float = 45.0  # a relay's members' time for a round, under the root's
@@ -150,9 +151,13 @@ class Testnet:
                              "--port", str(port), "--name", name,
                              "--dir", str(p.run_dir / "relays" / name),
                              "--deadline-s", f"{p.relay_deadline_s:g}")
+        if p.tls_ca is not None:  # TLS to the root, and to its clients with the root's pair
+            argv += ["--tls-ca", str(p.tls_ca), "--tls-cert", str(p.tls_ca),
+                     "--tls-key", str(p.tls_key)]
         self.relays[name] = Child.start(name, argv, env=child_env(p.env))
         try:
-            wait_serving(f"127.0.0.1:{port}", self.relays[name], SERVER_START_S)
+            wait_serving(f"127.0.0.1:{port}", self.relays[name], SERVER_START_S,
+                         tls_ca=p.tls_ca)
         except RuntimeError as err:
             raise TestnetFailed(str(err)) from None
         say(f"[testnet] {name} relays between the root and the clients on 127.0.0.1:{port}")

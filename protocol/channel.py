@@ -3,10 +3,18 @@
 Streams carry one parameter per message, so a message can exceed gRPC's 4 MiB default
 (a dense result of a large embedding, say); both ends raise the limit to
 ``MAX_MESSAGE_BYTES``: ``grpc.server(executor, options=GRPC_OPTIONS)`` and
-``grpc.insecure_channel(target, options=GRPC_OPTIONS)`` (or ``secure_channel``).
+``open_channel(target)``, which also takes the certificate to trust for TLS.
+
+    channel = open_channel("root.example:7070", tls_ca=Path("ca.pem"))  # None: plaintext
+    port = listen(server, "0.0.0.0:7170", cert=cert, key=key)          # None, None: plaintext
 """
 
 from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+import grpc
 
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 
@@ -21,3 +29,32 @@ GRPC_OPTIONS = (
 # longer one for up to two minutes; the client retries calls with its own backoff anyway.
 RECONNECT_MAX_MS = 2000
 CLIENT_OPTIONS = (*GRPC_OPTIONS, ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS))
+
+
+def open_channel(address: str, *, tls_ca: Path | None = None,
+                 options: tuple[tuple[str, int], ...] = CLIENT_OPTIONS) -> grpc.Channel:
+    """A channel to a coordinator (or a relay) at ``address``: TLS trusting the PEM
+    certificate ``tls_ca`` when given, else plaintext."""
+    if tls_ca is None:
+        return grpc.insecure_channel(address, options=options)
+    credentials = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes())
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+def listen(server: grpc.Server, address: str, *, cert: Path | None = None,
+           key: Path | None = None) -> int:
+    """Bind ``server`` to ``address``: TLS with the PEM certificate chain ``cert`` and its
+    private ``key`` when given, else plaintext. Returns the port bound (``address`` may ask
+    for port 0); RuntimeError when the port is taken."""
+    if cert is None or key is None:
+        return server.add_insecure_port(address)
+    credentials = grpc.ssl_server_credentials([(Path(key).read_bytes(), Path(cert).read_bytes())])
+    return server.add_secure_port(address, credentials)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` reaches this machine only (a loopback address, or "localhost")."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"

@@ -4,8 +4,16 @@ members near it (docs/scaling.md, "Relays").
     matformer relay --upstream root.example:7070 --port 7170 --name relay-eu
     matformer client train --server relay.example:7170 --name laptop   # as if to the root
 
-Members join the relay with the run's join token, as they would the root. The relay runs
-until the root's run finishes, or Ctrl-C / SIGTERM, then leaves the root.
+Members join the relay with the run's join token, as they would the root, or with the
+relay's own ``--member-token``. The relay runs until the root's run finishes, or Ctrl-C /
+SIGTERM, then leaves the root.
+
+Over TLS, and into a run whose root admits only client keys (``[auth] mode = "keys"``):
+
+    matformer relay --upstream root.example:7070 --tls-ca root-ca.pem \\
+        --join-token "$RELAY_KEY" --member-token "$LAB_TOKEN" \\
+        --tls-cert relay.pem --tls-key relay-key.pem --host 0.0.0.0
+    matformer client train --server relay.example:7170 --tls-ca relay.pem --join-token "$LAB_TOKEN"
 """
 
 from __future__ import annotations
@@ -17,44 +25,101 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from matformer.modeling.commands import command_parser
 from matformer.modeling.errors import MatformerError
-from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.channel import GRPC_OPTIONS, is_loopback, listen
 from matformer.protocol.health import add_health
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from matformer.relay.relay import Relay
+from matformer.relay.relay import Relay, RelayError
 from matformer.relay.service import RelayService
 from matformer.relay.upstream import Upstream
+from matformer.server.keys import is_client_key
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
+MEMBER_TOKEN_ENV = "MATFORMER_MEMBER_TOKEN"
 WORKERS = 64  # calls served at once: each member holds up to four
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    """How a relay reaches the root and who may join it.
+
+    ``join_token`` is what the relay presents to the root: the run's join token, or the
+    relay's own client key where the root admits only keys. ``member_token`` is what its
+    members present to it (None: the join token; a client key names one holder, so it is
+    never handed to members and a relay holding one needs a member token of its own).
+    ``tls_ca`` is the root's certificate (TLS to the root); ``tls_cert`` and ``tls_key``, the
+    relay's own, serve its members over TLS."""
+
+    join_token: str
+    member_token: str | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, absent = ("cert", "key") if self.tls_key is None else ("key", "cert")
+            raise RelayError(f"--tls-{given} is given but not --tls-{absent}; give both (the "
+                             "relay's certificate and its private key) or neither.")
+        for flag, path in (("--tls-ca", self.tls_ca), ("--tls-cert", self.tls_cert),
+                           ("--tls-key", self.tls_key)):
+            if path is not None and not Path(path).is_file():
+                raise RelayError(f"{flag} {path} does not exist; fix the path.")
+        if self.member_token is None and is_client_key(self.join_token):
+            raise RelayError("the join token is a client key, which names this relay alone; "
+                             "its members must not present it. Give the relay's members a "
+                             f"token of their own: --member-token or ${MEMBER_TOKEN_ENV}.")
+        if self.member_token == "" and self.join_token:
+            raise RelayError("--member-token is empty; give the token the relay's members "
+                             "present, or leave it out to take the run's join token.")
+
+    @property
+    def members(self) -> str:
+        """The token members present to this relay."""
+        return self.join_token if self.member_token is None else self.member_token
 
 
 class RunningRelay:
     """A relay serving on ``port`` (0: any free one; ``port`` says which)."""
 
-    def __init__(self, relay: Relay, join_token: str, *, host: str, port: int) -> None:
+    def __init__(self, relay: Relay, access: Access, *, host: str, port: int) -> None:
         self.relay = relay
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS),
                                   options=GRPC_OPTIONS)
-        pb_grpc.add_CoordinatorServicer_to_server(RelayService(relay, join_token), self.server)
+        pb_grpc.add_CoordinatorServicer_to_server(RelayService(relay, access.members),
+                                                  self.server)
         add_health(self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = listen(self.server, f"{host}:{port}", cert=access.tls_cert,
+                           key=access.tls_key)
 
     @classmethod
-    def start(cls, upstream: str, *, name: str, join_token: str, folder: Path,
+    def start(cls, upstream: str, *, name: str, access: Access | str, folder: Path,
               host: str = "127.0.0.1", port: int = 0, deadline_s: float = 45.0,
               topk: int = 0, mirror: str | None = None,
               log: Callable[[str], None] = print) -> RunningRelay:
-        relay = Relay(Upstream(upstream, name=name, join_token=join_token),
+        """``access``: an ``Access``, or the run's join token alone (plaintext both ways)."""
+        access = Access(access) if isinstance(access, str) else access
+        relay = Relay(Upstream(upstream, name=name, join_token=access.join_token,
+                               tls_ca=access.tls_ca),
                       deadline_s=deadline_s, folder=folder, topk=topk, mirror=mirror, log=log)
         relay.start()
-        running = cls(relay, join_token, host=host, port=port)
+        try:
+            running = cls(relay, access, host=host, port=port)
+        except RuntimeError as err:  # grpc's answer to a taken port
+            relay.stop("its port is taken")
+            raise RelayError(f"cannot listen on {host}:{port} ({err}); another process holds "
+                             "the port: stop it or choose another --port.") from None
         running.server.start()
+        if access.tls_cert is None and not is_loopback(host):
+            log(f"warning: members reach {host}:{running.port} over plaintext: their tokens, "
+                "results and weights cross the network unencrypted; give --tls-cert and "
+                "--tls-key to serve them over TLS.")
         return running
 
     def stop(self, reason: str) -> None:
@@ -72,7 +137,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7170, help="its gRPC port (default: 7170)")
     p.add_argument("--name", default="relay", help="the relay's name at the root")
     p.add_argument("--join-token", default=None,
-                   help=f"the run's join token (default: ${JOIN_TOKEN_ENV})")
+                   help="what the relay presents to the root: the run's join token, or its "
+                        f"client key where the root runs [auth] mode = \"keys\" (default: "
+                        f"${JOIN_TOKEN_ENV})")
+    p.add_argument("--member-token", default=None,
+                   help="the token this relay's members present to it (default: "
+                        f"${MEMBER_TOKEN_ENV}, else the join token; needed when the join "
+                        "token is a client key)")
+    p.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
+                   help="the root's certificate to trust: connect to the root with TLS")
+    p.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                   help="serve members over TLS with this certificate chain (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None, metavar="PEM",
+                   help="the private key of --tls-cert")
     p.add_argument("--deadline-s", type=float, default=45.0,
                    help="how long members have for a round before the relay hands in what "
                         "it has; keep it under the run's [round] deadline_s (default: 45)")
@@ -93,10 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     token = args.join_token if args.join_token is not None else os.environ.get(
         JOIN_TOKEN_ENV, "")
+    members = args.member_token if args.member_token is not None else os.environ.get(
+        MEMBER_TOKEN_ENV)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
-        running = RunningRelay.start(args.upstream, name=args.name, join_token=token,
+        access = Access(token, members, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key)
+        running = RunningRelay.start(args.upstream, name=args.name, access=access,
                                      folder=args.dir, host=args.host, port=args.port,
                                      deadline_s=args.deadline_s, topk=args.topk,
                                      mirror=args.mirror,

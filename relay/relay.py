@@ -29,6 +29,7 @@ import grpc
 
 from matformer.client.connection import RunSettings
 from matformer.client.mirror import MirrorFirst
+from matformer.modeling.atomic import write_json_atomic
 from matformer.modeling.checkpoint.files import read_json
 from matformer.modeling.checkpoint.hf_config import from_config_dict
 from matformer.modeling.checkpoint.manifest import Manifest
@@ -64,6 +65,9 @@ WAIT_S = 0.5  # between looks at the root when it has no work for the relay
 MEMBER_TIMEOUT_S = 30.0  # a member silent this long is gone: its part counts as missed
 
 
+SUMMARY_FILE = "summary.json"  # in the relay's --dir, written when it stops
+
+
 class RelayError(MatformerError):
     """The relay cannot serve the run as the root runs it."""
 
@@ -74,6 +78,7 @@ class Relay:
                  member_timeout_s: float = MEMBER_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
+        self.folder = folder
         self.deadline_s = deadline_s
         # 0: the members' exact sum; else cut to topk per chunk, the rest carried (lossy)
         self.recompress = Recompressor(topk) if topk else None
@@ -146,6 +151,13 @@ class Relay:
         with contextlib.suppress(grpc.RpcError):  # a courtesy: the root drops silent members
             self.root.leave(reason)
         self.root.close()
+        # what the root saw of this relay, kept once it left (the root forgets a member that
+        # leaves): every message each way, framed, and the rounds it handed in
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.folder / SUMMARY_FILE, {
+            "name": self.root.name, "client_id": self.root.client_id, "reason": reason,
+            "bytes_up": self.root.bytes_up, "bytes_down": self.root.bytes_down,
+            "rounds_submitted": self.rounds_submitted})
 
     # -- members ---------------------------------------------------------------------------
 

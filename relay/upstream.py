@@ -1,6 +1,6 @@
 """The relay's end of the root's protocol: the relay as one member of the root.
 
-    root = Upstream("root.example:7070", name="relay-eu", join_token=token)
+    root = Upstream("root.example:7070", name="relay-eu", join_token=token)  # tls_ca=...
     joined = root.join(tokens_per_second=0.0)      # pb.JoinReply; the relay's session
     work = root.get_round(after=None)              # pb.RoundAssignment
     root.fetch(ids); root.submit(header, partials); root.updates(since, tier, wait_s)
@@ -16,12 +16,11 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-import grpc
 from google.protobuf.message import Message
 
 from matformer.modeling.compression import SparseResult
 from matformer.protocol.auth import session_metadata
-from matformer.protocol.channel import CLIENT_OPTIONS
+from matformer.protocol.channel import open_channel
 from matformer.protocol.files import receive_file
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -36,12 +35,15 @@ STREAMS = 2
 
 
 class Upstream:
-    def __init__(self, address: str, *, name: str, join_token: str, run_id: str = "") -> None:
+    def __init__(self, address: str, *, name: str, join_token: str, run_id: str = "",
+                 tls_ca: Path | None = None) -> None:
+        """``join_token``: the run's join token, or (``[auth] mode = "keys"``) the relay's
+        own client key; ``tls_ca``: the root's certificate, to connect with TLS."""
         self.address = address
         self.name = name
         self._join_token = join_token
         self._run_id = run_id
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._channel = open_channel(address, tls_ca=tls_ca)
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         self.metadata: tuple[tuple[str, str], ...] = ()
         self.client_id = ""

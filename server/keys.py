@@ -22,6 +22,7 @@ keys added or removed while it runs take effect at once.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from matformer.server.errors import ServerError
 from matformer.server.tiers import valid_name
 
 KEYS_VERSION = 1
+SECRET_BYTES = 32  # of a key's secret: 43 URL-safe base64 characters
+_SECRET = re.compile(r"[A-Za-z0-9_-]{43}")
 
 
 class KeyFileError(ServerError):
@@ -61,7 +64,7 @@ class KeyFile:
         if name in entries:
             raise KeyFileError(f"{self.path} already holds a key named {name!r}; "
                                f"`keys remove {name}` first to issue a new one.")
-        key = f"{name}.{secrets.token_urlsafe(32)}"
+        key = f"{name}.{secrets.token_urlsafe(SECRET_BYTES)}"
         entries[name] = {"hash": token_hash(key), "issued": time.time()}
         self._write(entries)
         return key
@@ -101,3 +104,11 @@ class KeyFile:
     def _write(self, entries: dict[str, dict[str, Any]]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path, {"version": KEYS_VERSION, "keys": entries}, mode=0o600)
+
+
+def is_client_key(token: str) -> bool:
+    """Whether ``token`` has the form of a client key (``NAME.SECRET``, as ``KeyFile.add``
+    issues them) rather than of a join token, which has no "." when made by
+    ``protocol.auth.new_join_token``."""
+    name, dot, secret = token.rpartition(".")
+    return bool(dot) and valid_name(name) and _SECRET.fullmatch(secret) is not None

@@ -34,7 +34,7 @@ import uvicorn
 
 from matformer.modeling.commands import command_parser
 from matformer.modeling.errors import MatformerError
-from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.channel import GRPC_OPTIONS, is_loopback, listen
 from matformer.protocol.health import add_health
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.server.call_slots import RequestGate
@@ -91,12 +91,7 @@ class RunningServer:
         try:
             http_address = (host, config.server.http_port if http_port is None else http_port)
             sock.bind(http_address)
-            if tls.enabled:
-                credentials = grpc.ssl_server_credentials([(tls.key.read_bytes(),
-                                                            tls.cert.read_bytes())])
-                bound_grpc = grpc_server.add_secure_port(address, credentials)
-            else:
-                bound_grpc = grpc_server.add_insecure_port(address)
+            bound_grpc = listen(grpc_server, address, cert=tls.cert, key=tls.key)
         except (OSError, RuntimeError) as err:  # grpc raises RuntimeError for a taken port
             sock.close()
             raise PortUnavailable(
@@ -149,7 +144,7 @@ def bind_host(config: RunConfig) -> str:
     a warning too: tokens, results and weights would cross the network in plaintext."""
     host = config.server.host
     if config.auth.mode != "none":
-        if not config.tls.enabled and not _is_loopback(host):
+        if not config.tls.enabled and not is_loopback(host):
             log.warning("[server] host %r accepts other machines over plaintext: join and session "
                         "tokens, results and weights cross the network unencrypted. Set [tls] "
                         "cert and key (a PEM certificate and its private key) in run.toml to "
@@ -166,13 +161,6 @@ def bind_host(config: RunConfig) -> str:
                 "accept other machines.", loopback, ignored)
     return loopback
 
-
-def _is_loopback(host: str) -> bool:
-    """``host`` reaches this machine only (a loopback address, or "localhost")."""
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name
-        return host == "localhost"
 
 
 def server_options(config: RunConfig) -> tuple[tuple[str, int], ...]:

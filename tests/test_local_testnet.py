@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from certs import self_signed
 from helpers import local_testnet_toml, run_testnet
 
 from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
@@ -244,9 +245,12 @@ def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap)
 
 def test_clients_behind_two_relays_train_the_run_and_the_report_shows_the_roots_bytes(
         tmp_path, monkeypatch):
+    """Over TLS: each relay trusts the root's certificate and serves its clients with it."""
     build_default_mdat(tmp_path / "d.mdat", limit=40).close()
+    self_signed(tmp_path)
     config = local_testnet_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=6,
-                                auth={"join_token_env": "TESTNET_JOIN_TOKEN"})
+                                auth={"join_token_env": "TESTNET_JOIN_TOKEN"},
+                                tls={"cert": "cert.pem", "key": "key.pem"})
     env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
     result = run_testnet(
         [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "3",
@@ -257,7 +261,7 @@ def test_clients_behind_two_relays_train_the_run_and_the_report_shows_the_roots_
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["rounds"] == 6 and all(t["improved"] for t in summary["tiers"])
     relays = summary["relays"]
-    assert (relays["relays"], relays["members"], relays["rounds"]) == (2, 3, 6)
+    assert (relays["relays"], relays["members"], relays["rounds"]) == (2, 3, 6), log[-6000:]
     assert relays["root_bytes_in_per_round"] > 0 and relays["root_bytes_out_per_round"] > 0
     assert relays["members_bytes_up_per_round"] > 0
     assert "through 2 relays: the root received " in log

@@ -9,19 +9,23 @@ import threading
 import time
 
 import grpc
+import pytest
 import torch
+from certs import self_signed
 from helpers import JOIN_TOKEN, served_run_toml
 from rounds import assigned
 from wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, serving_config
 
 from matformer.modeling.compression import CompressionConfig
 from matformer.protocol.auth import session_metadata
-from matformer.protocol.channel import GRPC_OPTIONS
+from matformer.protocol.channel import GRPC_OPTIONS, open_channel
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import submission_messages
-from matformer.relay.main import RunningRelay
+from matformer.relay.main import Access, RunningRelay, main
+from matformer.relay.relay import RelayError
 from matformer.server.config import RunConfig
+from matformer.server.keys import KeyFile
 
 ROUNDS = 3
 WAIT_S = 120.0  # generous: a busy two-core machine runs these
@@ -48,10 +52,11 @@ class Member:
     """A member that submits, each round, DCT results of a gradient fixed by its name and the
     round: the same results whichever coordinator it joined."""
 
-    def __init__(self, address: str, server, name: str, tier: int) -> None:
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    def __init__(self, address: str, server, name: str, tier: int, *, tls_ca=None,
+                 token: str = JOIN_TOKEN) -> None:
+        self.channel = open_channel(address, tls_ca=tls_ca, options=GRPC_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
-        request = join_request(server, name=name)
+        request = join_request(server, name=name, token=token)
         request.capabilities.requested_tier = tier
         self.reply = self.stub.Join(request, timeout=HONEST_TIMEOUT_S)
         self.auth = session_metadata(self.reply.session_token)
@@ -108,8 +113,8 @@ class Member:
             self.train(work)
 
 
-def run_members(address: str, server, rounds: int = ROUNDS) -> list[Member]:
-    members = [Member(address, server, name, tier) for name, tier in MEMBERS]
+def run_members(address: str, server, rounds: int = ROUNDS, **access) -> list[Member]:
+    members = [Member(address, server, name, tier, **access) for name, tier in MEMBERS]
     threads = [threading.Thread(target=m.play, args=(rounds,)) for m in members]
     for thread in threads:
         thread.start()
@@ -129,7 +134,7 @@ def master(server, rounds: int = ROUNDS) -> dict[str, torch.Tensor]:
 
 def relay_for(server, tmp_path, **kwargs) -> RunningRelay:
     return RunningRelay.start(f"127.0.0.1:{server.grpc_port}", name="relay-a",
-                              join_token=JOIN_TOKEN, folder=tmp_path / "relay", **kwargs)
+                              access=JOIN_TOKEN, folder=tmp_path / "relay", **kwargs)
 
 
 def test_members_behind_a_relay_end_where_the_same_members_joined_directly_end(tmp_path):
@@ -226,7 +231,7 @@ def test_a_relay_with_topk_hands_the_root_k_coefficients_per_chunk(tmp_path):
         root = server.service.coordinator
         exact = relay_for(server, tmp_path / "exact")
         cut = RunningRelay.start(f"127.0.0.1:{server.grpc_port}", name="relay-b",
-                                 join_token=JOIN_TOKEN, folder=tmp_path / "cut", topk=2)
+                                 access=JOIN_TOKEN, folder=tmp_path / "cut", topk=2)
         try:
             members = [Member(f"127.0.0.1:{relay.port}", server, f"{relay.relay.root.name}-{n}",
                               tier) for relay in (exact, cut) for n, tier in MEMBERS]
@@ -260,3 +265,44 @@ def test_a_relay_with_a_mirror_takes_the_broadcast_from_it(tmp_path):
             assert blobs.sent["update"] >= 1 and blobs.sent["file"] >= 1  # config.json
         finally:
             relay.stop("done")
+
+
+def test_a_relay_joins_a_tls_root_with_its_own_key_and_serves_its_members_over_tls(tmp_path):
+    cert, key = self_signed(tmp_path)
+    run = config(tmp_path, min_clients=1, auth={"mode": "keys"},
+                 tls={"cert": "cert.pem", "key": "key.pem"})
+    relay_key = KeyFile(run.keys_path).add("relay-a")  # the root admits key holders only
+    with pytest.raises(RelayError, match="--member-token"):  # a key is never the members'
+        Access(relay_key, tls_ca=cert)
+    with serving_config(run) as (server, _):
+        relay = RunningRelay.start(
+            f"127.0.0.1:{server.grpc_port}", name="relay-a", folder=tmp_path / "relay",
+            access=Access(relay_key, "lab-token", tls_ca=cert, tls_cert=cert, tls_key=key))
+        try:
+            address = f"127.0.0.1:{relay.port}"
+            plaintext = code_of(lambda: Member(address, server, "m0", 0))
+            assert plaintext[0] == grpc.StatusCode.UNAVAILABLE
+            keyed = code_of(lambda: Member(address, server, "m0", 0, tls_ca=cert,
+                                           token=relay_key))
+            assert keyed[0] == grpc.StatusCode.UNAUTHENTICATED
+            members = run_members(address, server, tls_ca=cert, token="lab-token")
+            master(server)  # the root committed every round, over TLS, from the relay
+            assert all(len(m.tokens) == ROUNDS for m in members)
+            (relay_member,) = server.service.coordinator.membership.members.values()
+            assert relay_member.relay and relay_member.name == "relay-a"
+        finally:
+            relay.stop("done")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--join-token", "relay-a." + "x" * 43], "its members must not present it"),
+    (["--tls-cert", "cert.pem"], "--tls-cert is given but not --tls-key"),
+    (["--tls-ca", "missing.pem"], "--tls-ca missing.pem does not exist"),
+])
+def test_the_relay_command_refuses_access_it_cannot_serve(tmp_path, monkeypatch, capsys, argv,
+                                                          message):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MATFORMER_MEMBER_TOKEN", raising=False)
+    (tmp_path / "cert.pem").write_text("not read: the key is missing first")
+    assert main(["--upstream", "127.0.0.1:9", "--dir", str(tmp_path / "relay"), *argv]) == 2
+    assert message in capsys.readouterr().err
