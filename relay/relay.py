@@ -365,16 +365,29 @@ class Relay:
         if self.recompress is not None:
             partials = [self.recompress(p) for p in partials]
         tokens = sum(p.assignment.tokens for p in delivered)
+        by_tier: dict[int, list[Part]] = {}
+        for part in delivered:
+            if part.assignment.tokens:
+                by_tier.setdefault(part.assignment.tier, []).append(part)
         header = pb.SubmitHeader(
             round=held.work.round, client_id=self.root.client_id, tokens=tokens,
-            loss=sum(p.loss * p.assignment.tokens for p in delivered) / tokens,
+            loss=_weighted_loss(delivered),
             train_seconds=max(p.delivered_at for p in delivered) - held.opened,
-            assignment_id=held.work.assignment_id, missed_ids=missed)
+            assignment_id=held.work.assignment_id, missed_ids=missed,
+            tier_losses=[pb.TierLoss(tier=tier, tokens=sum(p.assignment.tokens for p in parts),
+                                     loss=_weighted_loss(parts))
+                         for tier, parts in sorted(by_tier.items())])
         self.root.submit(header, partials)
         self.rounds_submitted += 1
         self.log(f"round {held.work.round}: {len(delivered)} of {len(held.parts)} members, "
                  f"{tokens:,} tokens, {len(partials)} partials upstream"
                  + (f"; {len(missed)} sequences missed" if missed else ""))
+
+
+def _weighted_loss(parts: list[Part]) -> float:
+    """The members' mean loss, weighted by the tokens each delivered."""
+    return sum(p.loss * p.assignment.tokens for p in parts) / sum(
+        p.assignment.tokens for p in parts)
 
 
 def _length(sequence: pb.Sequence) -> int:

@@ -52,13 +52,14 @@ from matformer.server.checkpoints import CheckpointRef, CheckpointStore
 from matformer.server.close import ClosedRound, CloseWorker, Closing, close, room_to_close
 from matformer.server.config import RunConfig
 from matformer.server.errors import (
+    BadReport,
     Excluded,
     MissedNotAssigned,
     RunDirectoryUnavailable,
     SessionInvalid,
     UpdatesPruned,
 )
-from matformer.server.gate import SubmissionGate
+from matformer.server.gate import SubmissionGate, check_tier_losses
 from matformer.server.history import RunHistory
 from matformer.server.keys import KeyHolder
 from matformer.server.ledger import TrainedLedger
@@ -174,25 +175,33 @@ class Coordinator:
     def submit(self, client_id: str, round_index: int, results: Sequence[SparseResult], *,
                loss: float | None = None, train_seconds: float | None = None,
                assignment_id: str | None = None, wire_bytes: int = 0,
-               missed: Sequence[int] = ()) -> None:
+               missed: Sequence[int] = (),
+               tier_losses: Sequence[tuple[int, int, float]] = ()) -> None:
         """Take a client's results for a round being collected, all or none (the gate's
         BadResult keeps none; ``RoundPipeline.keep``). The results are checked without the
         lock, the header again under it when they are kept. A relay's are partial sums,
-        and ``missed`` names the sequences of its assignment that its members did not
-        deliver: they go back to the queue."""
+        ``missed`` names the sequences of its assignment that its members did not deliver
+        (they go back to the queue), and ``tier_losses`` its members' loss per tier
+        (``(tier, tokens, loss)`` each)."""
         with self._lock:
             relay = self.membership.heartbeat(client_id, now=self.clock()).relay
         self._advance()  # a round past its deadline ends before late results are looked at
         with self._lock:
             _, assigned = self._header(client_id, round_index, assignment_id)
+        losses: dict[int, tuple[float, int]] = {}
         if relay:
             delivered = assigned.without(missed, self._length)
             kept = self.gate.partials(
                 assigned, [self.regions(t) for t in self.config.tiers.allowed], results,
                 tokens=delivered.tokens, loss=loss, train_seconds=train_seconds)
+            losses = check_tier_losses(tier_losses, self.config.tiers.allowed,
+                                       delivered.tokens)
         elif missed:
             raise MissedNotAssigned("only a relay names missed sequences; a member submits "
                                     "its whole assignment or nothing.")
+        elif tier_losses:
+            raise BadReport("only a relay reports losses per tier; a member reports its own "
+                            "loss, which counts at its tier.")
         else:
             kept = self.gate.results(assigned, self.regions(assigned.tier), results,
                                      loss=loss, train_seconds=train_seconds)
@@ -201,7 +210,7 @@ class Coordinator:
             if relay:
                 delivered = assigned.without(missed, self._length)
             self.pipeline.keep(rnd, delivered if relay else assigned, Submission(
-                kept, loss, self.clock(), wire_bytes),
+                kept, loss, self.clock(), wire_bytes, losses),
                 train_seconds=train_seconds, dense_bytes=self.dense_bytes(assigned.tier),
                 missed=missed if relay else ())
         self._advance()  # the last submission makes the round ready to close

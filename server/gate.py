@@ -158,6 +158,28 @@ class SubmissionGate:
         return self.limits.check(results, partial=True)
 
 
+def check_tier_losses(losses: Iterable[tuple[int, int, float]], tiers: Iterable[int],
+                      tokens: int) -> dict[int, tuple[float, int]]:
+    """A relay's losses per tier, ``(tier, tokens, loss)`` each, as the record keeps them:
+    tier → (loss, tokens). BadReport unless each names one of the run's ``tiers`` once with
+    a possible loss, and their tokens add up to the ``tokens`` its members delivered."""
+    kept: dict[int, tuple[float, int]] = {}
+    allowed = set(tiers)
+    for tier, count, loss in losses:
+        if tier in kept or tier not in allowed:
+            why = "twice" if tier in kept else "which the run does not allow"
+            raise BadReport(f"the losses per tier name tier {tier} {why}; report each tier "
+                            "the relay's members trained once.")
+        check_reports(count, loss, None)
+        kept[tier] = (loss, count)
+    covered = sum(count for _, count in kept.values())
+    if kept and covered != tokens:
+        raise BadReport(f"the losses per tier cover {covered} tokens, but the members "
+                        f"delivered {tokens}; weigh each tier by the tokens of its members "
+                        "that delivered.")
+    return kept
+
+
 def check_reports(tokens: int, loss: float | None, train_seconds: float | None) -> None:
     """BadResult unless what a client says of its work is physically possible: speed and
     loss feed the next round's split and the record. (Its results' tokens are the

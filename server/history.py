@@ -70,17 +70,20 @@ class RunHistory:
         del state.departed[:-MAX_DEPARTED]
 
     def loss(self, rnd: OpenRound) -> None:
-        """Per tier, the token-weighted mean loss its clients reported in ``rnd``."""
+        """Per tier, the token-weighted mean loss its clients reported in ``rnd``: a member's
+        at its tier, a relay's members' at theirs (``Submission.tier_losses``)."""
         sums: dict[int, list[float]] = {}
         for client, sub in rnd.submissions.items():
-            if sub.loss is not None:
-                a = rnd.assignments[client]
-                total = sums.setdefault(a.tier, [0.0, 0.0])
-                total[0] += sub.loss * a.tokens
-                total[1] += a.tokens
+            a = rnd.assignments[client]
+            own = {} if sub.loss is None else {a.tier: (sub.loss, a.tokens)}
+            for tier, (loss, tokens) in (sub.tier_losses or own).items():
+                total = sums.setdefault(tier, [0.0, 0.0])
+                total[0] += loss * tokens
+                total[1] += tokens
         state = self._state()
         for tier, (weighted, tokens) in sorted(sums.items()):
-            state.loss.setdefault(str(tier), []).append([rnd.index, weighted / tokens])
+            if tokens:
+                state.loss.setdefault(str(tier), []).append([rnd.index, weighted / tokens])
 
     def round(self, rnd: OpenRound, by_name: Mapping[str, Sequence[SparseResult]], *,
               close_s: float) -> None:

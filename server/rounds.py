@@ -54,6 +54,9 @@ class Submission:
     loss: float | None
     received_at: float
     wire_bytes: int = 0  # the submission's size as it arrived (compressed, protobuf-framed)
+    # a relay's loss per tier its members trained: tier → (loss, tokens); empty: ``loss`` is
+    # the sender's, at its own tier
+    tier_losses: dict[int, tuple[float, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

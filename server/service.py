@@ -247,7 +247,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                                       "does not parse; nothing was kept, submit again.")
             c.submit(client_id, header.round, results, loss=header.loss,
                      train_seconds=header.train_seconds, assignment_id=header.assignment_id,
-                     wire_bytes=received, missed=list(header.missed_ids))
+                     wire_bytes=received, missed=list(header.missed_ids),
+                     tier_losses=[(t.tier, t.tokens, t.loss) for t in header.tier_losses])
             return len(results)
 
         with self._stream(context, client_id) as watch:

@@ -25,6 +25,8 @@ from matformer.protocol.submission import submission_messages
 from matformer.relay.main import Access, RunningRelay, main
 from matformer.relay.relay import RelayError
 from matformer.server.config import RunConfig
+from matformer.server.errors import BadReport
+from matformer.server.gate import check_tier_losses
 from matformer.server.keys import KeyFile
 
 ROUNDS = 3
@@ -95,7 +97,8 @@ class Member:
             pb.FetchSequencesRequest(ids=ids), metadata=self.auth, timeout=WAIT_S)}
         tokens = sum(sequences[i].tokens.shape[0] for i in work.sequence_ids)
         self.stub.SubmitResult(submission_messages(
-            header_of(self.reply, work, tokens=tokens, train_seconds=tokens / SPEED),
+            header_of(self.reply, work, tokens=tokens, train_seconds=tokens / SPEED,
+                      loss=1.0 + self.tier + work.round / 10),
             self.results(work, tokens)),
             metadata=self.auth, timeout=WAIT_S)
         self.rounds.append(work)
@@ -142,12 +145,16 @@ def test_members_behind_a_relay_end_where_the_same_members_joined_directly_end(t
         start = master(server, 0)
         direct_members = run_members(f"127.0.0.1:{server.grpc_port}", server)
         direct = master(server)
+        direct_loss = dict(server.service.coordinator.state.loss)
     with serving_config(config(tmp_path / "relayed", min_clients=1)) as (server, _):
         relay = relay_for(server, tmp_path)
         try:
             relayed_members = run_members(f"127.0.0.1:{relay.port}", server)
             relayed = master(server)
             root = server.service.coordinator
+            # the root files each member's loss under its tier, through the relay as directly
+            assert root.state.loss == direct_loss
+            assert sorted(direct_loss) == ["0", "1"]
             (relay_member,) = root.membership.members.values()
             assert relay_member.relay and relay_member.name == "relay-a"
         finally:
@@ -213,14 +220,16 @@ def test_the_root_refuses_a_relay_in_a_majority_vote_run(tmp_path):
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "vote" in details
 
 
-def test_only_a_relay_names_missed_sequences(tmp_path):
+def test_only_a_relay_names_missed_sequences_or_losses_per_tier(tmp_path):
     with serving_config(config(tmp_path, min_clients=1)) as (server, stub):
         member = Member(f"127.0.0.1:{server.grpc_port}", server, "m0", 0)
         work = member.work()
-        header = header_of(member.reply, work, tokens=1, missed_ids=[work.sequence_ids[0]])
-        code, details = code_of(lambda: stub.SubmitResult(
-            submission_messages(header, []), metadata=member.auth, timeout=WAIT_S))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "only a relay" in details
+        for relay_only in ({"missed_ids": [work.sequence_ids[0]]},
+                           {"tier_losses": [pb.TierLoss(tier=0, tokens=1, loss=2.0)]}):
+            header = header_of(member.reply, work, tokens=1, **relay_only)
+            code, details = code_of(lambda h=header: stub.SubmitResult(
+                submission_messages(h, []), metadata=member.auth, timeout=WAIT_S))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "only a relay" in details
 
 
 
@@ -306,3 +315,16 @@ def test_the_relay_command_refuses_access_it_cannot_serve(tmp_path, monkeypatch,
     (tmp_path / "cert.pem").write_text("not read: the key is missing first")
     assert main(["--upstream", "127.0.0.1:9", "--dir", str(tmp_path / "relay"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("losses", "message"), [
+    ([(0, 10, 2.0), (3, 6, 2.5)], "tier 3 which the run does not allow"),
+    ([(0, 10, 2.0), (0, 6, 2.5)], "tier 0 twice"),
+    ([(0, 10, 2.0), (1, 6, float("nan"))], "the reported loss nan"),
+    ([(0, 10, 2.0)], "cover 10 tokens, but the members delivered 16"),
+])
+def test_a_relays_losses_per_tier_are_refused_unless_they_add_up(losses, message):
+    with pytest.raises(BadReport, match=message):
+        check_tier_losses(losses, [0, 1, 2], tokens=16)
+    assert check_tier_losses([(1, 6, 2.5), (0, 10, 2.0)], [0, 1, 2], 16) == {
+        0: (2.0, 10), 1: (2.5, 6)}

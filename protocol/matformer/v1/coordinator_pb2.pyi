@@ -261,7 +261,7 @@ class Sequence(_message.Message):
     def __init__(self, id: _Optional[int] = ..., tokens: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class SubmitHeader(_message.Message):
-    __slots__ = ("round", "client_id", "tokens", "loss", "train_seconds", "assignment_id", "missed_ids")
+    __slots__ = ("round", "client_id", "tokens", "loss", "train_seconds", "assignment_id", "missed_ids", "tier_losses")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class SubmitHeader(_message.Message):
     TRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     MISSED_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOSSES_FIELD_NUMBER: _ClassVar[int]
     round: int
     client_id: str
     tokens: int
@@ -276,7 +277,18 @@ class SubmitHeader(_message.Message):
     train_seconds: float
     assignment_id: str
     missed_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round: _Optional[int] = ..., client_id: _Optional[str] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ..., missed_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tier_losses: _containers.RepeatedCompositeFieldContainer[TierLoss]
+    def __init__(self, round: _Optional[int] = ..., client_id: _Optional[str] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ..., train_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ..., missed_ids: _Optional[_Iterable[int]] = ..., tier_losses: _Optional[_Iterable[_Union[TierLoss, _Mapping]]] = ...) -> None: ...
+
+class TierLoss(_message.Message):
+    __slots__ = ("tier", "tokens", "loss")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    tier: int
+    tokens: int
+    loss: float
+    def __init__(self, tier: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class SubmitMessage(_message.Message):
     __slots__ = ("header", "result")
