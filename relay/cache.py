@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from matformer.client.mirror import MirrorFirst
@@ -30,9 +31,13 @@ KEEP_ROUNDS = 16  # per tier: a member that fell further behind loads a checkpoi
 
 
 class UpdateCache:
-    def __init__(self, root: Upstream, source: MirrorFirst) -> None:
+    def __init__(self, root: Upstream, source: MirrorFirst,
+                 closed: Callable[[], int] = lambda: 0) -> None:
+        """``closed()``: how many rounds the root has closed, as its last answer said; a
+        request that the cache holds only the start of asks the root for the rest."""
         self.root = root
         self.source = source
+        self.closed = closed
         self._rounds: dict[tuple[int, int], list[pb.UpdateMessage]] = {}  # (round, tier)
         self._lock = threading.Lock()
         # one upstream call at a time, whatever the tier: a call waiting for a close holds
@@ -46,37 +51,45 @@ class UpdateCache:
         """The rounds from ``since_round`` on that the root has closed, at ``tier``; waits up
         to ``wait_s`` for ``since_round`` to close when none has. Raises the root's
         ``grpc.RpcError`` (a pruned round, a stopped root) for the caller to pass on."""
-        held = self._held(since_round, tier)
-        if held:
-            return held
+        held, after = self._held(since_round, tier)
+        if held and after >= self.closed():
+            return self._serve(held, after - since_round)
         until = time.monotonic() + wait_s  # the member's wait, the queue for the call counted
         with self._asking:  # another member may have asked meanwhile
-            held = self._held(since_round, tier)
-            if held:
-                return held
+            held, after = self._held(since_round, tier)
+            if held and after >= self.closed():
+                return self._serve(held, after - since_round)
+            # from the first round not held; no wait when some are (they answer at once)
+            wait = (lambda: 0.0) if held else (lambda: max(0.0, until - time.monotonic()))
             fresh = self.source.take(
-                f"updates from round {since_round}",
+                f"updates from round {after}",
                 lambda mirror: [(update.round, messages) for update, messages in mirror.rounds(
-                    since_round, tier, wait_s=max(0.0, until - time.monotonic()))],
-                lambda: list(rounds_of(self.root.updates(
-                    since_round, tier, max(0.0, until - time.monotonic())))))
+                    after, tier, wait_s=wait())],
+                lambda: list(rounds_of(self.root.updates(after, tier, wait()))))
             with self._lock:
                 for round_index, messages in fresh:
                     self._rounds[round_index, tier] = messages
                     self.fetched += 1
                 for key in sorted(self._rounds)[:-KEEP_ROUNDS * 4]:  # every tier's oldest
                     del self._rounds[key]
-        return self._held(since_round, tier)
+        held, after = self._held(since_round, tier)
+        return self._serve(held, after - since_round)
 
-    def _held(self, since_round: int, tier: int) -> list[pb.UpdateMessage]:
+    def _serve(self, messages: list[pb.UpdateMessage], rounds: int) -> list[pb.UpdateMessage]:
+        with self._lock:
+            self.served += rounds
+        return messages
+
+    def _held(self, since_round: int, tier: int) -> tuple[list[pb.UpdateMessage], int]:
+        """The cached rounds from ``since_round`` on, one after another, and the first round
+        after them (the first not cached)."""
         sent: list[pb.UpdateMessage] = []
         with self._lock:
             round_index = since_round
             while (round_index, tier) in self._rounds:
                 sent += self._rounds[round_index, tier]
                 round_index += 1
-            self.served += round_index - since_round
-        return sent
+        return sent, round_index
 
 
 class FileCache:

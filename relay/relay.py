@@ -1,10 +1,10 @@
-"""The relay's state: its members, the root's round it holds, and how that round's work is
+"""The relay's state: its members, the root's rounds it holds, and how each round's work is
 split, collected and folded into one submission upstream (docs/architecture.md, "Relays").
 
     relay = Relay(root, deadline_s=45.0, folder=Path("runs/relay"), log=print)
     relay.start()                          # joins the root, learns the model, starts threads
     member, tier, token = relay.join(capabilities)
-    relay.assignment_for(client_id, after) # its part of the held round, or None
+    relay.assignment_for(client_id, after) # its oldest part not delivered, or None
     relay.submit(client_id, header, results)
     relay.stop("done")
 
@@ -15,11 +15,18 @@ answered, left, fallen silent or ``deadline_s`` passed, submit one partial sum p
 and tier region with the sequences nobody delivered named as missed: the root puts them back
 in its queue. Nothing is submitted when no member delivered; the root then drops the relay
 from the round at its deadline, as it drops a member.
+
+With ``[round] overlap`` the root hands its members the next rounds' work before a round
+closes, and so does the relay: it holds as many root rounds as the root keeps open
+(``server.pipeline.WINDOW``), each split on its own, and a member that delivers one part
+finds its next in the answer. Rounds are handed in oldest first, each once it is done, and
+each held round's deadline comes ``deadline_s`` after the one before it, as the root's do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +63,7 @@ from matformer.server.errors import (
 )
 from matformer.server.gate import SubmissionGate
 from matformer.server.limits import SubmissionLimits
+from matformer.server.pipeline import WINDOW
 from matformer.server.rounds import RoundAssignment
 from matformer.server.sections import FaultsSection
 from matformer.server.tiers import Capabilities, TierAssignment, TierPolicy
@@ -86,13 +94,14 @@ class Relay:
         self.log = log
         self.clock = clock
         source = MirrorFirst(mirror, log)  # the broadcast from a cache of the root's, first
-        self.updates = UpdateCache(root, source)
+        self.updates = UpdateCache(root, source, closed=lambda: self.root_round)
         self.files = FileCache(root, folder / "checkpoints", source)
         self.sessions = SessionTokens()
         self.members: dict[str, RelayMember] = {}
-        self.held: HeldRound | None = None
+        self.held: list[HeldRound] = []  # the root's rounds this relay collects, oldest first
+        self.window = 1  # rounds held at once: the root's window (overlap), learnt at start
         self.finished = False
-        self.root_round = 0  # the root's current round, as its last answer said
+        self.root_round = 0  # the rounds the root has closed, as its last answer said
         self.run_tokens = 0  # ... and the tokens its completed rounds trained
         self.rounds_submitted = 0
         self.joined: pb.JoinReply | None = None
@@ -112,6 +121,7 @@ class Relay:
         self.joined = self.root.join(tokens_per_second=0.0)
         settings = RunSettings.from_proto(self.joined.settings)
         self.heartbeat_s = settings.heartbeat_s or 5.0
+        self.window = WINDOW if settings.overlap else 1
         manifest_path = self.root.checkpoint().manifest_path
         folder = manifest_path.rpartition("/")[0]
         manifest = Manifest.from_dict(read_json(self.files.path(manifest_path)))
@@ -191,8 +201,9 @@ class Relay:
         with self._changed:
             self.members.pop(client_id, None)
             self.sessions.revoke(client_id)
-            if self.held is not None and client_id in self.held.parts:
-                self.held.missed.add(client_id)
+            for held in self.held:
+                if client_id in held.parts:
+                    held.missed.add(client_id)
             self._changed.notify_all()
 
     def wait_for_members(self, timeout_s: float) -> bool:
@@ -211,27 +222,32 @@ class Relay:
     # -- a member's round ------------------------------------------------------------------
 
     def assignment_for(self, client_id: str, after: int | None) -> RoundAssignment | None:
+        """The member's oldest part not yet delivered (in a round after ``after``)."""
+        pending = self.pending(client_id, after)
+        return pending[0] if pending else None
+
+    def pending(self, client_id: str, after: int | None = None) -> list[RoundAssignment]:
+        """The member's parts not yet delivered, oldest first (in rounds after ``after``)."""
         with self._changed:
-            held = self.held
-            if held is None or (after is not None and held.work.round <= after):
-                return None
-            part = held.parts.get(client_id)
-            return part.assignment if part is not None and part.results is None else None
+            parts = [held.parts.get(client_id) for held in self.held
+                     if after is None or held.work.round > after]
+            return [p.assignment for p in parts if p is not None and p.results is None]
 
     def sequences(self, client_id: str, ids: list[int]) -> list[pb.Sequence]:
         with self._changed:
-            part = self.held.parts.get(client_id) if self.held is not None else None
-            if part is None or not set(ids) <= set(part.assignment.sequence_ids):
-                raise NotInRound(f"sequence ids {ids[:5]} are not in {client_id}'s part of "
-                                 "the round this relay holds; ask GetRound again.")
-            return [self.held.sequences[i] for i in ids]
+            for held in self.held:
+                part = held.parts.get(client_id)
+                if part is not None and set(ids) <= set(part.assignment.sequence_ids):
+                    return [held.sequences[i] for i in ids]
+            raise NotInRound(f"sequence ids {ids[:5]} are not in {client_id}'s part of a "
+                             "round this relay holds; ask GetRound again.")
 
     def part_of(self, client_id: str, round_index: int, assignment_id: str) -> Part:
         """The member's part that a submission's header names. Raises StaleRound,
         NotInRound, StaleAssignment or AlreadySubmitted, as the root does."""
         with self._changed:
-            held = self.held
-            if held is None or held.work.round != round_index:
+            held = next((h for h in self.held if h.work.round == round_index), None)
+            if held is None:
                 raise StaleRound(f"results for round {round_index}, which this relay no "
                                  "longer collects; drop them and fetch the current assignment.")
             part = held.parts.get(client_id)
@@ -274,35 +290,48 @@ class Relay:
             if self._stopping.is_set():
                 return
             try:
-                held = self.held
-                reply = self.root.heartbeat(held.work.round if held else self.root_round,
+                held = self.held[:1]
+                reply = self.root.heartbeat(held[0].work.round if held else self.root_round,
                                             self.speed())
                 self.root_round = max(self.root_round, reply.round)
             except grpc.RpcError as err:
                 self.log(f"heartbeat to the root failed: {err.code().name}")
 
     def _rounds(self) -> None:
+        """Hand in the oldest held round once it is done; take the root's next round while
+        fewer than ``window`` are held; else wait for either."""
+        asked = -math.inf  # when the root was last asked for a round and had none
         while not self._stopping.is_set() and not self.finished:
             try:
-                if not self._take_round():
-                    self._stopping.wait(self._retry_s)
-                    continue
                 with self._changed:
-                    while not self.held.done(self.clock()) and not self._stopping.is_set():
-                        self._mark_silent()
-                        self._changed.wait(min(1.0, max(0.0, self.held.deadline - self.clock())))
-                self._hand_in()
+                    self._mark_silent()
+                    due = bool(self.held) and self.held[0].done(self.clock())
+                    room = len(self.held) < self.window
+                if due:
+                    self._hand_in()
+                    continue
+                if room and self.clock() - asked >= self._retry_s:
+                    if self._take_round():
+                        continue
+                    asked = self.clock()
+                with self._changed:
+                    wait_s = self._retry_s if room else 1.0
+                    if self.held:
+                        wait_s = min(wait_s, max(0.0, self.held[0].deadline - self.clock()))
+                    self._changed.wait(min(wait_s, 1.0))
             except grpc.RpcError as err:
                 self.log(f"the root answered {err.code().name}: {err.details()}")
-                with self._changed:
-                    self.held = None
                 self._stopping.wait(WAIT_S)
 
     def _take_round(self) -> bool:
-        """Ask the root for work and split it among the live members; whether a round is
-        now held."""
-        work = self.root.get_round()
-        self.root_round, self.run_tokens = work.round, work.run_tokens
+        """Ask the root for its next round of work (after those held) and split it among the
+        live members; whether one more round is now held."""
+        with self._changed:
+            after = self.held[-1].work.round if self.held else None
+        work = self.root.get_round(after)
+        self.run_tokens = work.run_tokens
+        if work.state != pb.ROUND_STATE_TRAIN:  # the rounds it closed (TRAIN: work's round)
+            self.root_round = max(self.root_round, work.round)
         self._retry_s = min(max(work.retry_after_seconds, 0.05), WAIT_S)
         if work.state == pb.ROUND_STATE_FINISHED:
             with self._changed:
@@ -320,7 +349,8 @@ class Relay:
         sequences = self.root.fetch(list(dict.fromkeys(work.sequence_ids)))
         shares = assign(list(work.sequence_ids), [(m.client_id, m.tokens_per_second)
                                                    for m in live], self._owed)
-        deadline = self.clock() + self.deadline_s
+        with self._changed:  # a round behind others gets its deadline_s after the one before
+            deadline = max([self.clock(), *(h.deadline for h in self.held)]) + self.deadline_s
         tiers = {m.client_id: m.tier for m in live}
         parts = {client: Part(assignment=RoundAssignment(
             round=work.round, client_id=client, tier=tiers[client],
@@ -329,27 +359,27 @@ class Relay:
             assignment_id=f"{work.assignment_id}/{client}"))
             for client, ids in shares.items() if len(ids)}
         with self._changed:
-            self.held = HeldRound(work=work, sequences=sequences, parts=parts,
-                                  opened=self.clock(), deadline=deadline)
+            self.held.append(HeldRound(work=work, sequences=sequences, parts=parts,
+                                       opened=self.clock(), deadline=deadline))
             self._changed.notify_all()
         return True
 
     def _mark_silent(self) -> None:
-        """(lock held) Members of the held round silent past ``member_timeout_s``: missed."""
+        """(lock held) Members of a held round silent past ``member_timeout_s``: missed."""
         now = self.clock()
-        for client, part in self.held.parts.items():
-            member = self.members.get(client)
-            if part.results is None and (
-                    member is None or now - member.last_seen > self.member_timeout_s):
-                self.held.missed.add(client)
+        for held in self.held:
+            for client, part in held.parts.items():
+                member = self.members.get(client)
+                if part.results is None and (
+                        member is None or now - member.last_seen > self.member_timeout_s):
+                    held.missed.add(client)
 
     def _hand_in(self) -> None:
-        """Submit the held round's partial sums upstream, naming what nobody delivered."""
+        """Submit the oldest held round's partial sums upstream, naming what nobody
+        delivered."""
         with self._changed:
-            held, self.held = self.held, None
+            held = self.held.pop(0)
             self._changed.notify_all()
-        if held is None:
-            return
         delivered = [p for p in held.parts.values() if p.results is not None]
         missed = [i for p in held.parts.values() if p.results is None
                   for i in p.assignment.sequence_ids]

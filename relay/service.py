@@ -22,6 +22,7 @@ from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import read_results, read_submission
 from matformer.relay.relay import Relay
 from matformer.server.errors import BadResult, CoordinatorError, TierAssignmentError
+from matformer.server.replies import assignment
 from matformer.server.service import capabilities_of, check_schema
 
 T = TypeVar("T")
@@ -78,9 +79,7 @@ class RelayService(pb_grpc.CoordinatorServicer):
             return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=r.root_round,
                                       retry_after_seconds=RETRY_AFTER_S,
                                       run_tokens=r.run_tokens)
-        return pb.RoundAssignment(state=pb.ROUND_STATE_TRAIN, round=part.round,
-                                  sequence_ids=part.sequence_ids, tier=part.tier,
-                                  assignment_id=part.assignment_id, run_tokens=r.run_tokens)
+        return assignment(part, r.run_tokens)
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.Sequence]:
@@ -101,7 +100,10 @@ class RelayService(pb_grpc.CoordinatorServicer):
             r.submit(client_id, header, results)
             return len(results)
 
-        return pb.SubmitReply(accepted=_call(context, submit))
+        accepted = _call(context, submit)
+        # the member's next parts ride on the answer (overlapped rounds: held ahead)
+        return pb.SubmitReply(accepted=accepted, assignments=[
+            assignment(part, r.run_tokens) for part in r.pending(client_id)])
 
     def GetUpdates(self, request: pb.GetUpdatesRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.UpdateMessage]:

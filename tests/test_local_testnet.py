@@ -245,7 +245,9 @@ def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap)
 
 def test_clients_behind_two_relays_train_the_run_and_the_report_shows_the_roots_bytes(
         tmp_path, monkeypatch):
-    """Over TLS: each relay trusts the root's certificate and serves its clients with it."""
+    """Over TLS (each relay trusts the root's certificate and serves its clients with it),
+    with overlapped rounds (each relay holds the root's next rounds as the root hands them
+    out)."""
     build_default_mdat(tmp_path / "d.mdat", limit=40).close()
     self_signed(tmp_path)
     config = local_testnet_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=6,
@@ -254,7 +256,7 @@ def test_clients_behind_two_relays_train_the_run_and_the_report_shows_the_roots_
     env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
     result = run_testnet(
         [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "3",
-         "--tiers", "0,1", "--config", str(config), "--relays", "2"],
+         "--tiers", "0,1", "--config", str(config), "--relays", "2", "--overlap"],
         cwd=REPO, env=env, timeout=240)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]

@@ -16,12 +16,14 @@ from helpers import JOIN_TOKEN, served_run_toml
 from rounds import assigned
 from wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, serving_config
 
+from matformer.client.mirror import MirrorFirst
 from matformer.modeling.compression import CompressionConfig
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.channel import GRPC_OPTIONS, open_channel
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import submission_messages
+from matformer.relay.cache import UpdateCache
 from matformer.relay.main import Access, RunningRelay, main
 from matformer.relay.relay import RelayError
 from matformer.server.config import RunConfig
@@ -36,7 +38,7 @@ MEMBERS = (("m0", 0), ("m1", 1))  # name, tier
 SPEED = 1000.0  # tokens/s every member shows: the root and the relay split alike
 
 
-def config(folder, *, min_clients: int, **tables) -> RunConfig:
+def config(folder, *, min_clients: int, overlap: bool = False, **tables) -> RunConfig:
     """The run both sides train: sgd on DCT results, tiers 0 and 1, no peer clip (a partial
     is clipped as one result, where the members' own would each be), quick heartbeats."""
     tables = {"compression": COMPRESSION, "faults": {"peer_clip": 0.0, "heartbeat_s": 0.5},
@@ -47,7 +49,8 @@ def config(folder, *, min_clients: int, **tables) -> RunConfig:
     return RunConfig.load(served_run_toml(folder, min_clients=min_clients,
                                           round={"min_clients": min_clients,
                                                  "deadline_s": 60.0, "tokens_per_round": 1024,
-                                                 "rounds": ROUNDS}, **tables))
+                                                 "rounds": ROUNDS, "overlap": overlap},
+                                          **tables))
 
 
 class Member:
@@ -91,18 +94,23 @@ class Member:
             time.sleep(0.05)
         raise AssertionError(f"{self.name} got no work within {WAIT_S:g} s")
 
-    def train(self, work: pb.RoundAssignment) -> None:
+    def submit(self, work: pb.RoundAssignment) -> pb.SubmitReply:
+        """Fetch the work's sequences and submit its results: the answer."""
         ids = list(dict.fromkeys(work.sequence_ids))
         sequences = {s.id: s for s in self.stub.FetchSequences(
             pb.FetchSequencesRequest(ids=ids), metadata=self.auth, timeout=WAIT_S)}
         tokens = sum(sequences[i].tokens.shape[0] for i in work.sequence_ids)
-        self.stub.SubmitResult(submission_messages(
+        reply = self.stub.SubmitResult(submission_messages(
             header_of(self.reply, work, tokens=tokens, train_seconds=tokens / SPEED,
                       loss=1.0 + self.tier + work.round / 10),
             self.results(work, tokens)),
             metadata=self.auth, timeout=WAIT_S)
         self.rounds.append(work)
         self.tokens.append(tokens)
+        return reply
+
+    def train(self, work: pb.RoundAssignment) -> None:
+        self.submit(work)
         # as a member does: wait for the round's update before asking for more work
         self.stub.GetUpdates(pb.GetUpdatesRequest(since_round=work.round, wait_seconds=WAIT_S,
                                                   tier=self.tier), metadata=self.auth,
@@ -328,3 +336,53 @@ def test_a_relays_losses_per_tier_are_refused_unless_they_add_up(losses, message
         check_tier_losses(losses, [0, 1, 2], tokens=16)
     assert check_tier_losses([(1, 6, 2.5), (0, 10, 2.0)], [0, 1, 2], 16) == {
         0: (2.0, 10), 1: (2.5, 6)}
+
+
+def test_under_overlap_a_relay_holds_the_roots_next_rounds_and_a_member_never_waits(tmp_path):
+    """With [round] overlap the root hands out the next rounds before one closes; the relay
+    holds them too, so each answer to a member's submission carries its next part."""
+    with serving_config(config(tmp_path, min_clients=1, overlap=True)) as (server, _):
+        relay = relay_for(server, tmp_path)
+        try:
+            member = Member(f"127.0.0.1:{relay.port}", server, "m0", 0)
+            give_up = time.monotonic() + WAIT_S
+            while len(relay.relay.held) < ROUNDS:  # the root's window: every round of the run
+                assert time.monotonic() < give_up, f"the relay holds {len(relay.relay.held)}"
+                time.sleep(0.05)
+            work = member.work()
+            for index in range(ROUNDS):
+                assert work.round == index
+                nexts = member.submit(work).assignments
+                assert [a.round for a in nexts] == list(range(index + 1, ROUNDS))
+                work = nexts[0] if nexts else None
+            master(server)  # the root committed every round from the relay's hand-ins
+            assert relay.relay.rounds_submitted == ROUNDS
+        finally:
+            relay.stop("done")
+
+
+class LoggedRoot:
+    """The root's GetUpdates over a log of closed rounds: one header message each."""
+
+    def __init__(self, closed: int) -> None:
+        self.closed = closed
+        self.asked: list[tuple[int, float]] = []  # (since_round, wait_s) of each call
+
+    def updates(self, since_round: int, tier: int, wait_s: float) -> list[pb.UpdateMessage]:
+        self.asked.append((since_round, wait_s))
+        return [pb.UpdateMessage(header=pb.RoundUpdateHeader(round=r))
+                for r in range(since_round, self.closed)]
+
+
+def test_the_relays_update_cache_answers_every_closed_round_not_only_those_it_holds():
+    """A member that catches up once the run finished asks for every round since its
+    replica's; the cache holding the first of them asks the root for the rest at once."""
+    root = LoggedRoot(closed=5)
+    cache = UpdateCache(root, MirrorFirst(None, print), closed=lambda: root.closed)
+    assert [m.header.round for m in cache.messages(4, 0, wait_s=20.0)] == [4]
+    root.closed = 6  # round 5 closed, and the relay heard so
+    assert [m.header.round for m in cache.messages(4, 0, wait_s=0.0)] == [4, 5]
+    # round 4 once, waiting as the member would; the rest from round 5, at once
+    assert [since for since, _ in root.asked] == [4, 5] and root.asked[1][1] == 0.0
+    assert [m.header.round for m in cache.messages(4, 0, wait_s=0.0)] == [4, 5]
+    assert len(root.asked) == 2 and (cache.fetched, cache.served) == (2, 5)
