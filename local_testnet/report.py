@@ -181,7 +181,8 @@ def relay_traffic(status: dict[str, Any], relays: list[dict[str, Any]],
 
 def format_relay_traffic(t: dict[str, Any]) -> str:
     kib = 1024
-    return (f"through {t['relays']} relays: the root received "
+    relays = f"{t['relays']} relay{'' if t['relays'] == 1 else 's'}"
+    return (f"through {relays}: the root received "
             f"{t['root_bytes_in_per_round'] / kib:,.1f} KiB and sent "
             f"{t['root_bytes_out_per_round'] / kib:,.1f} KiB per round; its {t['members']} "
             f"clients sent {t['members_bytes_up_per_round'] / kib:,.1f} KiB and received "
