@@ -102,6 +102,10 @@ class RunSettings:
     # overlapped rounds: round r is trained on the weights after r - 1 rounds, and the next
     # rounds' work is handed out ahead (docs/architecture.md, "One round")
     overlap: bool = False
+    # what the coordinator does to members' results ([faults]): a relay does it to its own
+    peer_clip: float = 0.0  # 0: off
+    max_norm: float | None = None  # None: unbounded
+    norm_action: str = "reject"
 
     @classmethod
     def from_proto(cls, s: pb.TrainingSettings) -> RunSettings:
@@ -120,7 +124,8 @@ class RunSettings:
         return cls(compression=compression, sequence_length=s.sequence_length,
                    data_strategy=s.data_strategy, data_view=s.data_view or None,
                    data_fingerprint=s.data_fingerprint, heartbeat_s=s.heartbeat_seconds,
-                   local_steps=local_steps, overlap=s.overlap)
+                   local_steps=local_steps, overlap=s.overlap, peer_clip=s.peer_clip,
+                   max_norm=s.max_norm or None, norm_action=s.norm_action or "reject")
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ from matformer.server.errors import (
     UnknownClient,
 )
 from matformer.server.gate import SubmissionGate
-from matformer.server.limits import SubmissionLimits
+from matformer.server.limits import SubmissionLimits, clip_to_peers
 from matformer.server.pipeline import WINDOW
 from matformer.server.rounds import RoundAssignment
 from matformer.server.sections import FaultsSection
@@ -100,6 +100,7 @@ class Relay:
         self.members: dict[str, RelayMember] = {}
         self.held: list[HeldRound] = []  # the root's rounds this relay collects, oldest first
         self.window = 1  # rounds held at once: the root's window (overlap), learnt at start
+        self.peer_clip = 0.0  # the root's [faults] peer_clip, learnt at start
         self.finished = False
         self.root_round = 0  # the rounds the root has closed, as its last answer said
         self.run_tokens = 0  # ... and the tokens its completed rounds trained
@@ -142,8 +143,11 @@ class Relay:
         compressor = settings.compression.build()
         self.layouts: dict[int, dict[str, ResultLayout]] = {
             t: result_layouts(compressor, shapes, self.regions[t]) for t in tiers}
-        self.gate = SubmissionGate(shapes, SubmissionLimits(settings.compression,
-                                                            FaultsSection()))
+        # the root's own gate and limits ([faults] max_norm, norm_action) for each member,
+        # and its peer clip over the members' results before they are folded
+        self.peer_clip = settings.peer_clip
+        self.gate = SubmissionGate(shapes, SubmissionLimits(settings.compression, FaultsSection(
+            max_norm=settings.max_norm, norm_action=settings.norm_action)))
         self.log(f"joined the root at {self.root.address} as {self.root.client_id}; serving "
                  f"tiers {', '.join(map(str, tiers))}")
         for target in (self._beat, self._rounds):
@@ -391,7 +395,8 @@ class Relay:
         for part in delivered:
             for result in part.results:
                 by_name.setdefault(result.name, []).append(result)
-        partials = [p for results in by_name.values() for p in partial_sums(results)]
+        partials = [p for results in by_name.values()
+                    for p in partial_sums(clip_to_peers(results, self.peer_clip))]
         if self.recompress is not None:
             partials = [self.recompress(p) for p in partials]
         tokens = sum(p.assignment.tokens for p in delivered)

@@ -37,7 +37,9 @@ def settings(coordinator: Coordinator) -> pb.TrainingSettings:
         compression_lr=compression.lr, sequence_length=cfg.data.max_seq_len,
         data_fingerprint=coordinator.reader.fingerprint,
         data_strategy=cfg.data.strategy, data_view=cfg.data.view or "",
-        heartbeat_seconds=cfg.faults.heartbeat_s, overlap=cfg.round.overlap)
+        heartbeat_seconds=cfg.faults.heartbeat_s, overlap=cfg.round.overlap,
+        peer_clip=cfg.faults.peer_clip, max_norm=cfg.faults.max_norm or 0.0,
+        norm_action=cfg.faults.norm_action)
     if inner.enabled:
         settings.inner.CopyFrom(pb.InnerOptimizer(
             name=inner.optimizer, lr=inner.lr, weight_decay=inner.weight_decay,

@@ -58,7 +58,7 @@ class Member:
     round: the same results whichever coordinator it joined."""
 
     def __init__(self, address: str, server, name: str, tier: int, *, tls_ca=None,
-                 token: str = JOIN_TOKEN) -> None:
+                 token: str = JOIN_TOKEN, scale: float = 1.0) -> None:
         self.channel = open_channel(address, tls_ca=tls_ca, options=GRPC_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         request = join_request(server, name=name, token=token)
@@ -66,6 +66,7 @@ class Member:
         self.reply = self.stub.Join(request, timeout=HONEST_TIMEOUT_S)
         self.auth = session_metadata(self.reply.session_token)
         self.name, self.tier = name, self.reply.tier
+        self.scale = scale  # of its results' values: > 1, a loud member
         self.coordinator = server.service.coordinator  # the root: shapes and tier regions
         self.compressor = CompressionConfig(**COMPRESSION).build()
         self.rounds: list[pb.RoundAssignment] = []
@@ -76,7 +77,7 @@ class Member:
         regions = c.regions(self.tier)
         for name in sorted(c.shapes):
             gen = torch.Generator().manual_seed(hash((self.name, name, work.round)) % 2**31)
-            values = torch.randn(c.shapes[name], generator=gen)
+            values = torch.randn(c.shapes[name], generator=gen) * self.scale
             yield self.compressor.encode(
                 name, values[tuple(slice(a, b) for a, b in regions[name])],
                 shape=c.shapes[name], region=regions[name], tokens=tokens)
@@ -124,8 +125,10 @@ class Member:
             self.train(work)
 
 
-def run_members(address: str, server, rounds: int = ROUNDS, **access) -> list[Member]:
-    members = [Member(address, server, name, tier, **access) for name, tier in MEMBERS]
+def run_members(address: str, server, rounds: int = ROUNDS, scales=(1.0, 1.0),
+                tiers=(0, 1), **access) -> list[Member]:
+    members = [Member(address, server, f"m{i}", tier, scale=scale, **access)
+               for i, (tier, scale) in enumerate(zip(tiers, scales, strict=True))]
     threads = [threading.Thread(target=m.play, args=(rounds,)) for m in members]
     for thread in threads:
         thread.start()
@@ -386,3 +389,40 @@ def test_the_relays_update_cache_answers_every_closed_round_not_only_those_it_ho
     assert [since for since, _ in root.asked] == [4, 5] and root.asked[1][1] == 0.0
     assert [m.header.round for m in cache.messages(4, 0, wait_s=0.0)] == [4, 5]
     assert len(root.asked) == 2 and (cache.fetched, cache.served) == (2, 5)
+
+
+def test_a_loud_member_behind_a_relay_is_clipped_to_its_peers_as_at_the_root(tmp_path):
+    """[faults] peer_clip reaches the relay: it scales its members' results to their peers'
+    before it folds them, so a loud member weighs what it would at the root. (Both at tier
+    0: their results fold into one partial, which the root has no peers to clip against.)"""
+    loud = {"faults": {"peer_clip": 2.0, "heartbeat_s": 0.5}}
+    both = {"rounds": 2, "scales": (1.0, 1e3), "tiers": (0, 0)}
+    with serving_config(config(tmp_path / "direct", min_clients=2, **loud)) as (server, _):
+        start = master(server, 0)
+        run_members(f"127.0.0.1:{server.grpc_port}", server, **both)
+        direct = master(server, 2)
+    with serving_config(config(tmp_path / "relayed", min_clients=1, **loud)) as (server, _):
+        relay = relay_for(server, tmp_path)
+        try:
+            run_members(f"127.0.0.1:{relay.port}", server, **both)
+            relayed = master(server, 2)
+        finally:
+            relay.stop("done")
+    for name in direct:
+        torch.testing.assert_close(relayed[name], direct[name], rtol=1e-5, atol=1e-6)
+    moved = max(float((direct[n] - start[n]).abs().max()) for n in direct)
+    assert 1e-3 < moved < 1.0  # the loud member counted, at its peers' magnitude
+
+
+def test_a_member_behind_a_relay_is_held_to_the_runs_max_norm(tmp_path):
+    bounded = {"faults": {"max_norm": 1e4, "norm_action": "reject", "peer_clip": 0.0,
+                          "heartbeat_s": 0.5}}
+    with serving_config(config(tmp_path, min_clients=1, **bounded)) as (server, _):
+        relay = relay_for(server, tmp_path)
+        try:
+            member = Member(f"127.0.0.1:{relay.port}", server, "m0", 0, scale=1e6)
+            work = member.work()
+            code, details = code_of(lambda: member.submit(work))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_norm" in details, details
+        finally:
+            relay.stop("done")

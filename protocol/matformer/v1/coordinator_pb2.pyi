@@ -127,7 +127,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, round: _Optional[int] = ..., manifest_path: _Optional[str] = ..., entry: _Optional[_Union[TierEntry, _Mapping]] = ...) -> None: ...
 
 class TrainingSettings(_message.Message):
-    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "sequence_length", "data_fingerprint", "data_strategy", "data_view", "heartbeat_seconds", "inner", "overlap")
+    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "sequence_length", "data_fingerprint", "data_strategy", "data_view", "heartbeat_seconds", "inner", "overlap", "peer_clip", "max_norm", "norm_action")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,9 @@ class TrainingSettings(_message.Message):
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     INNER_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    PEER_CLIP_FIELD_NUMBER: _ClassVar[int]
+    MAX_NORM_FIELD_NUMBER: _ClassVar[int]
+    NORM_ACTION_FIELD_NUMBER: _ClassVar[int]
     encoding: str
     chunk: int
     topk: int
@@ -154,7 +157,10 @@ class TrainingSettings(_message.Message):
     heartbeat_seconds: float
     inner: InnerOptimizer
     overlap: bool
-    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    peer_clip: float
+    max_norm: float
+    norm_action: str
+    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., overlap: _Optional[bool] = ..., peer_clip: _Optional[float] = ..., max_norm: _Optional[float] = ..., norm_action: _Optional[str] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
     __slots__ = ("name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "batch_tokens", "schedule", "final_lr", "planned_rounds")
