@@ -150,7 +150,9 @@ class Testnet:
         argv = python_module("matformer.relay.main", "--upstream", f"127.0.0.1:{p.grpc_port}",
                              "--port", str(port), "--name", name,
                              "--dir", str(p.run_dir / "relays" / name),
-                             "--deadline-s", f"{p.relay_deadline_s:g}")
+                             "--deadline-s", f"{p.relay_deadline_s:g}",
+                             # its clients all ready before it takes the root's first round
+                             "--min-members", str(sum(c.port == port for c in p.clients)))
         if p.tls_ca is not None:  # TLS to the root, and to its clients with the root's pair
             argv += ["--tls-ca", str(p.tls_ca), "--tls-cert", str(p.tls_ca),
                      "--tls-key", str(p.tls_key)]

@@ -101,13 +101,14 @@ class RunningRelay:
     @classmethod
     def start(cls, upstream: str, *, name: str, access: Access | str, folder: Path,
               host: str = "127.0.0.1", port: int = 0, deadline_s: float = 45.0,
-              topk: int = 0, mirror: str | None = None,
+              topk: int = 0, mirror: str | None = None, min_members: int = 1,
               log: Callable[[str], None] = print) -> RunningRelay:
         """``access``: an ``Access``, or the run's join token alone (plaintext both ways)."""
         access = Access(access) if isinstance(access, str) else access
         relay = Relay(Upstream(upstream, name=name, join_token=access.join_token,
                                tls_ca=access.tls_ca),
-                      deadline_s=deadline_s, folder=folder, topk=topk, mirror=mirror, log=log)
+                      deadline_s=deadline_s, folder=folder, topk=topk, mirror=mirror,
+                      min_members=min_members, log=log)
         relay.start()
         try:
             running = cls(relay, access, host=host, port=port)
@@ -153,6 +154,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=float, default=45.0,
                    help="how long members have for a round before the relay hands in what "
                         "it has; keep it under the run's [round] deadline_s (default: 45)")
+    p.add_argument("--min-members", type=int, default=1, metavar="N",
+                   help="members ready (their speed known) before the relay takes its first "
+                        "round from the root, as [round] min_clients is for the root; the "
+                        "first to join then does not get the first rounds alone (default: 1)")
     p.add_argument("--topk", type=int, default=0, metavar="K",
                    help="0 (default): hand the root the members' exact sum, which grows with "
                         "the coefficients they send; K: only the K largest per chunk, the rest "
@@ -167,7 +172,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.min_members < 1:
+        p.error(f"--min-members must be at least 1, got {args.min_members}")
     token = args.join_token if args.join_token is not None else os.environ.get(
         JOIN_TOKEN_ENV, "")
     members = args.member_token if args.member_token is not None else os.environ.get(
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         running = RunningRelay.start(args.upstream, name=args.name, access=access,
                                      folder=args.dir, host=args.host, port=args.port,
                                      deadline_s=args.deadline_s, topk=args.topk,
-                                     mirror=args.mirror,
+                                     mirror=args.mirror, min_members=args.min_members,
                                      log=lambda line: print(f"relay: {line}", flush=True))
     except MatformerError as error:
         print(f"matformer relay: error: {error}", file=sys.stderr)

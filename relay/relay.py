@@ -83,7 +83,7 @@ class RelayError(MatformerError):
 class Relay:
     def __init__(self, root: Upstream, *, deadline_s: float, folder: Path, topk: int = 0,
                  mirror: str | None = None, log: Callable[[str], None] = lambda line: None,
-                 member_timeout_s: float = MEMBER_TIMEOUT_S,
+                 member_timeout_s: float = MEMBER_TIMEOUT_S, min_members: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
         self.folder = folder
@@ -91,6 +91,10 @@ class Relay:
         # 0: the members' exact sum; else cut to topk per chunk, the rest carried (lossy)
         self.recompress = Recompressor(topk) if topk else None
         self.member_timeout_s = member_timeout_s
+        # members ready before the relay takes its first round: it reports no speed till then,
+        # so the root hands it no work, and the first to join does not get the first rounds
+        self.min_members = min_members
+        self.started = False  # a round taken: min_members no longer holds anything back
         self.log = log
         self.clock = clock
         source = MirrorFirst(mirror, log)  # the broadcast from a cache of the root's, first
@@ -217,11 +221,19 @@ class Relay:
             return self._changed.wait_for(lambda: not self.members, timeout_s)
 
     def speed(self) -> float:
-        """What the relay reports to the root: its live members' tokens/s together."""
+        """What the relay reports to the root: its ready members' tokens/s together (0 until
+        ``min_members`` are ready, before its first round)."""
+        ready = self._ready()
+        if not self.started and len(ready) < self.min_members:
+            return 0.0
+        return sum(m.tokens_per_second for m in ready)
+
+    def _ready(self) -> list[RelayMember]:
+        """The live members with a speed to size a share by."""
         now = self.clock()
         with self._changed:
-            return sum(m.tokens_per_second for m in self.members.values()
-                       if now - m.last_seen <= self.member_timeout_s)
+            return [m for m in self.members.values()
+                    if now - m.last_seen <= self.member_timeout_s and m.tokens_per_second > 0]
 
     # -- a member's round ------------------------------------------------------------------
 
@@ -344,11 +356,8 @@ class Relay:
             return False
         if work.state != pb.ROUND_STATE_TRAIN:
             return False
-        now = self.clock()
-        with self._changed:
-            live = [m for m in self.members.values()
-                    if now - m.last_seen <= self.member_timeout_s and m.tokens_per_second > 0]
-        if not live:
+        live = self._ready()
+        if not live or (not self.started and len(live) < self.min_members):
             return False
         sequences = self.root.fetch(list(dict.fromkeys(work.sequence_ids)))
         shares = assign(list(work.sequence_ids), [(m.client_id, m.tokens_per_second)
@@ -363,6 +372,7 @@ class Relay:
             assignment_id=f"{work.assignment_id}/{client}"))
             for client, ids in shares.items() if len(ids)}
         with self._changed:
+            self.started = True
             self.held.append(HeldRound(work=work, sequences=sequences, parts=parts,
                                        opened=self.clock(), deadline=deadline))
             self._changed.notify_all()

@@ -426,3 +426,24 @@ def test_a_member_behind_a_relay_is_held_to_the_runs_max_norm(tmp_path):
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_norm" in details, details
         finally:
             relay.stop("done")
+
+
+def test_a_relay_takes_no_round_before_min_members_are_ready(tmp_path):
+    """--min-members 2: the first member to join does not get the root's first rounds (under
+    overlap, all three open ones) alone; the relay reports no speed until the second joins."""
+    with serving_config(config(tmp_path, min_clients=1, overlap=True)) as (server, _):
+        relay = relay_for(server, tmp_path, min_members=2)
+        try:
+            address = f"127.0.0.1:{relay.port}"
+            first = Member(address, server, "m0", 0)
+            time.sleep(1.0)  # a relay without the bound has taken the root's rounds by now
+            assert relay.relay.held == [] and relay.relay.speed() == 0.0
+            second = Member(address, server, "m1", 1)
+            give_up = time.monotonic() + WAIT_S
+            while not relay.relay.held:
+                assert time.monotonic() < give_up
+                time.sleep(0.05)
+            members = {first.reply.client_id, second.reply.client_id}
+            assert set(relay.relay.held[0].parts) == members
+        finally:
+            relay.stop("done")
