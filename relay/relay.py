@@ -71,8 +71,6 @@ from matformer.server.work import assign
 
 WAIT_S = 0.5  # between looks at the root when it has no work for the relay
 MEMBER_TIMEOUT_S = 30.0  # a member silent this long is gone: its part counts as missed
-
-
 SUMMARY_FILE = "summary.json"  # in the relay's --dir, written when it stops
 
 

@@ -26,7 +26,7 @@ from matformer.server.replies import assignment
 from matformer.server.service import capabilities_of, check_schema
 
 T = TypeVar("T")
-RETRY_AFTER_S = 0.25  # a member with no part in the held round asks again after this
+RETRY_AFTER_S = 0.25  # a member with no part in a held round asks again after this
 _REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentError, BadResult,
             MatformerError)
 
