@@ -192,12 +192,18 @@ def precision_step(
     return step
 
 
-def step_flops(model: nn.Module, config: ModelConfig, tokens: int, seq_len: int) -> float:
+def step_flops(model: nn.Module, config: ModelConfig, tokens: int, seq_len: int,
+               ffn_width: int | None = None) -> float:
     """Model FLOPs of one training step, PaLM's count: 6 per token per weight of every
     ``nn.Linear`` (2 forward, 4 backward; the embedding lookup is no product, a tied LM head
     counts once as a Linear), plus 12·L·H·D·T per token for the attention scores and their
-    weighted sum, counted without the causal mask's savings as PaLM counts them."""
+    weighted sum, counted without the causal mask's savings as PaLM counts them. With
+    ``ffn_width`` (a MatFormer tier's), the FFN's three projections count that many neurons
+    per layer instead of the model's full ``intermediate_size``."""
     weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    if ffn_width is not None:  # gate, up and down: hidden x width each, in every layer
+        weights -= (3 * config.hidden_size * (config.intermediate_size - ffn_width)
+                    * config.num_hidden_layers)
     attention = (12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
                  * seq_len)
     return float((6 * weights + attention) * tokens)

@@ -9,17 +9,24 @@ Step memory is the peak of tensor memory during one step above the weights and o
 state held before it. On CUDA that is ``max_memory_allocated`` after a reset; on CPU the
 step runs once under ``torch.profiler`` with ``profile_memory=True`` and the peak of the
 running total of its allocation records is reported (bench/harness.py explains why not RSS).
+On CUDA the run also reports each tier's model FLOPs utilization (``harness.step_flops`` at
+the tier's FFN width, against the GPU's datasheet peak) and the device's peak of allocated
+memory over the whole run (weights, AdamW's state and the largest step).
 
     python bench/tier_throughput.py
     python bench/tier_throughput.py --tiers 0,2 --dtype bf16
+    python bench/tier_throughput.py --device cuda --precision bf16 --json runs/tiers.json
     python bench/tier_throughput.py --smoke       # tiny shapes, 2 steps per tier: it runs
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+from pathlib import Path
 
+import torch
 from harness import (
     SMOKE_SHAPE,
     add_shape_args,
@@ -28,15 +35,18 @@ from harness import (
     mib,
     model_config,
     parse,
+    peak_tflops,
+    precision_step,
     print_table,
     random_batch,
     setup,
+    step_flops,
     step_peak_bytes,
     time_interleaved,
-    train_step,
 )
 
 from matformer.modeling import AutoregressiveModel, ModelConfig, TierError, tier_width
+from matformer.modeling.devices import PRECISIONS, Precision
 from matformer.modeling.optim import OptimizerConfig
 
 
@@ -53,8 +63,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_args(parser)
     parser.add_argument("--tiers", default="0,1,2,3", help="comma-separated tiers to compare")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="autocast precision with float32 weights (fp16 adds a loss scale)")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.set_defaults(steps=8, repeats=4, warmup=1)
     args = parse(parser, SMOKE_SHAPE)
+    if args.precision != "fp32" and args.dtype != "fp32":
+        parser.error("--precision runs float32 weights under autocast and --dtype casts the "
+                     "weights themselves; use one of them.")
     tiers = [int(t) for t in args.tiers.split(",")]
     device, dtype = setup(args)
 
@@ -68,10 +84,14 @@ def main() -> None:
         name="adamw", lr=args.lr, total_steps=10**6, schedule="constant"
     ).build(model)
     ids = random_batch(args, device)
-    print(describe(args, device))
+    print(describe(args, device) + f" | precision {args.precision}")
 
+    precision = Precision(args.precision, device)
+    parameters = list(model.parameters())
     steps = {
-        tier: train_step(lambda tier=tier: model.loss(ids, tier=tier), optimizer) for tier in tiers
+        tier: precision_step(lambda tier=tier: model.loss(ids, tier=tier), optimizer, precision,
+                             parameters)
+        for tier in tiers
     }
     timings = time_interleaved(
         steps, device, timed=args.steps, repeats=args.repeats, warmup=args.warmup
@@ -106,9 +126,49 @@ def main() -> None:
          "step peak (MiB)", f"mem vs t{base}", "cpu use"],
         rows,
     )
+    compute = precision.dtype if args.precision != "fp32" else dtype
+    mfu = utilization(model, config, widths, timings, device, compute, tokens, args.seq_len)
+    if mfu:
+        print("\nmodel FLOPs utilization: " + ", ".join(
+            f"tier {tier} {value:.1%}" for tier, value in mfu["by_tier"].items())
+            + f" of {mfu['device_name']}'s {mfu['peak_tflops']:g} TFLOP/s peak")
     warning = contention_warning(timings, device)
     if warning:
         print(f"\n{warning}")
+    if args.json is not None:
+        figures = {
+            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "torch": torch.__version__,
+            "tiers": {str(tier): {
+                "ffn_width": widths[tier], "ms_per_step": timing.median * 1e3,
+                "tokens_per_s": tokens / timing.median, "step_peak_bytes": peaks[tier],
+                "mfu": mfu["by_tier"][tier] if mfu else None,
+            } for tier, timing in timings.items()},
+            "device_peak_bytes": (torch.cuda.max_memory_allocated(device)
+                                  if device.type == "cuda" else None),
+            "mfu_peak_tflops": mfu["peak_tflops"] if mfu else None,
+            "contention_warning": warning,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+def utilization(model: torch.nn.Module, config: ModelConfig, widths: dict[int, int],
+                timings: dict, device: torch.device, dtype: torch.dtype, tokens: int,
+                seq_len: int) -> dict | None:
+    """Each tier's model FLOPs utilization on CUDA (None elsewhere, or for a GPU whose peak
+    ``harness.PEAK_TFLOPS`` lacks)."""
+    if device.type != "cuda":
+        return None
+    name, peak = peak_tflops(device, dtype)
+    if peak is None:
+        print(f"model FLOPs utilization: peak of {name} unknown (add it to PEAK_TFLOPS in "
+              "bench/harness.py)")
+        return None
+    by_tier = {tier: step_flops(model, config, tokens, seq_len, widths[tier])
+               / timing.median / (peak * 1e12) for tier, timing in timings.items()}
+    return {"device_name": name, "peak_tflops": peak, "by_tier": by_tier}
 
 
 if __name__ == "__main__":

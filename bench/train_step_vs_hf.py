@@ -53,7 +53,15 @@ from harness import (
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from matformer.modeling import AutoregressiveModel, ModelConfig, canonical_state_dict
+from matformer.modeling import (
+    AutoregressiveModel,
+    ModelConfig,
+    TierError,
+    canonical_state_dict,
+    layer_widths,
+    tier_width,
+)
+from matformer.modeling.checkpoint.slicing import slice_state
 from matformer.modeling.devices import PRECISIONS, Precision, compile_model, resolve_device
 from matformer.modeling.errors import DeviceUnavailable
 from matformer.modeling.optim import OptimizerConfig
@@ -63,12 +71,13 @@ from matformer.modeling.optim import OptimizerConfig
 LOSS_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-def hf_twin(config: ModelConfig) -> LlamaForCausalLM:
-    """An HF Llama with our config's shapes, sdpa attention and no KV cache (training)."""
+def hf_twin(config: ModelConfig, tier: int = 0) -> LlamaForCausalLM:
+    """An HF Llama with our config's shapes at ``tier`` (a dense model of that FFN width), sdpa
+    attention and no KV cache (training)."""
     hf_config = LlamaConfig(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=tier_width(config, tier),
         num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads,
@@ -93,6 +102,9 @@ def parse_args() -> argparse.Namespace:
                       help="autocast precision with float32 weights (fp16 adds a loss scale)")
     both.add_argument("--compile", action="store_true",
                       help="torch.compile both models (Module.compile(dynamic=True))")
+    both.add_argument("--tier", type=int, default=0,
+                      help="ours trains this MatFormer tier of the universal model; HF's twin "
+                           "is the dense Llama of that FFN width, holding the tier's slice")
     both.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parse(parser, SMOKE_SHAPE)
     if args.precision != "fp32" and args.dtype != "fp32":
@@ -171,8 +183,12 @@ def main() -> None:
 
     config = model_config(args)
     ours = AutoregressiveModel(config)
-    hf = hf_twin(config)
-    hf.load_state_dict(canonical_state_dict(ours), strict=True)
+    try:
+        hf = hf_twin(config, args.tier)
+    except TierError as error:
+        raise SystemExit(f"--tier {args.tier}: {error}") from None
+    hf.load_state_dict(slice_state(canonical_state_dict(ours), layer_widths(config, args.tier)),
+                       strict=True)
     ours.to(device, dtype).train()
     hf.to(device, dtype).train()
     if args.compile:
@@ -182,13 +198,13 @@ def main() -> None:
     ids = random_batch(args, device)
     models = {"ours": ours, "hf": hf}
     losses = {
-        "ours": lambda: ours.loss(ids),
+        "ours": lambda: ours.loss(ids, tier=args.tier),
         "hf": lambda: hf(input_ids=ids, labels=ids).loss,
     }
 
     print(describe(args, device))
-    print(f"precision {args.precision} (weights {args.dtype}) | "
-          f"{'compiled' if args.compile else 'eager'}")
+    print(f"tier {args.tier} (ffn {tier_width(config, args.tier)}) | precision "
+          f"{args.precision} (weights {args.dtype}) | {'compiled' if args.compile else 'eager'}")
     first = first_losses(losses, models, precisions["ours"], args.compile)
     gap = abs(first["ours"] - first["hf"])
     tolerance = LOSS_TOLERANCE[compute_dtype]
@@ -241,7 +257,7 @@ def main() -> None:
         f"(per repetition: {', '.join(f'{r:.3f}' for r in paired)}; > 1 means ours is faster)"
     )
     print(f"step peak ours/hf: {peaks['ours'] / peaks['hf']:.3f} (< 1 means ours uses less)")
-    flops = step_flops(ours, config, tokens, args.seq_len)
+    flops = step_flops(hf, config, tokens, args.seq_len)  # the tier's dense twin: its Linears
     line, mfu = utilization(flops, timings, device, compute_dtype)
     print(line)
     if args.precision == "fp16":

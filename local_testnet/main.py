@@ -49,7 +49,8 @@ from matformer.local_testnet.testnet import (
     TestnetPlan,
 )
 from matformer.modeling.commands import apply_overrides, command_parser
-from matformer.modeling.errors import MatformerError
+from matformer.modeling.devices import resolve_device
+from matformer.modeling.errors import DeviceUnavailable, MatformerError
 from matformer.protocol.auth import new_join_token
 from matformer.server.config import RunConfig
 
@@ -91,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="N relays between the coordinator and the clients (matformer "
                              "relay), the clients spread over them: the root sees N members "
                              "and one partial sum from each per round")
+    parser.add_argument("--device", default=None,
+                        help="the clients' device (cpu, cuda, cuda:N; default: their own "
+                             "default, the CPU); the coordinator's close stays on the CPU")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in runs/testnet instead of replacing it")
     # undocumented knobs of the embedded run, for tests and quick looks
@@ -114,6 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--client-speeds takes fractions in (0, 1], e.g. 1,0.5,0.25")
     if args.chaos is not None and args.kill_client_at is not None:
         parser.error("--chaos plans its own kills; leave out --kill-client-at")
+    if args.device is not None:
+        try:
+            resolve_device(args.device)  # a device this machine lacks stops here, not in N clients
+        except DeviceUnavailable as err:
+            parser.error(str(err))
     if not args.tiers:
         parser.error("--tiers is empty; give at least one tier, e.g. --tiers 0,1,2")
     if not 0 <= args.relays <= args.num_clients:
@@ -206,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     net = Testnet(TestnetPlan(
         config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
         run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
-        bandwidth_mbit=args.bandwidth_mbit, events=events,
+        bandwidth_mbit=args.bandwidth_mbit, device=args.device, events=events,
         tls_ca=config.tls.cert, tls_key=config.tls.key, env=env, relay_ports=relay_ports,
         relay_deadline_s=config.round.deadline_s * RELAY_DEADLINE))
     # `kill` and `timeout` stop the run as Ctrl-C does: the children are stopped with it

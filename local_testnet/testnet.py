@@ -64,6 +64,7 @@ class TestnetPlan:
     clients: list[ClientSpec]
     latency_ms: float = 0.0
     bandwidth_mbit: float = 0.0  # each client's upload and download limit; 0: none
+    device: str | None = None  # the clients' --device; None: their default
     events: list[ChaosEvent] = field(default_factory=list)  # kills, in round order
     tls_ca: Path | None = None  # [tls] cert: what clients (and relays) trust
     tls_key: Path | None = None  # [tls] key: relays serve their clients with the same pair
@@ -179,6 +180,8 @@ class Testnet:
             argv += ["--bandwidth-mbit", str(p.bandwidth_mbit)]
         if p.tls_ca is not None:
             argv += ["--tls-ca", str(p.tls_ca)]
+        if p.device is not None:
+            argv += ["--device", p.device]
 
         def announce_rejoin(line: str) -> None:
             if line.startswith("joined as "):

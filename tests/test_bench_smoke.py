@@ -47,6 +47,8 @@ def per(names: tuple[str, ...], *keys: str) -> tuple[str, ...]:
     return tuple(f"{name}.{key}" for name in names for key in keys)
 
 
+GPU_STEPS = ("cuda_tests", "train_125m_tiers", "train_125m_hf", "close_apply", "testnet",
+             "train_1b_tiers", "train_1b_hf", "nccl")
 EXPECTED = {
     "attention_long": expect("speedup = sdpa time / wersa time", "settings", "torch",
                              *(f"lengths.{key}" for key in ("seq_len", "sdpa_s", "wersa_s",
@@ -57,9 +59,13 @@ EXPECTED = {
     "data_parallel": expect("vs 1 rank", "tokens_per_s_ratio",
                             *per(("runs.2fsdp",), "tokens_per_s", "final_loss",
                                  "peak_rss_bytes_per_rank")),
+    "device_round": expect("hash vs cpu", "cpu_close_s", "cpu_apply_s", "device_close_s",
+                           "device_apply_s", "close_hash", "apply_hash", "cpu_apply_hash"),
     "federated_quality": expect("final loss LB / P",
                                 *per(("A", "LB", "D", "P"), "final", "bytes_up", "bytes_down"),
                                 "D.data_parallel"),
+    "gpu_check": expect("pytest -m cuda selects", "machine", "cuda_tests", *per(
+        ("steps",), *(f"{step}.runs" for step in GPU_STEPS))),
     "local_round_memory": expect("local steps add",
                                  *per(("gradient", "local"), "model_mib", "peak_mib",
                                       "round_mib", "seconds_per_round")),
@@ -78,7 +84,9 @@ EXPECTED = {
     "status_api": expect("page poll / metrics"),
     "tier_quality": expect("targets: joint tier 0 < 1 < 2", "joint", "tier0_sliced",
                            "independent", "initial", "tokens", "seconds", "config"),
-    "tier_throughput": expect("speed vs t0"),
+    "tier_throughput": expect("speed vs t0", "settings", "device_peak_bytes",
+                              *per(("tiers.0", "tiers.1", "tiers.2"), "ffn_width",
+                                   "tokens_per_s", "step_peak_bytes", "mfu")),
     "token_budget": expect("throughput packed/padded", "planning_waste", "training",
                            "throughput_packed_over_padded", "throughput_packed_over_fixed",
                            "throughput_padded_over_fixed"),
@@ -106,7 +114,23 @@ def utilization_figures(cases: list[dict[str, Any]]) -> None:
     assert cases[1]["rpcs_by_name"].get("GetRound", 0) < cases[0]["rpcs_by_name"]["GetRound"]
 
 
-CHECKS = {"utilization": utilization_figures}  # a benchmark's figures checked beyond keys
+def device_round_figures(figures: dict[str, Any]) -> None:
+    """The close and the apply on the second device (the CPU again, in a smoke pass) leave
+    the CPU's bits."""
+    assert (figures["close_hash"], figures["apply_hash"], figures["cpu_apply_hash"]) == (
+        "equal", "equal", "equal")
+
+
+def gpu_check_plan(plan: dict[str, Any]) -> None:
+    """The check plans every step the GPU must prove, in the order it runs them, and
+    ``-m cuda`` selects the GPU twins of the CPU's equivalence tests."""
+    assert list(plan["steps"]) == ["install", "environment", *GPU_STEPS]
+    assert not any(step["missing"] for step in plan["steps"].values())
+    assert any("test_cuda.py::" in test for test in plan["cuda_tests"])
+
+
+CHECKS = {"utilization": utilization_figures, "device_round": device_round_figures,
+          "gpu_check": gpu_check_plan}  # a benchmark's figures checked beyond keys
 
 
 def missing(data: Any, path: str) -> bool:

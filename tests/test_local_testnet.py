@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from certs import self_signed
 from helpers import local_testnet_toml, run_testnet
 
 from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
+from matformer.local_testnet.main import parse_args
 from matformer.local_testnet.report import (
     format_table,
     moved_mib,
@@ -150,6 +152,14 @@ def test_server_refuses_a_bad_override_before_serving(tmp_path, capsys):
     assert "has no key 'roundz'; did you mean 'rounds'?" in capsys.readouterr().err
 
 
+def test_a_device_the_machine_lacks_stops_the_testnet_before_any_process(capsys):
+    absent = f"cuda:{torch.cuda.device_count() + 7}"
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--device", absent])
+    assert exit_info.value.code == 2
+    assert f"error: device '{absent}'" in capsys.readouterr().err
+
+
 # -- end to end ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
@@ -164,7 +174,7 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     result = run_testnet(
         [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "2",
          "--tiers", "0,1", "--config", str(config), "--kill-client-at", "2", "--latency-ms", "150",
-         "--bandwidth-mbit", "20", *(["--overlap"] if overlap else [])],
+         "--bandwidth-mbit", "20", "--device", "cpu", *(["--overlap"] if overlap else [])],
         cwd=REPO, env=env, timeout=170)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
