@@ -103,7 +103,8 @@ class Step:
     action: Callable[[Step, float], dict[str, Any]] | None = None
     skip: str | None = None  # why it does not run on this machine
     outputs: dict[str, Path] = field(default_factory=dict)  # what its figures come from
-    read: Callable[[Step], dict[str, Any]] | None = None  # its figures and headline
+    # its figures and headline, from its outputs and what it printed
+    read: Callable[[Step, str], dict[str, Any]] | None = None
 
 
 class Check:
@@ -144,24 +145,27 @@ class Check:
             return {"status": "not run", "reason": f"the run's --time-limit "
                     f"{self.args.time_limit:g} s left {max(budget, 0):.0f} s", "seconds": 0.0}
         start = time.monotonic()
+        printed = ""
         if step.action is not None:
             try:
                 result = step.action(step, budget)
             except Exception as error:  # reported as the step's failure; the run goes on
                 result = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
         else:
-            result = self._process(step, budget)
+            result, printed = self._process(step, budget)
         result["seconds"] = round(time.monotonic() - start, 1)
         if step.read is not None and result["status"] != "timed out":
             try:
-                result |= step.read(step)
-            except (OSError, ValueError, KeyError, ElementTree.ParseError) as error:
-                result.setdefault("error", f"its figures could not be read: {error}")
+                result |= step.read(step, printed)
+            except Exception as error:  # the step ran; only its headline is lost
+                result.setdefault("error", f"its figures could not be read: "
+                                           f"{type(error).__name__}: {error}")
         return result
 
-    def _process(self, step: Step, budget: float) -> dict[str, Any]:
+    def _process(self, step: Step, budget: float) -> tuple[dict[str, Any], str]:
         """``step.command`` in a session of its own, killed with everything it started once
-        ``budget`` seconds pass; its output goes to the log and its tail to the JSON."""
+        ``budget`` seconds pass; its output goes to the log and its tail to the JSON. Returns
+        the result and the output."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with open(self.log, "a") as log:
             log.write(f"\n===== {step.name}: {' '.join(step.command)}\n")
@@ -178,7 +182,7 @@ class Check:
                 status = "timed out"
             log.write(output)
         return {"status": status, "returncode": process.returncode, "command": step.command,
-                "log_tail": output[-LOG_TAIL:]}
+                "log_tail": output[-LOG_TAIL:]}, output
 
     def _write(self) -> None:
         document = {
@@ -337,7 +341,7 @@ def environment(machine: Machine) -> dict[str, Any]:
 
 # -- reading what the steps wrote ------------------------------------------------------------
 
-def read_junit(step: Step) -> dict[str, Any]:
+def read_junit(step: Step, printed: str) -> dict[str, Any]:
     root = ElementTree.parse(step.outputs["junit"]).getroot()
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     failures, skips = [], []
@@ -357,7 +361,7 @@ def read_junit(step: Step) -> dict[str, Any]:
             "headline": ", ".join(f"{n} {k}" for k, n in counts.items())}
 
 
-def read_tiers(step: Step) -> dict[str, Any]:
+def read_tiers(step: Step, printed: str) -> dict[str, Any]:
     figures = json.loads(step.outputs["json"].read_text())
     said = "; ".join(
         f"t{tier} {t['tokens_per_s']:,.0f} tok/s"
@@ -369,7 +373,7 @@ def read_tiers(step: Step) -> dict[str, Any]:
             "headline": said + (f"; device peak {peak / 2**30:.1f} GiB" if peak else "")}
 
 
-def read_hf(step: Step) -> dict[str, Any]:
+def read_hf(step: Step, printed: str) -> dict[str, Any]:
     figures = json.loads(step.outputs["json"].read_text())
     models = figures["models"]
     mfu = {name: m["mfu"] for name, m in models.items()}
@@ -379,7 +383,7 @@ def read_hf(step: Step) -> dict[str, Any]:
         + (f"; MFU ours {mfu['ours']:.1%}, hf {mfu['hf']:.1%}" if mfu["ours"] else ""))}
 
 
-def read_round(step: Step) -> dict[str, Any]:
+def read_round(step: Step, printed: str) -> dict[str, Any]:
     f = json.loads(step.outputs["json"].read_text())
     said = []
     for what in ("close", "apply"):
@@ -394,11 +398,22 @@ def read_round(step: Step) -> dict[str, Any]:
             **({"status": "failed"} if failed else {})}
 
 
-def read_testnet(step: Step) -> dict[str, Any]:
+def read_testnet(step: Step, printed: str) -> dict[str, Any]:
+    """The run's tiers and costs from its summary.json, and whether any member's replica
+    ever left the coordinator's bits on the GPU (the member says so and reloads)."""
     summary = json.loads(step.outputs["summary"].read_text())
-    tiers = "; ".join(f"tier {t['tier']} {t.get('initial', float('nan')):.3f} → "
-                      f"{t.get('final', float('nan')):.3f}" for t in summary.get("tiers", []))
-    return {"summary": summary, "headline": f"{summary.get('rounds')} rounds; held-out {tiers}"}
+    kept = {key: summary.get(key) for key in ("rounds", "tokens", "wall_s", "tiers", "clients")}
+    diverged = printed.count("differs from the coordinator's")
+    tiers = "; ".join(f"tier {t['tier']} {_loss(t['held_out_initial'])} → "
+                      f"{_loss(t['held_out_final'])}" for t in summary.get("tiers", []))
+    return {"summary": kept, "hash_mismatches": diverged,
+            "headline": f"{summary.get('rounds')} rounds in {summary.get('wall_s')} s; "
+                        f"held-out {tiers}; replica hash mismatches: {diverged}",
+            **({"status": "failed"} if diverged else {})}
+
+
+def _loss(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 # -- wheels for a machine without registries -------------------------------------------------

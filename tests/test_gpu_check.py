@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,8 +45,9 @@ def test_a_step_past_its_cap_is_killed_with_its_children_and_the_rest_is_kept(
     child_pid = tmp_path / "child.pid"
     seen_after_first: list[dict] = []
 
-    def read(step):
-        return {"figures": json.loads(step.outputs["json"].read_text()), "headline": "4 tok/s"}
+    def read(step, printed):
+        return {"figures": json.loads(step.outputs["json"].read_text()), "headline": "4 tok/s",
+                "printed": printed.strip()}
 
     def look(step, budget):  # runs after the first two: what is on disk by then
         seen_after_first.append(json.loads((tmp_path / "out" / "gpu_check.json").read_text()))
@@ -72,6 +74,7 @@ def test_a_step_past_its_cap_is_killed_with_its_children_and_the_rest_is_kept(
     first = seen_after_first[0]["steps"]
     assert first["measure"]["status"] == "passed"
     assert first["measure"]["figures"] == {"tps": 4}
+    assert first["measure"]["printed"] == "measured"
     assert first["hang"]["status"] == "timed out"
     assert not running(int(child_pid.read_text()))  # the grandchild went with it
     final = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["steps"]
@@ -91,3 +94,49 @@ def test_steps_the_time_limit_leaves_no_room_for_are_reported_not_run(gpu_check,
     late = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]["late"]
     assert late["status"] == "not run"
     assert "--time-limit" in late["reason"]
+
+
+def test_the_readers_read_what_the_steps_write(gpu_check, tmp_path, monkeypatch):
+    """Each step's reader on the real files its program writes (tiny runs on the CPU), so
+    that the one run on a GPU does not lose a headline to a renamed key."""
+    figures = {}
+    for script, argv in (("tier_throughput", ["--tiers", "0,1"]), ("train_step_vs_hf", []),
+                         ("device_round", [])):
+        figures[script] = tmp_path / f"{script}.json"
+        monkeypatch.setattr(sys, "argv", [script, "--smoke", "--json", str(figures[script]),
+                                          *argv])
+        importlib.import_module(script).main()
+    step = gpu_check.Step("s", "", cap_s=1, outputs={"json": figures["tier_throughput"]})
+    assert gpu_check.read_tiers(step, "")["headline"].startswith("t0 ")
+    step.outputs["json"] = figures["train_step_vs_hf"]
+    assert "ours/hf" in gpu_check.read_hf(step, "")["headline"]
+    step.outputs["json"] = figures["device_round"]
+    read = gpu_check.read_round(step, "")
+    assert "status" not in read and read["headline"].count("hash equal") == 2
+
+    from matformer.local_testnet.report import TierReport, write_summary
+    summary = write_summary(tmp_path / "summary.json", [TierReport(
+        tier=0, clients=1, first_round_loss=5.0, last_round_loss=3.0, held_out_initial=5.1,
+        held_out_final=2.9)],
+                            {"round": 30}, wall_s=12.5)
+    step.outputs["summary"] = summary
+    read = gpu_check.read_testnet(step, "[member-0] round 3 ...\n")
+    assert read["headline"] == ("30 rounds in 12.5 s; held-out tier 0 5.100 → 2.900; replica "
+                                "hash mismatches: 0")
+    diverged = "weight hash after round 4 differs from the coordinator's; reloading"
+    assert gpu_check.read_testnet(step, diverged)["status"] == "failed"
+
+    tests = tmp_path / "test_three.py"
+    tests.write_text("import pytest\n"
+                     "def test_passes(): pass\n"
+                     "def test_fails(): assert 1 == 2\n"
+                     "@pytest.mark.skip(reason='no GPU')\n"
+                     "def test_skips(): pass\n")
+    step.outputs["junit"] = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={step.outputs['junit']}", str(tests)], cwd=tmp_path,
+                   capture_output=True)
+    read = gpu_check.read_junit(step, "")
+    assert read["tests"] == {"passed": 1, "failed": 1, "skipped": 1}
+    assert read["skips"][0]["reason"] == "no GPU"
+    assert read["failures"][0]["test"].endswith("::test_fails")
