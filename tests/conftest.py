@@ -76,6 +76,19 @@ def bpe_mdat(root: Path, texts: list[str], vocab_size: int, *, pretokenize: bool
     return bpe
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` are skipped, with the reason, where torch sees no CUDA device. A
+    module whose ``DEVICE`` is not CUDA runs its tests there instead (tests/test_cuda.py under
+    MATFORMER_TEST_DEVICE=cpu: its bodies checked on a machine without a GPU)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA device (torch {torch.__version__} sees none)")
+    for item in items:
+        device = getattr(getattr(item, "module", None), "DEVICE", None)
+        if item.get_closest_marker("cuda") and (device is None or device.type == "cuda"):
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def universal():
     torch.manual_seed(0)

@@ -17,6 +17,7 @@ from matformer.modeling import (
     registry,
 )
 from matformer.modeling.components.kernels import segment_runs
+from matformer.modeling.devices import Precision
 
 # Approximations of softmax (wersa) have self-consistency tests of their own (test_wersa.py).
 KERNELS = [impl.name for impl in registry.implementations("attention", "kernel")
@@ -43,16 +44,27 @@ def test_every_positional_encoding_is_covered():
     assert set(POSITIONAL) == {"nope", "learnable", "sinusoidal", "rope", "alibi"}
 
 
+def assert_documents_get_their_solo_logits(kernel: str, positional: str, layout: str,
+                                           causal: bool, *, device: torch.device | str = "cpu",
+                                           precision: Precision | None = None,
+                                           atol: float = 1e-5, rtol: float = 1e-4) -> None:
+    """A tiny model (attention ``kernel``, ``positional`` encoding) run in ``precision`` gives
+    every document of ``examples()`` in a ``layout`` batch the logits it gets alone."""
+    config = tiny_config(is_causal=causal, default_layer={
+        "attn_impl": kernel, "positional_encoding": positional})
+    model = (AutoregressiveModel if causal else BERTModel)(config).eval().to(device)
+    documents = [x.to(device) for x in examples()]
+    # inference: flex runs its own kernel on CPU (no backward there)
+    with torch.no_grad(), (precision or Precision()).autocast():
+        assert_batch_equivalent(model, documents, LAYOUTS[layout], atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("kernel", RUNNABLE)
 @pytest.mark.parametrize("positional", POSITIONAL)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_batched_logits_equal_per_example(kernel, positional, layout, causal):
-    config = tiny_config(is_causal=causal, default_layer={
-        "attn_impl": kernel, "positional_encoding": positional})
-    model = (AutoregressiveModel if causal else BERTModel)(config).eval()
-    with torch.no_grad():  # inference: flex runs its own kernel on CPU (no backward there)
-        assert_batch_equivalent(model, examples(), LAYOUTS[layout])
+    assert_documents_get_their_solo_logits(kernel, positional, layout, causal)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

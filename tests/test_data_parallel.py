@@ -42,6 +42,7 @@ def test_two_ranks_sum_to_the_single_process_gradient(objective, tmp_path):
                                    msg=name)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL data parallelism needs 2 GPUs")
 def test_two_nccl_ranks_sum_to_the_single_gpu_gradient(tmp_path):
     torchrun(2, str(TESTS / "dp_gradient.py"), str(tmp_path / "dp.pt"), "causal", "cuda")

@@ -24,6 +24,7 @@ from matformer.modeling.training import (
 )
 
 ABSENT = "cuda:7" if torch.cuda.device_count() < 8 else "cuda:99"
+NO_CPU_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +66,14 @@ def batch(count=6, seed=0):
             for n in torch.randint(8, 40, (count,), generator=draw)]
 
 
-def test_bf16_autocast_trains_with_finite_falling_loss_and_float32_weights():
-    model = AutoregressiveModel(tiny_config())
+def assert_trains_in(precision: Precision) -> None:
+    """12 steps on ``precision.device`` at tiers 0 and 1: a finite loss that falls by more
+    than 1, and float32 weights and gradients (autocast computes in bf16/fp16, never stores)."""
+    model = AutoregressiveModel(tiny_config()).to(precision.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     runner = MicrobatchRunner(model, AdaptiveLimitsConfig(max_tokens=64).build())
-    options = StepOptions(precision=Precision("bf16"))
-    examples = batch()
+    options = StepOptions(precision=precision)
+    examples = [example.to(precision.device) for example in batch()]
     losses = []
     for step in range(12):
         optimizer.zero_grad()
@@ -81,6 +84,10 @@ def test_bf16_autocast_trains_with_finite_falling_loss_and_float32_weights():
     assert losses[-1] < losses[0] - 1.0
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
                for p in model.parameters())
+
+
+def test_bf16_autocast_trains_with_finite_falling_loss_and_float32_weights():
+    assert_trains_in(Precision("bf16"))
 
 
 def test_fp16_overflow_is_recomputed_at_a_smaller_scale_not_skipped():
@@ -103,16 +110,20 @@ def test_fp16_overflow_is_recomputed_at_a_smaller_scale_not_skipped():
         torch.testing.assert_close(fp16[name], grad, atol=2e-3, rtol=5e-2, msg=name)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="torch.compile on CPU needs a C++ compiler")
-def test_the_compiled_model_gives_the_eager_logits():
+def assert_compiled_gives_eager_logits(device: torch.device | str = "cpu") -> None:
+    """``compile_model`` (--compile) changes no logit of a tiny model on ``device``."""
     torch.manual_seed(0)
-    model = build_model(tiny_config()).eval()
-    ids = torch.randint(3, 90, (2, 24))
+    model = build_model(tiny_config()).eval().to(device)
+    ids = torch.randint(3, 90, (2, 24)).to(device)
     with torch.no_grad():
         eager = model(ids, tier=1)
         compiled = compile_model(model)(ids, tier=1)
     torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(NO_CPU_COMPILER, reason="torch.compile on CPU needs a C++ compiler")
+def test_the_compiled_model_gives_the_eager_logits():
+    assert_compiled_gives_eager_logits()
 
 
 def test_a_masked_model_trains_standalone(docs, tmp_path, capsys):
@@ -133,7 +144,7 @@ def test_a_masked_model_trains_standalone(docs, tmp_path, capsys):
     assert saved["is_causal"] is False
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_bf16_training_on_cuda_keeps_float32_weights_and_falls(docs, tmp_path):
     out = tmp_path / "run"
     train_main(["--device", "cuda", "--precision", "bf16", "--data", str(docs),

@@ -2,24 +2,51 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_config
 
 from matformer.modeling import AutoregressiveModel, TierError, canonical_state_dict, layer_widths
 from matformer.modeling.checkpoint.slicing import slice_state
-from matformer.modeling.matformer import tier_width
+from matformer.modeling.matformer import Tier, tier_label, tier_width
 from matformer.modeling.naming import load_canonical_state_dict
 
 TIERS = [1, 2, 3]
+MIXES = [[0, 1], [1, 3]]  # Mix'n'Match: a tier per layer of tiny_config's two
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu"])
-@pytest.mark.parametrize("tier", TIERS)
-def test_ffn_tail_gets_exactly_zero_gradient(tier, activation):
-    model = AutoregressiveModel(tiny_config(default_layer={"ffn_activation": activation}))
-    model.loss(torch.randint(0, 90, (2, 12)), tier=tier).backward()
-    width = 64 >> tier
+def sliced_twin(universal: AutoregressiveModel, tier: Tier) -> AutoregressiveModel:
+    """A standalone model holding only ``universal``'s FFN neurons at ``tier`` (one tier, or
+    one per layer), on ``universal``'s device, in eval mode."""
+    config = universal.config
+    widths = layer_widths(config, tier)
+    tiers = [tier] * config.num_hidden_layers if isinstance(tier, int) else list(tier)
+    sliced = AutoregressiveModel(dataclasses.replace(
+        config, intermediate_size=widths[0], matformer_tier=tiers[0],
+        matformer_layer_tiers=None if isinstance(tier, int) else tiers,
+    ))
+    load_canonical_state_dict(sliced, slice_state(canonical_state_dict(universal), widths))
+    return sliced.to(next(universal.parameters()).device).eval()
+
+
+def assert_tier_equals_its_slice(universal: AutoregressiveModel, ids: torch.Tensor, tier: Tier,
+                                 **tolerance: float) -> None:
+    """``universal`` run at ``tier`` gives the logits of the model built from its slice."""
+    sliced = sliced_twin(universal, tier)
+    with torch.no_grad():
+        got = sliced(ids)
+        torch.testing.assert_close(got, universal(ids, tier=tier), **tolerance)
+    assert got.shape == (*ids.shape, universal.config.vocab_size)
+
+
+def assert_ffn_tail_gets_zero_gradient(model: AutoregressiveModel, ids: torch.Tensor,
+                                       tier: int) -> None:
+    """A backward pass at ``tier`` gives the FFN neurons past its width exactly 0 gradient,
+    and those within it some."""
+    model.loss(ids, tier=tier).backward()
+    width = model.config.intermediate_size >> tier
     for layer in model.model.layers:
         mlp = layer.mlp
         rows = [p for p in (getattr(mlp, "gate_proj", None), mlp.up_proj) if p is not None]
@@ -30,21 +57,31 @@ def test_ffn_tail_gets_exactly_zero_gradient(tier, activation):
         assert torch.count_nonzero(mlp.down_proj.weight.grad[:, :width]) > 0
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-@pytest.mark.parametrize("tier", [0, *TIERS])
-def test_tier_equals_standalone_model_built_from_its_slice(tier, activation):
-    layer = {"ffn_activation": activation}
-    universal = AutoregressiveModel(tiny_config(default_layer=layer)).eval()
-    width = 64 >> tier
-    sliced = AutoregressiveModel(tiny_config(
-        default_layer=layer, intermediate_size=width, matformer_tier=tier,
-        matformer_base_intermediate_size=64,
-    )).eval()
-    load_canonical_state_dict(sliced, slice_state(canonical_state_dict(universal), [width] * 2))
-    ids = torch.randint(0, 90, (2, 12))
+def assert_each_layer_runs_its_own_width(model: AutoregressiveModel, ids: torch.Tensor) -> None:
+    """On a 3-layer tiny model: tiers [2, 2, 2] are tier 2, and [0, 1, 2] runs (and trains)
+    64, 32 and 16 neurons in layers 0, 1 and 2."""
     with torch.no_grad():
-        torch.testing.assert_close(sliced(ids), universal(ids, tier=tier), atol=1e-6, rtol=1e-6)
-        assert sliced(ids).shape == (2, 12, 96)
+        torch.testing.assert_close(model(ids, tier=[2, 2, 2]), model(ids, tier=2))
+        mixed = model(ids, tier=[0, 1, 2])
+    assert not torch.allclose(mixed, model(ids, tier=0))
+    model.loss(ids, tier=[0, 1, 2]).backward()
+    grads = [layer.mlp.up_proj.weight.grad for layer in model.model.layers]
+    assert [int(torch.count_nonzero(g.abs().sum(1))) for g in grads] == [64, 32, 16]
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu"])
+@pytest.mark.parametrize("tier", TIERS)
+def test_ffn_tail_gets_exactly_zero_gradient(tier, activation):
+    model = AutoregressiveModel(tiny_config(default_layer={"ffn_activation": activation}))
+    assert_ffn_tail_gets_zero_gradient(model, torch.randint(0, 90, (2, 12)), tier)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("tier", [0, *TIERS, *MIXES], ids=tier_label)
+def test_tier_equals_standalone_model_built_from_its_slice(tier, activation):
+    universal = AutoregressiveModel(tiny_config(default_layer={"ffn_activation": activation}))
+    assert_tier_equals_its_slice(universal.eval(), torch.randint(0, 90, (2, 12)), tier,
+                                 atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("tier", [0, 1, 2])
@@ -77,14 +114,7 @@ def test_mix_n_match_uses_a_width_per_layer():
     config = tiny_config(num_hidden_layers=3)
     model = AutoregressiveModel(config).eval()
     assert layer_widths(config, [0, 1, 1]) == [64, 32, 32]
-    ids = torch.randint(0, 90, (1, 8))
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids, tier=[2, 2, 2]), model(ids, tier=2))
-        mixed = model(ids, tier=[0, 1, 2])
-    assert not torch.allclose(mixed, model(ids, tier=0))
-    model.loss(ids, tier=[0, 1, 2]).backward()
-    grads = [layer.mlp.up_proj.weight.grad for layer in model.model.layers]
-    assert [int(torch.count_nonzero(g.abs().sum(1))) for g in grads] == [64, 32, 16]
+    assert_each_layer_runs_its_own_width(model, torch.randint(0, 90, (1, 8)))
 
 
 @pytest.mark.parametrize(
