@@ -73,8 +73,9 @@ schedule = "constant"
 every_rounds = 10
 
 [faults]
-heartbeat_s = 1.0               # clients heartbeat every second, also while training
-heartbeat_timeout_s = 5.0       # a killed or hung client leaves the round after 5 s of silence
+heartbeat_s = 2.0               # clients heartbeat every 2 s, also while training
+heartbeat_timeout_s = 20.0      # 20 s of silence: killed or hung (a member starved of CPU on a
+                                # busy machine went 5 s without a heartbeat and was not)
 
 [auth]
 join_token_env = "MATFORMER_JOIN_TOKEN"  # local-testnet generates the token

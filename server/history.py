@@ -25,7 +25,7 @@ from matformer.server.rounds import OpenRound
 from matformer.server.state import RunState
 
 EventKind = Literal["join", "leave", "drop", "retier", "exclude", "expire", "reject",
-                    "checkpoint", "data", "disk", "discard", "resume", "extend"]
+                    "checkpoint", "data", "disk", "discard", "resume", "extend", "size"]
 MAX_EVENTS = 1000  # the newest events state.json keeps
 MAX_DEPARTED = 100  # the newest departed members state.json keeps
 MAX_ROUND_RECORDS = 10_000  # the newest round records state.json keeps (~300 bytes each)

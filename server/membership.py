@@ -33,6 +33,7 @@ class Member:
     microbatch_tokens: int = 0
     requested_tier: int | None = None
     missed: int = 0  # consecutive rounds it was dropped from at the deadline (or hung)
+    silence_counted: float | None = None  # last_seen of the silence already counted a miss
     early: int = 0  # consecutive rounds it finished within [faults] early_fraction
     rejections: int = 0  # submissions refused as bad results, over the whole run
     device_name: str = ""  # what it reported, e.g. "NVIDIA H100 80GB HBM3"; "" if it did not
@@ -40,6 +41,11 @@ class Member:
     last_round_tokens: int = 0  # its tokens in that round
     last_round_share: float = 0.0  # ... as a fraction of the round's tokens
     last_round_seconds: float = 0.0  # from the round's opening to its submission
+    # Tokens per second of wall time from when it could start a round's work (the round's
+    # opening, or its previous submission) to its results: training and everything around
+    # it (fetching, sending, a busy machine's pauses). 0 until it has delivered a round.
+    delivered_per_second: float = 0.0
+    last_delivered_at: float = 0.0
     key_hash: str = ""  # the hash of the client key it joined with ([auth] mode = "keys")
     # What it cost, since it joined: bytes each way as the service sent and received them,
     # against float32 of its tier's weights per submission (up) and per round update

@@ -35,6 +35,13 @@ from matformer.server.work import WorkQueue, assign
 # Rounds collected at once with overlap: the one whose results are arriving, the one being
 # trained, and the one handed out with the answer to a submission.
 WINDOW = 3
+# The share of a round's deadline its work may fill at the speeds its members delivered
+# earlier rounds at: the rest is margin for a slower round.
+DEADLINE_SHARE = 0.5
+# A member that has delivered no round yet is counted at this share of its probe's speed: the
+# probe ran alone, and members often share a machine (a testnet, a busy laptop) once they
+# train side by side.
+PROBE_SHARE = 0.5
 
 
 class RoundPipeline:
@@ -51,6 +58,7 @@ class RoundPipeline:
         # in, a round stops waiting for a member refused in it (drop_refused)
         self.refused: dict[str, str] = {}
         self.owed: dict[str, float] = {}  # client id → ids rounding left it short (assign)
+        self.sized = False  # whether rounds are sized below tokens_per_round (round_tokens)
 
     @property
     def window(self) -> int:
@@ -110,6 +118,10 @@ class RoundPipeline:
         member.last_round_compute_s = train_seconds or 0.0
         measured = train_seconds if train_seconds else submission.received_at - rnd.opened_at
         self.membership.measured(client_id, assigned.tokens, measured)
+        started = max(rnd.opened_at, member.last_delivered_at)  # overlapped: after the last
+        if submission.received_at > started:
+            member.delivered_per_second = assigned.tokens / (submission.received_at - started)
+        member.last_delivered_at = submission.received_at
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -143,8 +155,9 @@ class RoundPipeline:
         if len(members) < cfg.min_clients:
             return None
         before = self.queue.to_dict()
-        ids = self.queue.take(cfg.tokens_per_round, self.length)
-        shares = assign(ids, trusted_speeds(members), self.owed)
+        speeds = trusted_speeds(members)
+        ids = self.queue.take(self.round_tokens(index, members, speeds), self.length)
+        shares = assign(ids, speeds, self.owed)
         # a round behind others gets its own deadline_s after the one before it
         start = max(now, self.collecting[-1].deadline) if self.collecting else now
         deadline = start + cfg.deadline_s
@@ -160,6 +173,34 @@ class RoundPipeline:
         }
         return OpenRound(index=index, opened_at=now, deadline=deadline, assignments=assignments,
                          queue_before=before, names={m.client_id: m.name for m in members})
+
+    def round_tokens(self, index: int, members: Sequence[Member],
+                     speeds: Sequence[tuple[str, float]]) -> int:
+        """Round ``index``'s token budget: tokens_per_round, or what ``members`` can deliver
+        in DEADLINE_SHARE of the deadline when that is less, so that a round never asks more
+        than its members can deliver in time. Each counts at the rate it delivered its last
+        round at, or PROBE_SHARE of its trusted speed (``speeds``) before it has delivered
+        one. Said when rounds start being sized so, with the setting to change, and when they
+        stop."""
+        cfg = self.config.round
+        trusted = dict(speeds)
+        rate = sum(m.delivered_per_second or trusted[m.client_id] * PROBE_SHARE
+                   for m in members)
+        fits = int(rate * cfg.deadline_s * DEADLINE_SHARE)
+        sized = fits < cfg.tokens_per_round
+        if sized != self.sized:
+            self.sized = sized
+            self.history.event("size", None, (
+                f"round {index} asks {max(fits, 1):,} of tokens_per_round "
+                f"{cfg.tokens_per_round:,} tokens: its {len(members)} member(s) deliver about "
+                f"{rate:,.0f} tokens/s, {cfg.tokens_per_round / rate:,.0f} s for a full round "
+                f"against deadline_s {cfg.deadline_s:g} (a round may take "
+                f"{DEADLINE_SHARE:.0%} of it); raise [round] deadline_s to "
+                f"{math.ceil(cfg.tokens_per_round / rate / DEADLINE_SHARE)} or lower "
+                "tokens_per_round to fill rounds again") if sized else (
+                f"round {index} asks the whole tokens_per_round "
+                f"{cfg.tokens_per_round:,} again: its members deliver {rate:,.0f} tokens/s"))
+        return max(1, min(fits, cfg.tokens_per_round))
 
     def step(self, now: float, *, committed: int, room: Callable[[], bool],
              last: int | None, detach: bool) -> tuple[OpenRound | None, bool]:
@@ -238,18 +279,33 @@ class RoundPipeline:
 
     def drop_silent(self, now: float) -> None:
         """Drop from every round being collected each assigned member silent for
-        heartbeat_timeout_s (killed, hung, or asleep): its ids go back to the queue now, not
-        at the deadline, and the round closes as soon as the others are in."""
+        heartbeat_timeout_s (killed, hung, or starved of CPU): its ids go back to the queue
+        now, not at the deadline, and the round closes as soon as the others are in. One
+        silence is one miss, however many rounds it held work in (with overlap, up to
+        WINDOW): a member that calls again was only slow, and is given work again."""
         timeout = self.config.faults.heartbeat_timeout_s
+        held: dict[str, list[int]] = {}  # client → the rounds it is dropped from now
+        gaps: dict[str, float] = {}
         for rnd in self.collecting:
             for client in rnd.pending():
                 member = self.membership.members.get(client)
-                silent = now - member.last_seen if member is not None else math.inf
-                if silent > timeout:
+                gaps[client] = now - member.last_seen if member is not None else math.inf
+                if gaps[client] > timeout:
                     self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
-                    rnd.dropped[client] = f"silent for {silent:.0f} s"
-                    self.missed(client, f"silent for {silent:.0f} s during round {rnd.index} "
-                                        f"(heartbeat_timeout_s {timeout:g}): killed or hung")
+                    rnd.dropped[client] = f"silent for {gaps[client]:.0f} s"
+                    held.setdefault(client, []).append(rnd.index)
+        for client, rounds in held.items():
+            member = self.membership.members.get(client)
+            if member is not None:
+                if member.silence_counted == member.last_seen:
+                    continue  # this silence was counted when it first cost a round
+                member.silence_counted = member.last_seen
+            self.missed(client, f"silent for {gaps[client]:.0f} s (heartbeat_timeout_s "
+                                f"{timeout:g}) holding work of round"
+                                f"{'s' if len(rounds) > 1 else ''} "
+                                f"{', '.join(map(str, rounds))}: killed, hung, or starved of "
+                                "CPU; its work goes to the others, and it is given work "
+                                "again when it calls")
 
     def drop_refused(self) -> None:
         """Once every other member of the oldest round has delivered, stop waiting for those
@@ -299,6 +355,7 @@ class RoundPipeline:
         member.missed += 1
         member.early = 0
         member.tokens_per_second /= 2
+        member.delivered_per_second /= 2
         limit = self.config.faults.miss_limit
         if limit and member.missed >= limit:
             self._retier(member, +1, f"missed {member.missed} rounds in a row")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from certs import self_signed
-from helpers import local_testnet_toml, run_testnet
+from helpers import TESTNET_MODEL, local_testnet_toml, run_testnet
 
 from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
 from matformer.local_testnet.main import parse_args
@@ -220,6 +220,26 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     assert re.search(r"\[server\] .* round 7 closed \(8/8\): ", log), log[-4000:]
     assert "the run is finished: 8 rounds, " in log
     assert "[testnet] evaluating held-out loss of round-8 at tiers 0, 1 on " in log
+
+
+def test_members_at_a_hundredth_of_the_speed_finish_the_run(tmp_path):
+    """Issue 45: rounds of 4,096 tokens within 15 s are far beyond three members computing at
+    a hundredth of this machine's speed. The rounds ask what they can train in time, so the
+    run finishes and no member's finished work is refused."""
+    build_default_mdat(tmp_path / "d.mdat", limit=60).close()
+    model = {**TESTNET_MODEL, "hidden_size": 128, "num_hidden_layers": 4,  # the default run's
+             "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512}
+    config = local_testnet_toml(tmp_path / "run.toml", deadline=15.0, tokens=4096, rounds=2,
+                                model={"inline": model})
+    result = run_testnet(
+        [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "3",
+         "--tiers", "0,1", "--config", str(config), "--client-speeds", "0.01"],
+        cwd=REPO, timeout=240)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-4000:]
+    assert re.search(r"round 0 asks [\d,]+ of tokens_per_round 4,096 tokens: its 3 member", log)
+    assert "not accepted" not in log and "missed the round" not in log, log[-4000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds"] == 2
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])

@@ -72,6 +72,35 @@ def test_a_silent_client_is_dropped_and_its_sequences_requeued(tmp_path, mdat_pa
     assert [e["round"] for e in entries] == [0] and not set(entries[0]["ids"]) & set(b_ids)
 
 
+def test_one_silence_is_one_miss_however_many_overlapped_rounds_it_held(tmp_path, mdat_path):
+    """With overlap a member holds up to three rounds' work; a silence drops it from all of
+    them, but counts once (issue 45: three rounds at once made two misses and a lower tier),
+    and the member that calls again gets work again."""
+    clock = Clock()
+    config = config_with(tmp_path / "run", mdat_path, min_clients=2, miss_limit=2)
+    config = dataclasses.replace(config, round=dataclasses.replace(config.round, overlap=True))
+    c = Coordinator(config, clock=clock)
+    a = c.join(caps("a"))[0].client_id
+    b = c.join(caps("b"))[0].client_id
+    held = [r.index for r in c.pipeline.collecting if b in r.assignments]
+    assert len(held) >= 2
+    for now in (2.0, 3.5, 5.0):  # a keeps calling, b is silent
+        clock.now = now
+        c.heartbeat(a)
+        c.advance()
+    assert not any(b in r.assignments for r in c.pipeline.collecting)
+    member = c.membership.get(b)
+    assert member.missed == 1 and member.tier == 0
+    (drop,) = [e for e in events(c, "drop") if e["client_id"] == b]
+    assert f"holding work of rounds {', '.join(map(str, held))}" in drop["detail"]
+    assert "starved of CPU" in drop["detail"]
+    clock.now = 5.5
+    c.heartbeat(b)  # only slow: it calls again, and the next round to open holds its share
+    oldest = c.pipeline.collecting[0].index
+    c.submit(a, oldest, results(c, a))
+    assert b in c.pipeline.collecting[-1].assignments
+
+
 def test_missing_deadlines_moves_a_client_down_and_finishing_early_moves_it_back(
         tmp_path, mdat_path):
     clock = Clock()
@@ -93,6 +122,31 @@ def test_missing_deadlines_moves_a_client_down_and_finishing_early_moves_it_back
         c.submit(cid, c.current_round.index, results(c, cid), loss=1.0)
     assert member.tier == 0 and "finished 2 rounds in a row within 25%" in member.tier_reason
     assert c.assignment_for(cid).tier == 0
+
+
+def test_a_round_never_asks_more_than_its_members_can_deliver_by_the_deadline(
+        tmp_path, mdat_path):
+    """tokens_per_round 1,024 and a 10 s deadline, for one member whose probe measured 80
+    tokens/s: a full round would take 13 s or more, so it could never be delivered (issue 45:
+    round 0 was handed out anew for 12 minutes). The round asks what half the deadline
+    delivers at half the probe's speed (the probe ran alone); once the member delivers at a
+    rate that fills a round, rounds are whole again. Both are said."""
+    clock = Clock()
+    c = Coordinator(config_with(tmp_path / "run", mdat_path), clock=clock)
+    cid = c.join(caps("slow", tps=80.0))[0].client_id
+    work = c.assignment_for(cid)
+    assert 0 < work.tokens <= 200  # 80 / 2 tokens/s x 5 s
+    (sized,) = events(c, "size")
+    assert sized["detail"] == (
+        "round 0 asks 200 of tokens_per_round 1,024 tokens: its 1 member(s) deliver about 40 "
+        "tokens/s, 26 s for a full round against deadline_s 10 (a round may take 50% of it); "
+        "raise [round] deadline_s to 52 or lower tokens_per_round to fill rounds again")
+    clock.now += 0.25  # 128 tokens delivered at 512 tokens/s: 1,024 tokens take 2 s
+    c.submit(cid, 0, results(c, cid, tokens=work.tokens), train_seconds=0.1)
+    assert c.state.round == 1
+    assert c.assignment_for(cid).tokens > 512
+    assert events(c, "size")[-1]["detail"].startswith(
+        "round 1 asks the whole tokens_per_round 1,024 again")
 
 
 def test_a_client_is_never_offered_a_tier_it_did_not_ask_for(tmp_path, mdat_path):
