@@ -28,10 +28,11 @@ from matformer.modeling.commands import DefaultsShown, command_parser
 from matformer.modeling.devices import resolve_device
 from matformer.modeling.distributed import DataParallel
 from matformer.modeling.errors import MatformerError
+from matformer.modeling.threads import use_threads
 
 # the standalone flags a federated client reads too: FederatedOptions fields of the same name
 SHARED = ("data", "device", "precision", "batching", "compile", "microbatch_tokens",
-          "microbatch_examples")
+          "microbatch_examples", "threads")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -154,6 +155,9 @@ def run_federated(args: argparse.Namespace) -> int:
     try:
         args = train_config.apply(args)  # the defaults of the shared keys, checked
         parallel = DataParallel.from_environment(resolve_device(args.device))
+        threads = use_threads(args.threads)
+        args.threads = threads.count  # what the summary records
+        print(f"matformer-client: computing with {threads.describe()}", flush=True)
         if parallel is not None:
             parallel = parallel.watched(args.rank_timeout_s, _leave_silent_node)
         if parallel is not None and not parallel.leader:

@@ -85,6 +85,7 @@ class FederatedOptions:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (autocast; float32 weights and results)
     batching: str = "packed"  # packed rows of the run's sequence length | padded
     compile: bool = False  # torch.compile the replica's model
+    threads: int | None = None  # CPU threads torch computes with (recorded in the summary)
     join_token: str | None = None  # None: $MATFORMER_JOIN_TOKEN
     name: str = field(default_factory=socket.gethostname)
     run_id: str = ""  # when set, the coordinator refuses to admit the client to another run
@@ -206,7 +207,8 @@ class FederatedClient:
                 time.sleep(NAME_RETRY_S)
         save_session(self.state_dir, o.server, self.connection.session_token)
         self.member = member
-        self.summary = ClientSummary(client_id=member.client_id, tier=member.tier)
+        self.summary = ClientSummary(client_id=member.client_id, tier=member.tier,
+                                     threads=self.options.threads or torch.get_num_threads())
         self.sequences = SequenceSource(self.connection, member.settings, local=o.data)
         self.log(f"joined as {o.name} (session {member.client_id}) at tier {member.tier} "
                  f"(FFN width {member.ffn_width}): {member.tier_reason}")

@@ -44,6 +44,7 @@ from matformer.modeling.mdat.trained_on import TrainedOn
 from matformer.modeling.optim import OptimizerConfig
 from matformer.modeling.run_order import RunOrder
 from matformer.modeling.settings import add_flags
+from matformer.modeling.threads import use_threads
 from matformer.modeling.tracking import NoTracker, open_tracker
 from matformer.modeling.training import (
     StepOptions,
@@ -167,6 +168,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
            ) -> dict[str, dict[str, float]]:
     leader = parallel is None or parallel.leader
     say = print if leader else (lambda *_, **__: None)
+    threads = use_threads(args.threads)
     fields = getattr(args, "model_fields", None)  # train.toml's [model]
     named = fields is not None or bool(args.config) or args.init is not None
     start = starting_point(args.init, fields is not None or bool(args.config))
@@ -220,7 +222,8 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         eval_examples = sequences(reader, order.held_out, device)  # never trained
         world = parallel.world_size if parallel else 1
         say(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters on "
-            f"{device} ({args.precision}{', compiled' if args.compile else ''}"
+            f"{device} ({args.precision}{', compiled' if args.compile else ''}, "
+            f"{threads.describe()}"
             f"{f', {world} data-parallel ranks' if parallel else ''}); {len(order.training):,} "
             f"training sequences of up to {args.seq_len} tokens, {len(epochs.epoch(0)[1])} "
             f"{args.batching} batches of <= {args.batch_tokens} tokens an epoch, {total} steps; "
@@ -308,6 +311,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     metrics = {"initial": initial, "final": final, "history": history,
                "world_size": world, "device": str(device), "precision": args.precision,
                "compile": args.compile, "batching": args.batching, "fsdp": args.fsdp,
+               "threads": threads.count,
                "tokens_per_second": round((tokens_seen - before) / seconds, 1)}
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     print(f"wrote the model to {args.out}/ (config.json, model.safetensors, "

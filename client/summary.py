@@ -33,6 +33,7 @@ class ClientSummary:
     weight_hash: str = ""  # the replica's, at its tier, after ``rounds_applied`` rounds
     rejoins: int = 0  # times it joined again after its session ended
     world_size: int = 1  # data-parallel ranks of this participant (torchrun)
+    threads: int = 0  # CPU threads torch computed with (modeling/threads.py)
     rank_hashes: list[str] = field(default_factory=list)  # each rank's replica, at the end
     # What it cost, over the whole process (rejoins included): every message each way as
     # serialized (before gRPC's gzip), against float32 of the tier's weights per round

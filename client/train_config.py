@@ -115,6 +115,9 @@ class HardwareSection:
     fsdp: bool = setting(False, help=(
         "under torchrun: shard weights, gradients and optimizer state over the ranks (FSDP2), "
         "for a model one device cannot hold"))
+    threads: int | None = setting(None, low=1, help=(
+        "CPU threads torch computes with; unset: the cores idle at the start (measured), "
+        "shared among torchrun's ranks, at least 1"))
 
 
 @dataclass(kw_only=True, slots=True)

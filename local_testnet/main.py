@@ -23,8 +23,6 @@ import time
 import tomllib
 from pathlib import Path
 
-import torch
-
 from matformer.local_testnet.chaos import ChaosEvent, chaos_plan, check_run, format_chaos
 from matformer.local_testnet.default_run import ensure_default_data, write_default_run
 from matformer.local_testnet.held_out import HeldOut
@@ -51,6 +49,7 @@ from matformer.local_testnet.testnet import (
 from matformer.modeling.commands import apply_overrides, command_parser
 from matformer.modeling.devices import resolve_device
 from matformer.modeling.errors import DeviceUnavailable, MatformerError
+from matformer.modeling.threads import use_threads
 from matformer.protocol.auth import new_join_token
 from matformer.server.config import RunConfig
 
@@ -95,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default=None,
                         help="the clients' device (cpu, cuda, cuda:N; default: their own "
                              "default, the CPU); the coordinator's close stays on the CPU")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="CPU threads each client computes with (the coordinator and "
+                             "relays take one; the held-out evaluation, the cores idle then)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in runs/testnet instead of replacing it")
     # undocumented knobs of the embedded run, for tests and quick looks
@@ -118,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--client-speeds takes fractions in (0, 1], e.g. 1,0.5,0.25")
     if args.chaos is not None and args.kill_client_at is not None:
         parser.error("--chaos plans its own kills; leave out --kill-client-at")
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     if args.device is not None:
         try:
             resolve_device(args.device)  # a device this machine lacks stops here, not in N clients
@@ -215,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     net = Testnet(TestnetPlan(
         config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
         run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
-        bandwidth_mbit=args.bandwidth_mbit, device=args.device, events=events,
+        bandwidth_mbit=args.bandwidth_mbit, device=args.device, threads=args.threads,
+        events=events,
         tls_ca=config.tls.cert, tls_key=config.tls.key, env=env, relay_ports=relay_ports,
         relay_deadline_s=config.round.deadline_s * RELAY_DEADLINE))
     # `kill` and `timeout` stop the run as Ctrl-C does: the children are stopped with it
@@ -276,7 +281,7 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
         print(f"local-testnet: the run left {len(checkpoints)} checkpoints in {run_dir}; "
               "nothing to compare", file=sys.stderr)
         return 1
-    torch.set_num_threads(max(os.cpu_count() or 1, 1))  # the children are gone
+    say(f"[testnet] evaluating with {use_threads().describe()}")  # the children are gone
     held = HeldOut.of(config)
     tiers = sorted(config.tiers.allowed)
     first, last = (run_dir / "checkpoints" / f"round-{r}"

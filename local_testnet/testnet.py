@@ -65,6 +65,7 @@ class TestnetPlan:
     latency_ms: float = 0.0
     bandwidth_mbit: float = 0.0  # each client's upload and download limit; 0: none
     device: str | None = None  # the clients' --device; None: their default
+    threads: int = 1  # each client's --threads
     events: list[ChaosEvent] = field(default_factory=list)  # kills, in round order
     tls_ca: Path | None = None  # [tls] cert: what clients (and relays) trust
     tls_key: Path | None = None  # [tls] key: relays serve their clients with the same pair
@@ -182,6 +183,8 @@ class Testnet:
             argv += ["--tls-ca", str(p.tls_ca)]
         if p.device is not None:
             argv += ["--device", p.device]
+        if p.threads != 1:  # one is what every child's OMP_NUM_THREADS gives
+            argv += ["--threads", str(p.threads)]
 
         def announce_rejoin(line: str) -> None:
             if line.startswith("joined as "):

@@ -12,7 +12,13 @@ repository's root (``setup.py`` maps them here):
     matformer.scripts        the ``matformer`` command and its verbs
 """
 
+import os
 from importlib.metadata import PackageNotFoundError, version
+
+# CPU threads that wait for work sleep rather than spin: a spinning thread takes a core that
+# another process (a second member, the user's browser) needs (modeling/threads.py). It has
+# to be set before torch loads; a value the user set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 try:
     __version__ = version("matformer")

@@ -32,6 +32,7 @@ import grpc
 
 from matformer.modeling.commands import command_parser
 from matformer.modeling.errors import MatformerError
+from matformer.modeling.threads import add_threads_option, use_threads
 from matformer.protocol.channel import GRPC_OPTIONS, is_loopback, listen
 from matformer.protocol.health import add_health
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -173,6 +174,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
+    add_threads_option(p)
     args = p.parse_args(argv)
     if args.min_members < 1:
         p.error(f"--min-members must be at least 1, got {args.min_members}")
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
+        print(f"relay: folding results with {use_threads(args.threads).describe()}", flush=True)
         access = Access(token, members, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                         tls_key=args.tls_key)
         running = RunningRelay.start(args.upstream, name=args.name, access=access,

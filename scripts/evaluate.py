@@ -36,6 +36,7 @@ from matformer.modeling.matformer import Tier
 from matformer.modeling.mdat import DEFAULT_STRATEGY, Mdat
 from matformer.modeling.mdat.trained_on import RECORD_NAME, TrainedOn
 from matformer.modeling.run_order import RunOrder
+from matformer.modeling.threads import add_threads_option, use_threads
 from matformer.modeling.training import held_out_loss, with_targets
 
 DEFAULT_SEQ_LEN = 256
@@ -64,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-eval-tokens-per-microbatch", type=int, default=8192)
     parser.add_argument("--max-examples-per-microbatch", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    add_threads_option(parser)
     trust.add_option(parser)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
@@ -127,6 +129,7 @@ def evaluate(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
+        use_threads(args.threads)
         figures = evaluate(args)
     except MatformerError as error:
         print(f"matformer-eval: error: {error}", file=sys.stderr)

@@ -27,6 +27,7 @@ from matformer.modeling.generation import generate
 from matformer.modeling.mdat import DEFAULT_STRATEGY, Mdat
 from matformer.modeling.mdat.pretok_files import TOKENIZER_FILE
 from matformer.modeling.mdat.pretok_workers import build_splitter
+from matformer.modeling.threads import add_threads_option, use_threads
 from matformer.modeling.tokenizers import build_text_tokenizer
 from matformer.modeling.tokenizers.text import TextTokenizer
 
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="an MDAT: use the tokenizer of its --strategy instead")
     parser.add_argument("--strategy", default=DEFAULT_STRATEGY["strategy_name"])
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
+    add_threads_option(parser)
     trust.add_option(parser)
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute every position at every step (for checking)")
@@ -72,6 +74,7 @@ def text_tokenizer(args: argparse.Namespace) -> TextTokenizer:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
+        use_threads(args.threads)
         text = text_tokenizer(args)
         device = resolve_device(args.device)
         model = load_pretrained(args.checkpoint,

@@ -34,6 +34,7 @@ import uvicorn
 
 from matformer.modeling.commands import command_parser
 from matformer.modeling.errors import MatformerError
+from matformer.modeling.threads import add_threads_option, use_threads
 from matformer.protocol.channel import GRPC_OPTIONS, is_loopback, listen
 from matformer.protocol.health import add_health
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -224,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="SECTION.KEY=VALUE",
                         help="override one key of the config (VALUE in TOML syntax), e.g. "
                              "--set round.rounds=5; repeatable")
+    add_threads_option(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
+        log.info("closing rounds with %s", use_threads(args.threads).describe())
         config = RunConfig.load(args.config, args.overrides)
         server = RunningServer.start(config)
     except MatformerError as err:
