@@ -4,15 +4,12 @@ standalone run records what it used."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
-from matformer.client.standalone import main as train_main
 from matformer.modeling import threads
 from matformer.modeling.errors import InvalidValue
 from matformer.modeling.threads import choose_threads, idle_cores
@@ -66,20 +63,3 @@ def test_the_package_makes_waiting_threads_sleep_unless_told_otherwise(given):
                            "print(os.environ['OMP_WAIT_POLICY'])"],
                           env=env, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == (given or "PASSIVE")
-
-
-def test_a_standalone_run_takes_threads_and_records_them(tmp_path, mdat_path, capsys):
-    before = torch.get_num_threads()
-    try:
-        out = tmp_path / "run"
-        train_main(["--data", str(mdat_path), "--steps", "1", "--seq-len", "128",
-                    "--batch-tokens", "256", "--threads", "1", "--track", "none",
-                    "--out", str(out)])
-        assert json.loads((out / "metrics.json").read_text())["threads"] == 1
-        assert "1 thread (asked for)" in capsys.readouterr().out
-        with pytest.raises(SystemExit) as exited:
-            train_main(["--data", str(mdat_path), "--threads", "0", "--out", str(out)])
-        assert exited.value.code == 2
-        assert "threads" in capsys.readouterr().err
-    finally:
-        torch.set_num_threads(before)

@@ -106,7 +106,8 @@ OTHERS = ("model.config", "model.init", "data.documents", "data.batching", "trai
           "training.epochs", "training.tiers", "training.tier_mode",
           "training.microbatch_tokens", "training.microbatch_examples",
           "training.save_every", "training.keep_last", "hardware.device", "hardware.compile",
-          "hardware.fsdp", "logging.track", "logging.project", "logging.log_every", "logging.out")
+          "hardware.fsdp", "hardware.threads", "logging.track", "logging.project",
+          "logging.log_every", "logging.out")
 
 
 def test_every_key_has_a_case():
@@ -223,6 +224,13 @@ def test_compile_compiles_the_model(data, tmp_path, monkeypatch):
     monkeypatch.setattr(standalone, "compile_model", compiled.append)
     result = run(data, tmp_path, "hardware.compile=true")
     assert len(compiled) == 1 and result["metrics"]["compile"] is True
+
+
+def test_threads_sets_the_threads_torch_computes_with(data, tmp_path, monkeypatch):
+    chosen = []
+    monkeypatch.setattr(torch, "set_num_threads", chosen.append)
+    result = run(data, tmp_path, "hardware.threads=3")
+    assert chosen == [3] and result["metrics"]["threads"] == 3
 
 
 def test_logging_keys_choose_where_and_how_often(data, tmp_path, capsys):
