@@ -219,7 +219,9 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                 f"fewer than {target_tokens(config)} tokens: they carry no target")
         epochs = Epochs(order, lengths, args)
         total = epochs.steps()
-        eval_examples = sequences(reader, order.held_out, device)  # never trained
+        eval_examples = sequences(reader, order.evaluated(  # never trained
+            lengths, sequences=args.eval_sequences if args.eval else 0,
+            tokens=total * args.batch_tokens), device)
         world = parallel.world_size if parallel else 1
         say(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters on "
             f"{device} ({args.precision}{', compiled' if args.compile else ''}, "
@@ -232,6 +234,8 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             max_tokens=args.microbatch_tokens, max_examples=args.microbatch_examples).build())
 
         def evaluate(whole: torch.nn.Module) -> dict[str, float]:
+            if not eval_examples:  # --no-eval
+                return {}
             say(f"matformer-train: evaluating the held-out loss of tiers {tiers} on "
                 f"{len(eval_examples):,} sequences...")
             return held_out_loss(whole, eval_examples, tiers, batch_tokens=args.batch_tokens,
@@ -304,7 +308,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         final = evaluate(model.to(device))
         tracker.log(total, {f"held_out/tier_{t}": loss for t, loss in final.items()})
         tracker.close()
-    for tier in initial:
+    for tier in [t for t in final if t in initial]:  # none under --no-eval
         print(f"held-out loss tier {tier}: {initial[tier]:.3f} -> {final[tier]:.3f}")
 
     save_pretrained(model, args.out, files=files)

@@ -129,6 +129,11 @@ class LoggingSection:
         "trackio, wandb, or none"))
     project: str = setting("matformer", help="trackio's or W&B's project (the run: out's name)")
     log_every: int = setting(20, low=1, help="print the losses every this many steps")
+    eval: bool = setting(True, help=(
+        "the held-out loss of every tier before and after training (--no-eval: neither)"))
+    eval_sequences: int = setting(256, low=1, help=(
+        "held-out sequences the evaluation reads at most, and never more tokens than the "
+        "training trains"))
     out: Path | None = setting(None, help=(
         f"the run's folder: the final model, checkpoints/, tensorboard/ (without it "
         f"{DEFAULT_OUT}, or with --resume the checkpoint's run)"))

@@ -31,10 +31,14 @@ class HeldOut:
     examples: list[torch.Tensor]
 
     @classmethod
-    def of(cls, config: RunConfig) -> HeldOut:
+    def of(cls, config: RunConfig, sequences: int = MAX_SEQUENCES) -> HeldOut:
+        """At most ``sequences`` of the held-out tail, and no more tokens than the run's
+        planned rounds train."""
         with Mdat.open(config.data.path) as mdat:
             reader, order = work_order(mdat, config)
-            ids = order.held_out[-MAX_SEQUENCES:]
+            ids = order.evaluated(reader.lengths(), sequences=sequences,
+                                  tokens=config.round.planned_rounds
+                                  * config.round.tokens_per_round)
             return cls(examples=[torch.from_numpy(reader[int(i)].astype(np.int64)) for i in ids])
 
     def loss(self, checkpoint: Path, tiers: list[int]) -> dict[int, float]:

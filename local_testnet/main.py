@@ -25,7 +25,7 @@ from pathlib import Path
 
 from matformer.local_testnet.chaos import ChaosEvent, chaos_plan, check_run, format_chaos
 from matformer.local_testnet.default_run import ensure_default_data, write_default_run
-from matformer.local_testnet.held_out import HeldOut
+from matformer.local_testnet.held_out import MAX_SEQUENCES, HeldOut
 from matformer.local_testnet.processes import free_port, say
 from matformer.local_testnet.report import (
     add_to_summary,
@@ -97,6 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="CPU threads each client computes with (the coordinator and "
                              "relays take one; the held-out evaluation, the cores idle then)")
+    parser.add_argument("--eval-sequences", type=int, default=MAX_SEQUENCES, metavar="N",
+                        help="held-out sequences the first and final checkpoints are evaluated "
+                             "on at the end, at most (never more tokens than the run trains)")
+    parser.add_argument("--no-eval", action="store_true",
+                        help="no held-out evaluation at the end: the table shows training loss")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in runs/testnet instead of replacing it")
     # undocumented knobs of the embedded run, for tests and quick looks
@@ -120,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--client-speeds takes fractions in (0, 1], e.g. 1,0.5,0.25")
     if args.chaos is not None and args.kill_client_at is not None:
         parser.error("--chaos plans its own kills; leave out --kill-client-at")
+    if args.eval_sequences < 1:
+        parser.error(f"--eval-sequences must be at least 1, got {args.eval_sequences} "
+                     "(--no-eval skips the evaluation)")
     if args.threads < 1:
         parser.error(f"--threads must be at least 1, got {args.threads}")
     if args.device is not None:
@@ -242,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.relays:  # the root saw the relays; each client's summary says its tier
         names = [c.name for c in clients]
         tiers_seen = {n: c["tier"] for n, c in client_costs(run_dir / "clients", names).items()}
-    code = report(config, status, tiers_seen, train_s)
+    code = report(config, status, tiers_seen, train_s,
+                  eval_sequences=None if args.no_eval else args.eval_sequences)
     if args.relays:
         relayed = relay_traffic(status, relay_summaries(run_dir / "relays", list(net.relays)),
                                 client_costs(run_dir / "clients", list(tiers_seen)))
@@ -272,34 +281,37 @@ def write_chaos(path: Path, seed: int, net: Testnet, check) -> None:
         "replicas": check.replicas, "passed": check.passed})
 
 
-def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s: float) -> int:
-    """Evaluate the first and final checkpoints, print the table, write the plot and summary;
-    the exit code."""
+def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s: float, *,
+           eval_sequences: int | None = MAX_SEQUENCES) -> int:
+    """Evaluate the first and final checkpoints on ``eval_sequences`` held-out sequences at
+    most (None: not at all), print the table, write the plot and summary; the exit code."""
     run_dir = Path(config.run.dir)
     checkpoints = status.get("checkpoints") or []
     if len(checkpoints) < 2:
         print(f"local-testnet: the run left {len(checkpoints)} checkpoints in {run_dir}; "
               "nothing to compare", file=sys.stderr)
         return 1
-    say(f"[testnet] evaluating with {use_threads().describe()}")  # the children are gone
-    held = HeldOut.of(config)
     tiers = sorted(config.tiers.allowed)
     first, last = (run_dir / "checkpoints" / f"round-{r}"
                    for r in (checkpoints[0], checkpoints[-1]))
 
-    def evaluated(checkpoint: Path) -> dict[int, float]:  # said first: it takes a while
-        say(f"[testnet] evaluating held-out loss of {checkpoint.name} at tiers "
-            f"{', '.join(map(str, tiers))} on {len(held.examples)} sequences…")
-        return held.loss(checkpoint, tiers)
-
-    initial, final = evaluated(first), evaluated(last)
+    initial: dict[int, float] = {}
+    final: dict[int, float] = {}
+    if eval_sequences is not None:
+        say(f"[testnet] evaluating with {use_threads().describe()}")  # the children are gone
+        held = HeldOut.of(config, eval_sequences)
+        for checkpoint, losses in ((first, initial), (last, final)):  # said first: it takes
+            say(f"[testnet] evaluating held-out loss of {checkpoint.name} at tiers "  # a while
+                f"{', '.join(map(str, tiers))} on {len(held.examples)} sequences…")
+            losses.update(held.loss(checkpoint, tiers))
     counts: dict[int, int] = {}
     for tier in tiers_seen.values():
         counts[tier] = counts.get(tier, 0) + 1
     reports = tier_reports(status, clients=counts, initial=initial, final=final)
     say(f"\nrun {status.get('run_id')}: {status.get('round')} rounds, "
-        f"{status.get('tokens', 0):,} tokens in {train_s:.0f} s; held-out loss of {first.name} "
-        f"→ {last.name}\n")
+        f"{status.get('tokens', 0):,} tokens in {train_s:.0f} s; "
+        + (f"held-out loss of {first.name} → {last.name}\n" if final else
+           "no held-out evaluation (--no-eval)\n"))
     say(format_table(reports))
     costs = client_costs(run_dir / "clients", sorted(tiers_seen))
     if costs:

@@ -15,6 +15,7 @@ all take.
     order.at(position)       # the id a run hands out at that position (over all epochs)
     order.epoch(2)           # epoch 2's ids, in its order
     order.held_out           # never trained
+    order.evaluated(lengths, sequences=128, tokens=65_536)   # the held-out ids to evaluate
 
 ``RunOrder.fixed`` is the order of a federated run saved before this definition: every epoch
 the same, nothing held out (its queue positions count in that order).
@@ -67,6 +68,16 @@ class RunOrder:
     def fixed(cls, ids: Sequence[int] | np.ndarray) -> RunOrder:
         """``ids`` in the same order every epoch, nothing held out."""
         return cls(ids)
+
+    def evaluated(self, lengths: np.ndarray, *, sequences: int, tokens: int) -> np.ndarray:
+        """The held-out ids an evaluation reads: the tail's last ``sequences`` at most, fewer
+        where their tokens (``lengths[i]`` each) would pass ``tokens`` (a training run's
+        evaluation reads no more than it trains), and at least one unless ``sequences`` is 0:
+        the same ids at every evaluation of a run."""
+        tail = self.held_out[len(self.held_out) - min(sequences, len(self.held_out)):]
+        within = np.cumsum(lengths[tail[::-1]]) <= tokens  # counted from the end
+        kept = max(int(within.sum()), 1 if len(tail) else 0)
+        return tail[len(tail) - kept:]
 
     @property
     def candidates(self) -> int:

@@ -174,7 +174,8 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     result = run_testnet(
         [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "2",
          "--tiers", "0,1", "--config", str(config), "--kill-client-at", "2", "--latency-ms", "150",
-         "--bandwidth-mbit", "20", "--device", "cpu", *(["--overlap"] if overlap else [])],
+         "--bandwidth-mbit", "20", "--device", "cpu", "--eval-sequences", "5",
+         *(["--overlap"] if overlap else [])],
         cwd=REPO, env=env, timeout=170)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
@@ -219,7 +220,7 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     # progress while it runs: a line per round from the server, the finish, the evaluation
     assert re.search(r"\[server\] .* round 7 closed \(8/8\): ", log), log[-4000:]
     assert "the run is finished: 8 rounds, " in log
-    assert "[testnet] evaluating held-out loss of round-8 at tiers 0, 1 on " in log
+    assert "[testnet] evaluating held-out loss of round-8 at tiers 0, 1 on 5 sequences" in log
 
 
 def test_members_at_a_hundredth_of_the_speed_finish_the_run(tmp_path):
@@ -233,13 +234,16 @@ def test_members_at_a_hundredth_of_the_speed_finish_the_run(tmp_path):
                                 model={"inline": model})
     result = run_testnet(
         [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "3",
-         "--tiers", "0,1", "--config", str(config), "--client-speeds", "0.01"],
+         "--tiers", "0,1", "--config", str(config), "--client-speeds", "0.01", "--no-eval"],
         cwd=REPO, timeout=240)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-4000:]
     assert re.search(r"round 0 asks [\d,]+ of tokens_per_round 4,096 tokens: its 3 member", log)
     assert "not accepted" not in log and "missed the round" not in log, log[-4000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds"] == 2
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["rounds"] == 2
+    assert "no held-out evaluation (--no-eval)" in log and "evaluating" not in log
+    assert all(t["held_out_final"] is None for t in summary["tiers"])
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])

@@ -5,6 +5,7 @@ if the key were ignored (other weights, another plan of microbatches, files, an 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -107,7 +108,7 @@ OTHERS = ("model.config", "model.init", "data.documents", "data.batching", "trai
           "training.microbatch_tokens", "training.microbatch_examples",
           "training.save_every", "training.keep_last", "hardware.device", "hardware.compile",
           "hardware.fsdp", "hardware.threads", "logging.track", "logging.project",
-          "logging.log_every", "logging.out")
+          "logging.log_every", "logging.eval", "logging.eval_sequences", "logging.out")
 
 
 def test_every_key_has_a_case():
@@ -231,6 +232,19 @@ def test_threads_sets_the_threads_torch_computes_with(data, tmp_path, monkeypatc
     monkeypatch.setattr(torch, "set_num_threads", chosen.append)
     result = run(data, tmp_path, "hardware.threads=3")
     assert chosen == [3] and result["metrics"]["threads"] == 3
+
+
+def test_eval_keys_choose_what_the_held_out_loss_reads(data, tmp_path, capsys):
+    """eval_sequences caps the sequences read (and training's tokens cap them too: 6 steps
+    of 512 tokens are 24 sequences of 128); eval = false reads none, and says nothing."""
+    run(data, tmp_path / "two", "logging.eval_sequences=2")
+    assert "held-out loss of tiers [0] on 2 sequences" in capsys.readouterr().out
+    run(data, tmp_path / "capped", "logging.eval_sequences=1000")
+    assert re.search(r"held-out loss of tiers \[0\] on (\d+) sequences",
+                     capsys.readouterr().out).group(1) in {str(n) for n in range(1, 25)}
+    result = run(data, tmp_path / "none", "logging.eval=false")
+    assert "held-out" not in capsys.readouterr().out
+    assert result["metrics"]["initial"] == result["metrics"]["final"] == {}
 
 
 def test_logging_keys_choose_where_and_how_often(data, tmp_path, capsys):
