@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from matformer.client import train_config
-from matformer.client.errors import RankSilent
+from matformer.client.errors import RankSilent, Terminated
 from matformer.client.federated import JOIN_TOKEN_ENV, FederatedClient, FederatedOptions
 from matformer.client.node import follow
 from matformer.client.standalone import add_arguments, run
@@ -151,7 +151,7 @@ def run_federated(args: argparse.Namespace) -> int:
     # Python: a shell starts a background job (`cmd &`) with SIGINT ignored, and Python keeps
     # an ignored SIGINT, so such a client would never hear the Ctrl-C meant for it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         args = train_config.apply(args)  # the defaults of the shared keys, checked
         parallel = DataParallel.from_environment(resolve_device(args.device))
@@ -171,8 +171,9 @@ def run_federated(args: argparse.Namespace) -> int:
     except MatformerError as error:
         print(f"matformer-client: error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("matformer-client: left the run", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        why = "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
+        print(f"matformer-client: left the run ({why})", file=sys.stderr)
         return 130
     # its --name, the member's name in the coordinator's log and dashboard (under [auth]
     # mode = "keys" they show the key's name); the client id names only this session
@@ -181,6 +182,10 @@ def run_federated(args: argparse.Namespace) -> int:
           f"{summary.update_bytes / 1024:,.1f} KiB of updates, "
           f"{summary.resynchronisations} resynchronisations")
     return 0
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 def _leave_silent_node(rank: int, silent_s: float) -> None:

@@ -97,3 +97,7 @@ class DamagedTransfer(ClientError):
 
 class DamagedOnServer(Refused):
     """The coordinator refused to send a checkpoint file: its own copy fails its manifest."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, stopping the client as Ctrl-C does; told apart in what it says."""

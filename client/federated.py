@@ -44,6 +44,7 @@ from matformer.client.errors import (
     ReplicaDiverged,
     RoundOver,
     SessionEnded,
+    Terminated,
     UpdatesPruned,
 )
 from matformer.client.local_round import Advance, LocalRound, RoundSetup, RoundWork
@@ -140,8 +141,9 @@ class FederatedClient:
             try:
                 self._join()
                 self._rounds_rejoining()
-            except KeyboardInterrupt:
-                self._leave("interrupted (Ctrl-C)")
+            except KeyboardInterrupt as stop:
+                self._leave("stopped (SIGTERM)" if isinstance(stop, Terminated)
+                            else "interrupted (Ctrl-C)")
                 raise
             except Exception as err:
                 # hand the round's sequences back now rather than at the deadline

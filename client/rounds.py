@@ -141,8 +141,9 @@ class OverlappedRounds:
                     c.summary.finished = True
                     progress.finished(work)
                     c._catch_up()
-                    c.log(f"the run finished after round {work.round - 1}; replica at round "
-                          f"{c.applied}, weight hash {c.replica.hash(c.tier)[:12]}")
+                    c.log(f"the run finished after round {work.round - 1}; the replica holds "
+                          f"the weights after {c.applied} rounds, weight hash "
+                          f"{c.replica.hash(c.tier)[:12]}")
                     return None
                 case Wait():
                     pause = max(work.retry_after_s, 0.05)

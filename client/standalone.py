@@ -39,6 +39,7 @@ from matformer.modeling.devices import Precision, compile_model, resolve_device
 from matformer.modeling.distributed import DataParallel
 from matformer.modeling.errors import ConfigError, MatformerError
 from matformer.modeling.mdat import Mdat, SequenceReader, build_default_mdat, default_data_path
+from matformer.modeling.mdat.catalogue import CATALOGUE_NAME
 from matformer.modeling.mdat.checkpoint_tokenizer import special_ids, tokenizer_files
 from matformer.modeling.mdat.trained_on import TrainedOn
 from matformer.modeling.optim import OptimizerConfig
@@ -85,7 +86,8 @@ def open_data(args: argparse.Namespace) -> Mdat:
                               "on a view of that container instead (--view).")
         return Mdat.open(args.data)
     path = default_data_path(args.documents)
-    print(f"matformer-train: preparing the stdlib docstrings MDAT at {path}")
+    if not (path / CATALOGUE_NAME).is_file():  # said only when it takes a while
+        print(f"matformer-train: building the stdlib docstrings MDAT at {path} (once)")
     return build_default_mdat(path, limit=args.documents)
 
 

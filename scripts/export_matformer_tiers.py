@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from matformer.modeling.checkpoint.export import export_tiers
+from matformer.modeling.checkpoint.manifest import slice_folder
 from matformer.modeling.commands import command_parser
 from matformer.modeling.errors import MatformerError
 from matformer.modeling.matformer import tier_label
@@ -30,8 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     except MatformerError as err:
         parser.exit(2, f"matformer-export-tiers: error: {err}\n")
     for entry in manifest.tiers:
+        where = args.src if entry.tier == 0 else args.src / slice_folder(entry.tier)
         print(f"tier {tier_label(entry.tier)}: intermediate_size {entry.intermediate_size}, "
-              f"{len(entry.files)} files")
+              f"{len(entry.files)} files in {where}")
     print(f"wrote {args.src / 'matformer_manifest.json'}")
 
 

@@ -36,7 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = command_parser("matformer-generate", __doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (config.json, weights)")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--tier", type=int, default=0)
+    parser.add_argument("--tier", type=int, default=None,
+                        help="the tier to run (default: the checkpoint's own: 0 for a "
+                             "universal checkpoint, its tier for a slice)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=None)

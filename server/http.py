@@ -128,14 +128,17 @@ def run_status(service: CoordinatorService) -> dict[str, Any]:
 
 
 def prometheus_text(snap: dict[str, Any]) -> str:
-    """Gauges in the Prometheus exposition format (version 0.0.4), from a snapshot without
-    history (``Coordinator.snapshot``: the last loss per tier is always in it)."""
+    """Counters (totals that only grow, named ``_total``) and gauges in the Prometheus
+    exposition format (version 0.0.4), from a snapshot without history
+    (``Coordinator.snapshot``: the last loss per tier is always in it)."""
     run = f'run="{snap["run_id"]}"'
     lines = [
-        "# HELP matformer_round Rounds completed.", "# TYPE matformer_round gauge",
-        f"matformer_round{{{run}}} {snap['round']}",
-        "# HELP matformer_tokens Tokens trained on.", "# TYPE matformer_tokens gauge",
-        f"matformer_tokens{{{run}}} {snap['tokens']}",
+        "# HELP matformer_rounds_total Rounds completed.",
+        "# TYPE matformer_rounds_total counter",
+        f"matformer_rounds_total{{{run}}} {snap['round']}",
+        "# HELP matformer_tokens_total Tokens trained on.",
+        "# TYPE matformer_tokens_total counter",
+        f"matformer_tokens_total{{{run}}} {snap['tokens']}",
         "# HELP matformer_clients Members of the run.", "# TYPE matformer_clients gauge",
         f"matformer_clients{{{run}}} {len(snap['members'])}",
         "# HELP matformer_loss Mean training loss of the last completed round, per tier.",

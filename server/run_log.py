@@ -2,7 +2,7 @@
 round, and a summary once the run is finished. Both read the records the status API reads
 (the round record of ``server/history.py``, the status snapshot), so the two never disagree.
 
-    round 7 closed (8/8): 1,024 tokens from client-0, client-1 in 0.42 s; loss tier 0 4.935, ...
+    round 7 closed (8 of 8 rounds done): 1,024 tokens from client-0, client-1 in 0.42 s; ...
     the run is finished: 8 rounds, 7,574 tokens in 25 s; members client-0, client-1; ...
 """
 
@@ -51,13 +51,14 @@ def summary_line(status: Mapping[str, Any], checkpoint: Path) -> str:
 
 
 def _progress(c: Coordinator, record: Mapping[str, Any]) -> str:
-    """" (8/8)" against [round] rounds, " (7,574/10,000 tokens)" against tokens; "" else."""
+    """" (8 of 8 rounds done)" against [round] rounds, " (7,574 of 10,000 tokens done)"
+    against tokens; "" else. Rounds are numbered from 0, so round 7 is the 8th."""
     stop = c.config.round
     if stop.rounds is not None:
-        return f" ({record['round'] + 1}/{stop.rounds})"
+        return f" ({record['round'] + 1} of {stop.rounds} rounds done)"
     if stop.tokens is not None:
         done = c.state.tokens + record["tokens"]  # state.tokens counts up to the round before
-        return f" ({done:,}/{stop.tokens:,} tokens)"
+        return f" ({done:,} of {stop.tokens:,} tokens done)"
     return ""
 
 

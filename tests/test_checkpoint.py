@@ -201,12 +201,14 @@ def test_no_weights_is_named(tmp_path):
         load_pretrained(tmp_path / "m")
 
 
-def test_export_writes_manifest_with_hashes_and_common_files(tmp_path):
+def test_export_writes_manifest_with_hashes_and_common_files(tmp_path, capsys):
     source = save_pretrained(llama(), tmp_path / "tiny", max_shard_bytes=8_000)
     (source / "tokenizer.json").write_text("{}")
     (source / "custom").mkdir()
     (source / "custom" / "modeling_extra.py").write_text("# user code\n")
     export_main(["--src", str(source), "--tiers", "1", "2"])
+    said = capsys.readouterr().out  # where each slice went
+    assert f"tier 1: intermediate_size 32, 9 files in {source / 'tier1'}\n" in said, said
     manifest = read_manifest(source)
     assert manifest.base_intermediate_size == 64
     assert manifest.common_files == ["custom/modeling_extra.py", "tokenizer.json"]

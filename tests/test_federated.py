@@ -528,8 +528,12 @@ def test_the_client_command_leaves_the_run_on_ctrl_c_and_sigterm(tmp_path, mdat,
         process.send_signal(getattr(signal, signal_name))
         output, _ = process.communicate(timeout=60)
         assert process.returncode == 130, output
-        assert "left the run" in output
+        why = "SIGTERM" if signal_name == "SIGTERM" else "Ctrl-C"
+        assert f"left the run ({why})" in output
         assert coordinator.membership.members == {}  # Leave reached the coordinator
+        (leave,) = [e for e in coordinator.state.events if e["kind"] == "leave"]
+        assert leave["detail"] == ("stopped (SIGTERM)" if why == "SIGTERM"
+                                   else "interrupted (Ctrl-C)")
     finally:
         if process.poll() is None:
             process.kill()

@@ -76,6 +76,7 @@ def test_a_masked_model_does_not_generate():
 
 def test_the_command_writes_the_same_greedy_text_with_and_without_the_cache(tmp_path, capsys):
     from matformer.modeling.checkpoint import save_pretrained
+    from matformer.modeling.checkpoint.export import export_tiers
     from matformer.scripts.generate import main
 
     torch.manual_seed(0)
@@ -87,6 +88,10 @@ def test_the_command_writes_the_same_greedy_text_with_and_without_the_cache(tmp_
               "--temperature", "0", "--max-new-tokens", "12", *extra])
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1] and outputs[0].startswith("def f(x):")
+    export_tiers(tmp_path / "model", [1])  # a slice runs at its own tier unasked
+    main([str(tmp_path / "model" / "tier1"), "--prompt", "def f(x):", "--temperature", "0",
+          "--max-new-tokens", "12"])
+    assert capsys.readouterr().out == outputs[0]
     with pytest.raises(SystemExit) as exit_info:
         main([str(tmp_path / "model"), "--prompt", "x", "--tokenizer", "missing.json"])
     assert exit_info.value.code == 2

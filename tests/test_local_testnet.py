@@ -218,7 +218,7 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     for name in ("member-0", "member-1"):
         assert f"[{name}] matformer-client: {name} trained " in log
     # progress while it runs: a line per round from the server, the finish, the evaluation
-    assert re.search(r"\[server\] .* round 7 closed \(8/8\): ", log), log[-4000:]
+    assert re.search(r"\[server\] .* round 7 closed \(8 of 8 rounds done\): ", log), log[-4000:]
     assert "the run is finished: 8 rounds, " in log
     assert "[testnet] evaluating held-out loss of round-8 at tiers 0, 1 on 5 sequences" in log
 
@@ -243,6 +243,7 @@ def test_members_at_a_hundredth_of_the_speed_finish_the_run(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["rounds"] == 2
     assert "no held-out evaluation (--no-eval)" in log and "evaluating" not in log
+    assert "the run finished after round 1; the replica holds the weights after 2 rounds" in log
     assert all(t["held_out_final"] is None for t in summary["tiers"])
 
 
@@ -302,7 +303,8 @@ def test_clients_behind_two_relays_train_the_run_and_the_report_shows_the_roots_
     assert relays["members_bytes_up_per_round"] > 0
     assert "through 2 relays: the root received " in log
     # the root saw two members, each handing in one partial sum per round
-    assert re.search(r"round 5 closed \(6/6\): [\d,]+ tokens from relay-\d, relay-\d", log)
+    assert re.search(r"round 5 closed \(6 of 6 rounds done\): [\d,]+ tokens from relay-\d, "
+                     r"relay-\d", log)
     assert "relay: round 0: " in log and "partials upstream" in log
     # the clients behind the relays hold the root's weights, and every sequence the run
     # handed out was trained exactly once

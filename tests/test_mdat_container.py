@@ -46,6 +46,11 @@ def test_open_without_catalogue_raises(tmp_path) -> None:
         Mdat.open(tmp_path)
 
 
+def test_a_path_that_does_not_exist_is_called_missing_not_a_wrong_folder(tmp_path) -> None:
+    with pytest.raises(MdatNotFound, match=r"nope: no such file or folder; give the path of"):
+        Mdat.open(tmp_path / "nope")
+
+
 def test_another_format_version_is_refused(tmp_path) -> None:
     Mdat.create(tmp_path / "c").close()
     with sqlite3.connect(tmp_path / "c" / "mdat.db") as db:

@@ -1,7 +1,10 @@
 """The embedded default container: stdlib docstrings, pretokenized as bytes128."""
 
+import argparse
+
 import numpy as np
 
+from matformer.client import standalone
 from matformer.modeling.corpus import python_docs
 from matformer.modeling.mdat import DEFAULT_STRATEGY, DEFAULT_SUBMDAT, build_default_mdat
 
@@ -20,3 +23,13 @@ def test_default_container_holds_the_docstrings_pretokenized(tmp_path) -> None:
         assert np.array_equal(reader[0], np.frombuffer(docs[0].encode()[:256], dtype=np.uint8))
     with build_default_mdat(tmp_path / "d", limit=40) as again:  # already built: no change
         assert again.submdats() == [info]
+
+
+def test_matformer_train_says_it_builds_the_default_container_only_when_it_does(
+        tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(standalone, "default_data_path", lambda documents: tmp_path / "d")
+    args = argparse.Namespace(data=None, documents=5)
+    for built in (True, False):
+        standalone.open_data(args).close()
+        said = capsys.readouterr().out
+        assert ("building the stdlib docstrings MDAT" in said) is built

@@ -34,10 +34,10 @@ def test_each_round_is_a_line_and_the_end_waits_for_the_members(tmp_path, mdat_p
     said = [r.getMessage() for r in caplog.records]
     closed = [line for line in said if " closed (" in line]
     first, second = (r["tokens"] for r in c.state.rounds)  # the fake clock: 1 s a round
-    assert closed == [f"round 0 closed (1/2): {first:,} tokens from alice in 1.00 s; "
-                      "loss tier 1 1.000",
-                      f"round 1 closed (2/2): {second:,} tokens from alice in 1.00 s; "
-                      "loss tier 1 1.000"]
+    assert closed == [f"round 0 closed (1 of 2 rounds done): {first:,} tokens from alice in "
+                      "1.00 s; loss tier 1 1.000",
+                      f"round 1 closed (2 of 2 rounds done): {second:,} tokens from alice in "
+                      "1.00 s; loss tier 1 1.000"]
     assert not end.reached()  # alice is still fetching the last update
     summary = [line for line in (r.getMessage() for r in caplog.records)
                if line.startswith("the run is finished: ")]
@@ -79,9 +79,10 @@ def test_the_server_exits_once_its_finished_run_is_left_and_says_so_again(tmp_pa
     assert client.returncode == 0, heard
     assert "matformer-client: solo trained 2 rounds at tier 0" in heard, heard
     assert server.returncode == 0, said
-    assert re.search(r"round 0 closed \(1/2\): [\d,]+ tokens from solo in [\d.]+ s; loss "
-                     r"tier 0 [\d.]+\n", said), said
-    assert re.search(r"round 1 closed \(2/2\): [\d,]+ tokens from solo in ", said), said
+    assert re.search(r"round 0 closed \(1 of 2 rounds done\): [\d,]+ tokens from solo in "
+                     r"[\d.]+ s; loss tier 0 [\d.]+\n", said), said
+    assert re.search(r"round 1 closed \(2 of 2 rounds done\): [\d,]+ tokens from solo in ",
+                     said), said
     assert re.search(r"the run is finished: 2 rounds, [\d,]+ tokens in \d+ s; members solo; "
                      r"last training loss tier 0 [\d.]+; final checkpoint \S+round-2\n", said)
     assert "every member has left" in said, said

@@ -152,7 +152,9 @@ def test_a_run_over_grpc_and_http(running, tmp_path):
     assert point["round"] == 0 and 3.0 < point["loss"] < 4.0  # token-weighted mean
     assert report["bytes_received"]["0"] > 0
     status, body = http_get(server, "/metrics")
-    assert status == 200 and 'matformer_round{run="svc-test"} 1' in body.decode()
+    assert status == 200 and 'matformer_rounds_total{run="svc-test"} 1' in body.decode()
+    assert "# TYPE matformer_rounds_total counter" in body.decode()
+    assert "# TYPE matformer_tokens_total counter" in body.decode()
     assert f'matformer_loss{{run="svc-test",tier="0"}} {point["loss"]}' in body.decode()
     status, body = http_get(server, f"/files/{alice.checkpoint.manifest_path}")
     assert status == 200 and body == manifest.read_bytes()

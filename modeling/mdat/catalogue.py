@@ -135,6 +135,9 @@ class Catalogue:
     @classmethod
     def open(cls, folder: Path) -> Catalogue:
         path = folder / CATALOGUE_NAME
+        if not folder.exists():
+            raise MdatNotFound(f"{folder}: no such file or folder; give the path of an MDAT "
+                               "container (matformer mdat create makes one).")
         if not path.is_file():
             raise MdatNotFound(
                 f"{folder} is not an MDAT container (no {CATALOGUE_NAME}); create one with "
