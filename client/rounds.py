@@ -45,6 +45,15 @@ T = TypeVar("T")
 UPDATE_WAIT_S = 20.0  # how long one GetUpdates may wait for a round to close
 
 
+def finished(c: FederatedClient, work: Finished, progress: Progress) -> None:
+    """The run is over: the summary says so, and the log what the replica holds."""
+    c.summary.finished = True
+    progress.finished(work)
+    c._catch_up()
+    c.log(f"the run finished after round {work.round - 1}; the replica holds the weights "
+          f"after {c.applied} rounds, weight hash {c.replica.hash(c.tier)[:12]}")
+
+
 class SynchronousRounds:
     """Ask for a round, train it on the weights after every round before it, submit, catch
     up; between rounds the client waits for the others, the close and the download."""
@@ -63,11 +72,7 @@ class SynchronousRounds:
                     c._catch_up()
                 match work:
                     case Finished():
-                        c.summary.finished = True
-                        progress.finished(work)
-                        digest = c.replica.hash(c.tier)[:12]
-                        c.log(f"the run finished after round {work.round - 1}; replica "
-                              f"at round {c.applied}, weight hash {digest}")
+                        finished(c, work, progress)
                         return
                     case Wait():
                         pause = max(work.retry_after_s, 0.05)
@@ -138,12 +143,7 @@ class OverlappedRounds:
             work = c.connection.get_round()
             match work:
                 case Finished():
-                    c.summary.finished = True
-                    progress.finished(work)
-                    c._catch_up()
-                    c.log(f"the run finished after round {work.round - 1}; the replica holds "
-                          f"the weights after {c.applied} rounds, weight hash "
-                          f"{c.replica.hash(c.tier)[:12]}")
+                    finished(c, work, progress)
                     return None
                 case Wait():
                     pause = max(work.retry_after_s, 0.05)

@@ -235,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     # (each runs in its own session, so nothing else would stop them)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        status = net.run()
+        try:
+            status = net.run()
+        finally:
+            net.stop_members()  # the server stays: its page shows the finished run meanwhile
+        return finish(args, config, net, status, clients, time.monotonic() - started)
     except TestnetFailed as err:
         print(f"local-testnet: {err}", file=sys.stderr)
         return 1
@@ -245,7 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         net.stop()
         signal.signal(signal.SIGTERM, previous)
-    train_s = time.monotonic() - started
+
+
+def finish(args: argparse.Namespace, config: RunConfig, net: Testnet, status: dict,
+           clients: list[ClientSpec], train_s: float) -> int:
+    """The report of a finished run, its relays' traffic and the chaos check; the exit code.
+    The server still serves the dashboard meanwhile."""
+    run_dir = Path(config.run.dir)
+    say(f"[testnet] the dashboard stays up at {net.http_base}/ until the report is done")
     tiers_seen = net.tiers_seen
     if args.relays:  # the root saw the relays; each client's summary says its tier
         names = [c.name for c in clients]

@@ -125,10 +125,14 @@ class Testnet:
         down = self._down[0] if self._down is not None else None
         return [spec.name for spec in self.plan.clients if spec.name != down]
 
-    def stop(self) -> None:
-        """Clients first (they leave the run), then the server (it saves its state)."""
+    def stop_members(self) -> None:
+        """Clients and relays (they leave the run; a relay writes its summary)."""
         for child in [*self.clients.values(), *self.relays.values()]:
             child.stop()
+
+    def stop(self) -> None:
+        """Clients first (they leave the run), then the server (it saves its state)."""
+        self.stop_members()
         if self.server is not None:
             self.server.stop()
 

@@ -61,7 +61,7 @@ def test_default_command(tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["info", "{tmp}/nowhere"], "not an MDAT container"),
+    (["info", "{tmp}/nowhere"], "nowhere: no such file or folder"),
     (["info", "{tmp}/broken"], "broken/mdat.db cannot be read as an MDAT catalogue"),
     (["add", "{tmp}/c", "x", "--jsonl", "{tmp}/missing.jsonl"], "missing.jsonl does not exist"),
     (["add", "{tmp}/c", "x", "--folder", "{tmp}/missing"], "missing does not exist"),
