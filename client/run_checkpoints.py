@@ -158,6 +158,24 @@ class Saved:
                 self.state["loss_scale"]
 
 
+def set_aside_later(out: Path, step: int) -> tuple[Path, list[str]] | None:
+    """A run resumed at ``step`` replaces the one that went past it: that run's checkpoints
+    after ``step`` move into ``checkpoints/replaced-after-step-STEP`` (``-2``, ``-3`` on a
+    later resume from the same step), so that they are neither overwritten nor pruned as
+    this run's own. The folder and what moved into it; None when nothing was past ``step``."""
+    later = sorted((p for p in _steps(folder(out)) if _number(p) > step), key=_number)
+    if not later:
+        return None
+    aside, count = folder(out) / f"replaced-after-step-{step}", 1
+    while aside.exists():
+        count += 1
+        aside = folder(out) / f"replaced-after-step-{step}-{count}"
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    return aside, [p.name for p in later]
+
+
 def latest(out: Path) -> Path | None:
     """The newest checkpoint of the run writing to ``out``, if it wrote one."""
     steps = _steps(folder(out)) if folder(out).is_dir() else []

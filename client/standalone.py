@@ -265,6 +265,10 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                 saved.trainer["tokens_seen"]
             initial = saved.trainer["initial"]
             say(f"matformer-train: resuming from {args.resume} after step {first}")
+            moved = run_checkpoints.set_aside_later(args.out, first) if leader else None
+            if moved is not None:
+                say(f"matformer-train: {', '.join(moved[1])} of the run this one replaces "
+                    f"moved to {moved[0]} (kept, never pruned)")
             if saved.extended:  # a longer run: the schedule spans the new length from here
                 if first > total:
                     raise ConfigError(f"--resume {args.resume} is at step {first}, past the "

@@ -308,7 +308,13 @@ def test_a_checkpoint_resumes_into_its_own_run_or_is_refused(tmp_path, monkeypat
             in capsys.readouterr().err)
     assert sha256_of(tmp_path / "second" / "model.safetensors") == second
 
+    capsys.readouterr()
     train_main([*common, "--resume", "first/checkpoints/step-2"])
+    # the first run's step-4 is not overwritten by the resumed run's: set aside, and said
+    aside = tmp_path / "first" / "checkpoints" / "replaced-after-step-2"
+    assert (aside / "step-4" / "model.safetensors").is_file()
+    assert (tmp_path / "first" / "checkpoints" / "step-4" / "model.safetensors").is_file()
+    assert f"step-4 of the run this one replaces moved to {aside}" in capsys.readouterr().out
     assert not (tmp_path / "runs").exists()  # not the default folder
     assert sha256_of(tmp_path / "first" / "model.safetensors") == first  # the same run again
     assert sha256_of(tmp_path / "second" / "model.safetensors") == second
