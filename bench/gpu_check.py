@@ -67,6 +67,11 @@ SHAPES = {
                intermediate_size=8192, seq_len=2048, batch_size=8),
 }
 TIMING = ["--steps", "6", "--repeats", "2", "--warmup", "2"]
+# the steps after install and environment, in the order they run: 125m first (fast, most
+# paths), then what only a GPU can say about the round, then the largest shape, whose model
+# builds take longest
+STEPS = ("cuda_tests", "train_125m_tiers", "train_125m_hf", "close_apply", "testnet",
+         "train_1b_tiers", "train_1b_hf", "nccl")
 TESTNET_ROUNDS = 30
 TESTNET_DOCUMENTS = 3000
 
@@ -263,11 +268,10 @@ def plan(args: argparse.Namespace, machine: Machine, scratch: Path) -> list[Step
                          "no:cacheprovider", f"--junitxml={scratch / 'nccl.xml'}",
                          str(REPO / "tests" / "test_data_parallel.py")],
                 outputs={"junit": scratch / "nccl.xml"}, read=read_junit)
-    # 125m first (fast, most paths), then what only a GPU can say about the round, then the
-    # largest shape, whose model builds take longest
     by_name = {s.name: s for s in [*steps, close, testnet, nccl]}
-    order = ["install", "environment", "cuda_tests", "train_125m_tiers", "train_125m_hf",
-             "close_apply", "testnet", "train_1b_tiers", "train_1b_hf", "nccl"]
+    order = ["install", "environment", *STEPS]
+    for name in set(STEPS) - set(args.only or STEPS):  # a rerun of the steps a run left
+        by_name[name].skip = by_name[name].skip or "not in --only"
     return [by_name[name] for name in order]
 
 
@@ -450,6 +454,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds for the whole check; a step is cut at what is left")
     parser.add_argument("--wheels", type=Path, default=None,
                         help="install from this folder of wheels only (no registry)")
+    parser.add_argument("--only", default=None, metavar="STEP,STEP",
+                        help="run these steps alone (after install and environment), e.g. "
+                             "those a run's time limit left: " + ",".join(STEPS))
     parser.add_argument("--dry-run", action="store_true",
                         help="print each step and what it would run; run nothing")
     parser.add_argument("--smoke", action="store_true",
@@ -462,6 +469,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="--fetch-wheels: the GPU machine's Python (default 3.12)")
     args = parser.parse_args(argv)
     args.dry_run = args.dry_run or args.smoke
+    if args.only is not None:
+        args.only = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = sorted(set(args.only) - set(STEPS))
+        if unknown:
+            parser.error(f"--only {','.join(unknown)}: no such step; the steps are "
+                         f"{', '.join(STEPS)}")
     if args.wheels is not None and not args.wheels.is_dir():
         parser.error(f"--wheels {args.wheels}: no such folder; fill one with "
                      f"--fetch-wheels {args.wheels} on a machine that reaches PyPI")

@@ -140,3 +140,17 @@ def test_the_readers_read_what_the_steps_write(gpu_check, tmp_path, monkeypatch)
     assert read["tests"] == {"passed": 1, "failed": 1, "skipped": 1}
     assert read["skips"][0]["reason"] == "no GPU"
     assert read["failures"][0]["test"].endswith("::test_fails")
+
+
+def test_only_reruns_the_steps_named_and_says_why_the_rest_do_not_run(gpu_check, tmp_path):
+    """What a run's time limit left is run again alone (--only), after install and
+    environment; on one GPU the NCCL step still says it needs two."""
+    args = gpu_check.parse_args(["--only", "testnet,nccl"])
+    machine = gpu_check.Machine("3.12", "2.11.0+cu130", "13.0", 1, ["NVIDIA H200"], [139.8])
+    steps = {s.name: s for s in gpu_check.plan(args, machine, tmp_path)}
+    assert list(steps) == ["install", "environment", *gpu_check.STEPS]
+    assert steps["install"].skip is None and steps["testnet"].skip is None
+    assert steps["train_1b_hf"].skip == "not in --only"
+    assert steps["nccl"].skip == "this machine has 1 GPU; NCCL data parallel needs 2"
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--only", "tesnet"])
