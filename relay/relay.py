@@ -61,7 +61,7 @@ from matformer.server.errors import (
     StaleRound,
     UnknownClient,
 )
-from matformer.server.gate import SubmissionGate
+from matformer.server.gate import MAX_RELAYED, SubmissionGate
 from matformer.server.limits import SubmissionLimits, clip_to_peers
 from matformer.server.pipeline import WINDOW
 from matformer.server.rounds import RoundAssignment
@@ -305,8 +305,11 @@ class Relay:
                 return
             try:
                 held = self.held[:1]
+                with self._changed:  # what its members are now, for the root's page
+                    listed = [(m.name, m.tier, m.tokens_per_second)
+                              for m in self.members.values()][:MAX_RELAYED]
                 reply = self.root.heartbeat(held[0].work.round if held else self.root_round,
-                                            self.speed())
+                                            self.speed(), listed)
                 self.root_round = max(self.root_round, reply.round)
             except grpc.RpcError as err:
                 self.log(f"heartbeat to the root failed: {err.code().name}")

@@ -64,10 +64,13 @@ class Upstream:
         self.client_id = reply.client_id
         return reply
 
-    def heartbeat(self, round_index: int, tokens_per_second: float) -> pb.HeartbeatReply:
+    def heartbeat(self, round_index: int, tokens_per_second: float,
+                  members: Sequence[tuple[str, int, float]] = ()) -> pb.HeartbeatReply:
+        """Alive, at this speed, with these members (name, tier, tokens/s) behind it."""
         return self._in(self.stub.Heartbeat(self._out(pb.HeartbeatRequest(
-            round=round_index, tokens_per_second=tokens_per_second)), metadata=self.metadata,
-            timeout=CALL_S))
+            round=round_index, tokens_per_second=tokens_per_second,
+            relayed=[pb.RelayedMember(name=n, tier=t, tokens_per_second=s)
+                     for n, t, s in members])), metadata=self.metadata, timeout=CALL_S))
 
     def get_round(self, after: int | None = None) -> pb.RoundAssignment:
         request = pb.GetRoundRequest() if after is None else pb.GetRoundRequest(after_round=after)

@@ -94,6 +94,12 @@ class RunInfo(Strict):
                                            "(last seen) are relative to it")
 
 
+class RelayedInfo(Strict):
+    name: str
+    tier: int
+    tokens_per_second: float = Field(description="as the relay measured it")
+
+
 class ClientInfo(Strict):
     client_id: str
     name: str
@@ -127,6 +133,8 @@ class ClientInfo(Strict):
     compute_utilization: float | None = Field(
         description="training seconds it reported for its last round over that round's "
                     "seconds from opening to its results; null before its first round")
+    behind: list[RelayedInfo] = Field(description="a relay's members, as its last heartbeat "
+                                                  "listed them; empty for any other member")
 
 
 class ExcludedClient(Strict):
@@ -289,7 +297,8 @@ def clients_info(snap: dict[str, Any], operator: bool) -> Clients:
             missed=m["missed"], bytes_up=m["bytes_up"], bytes_down=m["bytes_down"],
             dense_bytes_up=m["dense_bytes_up"], dense_bytes_down=m["dense_bytes_down"],
             compute_utilization=(min(m["last_round_compute_s"] / m["last_round_seconds"], 1.0)
-                                 if m["last_round_seconds"] > 0 else None)))
+                                 if m["last_round_seconds"] > 0 else None),
+            behind=[RelayedInfo(**r) for r in m["relayed"]]))
     excluded = [ExcludedClient(**{**e, "reason": e["reason"] if operator else WITHHELD})
                 for e in snap["excluded"]]
     named = {m["name"] for m in snap["members"]} | {d["name"] for d in snap["departed"]} | {

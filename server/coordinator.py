@@ -59,7 +59,7 @@ from matformer.server.errors import (
     SessionInvalid,
     UpdatesPruned,
 )
-from matformer.server.gate import SubmissionGate, check_tier_losses
+from matformer.server.gate import SubmissionGate, check_relayed, check_tier_losses
 from matformer.server.history import RunHistory
 from matformer.server.keys import KeyHolder
 from matformer.server.ledger import TrainedLedger
@@ -134,16 +134,19 @@ class Coordinator:
         self._advance()
         return joined
 
-    def heartbeat(self, client_id: str, *, tokens_per_second: float | None = None
-                  ) -> RoundAssignment | None:
-        """Mark the client alive (and take its measured speed, if it reports one); its
-        oldest assignment not yet submitted, if any."""
+    def heartbeat(self, client_id: str, *, tokens_per_second: float | None = None,
+                  relayed: Sequence[tuple[str, int, float]] = ()) -> RoundAssignment | None:
+        """Mark the client alive (and take its measured speed, if it reports one; a relay's
+        list of its members, if it sends one); its oldest assignment not yet submitted, if
+        any."""
         if tokens_per_second is not None:
             check_speed(tokens_per_second, client_id)
         with self._lock:
-            self.membership.heartbeat(client_id, now=self.clock())
+            member = self.membership.heartbeat(client_id, now=self.clock())
             if tokens_per_second is not None:
                 self.membership.reported(client_id, tokens_per_second)
+            if relayed or member.relayed:
+                member.relayed = check_relayed(relayed, member.relay, self.config.tiers.allowed)
         self._advance()
         return self.assignment_for(client_id)
 

@@ -180,6 +180,34 @@ def check_tier_losses(losses: Iterable[tuple[int, int, float]], tiers: Iterable[
     return kept
 
 
+MAX_RELAYED = 4096  # members a relay may list under it on the root's page
+MAX_NAME = 128  # characters of a listed member's name
+
+
+def check_relayed(members: Sequence[tuple[str, int, float]], relay: bool,
+                  tiers: Iterable[int]) -> list[dict[str, object]]:
+    """The members a relay lists under it, ``(name, tier, tokens_per_second)`` each, as the
+    status keeps them. BadReport unless the sender is a relay and each entry names a member
+    once, at a tier the run allows, with a possible speed; at most MAX_RELAYED."""
+    if members and not relay:
+        raise BadReport("only a relay lists members behind it; a member's heartbeat carries "
+                        "none.")
+    if len(members) > MAX_RELAYED:
+        raise BadReport(f"{len(members)} members listed behind a relay; at most "
+                        f"{MAX_RELAYED}.")
+    allowed, seen, kept = set(tiers), set(), []
+    for name, tier, speed in members:
+        if not name or len(name) > MAX_NAME or name in seen or tier not in allowed or not (
+                math.isfinite(speed) and speed >= 0):
+            raise BadReport(f"the member {name[:MAX_NAME]!r} listed behind the relay (tier "
+                            f"{tier}, {speed} tokens/s) is not one the run can have: a name "
+                            f"of 1 to {MAX_NAME} characters, once, an allowed tier, a finite "
+                            "speed.")
+        seen.add(name)
+        kept.append({"name": name, "tier": tier, "tokens_per_second": speed})
+    return kept
+
+
 def check_reports(tokens: int, loss: float | None, train_seconds: float | None) -> None:
     """BadResult unless what a client says of its work is physically possible: speed and
     loss feed the next round's split and the record. (Its results' tokens are the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from matformer.protocol.auth import SessionTokens
@@ -57,6 +57,8 @@ class Member:
     compute_s: float = 0.0
     last_round_compute_s: float = 0.0
     relay: bool = False  # submits partial sums of its own members (docs/architecture.md)
+    # a relay's members, as its last heartbeat listed them: name, tier, tokens_per_second
+    relayed: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Membership:

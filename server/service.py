@@ -129,7 +129,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if speed is not None and not (math.isfinite(speed) and speed >= 0):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"tokens_per_second {speed} is not a finite, non-negative speed.")
-        _call(context, lambda: self.coordinator.heartbeat(client_id, tokens_per_second=speed))
+        relayed = [(m.name, m.tier, m.tokens_per_second) for m in request.relayed]
+        _call(context, lambda: self.coordinator.heartbeat(client_id, tokens_per_second=speed,
+                                                          relayed=relayed))
         return pb.HeartbeatReply(round=self.coordinator.state.round)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:

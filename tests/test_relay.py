@@ -26,9 +26,10 @@ from matformer.protocol.submission import submission_messages
 from matformer.relay.cache import UpdateCache
 from matformer.relay.main import Access, RunningRelay, main
 from matformer.relay.relay import RelayError
+from matformer.server.api import clients_info
 from matformer.server.config import RunConfig
 from matformer.server.errors import BadReport
-from matformer.server.gate import check_tier_losses
+from matformer.server.gate import MAX_RELAYED, check_relayed, check_tier_losses
 from matformer.server.keys import KeyFile
 
 ROUNDS = 3
@@ -168,6 +169,10 @@ def test_members_behind_a_relay_end_where_the_same_members_joined_directly_end(t
             assert sorted(direct_loss) == ["0", "1"]
             (relay_member,) = root.membership.members.values()
             assert relay_member.relay and relay_member.name == "relay-a"
+            # the root's page lists the members behind the relay, as its heartbeats report
+            listed = clients_info(root.snapshot(), operator=False).members[0].behind
+            assert sorted((b.name, b.tier) for b in listed) == [("m0", 0), ("m1", 1)]
+            assert all(b.tokens_per_second > 0 for b in listed)
         finally:
             relay.stop("done")
     # the same split: each member trained as many tokens each round either way
@@ -241,6 +246,11 @@ def test_only_a_relay_names_missed_sequences_or_losses_per_tier(tmp_path):
             code, details = code_of(lambda h=header: stub.SubmitResult(
                 submission_messages(h, []), metadata=member.auth, timeout=WAIT_S))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "only a relay" in details
+        listing = pb.HeartbeatRequest(round=0, relayed=[pb.RelayedMember(name="x", tier=0)])
+        code, details = code_of(lambda: stub.Heartbeat(listing, metadata=member.auth,
+                                                       timeout=WAIT_S))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "only a relay lists members behind it" in details
 
 
 
@@ -326,6 +336,21 @@ def test_the_relay_command_refuses_access_it_cannot_serve(tmp_path, monkeypatch,
     (tmp_path / "cert.pem").write_text("not read: the key is missing first")
     assert main(["--upstream", "127.0.0.1:9", "--dir", str(tmp_path / "relay"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("listed", "message"), [
+    ([("a", 0, 9.0), ("a", 1, 9.0)], "'a' listed behind the relay (tier 1"),
+    ([("a", 3, 9.0)], "(tier 3, 9.0 tokens/s) is not one the run can have"),
+    ([("a", 0, float("nan"))], "nan tokens/s"),
+    ([("", 0, 1.0)], "a name of 1 to 128 characters"),
+    ([(f"m{i}", 0, 1.0) for i in range(MAX_RELAYED + 1)], "4097 members listed"),
+])
+def test_a_relays_list_of_members_is_refused_unless_the_run_could_have_them(listed, message):
+    with pytest.raises(BadReport) as refused:
+        check_relayed(listed, True, [0, 1])
+    assert message in str(refused.value)
+    assert check_relayed([("a", 1, 9.0)], True, [0, 1]) == [
+        {"name": "a", "tier": 1, "tokens_per_second": 9.0}]
 
 
 @pytest.mark.parametrize(("losses", "message"), [

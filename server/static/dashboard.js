@@ -147,7 +147,14 @@ function renderRun(run) {
 
 function clientRow(m) {
   const row = node("tr", { "data-client-id": m.client_id, "data-state": m.state });
-  row.append(node("td", { "data-field": "name" }, m.name));
+  const name = node("td", { "data-field": "name" }, m.name);
+  if (m.behind.length) {  // a relay: the members it serves, under its name
+    name.append(node("span", { "data-field": "behind", "data-value": m.behind.length,
+                               class: "sub" },
+      `behind it: ${m.behind.map((b) => `${b.name} (tier ${b.tier}, `
+        + `${fmt(b.tokens_per_second, 0)} tok/s)`).join(", ")}`));
+  }
+  row.append(name);
   const device = node("td", { "data-field": "device" });
   device.append(node("span", { "data-field": "device_kind", class: "kind" }, m.device_kind),
                 node("span", { "data-field": "device_name", class: "sub" }, m.device_name));

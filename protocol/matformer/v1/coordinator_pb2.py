@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1matformer/protocol/matformer/v1/coordinator.proto\x12\x0cmatformer.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"$\n\x05Range\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"\xf4\x01\n\x0cSparseResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12#\n\x06region\x18\x03 \x03(\x0b\x32\x13.matformer.v1.Range\x12\x10\n\x08\x65ncoding\x18\x04 \x01(\t\x12\r\n\x05\x63hunk\x18\x05 \x03(\x03\x12$\n\x06\x63hunks\x18\x06 \x01(\x0b\x32\x14.matformer.v1.Tensor\x12%\n\x07indices\x18\x07 \x01(\x0b\x32\x14.matformer.v1.Tensor\x12$\n\x06values\x18\x08 \x01(\x0b\x32\x14.matformer.v1.Tensor\x12\x0e\n\x06tokens\x18\t \x01(\x03\"\xcb\x01\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x1b\n\x0erequested_tier\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x15\n\rload_strategy\x18\x06 \x01(\t\x12\x19\n\x11microbatch_tokens\x18\x07 \x01(\x04\x42\x11\n\x0f_requested_tier\"k\n\x06Schema\x12\x12\n\nlocal_hash\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61nonical_hash\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\r\x12\x0e\n\x06sliced\x18\x05 \x01(\x08\"\xad\x01\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\njoin_token\x18\x02 \x01(\t\x12\x30\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x1a.matformer.v1.Capabilities\x12$\n\x06schema\x18\x04 \x01(\x0b\x32\x14.matformer.v1.Schema\x12\x13\n\x0b\x63lient_name\x18\x05 \x01(\t\x12\r\n\x05relay\x18\x06 \x01(\x08\"C\n\tTierEntry\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x19\n\x11intermediate_size\x18\x02 \x01(\x04\x12\r\n\x05\x66iles\x18\x03 \x03(\t\"]\n\rCheckpointRef\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rmanifest_path\x18\x02 \x01(\t\x12&\n\x05\x65ntry\x18\x03 \x01(\x0b\x32\x17.matformer.v1.TierEntry\"\xf9\x02\n\x10TrainingSettings\x12\x10\n\x08\x65ncoding\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\x12\x0c\n\x04topk\x18\x03 \x01(\r\x12\x13\n\x0bvalue_dtype\x18\x04 \x01(\t\x12\r\n\x05\x64\x65\x63\x61y\x18\x05 \x01(\x01\x12\x16\n\x0e\x63ompression_lr\x18\x06 \x01(\x01\x12\x17\n\x0fsequence_length\x18\t \x01(\r\x12\x18\n\x10\x64\x61ta_fingerprint\x18\n \x01(\t\x12\x15\n\rdata_strategy\x18\x0b \x01(\t\x12\x11\n\tdata_view\x18\x0c \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\r \x01(\x01\x12+\n\x05inner\x18\x0e \x01(\x0b\x32\x1c.matformer.v1.InnerOptimizer\x12\x0f\n\x07overlap\x18\x0f \x01(\x08\x12\x11\n\tpeer_clip\x18\x10 \x01(\x01\x12\x10\n\x08max_norm\x18\x11 \x01(\x01\x12\x13\n\x0bnorm_action\x18\x12 \x01(\tJ\x04\x08\x07\x10\x08J\x04\x08\x08\x10\t\"\xd3\x01\n\x0eInnerOptimizer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x05 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x06 \x01(\x01\x12\x14\n\x0cwarmup_steps\x18\x07 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x08 \x01(\x04\x12\x10\n\x08schedule\x18\t \x01(\t\x12\x10\n\x08\x66inal_lr\x18\n \x01(\x01\x12\x16\n\x0eplanned_rounds\x18\x0b \x01(\x04\"\xa2\x02\n\tJoinReply\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x15\n\rsession_token\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\r\x12\x11\n\tffn_width\x18\x04 \x01(\x04\x12\x13\n\x0btier_reason\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x04\x12/\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x1b.matformer.v1.CheckpointRef\x12\x30\n\x08settings\x18\x08 \x01(\x0b\x32\x1e.matformer.v1.TrainingSettings\x12\x13\n\x0bschema_hash\x18\t \x01(\t\x12\x16\n\x0erounds_planned\x18\n \x01(\x04\x12\x16\n\x0etokens_planned\x18\x0b \x01(\x04\"W\n\x10HeartbeatRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x1e\n\x11tokens_per_second\x18\x02 \x01(\x01H\x00\x88\x01\x01\x42\x14\n\x12_tokens_per_second\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05round\x18\x01 \x01(\x04\";\n\x0fGetRoundRequest\x12\x18\n\x0b\x61\x66ter_round\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_after_round\"\xc7\x01\n\x0fRoundAssignment\x12\'\n\x05state\x18\x01 \x01(\x0e\x32\x18.matformer.v1.RoundState\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0csequence_ids\x18\x03 \x03(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\r\x12\x1b\n\x13retry_after_seconds\x18\x08 \x01(\x01\x12\x15\n\rassignment_id\x18\t \x01(\t\x12\x12\n\nrun_tokens\x18\n \x01(\x04J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08\"$\n\x15\x46\x65tchSequencesRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x04\"<\n\x08Sequence\x12\n\n\x02id\x18\x01 \x01(\x04\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x14.matformer.v1.Tensor\"\xbd\x01\n\x0cSubmitHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x15\n\rtrain_seconds\x18\x05 \x01(\x01\x12\x15\n\rassignment_id\x18\x06 \x01(\t\x12\x12\n\nmissed_ids\x18\x07 \x03(\x04\x12+\n\x0btier_losses\x18\x08 \x03(\x0b\x32\x16.matformer.v1.TierLoss\"6\n\x08TierLoss\x12\x0c\n\x04tier\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x0c\n\x04loss\x18\x03 \x01(\x01\"s\n\rSubmitMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.matformer.v1.SubmitHeaderH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.matformer.v1.SparseResultH\x00\x42\x06\n\x04item\"S\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x32\n\x0b\x61ssignments\x18\x02 \x03(\x0b\x32\x1d.matformer.v1.RoundAssignment\"Z\n\x11GetUpdatesRequest\x12\x13\n\x0bsince_round\x18\x01 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\x12\x11\n\x04tier\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_tier\"\x86\x01\n\x11RoundUpdateHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x13\n\x0bweight_hash\x18\x03 \x01(\t\x12\x12\n\nparameters\x18\x04 \x01(\r\x12\x0c\n\x04rule\x18\x05 \x01(\t\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\")\n\x03\x42ox\x12\"\n\x05range\x18\x01 \x03(\x0b\x32\x13.matformer.v1.Range\"\xd8\x01\n\x0fParameterUpdate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\"\n\x07\x63overed\x18\x03 \x03(\x0b\x32\x11.matformer.v1.Box\x12 \n\x03\x62ox\x18\x04 \x03(\x0b\x32\x13.matformer.v1.Range\x12&\n\x06values\x18\x05 \x01(\x0b\x32\x14.matformer.v1.TensorH\x00\x12\x32\n\x0c\x63oefficients\x18\x06 \x01(\x0b\x32\x1a.matformer.v1.CoefficientsH\x00\x42\x06\n\x04\x66orm\"|\n\x0c\x43oefficients\x12\r\n\x05\x63hunk\x18\x01 \x03(\x03\x12\x11\n\tpositions\x18\x02 \x01(\x0c\x12$\n\x06levels\x18\x03 \x01(\x0b\x32\x14.matformer.v1.Tensor\x12$\n\x06scales\x18\x04 \x01(\x0b\x32\x14.matformer.v1.Tensor\"~\n\rUpdateMessage\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.matformer.v1.RoundUpdateHeaderH\x00\x12\x32\n\tparameter\x18\x02 \x01(\x0b\x32\x1d.matformer.v1.ParameterUpdateH\x00\x42\x06\n\x04item\"\x16\n\x14GetCheckpointRequest\")\n\x19\x44ownloadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"M\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\x1e\n\x0cLeaveRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0c\n\nLeaveReply*p\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_STATE_WAIT\x10\x01\x12\x15\n\x11ROUND_STATE_TRAIN\x10\x02\x12\x18\n\x14ROUND_STATE_FINISHED\x10\x03\x32\xb2\x05\n\x0b\x43oordinator\x12:\n\x04Join\x12\x19.matformer.v1.JoinRequest\x1a\x17.matformer.v1.JoinReply\x12I\n\tHeartbeat\x12\x1e.matformer.v1.HeartbeatRequest\x1a\x1c.matformer.v1.HeartbeatReply\x12H\n\x08GetRound\x12\x1d.matformer.v1.GetRoundRequest\x1a\x1d.matformer.v1.RoundAssignment\x12O\n\x0e\x46\x65tchSequences\x12#.matformer.v1.FetchSequencesRequest\x1a\x16.matformer.v1.Sequence0\x01\x12H\n\x0cSubmitResult\x12\x1b.matformer.v1.SubmitMessage\x1a\x19.matformer.v1.SubmitReply(\x01\x12L\n\nGetUpdates\x12\x1f.matformer.v1.GetUpdatesRequest\x1a\x1b.matformer.v1.UpdateMessage0\x01\x12P\n\rGetCheckpoint\x12\".matformer.v1.GetCheckpointRequest\x1a\x1b.matformer.v1.CheckpointRef\x12X\n\x12\x44ownloadCheckpoint\x12\'.matformer.v1.DownloadCheckpointRequest\x1a\x17.matformer.v1.FileChunk0\x01\x12=\n\x05Leave\x12\x1a.matformer.v1.LeaveRequest\x1a\x18.matformer.v1.LeaveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n1matformer/protocol/matformer/v1/coordinator.proto\x12\x0cmatformer.v1\"4\n\x06Tensor\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"$\n\x05Range\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0c\n\x04stop\x18\x02 \x01(\x03\"\xf4\x01\n\x0cSparseResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12#\n\x06region\x18\x03 \x03(\x0b\x32\x13.matformer.v1.Range\x12\x10\n\x08\x65ncoding\x18\x04 \x01(\t\x12\r\n\x05\x63hunk\x18\x05 \x03(\x03\x12$\n\x06\x63hunks\x18\x06 \x01(\x0b\x32\x14.matformer.v1.Tensor\x12%\n\x07indices\x18\x07 \x01(\x0b\x32\x14.matformer.v1.Tensor\x12$\n\x06values\x18\x08 \x01(\x0b\x32\x14.matformer.v1.Tensor\x12\x0e\n\x06tokens\x18\t \x01(\x03\"\xcb\x01\n\x0c\x43\x61pabilities\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x02 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x03 \x01(\x04\x12\x1b\n\x0erequested_tier\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11tokens_per_second\x18\x05 \x01(\x01\x12\x15\n\rload_strategy\x18\x06 \x01(\t\x12\x19\n\x11microbatch_tokens\x18\x07 \x01(\x04\x42\x11\n\x0f_requested_tier\"k\n\x06Schema\x12\x12\n\nlocal_hash\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61nonical_hash\x18\x02 \x01(\t\x12\x17\n\x0fparameter_count\x18\x03 \x01(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\r\x12\x0e\n\x06sliced\x18\x05 \x01(\x08\"\xad\x01\n\x0bJoinRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\njoin_token\x18\x02 \x01(\t\x12\x30\n\x0c\x63\x61pabilities\x18\x03 \x01(\x0b\x32\x1a.matformer.v1.Capabilities\x12$\n\x06schema\x18\x04 \x01(\x0b\x32\x14.matformer.v1.Schema\x12\x13\n\x0b\x63lient_name\x18\x05 \x01(\t\x12\r\n\x05relay\x18\x06 \x01(\x08\"C\n\tTierEntry\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x19\n\x11intermediate_size\x18\x02 \x01(\x04\x12\r\n\x05\x66iles\x18\x03 \x03(\t\"]\n\rCheckpointRef\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rmanifest_path\x18\x02 \x01(\t\x12&\n\x05\x65ntry\x18\x03 \x01(\x0b\x32\x17.matformer.v1.TierEntry\"\xf9\x02\n\x10TrainingSettings\x12\x10\n\x08\x65ncoding\x18\x01 \x01(\t\x12\r\n\x05\x63hunk\x18\x02 \x01(\r\x12\x0c\n\x04topk\x18\x03 \x01(\r\x12\x13\n\x0bvalue_dtype\x18\x04 \x01(\t\x12\r\n\x05\x64\x65\x63\x61y\x18\x05 \x01(\x01\x12\x16\n\x0e\x63ompression_lr\x18\x06 \x01(\x01\x12\x17\n\x0fsequence_length\x18\t \x01(\r\x12\x18\n\x10\x64\x61ta_fingerprint\x18\n \x01(\t\x12\x15\n\rdata_strategy\x18\x0b \x01(\t\x12\x11\n\tdata_view\x18\x0c \x01(\t\x12\x19\n\x11heartbeat_seconds\x18\r \x01(\x01\x12+\n\x05inner\x18\x0e \x01(\x0b\x32\x1c.matformer.v1.InnerOptimizer\x12\x0f\n\x07overlap\x18\x0f \x01(\x08\x12\x11\n\tpeer_clip\x18\x10 \x01(\x01\x12\x10\n\x08max_norm\x18\x11 \x01(\x01\x12\x13\n\x0bnorm_action\x18\x12 \x01(\tJ\x04\x08\x07\x10\x08J\x04\x08\x08\x10\t\"\xd3\x01\n\x0eInnerOptimizer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x04 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x05 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x06 \x01(\x01\x12\x14\n\x0cwarmup_steps\x18\x07 \x01(\r\x12\x14\n\x0c\x62\x61tch_tokens\x18\x08 \x01(\x04\x12\x10\n\x08schedule\x18\t \x01(\t\x12\x10\n\x08\x66inal_lr\x18\n \x01(\x01\x12\x16\n\x0eplanned_rounds\x18\x0b \x01(\x04\"\xa2\x02\n\tJoinReply\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x15\n\rsession_token\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\r\x12\x11\n\tffn_width\x18\x04 \x01(\x04\x12\x13\n\x0btier_reason\x18\x05 \x01(\t\x12\r\n\x05round\x18\x06 \x01(\x04\x12/\n\ncheckpoint\x18\x07 \x01(\x0b\x32\x1b.matformer.v1.CheckpointRef\x12\x30\n\x08settings\x18\x08 \x01(\x0b\x32\x1e.matformer.v1.TrainingSettings\x12\x13\n\x0bschema_hash\x18\t \x01(\t\x12\x16\n\x0erounds_planned\x18\n \x01(\x04\x12\x16\n\x0etokens_planned\x18\x0b \x01(\x04\"\x85\x01\n\x10HeartbeatRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x1e\n\x11tokens_per_second\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12,\n\x07relayed\x18\x03 \x03(\x0b\x32\x1b.matformer.v1.RelayedMemberB\x14\n\x12_tokens_per_second\"F\n\rRelayedMember\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x03 \x01(\x01\"\x1f\n\x0eHeartbeatReply\x12\r\n\x05round\x18\x01 \x01(\x04\";\n\x0fGetRoundRequest\x12\x18\n\x0b\x61\x66ter_round\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x0e\n\x0c_after_round\"\xc7\x01\n\x0fRoundAssignment\x12\'\n\x05state\x18\x01 \x01(\x0e\x32\x18.matformer.v1.RoundState\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x14\n\x0csequence_ids\x18\x03 \x03(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\r\x12\x1b\n\x13retry_after_seconds\x18\x08 \x01(\x01\x12\x15\n\rassignment_id\x18\t \x01(\t\x12\x12\n\nrun_tokens\x18\n \x01(\x04J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08\"$\n\x15\x46\x65tchSequencesRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x04\"<\n\x08Sequence\x12\n\n\x02id\x18\x01 \x01(\x04\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x14.matformer.v1.Tensor\"\xbd\x01\n\x0cSubmitHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x0c\n\x04loss\x18\x04 \x01(\x01\x12\x15\n\rtrain_seconds\x18\x05 \x01(\x01\x12\x15\n\rassignment_id\x18\x06 \x01(\t\x12\x12\n\nmissed_ids\x18\x07 \x03(\x04\x12+\n\x0btier_losses\x18\x08 \x03(\x0b\x32\x16.matformer.v1.TierLoss\"6\n\x08TierLoss\x12\x0c\n\x04tier\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x01(\x04\x12\x0c\n\x04loss\x18\x03 \x01(\x01\"s\n\rSubmitMessage\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.matformer.v1.SubmitHeaderH\x00\x12,\n\x06result\x18\x02 \x01(\x0b\x32\x1a.matformer.v1.SparseResultH\x00\x42\x06\n\x04item\"S\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x32\n\x0b\x61ssignments\x18\x02 \x03(\x0b\x32\x1d.matformer.v1.RoundAssignment\"Z\n\x11GetUpdatesRequest\x12\x13\n\x0bsince_round\x18\x01 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\x12\x11\n\x04tier\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_tier\"\x86\x01\n\x11RoundUpdateHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x13\n\x0bweight_hash\x18\x03 \x01(\t\x12\x12\n\nparameters\x18\x04 \x01(\r\x12\x0c\n\x04rule\x18\x05 \x01(\t\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\")\n\x03\x42ox\x12\"\n\x05range\x18\x01 \x03(\x0b\x32\x13.matformer.v1.Range\"\xd8\x01\n\x0fParameterUpdate\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\"\n\x07\x63overed\x18\x03 \x03(\x0b\x32\x11.matformer.v1.Box\x12 \n\x03\x62ox\x18\x04 \x03(\x0b\x32\x13.matformer.v1.Range\x12&\n\x06values\x18\x05 \x01(\x0b\x32\x14.matformer.v1.TensorH\x00\x12\x32\n\x0c\x63oefficients\x18\x06 \x01(\x0b\x32\x1a.matformer.v1.CoefficientsH\x00\x42\x06\n\x04\x66orm\"|\n\x0c\x43oefficients\x12\r\n\x05\x63hunk\x18\x01 \x03(\x03\x12\x11\n\tpositions\x18\x02 \x01(\x0c\x12$\n\x06levels\x18\x03 \x01(\x0b\x32\x14.matformer.v1.Tensor\x12$\n\x06scales\x18\x04 \x01(\x0b\x32\x14.matformer.v1.Tensor\"~\n\rUpdateMessage\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.matformer.v1.RoundUpdateHeaderH\x00\x12\x32\n\tparameter\x18\x02 \x01(\x0b\x32\x1d.matformer.v1.ParameterUpdateH\x00\x42\x06\n\x04item\"\x16\n\x14GetCheckpointRequest\")\n\x19\x44ownloadCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"M\n\tFileChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x12\n\ntotal_size\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\x1e\n\x0cLeaveRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0c\n\nLeaveReply*p\n\nRoundState\x12\x1b\n\x17ROUND_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_STATE_WAIT\x10\x01\x12\x15\n\x11ROUND_STATE_TRAIN\x10\x02\x12\x18\n\x14ROUND_STATE_FINISHED\x10\x03\x32\xb2\x05\n\x0b\x43oordinator\x12:\n\x04Join\x12\x19.matformer.v1.JoinRequest\x1a\x17.matformer.v1.JoinReply\x12I\n\tHeartbeat\x12\x1e.matformer.v1.HeartbeatRequest\x1a\x1c.matformer.v1.HeartbeatReply\x12H\n\x08GetRound\x12\x1d.matformer.v1.GetRoundRequest\x1a\x1d.matformer.v1.RoundAssignment\x12O\n\x0e\x46\x65tchSequences\x12#.matformer.v1.FetchSequencesRequest\x1a\x16.matformer.v1.Sequence0\x01\x12H\n\x0cSubmitResult\x12\x1b.matformer.v1.SubmitMessage\x1a\x19.matformer.v1.SubmitReply(\x01\x12L\n\nGetUpdates\x12\x1f.matformer.v1.GetUpdatesRequest\x1a\x1b.matformer.v1.UpdateMessage0\x01\x12P\n\rGetCheckpoint\x12\".matformer.v1.GetCheckpointRequest\x1a\x1b.matformer.v1.CheckpointRef\x12X\n\x12\x44ownloadCheckpoint\x12\'.matformer.v1.DownloadCheckpointRequest\x1a\x17.matformer.v1.FileChunk0\x01\x12=\n\x05Leave\x12\x1a.matformer.v1.LeaveRequest\x1a\x18.matformer.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'matformer.protocol.matformer.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUNDSTATE']._serialized_start=3820
-  _globals['_ROUNDSTATE']._serialized_end=3932
+  _globals['_ROUNDSTATE']._serialized_start=3939
+  _globals['_ROUNDSTATE']._serialized_end=4051
   _globals['_TENSOR']._serialized_start=67
   _globals['_TENSOR']._serialized_end=119
   _globals['_RANGE']._serialized_start=121
@@ -55,48 +55,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INNEROPTIMIZER']._serialized_end=1653
   _globals['_JOINREPLY']._serialized_start=1656
   _globals['_JOINREPLY']._serialized_end=1946
-  _globals['_HEARTBEATREQUEST']._serialized_start=1948
-  _globals['_HEARTBEATREQUEST']._serialized_end=2035
-  _globals['_HEARTBEATREPLY']._serialized_start=2037
-  _globals['_HEARTBEATREPLY']._serialized_end=2068
-  _globals['_GETROUNDREQUEST']._serialized_start=2070
-  _globals['_GETROUNDREQUEST']._serialized_end=2129
-  _globals['_ROUNDASSIGNMENT']._serialized_start=2132
-  _globals['_ROUNDASSIGNMENT']._serialized_end=2331
-  _globals['_FETCHSEQUENCESREQUEST']._serialized_start=2333
-  _globals['_FETCHSEQUENCESREQUEST']._serialized_end=2369
-  _globals['_SEQUENCE']._serialized_start=2371
-  _globals['_SEQUENCE']._serialized_end=2431
-  _globals['_SUBMITHEADER']._serialized_start=2434
-  _globals['_SUBMITHEADER']._serialized_end=2623
-  _globals['_TIERLOSS']._serialized_start=2625
-  _globals['_TIERLOSS']._serialized_end=2679
-  _globals['_SUBMITMESSAGE']._serialized_start=2681
-  _globals['_SUBMITMESSAGE']._serialized_end=2796
-  _globals['_SUBMITREPLY']._serialized_start=2798
-  _globals['_SUBMITREPLY']._serialized_end=2881
-  _globals['_GETUPDATESREQUEST']._serialized_start=2883
-  _globals['_GETUPDATESREQUEST']._serialized_end=2973
-  _globals['_ROUNDUPDATEHEADER']._serialized_start=2976
-  _globals['_ROUNDUPDATEHEADER']._serialized_end=3110
-  _globals['_BOX']._serialized_start=3112
-  _globals['_BOX']._serialized_end=3153
-  _globals['_PARAMETERUPDATE']._serialized_start=3156
-  _globals['_PARAMETERUPDATE']._serialized_end=3372
-  _globals['_COEFFICIENTS']._serialized_start=3374
-  _globals['_COEFFICIENTS']._serialized_end=3498
-  _globals['_UPDATEMESSAGE']._serialized_start=3500
-  _globals['_UPDATEMESSAGE']._serialized_end=3626
-  _globals['_GETCHECKPOINTREQUEST']._serialized_start=3628
-  _globals['_GETCHECKPOINTREQUEST']._serialized_end=3650
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=3652
-  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=3693
-  _globals['_FILECHUNK']._serialized_start=3695
-  _globals['_FILECHUNK']._serialized_end=3772
-  _globals['_LEAVEREQUEST']._serialized_start=3774
-  _globals['_LEAVEREQUEST']._serialized_end=3804
-  _globals['_LEAVEREPLY']._serialized_start=3806
-  _globals['_LEAVEREPLY']._serialized_end=3818
-  _globals['_COORDINATOR']._serialized_start=3935
-  _globals['_COORDINATOR']._serialized_end=4625
+  _globals['_HEARTBEATREQUEST']._serialized_start=1949
+  _globals['_HEARTBEATREQUEST']._serialized_end=2082
+  _globals['_RELAYEDMEMBER']._serialized_start=2084
+  _globals['_RELAYEDMEMBER']._serialized_end=2154
+  _globals['_HEARTBEATREPLY']._serialized_start=2156
+  _globals['_HEARTBEATREPLY']._serialized_end=2187
+  _globals['_GETROUNDREQUEST']._serialized_start=2189
+  _globals['_GETROUNDREQUEST']._serialized_end=2248
+  _globals['_ROUNDASSIGNMENT']._serialized_start=2251
+  _globals['_ROUNDASSIGNMENT']._serialized_end=2450
+  _globals['_FETCHSEQUENCESREQUEST']._serialized_start=2452
+  _globals['_FETCHSEQUENCESREQUEST']._serialized_end=2488
+  _globals['_SEQUENCE']._serialized_start=2490
+  _globals['_SEQUENCE']._serialized_end=2550
+  _globals['_SUBMITHEADER']._serialized_start=2553
+  _globals['_SUBMITHEADER']._serialized_end=2742
+  _globals['_TIERLOSS']._serialized_start=2744
+  _globals['_TIERLOSS']._serialized_end=2798
+  _globals['_SUBMITMESSAGE']._serialized_start=2800
+  _globals['_SUBMITMESSAGE']._serialized_end=2915
+  _globals['_SUBMITREPLY']._serialized_start=2917
+  _globals['_SUBMITREPLY']._serialized_end=3000
+  _globals['_GETUPDATESREQUEST']._serialized_start=3002
+  _globals['_GETUPDATESREQUEST']._serialized_end=3092
+  _globals['_ROUNDUPDATEHEADER']._serialized_start=3095
+  _globals['_ROUNDUPDATEHEADER']._serialized_end=3229
+  _globals['_BOX']._serialized_start=3231
+  _globals['_BOX']._serialized_end=3272
+  _globals['_PARAMETERUPDATE']._serialized_start=3275
+  _globals['_PARAMETERUPDATE']._serialized_end=3491
+  _globals['_COEFFICIENTS']._serialized_start=3493
+  _globals['_COEFFICIENTS']._serialized_end=3617
+  _globals['_UPDATEMESSAGE']._serialized_start=3619
+  _globals['_UPDATEMESSAGE']._serialized_end=3745
+  _globals['_GETCHECKPOINTREQUEST']._serialized_start=3747
+  _globals['_GETCHECKPOINTREQUEST']._serialized_end=3769
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_start=3771
+  _globals['_DOWNLOADCHECKPOINTREQUEST']._serialized_end=3812
+  _globals['_FILECHUNK']._serialized_start=3814
+  _globals['_FILECHUNK']._serialized_end=3891
+  _globals['_LEAVEREQUEST']._serialized_start=3893
+  _globals['_LEAVEREQUEST']._serialized_end=3923
+  _globals['_LEAVEREPLY']._serialized_start=3925
+  _globals['_LEAVEREPLY']._serialized_end=3937
+  _globals['_COORDINATOR']._serialized_start=4054
+  _globals['_COORDINATOR']._serialized_end=4744
 # @@protoc_insertion_point(module_scope)

@@ -215,12 +215,24 @@ class JoinReply(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tier: _Optional[int] = ..., ffn_width: _Optional[int] = ..., tier_reason: _Optional[str] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., schema_hash: _Optional[str] = ..., rounds_planned: _Optional[int] = ..., tokens_planned: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("round", "tokens_per_second")
+    __slots__ = ("round", "tokens_per_second", "relayed")
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     round: int
     tokens_per_second: float
-    def __init__(self, round: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    relayed: _containers.RepeatedCompositeFieldContainer[RelayedMember]
+    def __init__(self, round: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., relayed: _Optional[_Iterable[_Union[RelayedMember, _Mapping]]] = ...) -> None: ...
+
+class RelayedMember(_message.Message):
+    __slots__ = ("name", "tier", "tokens_per_second")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tier: int
+    tokens_per_second: float
+    def __init__(self, name: _Optional[str] = ..., tier: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("round",)
