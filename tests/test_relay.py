@@ -160,20 +160,31 @@ def test_members_behind_a_relay_end_where_the_same_members_joined_directly_end(t
         direct_loss = dict(server.service.coordinator.state.loss)
     with serving_config(config(tmp_path / "relayed", min_clients=1)) as (server, _):
         relay = relay_for(server, tmp_path)
+        root = server.service.coordinator
+        listed, done = set(), threading.Event()
+
+        def watch() -> None:  # what the root's page lists under the relay while it runs
+            while not done.wait(0.05):
+                for member in clients_info(root.snapshot(), operator=False).members:
+                    listed.update((b.name, b.tier, b.tokens_per_second > 0)
+                                  for b in member.behind)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         try:
             relayed_members = run_members(f"127.0.0.1:{relay.port}", server)
             relayed = master(server)
-            root = server.service.coordinator
+            done.set()
+            watcher.join()
             # the root files each member's loss under its tier, through the relay as directly
             assert root.state.loss == direct_loss
             assert sorted(direct_loss) == ["0", "1"]
             (relay_member,) = root.membership.members.values()
             assert relay_member.relay and relay_member.name == "relay-a"
-            # the root's page lists the members behind the relay, as its heartbeats report
-            listed = clients_info(root.snapshot(), operator=False).members[0].behind
-            assert sorted((b.name, b.tier) for b in listed) == [("m0", 0), ("m1", 1)]
-            assert all(b.tokens_per_second > 0 for b in listed)
+            # the root's page listed the members behind the relay, as its heartbeats report
+            assert sorted(listed) == [("m0", 0, True), ("m1", 1, True)]
         finally:
+            done.set()
             relay.stop("done")
     # the same split: each member trained as many tokens each round either way
     for a, b in zip(direct_members, relayed_members, strict=True):
