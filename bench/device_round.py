@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import parse, print_table
+from harness import parse, print_table, sync
 from scale import SHAPES, Submissions, model_config
 from torch import Tensor
 
@@ -90,17 +90,12 @@ def timed(work: Callable[[], Any], device: torch.device, repeats: int) -> tuple[
     one untimed run (the first pays for allocations, kernels loaded and caches filled)."""
     seconds, result = [], work()
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         result = work()
-        _sync(device)
+        sync(device)
         seconds.append(time.perf_counter() - start)
     return result, statistics.median(seconds)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def on(device: torch.device, result: SparseResult) -> SparseResult:
@@ -163,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         moved = {name: t.to(device) for name, t in master.items()}
         results = {name: [on(device, r) for r in rs] for name, rs in by_name.items()}
-        _sync(device)
+        sync(device)
         (device_master, _, _), device_close = timed(
             lambda: close_round(rule, moved, results), device, args.repeats)
         got = tier_hashes(cpu(device_master), regions)

@@ -219,7 +219,7 @@ def peak_tflops(device: torch.device, dtype: torch.dtype) -> tuple[str, float | 
     return name, None
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -251,7 +251,7 @@ def time_interleaved(
     for step in steps.values():
         for _ in range(warmup):
             step()
-    _sync(device)
+    sync(device)
     per_block = math.ceil(timed / repeats)
     timings = {name: Timing() for name in steps}
     order = list(steps)
@@ -263,7 +263,7 @@ def time_interleaved(
             for _ in range(per_block):
                 start = time.perf_counter()
                 steps[name]()
-                _sync(device)
+                sync(device)
                 block.append(time.perf_counter() - start)
             cpu = time.process_time() - cpu_start
             timings[name].blocks.append(block)
@@ -286,12 +286,12 @@ def contention_warning(timings: dict[str, Timing], device: torch.device) -> str 
 
 def step_peak_bytes(step: Step, device: torch.device) -> int:
     """Peak tensor bytes allocated during one step above those held before it."""
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         step()
-        _sync(device)
+        sync(device)
         return torch.cuda.max_memory_allocated(device) - before
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
