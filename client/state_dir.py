@@ -13,11 +13,7 @@ from pathlib import Path
 
 from matformer.client.errors import ClientError
 from matformer.modeling.atomic import write_json_atomic
-
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks; the folder is not guarded there
-    fcntl = None
+from matformer.modeling.folder_lock import FolderInUse, locked
 
 FEEDBACK_FILE = "error_feedback.safetensors"
 # the session token of the last join (0600): a restarted client presents it, so that the
@@ -33,27 +29,16 @@ class StateDirInUse(ClientError):
 @contextlib.contextmanager
 def held(state_dir: Path, name: str) -> Iterator[None]:
     """Hold ``state_dir`` for this process while the block runs, or raise StateDirInUse at
-    once if a live process holds it. The lock is the kernel's (``flock``): it goes with the
-    process that held it, however that process ended, so it is never stale."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    path = state_dir / LOCK_FILE
-    with open(path, "a+") as lock:
-        if fcntl is not None:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.seek(0)
-                holder = lock.read().strip() or "another process"
-                raise StateDirInUse(
-                    f"the client state folder {state_dir} is in use by a running client "
-                    f"({holder}); two clients sharing it would share one name and session "
-                    "and replace each other in the run. Give this one its own: --name "
-                    "OTHER (its folder follows the name) or --state-dir DIR.") from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"pid {os.getpid()}, name {name!r}\n")
-        lock.flush()
-        yield
+    once if a live process holds it (``modeling.folder_lock``: never stale)."""
+    try:
+        with locked(state_dir / LOCK_FILE, f"pid {os.getpid()}, name {name!r}"):
+            yield
+    except FolderInUse as err:
+        raise StateDirInUse(
+            f"the client state folder {state_dir} is in use by a running client "
+            f"({err.holder}); two clients sharing it would share one name and session "
+            "and replace each other in the run. Give this one its own: --name "
+            "OTHER (its folder follows the name) or --state-dir DIR.") from None
 
 
 def feedback_path(state_dir: Path) -> Path:

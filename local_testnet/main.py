@@ -15,6 +15,7 @@ Exit code 0 when the run finished and the held-out loss fell at every tier (and,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -49,12 +50,14 @@ from matformer.local_testnet.testnet import (
 from matformer.modeling.commands import apply_overrides, command_parser
 from matformer.modeling.devices import resolve_device
 from matformer.modeling.errors import DeviceUnavailable, MatformerError
+from matformer.modeling.folder_lock import FolderInUse, locked
 from matformer.modeling.threads import use_threads
 from matformer.protocol.auth import new_join_token
 from matformer.server.config import RunConfig
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 DEFAULT_RUN_DIR = Path("runs/testnet")
+PREVIOUS_SUFFIX = "-previous"  # the run before the current one, kept beside it
 # The embedded run: about two and a half minutes on two CPU cores with three clients.
 DEFAULT_ROUNDS = 150
 DEFAULT_TOKENS_PER_ROUND = 4096
@@ -104,8 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="no held-out evaluation at the end: the table shows training loss")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in runs/testnet instead of replacing it")
+    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
+                        help="the embedded run's folder (default: runs/testnet; the run "
+                             "before is kept beside it as runs/testnet-previous)")
     # undocumented knobs of the embedded run, for tests and quick looks
-    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR, help=argparse.SUPPRESS)
     parser.add_argument("--documents", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tokens-per-round", type=int, default=DEFAULT_TOKENS_PER_ROUND,
                         help=argparse.SUPPRESS)
@@ -158,13 +163,31 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str]]:
         return args.config, overrides
     run_dir = args.run_dir
     if run_dir.exists() and not args.resume:
-        say(f"[testnet] replacing the previous run in {run_dir} (--resume continues it)")
-        shutil.rmtree(run_dir)
+        set_aside(run_dir)
     data = ensure_default_data(args.documents, say)
     config = write_default_run(run_dir, data=data, min_clients=members,
                                rounds=args.rounds or DEFAULT_ROUNDS,
                                tokens_per_round=args.tokens_per_round)
     return config, overrides
+
+
+def set_aside(run_dir: Path) -> None:
+    """Keep the previous run as ``<run_dir>-previous`` (replacing the one kept before)."""
+    kept = run_dir.with_name(run_dir.name + PREVIOUS_SUFFIX)
+    if kept.exists():
+        shutil.rmtree(kept)
+    run_dir.rename(kept)
+    say(f"[testnet] the previous run in {run_dir} is kept as {kept} (the one kept before "
+        "it is removed; --resume continues a run instead)")
+
+
+def hold_run_dir(args: argparse.Namespace) -> contextlib.AbstractContextManager:
+    """The embedded run's folder, held by this testnet while it runs: a second testnet
+    there would move the folder away under the first one's server and members."""
+    if args.config is not None:
+        return contextlib.nullcontext()  # the server guards a configured run's folder
+    lock = args.run_dir.with_name(f".{args.run_dir.name}.lock")
+    return locked(lock, f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}")
 
 
 def load_run_config(path: Path, overrides: list[str]) -> RunConfig:
@@ -187,6 +210,17 @@ def join_token_env(path: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        with hold_run_dir(args):
+            return run(args)
+    except FolderInUse as err:
+        print(f"local-testnet: another testnet is running in {args.run_dir} ({err.holder}); "
+              "wait for it to finish, stop it, or give this one its own folder with "
+              "--run-dir DIR", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         config_path, overrides = prepare_run(args)

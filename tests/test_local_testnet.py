@@ -16,7 +16,8 @@ from certs import self_signed
 from helpers import TESTNET_MODEL, local_testnet_toml, run_testnet
 
 from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
-from matformer.local_testnet.main import parse_args
+from matformer.local_testnet.main import main as testnet_main
+from matformer.local_testnet.main import parse_args, set_aside
 from matformer.local_testnet.report import (
     format_table,
     moved_mib,
@@ -26,6 +27,7 @@ from matformer.local_testnet.report import (
     write_summary,
 )
 from matformer.modeling.commands import apply_overrides
+from matformer.modeling.folder_lock import locked
 from matformer.modeling.mdat import build_default_mdat
 from matformer.server.config import RunConfig
 from matformer.server.errors import InvalidValue, UnknownKey, WrongType
@@ -158,6 +160,27 @@ def test_a_device_the_machine_lacks_stops_the_testnet_before_any_process(capsys)
         parse_args(["--device", absent])
     assert exit_info.value.code == 2
     assert f"error: device '{absent}'" in capsys.readouterr().err
+
+
+def test_a_second_testnet_in_a_running_ones_folder_is_refused(tmp_path, capsys):
+    run_dir = tmp_path / "testnet"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    with locked(tmp_path / ".testnet.lock", "pid 4242, started today"):
+        assert testnet_main(["--run-dir", str(run_dir), "--rounds", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"another testnet is running in {run_dir} (pid 4242, started today)" in err
+    assert "--run-dir DIR" in err
+    assert (run_dir / "checkpoints").is_dir()  # the running one's files are untouched
+
+
+def test_a_new_testnet_keeps_the_run_before_beside_it(tmp_path):
+    run_dir = tmp_path / "testnet"
+    for generation in ("oldest", "older"):
+        run_dir.mkdir()
+        (run_dir / "summary.json").write_text(generation)
+        set_aside(run_dir)
+    assert not run_dir.exists()
+    assert (tmp_path / "testnet-previous" / "summary.json").read_text() == "older"
 
 
 # -- end to end ------------------------------------------------------------------------------
