@@ -54,6 +54,7 @@ from matformer.modeling.folder_lock import FolderInUse, locked
 from matformer.modeling.threads import use_threads
 from matformer.protocol.auth import new_join_token
 from matformer.server.config import RunConfig
+from matformer.server.held_out_log import HeldOutLog
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 DEFAULT_RUN_DIR = Path("runs/testnet")
@@ -344,11 +345,13 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
     final: dict[int, float] = {}
     if eval_sequences is not None:
         say(f"[testnet] evaluating with {use_threads().describe()}")  # the children are gone
-        held = HeldOut.of(config, eval_sequences)
-        for checkpoint, losses in ((first, initial), (last, final)):  # said first: it takes
-            say(f"[testnet] evaluating held-out loss of {checkpoint.name} at tiers "  # a while
+        held, log = HeldOut.of(config, eval_sequences), HeldOutLog(run_dir)
+        for r, losses in ((checkpoints[0], initial), (checkpoints[-1], final)):
+            checkpoint = run_dir / "checkpoints" / f"round-{r}"  # said first: it takes a while
+            say(f"[testnet] evaluating held-out loss of {checkpoint.name} at tiers "
                 f"{', '.join(map(str, tiers))} on {len(held.examples)} sequences…")
             losses.update(held.loss(checkpoint, tiers))
+            log.record(r, losses, sequences=len(held.examples))  # on the dashboard at once
     counts: dict[int, int] = {}
     for tier in tiers_seen.values():
         counts[tier] = counts.get(tier, 0) + 1

@@ -7,6 +7,8 @@ made from. The dashboard at ``/`` reads this API and nothing else.
   round, last seen, rejections), the clients excluded and those that left (one record per
   name, the newest ``MAX_DEPARTED``), with why, and how many took part in the run;
 - ``GET /api/loss?since_round=R``: training loss per tier per round;
+- ``GET /api/held_out``: held-out loss per tier of the checkpoints evaluated so far
+  (``server.held_out_log``; the coordinator reads it, others evaluate);
 - ``GET /api/rounds?since_round=R``: each completed round: duration, slowest client, bytes
   sent against their dense size, who was dropped and why;
 - ``GET /api/events?after=SEQ&limit=N``: joins, leaves, drops, re-tierings, exclusions,
@@ -14,7 +16,8 @@ made from. The dashboard at ``/`` reads this API and nothing else.
 - ``GET /api/dashboard?since_round=R&events_after=SEQ``: all of the above from one
   snapshot, for a page that polls and appends what is new.
 
-All of one response comes from one ``Coordinator.snapshot()``, so its parts agree.
+All of one response comes from one ``Coordinator.snapshot()``, so its parts agree (the
+held-out figures come from their file, as it is then).
 
 The API is public (the dashboard is a read-only page for anyone), so no text it serves holds
 a filesystem path of this machine (``hide_paths``: a path keeps only its last part), and why
@@ -32,6 +35,7 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from matformer.server.coordinator import Coordinator
+from matformer.server.held_out_log import HeldOutLog
 from matformer.server.history import MAX_DEPARTED, EventKind
 from matformer.server.operator_access import operator_reader
 
@@ -64,6 +68,13 @@ class Strict(BaseModel):
 class LossPoint(Strict):
     round: int
     loss: float = Field(description="token-weighted mean training loss its clients reported")
+
+
+class HeldOutPoint(Strict):
+    round: int = Field(description="the checkpoint round-N: the weights round N starts from")
+    loss: float = Field(description="mean loss per target token on the run's held-out "
+                                    "sequences")
+    sequences: int = Field(description="held-out sequences it was measured on")
 
 
 class OpenRoundInfo(Strict):
@@ -213,11 +224,14 @@ class Dashboard(Strict):
     run: RunInfo
     clients: Clients
     loss: dict[str, list[LossPoint]] = Field(description="tier → points, by round")
+    held_out: dict[str, list[HeldOutPoint]] = Field(description="tier → the checkpoints "
+                                                               "evaluated so far, by round")
     rounds: list[RoundRecord]
     events: list[Event]
 
 
-def build_router(coordinator: Coordinator, operator_token: str | None) -> APIRouter:
+def build_router(coordinator: Coordinator, held_out: HeldOutLog,
+                 operator_token: str | None) -> APIRouter:
     api = APIRouter(prefix="/api", tags=["status"])
     since = Query(0, ge=0, description="only rounds with this index or later")
     reader = Depends(operator_reader(operator_token))  # True: the request has the token
@@ -233,6 +247,10 @@ def build_router(coordinator: Coordinator, operator_token: str | None) -> APIRou
     @api.get("/loss")
     def loss(since_round: int = since) -> dict[str, list[LossPoint]]:
         return loss_info(coordinator.snapshot(since_round=since_round, events_after=None))
+
+    @api.get("/held_out")
+    def held_out_loss() -> dict[str, list[HeldOutPoint]]:
+        return held_out_info(held_out)
 
     @api.get("/rounds")
     def rounds(since_round: int = since, operator: bool = reader) -> list[RoundRecord]:
@@ -254,7 +272,8 @@ def build_router(coordinator: Coordinator, operator_token: str | None) -> APIRou
                   operator: bool = reader) -> Dashboard:
         snap = coordinator.snapshot(since_round=since_round, events_after=events_after)
         return Dashboard(run=run_info(snap), clients=clients_info(snap, operator),
-                         loss=loss_info(snap), rounds=rounds_info(snap["rounds"], operator),
+                         loss=loss_info(snap), held_out=held_out_info(held_out),
+                         rounds=rounds_info(snap["rounds"], operator),
                          events=events_info(snap["events"][-EVENTS_LIMIT:], operator))
 
     return api
@@ -325,3 +344,8 @@ def events_info(events: list[dict[str, Any]], operator: bool) -> list[Event]:
 def loss_info(snap: dict[str, Any]) -> dict[str, list[LossPoint]]:
     return {tier: [LossPoint(round=int(r), loss=loss) for r, loss in points]
             for tier, points in sorted(snap["loss"].items(), key=lambda kv: int(kv[0]))}
+
+
+def held_out_info(log: HeldOutLog) -> dict[str, list[HeldOutPoint]]:
+    return {tier: [HeldOutPoint(round=r, loss=loss, sequences=n) for r, loss, n in points]
+            for tier, points in log.points().items()}

@@ -39,6 +39,7 @@ from matformer.protocol.errors import UnsafePath
 from matformer.server.api import build_router
 from matformer.server.blobs import BlobStore, blob_router
 from matformer.server.errors import FileNotServed, ServedFileDamaged, UnknownClient
+from matformer.server.held_out_log import HeldOutLog
 from matformer.server.operator_access import operator_refusal
 from matformer.server.served_files import served_files
 from matformer.server.service import CoordinatorService
@@ -69,7 +70,8 @@ def build_app(service: CoordinatorService) -> FastAPI:
             return JSONResponse({"detail": detail}, status_code=status, headers=headers)
         return await call_next(request)
 
-    app.include_router(build_router(coordinator, operator_token))
+    app.include_router(build_router(coordinator, HeldOutLog(coordinator.config.run.dir),
+                                    operator_token))
     app.state.blobs = BlobStore(coordinator, service.updates, served_files(service.checkpoints))
     app.include_router(blob_router(app.state.blobs))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

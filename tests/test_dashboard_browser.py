@@ -25,6 +25,7 @@ from matformer.local_testnet import testnet
 from matformer.local_testnet.main import join_token_env
 from matformer.local_testnet.processes import free_port
 from matformer.modeling.mdat import build_default_mdat
+from matformer.server.held_out_log import HeldOutLog
 
 STATIC = Path(__file__).resolve().parents[1] / "server" / "static"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -35,8 +36,8 @@ BROWSER_REQUIRED = os.environ.get(REQUIRE_BROWSER) == "1"
 CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                   "--disable-quic", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--window-size=1400,2200"]
-API_PATHS = ["/api/run", "/api/clients", "/api/loss", "/api/rounds", "/api/events",
-             "/api/dashboard"]
+API_PATHS = ["/api/run", "/api/clients", "/api/loss", "/api/held_out", "/api/rounds",
+             "/api/events", "/api/dashboard"]
 ROUNDS = 20
 LATENCY_MS = 100.0  # on every client call: rounds of most of a second, long enough to watch
 ROUNDS_SHOWN = 12  # rows of the recent-rounds table (dashboard.js ROUNDS_SHOWN)
@@ -317,6 +318,14 @@ def compare(page: dict, api: dict) -> list[str]:
         if points(page["loss"].get(tier)) != expected:
             errors.append(f"tier {tier} loss: the chart has {points(page['loss'].get(tier))}, "
                           f"the API {expected}")
+    for tier, held_out in api["held_out"].items():
+        expected = [(p["round"], p["loss"]) for p in held_out]
+        if points(page["loss"].get(f"held-out-{tier}")) != expected:
+            errors.append(f"tier {tier} held-out: the chart has "
+                          f"{points(page['loss'].get(f'held-out-{tier}'))}, the API {expected}")
+    if len(page["loss"]) != len(api["loss"]) + len(api["held_out"]):
+        errors.append(f"the loss chart draws {sorted(page['loss'])}, the API has training "
+                      f"{sorted(api['loss'])} and held-out {sorted(api['held_out'])}")
     for chart, keys in (("bytes", ("bytes_sent", "bytes_dense")),
                         ("durations", ("duration_s", "slowest_s"))):
         for key in keys:
@@ -407,6 +416,29 @@ def page_agrees(driver, run: LiveRun, timeout_s: float = AGREE_S) -> tuple[dict,
                          + "\n".join(errors[:40]))
 
 
+READ_HOVER = """
+const layer = document.querySelector(arguments[0] + " g.hover");
+return layer === null ? null : { round: layer.dataset.round, values: Object.fromEntries(
+  [...layer.querySelectorAll("text[data-series]")].map(
+    (t) => [t.dataset.series, [Number(t.dataset.value), t.textContent]])) };
+"""
+
+
+def pointer_to(driver, selector: str) -> None:
+    """Move the real pointer onto the element ``selector`` names."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    ActionChains(driver).move_to_element(driver.find_element("css selector", selector)).perform()
+
+
+def hover(driver, selector: str) -> dict:
+    """Point at ``selector``; the hover box that opens."""
+    pointer_to(driver, selector)
+    chart = "#" + selector.split()[0].lstrip("#")
+    return wait_for(lambda: driver.execute_script(READ_HOVER, chart), AGREE_S,
+                    f"the hover box over {selector}")
+
+
 def test_dashboard_follows_a_live_run(browser, live_run, tmp_path):
     # browser first: without one the test skips before starting the run
     html = wait_for(lambda: urllib.request.urlopen(live_run.base + "/", timeout=5).read(),
@@ -462,8 +494,42 @@ def test_dashboard_follows_a_live_run(browser, live_run, tmp_path):
     assert set(story["took_part"]["text"].split(": ", 1)[1].rstrip(".").split(", ")) == names
     final = " · ".join(f"tier {t} {p['loss']:.3f}" for t, p in api["run"]["last_loss"].items())
     assert set(api["run"]["last_loss"]) == {"0", "1"}
-    assert story["final_loss"]["text"] == f"Final loss: {final}."
+    assert story["final_loss"]["text"] == f"Final training loss: {final}."
     assert page["no_members"] == f"no members now: {len(names)} members took part (see below)"
+
+    assert api["held_out"] == {} and "held_out" not in story
+
+    # held-out figures that come after the run (the testnet's report) join the chart and the
+    # story while the page is open; hovering a round lists every series' value there
+    log = HeldOutLog(live_run.net.plan.run_dir)
+    log.record(0, {0: 5.25, 1: 5.5}, sequences=16)
+    log.record(ROUNDS, {0: 4.5, 1: 4.75}, sequences=16)
+    log.record(ROUNDS, {0: 4.25, 1: 4.625}, sequences=16)  # evaluated again: replaces
+    page = wait_for(lambda: (p := browser.execute_script(READ_PAGE))["story"].get("held_out")
+                    and p, WAIT_S, "the held-out figures on the page")
+    page, api = page_agrees(browser, live_run)
+    assert api["held_out"]["0"] == [{"round": 0, "loss": 5.25, "sequences": 16},
+                                    {"round": ROUNDS, "loss": 4.25, "sequences": 16}]
+    assert points(page["loss"]["held-out-1"]) == [(0, 5.5), (ROUNDS, 4.625)]
+    assert page["story"]["held_out"] == {
+        "value": str(ROUNDS),
+        "text": f"Held-out loss of round-{ROUNDS} (16 sequences): tier 0 4.250 · tier 1 4.625."}
+    hovered = hover(browser, "#loss-chart circle.marker[data-series='held-out-0'][data-round='0']")
+    browser.save_screenshot(str(tmp_path / "held_out.png"))  # for a look when it fails
+    training = {t: dict((p["round"], p["loss"]) for p in api["loss"][t]) for t in ("0", "1")}
+    assert hovered == {"round": "0", "values": {
+        "0": [training["0"][0], f"tier 0: {training['0'][0]:.3f}"],
+        "1": [training["1"][0], f"tier 1: {training['1'][0]:.3f}"],
+        "held-out-0": [5.25, "tier 0 held-out: 5.250"],
+        "held-out-1": [5.5, "tier 1 held-out: 5.500"]}}
+    hovered = hover(browser, f"#duration-chart circle[data-round='{ROUNDS - 1}']")
+    last = api["rounds"][-1]
+    assert hovered["round"] == str(ROUNDS - 1)
+    assert {k: v[0] for k, v in hovered["values"].items()} == {
+        "duration_s": last["duration_s"], "slowest_s": last["slowest_s"]}
+    pointer_to(browser, "#story")
+    wait_for(lambda: not browser.find_elements("css selector", "#loss-chart g.hover"), WAIT_S,
+             "the hover box to go when the pointer leaves the chart")
 
     live_run.net.stop()  # the server goes away: the page keeps its data and says so
     wait_for(lambda: browser.execute_script(READ_PAGE)["conn"] == "disconnected", WAIT_S,

@@ -31,6 +31,7 @@ from matformer.modeling.folder_lock import locked
 from matformer.modeling.mdat import build_default_mdat
 from matformer.server.config import RunConfig
 from matformer.server.errors import InvalidValue, UnknownKey, WrongType
+from matformer.server.held_out_log import HeldOutLog
 from matformer.server.main import main as server_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -210,6 +211,10 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     assert (run / "loss.png").read_bytes().startswith(b"\x89PNG")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rounds"] == 8 and all(t["improved"] for t in summary["tiers"])
+    # the evaluations went to the run's held-out log too, which the dashboard draws
+    held_out = HeldOutLog(run).points()
+    assert {int(t["tier"]): [(0, t["held_out_initial"], 5), (8, t["held_out_final"], 5)]
+            for t in summary["tiers"]} == {int(k): v for k, v in held_out.items()}
     for name, cost in summary["clients"].items():  # what each client's link carried
         assert cost["bytes_up"] > 0 and cost["bytes_down"] > 0, name
         assert cost["dense_bytes_up"] > 0 and cost["dense_bytes_down"] > 0, name

@@ -24,11 +24,12 @@ from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import submission_messages
 from matformer.server.api import WITHHELD, hide_paths, rounds_info
 from matformer.server.config import RunConfig
+from matformer.server.held_out_log import HeldOutLog
 from matformer.server.history import MAX_DEPARTED
 from matformer.server.main import RunningServer
 from matformer.server.state import RunState
 
-API = ("/api/run", "/api/clients", "/api/loss", "/api/rounds", "/api/events",
+API = ("/api/run", "/api/clients", "/api/loss", "/api/held_out", "/api/rounds", "/api/events",
        "/api/dashboard")
 OPERATED = {"join_token": JOIN_TOKEN, "operator_token": OPERATOR_TOKEN}  # [auth] with an operator
 
@@ -295,6 +296,7 @@ def test_dashboard_is_one_snapshot_of_the_parts(run):
     assert whole["events"] == get(server, "/api/events")
     assert whole["clients"]["excluded"] == get(server, "/api/clients")["excluded"]
     assert whole["run"]["round"] == get(server, "/api/run")["round"]
+    assert whole["held_out"] == get(server, "/api/held_out") == {}  # nothing evaluated
     newer = get(server, "/api/dashboard?since_round=1&events_after=3")
     assert [r["round"] for r in newer["rounds"]] == [1]
     assert [e["seq"] for e in newer["events"]] == [4]
@@ -456,3 +458,19 @@ def test_each_members_bytes_both_ways_against_dense(run):
     assert rounds == c.state.round == 2
     assert now["bytes_down"] == sum(m.ByteSize() for m in got)
     assert now["dense_bytes_down"] == rounds * c.dense_bytes(0)
+
+
+def test_held_out_figures_are_served_as_evaluations_append_them(run):
+    server, *_ = run
+    log = HeldOutLog(server.service.coordinator.config.run.dir)
+    path = log.path
+    try:
+        log.record(2, {1: 4.5, 0: 4.25}, sequences=32)
+        served = get(server, "/api/held_out")
+        assert served == {"0": [{"round": 2, "loss": 4.25, "sequences": 32}],
+                          "1": [{"round": 2, "loss": 4.5, "sequences": 32}]}
+        assert get(server, "/api/dashboard")["held_out"] == served
+        openapi = get(server, "/openapi.json")
+        assert response_errors(openapi, "/api/held_out", served) == []
+    finally:
+        path.unlink()  # the module's other tests see a run nobody evaluated

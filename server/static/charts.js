@@ -1,6 +1,7 @@
 // Line charts drawn as SVG by hand: axes with ticks, a legend, one polyline per series.
 // Each polyline carries all its points as data-points="round:value,..." (the raw values,
 // for tests) while it draws at most a few points per pixel, so 10,000 rounds stay cheap.
+// Hovering a chart marks the nearest round and lists each series' value there.
 
 // The namespace of the page's own <svg> elements, so that no URL is spelled out here.
 const SVG_NS = document.querySelector("svg").namespaceURI;
@@ -85,8 +86,11 @@ function pointsText(key, points) {
   return text;
 }
 
-// series: [{key, label, color, dashed?, points: [[round, value], ...] in round order}]
-// options: {logY, yFormat(value, decimals the ticks need) → text}
+// series: [{key, label, color, dashed?, markers? (a dot at every point), points: [[round,
+// value], ...] in round order}]
+// options: {logY, yFormat(value, decimals the ticks need) → text, hoverDigits (decimals a
+// hovered value shows; default 3), legend ([{label, color, dashed?}] in place of one entry
+// per series)}
 export function drawLineChart(svg, series, options) {
   const width = Math.max(svg.clientWidth || 600, 200);
   const height = Math.max(svg.clientHeight || 220, 120);
@@ -152,12 +156,14 @@ export function drawLineChart(svg, series, options) {
 
   const legend = el("g", { class: "legend" });
   let lx = width - MARGIN.right;
-  for (const s of [...series].reverse()) {
+  for (const s of [...(options.legend || series)].reverse()) {
     const text = el("text", { x: lx, y: 14, class: "legend-text" }, s.label);
     legend.append(text);
     lx -= s.label.length * 6.5 + 6;
-    legend.append(el("rect", { x: lx - 10, y: 5, width: 10, height: 10,
-                               fill: s.color, rx: 2 }));
+    legend.append(s.dashed
+      ? el("line", { x1: lx - 12, x2: lx, y1: 10, y2: 10, stroke: s.color,
+                     class: "series dashed" })
+      : el("rect", { x: lx - 10, y: 5, width: 10, height: 10, fill: s.color, rx: 2 }));
     lx -= 22;
   }
 
@@ -170,6 +176,14 @@ export function drawLineChart(svg, series, options) {
                                   "data-series": s.key });
     line.setAttribute("data-points", pointsText(`${svg.id}/${s.key}`, s.points));
     svg.append(line);
+    if (s.markers) {
+      for (const [x, y] of points) {
+        svg.append(el("circle", { cx: toX(x).toFixed(1), cy: toY(y).toFixed(1), r: 3.5,
+                                  fill: "white", stroke: s.color, class: "marker",
+                                  "data-series": s.key, "data-round": x, "data-value": y }));
+      }
+      continue;
+    }
     const last = points[points.length - 1];
     if (last) {
       svg.append(el("circle", { cx: toX(last[0]).toFixed(1), cy: toY(last[1]).toFixed(1), r: 3,
@@ -178,4 +192,105 @@ export function drawLineChart(svg, series, options) {
     }
   }
   svg.append(legend);
+  const fromX = (px) => xLo + ((px - MARGIN.left) / plotW) * (xHi - xLo);
+  followHover(svg, { series, toX, toY, fromX, logY: options.logY, yFormat: options.yFormat,
+                     digits: options.hoverDigits ?? 3, plot: { x: MARGIN.left, y: MARGIN.top,
+                                                               w: plotW, h: plotH } });
+}
+
+// -- hover ------------------------------------------------------------------------------------
+
+// The rounds any series has a point at, sorted, for the nearest-round search.
+function roundsOf(series) {
+  const all = new Set();
+  for (const s of series) for (const [x] of s.points) all.add(x);
+  return [...all].sort((a, b) => a - b);
+}
+
+function nearest(sorted, x) {
+  let lo = 0;
+  let hi = sorted.length - 1;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (sorted[mid] < x) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo > 0 && x - sorted[lo - 1] < sorted[lo] - x ? sorted[lo - 1] : sorted[lo];
+}
+
+// Each series' value at exactly `round` (binary search: points are in round order).
+function valueAt(points, round) {
+  let lo = 0;
+  let hi = points.length - 1;
+  while (lo <= hi) {
+    const mid = (lo + hi) >> 1;
+    if (points[mid][0] === round) return points[mid][1];
+    if (points[mid][0] < round) lo = mid + 1;
+    else hi = mid - 1;
+  }
+  return undefined;
+}
+
+// The hover layer: a guide line at the nearest round and a box listing every series' value
+// there (raw values in data-value). The chart's state is replaced at each redraw; the
+// listeners are added once per <svg>, and a redraw under the pointer shows the box again.
+function followHover(svg, state) {
+  state.rounds = roundsOf(state.series);
+  svg.__hover = state;
+  if (!svg.__hoverBound) {
+    svg.__hoverBound = true;
+    svg.addEventListener("pointermove", (event) => {
+      const box = svg.getBoundingClientRect();
+      const scale = box.width ? svg.viewBox.baseVal.width / box.width : 1;
+      svg.__pointerX = (event.clientX - box.left) * scale;
+      showHover(svg);
+    });
+    svg.addEventListener("pointerleave", () => {
+      svg.__pointerX = null;
+      svg.querySelector("g.hover")?.remove();
+    });
+  }
+  if (svg.__pointerX !== null && svg.__pointerX !== undefined) showHover(svg);
+}
+
+function showHover(svg) {
+  const h = svg.__hover;
+  svg.querySelector("g.hover")?.remove();
+  const px = svg.__pointerX;
+  const slack = 8; // pixels beside the plot that still point at its first or last round
+  if (!h || !h.rounds.length || px < h.plot.x - slack || px > h.plot.x + h.plot.w + slack) return;
+  const round = nearest(h.rounds, h.fromX(px)); // the round drawn nearest the pointer
+  const rows = [];
+  for (const s of h.series) {
+    const value = valueAt(s.points, round);
+    if (value !== undefined && (!h.logY || value > 0)) rows.push([s, value]);
+  }
+  const x = h.toX(round);
+  const layer = el("g", { class: "hover", "data-round": round });
+  layer.append(el("line", { x1: x.toFixed(1), x2: x.toFixed(1), y1: h.plot.y,
+                            y2: h.plot.y + h.plot.h, class: "guide" }));
+  for (const [s, value] of rows) {
+    layer.append(el("circle", { cx: x.toFixed(1), cy: h.toY(value).toFixed(1), r: 3.5,
+                                fill: s.color, class: "hover-dot" }));
+  }
+  const lines = [[null, `round ${round}`],
+                 ...rows.map(([s, v]) => [s, `${s.label}: ${h.yFormat(v, h.digits)}`])];
+  const width = Math.max(...lines.map(([, text]) => text.length)) * 6.4 + 28;
+  const height = lines.length * 15 + 8;
+  const left = x + 10 + width > h.plot.x + h.plot.w ? x - 10 - width : x + 10;
+  const box = el("g", { class: "hover-box",
+                         transform: `translate(${left.toFixed(1)},${h.plot.y + 4})` });
+  box.append(el("rect", { width: width.toFixed(0), height, rx: 4 }));
+  lines.forEach(([s, text], i) => {
+    const y = 16 + i * 15;
+    if (!s) {
+      box.append(el("text", { x: 8, y, class: "hover-round" }, text));
+      return;
+    }
+    box.append(el("rect", { x: 8, y: y - 8, width: 8, height: 8, rx: 2, fill: s.color }));
+    box.append(el("text", { x: 20, y, class: "hover-value", "data-series": s.key,
+                            "data-value": rows[i - 1][1] }, text));
+  });
+  layer.append(box);
+  svg.append(layer);
 }

@@ -19,8 +19,9 @@ const MIB = 2 ** 20;
 const ROUND_SERIES = ["bytes_sent", "bytes_dense", "duration_s", "slowest_s"];
 
 // What the polls brought so far; the charts' series only grow (charts.js relies on it).
-const held = { runId: null, loss: {}, rounds: [], perRound: emptyPerRound(), events: [],
-               names: {}, lastRound: -1, lastSeq: -1, snapshot: null, updatedAt: null };
+const held = { runId: null, loss: {}, heldOut: {}, heldOutText: "", rounds: [],
+               perRound: emptyPerRound(), events: [], names: {}, lastRound: -1, lastSeq: -1,
+               snapshot: null, updatedAt: null };
 
 function emptyPerRound() {
   return Object.fromEntries(ROUND_SERIES.map((key) => [key, []]));
@@ -110,13 +111,20 @@ function absorb(snap) {
     }
   }
   held.events.splice(0, Math.max(held.events.length - EVENTS_KEPT, 0));
+  // the held-out figures come whole each time (a few points per tier) and may be replaced
+  const heldOutText = JSON.stringify(snap.held_out);
+  held.heldOutChanged = heldOutText !== held.heldOutText;
+  held.heldOutText = heldOutText;
+  held.heldOut = Object.fromEntries(Object.entries(snap.held_out).map(
+    ([tier, points]) => [tier, points.map((p) => [p.round, p.loss, p.sequences])]));
   held.snapshot = snap;
   return true;
 }
 
 function forget() {
-  Object.assign(held, { runId: null, loss: {}, rounds: [], perRound: emptyPerRound(),
-                        events: [], names: {}, lastRound: -1, lastSeq: -1 });
+  Object.assign(held, { runId: null, loss: {}, heldOut: {}, heldOutText: "", rounds: [],
+                        perRound: emptyPerRound(), events: [], names: {}, lastRound: -1,
+                        lastSeq: -1 });
   $("#events tbody").replaceChildren(); // a rewound run numbers its events anew
 }
 
@@ -211,8 +219,17 @@ function renderStory(run, clients) {
                       who)];
   const losses = Object.entries(run.last_loss);
   if (run.phase === "finished" && losses.length) {
-    parts.push(" ", node("span", { "data-field": "final_loss" }, "Final loss: "
+    parts.push(" ", node("span", { "data-field": "final_loss" }, "Final training loss: "
       + losses.map(([tier, p]) => `tier ${tier} ${fmt(p.loss, 3)}`).join(" · ") + "."));
+  }
+  // the newest checkpoint evaluated on held-out sequences, at every tier evaluated there
+  const evaluated = Object.entries(held.heldOut).map(([tier, points]) => [tier, points.at(-1)]);
+  const newest = Math.max(...evaluated.map(([, p]) => p[0]));
+  const atNewest = evaluated.filter(([, p]) => p[0] === newest);
+  if (atNewest.length) {
+    parts.push(" ", node("span", { "data-field": "held_out", "data-value": newest },
+      `Held-out loss of round-${newest} (${count(atNewest[0][1][2], "sequence")}): `
+      + atNewest.map(([tier, p]) => `tier ${tier} ${fmt(p[1], 3)}`).join(" · ") + "."));
   }
   $("#story").dataset.phase = run.phase;
   $("#story").replaceChildren(...parts);
@@ -262,7 +279,16 @@ function emptyRow(columns, text) {
 function renderCharts() {
   const lossSeries = Object.keys(held.loss).sort((a, b) => a - b).map((tier) => ({
     key: tier, label: `tier ${tier}`, color: tierColor(tier), points: held.loss[tier] }));
-  drawLineChart($("#loss-chart"), lossSeries, { yFormat: fmt });
+  for (const tier of Object.keys(held.heldOut).sort((a, b) => a - b)) {
+    lossSeries.push({ key: `held-out-${tier}`, label: `tier ${tier} held-out`,
+                      color: tierColor(tier), dashed: true, markers: true,
+                      points: held.heldOut[tier].map(([round, loss]) => [round, loss]) });
+  }
+  const legend = lossSeries.filter((s) => !s.dashed);
+  if (legend.length < lossSeries.length) {
+    legend.push({ label: "held-out", color: "#6b7280", dashed: true });
+  }
+  drawLineChart($("#loss-chart"), lossSeries, { yFormat: fmt, legend });
   drawLineChart($("#bytes-chart"), [
     { key: "bytes_sent", label: "sent (compressed)", color: "#2563eb",
       points: held.perRound.bytes_sent },
@@ -338,10 +364,8 @@ function render(snap, grew) {
   renderRun(snap.run);
   renderStory(snap.run, snap.clients);
   renderClients(snap.clients);
-  if (grew.rounds) {
-    renderCharts();
-    renderRounds();
-  }
+  if (grew.rounds || held.heldOutChanged) renderCharts();
+  if (grew.rounds) renderRounds();
   if (grew.events) renderEvents();
   $("#dashboard").dataset.serverTime = String(snap.run.server_time);
   $("#dashboard").dataset.round = String(snap.run.round);
