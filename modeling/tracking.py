@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from matformer.modeling.errors import ConfigError
+from matformer.modeling.event_file import EventFile
 
 TRACKERS = ("tensorboard", "trackio", "wandb", "none")
 
@@ -44,22 +45,20 @@ class NoTracker:
 
 
 class TensorBoardTracker:
-    """Event files that ``tensorboard --logdir`` reads."""
+    """Event files that ``tensorboard --logdir`` reads, written by ``modeling.event_file``
+    (TensorBoard itself is needed only to look at them)."""
 
     def __init__(self, directory: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(str(directory))
+        self.events = EventFile(directory)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
+        self.events.add_scalars(step, scalars)
 
     def flush(self) -> None:
-        self.writer.flush()
+        self.events.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        self.events.close()
 
 
 class RunLogger:
@@ -88,9 +87,6 @@ def open_tracker(kind: str, directory: Path, *, project: str, name: str,
     if kind == "none":
         return NoTracker()
     if kind == "tensorboard":
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ConfigError("--track tensorboard needs the tensorboard package (pip install "
-                              "tensorboard), or --track none.")
         return TensorBoardTracker(directory)
     if kind in ("trackio", "wandb"):
         if importlib.util.find_spec(kind) is None:
