@@ -221,6 +221,8 @@ class Connection:
         self.metadata: tuple[tuple[str, str], ...] = ()  # the session, once joined
         self.session_token = ""
         self.heartbeat_s = 0.0  # the run's heartbeat interval, once joined
+        self.heartbeats: Heartbeat | None = None  # the keep_alive thread beating now, if any
+        self.heartbeat_gap_s = 0.0  # the longest time between two heartbeats it sent
         self.call_seconds: Counter[str] = Counter()  # RPC name → seconds in its calls
         self.calls: Counter[str] = Counter()  # RPC name → calls made (each try counts)
         self.update_bytes = 0  # received in GetUpdates messages
@@ -269,7 +271,8 @@ class Connection:
                    patience_s=patience_s)
 
     def keep_alive(self, round_index: Callable[[], int]) -> Heartbeat:
-        """Heartbeats for ``round_index()`` while the ``with`` block runs."""
+        """Heartbeats for ``round_index()`` while the ``with`` block runs (inside another
+        ``keep_alive``: the outer one's)."""
         return Heartbeat(self, round_index)
 
     def get_round(self, after: int | None = None) -> Train | Wait | Finished:

@@ -214,20 +214,21 @@ class FederatedClient:
         self.sequences = SequenceSource(self.connection, member.settings, local=o.data)
         self.log(f"joined as {o.name} (session {member.client_id}) at tier {member.tier} "
                  f"(FFN width {member.ffn_width}): {member.tier_reason}")
-        # loading and the speed probe can take longer than the coordinator's heartbeat
-        # timeout on a slow machine: keep the new member alive meanwhile
-        with self.connection.keep_alive(lambda: member.round):
+        # loading, the speed probe and catching up can take longer than the coordinator's
+        # heartbeat timeout on a slow machine: keep the new member alive meanwhile
+        with self.connection.keep_alive(lambda: member.round if self.replica is None
+                                        else self.applied):
             self._load(member.checkpoint or self.connection.latest_checkpoint())
             probe = dict(tier=self.tier, sequence_length=member.settings.sequence_length,
                          batch_tokens=o.microbatch_tokens, steps=2, precision=o.precision)
             speed = self.node.speed(
                 lambda: measure_tokens_per_second(self.replica.model, **probe), probe
             ) * o.compute_speed
-        self.connection.heartbeat(self.applied, tokens_per_second=speed)
-        self.log(f"measured {speed:,.0f} training tokens/s at tier {self.tier}; catching up "
-                 f"from round {self.applied}")
-        self._catch_up()
-        self._build_local_round()
+            self.connection.heartbeat(self.applied, tokens_per_second=speed)
+            self.log(f"measured {speed:,.0f} training tokens/s at tier {self.tier}; catching "
+                     f"up from round {self.applied}")
+            self._catch_up()
+            self._build_local_round()
 
     def _train_rounds(self) -> None:
         """The round loop: synchronous, or overlapped when the run says so."""

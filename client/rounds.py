@@ -65,7 +65,9 @@ class SynchronousRounds:
         c = self.client
         o = c.options
         bar = o.progress if o.progress is not None else sys.stderr.isatty()
-        with Progress(c.log, bar, c.member.planned) as progress:
+        # heartbeats from the first round to the last, through catching up and waiting too
+        with Progress(c.log, bar, c.member.planned) as progress, c.connection.keep_alive(
+                lambda: c.applied):
             while o.max_rounds is None or c.summary.rounds_trained < o.max_rounds:
                 work = c.connection.get_round()
                 if work.round > c.applied:

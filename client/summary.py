@@ -55,6 +55,9 @@ class ClientSummary:
     # heartbeats, which follow the clock rather than the rounds
     rpcs: dict[str, int] = field(default_factory=dict)
     rpcs_per_round: float = 0.0
+    # the longest time between two heartbeats it sent (every [faults] heartbeat_s while it
+    # trains, loads or catches up): beside busy work, how late its heartbeat thread ran
+    heartbeat_gap_s: float = 0.0
 
 
 @dataclass
@@ -84,6 +87,7 @@ def write_summary(summary: ClientSummary, cost: Cost, connection: Connection, we
     summary.down_s = round(sum(seconds[n] for n in DOWNLOADS), 3)
     summary.wall_s = round(time.monotonic() - cost.started, 3)
     summary.rpcs = dict(sorted(connection.calls.items()))
+    summary.heartbeat_gap_s = round(connection.heartbeat_gap_s, 3)
     trained = summary.rounds_trained
     summary.rpcs_per_round = round(
         sum(n for name, n in summary.rpcs.items() if name not in UNTIMED) / trained, 2

@@ -190,7 +190,7 @@ def format_relay_traffic(t: dict[str, Any]) -> str:
 
 
 COST_KEYS = ("bytes_up", "bytes_down", "dense_bytes_up", "dense_bytes_down", "compute_s",
-             "up_s", "down_s", "wait_s", "apply_s", "wall_s")
+             "up_s", "down_s", "wait_s", "apply_s", "wall_s", "heartbeat_gap_s")
 
 
 def relay_summaries(relays_dir: Path, names: list[str]) -> list[dict[str, Any]]:
@@ -224,7 +224,7 @@ def format_costs(costs: dict[str, dict[str, Any]]) -> str:
             f"{c['bytes_down'] / 2**20:,.1f} MiB, {below:,.1f}x below dense float32 both "
             f"ways; computing {busy:.0%} of {c['wall_s']:,.0f} s (up {c['up_s']:,.1f} s, "
             f"down {c['down_s']:,.1f} s, waiting {c['wait_s']:,.1f} s, applying "
-            f"{c['apply_s']:,.1f} s)")
+            f"{c['apply_s']:,.1f} s); heartbeats at most {c['heartbeat_gap_s']:,.1f} s apart")
     return "\n".join(lines)
 
 

@@ -129,6 +129,8 @@ class ClientInfo(Strict):
     last_round_seconds: float = Field(description="from that round's opening to its results")
     last_seen: float = Field(description="server clock of its last call")
     last_seen_s_ago: float
+    longest_silence_s: float = Field(description="the longest time between two of its calls "
+                                                 "since it joined (heartbeats included)")
     state: ClientState = Field(description="training or submitted (in the open round), idle "
                                            "(not in it), silent (no call within "
                                            "heartbeat_timeout_s)")
@@ -312,7 +314,8 @@ def clients_info(snap: dict[str, Any], operator: bool) -> Clients:
             tokens_per_second=m["tokens_per_second"], speed_measured=m["measured_by_round"],
             last_round=m["last_round"], last_round_share=m["last_round_share"],
             last_round_seconds=m["last_round_seconds"], last_seen=m["last_seen"],
-            last_seen_s_ago=age, state=state, rejections=m["rejections"],
+            last_seen_s_ago=age, longest_silence_s=m["longest_silence_s"], state=state,
+            rejections=m["rejections"],
             missed=m["missed"], bytes_up=m["bytes_up"], bytes_down=m["bytes_down"],
             dense_bytes_up=m["dense_bytes_up"], dense_bytes_down=m["dense_bytes_down"],
             compute_utilization=(min(m["last_round_compute_s"] / m["last_round_seconds"], 1.0)

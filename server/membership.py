@@ -28,6 +28,9 @@ class Member:
     tier_reason: str  # one sentence: why this tier
     tokens_per_second: float  # measured when it has submitted, else its own report
     last_seen: float  # clock time of its last call
+    # the longest time between two of its calls since it joined: near [faults]
+    # heartbeat_timeout_s, the timeout is tight for this machine
+    longest_silence_s: float = 0.0
     measured_by_round: bool = False  # tokens_per_second comes from a submitted round
     memory_bytes: int = 0  # what it reported at join: re-tiering checks a larger tier fits
     microbatch_tokens: int = 0
@@ -109,6 +112,7 @@ class Membership:
 
     def heartbeat(self, client_id: str, *, now: float) -> Member:
         member = self.get(client_id)
+        member.longest_silence_s = max(member.longest_silence_s, now - member.last_seen)
         member.last_seen = now
         return member
 

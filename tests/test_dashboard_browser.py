@@ -286,6 +286,8 @@ def compare(page: dict, api: dict) -> list[str]:
         errors += shows(row.get("last_round_share"), m["last_round_share"], 1, f"{who} share",
                         scale=100)
         errors += shows(row.get("rejections"), m["rejections"], 0, f"{who} rejections")
+        errors += shows(row.get("longest_silence_s"), m["longest_silence_s"], 1,
+                        f"{who} longest silence")
         seen = row.get("last_seen_s_ago")
         shown = _number(seen["value"]) if seen is not None else None
         if shown is None:

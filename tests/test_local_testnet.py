@@ -227,6 +227,9 @@ def test_two_clients_with_one_killed_and_restarted(tmp_path, overlap, monkeypatc
     # every sequence was trained exactly once
     monkeypatch.setenv("TESTNET_JOIN_TOKEN", "read-the-config")  # the run's own is gone
     check = check_run(RunConfig.load(config), ["member-0", "member-1"])
+    timeout_s = RunConfig.load(config).faults.heartbeat_timeout_s
+    for name, cost in summary["clients"].items():  # no gap between two heartbeats came
+        assert 0 <= cost["heartbeat_gap_s"] < timeout_s, name  # near the timeout
     assert check.replicas == {"member-0": "equal", "member-1": "equal"}, check.replicas
     assert check.audit.exactly_once
     assert "x below dense float32 both ways; computing" in log

@@ -49,6 +49,18 @@ def test_assignment_is_proportional_to_tokens_per_second(tmp_path, mdat_path):
     assert a.tokens + b.tokens <= 1024 and a.round == 0
 
 
+def test_a_members_longest_silence_is_the_longest_time_between_two_of_its_calls(
+        tmp_path, mdat_path):
+    clock = Clock(100.0)
+    c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=2), clock=clock)
+    a, _, _ = c.join(caps("a"))
+    for now in (102.0, 109.5, 111.0):
+        clock.now = now
+        c.heartbeat(a.client_id)
+    (member,) = c.snapshot(events_after=None)["members"]
+    assert member["longest_silence_s"] == 7.5
+
+
 def test_speed_comes_from_reports_then_from_the_clients_compute_time(tmp_path, mdat_path):
     clock = Clock()
     c = Coordinator(run_config(tmp_path / "run", mdat_path, min_clients=2), clock=clock)

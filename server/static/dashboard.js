@@ -190,7 +190,12 @@ function clientRow(m) {
   row.append(numCell("compute_utilization", m.compute_utilization,
                      m.compute_utilization === null ? "–"
                        : `${fmt(m.compute_utilization * 100, 0)} %`));
-  row.append(numCell("last_seen_s_ago", m.last_seen_s_ago, `${fmt(m.last_seen_s_ago, 1)} s ago`));
+  const seen = numCell("last_seen_s_ago", m.last_seen_s_ago,
+                       `${fmt(m.last_seen_s_ago, 1)} s ago`);
+  seen.append(node("span", { "data-field": "longest_silence_s",
+                             "data-value": m.longest_silence_s, class: "sub" },
+                   `longest silence ${fmt(m.longest_silence_s, 1)} s`));
+  row.append(seen);
   row.append(numCell("rejections", m.rejections, fmt(m.rejections, 0)));
   row.append(node("td", { "data-field": "state", class: `state state-${m.state}` }, m.state));
   return row;
