@@ -40,7 +40,8 @@ among 3 workers sends and receives 2·(3−1)/3 of the model's bytes per step an
 
 ``--attack-scale F``: the first client (tier 0) trains honestly and submits every value
 times F, a member lying about magnitude; ``--peer-clip`` sets the defence ([faults]
-peer_clip; 0: off, unset: the run's default).
+peer_clip; 0: off, unset: the run's default), ``--policy NAME`` the round policy of the
+federated runs ([policy] name, e.g. trimmed_mean; ``--trim`` its fraction).
 
     python bench/federated_quality.py
     python bench/federated_quality.py --runs A,B --rounds 15 --lr 0.01
@@ -197,6 +198,10 @@ def parse_args() -> argparse.Namespace:
                              "every client honest)")
     parser.add_argument("--vote", choices=("mean", "majority"), default="mean",
                         help="[update] vote of the federated runs")
+    parser.add_argument("--policy", default="mean",
+                        help="[policy] name of the federated runs (server/policies/)")
+    parser.add_argument("--trim", type=float, default=None,
+                        help="--policy trimmed_mean's [policy.options] trim (default: its own)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0, help="data.seed: shuffle and init")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (process-wide)")
@@ -268,6 +273,8 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
         "inner": inner,
         "checkpoint": {"every_rounds": rounds},
         "faults": {} if args.peer_clip is None else {"peer_clip": args.peer_clip},
+        "policy": {"name": args.policy,
+                   "options": {} if args.trim is None else {"trim": args.trim}},
         "auth": {"join_token": TOKEN},
     })
 

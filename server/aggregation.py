@@ -56,18 +56,23 @@ def aggregate(results: Sequence[SparseResult], *, votes: bool = False) -> Aggreg
     if not results:
         raise CompressionError("aggregate needs at least one result; skip parameters with none.")
     validate_group(results)
-    shape = results[0].shape
-    tokens = torch.zeros(shape, device=results[0].values.device)  # Σ tokens covering each
-    by_region: dict[Region, int] = {}  # clients of one tier share a region: one pass each
-    for result in results:
-        by_region[result.region] = by_region.get(result.region, 0) + result.tokens
-    for region, count in by_region.items():
-        tokens[region_slices(region)] += count
+    tokens = covering_tokens(results)
     layout = {(r.encoding, r.chunk) for r in results}
     encoding = get_encoding(results[0].encoding)
     if votes or len(layout) > 1 or not isinstance(encoding, ChunkTopK):
         return Aggregate(values=_decoded_mean(results, tokens, votes=votes), tokens=tokens)
     return Aggregate(values=_coefficient_mean(results, tokens, encoding), tokens=tokens)
+
+
+def covering_tokens(results: Sequence[SparseResult]) -> Tensor:
+    """float32, universal shape: Σ tokens of the results covering each element."""
+    tokens = torch.zeros(results[0].shape, device=results[0].values.device)
+    by_region: dict[Region, int] = {}  # clients of one tier share a region: one pass each
+    for result in results:
+        by_region[result.region] = by_region.get(result.region, 0) + result.tokens
+    for region, count in by_region.items():
+        tokens[region_slices(region)] += count
+    return tokens
 
 
 def _decoded_mean(results: Sequence[SparseResult], tokens: Tensor, *, votes: bool,

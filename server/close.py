@@ -29,13 +29,12 @@ from torch import Tensor
 from matformer.modeling.compression import RoundUpdate, SparseResult, UpdateConfig
 from matformer.modeling.tracking import NoTracker, open_tracker
 from matformer.server.errors import RunDirectoryUnavailable
-from matformer.server.limits import clip_to_peers
 from matformer.server.membership import Member
-from matformer.server.outer_state import carried_bytes, close_settings
+from matformer.server.outer_state import carried_bytes
 from matformer.server.rounds import OpenRound, RoundAssignment
 from matformer.server.run_log import round_line
 from matformer.server.state import RunState
-from matformer.server.update_steps import Carried, close_round
+from matformer.server.update_steps import Carried
 
 if TYPE_CHECKING:
     from matformer.server.coordinator import Coordinator
@@ -190,19 +189,17 @@ def _compute(c: Coordinator, closing: Closing) -> dict[str, Tensor] | None:
     """(no lock) The new master, with the update logged, the ledger line and any last
     checkpoint written; None when the update would make a weight not finite (nothing is
     written then). Reads only what no other thread changes while a round closes."""
-    clip = c.config.faults.peer_clip
-    by_name = {name: clip_to_peers(results, clip) for name, results in closing.by_name.items()}
-    votes = c.config.update.vote == "majority"
-    rule, momentum = closing.update.build(), c.config.update.momentum_of()
+    policy = c.policy
+    by_name = policy.inputs(closing.by_name)
     with ThreadPoolExecutor(1, thread_name_prefix="inputs") as beside:
         # a resume closes the round again from its inputs to rebuild what it carries
         # (outer_state.py); written while the round is computed, logged with it
         inputs = beside.submit(c.log.write_inputs, closing.round, by_name) \
-            if c.config.update.carries_state(c.config.compression) else None
-        master, steps, carried = close_round(rule, c.master, by_name, c.carried, votes=votes,
-                                             momentum=momentum)
+            if policy.carries_state(closing.update.broadcast_topk) else None
+        master, steps, carried = policy.close(closing.update.build(), c.master, by_name,
+                                              c.carried)
         fields = None if inputs is None else {
-            "inputs": inputs.result(), "outer": close_settings(votes, momentum)}
+            "inputs": inputs.result(), "outer": policy.record()}
     master = c.tied(master)
     closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
     if closing.broken:  # the limits on results make this unreachable; never serve it

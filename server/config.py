@@ -52,6 +52,7 @@ from matformer.server.sections import (
     FaultsSection,
     InnerSection,
     ModelSection,
+    PolicySection,
     RoundSection,
     RunSection,
     ServerSection,
@@ -59,6 +60,7 @@ from matformer.server.sections import (
     TlsSection,
     TrackingSection,
     UpdateSection,
+    policy_schema,
 )
 
 RENAMED_ENCODINGS = {"none": "dense", "demo": "dct"}  # names run.toml once took → today's
@@ -75,6 +77,7 @@ class RunConfig:
     tiers: TiersSection = field(default_factory=TiersSection)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     update: UpdateSection = field(default_factory=UpdateSection)
+    policy: PolicySection = field(default_factory=PolicySection)
     inner: InnerSection = field(default_factory=InnerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     tls: TlsSection = field(default_factory=TlsSection)
@@ -88,7 +91,9 @@ class RunConfig:
         """Each section's declared ranges (a config built in code has not been read), then
         the checks across sections."""
         for f in dataclasses.fields(self):
-            check_declared(getattr(self, f.name), f.name)
+            if f.name != "policy":  # its keys are its policy's (PolicySection checks them)
+                check_declared(getattr(self, f.name), f.name)
+        self.policy.build(self.update, peer_clip=self.faults.peer_clip)  # across sections
         model = self.model.build()
         for tier in self.tiers.allowed:
             try:
@@ -149,7 +154,8 @@ class RunConfig:
                 and "rule" not in tables["update"]:
             tables["update"] = {**OUTER_DEFAULTS, **tables["update"]}
         base = Path(base).resolve()
-        return cls(**{name: read_table(kind, tables[name], name, base)
+        return cls(**{name: PolicySection.read(tables[name], base) if name == "policy"
+                      else read_table(kind, tables[name], name, base)
                       for name, kind in types.items()})
 
     @property
@@ -159,7 +165,8 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (TOML and JSON types) that ``from_dict`` reads back to an equal config."""
-        return {f.name: table_of(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: self.policy.table() if f.name == "policy"
+                else table_of(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 def _local_steps(inner: Any) -> bool:
@@ -190,5 +197,6 @@ def run_schema() -> dict[str, Any]:
     auth = schema["properties"]["auth"]
     mode = {**auth["properties"]["mode"], "description": "short for [auth] mode = this"}
     schema["properties"]["auth"] = {"anyOf": [mode, auth]}
+    schema["properties"]["policy"] = policy_schema()
     return schema
 

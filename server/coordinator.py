@@ -105,6 +105,8 @@ class Coordinator:
         self.tracker: Tracker | None = None  # opened with the first round it records
         self.gate = SubmissionGate(self.shapes,
                                    SubmissionLimits(config.compression, config.faults))
+        # how each round's results become its step ([policy]; server/policies/)
+        self.policy = config.policy.build(config.update, peer_clip=config.faults.peer_clip)
         # the broadcast's residual and the outer momentum, carried from round to round and
         # saved with each checkpoint (server/outer_state.py)
         self.carried = Carried()

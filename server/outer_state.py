@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from matformer.modeling.compression import ChunkGrid, SparseResult, index_dtype
-from matformer.server.update_steps import Carried, Momentum
+from matformer.server.update_steps import Carried
 
 OUTER_STATE_NAME = "matformer_outer_state.safetensors"
 _KINDS = ("residual", "momentum")
@@ -42,7 +42,7 @@ _KINDS = ("residual", "momentum")
 def save_carried(folder: Path, carried: Carried) -> None:
     """``carried`` as ``folder/matformer_outer_state.safetensors`` (float32, by name)."""
     tensors = {f"{kind}/{name}": tensor.contiguous()
-               for kind in _KINDS for name, tensor in getattr(carried, kind).items()}
+               for kind, by_name in _by_kind(carried).items() for name, tensor in by_name.items()}
     save_file(tensors, str(Path(folder) / OUTER_STATE_NAME),
               metadata={"format": "matformer-outer-state", "version": "1"})
 
@@ -56,26 +56,22 @@ def load_carried(folder: Path) -> Carried | None:
     carried = Carried()
     for key, tensor in load_file(str(path)).items():
         kind, _, name = key.partition("/")
-        getattr(carried, kind)[name] = tensor
+        if kind in _KINDS:
+            getattr(carried, kind)[name] = tensor
+        else:  # a round policy's own state (server/policies/)
+            carried.buffers.setdefault(kind, {})[name] = tensor
     return carried
-
-
-def close_settings(votes: bool, momentum: Momentum | None) -> dict[str, Any]:
-    """What a logged round's close used besides its ``UpdateConfig``, for the round's json."""
-    return {"votes": votes, "momentum": None if momentum is None else
-            {"factor": momentum.factor, "nesterov": momentum.nesterov}}
-
-
-def settings_of(outer: Mapping[str, Any]) -> tuple[bool, Momentum | None]:
-    """Inverse of ``close_settings``: (votes, momentum)."""
-    momentum = outer["momentum"]
-    return outer["votes"], None if momentum is None else Momentum(**momentum)
 
 
 def carried_bytes(carried: Carried) -> int:
     """Bytes ``carried`` takes, in memory and in a checkpoint."""
     return sum(t.numel() * t.element_size()
-               for kind in _KINDS for t in getattr(carried, kind).values())
+               for by_name in _by_kind(carried).values() for t in by_name.values())
+
+
+def _by_kind(carried: Carried) -> dict[str, dict[str, Tensor]]:
+    """Every tensor ``carried`` holds, by kind: the residual, the momentum, a policy's own."""
+    return {**{kind: getattr(carried, kind) for kind in _KINDS}, **carried.buffers}
 
 
 def results_record(by_name: Mapping[str, Sequence[SparseResult]]

@@ -22,9 +22,9 @@ from matformer.modeling.run_order import RunOrder
 from matformer.modeling.training import target_tokens
 from matformer.server.errors import ResumeError
 from matformer.server.membership import Membership
-from matformer.server.outer_state import settings_of
+from matformer.server.policies import policy_from_record
 from matformer.server.state import RunState
-from matformer.server.update_steps import Carried, close_round
+from matformer.server.update_steps import Carried
 from matformer.server.work import WorkQueue
 
 if TYPE_CHECKING:
@@ -158,15 +158,14 @@ def _replayed(c: Coordinator) -> tuple[dict[str, Tensor], Carried]:
             master, carried = c.tied(entry.apply(master)), None
             continue
         by_name, outer = logged
-        votes, momentum = settings_of(outer)
-        master, _, carried = close_round(entry.update.build(), master, by_name, carried,
-                                         votes=votes, momentum=momentum)
+        master, _, carried = policy_from_record(outer).close(entry.update.build(), master,
+                                                             by_name, carried)
         master = c.tied(master)
     if entries and c.tier_hashes(list(entries[-1].hashes), master) != entries[-1].hashes:
         raise ResumeError(f"replaying {c.dir / 'updates'} onto checkpoint round-{base} "
                           "does not reproduce the logged weight hashes; the log or the "
                           "checkpoint was altered. Restore them, or start a new run.")
-    if lost and c.config.update.carries_state(c.config.compression):
+    if lost and c.policy.carries_state(c.config.update.broadcast(c.config.compression)):
         log.warning("%s (written by an earlier version): the outer momentum and the "
                     "broadcast's residual start again from zero, so the run goes on along "
                     "another path than it would have without the restart", lost)

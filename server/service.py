@@ -105,11 +105,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                           f"this server runs {c.config.run.id!r}, not {request.run_id!r}; "
                           "check --server.")
         check_schema(context, request, self.schema_hash)
-        if request.relay and c.config.update.vote == "majority":
+        if request.relay and not c.policy.takes_partials:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          "this run counts one sign vote per member ([update] vote = "
-                          "\"majority\"), which a relay's partial sum cannot carry; join its "
-                          "members directly, or run with vote = \"mean\".")
+                          f"this run's round policy, {c.policy.describe()}, must see each "
+                          "member's result, which a relay's partial sum hides; join its "
+                          "members directly, or run a policy that takes sums ([policy] name "
+                          "= \"mean\", [update] vote = \"mean\").")
         capabilities = capabilities_of(request, c.config.data.max_seq_len)
         # a restarted client presents the session it had, to take its name back at once
         previous = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)

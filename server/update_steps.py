@@ -43,17 +43,18 @@ def update_step(rule: UpdateRule, aggregate: Aggregate, covered: Sequence[Region
     step, which leaves nothing out); the residual in and out as universal-shaped values."""
     broadcast = rule.broadcast
     if broadcast is None:
-        step, _, _ = _step(rule, aggregate, covered, None)
+        step, _, _ = broadcast_step(rule, aggregate, covered, None)
         return step, residual
     kept = None if residual is None else broadcast.residual_of(residual)
-    step, left, _ = _step(rule, aggregate, covered, kept)
+    step, left, _ = broadcast_step(rule, aggregate, covered, kept)
     return step, broadcast.values_of(left, step.shape)
 
 
-def _step(rule: UpdateRule, aggregate: Aggregate, covered: Sequence[Region],
-          residual: Tensor | None) -> tuple[Step, Tensor | None, Tensor | None]:
+def broadcast_step(rule: UpdateRule, aggregate: Aggregate, covered: Sequence[Region],
+                   residual: Tensor | None) -> tuple[Step, Tensor | None, Tensor | None]:
     """``update_step`` with the residual as the broadcast keeps it (``Carried``), and a
-    compressed step's direction over its box (None for exact)."""
+    compressed step's direction over its box (None for exact), which ``rule.apply`` takes
+    as ``direction``."""
     if rule.broadcast is None:
         step = dense_step(aggregate.values, covered, signs=rule.name == "sign")
         return step, residual, None
@@ -89,6 +90,9 @@ class Carried:
 
     residual: dict[str, Tensor] = field(default_factory=dict)
     momentum: dict[str, Tensor] = field(default_factory=dict)
+    # a round policy's own per-parameter state, by kind (server/policies/), e.g. outer
+    # AdamW's exp_avg and exp_avg_sq: kind → name → float32, universal shape
+    buffers: dict[str, dict[str, Tensor]] = field(default_factory=dict)
 
 
 def close_round(rule: UpdateRule, master: Mapping[str, Tensor],
@@ -121,12 +125,13 @@ def close_round(rule: UpdateRule, master: Mapping[str, Tensor],
                 values, buffers[name] = momentum.direction(mean.values, mean.covered,
                                                            buffers.get(name))
                 mean = Aggregate(values=values, tokens=mean.tokens)
-            step, left, decoded = _step(rule, mean, covered, residual.get(name))
+            step, left, decoded = broadcast_step(rule, mean, covered, residual.get(name))
             if left is not None:
                 residual[name] = left
         master[name] = rule.apply(master[name], step, direction=decoded)
         steps[name] = step
-    return master, steps, Carried(residual=residual, momentum=buffers)
+    return master, steps, Carried(residual=residual, momentum=buffers,
+                                  buffers=dict(carried.buffers))
 
 
 def _summable(results: Sequence[SparseResult], broadcast: Broadcast,

@@ -247,6 +247,17 @@ def test_the_root_refuses_a_relay_in_a_majority_vote_run(tmp_path):
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "vote" in details
 
 
+def test_the_root_refuses_a_relay_when_its_round_policy_must_see_each_result(tmp_path):
+    run = config(tmp_path, min_clients=1, policy={"name": "trimmed_mean"})
+    with serving_config(run) as (server, stub):
+        request = join_request(server, name="relay-a")
+        request.relay = True
+        code, details = code_of(lambda: stub.Join(request, timeout=HONEST_TIMEOUT_S))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert details.startswith("this run's round policy, trimmed_mean (trim 0.25), must "
+                                  "see each member's result")
+
+
 def test_only_a_relay_names_missed_sequences_or_losses_per_tier(tmp_path):
     with serving_config(config(tmp_path, min_clients=1)) as (server, stub):
         member = Member(f"127.0.0.1:{server.grpc_port}", server, "m0", 0)

@@ -5,6 +5,7 @@ configure:
     run.py       [run], [checkpoint], [tracking]: the run's name and what it keeps
     model.py     [model], [data], [tiers]: what is trained, on what, in which slices
     training.py  [round], [update], [inner]: rounds and steps
+    policy.py    [policy]: the round policy (server/policies/) and its own keys
     access.py    [server], [auth], [tls]: where the servers listen and who may use them
     faults.py    [faults]: members that fail or misbehave, and what their calls may hold
     checks.py    what checks by hand share: a range computed from other keys
@@ -20,6 +21,7 @@ See ``examples/run.toml`` for every key, its default and what it does.
 from matformer.server.sections.access import AuthSection, ServerSection, TlsSection
 from matformer.server.sections.faults import FaultsSection
 from matformer.server.sections.model import DataSection, ModelSection, TiersSection
+from matformer.server.sections.policy import PolicySection, policy_schema
 from matformer.server.sections.run import CheckpointSection, RunSection, TrackingSection
 from matformer.server.sections.training import (
     OUTER_DEFAULTS,
@@ -36,6 +38,7 @@ __all__ = [
     "FaultsSection",
     "InnerSection",
     "ModelSection",
+    "PolicySection",
     "RoundSection",
     "RunSection",
     "ServerSection",
@@ -43,4 +46,5 @@ __all__ = [
     "TlsSection",
     "TrackingSection",
     "UpdateSection",
+    "policy_schema",
 ]
