@@ -63,8 +63,8 @@ import grpc
 import torch
 from harness import parse, print_table
 
-import matformer.server.close as close_module
 import matformer.server.coordinator as coordinator_module
+import matformer.server.policies.mean as close_module  # the default policy calls close_round
 from matformer.modeling import ModelConfig
 from matformer.modeling.compression import (
     DENSE_BYTES_PER_VALUE,

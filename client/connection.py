@@ -42,16 +42,15 @@ from matformer.client.errors import (
     UpdatesPruned,
 )
 from matformer.client.heartbeat import Heartbeat
-from matformer.client.local_round import LocalSteps
 from matformer.client.progress import Planned
-from matformer.modeling.compression import CompressionConfig, RoundUpdate, SparseResult
-from matformer.modeling.optim import constant_after_warmup
+from matformer.modeling.compression import RoundUpdate, SparseResult
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.channel import open_channel
 from matformer.protocol.files import receive_file
 from matformer.protocol.link import metered
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
+from matformer.protocol.settings import RunSettings, decode_settings
 from matformer.protocol.submission import submission_messages
 from matformer.protocol.tensors import decode_tensor
 from matformer.protocol.updates import read_updates
@@ -86,46 +85,6 @@ ADVICE = {
 
 
 # -- what the coordinator says, as the client uses it ---------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RunSettings:
-    """What a client needs to train as the run does."""
-
-    compression: CompressionConfig  # how results are compressed, with error feedback
-    sequence_length: int
-    data_strategy: str  # pretokenization strategy of the run's MDAT
-    data_view: str | None  # the view of it the run reads; None: the whole container
-    data_fingerprint: str  # of that view: a local copy (--data) must match it
-    heartbeat_s: float  # how often to heartbeat, also while training; 0: not asked
-    local_steps: LocalSteps | None  # None: one gradient per round
-    # overlapped rounds: round r is trained on the weights after r - 1 rounds, and the next
-    # rounds' work is handed out ahead (docs/architecture.md, "One round")
-    overlap: bool = False
-    # what the coordinator does to members' results ([faults]): a relay does it to its own
-    peer_clip: float = 0.0  # 0: off
-    max_norm: float | None = None  # None: unbounded
-    norm_action: str = "reject"
-
-    @classmethod
-    def from_proto(cls, s: pb.TrainingSettings) -> RunSettings:
-        compression = CompressionConfig(encoding=s.encoding, chunk=s.chunk, topk=s.topk,
-                                        value_dtype=s.value_dtype, decay=s.decay,
-                                        lr=s.compression_lr)
-        local_steps = None
-        if s.HasField("inner"):
-            i = s.inner
-            optimizer = constant_after_warmup(
-                i.name, lr=i.lr, weight_decay=i.weight_decay, betas=(i.beta1, i.beta2),
-                eps=i.eps, warmup_steps=i.warmup_steps)
-            local_steps = LocalSteps(optimizer=optimizer, batch_tokens=i.batch_tokens,
-                                     schedule=i.schedule or "constant", final_lr=i.final_lr,
-                                     planned_rounds=max(1, i.planned_rounds))
-        return cls(compression=compression, sequence_length=s.sequence_length,
-                   data_strategy=s.data_strategy, data_view=s.data_view or None,
-                   data_fingerprint=s.data_fingerprint, heartbeat_s=s.heartbeat_seconds,
-                   local_steps=local_steps, overlap=s.overlap, peer_clip=s.peer_clip,
-                   max_norm=s.max_norm or None, norm_action=s.norm_action or "reject")
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +219,7 @@ class Connection:
         return Membership(client_id=reply.client_id, tier=reply.tier,
                           ffn_width=reply.ffn_width, tier_reason=reply.tier_reason,
                           round=reply.round, checkpoint=checkpoint,
-                          settings=RunSettings.from_proto(reply.settings),
+                          settings=decode_settings(reply.settings),
                           schema_hash=reply.schema_hash, planned=Planned(
                               reply.rounds_planned or None, reply.tokens_planned or None))
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from matformer.client.connection import Connection, RunSettings
+from matformer.client.connection import Connection
 from matformer.client.errors import DataMismatch
 from matformer.modeling.mdat import Mdat, SequenceReader
+from matformer.protocol.settings import RunSettings
 
 
 class SequenceSource:

@@ -47,7 +47,7 @@ from matformer.client.errors import (
     Terminated,
     UpdatesPruned,
 )
-from matformer.client.local_round import Advance, LocalRound, RoundSetup, RoundWork
+from matformer.client.local_round import Advance, LocalRound, LocalSteps, RoundSetup, RoundWork
 from matformer.client.mirror import Broadcast
 from matformer.client.node import Node
 from matformer.client.probe import device_name, measure_tokens_per_second, memory_bytes
@@ -361,7 +361,7 @@ class FederatedClient:
         setup = RoundSetup(
             tiers=(self.tier, *sorted(t for t in set(o.also_train) if t > self.tier)),
             microbatch_tokens=o.microbatch_tokens, microbatch_examples=o.microbatch_examples,
-            steps=settings.local_steps, precision=o.precision,
+            steps=LocalSteps.of(settings.inner), precision=o.precision,
             row_length=settings.sequence_length if o.batching == "packed" else None)
         self.node.setup(setup)
         self.local_round = setup.build(self.replica, settings.compression.build(),

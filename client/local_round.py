@@ -42,8 +42,14 @@ from matformer.modeling.config import ModelConfig
 from matformer.modeling.devices import Precision
 from matformer.modeling.distributed import DataParallel
 from matformer.modeling.matformer import Tier
-from matformer.modeling.optim import LocalOptimizer, OptimizerConfig, lr_factor
+from matformer.modeling.optim import (
+    LocalOptimizer,
+    OptimizerConfig,
+    constant_after_warmup,
+    lr_factor,
+)
 from matformer.modeling.training import StepOptions, TierSchedule, tier_gradients
+from matformer.protocol.settings import InnerSettings
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +89,18 @@ class LocalSteps:
     schedule: str = "constant"  # cosine | linear | constant, over the run's rounds
     final_lr: float = 0.0  # the inner lr at the last planned round (cosine, linear)
     planned_rounds: int = 1
+
+    @classmethod
+    def of(cls, inner: InnerSettings | None) -> LocalSteps | None:
+        """The local steps the run's settings ask for; None: one gradient per round."""
+        if inner is None:
+            return None
+        optimizer = constant_after_warmup(
+            inner.name, lr=inner.lr, weight_decay=inner.weight_decay,
+            betas=(inner.beta1, inner.beta2), eps=inner.eps, warmup_steps=inner.warmup_steps)
+        return cls(optimizer=optimizer, batch_tokens=inner.batch_tokens,
+                   schedule=inner.schedule, final_lr=inner.final_lr,
+                   planned_rounds=inner.planned_rounds)
 
     def lr_scale(self, round_index: int) -> float:
         """The factor on the inner lr during round ``round_index`` (0-based)."""

@@ -34,7 +34,6 @@ from pathlib import Path
 
 import grpc
 
-from matformer.client.connection import RunSettings
 from matformer.client.mirror import MirrorFirst
 from matformer.modeling.atomic import write_json_atomic
 from matformer.modeling.checkpoint.files import read_json
@@ -50,6 +49,7 @@ from matformer.modeling.compression.partial import Recompressor, partial_sums
 from matformer.modeling.errors import MatformerError
 from matformer.protocol.auth import SessionTokens
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.settings import decode_settings
 from matformer.protocol.sparse import ResultLayout, result_layouts
 from matformer.relay.cache import FileCache, UpdateCache
 from matformer.relay.rounds import HeldRound, Part, RelayMember
@@ -122,7 +122,7 @@ class Relay:
         """Join the root, learn the run's model from its latest checkpoint, and start the
         heartbeat and round threads."""
         self.joined = self.root.join(tokens_per_second=0.0)
-        settings = RunSettings.from_proto(self.joined.settings)
+        settings = decode_settings(self.joined.settings)
         self.heartbeat_s = settings.heartbeat_s or 5.0
         self.window = WINDOW if settings.overlap else 1
         manifest_path = self.root.checkpoint().manifest_path

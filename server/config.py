@@ -44,6 +44,7 @@ from matformer.modeling.settings import (
     table_of,
 )
 from matformer.server.errors import InvalidValue, MissingFile
+from matformer.server.policies.section import PolicySection, policy_schema
 from matformer.server.sections import (
     OUTER_DEFAULTS,
     AuthSection,
@@ -52,7 +53,6 @@ from matformer.server.sections import (
     FaultsSection,
     InnerSection,
     ModelSection,
-    PolicySection,
     RoundSection,
     RunSection,
     ServerSection,
@@ -60,7 +60,6 @@ from matformer.server.sections import (
     TlsSection,
     TrackingSection,
     UpdateSection,
-    policy_schema,
 )
 
 RENAMED_ENCODINGS = {"none": "dense", "demo": "dct"}  # names run.toml once took → today's

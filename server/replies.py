@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from matformer.modeling.checkpoint.export import read_manifest
 from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.protocol.settings import InnerSettings, RunSettings, encode_settings
 from matformer.server.rounds import RoundAssignment
 
 if TYPE_CHECKING:
@@ -30,24 +31,19 @@ def checkpoint_ref(coordinator: Coordinator, tier: int) -> pb.CheckpointRef:
 def settings(coordinator: Coordinator) -> pb.TrainingSettings:
     """What a client needs to train as the run does."""
     cfg = coordinator.config
-    compression, inner = cfg.compression, cfg.inner
-    settings = pb.TrainingSettings(
-        encoding=compression.encoding, chunk=compression.chunk, topk=compression.topk,
-        value_dtype=compression.value_dtype, decay=compression.decay,
-        compression_lr=compression.lr, sequence_length=cfg.data.max_seq_len,
-        data_fingerprint=coordinator.reader.fingerprint,
-        data_strategy=cfg.data.strategy, data_view=cfg.data.view or "",
-        heartbeat_seconds=cfg.faults.heartbeat_s, overlap=cfg.round.overlap,
-        peer_clip=cfg.faults.peer_clip, max_norm=cfg.faults.max_norm or 0.0,
-        norm_action=cfg.faults.norm_action)
-    if inner.enabled:
-        settings.inner.CopyFrom(pb.InnerOptimizer(
+    inner = cfg.inner
+    return encode_settings(RunSettings(
+        compression=cfg.compression, sequence_length=cfg.data.max_seq_len,
+        data_strategy=cfg.data.strategy, data_view=cfg.data.view,
+        data_fingerprint=coordinator.reader.fingerprint, heartbeat_s=cfg.faults.heartbeat_s,
+        inner=None if not inner.enabled else InnerSettings(
             name=inner.optimizer, lr=inner.lr, weight_decay=inner.weight_decay,
             beta1=inner.betas[0], beta2=inner.betas[1], eps=inner.eps,
             warmup_steps=inner.warmup_steps, batch_tokens=inner.batch_tokens,
             schedule=inner.schedule, final_lr=inner.final_lr_value,
-            planned_rounds=cfg.round.planned_rounds))
-    return settings
+            planned_rounds=cfg.round.planned_rounds),
+        overlap=cfg.round.overlap, peer_clip=cfg.faults.peer_clip,
+        max_norm=cfg.faults.max_norm, norm_action=cfg.faults.norm_action))
 
 
 def planned(coordinator: Coordinator) -> dict[str, int]:

@@ -15,7 +15,7 @@ from rounds import committed, flat_results
 from test_federated import SEQ_LEN, client, held, same, start
 from wire import header_of, join_request, joined, serving_config
 
-import matformer.server.close as close_module
+import matformer.server.policies.mean as close_module  # the default policy calls close_round
 from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows
 from matformer.modeling.checkpoint import load_pretrained
 from matformer.modeling.mdat import build_default_mdat

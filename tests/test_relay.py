@@ -254,7 +254,7 @@ def test_the_root_refuses_a_relay_when_its_round_policy_must_see_each_result(tmp
         request.relay = True
         code, details = code_of(lambda: stub.Join(request, timeout=HONEST_TIMEOUT_S))
         assert code == grpc.StatusCode.FAILED_PRECONDITION
-        assert details.startswith("this run's round policy, trimmed_mean (trim 0.25), must "
+        assert details.startswith("this run's round policy, trimmed_mean (trim 0.34), must "
                                   "see each member's result")
 
 

@@ -27,9 +27,9 @@ from matformer.server.update_steps import Carried, broadcast_step
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class TrimOptions:
-    trim: float = setting(0.25, low=0, high=0.5, help=(
-        "the fraction of the results covering an element set aside at each end, below 0.5 "
-        "(0.25 of four: the largest and the smallest)"))
+    trim: float = setting(0.34, low=0, high=0.5, help=(
+        "the fraction of the results covering an element set aside at each end, rounded "
+        "down, below 0.5 (0.34: of three, the largest and the smallest, leaving the median)"))
 
     def __post_init__(self) -> None:
         require(self.trim < 0.5, f"[policy.options] trim must lie in [0, 0.5), got "

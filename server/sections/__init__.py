@@ -5,7 +5,6 @@ configure:
     run.py       [run], [checkpoint], [tracking]: the run's name and what it keeps
     model.py     [model], [data], [tiers]: what is trained, on what, in which slices
     training.py  [round], [update], [inner]: rounds and steps
-    policy.py    [policy]: the round policy (server/policies/) and its own keys
     access.py    [server], [auth], [tls]: where the servers listen and who may use them
     faults.py    [faults]: members that fail or misbehave, and what their calls may hold
     checks.py    what checks by hand share: a range computed from other keys
@@ -13,7 +12,7 @@ configure:
 Reading a table checks each key against its declaration; a section's ``__post_init__``
 checks what involves two keys, and ``server.config.RunConfig.validate`` what involves two
 sections (tiers against the model, ...). [compression] is modeling's ``CompressionConfig``,
-declared the same way.
+declared the same way; [policy] is the round policies' own (``server/policies/section.py``).
 
 See ``examples/run.toml`` for every key, its default and what it does.
 """
@@ -21,7 +20,6 @@ See ``examples/run.toml`` for every key, its default and what it does.
 from matformer.server.sections.access import AuthSection, ServerSection, TlsSection
 from matformer.server.sections.faults import FaultsSection
 from matformer.server.sections.model import DataSection, ModelSection, TiersSection
-from matformer.server.sections.policy import PolicySection, policy_schema
 from matformer.server.sections.run import CheckpointSection, RunSection, TrackingSection
 from matformer.server.sections.training import (
     OUTER_DEFAULTS,
@@ -38,7 +36,6 @@ __all__ = [
     "FaultsSection",
     "InnerSection",
     "ModelSection",
-    "PolicySection",
     "RoundSection",
     "RunSection",
     "ServerSection",
@@ -46,5 +43,4 @@ __all__ = [
     "TlsSection",
     "TrackingSection",
     "UpdateSection",
-    "policy_schema",
 ]
