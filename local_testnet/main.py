@@ -62,7 +62,6 @@ PREVIOUS_SUFFIX = "-previous"  # the run before the current one, kept beside it
 # The embedded run: about two and a half minutes on two CPU cores with three clients.
 DEFAULT_ROUNDS = 150
 DEFAULT_TOKENS_PER_ROUND = 4096
-RELAY_DEADLINE = 0.75  # of the root's deadline: a relay hands in what it has before it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -264,8 +263,7 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
         bandwidth_mbit=args.bandwidth_mbit, device=args.device, threads=args.threads,
         events=events,
-        tls_ca=config.tls.cert, tls_key=config.tls.key, env=env, relay_ports=relay_ports,
-        relay_deadline_s=config.round.deadline_s * RELAY_DEADLINE))
+        tls_ca=config.tls.cert, tls_key=config.tls.key, env=env, relay_ports=relay_ports))
     # `kill` and `timeout` stop the run as Ctrl-C does: the children are stopped with it
     # (each runs in its own session, so nothing else would stop them)
     previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -71,7 +71,6 @@ class TestnetPlan:
     tls_key: Path | None = None  # [tls] key: relays serve their clients with the same pair
     env: dict[str, str] = field(default_factory=dict)  # the join token, for every child
     relay_ports: list[int] = field(default_factory=list)  # one relay each (--relays)
-    relay_deadline_s: float = 45.0  # a relay's members' time for a round, under the root's
 
 
 class Testnet:
@@ -156,7 +155,6 @@ class Testnet:
         argv = python_module("matformer.relay.main", "--upstream", f"127.0.0.1:{p.grpc_port}",
                              "--port", str(port), "--name", name,
                              "--dir", str(p.run_dir / "relays" / name),
-                             "--deadline-s", f"{p.relay_deadline_s:g}",
                              # its clients all ready before it takes the root's first round
                              "--min-members", str(sum(c.port == port for c in p.clients)))
         if p.tls_ca is not None:  # TLS to the root, and to its clients with the root's pair

@@ -53,6 +53,7 @@ class RunSettings:
     peer_clip: float = 0.0  # 0: off
     max_norm: float | None = None  # None: unbounded
     norm_action: str = "reject"
+    deadline_s: float = 0.0  # [round] deadline_s; 0: not said (an older coordinator)
 
 
 def encode_settings(s: RunSettings) -> pb.TrainingSettings:
@@ -62,7 +63,8 @@ def encode_settings(s: RunSettings) -> pb.TrainingSettings:
         decay=c.decay, compression_lr=c.lr, sequence_length=s.sequence_length,
         data_fingerprint=s.data_fingerprint, data_strategy=s.data_strategy,
         data_view=s.data_view or "", heartbeat_seconds=s.heartbeat_s, overlap=s.overlap,
-        peer_clip=s.peer_clip, max_norm=s.max_norm or 0.0, norm_action=s.norm_action)
+        peer_clip=s.peer_clip, max_norm=s.max_norm or 0.0, norm_action=s.norm_action,
+        round_deadline_seconds=s.deadline_s)
     if s.inner is not None:
         i = s.inner
         message.inner.CopyFrom(pb.InnerOptimizer(
@@ -90,4 +92,5 @@ def decode_settings(m: pb.TrainingSettings) -> RunSettings:
                        data_strategy=m.data_strategy, data_view=m.data_view or None,
                        data_fingerprint=m.data_fingerprint, heartbeat_s=m.heartbeat_seconds,
                        inner=inner, overlap=m.overlap, peer_clip=m.peer_clip,
-                       max_norm=m.max_norm or None, norm_action=m.norm_action or "reject")
+                       max_norm=m.max_norm or None, norm_action=m.norm_action or "reject",
+                       deadline_s=m.round_deadline_seconds)

@@ -36,7 +36,7 @@ from matformer.modeling.threads import add_threads_option, use_threads
 from matformer.protocol.channel import GRPC_OPTIONS, is_loopback, listen
 from matformer.protocol.health import add_health
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from matformer.relay.relay import Relay, RelayError
+from matformer.relay.relay import DEADLINE_SHARE, Relay, RelayError
 from matformer.relay.service import RelayService
 from matformer.relay.upstream import Upstream
 from matformer.server.keys import is_client_key
@@ -101,7 +101,7 @@ class RunningRelay:
 
     @classmethod
     def start(cls, upstream: str, *, name: str, access: Access | str, folder: Path,
-              host: str = "127.0.0.1", port: int = 0, deadline_s: float = 45.0,
+              host: str = "127.0.0.1", port: int = 0, deadline_s: float | None = None,
               topk: int = 0, mirror: str | None = None, min_members: int = 1,
               log: Callable[[str], None] = print) -> RunningRelay:
         """``access``: an ``Access``, or the run's join token alone (plaintext both ways)."""
@@ -152,9 +152,10 @@ def parser() -> argparse.ArgumentParser:
                    help="serve members over TLS with this certificate chain (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None, metavar="PEM",
                    help="the private key of --tls-cert")
-    p.add_argument("--deadline-s", type=float, default=45.0,
+    p.add_argument("--deadline-s", type=float, default=None,
                    help="how long members have for a round before the relay hands in what "
-                        "it has; keep it under the run's [round] deadline_s (default: 45)")
+                        "it has; at most the run's [round] deadline_s, which the root says "
+                        f"(default: {DEADLINE_SHARE:.0%} of it)")
     p.add_argument("--min-members", type=int, default=1, metavar="N",
                    help="members ready (their speed known) before the relay takes its first "
                         "round from the root, as [round] min_clients is for the root; the "
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.min_members < 1:
         p.error(f"--min-members must be at least 1, got {args.min_members}")
+    if args.deadline_s is not None and not 0 < args.deadline_s < float("inf"):
+        p.error(f"--deadline-s must be a positive number of seconds, got {args.deadline_s}")
     token = args.join_token if args.join_token is not None else os.environ.get(
         JOIN_TOKEN_ENV, "")
     members = args.member_token if args.member_token is not None else os.environ.get(

@@ -26,6 +26,7 @@ each held round's deadline comes ``deadline_s`` after the one before it, as the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
 import time
@@ -64,7 +65,7 @@ from matformer.server.errors import (
 from matformer.server.gate import MAX_RELAYED, SubmissionGate
 from matformer.server.limits import SubmissionLimits, clip_to_peers
 from matformer.server.pipeline import WINDOW
-from matformer.server.rounds import RoundAssignment
+from matformer.server.rounds import RoundAssignment, deadline_after, pulled_in
 from matformer.server.sections import FaultsSection
 from matformer.server.tiers import Capabilities, TierAssignment, TierPolicy
 from matformer.server.work import assign
@@ -72,6 +73,10 @@ from matformer.server.work import assign
 WAIT_S = 0.5  # between looks at the root when it has no work for the relay
 MEMBER_TIMEOUT_S = 30.0  # a member silent this long is gone: its part counts as missed
 SUMMARY_FILE = "summary.json"  # in the relay's --dir, written when it stops
+# A relay's members get this share of the run's [round] deadline_s unless --deadline-s says:
+# the rest is the relay's to fold their results and hand them in
+DEADLINE_SHARE = 0.75
+DEFAULT_DEADLINE_S = 45.0  # ... under a root too old to say its deadline
 
 
 class RelayError(MatformerError):
@@ -79,13 +84,14 @@ class RelayError(MatformerError):
 
 
 class Relay:
-    def __init__(self, root: Upstream, *, deadline_s: float, folder: Path, topk: int = 0,
+    def __init__(self, root: Upstream, *, deadline_s: float | None, folder: Path, topk: int = 0,
                  mirror: str | None = None, log: Callable[[str], None] = lambda line: None,
                  member_timeout_s: float = MEMBER_TIMEOUT_S, min_members: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
         self.folder = folder
-        self.deadline_s = deadline_s
+        self.deadline_s = deadline_s  # None: DEADLINE_SHARE of the run's, learnt at start
+        self.root_deadline_s = 0.0  # the run's [round] deadline_s, learnt at start
         # 0: the members' exact sum; else cut to topk per chunk, the rest carried (lossy)
         self.recompress = Recompressor(topk) if topk else None
         self.member_timeout_s = member_timeout_s
@@ -123,6 +129,19 @@ class Relay:
         heartbeat and round threads."""
         self.joined = self.root.join(tokens_per_second=0.0)
         settings = decode_settings(self.joined.settings)
+        self.root_deadline_s = settings.deadline_s  # 0: an older root that does not say
+        if self.deadline_s is None:
+            self.deadline_s = (settings.deadline_s or DEFAULT_DEADLINE_S / DEADLINE_SHARE) \
+                * DEADLINE_SHARE
+        elif settings.deadline_s and self.deadline_s > settings.deadline_s:
+            with contextlib.suppress(grpc.RpcError):
+                self.root.leave("its deadline is longer than the run's")
+            self.root.close()
+            raise RelayError(
+                f"--deadline-s {self.deadline_s:g} is longer than the run's [round] deadline_s "
+                f"{settings.deadline_s:g}: the root would close rounds while this relay's "
+                f"members still train them; give at most {settings.deadline_s:g}, or leave it "
+                f"out ({DEADLINE_SHARE:.0%} of the run's).")
         self.heartbeat_s = settings.heartbeat_s or 5.0
         self.window = WINDOW if settings.overlap else 1
         manifest_path = self.root.checkpoint().manifest_path
@@ -363,8 +382,13 @@ class Relay:
         sequences = self.root.fetch(list(dict.fromkeys(work.sequence_ids)))
         shares = assign(list(work.sequence_ids), [(m.client_id, m.tokens_per_second)
                                                    for m in live], self._owed)
-        with self._changed:  # a round behind others gets its deadline_s after the one before
-            deadline = max([self.clock(), *(h.deadline for h in self.held)]) + self.deadline_s
+        received = self.clock()
+        with self._changed:  # the root's rule, and never past the root's own deadline
+            deadline = deadline_after(received, [h.deadline for h in self.held],
+                                      self.deadline_s)
+            if work.deadline_in_seconds > 0:  # less the time the root left for handing in
+                margin = max(self.root_deadline_s - self.deadline_s, 0.0)
+                deadline = min(deadline, received + work.deadline_in_seconds - margin)
         tiers = {m.client_id: m.tier for m in live}
         parts = {client: Part(assignment=RoundAssignment(
             round=work.round, client_id=client, tier=tiers[client],
@@ -378,6 +402,14 @@ class Relay:
                                        opened=self.clock(), deadline=deadline))
             self._changed.notify_all()
         return True
+
+    def _pull_in(self, held: HeldRound, now: float) -> None:
+        """(lock held) The root's rule for the round behind one that ended (``pulled_in``)."""
+        deadline = pulled_in(held.deadline, now, self.deadline_s)
+        if deadline < held.deadline:
+            held.deadline = deadline
+            for part in held.parts.values():
+                part.assignment = dataclasses.replace(part.assignment, deadline=deadline)
 
     def _mark_silent(self) -> None:
         """(lock held) Members of a held round silent past ``member_timeout_s``: missed."""
@@ -394,6 +426,8 @@ class Relay:
         delivered."""
         with self._changed:
             held = self.held.pop(0)
+            if self.held:  # its members are free for the next round now: pulled in
+                self._pull_in(self.held[0], self.clock())
             self._changed.notify_all()
         delivered = [p for p in held.parts.values() if p.results is not None]
         missed = [i for p in held.parts.values() if p.results is None

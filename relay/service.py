@@ -79,7 +79,7 @@ class RelayService(pb_grpc.CoordinatorServicer):
             return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=r.root_round,
                                       retry_after_seconds=RETRY_AFTER_S,
                                       run_tokens=r.run_tokens)
-        return assignment(part, r.run_tokens)
+        return assignment(part, r.run_tokens, r.clock())
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.Sequence]:
@@ -103,7 +103,7 @@ class RelayService(pb_grpc.CoordinatorServicer):
         accepted = _call(context, submit)
         # the member's next parts ride on the answer (overlapped rounds: held ahead)
         return pb.SubmitReply(accepted=accepted, assignments=[
-            assignment(part, r.run_tokens) for part in r.pending(client_id)])
+            assignment(part, r.run_tokens, r.clock()) for part in r.pending(client_id)])
 
     def GetUpdates(self, request: pb.GetUpdatesRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.UpdateMessage]:

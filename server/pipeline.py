@@ -29,7 +29,13 @@ from typing import Any
 from matformer.server.config import RunConfig
 from matformer.server.history import RunHistory
 from matformer.server.membership import Member, Membership
-from matformer.server.rounds import OpenRound, RoundAssignment, Submission
+from matformer.server.rounds import (
+    OpenRound,
+    RoundAssignment,
+    Submission,
+    deadline_after,
+    pulled_in,
+)
 from matformer.server.work import WorkQueue, assign
 
 # Rounds collected at once with overlap: the one whose results are arriving, the one being
@@ -158,9 +164,7 @@ class RoundPipeline:
         speeds = trusted_speeds(members)
         ids = self.queue.take(self.round_tokens(index, members, speeds), self.length)
         shares = assign(ids, speeds, self.owed)
-        # a round behind others gets its own deadline_s after the one before it
-        start = max(now, self.collecting[-1].deadline) if self.collecting else now
-        deadline = start + cfg.deadline_s
+        deadline = deadline_after(now, [r.deadline for r in self.collecting], cfg.deadline_s)
         tiers = {m.client_id: m.tier for m in members}
         nonce = uuid.uuid4().hex[:12]  # a restarted coordinator's split of round r differs
         assignments = {
@@ -248,11 +252,13 @@ class RoundPipeline:
         round up for minutes."""
         self.collecting.remove(rnd)
         self.closing = rnd
-        if self.collecting and self.collecting[0].deadline > now + self.config.round.deadline_s:
-            behind = self.collecting[0]
-            behind.deadline = now + self.config.round.deadline_s
-            behind.assignments = {c: dataclasses.replace(a, deadline=behind.deadline)
-                                  for c, a in behind.assignments.items()}
+        behind = self.collecting[0] if self.collecting else None
+        if behind is not None:
+            deadline = pulled_in(behind.deadline, now, self.config.round.deadline_s)
+            if deadline < behind.deadline:
+                behind.deadline = deadline
+                behind.assignments = {c: dataclasses.replace(a, deadline=deadline)
+                                      for c, a in behind.assignments.items()}
 
     def reopen(self, rnd: OpenRound) -> None:
         """A close that failed: ``rnd`` is collected again (its results kept)."""

@@ -43,7 +43,8 @@ def settings(coordinator: Coordinator) -> pb.TrainingSettings:
             schedule=inner.schedule, final_lr=inner.final_lr_value,
             planned_rounds=cfg.round.planned_rounds),
         overlap=cfg.round.overlap, peer_clip=cfg.faults.peer_clip,
-        max_norm=cfg.faults.max_norm, norm_action=cfg.faults.norm_action))
+        max_norm=cfg.faults.max_norm, norm_action=cfg.faults.norm_action,
+        deadline_s=cfg.round.deadline_s))
 
 
 def planned(coordinator: Coordinator) -> dict[str, int]:
@@ -55,9 +56,11 @@ def planned(coordinator: Coordinator) -> dict[str, int]:
             "tokens_planned": stop.tokens or 0}
 
 
-def assignment(assigned: RoundAssignment, run_tokens: int) -> pb.RoundAssignment:
-    """A member's work in a round: ROUND_STATE_TRAIN (``run_tokens``: the run's so far)."""
+def assignment(assigned: RoundAssignment, run_tokens: int, now: float) -> pb.RoundAssignment:
+    """A member's work in a round: ROUND_STATE_TRAIN (``run_tokens``: the run's so far;
+    ``now``: the clock the assignment's deadline is on)."""
     return pb.RoundAssignment(
         state=pb.ROUND_STATE_TRAIN, round=assigned.round,
         sequence_ids=assigned.sequence_ids, tier=assigned.tier,
-        assignment_id=assigned.assignment_id, run_tokens=run_tokens)
+        assignment_id=assigned.assignment_id, run_tokens=run_tokens,
+        deadline_in_seconds=max(assigned.deadline - now, 0.0))

@@ -15,6 +15,20 @@ from matformer.modeling.compression import SparseResult
 from matformer.server.errors import MissedNotAssigned
 
 
+def deadline_after(now: float, deadlines: Sequence[float], deadline_s: float) -> float:
+    """The deadline of a round opened at ``now`` behind rounds due at ``deadlines``: its own
+    ``deadline_s`` after the last of them (members train them in order), or after ``now``.
+    The root's rule, and a relay's for its members."""
+    return max([now, *deadlines]) + deadline_s
+
+
+def pulled_in(deadline: float, now: float, deadline_s: float) -> float:
+    """The deadline of the round behind one that just ended at ``now``: its members are free
+    for it from now, so it ends no later than ``deadline_s`` from now (else rounds that end
+    early would push every later deadline a further ``deadline_s`` out)."""
+    return min(deadline, now + deadline_s)
+
+
 @dataclass(frozen=True, slots=True)
 class RoundAssignment:
     """What one client trains this round."""

@@ -160,7 +160,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, expected))
             return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=c.state.round,
                                       retry_after_seconds=retry, run_tokens=c.state.tokens)
-        return replies.assignment(assignment, c.state.tokens)
+        return replies.assignment(assignment, c.state.tokens, c.clock())
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.Sequence]:
@@ -263,7 +263,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 _abort(context, err, consequence)
             # the next round's work rides on the answer (overlapped rounds hand it out ahead)
             return pb.SubmitReply(accepted=accepted, assignments=[
-                replies.assignment(a, c.state.tokens) for a in c.pending(client_id)])
+                replies.assignment(a, c.state.tokens, c.clock()) for a in c.pending(client_id)])
 
     # -- catching up --------------------------------------------------------------------
 

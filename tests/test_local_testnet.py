@@ -16,7 +16,7 @@ from certs import self_signed
 from helpers import TESTNET_MODEL, local_testnet_toml, run_testnet
 
 from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
-from matformer.local_testnet.main import main as testnet_main
+from matformer.local_testnet.main import main as local_testnet_main
 from matformer.local_testnet.main import parse_args, set_aside
 from matformer.local_testnet.report import (
     format_table,
@@ -167,7 +167,7 @@ def test_a_second_testnet_in_a_running_ones_folder_is_refused(tmp_path, capsys):
     run_dir = tmp_path / "testnet"
     (run_dir / "checkpoints").mkdir(parents=True)
     with locked(tmp_path / ".testnet.lock", "pid 4242, started today"):
-        assert testnet_main(["--run-dir", str(run_dir), "--rounds", "2"]) == 2
+        assert local_testnet_main(["--run-dir", str(run_dir), "--rounds", "2"]) == 2
     err = capsys.readouterr().err
     assert f"another testnet is running in {run_dir} (pid 4242, started today)" in err
     assert "--run-dir DIR" in err

@@ -12,7 +12,7 @@ import grpc
 import pytest
 import torch
 from certs import self_signed
-from helpers import JOIN_TOKEN, served_run_toml
+from helpers import JOIN_TOKEN, Clock, served_run_toml
 from rounds import assigned
 from wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, serving_config
 
@@ -23,9 +23,11 @@ from matformer.protocol.channel import GRPC_OPTIONS, open_channel
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import submission_messages
+from matformer.protocol.tensors import encode_tensor
 from matformer.relay.cache import UpdateCache
 from matformer.relay.main import Access, RunningRelay, main
-from matformer.relay.relay import RelayError
+from matformer.relay.relay import Relay, RelayError
+from matformer.relay.rounds import RelayMember
 from matformer.server.api import clients_info
 from matformer.server.config import RunConfig
 from matformer.server.errors import BadReport
@@ -409,6 +411,99 @@ def test_under_overlap_a_relay_holds_the_roots_next_rounds_and_a_member_never_wa
             assert relay.relay.rounds_submitted == ROUNDS
         finally:
             relay.stop("done")
+
+
+def test_a_relay_with_a_longer_deadline_than_the_roots_is_refused_in_one_line(tmp_path, capsys):
+    with serving_config(config(tmp_path, min_clients=1)) as (server, _):
+        root_s = server.service.coordinator.config.round.deadline_s  # 30
+        with pytest.raises(RelayError) as refused:
+            relay_for(server, tmp_path, deadline_s=root_s + 5)
+        assert str(refused.value).startswith(
+            f"--deadline-s {root_s + 5:g} is longer than the run's [round] deadline_s "
+            f"{root_s:g}: the root would close rounds while this relay's members still train "
+            f"them; give at most {root_s:g}, or leave it out (75% of the run's).")
+        assert main(["--upstream", f"127.0.0.1:{server.grpc_port}", "--join-token", JOIN_TOKEN,
+                     "--deadline-s", "90", "--dir", str(tmp_path / "cmd")]) == 2
+        said = capsys.readouterr().err.strip().splitlines()
+        assert len(said) == 1 and said[0].startswith("matformer relay: error: --deadline-s 90 ")
+        # the refused relays left: the root holds no member
+        give_up = time.monotonic() + WAIT_S
+        while server.service.coordinator.membership.members:
+            assert time.monotonic() < give_up, "a refused relay stayed a member of the root"
+            time.sleep(0.05)
+        relay = relay_for(server, tmp_path)  # unset: 75% of the run's
+        try:
+            assert relay.relay.deadline_s == 0.75 * root_s
+        finally:
+            relay.stop("done")
+
+
+def test_under_overlap_a_relays_deadlines_keep_within_the_roots(tmp_path):
+    """A relay given the root's whole deadline still hands each held round in by the root's
+    deadline for it (the wire says how long the root waits), and the round behind one it
+    handed in early is pulled in as the root pulls its own in."""
+    with serving_config(config(tmp_path, min_clients=1, overlap=True)) as (server, _):
+        root = server.service.coordinator
+        relay = relay_for(server, tmp_path, deadline_s=root.config.round.deadline_s)
+        try:
+            member = Member(f"127.0.0.1:{relay.port}", server, "m0", 0)
+            give_up = time.monotonic() + WAIT_S
+            while len(relay.relay.held) < ROUNDS:
+                assert time.monotonic() < give_up, f"the relay holds {len(relay.relay.held)}"
+                time.sleep(0.05)
+            with relay.relay._changed:  # one look at both sides' clocks
+                left = {h.work.round: h.deadline - relay.relay.clock() for h in relay.relay.held}
+                root_left = {r.index: r.deadline - root.clock() for r in root.pipeline.collecting}
+            for index, seconds in left.items():  # the relay's own rule would be later each round
+                assert seconds <= root_left[index] + 0.5, (index, seconds, root_left)
+            work = member.work()
+            member.submit(work)  # round 0 in early: round 1 is due deadline_s from now at most
+            give_up = time.monotonic() + WAIT_S
+            while relay.relay.rounds_submitted < 1:
+                assert time.monotonic() < give_up, "the relay never handed round 0 in"
+                time.sleep(0.05)
+            with relay.relay._changed:
+                behind = relay.relay.held[0]
+                assert behind.work.round == 1
+                assert behind.deadline <= relay.relay.clock() + relay.relay.deadline_s
+                assert all(p.assignment.deadline == behind.deadline
+                           for p in behind.parts.values())
+        finally:
+            relay.stop("done")
+
+
+class ScriptedRoot:
+    """A root that hands out round 0 with ``deadline_in_seconds`` left, 4 tokens a sequence."""
+
+    client_id = "relay-0"
+
+    def __init__(self, deadline_in_seconds: float) -> None:
+        self.deadline_in_seconds = deadline_in_seconds
+
+    def get_round(self, after: int | None = None) -> pb.RoundAssignment:
+        return pb.RoundAssignment(state=pb.ROUND_STATE_TRAIN, round=0, sequence_ids=[1, 2],
+                                  assignment_id="0.x.relay-0",
+                                  deadline_in_seconds=self.deadline_in_seconds)
+
+    def fetch(self, ids) -> dict[int, pb.Sequence]:
+        return {i: pb.Sequence(id=i, tokens=encode_tensor(torch.arange(4))) for i in ids}
+
+
+@pytest.mark.parametrize(("root_left_s", "due_in_s"), [(100.0, 20.0), (12.0, 2.0), (0.0, 20.0)],
+                         ids=["its own rule", "the root's deadline first", "an older root"])
+def test_a_relay_hands_a_round_in_before_the_root_closes_it(tmp_path, root_left_s, due_in_s):
+    """Members get the relay's deadline_s (20 of the root's 30), or less when the root's
+    deadline for the round comes sooner: what the root leaves, less the 10 s the root's
+    deadline gives over the relay's for handing in (0 on the wire: a root that does not say)."""
+    clock = Clock(1000.0)
+    relay = Relay(ScriptedRoot(root_left_s), deadline_s=20.0, folder=tmp_path, clock=clock)
+    relay.root_deadline_s = 30.0
+    relay.members["m"] = RelayMember(client_id="m", name="m", tier=0, tokens_per_second=1.0,
+                                     last_seen=clock.now)
+    assert relay._take_round()
+    (held,) = relay.held
+    assert held.deadline == clock.now + due_in_s
+    assert held.parts["m"].assignment.deadline == held.deadline
 
 
 class LoggedRoot:

@@ -127,7 +127,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, round: _Optional[int] = ..., manifest_path: _Optional[str] = ..., entry: _Optional[_Union[TierEntry, _Mapping]] = ...) -> None: ...
 
 class TrainingSettings(_message.Message):
-    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "sequence_length", "data_fingerprint", "data_strategy", "data_view", "heartbeat_seconds", "inner", "overlap", "peer_clip", "max_norm", "norm_action")
+    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "sequence_length", "data_fingerprint", "data_strategy", "data_view", "heartbeat_seconds", "inner", "overlap", "peer_clip", "max_norm", "norm_action", "round_deadline_seconds")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class TrainingSettings(_message.Message):
     PEER_CLIP_FIELD_NUMBER: _ClassVar[int]
     MAX_NORM_FIELD_NUMBER: _ClassVar[int]
     NORM_ACTION_FIELD_NUMBER: _ClassVar[int]
+    ROUND_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     encoding: str
     chunk: int
     topk: int
@@ -160,7 +161,8 @@ class TrainingSettings(_message.Message):
     peer_clip: float
     max_norm: float
     norm_action: str
-    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., overlap: _Optional[bool] = ..., peer_clip: _Optional[float] = ..., max_norm: _Optional[float] = ..., norm_action: _Optional[str] = ...) -> None: ...
+    round_deadline_seconds: float
+    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., overlap: _Optional[bool] = ..., peer_clip: _Optional[float] = ..., max_norm: _Optional[float] = ..., norm_action: _Optional[str] = ..., round_deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
     __slots__ = ("name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "batch_tokens", "schedule", "final_lr", "planned_rounds")
@@ -247,7 +249,7 @@ class GetRoundRequest(_message.Message):
     def __init__(self, after_round: _Optional[int] = ...) -> None: ...
 
 class RoundAssignment(_message.Message):
-    __slots__ = ("state", "round", "sequence_ids", "tier", "retry_after_seconds", "assignment_id", "run_tokens")
+    __slots__ = ("state", "round", "sequence_ids", "tier", "retry_after_seconds", "assignment_id", "run_tokens", "deadline_in_seconds")
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +257,7 @@ class RoundAssignment(_message.Message):
     RETRY_AFTER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENT_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     state: RoundState
     round: int
     sequence_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -262,7 +265,8 @@ class RoundAssignment(_message.Message):
     retry_after_seconds: float
     assignment_id: str
     run_tokens: int
-    def __init__(self, state: _Optional[_Union[RoundState, str]] = ..., round: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[int] = ..., retry_after_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ..., run_tokens: _Optional[int] = ...) -> None: ...
+    deadline_in_seconds: float
+    def __init__(self, state: _Optional[_Union[RoundState, str]] = ..., round: _Optional[int] = ..., sequence_ids: _Optional[_Iterable[int]] = ..., tier: _Optional[int] = ..., retry_after_seconds: _Optional[float] = ..., assignment_id: _Optional[str] = ..., run_tokens: _Optional[int] = ..., deadline_in_seconds: _Optional[float] = ...) -> None: ...
 
 class FetchSequencesRequest(_message.Message):
     __slots__ = ("ids",)
