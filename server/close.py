@@ -13,15 +13,13 @@ were and collects the round again. The close runs on the coordinator's close wor
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
 import shutil
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 from torch import Tensor
@@ -29,11 +27,9 @@ from torch import Tensor
 from matformer.modeling.compression import RoundUpdate, SparseResult, UpdateConfig
 from matformer.modeling.tracking import NoTracker, open_tracker
 from matformer.server.errors import RunDirectoryUnavailable
-from matformer.server.membership import Member
 from matformer.server.outer_state import carried_bytes
 from matformer.server.rounds import OpenRound, RoundAssignment
 from matformer.server.run_log import round_line
-from matformer.server.state import RunState
 from matformer.server.update_steps import Carried
 
 if TYPE_CHECKING:
@@ -142,13 +138,19 @@ def close(c: Coordinator, closing: Closing) -> None:
             c.pipeline.reopen(rnd)
             _failed(c, rnd, err)
     with c._lock:
-        before = _Before.take(c, rnd)
+        # what committing changes in memory, each store's own: put back if state.json
+        # cannot be written
+        stores = (c.state, c.queue, c.membership, c.pipeline)
+        before = [(store, store.snapshot()) for store in stores]
         try:
             _commit(c, closing, master)
         except Exception as err:
-            before.restore(c, rnd)
+            for store, snapshot in before:
+                store.restore(snapshot)
             _undo_disk(c, closing)
             _failed(c, rnd, err)
+        if master is not None:  # recorded and saved: now the run's tracker hears of it
+            _track(c, closing.round)
         c.pipeline.closing = None
         c._write_failure = None
         c._close_s = c.clock() - closing.started
@@ -291,7 +293,6 @@ def _record(c: Coordinator, rnd: OpenRound, by_name: Mapping[str, list[SparseRes
     c.history.loss(rnd)
     c.history.round(rnd, by_name, close_s=close_s)
     log.info("%s", round_line(c, rnd))
-    _track(c, rnd.index)
 
 
 def _track(c: Coordinator, round_index: int) -> None:
@@ -313,39 +314,3 @@ def _track(c: Coordinator, round_index: int) -> None:
         log.warning("[tracking] %s failed (%s); going on without it",
                     c.config.tracking.kind, err)
         c.tracker = NoTracker()
-
-
-@dataclass(slots=True)
-class _Before:
-    """What committing a close changes in memory, as it was: restored when state.json cannot
-    be written. Record lists are copied shallowly (records are never changed once written)."""
-
-    state: RunState
-    queue: dict[str, Any]
-    members: dict[str, Member]
-    assignments: dict[str, RoundAssignment]
-    dropped: dict[str, str]
-    collecting: list[tuple[OpenRound, dict[str, RoundAssignment], dict[str, str]]]
-
-    @classmethod
-    def take(cls, c: Coordinator, rnd: OpenRound) -> _Before:
-        s = c.state
-        state = dataclasses.replace(
-            s, loss={k: list(v) for k, v in s.loss.items()}, rounds=list(s.rounds),
-            events=list(s.events), checkpoints=list(s.checkpoints), departed=list(s.departed))
-        return cls(state=state, queue=c.queue.to_dict(),
-                   members=copy.deepcopy(c.membership.members),
-                   assignments=dict(rnd.assignments), dropped=dict(rnd.dropped),
-                   collecting=[(r, dict(r.assignments), dict(r.dropped))
-                               for r in c.pipeline.collecting])
-
-    def restore(self, c: Coordinator, rnd: OpenRound) -> None:
-        """Memory as before the commit, the round collected again."""
-        c.state = self.state
-        c.queue.position, c.queue.requeued = self.queue["position"], list(self.queue["requeued"])
-        c.membership.members = self.members
-        rnd.assignments, rnd.dropped = self.assignments, self.dropped
-        for younger, assignments, dropped in self.collecting:
-            younger.assignments, younger.dropped = assignments, dropped
-        c.pipeline.collecting = [r for r, _, _ in self.collecting]
-        c.pipeline.reopen(rnd)

@@ -9,6 +9,7 @@ restarted coordinator still knows its clients.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -99,6 +100,13 @@ class Membership:
                         relay=capabilities.relay)
         self.members[client_id] = member
         return member, assignment, self.sessions.issue(client_id)
+
+    def snapshot(self) -> dict[str, Member]:
+        """The members as they are (copies), to ``restore``."""
+        return copy.deepcopy(self.members)
+
+    def restore(self, snapshot: dict[str, Member]) -> None:
+        self.members = snapshot
 
     def named(self, name: str) -> Member | None:
         """The member called ``name``, if any (the coordinator keeps names unique)."""

@@ -260,6 +260,20 @@ class RoundPipeline:
                 behind.assignments = {c: dataclasses.replace(a, deadline=deadline)
                                       for c, a in behind.assignments.items()}
 
+    def snapshot(self) -> list[tuple[OpenRound, dict[str, RoundAssignment], dict[str, str]]]:
+        """The round being closed and those being collected, each with its assignments and
+        drops as they are, to ``restore``: a close that cannot be saved gives them back."""
+        rounds = [self.closing] if self.closing is not None else []
+        return [(r, dict(r.assignments), dict(r.dropped)) for r in [*rounds, *self.collecting]]
+
+    def restore(self, snapshot: list[tuple[OpenRound, dict[str, RoundAssignment],
+                                           dict[str, str]]]) -> None:
+        """As ``snapshot`` found them, the round that was being closed collected again."""
+        for rnd, assignments, dropped in snapshot:
+            rnd.assignments, rnd.dropped = assignments, dropped
+        self.closing = None
+        self.collecting = [r for r, _, _ in snapshot]
+
     def reopen(self, rnd: OpenRound) -> None:
         """A close that failed: ``rnd`` is collected again (its results kept)."""
         self.closing = None

@@ -8,6 +8,7 @@ tokens' hashes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +37,19 @@ class RunState:
     rounds: list[dict[str, Any]] = field(default_factory=list)  # Coordinator._record_round
     departed: list[dict[str, Any]] = field(default_factory=list)  # members that left, and why
     departed_beyond: int = 0  # members that left, beyond the newest that ``departed`` keeps
+
+    def snapshot(self) -> RunState:
+        """A copy to ``restore`` from: its record lists copied shallowly (a record is never
+        changed once written)."""
+        return dataclasses.replace(
+            self, loss={k: list(v) for k, v in self.loss.items()}, rounds=list(self.rounds),
+            events=list(self.events), checkpoints=list(self.checkpoints),
+            departed=list(self.departed))
+
+    def restore(self, snapshot: RunState) -> None:
+        """Every field back as ``snapshot`` holds it (this object stays the one others hold)."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(snapshot, f.name))
 
     def save(self, run_dir: Path) -> None:
         """Write state.json (ValueError for a number that is not finite: never saved)."""

@@ -75,6 +75,12 @@ class WorkQueue:
             else:
                 self.requeued.pop(0)
 
+    def snapshot(self) -> tuple[int, list[int]]:
+        return self.position, list(self.requeued)
+
+    def restore(self, snapshot: tuple[int, list[int]]) -> None:
+        self.position, self.requeued = snapshot[0], list(snapshot[1])
+
     def requeue(self, ids: Iterable[int]) -> None:
         """Put ``ids`` back at the front, ahead of anything handed back earlier."""
         self.requeued[:0] = [int(i) for i in ids]

@@ -271,6 +271,37 @@ def test_a_disk_full_close_changes_nothing_and_the_run_goes_on(tmp_path, mdat_pa
     assert audit(resumed.queue.order, RunState.load(config.run.dir).queue, entries).exactly_once
 
 
+class RecordingTracker:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.steps.append(step)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_tracker_hears_of_a_round_only_once_state_json_holds_it(tmp_path, mdat_path,
+                                                                    monkeypatch):
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    c.tracker = tracker = RecordingTracker()
+    drive(c, clock, cid, 2)
+    assert tracker.steps == [1, 2]
+    with monkeypatch.context() as patch:
+        patch.setattr(RunState, "save", disk_full)
+        with pytest.raises(RunDirectoryUnavailable):
+            drive(c, clock, cid, 1)
+    assert tracker.steps == [1, 2]  # round 2 was not saved: the tracker never heard of it
+    c.advance()
+    assert c.state.round == 3 and tracker.steps == [1, 2, 3]
+
+
 def test_no_round_opens_without_room_to_close_it(tmp_path, mdat_path, monkeypatch):
     c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=Clock())
     real = close_module.shutil.disk_usage
