@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from conftest import tiny_config  # this script's folder is on sys.path, as pytest's rootdir
+from support.models import tiny_config  # this script's folder is on sys.path, as pytest's rootdir
 
 from matformer.modeling import build_model
 from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows

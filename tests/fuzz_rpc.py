@@ -56,11 +56,11 @@ from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import Clock, served_run_toml
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyStrategyDefinition
+from support.helpers import Clock, served_run_toml
 
 from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
 from matformer.modeling.compression import weight_hash

@@ -6,7 +6,7 @@ from itertools import pairwise
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.modeling import AutoregressiveModel, BERTModel, registry
 from matformer.modeling.components.positional import AlibiPositions

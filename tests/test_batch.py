@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.modeling import (
     AutoregressiveModel,

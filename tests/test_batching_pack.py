@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.modeling import AutoregressiveModel, BERTModel, TransformerWithLMHead
 from matformer.modeling.batching import (

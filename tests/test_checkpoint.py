@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_config
 from safetensors.torch import load_file, save_file
+from support.models import tiny_config
 
 from matformer.modeling import AutoregressiveModel, BERTModel, TierError
 from matformer.modeling.checkpoint import load_pretrained, save_pretrained

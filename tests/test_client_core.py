@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.client.errors import FeedbackStateMismatch, ModelMismatch
 from matformer.client.local_round import LocalRound, LocalSteps

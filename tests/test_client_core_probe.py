@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.client.probe import device_name, measure_tokens_per_second, memory_bytes
 from matformer.modeling import AutoregressiveModel

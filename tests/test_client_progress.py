@@ -8,8 +8,8 @@ import re
 
 import grpc
 import pytest
-from helpers import JOIN_TOKEN, run_tables, write_run_toml
-from wire import join_request
+from support.helpers import JOIN_TOKEN, run_tables, write_run_toml
+from support.wire import join_request
 
 from matformer.client.connection import Finished, Train
 from matformer.client.federated import FederatedClient, FederatedOptions

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.modeling import AutoregressiveModel, BERTModel, registry
 

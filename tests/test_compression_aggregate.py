@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.modeling import AutoregressiveModel
 from matformer.modeling.compression import (
@@ -286,7 +286,7 @@ def test_bad_update_settings_are_named_errors():
 
 
 def test_weight_hash_of_a_tier_slice_equals_the_masters_hash_at_that_tier():
-    from conftest import tiny_config
+    from support.models import tiny_config
 
     from matformer.modeling import AutoregressiveModel, layer_widths
     from matformer.modeling.checkpoint.slicing import slice_state

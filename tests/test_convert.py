@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
 from safetensors.torch import load_file, save_file
+from support.models import tiny_config
 
 from matformer.modeling import AutoregressiveModel
 from matformer.modeling.checkpoint import load_pretrained, save_pretrained

@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 from test_attention import (
     KERNELS,
     assert_kernel_matches_reference,

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import local_testnet_toml
-from openapi import api_paths, response_errors
+from support.helpers import local_testnet_toml
+from support.openapi import api_paths, response_errors
 
 from matformer.local_testnet import testnet
 from matformer.local_testnet.main import join_token_env

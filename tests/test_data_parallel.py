@@ -65,7 +65,7 @@ def test_shares_split_rows_by_tokens_and_cover_the_batch():
 
 
 def test_masks_depend_on_the_documents_position_not_on_the_share():
-    from conftest import tiny_config
+    from support.models import tiny_config
 
     from matformer.modeling import BERTModel
 

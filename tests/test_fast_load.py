@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
 from safetensors.torch import load_file, save_file
+from support.models import tiny_config
 from torch import nn
 
 from matformer.modeling import build_model, registry

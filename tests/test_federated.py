@@ -9,9 +9,9 @@ import threading
 
 import pytest
 import torch
-from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
-from helpers import run_tables, write_run_toml
-from rounds import committed
+from support.helpers import run_tables, write_run_toml
+from support.models import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
+from support.rounds import committed
 
 from matformer.client.connection import PublishedCheckpoint
 from matformer.client.errors import DataMismatch, ReplicaDiverged, RoundOver

@@ -163,7 +163,7 @@ def test_a_client_says_at_once_that_the_coordinator_does_not_answer():
 def bpe(tmp_path_factory):
     """A container pretokenized by a BPE tokenizer of more ids than the default model's 260,
     as a user builds one for their own data: (its folder, the tokenizer, its vocabulary)."""
-    from conftest import bpe_mdat
+    from support.models import bpe_mdat
 
     root = tmp_path_factory.mktemp("bpe")
     texts = [f"def read_{i}(path): return open(path).read() + {i * 7}" for i in range(300)]

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import bpe_mdat, tiny_config
+from support.models import bpe_mdat, tiny_config
 
 from matformer.modeling import AutoregressiveModel, BERTModel
 from matformer.modeling.errors import ConfigError

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.client.cli import main as client_main
 from matformer.client.standalone import main as train_main

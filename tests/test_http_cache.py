@@ -25,9 +25,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers import JOIN_TOKEN, served_run_toml
-from rounds import committed, flat_results, same
-from wire import header_of, joined, serving, serving_config
+from support.helpers import JOIN_TOKEN, served_run_toml
+from support.rounds import committed, flat_results, same
+from support.wire import header_of, joined, serving, serving_config
 
 import matformer.client.mirror as mirror_module
 import matformer.server.blobs as blobs_module

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.modeling import AutoregressiveModel, registry
 from matformer.modeling.components import liger

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import edit_manifest, logits, tiny_config
+from support.models import edit_manifest, logits, tiny_config
 
 from matformer.modeling import AutoregressiveModel
 from matformer.modeling.checkpoint import save_pretrained

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from certs import self_signed
-from helpers import TESTNET_MODEL, local_testnet_toml, run_testnet
+from support.certs import self_signed
+from support.helpers import TESTNET_MODEL, local_testnet_toml, run_testnet
 
 from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
 from matformer.local_testnet.main import main as local_testnet_main

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.modeling import AutoregressiveModel, TierError, canonical_state_dict, layer_widths
 from matformer.modeling.checkpoint.slicing import slice_state

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 import torch
-from helpers import served_run_toml
-from rounds import committed, flat_results
+from support.helpers import served_run_toml
+from support.rounds import committed, flat_results
+from support.wire import header_of, join_request, joined, serving_config
 from test_federated import SEQ_LEN, client, held, same, start
-from wire import header_of, join_request, joined, serving_config
 
 import matformer.server.policies.mean as close_module  # the default policy calls close_round
 from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows

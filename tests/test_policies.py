@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import Clock, run_tables
-from rounds import caps, drive, same
 from scipy import stats
+from support.helpers import Clock, run_tables
+from support.rounds import caps, drive, same
 
 from matformer.modeling.compression import SparseResult, UpdateConfig
 from matformer.server.config import RunConfig

@@ -6,7 +6,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-from helpers import run_tables
+from support.helpers import run_tables
 
 from matformer.client.local_round import LocalSteps
 from matformer.modeling.compression import CompressionConfig

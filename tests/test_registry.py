@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.modeling import AutoregressiveModel, Registry, RegistryError, registry
 from matformer.modeling.components.kernels import SdpaAttention, TorchAttention

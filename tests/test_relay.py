@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 import torch
-from certs import self_signed
-from helpers import JOIN_TOKEN, Clock, served_run_toml
-from rounds import assigned
-from wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, serving_config
+from support.certs import self_signed
+from support.helpers import JOIN_TOKEN, Clock, served_run_toml
+from support.rounds import assigned
+from support.wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, serving_config
 
 from matformer.client.mirror import MirrorFirst
 from matformer.modeling.compression import CompressionConfig

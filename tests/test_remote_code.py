@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 from test_external_modules import USER_MODULE
 
 from matformer.modeling import build_model

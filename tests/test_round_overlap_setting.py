@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 
 import pytest
-from helpers import checked_tables
+from support.helpers import checked_tables
 
 from matformer.server.config import RunConfig
 from matformer.server.errors import WrongType

@@ -9,9 +9,9 @@ import argparse
 
 import numpy as np
 import pytest
-from conftest import tiny_config
-from helpers import Clock, run_config
-from rounds import caps, drive
+from support.helpers import Clock, run_config
+from support.models import tiny_config
+from support.rounds import caps, drive
 
 from matformer.client.epochs import Epochs
 from matformer.local_testnet.held_out import HeldOut

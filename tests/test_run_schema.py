@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import CHECKED_MODEL, checked_tables, write_run_toml
 from jsonschema import Draft202012Validator
+from support.helpers import CHECKED_MODEL, checked_tables, write_run_toml
 
 from matformer.server.config import RunConfig, run_schema
 from matformer.server.errors import InvalidValue, ServerConfigError, UnknownKey

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from certs import self_signed
-from helpers import JOIN_TOKEN, OPERATOR_TOKEN, checked_tables, served_run_toml
-from wire import code_of, join_request
+from support.certs import self_signed
+from support.helpers import JOIN_TOKEN, OPERATOR_TOKEN, checked_tables, served_run_toml
+from support.wire import code_of, join_request
 
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.channel import GRPC_OPTIONS

@@ -12,10 +12,10 @@ import urllib.request
 import grpc
 import pytest
 import torch
-from helpers import JOIN_TOKEN, OPERATOR_TOKEN, served_run_toml
-from openapi import api_paths, response_errors
-from rounds import assigned, committed
-from wire import http_get, join_request
+from support.helpers import JOIN_TOKEN, OPERATOR_TOKEN, served_run_toml
+from support.openapi import api_paths, response_errors
+from support.rounds import assigned, committed
+from support.wire import http_get, join_request
 
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.channel import GRPC_OPTIONS

@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers import JOIN_TOKEN, served_run_toml
-from rounds import committed, flat_results
-from wire import (
+from support.helpers import JOIN_TOKEN, served_run_toml
+from support.rounds import committed, flat_results
+from support.wire import (
     HONEST_TIMEOUT_S,
     code_of,
     header_of,

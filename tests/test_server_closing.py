@@ -7,9 +7,9 @@ import dataclasses
 import threading
 
 import pytest
-from helpers import Clock, run_config
-from rounds import caps, committed, disk_full, drive, flat_results, results, same
-from wire import header_of, joined, serving
+from support.helpers import Clock, run_config
+from support.rounds import caps, committed, disk_full, drive, flat_results, results, same
+from support.wire import header_of, joined, serving
 
 import matformer.server.checkpoints as checkpoints_module
 import matformer.server.update_steps as update_steps_module

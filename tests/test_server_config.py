@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import CHECKED_MODEL as MODEL
-from helpers import checked_tables
+from support.helpers import CHECKED_MODEL as MODEL
+from support.helpers import checked_tables
 
 from matformer.modeling.checkpoint.hf_config import is_llama_shaped
 from matformer.modeling.compression import CompressionConfig

@@ -11,8 +11,8 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from helpers import Clock, run_config
-from rounds import caps, drive, gradient, results, same
+from support.helpers import Clock, run_config
+from support.rounds import caps, drive, gradient, results, same
 
 from matformer.modeling.checkpoint.export import read_manifest
 from matformer.modeling.checkpoint.files import read_weights
@@ -295,7 +295,7 @@ def test_a_run_saved_before_orders_left_sequences_out_keeps_its_order(tmp_path):
     length changed since is refused."""
     import json
 
-    from conftest import TAILS_STRATEGY, mdat_with_one_token_tails
+    from support.models import TAILS_STRATEGY, mdat_with_one_token_tails
 
     from matformer.modeling.mdat import Mdat
     from matformer.server.errors import ResumeError

@@ -11,8 +11,8 @@ import signal
 import subprocess
 import sys
 
-from helpers import JOIN_TOKEN, TESTNET_MODEL, Clock, run_config, served_run_toml
-from rounds import caps, drive
+from support.helpers import JOIN_TOKEN, TESTNET_MODEL, Clock, run_config, served_run_toml
+from support.rounds import caps, drive
 
 from matformer.local_testnet.processes import free_port
 from matformer.server.coordinator import Coordinator

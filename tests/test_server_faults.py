@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-from helpers import Clock, run_config
-from rounds import caps, drive, events, gradient, results, same
+from support.helpers import Clock, run_config
+from support.rounds import caps, drive, events, gradient, results, same
 
 import matformer.server.checkpoints as checkpoints_module
 from matformer.modeling.compression import CompressionConfig
@@ -339,9 +339,9 @@ def test_the_audit_finds_lost_and_duplicated_sequences():
 
 def test_bad_inputs_over_grpc_get_their_status_then_exclusion(tmp_path):
     import grpc
-    from helpers import served_run_toml
-    from rounds import flat_results
-    from wire import code_of, join_request
+    from support.helpers import served_run_toml
+    from support.rounds import flat_results
+    from support.wire import code_of, join_request
 
     from matformer.protocol.auth import session_metadata
     from matformer.protocol.channel import GRPC_OPTIONS

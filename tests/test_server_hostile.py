@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-from helpers import Clock, run_config
-from rounds import caps, disk_full, drive, events, gradient, results, same
+from support.helpers import Clock, run_config
+from support.rounds import caps, disk_full, drive, events, gradient, results, same
 
 import matformer.server.close as close_module
 from matformer.modeling.compression import SparseResult

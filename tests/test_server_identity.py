@@ -13,9 +13,9 @@ import sys
 
 import grpc
 import pytest
-from helpers import Clock, run_config, served_run_toml
-from rounds import caps
-from wire import code_of, join_request
+from support.helpers import Clock, run_config, served_run_toml
+from support.rounds import caps
+from support.wire import code_of, join_request
 
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.channel import GRPC_OPTIONS

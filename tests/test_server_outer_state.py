@@ -9,8 +9,8 @@ import json
 import logging
 
 import pytest
-from helpers import Clock, run_tables
-from rounds import caps, drive, same
+from support.helpers import Clock, run_tables
+from support.rounds import caps, drive, same
 
 import matformer.server.checkpoints as checkpoints_module
 import matformer.server.update_log as update_log_module

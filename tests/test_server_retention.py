@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers import Clock, checked_tables, run_config
-from rounds import caps, drive, same
+from support.helpers import Clock, checked_tables, run_config
+from support.rounds import caps, drive, same
 
 import matformer.server.coordinator as coordinator_module
 from matformer.server.checkpoints import CheckpointStore

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import served_run_toml
-from rounds import committed, flat_results
-from wire import code_of, http_get, join_request, schema_hash
+from support.helpers import served_run_toml
+from support.rounds import committed, flat_results
+from support.wire import code_of, http_get, join_request, schema_hash
 
 from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
 from matformer.protocol.auth import session_metadata
@@ -205,8 +205,8 @@ def test_main_refuses_a_model_smaller_than_its_datas_vocabulary(tmp_path, capsys
     in one line naming both sizes, not at the first round's embedding lookup."""
     import dataclasses
 
-    from conftest import tiny_config
-    from helpers import run_tables, write_run_toml
+    from support.helpers import run_tables, write_run_toml
+    from support.models import tiny_config
 
     from matformer.modeling.mdat import build_default_mdat
 

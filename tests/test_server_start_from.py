@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 import transformers
-from helpers import Clock, run_tables
-from rounds import caps, drive
+from support.helpers import Clock, run_tables
+from support.rounds import caps, drive
 
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator

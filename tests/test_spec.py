@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_config
+from support.models import tiny_config
 from torch import nn
 
 from matformer.modeling.components.norms import RMSNorm

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
+from support.models import TAILS_STRATEGY, mdat_with_one_token_tails, tiny_config
 
 from matformer.client.standalone import main
 from matformer.modeling import AutoregressiveModel, BatchError, ConfigError, TierError

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helpers import JOIN_TOKEN, served_run_toml
-from wire import code_of, http_get
+from support.helpers import JOIN_TOKEN, served_run_toml
+from support.wire import code_of, http_get
 
 from matformer.client.checkpoints import DOWNLOAD_ATTEMPTS, CheckpointFiles
 from matformer.client.connection import Connection

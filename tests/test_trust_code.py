@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
-from helpers import run_tables, write_run_toml
+from support.helpers import run_tables, write_run_toml
+from support.models import tiny_config
 
 from matformer.client.checkpoints import CheckpointFiles
 from matformer.client.connection import Connection

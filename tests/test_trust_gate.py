@@ -13,10 +13,10 @@ import grpc
 import pytest
 import safetensors.torch
 import torch
-from helpers import Clock, run_config, served_run_toml
-from rounds import assigned, caps, committed, drive, events, flat_results
 from safetensors import SafetensorError
-from wire import code_of, header_of, joined, serving_config
+from support.helpers import Clock, run_config, served_run_toml
+from support.rounds import assigned, caps, committed, drive, events, flat_results
+from support.wire import code_of, header_of, joined, serving_config
 
 import matformer.protocol.sparse as sparse_module
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Clock, checked_tables, run_config, run_tables, write_run_toml
-from rounds import caps, events, results
+from support.helpers import Clock, checked_tables, run_config, run_tables, write_run_toml
+from support.rounds import caps, events, results
 
 from matformer.client.federated import FederatedClient, FederatedOptions
 from matformer.modeling.compression import SparseResult

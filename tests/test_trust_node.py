@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import JOIN_TOKEN, run_tables, write_run_toml
+from support.helpers import JOIN_TOKEN, run_tables, write_run_toml
 
 from matformer.client.federated import FederatedClient, FederatedOptions
 from matformer.modeling.mdat import build_default_mdat

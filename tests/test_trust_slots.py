@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import served_run_toml
-from wire import header_of, join_request, joined, serving_config, stalled, stalled_unary
+from support.helpers import served_run_toml
+from support.wire import header_of, join_request, joined, serving_config, stalled, stalled_unary
 
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb

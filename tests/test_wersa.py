@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from support.models import tiny_config
 
 from matformer.modeling import (
     AutoregressiveModel,

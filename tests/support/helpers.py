@@ -15,10 +15,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from conftest import tiny_config
-
 from matformer.modeling.mdat import build_default_mdat
 from matformer.server.config import RunConfig
+from support.models import tiny_config
 
 JOIN_TOKEN = "join-secret"
 OPERATOR_TOKEN = "operator-secret"
@@ -50,7 +49,7 @@ def checked_tables(**tables: Any) -> dict[str, Any]:
 
 
 def run_tables(mdat: str | Path, /, **tables: Any) -> dict[str, Any]:
-    """A small run that trains, as run.toml's tables: conftest's tiny model (bytes'
+    """A small run that trains, as run.toml's tables: support.models' tiny model (bytes'
     vocabulary, 128 positions), 128-token sequences of the MDAT at ``mdat``, tiers 0 and 1,
     rounds of 1,024 tokens for one client under plain SGD, dense results. ``tables``
     replace whole tables."""

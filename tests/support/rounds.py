@@ -7,11 +7,11 @@ import errno
 import time
 
 import torch
-from helpers import Clock
 
 from matformer.modeling.compression import CompressionConfig, SparseResult, region_shape
 from matformer.server.coordinator import Coordinator
 from matformer.server.tiers import Capabilities
+from support.helpers import Clock
 
 DENSE = CompressionConfig(encoding="dense").build()
 

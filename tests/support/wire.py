@@ -13,7 +13,6 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from helpers import JOIN_TOKEN, served_run_toml
 
 from matformer.modeling.checkpoint.schema import canonical_schema_hash
 from matformer.protocol.auth import session_metadata
@@ -23,6 +22,7 @@ from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.server.call_slots import CallLimits
 from matformer.server.config import RunConfig
 from matformer.server.main import RunningServer
+from support.helpers import JOIN_TOKEN, served_run_toml
 
 HONEST_TIMEOUT_S = 5.0  # what an honest call is given, client side
 
