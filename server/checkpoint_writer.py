@@ -1,6 +1,7 @@
 """Checkpoints beside the rounds, and which are kept (docs/architecture.md, "The coordinator").
 
-    writer = CheckpointWriter(coordinator)
+    writer = CheckpointWriter(lock, checkpoints, policy, history, update_log, state=...,
+                              save=..., mark_unsaved=...)
     writer.start(round_index, master, carried)   # (lock held) by a thread of its own
     writer.wait()                       # (no lock) until it is done; re-raises a crash
     writer.retire()                     # (lock held) keep_last, then prune the update log
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from torch import Tensor
@@ -24,14 +25,26 @@ from matformer.server.errors import RunDirectoryUnavailable
 from matformer.server.update_steps import Carried
 
 if TYPE_CHECKING:
-    from matformer.server.coordinator import Coordinator
+    from matformer.server.checkpoints import CheckpointStore
+    from matformer.server.history import RunHistory
+    from matformer.server.sections import CheckpointSection
+    from matformer.server.state import RunState
+    from matformer.server.update_log import UpdateLog
 
 log = logging.getLogger("matformer.server")
 
 
 class CheckpointWriter:
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.c = coordinator
+    def __init__(self, lock: threading.RLock, checkpoints: CheckpointStore,
+                 policy: CheckpointSection, history: RunHistory, update_log: UpdateLog, *,
+                 state: Callable[[], RunState], save: Callable[[], None],
+                 mark_unsaved: Callable[[], None]) -> None:
+        """``lock``: the coordinator's, which ``state`` (the run's, as it is now) and the
+        rest are changed under; ``save`` writes state.json (RunDirectoryUnavailable when it
+        cannot), ``mark_unsaved`` says it changed in memory."""
+        self.lock, self.checkpoints, self.policy = lock, checkpoints, policy
+        self.history, self.log, self.state = history, update_log, state
+        self.save, self.mark_unsaved = save, mark_unsaved
         self.writing: int | None = None  # the round of the checkpoint being written
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
@@ -56,33 +69,33 @@ class CheckpointWriter:
             raise failed
 
     def _write(self, round_index: int, master: Mapping[str, Tensor], carried: Carried) -> None:
-        c = self.c
         try:
-            c.checkpoints.write(round_index, master, carried)
+            self.checkpoints.write(round_index, master, carried)
         except OSError as err:
-            with c._lock:
+            with self.lock:
                 why = f"{type(err).__name__}: {err.strerror or err}"
                 log.error("checkpoint round-%d could not be written: %s", round_index, why)
-                c.history.event("disk", None, f"checkpoint round-{round_index} could not "
-                                f"be written ({why}); the next checkpoint tries again")
+                self.history.event("disk", None, f"checkpoint round-{round_index} could not "
+                                   f"be written ({why}); the next checkpoint tries again")
                 self.writing = None
                 self.keep_listed(why="a checkpoint that could not be written")
             return
         except BaseException as err:  # a crash (kill -9 in tests): flush re-raises it
             self._failed = err
             return
-        with c._lock:
+        with self.lock:
             self.writing = None
-            c.state.checkpoints.append(round_index)
+            state = self.state()
+            state.checkpoints.append(round_index)
             try:
-                c.save()
+                self.save()
             except RunDirectoryUnavailable as err:
-                c.state.checkpoints.remove(round_index)
+                state.checkpoints.remove(round_index)
                 log.warning("checkpoint round-%d is written but not listed: %s", round_index,
                             err)
                 return
-            c.history.event("checkpoint", None, f"checkpoints/round-{round_index}")
-            c.mark_unsaved()  # the event reaches state.json with the next save or flush
+            self.history.event("checkpoint", None, f"checkpoints/round-{round_index}")
+            self.mark_unsaved()  # the event reaches state.json with the next save or flush
             self.retire()
 
     def retire(self) -> None:
@@ -92,31 +105,30 @@ class CheckpointWriter:
         keep_first. state.json stops listing the others first, then their folders go: a crash
         in between leaves folders no state lists, which the next start removes. A failed save
         keeps them all until the next close. Then the update log is pruned."""
-        c = self.c
-        policy = c.config.checkpoint
-        listed = c.state.checkpoints
+        policy, state = self.policy, self.state()
+        listed = state.checkpoints
         first = 1 if policy.keep_first else 0  # the run's starting weights, for comparisons
         retired = listed[first:-policy.keep_last]
         if retired:
-            c.state.checkpoints = listed[:first] + listed[-policy.keep_last:]
+            state.checkpoints = listed[:first] + listed[-policy.keep_last:]
             try:
-                c.save()
+                self.save()
             except RunDirectoryUnavailable as err:
-                c.state.checkpoints = listed
+                state.checkpoints = listed
                 log.warning("keeping checkpoints %s for now: %s", retired, err)
                 return
             self.keep_listed(why="retired (keep_last)")
         try:
-            c.log.prune(through=c.log_start() - 1)
+            self.log.prune(through=state.log_start() - 1)
         except OSError as err:  # a later close prunes again
-            log.warning("pruning %s failed: %s", c.log.directory, err)
+            log.warning("pruning %s failed: %s", self.log.directory, err)
 
     def keep_listed(self, *, why: str, level: int = logging.INFO) -> None:
         """(lock held) Remove the checkpoint folders state.json does not list, but the one
         being written."""
-        keep = {*self.c.state.checkpoints, *([self.writing] if self.writing is not None
-                                              else [])}
-        self.c.checkpoints.keep_only(keep, why=why, level=level)
+        keep = {*self.state().checkpoints, *([self.writing] if self.writing is not None
+                                             else [])}
+        self.checkpoints.keep_only(keep, why=why, level=level)
 
     def remove_unlisted(self) -> None:
         """Staging folders and checkpoint folders that state.json does not list: what a crash

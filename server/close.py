@@ -292,7 +292,7 @@ def _record(c: Coordinator, rnd: OpenRound, by_name: Mapping[str, list[SparseRes
             member.last_round_seconds = submission.received_at - rnd.opened_at
     c.history.loss(rnd)
     c.history.round(rnd, by_name, close_s=close_s)
-    log.info("%s", round_line(c, rnd))
+    log.info("%s", round_line(c.state, c.config.round, rnd))
 
 
 def _track(c: Coordinator, round_index: int) -> None:

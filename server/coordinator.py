@@ -111,7 +111,9 @@ class Coordinator:
         # saved with each checkpoint (server/outer_state.py)
         self.carried = Carried()
         self._close_s = 0.0  # how long the last close took
-        self.writer = CheckpointWriter(self)
+        self.writer = CheckpointWriter(  # state and save looked up when used, not now
+            self._lock, self.checkpoints, config.checkpoint, self.history, self.log,
+            state=lambda: self.state, save=lambda: self.save(), mark_unsaved=self.mark_unsaved)
         # called (lock held) after each round that moved the master; quick, never calling back
         self.round_closed: list[Callable[[ClosedRound], None]] = []
         self._write_failure: str | None = None  # the last failed close's error, logged once
@@ -260,7 +262,7 @@ class Coordinator:
     def logged_rounds(self, round_index: int) -> range:
         """Rounds ``round_index``, ..., the last committed one (UpdatesPruned: not logged)."""
         with self._lock:
-            base = self.log_start()
+            base = self.state.log_start()
             if round_index < base:
                 latest = self.state.checkpoints[-1]
                 raise UpdatesPruned(f"updates before round {base} are pruned; load checkpoint "
@@ -367,7 +369,10 @@ class Coordinator:
     def snapshot(self, *, since_round: int | None = 0, events_after: int | None = -1
                  ) -> dict[str, Any]:
         """What the status API shows, copied under the lock (``server/status.py``)."""
-        return status.snapshot(self, since_round=since_round, events_after=events_after)
+        with self._lock:
+            return status.snapshot(self.config, self.state, self.membership, self.history,
+                                   self.current_round, phase=self.phase, now=self.clock(),
+                                   since_round=since_round, events_after=events_after)
 
     def downloaded(self, client_id: str, nbytes: int, *, rounds: int = 0) -> None:
         """Count what the service sent a member (``rounds``: round updates among it)."""
@@ -412,12 +417,6 @@ class Coordinator:
     def mark_unsaved(self) -> None:
         """(lock held) state.json changed in memory: written with the next save or flush."""
         self._unsaved = True
-
-    def log_start(self) -> int:
-        """The first round the update log keeps: that of the checkpoint before the latest,
-        so a client that was one round behind when a checkpoint was written still catches
-        up from the log instead of downloading the new checkpoint."""
-        return self.state.checkpoints[-2 if len(self.state.checkpoints) > 1 else -1]
 
     def tied(self, master: dict[str, Tensor]) -> dict[str, Tensor]:
         """With tied embeddings the head is the embedding: clients update it under

@@ -15,21 +15,23 @@ from typing import TYPE_CHECKING, Any
 from matformer.server.rounds import OpenRound
 
 if TYPE_CHECKING:
-    from matformer.server.coordinator import Coordinator
+    from matformer.server.sections import RoundSection
+    from matformer.server.state import RunState
 
 NAMES_SHOWN = 6  # members named in a line; more are counted
 
 
-def round_line(c: Coordinator, rnd: OpenRound) -> str:
-    """(lock held) The round just recorded, in one line: how far the run is, who delivered
-    how many tokens in how long, each tier's training loss, who was dropped."""
-    record = c.state.rounds[-1]
-    losses = {int(tier): points[-1][1] for tier, points in c.state.loss.items()
+def round_line(state: RunState, stop: RoundSection, rnd: OpenRound) -> str:
+    """(lock held) The round just recorded in ``state``, in one line: how far the run is
+    against ``stop`` ([round]), who delivered how many tokens in how long, each tier's
+    training loss, who was dropped."""
+    record = state.rounds[-1]
+    losses = {int(tier): points[-1][1] for tier, points in state.loss.items()
               if points and points[-1][0] == rnd.index}
     contributors = [rnd.names.get(client, client) for client in rnd.submissions]
-    line = (f"round {rnd.index} closed{_progress(c, record)}: {record['tokens']:,} tokens "
-            f"from {_names(contributors)} in {record['duration_s']:.2f} s"
-            f"{_losses(losses)}")
+    line = (f"round {rnd.index} closed{_progress(state, stop, record)}: "
+            f"{record['tokens']:,} tokens from {_names(contributors)} in "
+            f"{record['duration_s']:.2f} s{_losses(losses)}")
     if record["dropped"]:
         line += f"; dropped {_names(d['name'] for d in record['dropped'])}"
     return line
@@ -50,14 +52,13 @@ def summary_line(status: Mapping[str, Any], checkpoint: Path) -> str:
             f"{_losses(losses, 'last training loss')}; final checkpoint {checkpoint}")
 
 
-def _progress(c: Coordinator, record: Mapping[str, Any]) -> str:
+def _progress(state: RunState, stop: RoundSection, record: Mapping[str, Any]) -> str:
     """" (8 of 8 rounds done)" against [round] rounds, " (7,574 of 10,000 tokens done)"
     against tokens; "" else. Rounds are numbered from 0, so round 7 is the 8th."""
-    stop = c.config.round
     if stop.rounds is not None:
         return f" ({record['round'] + 1} of {stop.rounds} rounds done)"
     if stop.tokens is not None:
-        done = c.state.tokens + record["tokens"]  # state.tokens counts up to the round before
+        done = state.tokens + record["tokens"]  # state.tokens counts up to the round before
         return f" ({done:,} of {stop.tokens:,} tokens done)"
     return ""
 

@@ -51,6 +51,12 @@ class RunState:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(snapshot, f.name))
 
+    def log_start(self) -> int:
+        """The first round the update log keeps: that of the checkpoint before the latest,
+        so a client that was one round behind when a checkpoint was written still catches
+        up from the log instead of downloading the new checkpoint."""
+        return self.checkpoints[-2 if len(self.checkpoints) > 1 else -1]
+
     def save(self, run_dir: Path) -> None:
         """Write state.json (ValueError for a number that is not finite: never saved)."""
         write_json_atomic(Path(run_dir) / STATE_NAME, asdict(self), mode=0o600)
