@@ -46,7 +46,7 @@ from matformer.modeling.compression import (
 )
 from matformer.modeling.mdat import Mdat
 from matformer.modeling.tracking import Tracker
-from matformer.server import joins, resume, status
+from matformer.server import resume, status
 from matformer.server.checkpoint_writer import CheckpointWriter
 from matformer.server.checkpoints import CheckpointRef, CheckpointStore
 from matformer.server.close import ClosedRound, CloseWorker, Closing, close, room_to_close
@@ -61,6 +61,7 @@ from matformer.server.errors import (
 )
 from matformer.server.gate import SubmissionGate, check_relayed, check_tier_losses
 from matformer.server.history import RunHistory
+from matformer.server.joins import Admissions
 from matformer.server.keys import KeyHolder
 from matformer.server.ledger import TrainedLedger
 from matformer.server.limits import SubmissionLimits
@@ -120,10 +121,12 @@ class Coordinator:
         self.waiting_for_disk = False  # a round waits for free space (said once)
         # joins, leaves and refusals reach state.json together, at most every SAVE_INTERVAL_S
         self._unsaved, self._saved_at = False, -math.inf
-        self.join_bucket = (float(config.faults.max_joins_per_minute), clock())  # (level, at)
         self.state, self.membership, self.queue = resume.records(self, saved, order)
         self.pipeline = RoundPipeline(config, self.membership, self.history, self.queue,
                                       self._length)
+        self.admissions = Admissions(  # save looked up when used, not now
+            self.membership, self.pipeline, self.history, config.faults, clock=clock,
+            save=lambda: self.save(), mark_unsaved=self.mark_unsaved)
         self.master, self.carried = resume.master(self, saved, initial)
 
     # -- calls from clients -------------------------------------------------------------
@@ -131,9 +134,10 @@ class Coordinator:
     def join(self, capabilities: Capabilities, *, key: KeyHolder | None = None,
              previous_session: str | None = None) -> tuple[Member, TierAssignment, str]:
         """Admit a client: its member record, tier assignment and session token
-        (``server/joins.py``: who may take a name, and how fast joins come)."""
+        (``server/joins.py``, ``Admissions``: who may take a name, and how fast joins come)."""
         with self._lock:
-            joined = joins.join(self, capabilities, key=key, previous_session=previous_session)
+            joined = self.admissions.join(capabilities, key=key,
+                                          previous_session=previous_session)
             self._unsaved = True  # written by advance, at most every SAVE_INTERVAL_S
         self._advance()
         return joined
@@ -157,15 +161,15 @@ class Coordinator:
     def leave(self, client_id: str, reason: str = "") -> None:
         """Remove a member; its unsubmitted ids go back to the queue."""
         with self._lock:
-            joins.remove(self, self.membership.get(client_id), reason or "left the run",
-                         dropped="left the run")
+            self.admissions.remove(self.membership.get(client_id), reason or "left the run",
+                                   dropped="left the run")
             self._unsaved = True
         self._advance()
 
     def exclude(self, client_id: str, reason: str) -> None:
-        """Remove a member for good (``joins.exclude``); UnknownClient for a non-member."""
+        """Remove a member for good (``Admissions.exclude``); UnknownClient for a non-member."""
         with self._lock:
-            joins.exclude(self, client_id, reason)
+            self.admissions.exclude(client_id, reason)
         self._advance()
 
     def check_header(self, client_id: str, round_index: int,
@@ -226,7 +230,7 @@ class Coordinator:
         """Count a refused submission against the client; at [faults] max_rejections it is
         excluded. The words to add to the refusal's message ("" when nothing follows)."""
         with self._lock:
-            consequence = joins.count_refusal(self, client_id, error)
+            consequence = self.admissions.count_refusal(client_id, error)
         self._advance()  # the round may have waited only for this member
         return consequence
 
@@ -336,7 +340,7 @@ class Coordinator:
         """(lock held) Expire sessions and move the rounds in flight on
         (``RoundPipeline.step``); with ``detach``, the close of the round to close now."""
         now = self.clock()
-        joins.expire_sessions(self, now)
+        self.admissions.expire_sessions(now)
         rnd = None
         if not self.state.finished:
             rnd, ended = self.pipeline.step(now, committed=self.state.round,

@@ -1,11 +1,18 @@
 """Membership over time: who may join under which name, how fast joins may come, and how a
-member leaves or its session expires (docs/architecture.md, "Members that fail or
-misbehave"). Functions of the coordinator, called with its lock held.
+member leaves, is excluded or its session expires (docs/architecture.md, "Members that fail
+or misbehave"). ``Admissions`` owns the join bucket and changes the membership, the rounds
+in flight (a member's unsubmitted work goes back) and the history; every method is called
+with the coordinator's lock held.
+
+    admissions = Admissions(membership, pipeline, history, config.faults, clock=...,
+                            save=..., mark_unsaved=...)
+    member, tier, token = admissions.join(capabilities)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from matformer.server.errors import Excluded, JoinsTooFast, NameTaken, RunFull
@@ -14,126 +21,144 @@ from matformer.server.membership import Member
 from matformer.server.tiers import Capabilities, TierAssignment
 
 if TYPE_CHECKING:
-    from matformer.server.coordinator import Coordinator
+    from matformer.server.history import RunHistory
+    from matformer.server.membership import Membership
+    from matformer.server.pipeline import RoundPipeline
+    from matformer.server.sections import FaultsSection
 
 
-def join(c: Coordinator, capabilities: Capabilities, *, key: KeyHolder | None = None,
-         previous_session: str | None = None) -> tuple[Member, TierAssignment, str]:
-    """Admit a client: its member record, tier assignment and session token.
+class Admissions:
+    def __init__(self, membership: Membership, pipeline: RoundPipeline, history: RunHistory,
+                 faults: FaultsSection, *, clock: Callable[[], float],
+                 save: Callable[[], None], mark_unsaved: Callable[[], None]) -> None:
+        """``save`` writes state.json at once (an exclusion), ``mark_unsaved`` says it
+        changed in memory."""
+        self.membership, self.pipeline, self.history = membership, pipeline, history
+        self.faults, self.clock = faults, clock
+        self.save, self.mark_unsaved = save, mark_unsaved
+        # [faults] max_joins_per_minute as a bucket: (joins left, when it was last filled)
+        self.join_bucket = (float(faults.max_joins_per_minute), clock())
 
-    ``key`` (``[auth] mode = "keys"``) names the member, whatever name it reports.
-    ``previous_session`` is the session token of the member this client was before (a
-    restarted client presents it). A name belongs to one live member: a join under the name
-    of a member heard from within ``heartbeat_timeout_s`` is refused (NameTaken) unless it
-    proves to be that member, by its key or its previous session; the member it proves to
-    be, or one gone silent, is replaced. A key or a previous session that was excluded is
-    refused with the exclusion's reason."""
-    now, membership = c.clock(), c.membership
-    before = membership.sessions.client_of(previous_session) if previous_session else None
-    if key is not None:
-        capabilities = dataclasses.replace(capabilities, name=key.name)
-        reason = membership.excluded_keys.get(key.key_hash)
-        if reason is not None:
-            raise Excluded(f"the key of {key.name!r} was excluded from the run: {reason}")
-    if before in membership.excluded:
-        raise Excluded(f"{before} was excluded from the run: {membership.excluded[before]}")
-    holder = membership.named(capabilities.name)
-    proven = holder is not None and (key is not None or before == holder.client_id)
-    silent = now - holder.last_seen if holder is not None else 0.0
-    if holder is not None and not proven and silent <= c.config.faults.heartbeat_timeout_s:
-        raise NameTaken(
-            f"a live member of this run is named {capabilities.name!r}; choose another "
-            "--name (a restarted client proves its name with the session it saved in its "
-            "--state-dir).")
-    _admit_check(c, now, replacing=holder is not None)
-    # the tier first: a join the policy refuses (its capabilities, no tier that fits) must
-    # leave the member it would replace in place
-    tier = membership.policy.assign(capabilities, [
-        m.tier for m in membership.members.values() if m is not holder])
-    if holder is not None:
-        remove(c, holder, f"replaced by a new join as {holder.name!r}" if proven
-               else f"silent for {silent:.0f} s; its name was taken by a new join")
-    joined = membership.join(capabilities, now=now, key_hash=key.key_hash if key else "",
-                             tier=tier)
-    member, tier, _ = joined
-    c.history.event("join", member,
-                    f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")
-    return joined
+    def drop_member(self, client_id: str, why: str) -> None:
+        self.pipeline.drop_member(client_id, why)
 
+    def join(self, capabilities: Capabilities, *, key: KeyHolder | None = None,
+                 previous_session: str | None = None) -> tuple[Member, TierAssignment, str]:
+        """Admit a client: its member record, tier assignment and session token.
 
-def _admit_check(c: Coordinator, now: float, *, replacing: bool) -> None:
-    """RunFull beyond [faults] max_members (``replacing``: the join takes a member's place),
-    JoinsTooFast beyond max_joins_per_minute (a bucket of that many joins, refilled over a
-    minute). Checked before anything changes."""
-    faults = c.config.faults
-    if len(c.membership.members) - replacing >= faults.max_members:
-        raise RunFull(f"the run has {faults.max_members} members, the most it admits "
-                      "([faults] max_members); try again when one has left.")
-    rate = faults.max_joins_per_minute / 60
-    level, at = c.join_bucket
-    level = min(faults.max_joins_per_minute, level + (now - at) * rate)
-    if level < 1:
-        raise JoinsTooFast(f"more than {faults.max_joins_per_minute} joins in a minute "
-                           "([faults] max_joins_per_minute); retry in "
-                           f"{(1 - level) / rate:.0f} s.")
-    c.join_bucket = (level - 1, now)
+        ``key`` (``[auth] mode = "keys"``) names the member, whatever name it reports.
+        ``previous_session`` is the session token of the member this client was before (a
+        restarted client presents it). A name belongs to one live member: a join under the name
+        of a member heard from within ``heartbeat_timeout_s`` is refused (NameTaken) unless it
+        proves to be that member, by its key or its previous session; the member it proves to
+        be, or one gone silent, is replaced. A key or a previous session that was excluded is
+        refused with the exclusion's reason."""
+        now, membership = self.clock(), self.membership
+        before = membership.sessions.client_of(previous_session) if previous_session else None
+        if key is not None:
+            capabilities = dataclasses.replace(capabilities, name=key.name)
+            reason = membership.excluded_keys.get(key.key_hash)
+            if reason is not None:
+                raise Excluded(f"the key of {key.name!r} was excluded from the run: {reason}")
+        if before in membership.excluded:
+            raise Excluded(f"{before} was excluded from the run: {membership.excluded[before]}")
+        holder = membership.named(capabilities.name)
+        proven = holder is not None and (key is not None or before == holder.client_id)
+        silent = now - holder.last_seen if holder is not None else 0.0
+        if holder is not None and not proven and silent <= self.faults.heartbeat_timeout_s:
+            raise NameTaken(
+                f"a live member of this run is named {capabilities.name!r}; choose another "
+                "--name (a restarted client proves its name with the session it saved in its "
+                "--state-dir).")
+        self._admit_check(now, replacing=holder is not None)
+        # the tier first: a join the policy refuses (its capabilities, no tier that fits) must
+        # leave the member it would replace in place
+        tier = membership.policy.assign(capabilities, [
+            m.tier for m in membership.members.values() if m is not holder])
+        if holder is not None:
+            self.remove(holder, f"replaced by a new join as {holder.name!r}" if proven
+                   else f"silent for {silent:.0f} s; its name was taken by a new join")
+        joined = membership.join(capabilities, now=now, key_hash=key.key_hash if key else "",
+                                 tier=tier)
+        member, tier, _ = joined
+        self.history.event("join", member,
+                        f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")
+        return joined
 
 
-def remove(c: Coordinator, member: Member, why: str, *, dropped: str | None = None) -> None:
-    """Take a member out of the run (it left, or a new join replaced it): its session ends,
-    its unsubmitted ids go back to the queue (``dropped``: the rounds' record of why, else
-    ``why``)."""
-    c.membership.leave(member.client_id)
-    c.pipeline.drop_member(member.client_id, dropped or why)
-    c.history.departed(member, why)
-    c.history.event("leave", member, why)
+    def _admit_check(self, now: float, *, replacing: bool) -> None:
+        """RunFull beyond [faults] max_members (``replacing``: the join takes a member's place),
+        JoinsTooFast beyond max_joins_per_minute (a bucket of that many joins, refilled over a
+        minute). Checked before anything changes."""
+        faults = self.faults
+        if len(self.membership.members) - replacing >= faults.max_members:
+            raise RunFull(f"the run has {faults.max_members} members, the most it admits "
+                          "([faults] max_members); try again when one has left.")
+        rate = faults.max_joins_per_minute / 60
+        level, at = self.join_bucket
+        level = min(faults.max_joins_per_minute, level + (now - at) * rate)
+        if level < 1:
+            raise JoinsTooFast(f"more than {faults.max_joins_per_minute} joins in a minute "
+                               "([faults] max_joins_per_minute); retry in "
+                               f"{(1 - level) / rate:.0f} s.")
+        self.join_bucket = (level - 1, now)
 
 
-def exclude(c: Coordinator, client_id: str, reason: str) -> None:
-    """Remove a member for good (too many bad results, or an operator's decision): its
-    unsubmitted ids go back to the queue, and its later calls are answered
-    PERMISSION_DENIED with ``reason``. Raises UnknownClient for a non-member."""
-    who = c.membership.members.get(client_id, client_id)
-    c.membership.exclude(client_id, reason)
-    c.pipeline.drop_member(client_id, f"excluded: {reason}")
-    c.history.event("exclude", who, reason)
-    c.save()
+    def remove(self, member: Member, why: str, *, dropped: str | None = None) -> None:
+        """Take a member out of the run (it left, or a new join replaced it): its session ends,
+        its unsubmitted ids go back to the queue (``dropped``: the rounds' record of why, else
+        ``why``)."""
+        self.membership.leave(member.client_id)
+        self.drop_member(member.client_id, dropped or why)
+        self.history.departed(member, why)
+        self.history.event("leave", member, why)
 
 
-def expire_sessions(c: Coordinator, now: float) -> None:
-    """End the session of every member silent for [faults] session_ttl_s: it must join
-    again."""
-    ttl = c.config.faults.session_ttl_s
-    for member in [m for m in c.membership.members.values() if now - m.last_seen > ttl]:
-        c.membership.leave(member.client_id)
-        c.pipeline.drop_member(member.client_id, "its session expired")
-        c.history.departed(member, f"silent for {now - member.last_seen:.0f} s: its session "
-                                   "expired")
-        c.history.event(
-            "expire", member,
-            f"silent for {now - member.last_seen:.0f} s (session_ttl_s {ttl:g}): its session "
-            "expired; it must join again")
+    def exclude(self, client_id: str, reason: str) -> None:
+        """Remove a member for good (too many bad results, or an operator's decision): its
+        unsubmitted ids go back to the queue, and its later calls are answered
+        PERMISSION_DENIED with ``reason``. Raises UnknownClient for a non-member."""
+        who = self.membership.members.get(client_id, client_id)
+        self.membership.exclude(client_id, reason)
+        self.drop_member(client_id, f"excluded: {reason}")
+        self.history.event("exclude", who, reason)
+        self.save()
 
 
-def count_refusal(c: Coordinator, client_id: str, error: Exception) -> str:
-    """Count a refused submission against the member (a round stops waiting for it once the
-    others are in); at [faults] max_rejections it is excluded. The words to add to the
-    refusal's message ("" when nothing follows)."""
-    if not getattr(error, "counted", True) or client_id not in c.membership.members:
-        return ""
-    assigned = c.pipeline.assignment_for(client_id)
-    if assigned is not None:
-        c.pipeline.refused[client_id] = assigned.assignment_id
-    member = c.membership.get(client_id)
-    member.rejections += 1
-    limit = c.config.faults.max_rejections
-    c.history.event("reject", member, f"refused submission {member.rejections}"
-                    f"{f' of {limit}' if limit else ''}: {type(error).__name__}: "
-                    f"{str(error)[:200]}")
-    if limit and member.rejections >= limit:
-        c.exclude(client_id, f"{member.rejections} submissions refused, the last: "
-                             f"{str(error)[:200]}")
-        return (f" This was refusal {member.rejections} of {limit}: the client is excluded "
-                "from the run.")
-    c.mark_unsaved()
-    return f" (refusal {member.rejections} of {limit})" if limit else ""
+    def expire_sessions(self, now: float) -> None:
+        """End the session of every member silent for [faults] session_ttl_s: it must join
+        again."""
+        ttl = self.faults.session_ttl_s
+        for member in [m for m in self.membership.members.values() if now - m.last_seen > ttl]:
+            self.membership.leave(member.client_id)
+            self.drop_member(member.client_id, "its session expired")
+            self.history.departed(member, f"silent for {now - member.last_seen:.0f} s: its session "
+                                       "expired")
+            self.history.event(
+                "expire", member,
+                f"silent for {now - member.last_seen:.0f} s (session_ttl_s {ttl:g}): its session "
+                "expired; it must join again")
+
+
+    def count_refusal(self, client_id: str, error: Exception) -> str:
+        """Count a refused submission against the member (a round stops waiting for it once the
+        others are in); at [faults] max_rejections it is excluded. The words to add to the
+        refusal's message ("" when nothing follows)."""
+        if not getattr(error, "counted", True) or client_id not in self.membership.members:
+            return ""
+        assigned = self.pipeline.assignment_for(client_id)
+        if assigned is not None:
+            self.pipeline.refused[client_id] = assigned.assignment_id
+        member = self.membership.get(client_id)
+        member.rejections += 1
+        limit = self.faults.max_rejections
+        self.history.event("reject", member, f"refused submission {member.rejections}"
+                        f"{f' of {limit}' if limit else ''}: {type(error).__name__}: "
+                        f"{str(error)[:200]}")
+        if limit and member.rejections >= limit:
+            self.exclude(client_id, f"{member.rejections} submissions refused, the last: "
+                                 f"{str(error)[:200]}")
+            return (f" This was refusal {member.rejections} of {limit}: the client is excluded "
+                    "from the run.")
+        self.mark_unsaved()
+        return f" (refusal {member.rejections} of {limit})" if limit else ""
