@@ -42,8 +42,8 @@ from matformer.server.history import MAX_EVENTS
 from matformer.server.main import RunningServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers import served_run_toml
-from wire import join_request
+from support.helpers import served_run_toml
+from support.wire import join_request
 
 TIERS = (0, 1, 2)
 SMOKE = dict(rounds="20,200", polls=2)
