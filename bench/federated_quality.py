@@ -284,9 +284,9 @@ class _Recording(FederatedClient):
 
     trained: list[int]
 
-    def _accepted(self, work: Train, *args: Any) -> None:
+    def accepted(self, work: Train, *args: Any) -> None:
         self.trained = [*getattr(self, "trained", []), *work.sequence_ids]
-        return super()._accepted(work, *args)
+        return super().accepted(work, *args)
 
 
 class _Attacking(_Recording):

@@ -15,7 +15,7 @@
    momentum is saved after every accepted round, so a restarted client keeps the gradient it
    has not sent yet.
 
-Catching up is one loop (``_catch_up``): replay the log; when the log no longer reaches back
+Catching up is one loop (``catch_up``): replay the log; when the log no longer reaches back
 or a hash disagrees, load the latest checkpoint and replay once more; a second disagreement
 is damage, not drift (``ReplicaDiverged``). The coordinator's answers arrive as the domain
 errors of ``client.errors`` (``RoundOver``, ``SessionEnded``, ...), never as status codes.
@@ -126,7 +126,7 @@ class FederatedClient:
         self.applied = 0  # the replica holds the weights after this many rounds
         self.local_round: LocalRound | None = None
         self.sequences: SequenceSource | None = None
-        self._cost = Cost()
+        self.cost = Cost()
 
     @property
     def tier(self) -> int:
@@ -139,20 +139,20 @@ class FederatedClient:
         Ctrl-C leaves the run before it propagates; the state folder is held meanwhile."""
         with held(self.state_dir, self.options.name):
             try:
-                self._join()
+                self.join()
                 self._rounds_rejoining()
             except KeyboardInterrupt as stop:
-                self._leave("stopped (SIGTERM)" if isinstance(stop, Terminated)
+                self.leave("stopped (SIGTERM)" if isinstance(stop, Terminated)
                             else "interrupted (Ctrl-C)")
                 raise
             except Exception as err:
                 # hand the round's sequences back now rather than at the deadline
-                self._leave(f"failed: {err}"[:500])
+                self.leave(f"failed: {err}"[:500])
                 raise
             finally:
                 self._stop_followers()
                 self._write_summary()
-            self._leave("finished" if self.summary.finished else "done")
+            self.leave("finished" if self.summary.finished else "done")
         return self.summary
 
     def _stop_followers(self) -> None:
@@ -179,13 +179,13 @@ class FederatedClient:
                 self.log(f"the coordinator ended this client's session ({err.details}); "
                          "joining again")
                 previous = self.summary
-                self._join()
+                self.join()
                 self.summary.rejoins = previous.rejoins + 1
                 self.summary.rounds_trained += previous.rounds_trained
                 self.summary.bytes_sent += previous.bytes_sent
                 self.summary.losses[:0] = previous.losses
 
-    def _join(self) -> None:
+    def join(self) -> None:
         o = self.options
         give_up = time.monotonic() + NAME_PATIENCE_S
         while True:
@@ -227,24 +227,24 @@ class FederatedClient:
             self.connection.heartbeat(self.applied, tokens_per_second=speed)
             self.log(f"measured {speed:,.0f} training tokens/s at tier {self.tier}; catching "
                      f"up from round {self.applied}")
-            self._catch_up()
-            self._build_local_round()
+            self.catch_up()
+            self.build_local_round()
 
     def _train_rounds(self) -> None:
         """The round loop: synchronous, or overlapped when the run says so."""
         loop = OverlappedRounds if self.member.settings.overlap else SynchronousRounds
         loop(self).run()
 
-    def _train_one(self, work: Train, progress: Progress) -> None:
+    def train_round(self, work: Train, progress: Progress) -> None:
         if self.local_round is None:
-            self._build_local_round()
+            self.build_local_round()
         with self.connection.keep_alive(lambda: work.round):
             try:
                 sequences = [s.to(self.device) for s in self.sequences.fetch(work.sequence_ids)]
             except RoundOver as err:
                 self.log(f"round {work.round} is over for this client: {err.details}")
                 return
-            done = self._compute(sequences, work.round)
+            done = self.compute(sequences, work.round)
             loss = done.losses[tier_label(self.tier)]
             try:
                 accepted, sent, _ = self.connection.submit(
@@ -255,11 +255,11 @@ class FederatedClient:
                 # and split it anew) or refused: the gradient was not taken, so the momentum
                 # goes back to the last accepted round's.
                 self.log(f"round {work.round} not accepted: {err.details}")
-                self._restore_state()
+                self.restore_state()
                 return
-        self._accepted(work, done, loss, sent, accepted, progress)
+        self.accepted(work, done, loss, sent, accepted, progress)
 
-    def _compute(self, sequences: list[torch.Tensor], round_index: int,
+    def compute(self, sequences: list[torch.Tensor], round_index: int,
                  advance: Advance | None = None) -> RoundWork:
         """A round's local work on every rank (``advance``: ``LocalRound.run``'s); with
         ``compute_speed`` below 1, then a pause to take 1 / compute_speed times as long."""
@@ -272,12 +272,12 @@ class FederatedClient:
             done = dataclasses.replace(done, seconds=done.seconds + pause)
         return done
 
-    def _accepted(self, work: Train, done: RoundWork, loss: float, sent: int, accepted: int,
+    def accepted(self, work: Train, done: RoundWork, loss: float, sent: int, accepted: int,
                   progress: Progress) -> None:
         """A submission the coordinator took: the error feedback saved, the round counted."""
         self.local_round.save(feedback_path(self.state_dir))
-        self._cost.compute_s += done.seconds
-        self._cost.dense_up += self._dense_bytes()
+        self.cost.compute_s += done.seconds
+        self.cost.dense_up += self._dense_bytes()
         self.summary.rounds_trained += 1
         self.summary.bytes_sent += sent
         self.summary.losses.append((work.round, loss))
@@ -297,7 +297,7 @@ class FederatedClient:
         self.applied = checkpoint.round
         self.local_round = None  # it trained the replica just replaced: built anew on use
 
-    def _catch_up(self, *, reload: bool = False) -> None:
+    def catch_up(self, *, reload: bool = False) -> None:
         """Apply every logged update since ``applied``. Load the latest checkpoint first when
         ``reload`` is set, when the log no longer reaches back to ``applied``, or when the
         replica's hash disagrees with the coordinator's after an update; a second
@@ -316,7 +316,7 @@ class FederatedClient:
                          "checkpoint")
                 reload = True
                 continue
-            diverged = self._replay(updates)
+            diverged = self.replay(updates)
             if diverged is None:
                 break
             self.summary.resynchronisations += 1
@@ -331,7 +331,7 @@ class FederatedClient:
         self.summary.rounds_applied = self.applied
         self.summary.update_bytes = self.broadcast.update_bytes
 
-    def _replay(self, updates: list[RoundUpdate]) -> int | None:
+    def replay(self, updates: list[RoundUpdate]) -> int | None:
         """Apply ``updates`` from round ``applied`` on; the first round after which the
         replica's hash differs from the one the coordinator published, else None."""
         applied, start = [], time.monotonic()
@@ -342,21 +342,21 @@ class FederatedClient:
                 self.replica.apply(update)
                 applied.append(update)
                 self.applied = update.round + 1
-                self._cost.dense_down += self._dense_bytes()
+                self.cost.dense_down += self._dense_bytes()
                 published = update.hashes.get(self.tier)
                 if published and self.replica.hash(self.tier) != published:
                     return update.round
             return None
         finally:
             self.node.apply(applied)
-            self._cost.apply_s += time.monotonic() - start
+            self.cost.apply_s += time.monotonic() - start
 
     def _dense_bytes(self) -> int:
         """float32 bytes of the weights this client's tier holds: a dense gradient's size."""
         regions = tier_regions(self.replica.shapes, self.replica.config, self.tier)
         return DENSE_BYTES_PER_VALUE * sum(math.prod(region_shape(r)) for r in regions.values())
 
-    def _build_local_round(self) -> None:
+    def build_local_round(self) -> None:
         o, settings = self.options, self.member.settings
         setup = RoundSetup(
             tiers=(self.tier, *sorted(t for t in set(o.also_train) if t > self.tier)),
@@ -366,11 +366,11 @@ class FederatedClient:
         self.node.setup(setup)
         self.local_round = setup.build(self.replica, settings.compression.build(),
                                        self.node.parallel)
-        self._restore_state(announce=True)
+        self.restore_state(announce=True)
 
     # -- state kept across restarts ---------------------------------------------------------
 
-    def _restore_state(self, announce: bool = False) -> None:
+    def restore_state(self, announce: bool = False) -> None:
         """The error-feedback momentum (and inner optimizer state) of the last accepted
         round: from the state dir, or fresh when none was saved or the saved one does not
         fit (then it is deleted)."""
@@ -393,9 +393,9 @@ class FederatedClient:
         """``summary.json`` in the state dir: what local-testnet's end-of-run check reads."""
         if self.summary is not None:
             weights = self.replica.hash(self.tier) if self.replica is not None else ""
-            write_summary(self.summary, self._cost, self.connection, weights, self.state_dir)
+            write_summary(self.summary, self.cost, self.connection, weights, self.state_dir)
 
-    def _leave(self, reason: str) -> None:
+    def leave(self, reason: str) -> None:
         try:
             if self.connection.joined:
                 self.connection.leave(reason)

@@ -49,7 +49,7 @@ def finished(c: FederatedClient, work: Finished, progress: Progress) -> None:
     """The run is over: the summary says so, and the log what the replica holds."""
     c.summary.finished = True
     progress.finished(work)
-    c._catch_up()
+    c.catch_up()
     c.log(f"the run finished after round {work.round - 1}; the replica holds the weights "
           f"after {c.applied} rounds, weight hash {c.replica.hash(c.tier)[:12]}")
 
@@ -71,7 +71,7 @@ class SynchronousRounds:
             while o.max_rounds is None or c.summary.rounds_trained < o.max_rounds:
                 work = c.connection.get_round()
                 if work.round > c.applied:
-                    c._catch_up()
+                    c.catch_up()
                 match work:
                     case Finished():
                         finished(c, work, progress)
@@ -79,7 +79,7 @@ class SynchronousRounds:
                     case Wait():
                         pause = max(work.retry_after_s, 0.05)
                         time.sleep(pause)
-                        c._cost.wait_s += pause
+                        c.cost.wait_s += pause
                     case Train() if work.round != c.applied:
                         continue  # the log lags the round that opened; ask again
                     case Train():
@@ -87,8 +87,8 @@ class SynchronousRounds:
                             c.log(f"the coordinator moved this client from tier "
                                   f"{c.tier} to tier {work.tier}; reloading")
                             c.summary.tier = work.tier
-                            c._catch_up(reload=True)
-                        c._train_one(work, progress)
+                            c.catch_up(reload=True)
+                        c.train_round(work, progress)
 
 
 class OverlappedRounds:
@@ -150,7 +150,7 @@ class OverlappedRounds:
                 case Wait():
                     pause = max(work.retry_after_s, 0.05)
                     time.sleep(pause)
-                    c._cost.wait_s += pause
+                    c.cost.wait_s += pause
                 case Train():
                     self._hold([work])
         work = self.held.popleft()
@@ -176,13 +176,13 @@ class OverlappedRounds:
             c.log(f"the coordinator moved this client from tier {c.tier} to tier "
                   f"{work.tier}; reloading")
             c.summary.tier = work.tier
-            c._catch_up(reload=True)
+            c.catch_up(reload=True)
             self.fetched.clear()
         self._apply_through(work.round - 2)
         if self.asked is None and work.round >= 1:  # what the next round trains on: the
             self._ask(work.round - 1)  # update of this one's predecessor, closing meanwhile
         if c.local_round is None:
-            c._build_local_round()
+            c.build_local_round()
         try:
             fetched = self.sequences.pop(work.assignment_id)
             sequences = [s.to(c.device) for s in self._waited(fetched)]
@@ -190,7 +190,7 @@ class OverlappedRounds:
             c.log(f"round {work.round} is over for this client: {err.details}")
             return
         advance = self._advance(work) if c.node.world_size == 1 else None
-        done = c._compute(sequences, work.round, advance)
+        done = c.compute(sequences, work.round, advance)
         self._settle_upload(progress)  # one upload at a time, in round order
         loss = done.losses[tier_label(c.tier)]
         self.upload = (work, done, loss, self.uploads.submit(
@@ -218,7 +218,7 @@ class OverlappedRounds:
                 fetching.cancel()
             self.sequences.clear()
             return
-        c._accepted(work, done, loss, submitted.sent, submitted.accepted, progress)
+        c.accepted(work, done, loss, submitted.sent, submitted.accepted, progress)
         self._hold(submitted.assignments)
 
     def _waited(self, future: Future[T]) -> T:
@@ -227,7 +227,7 @@ class OverlappedRounds:
         try:
             return future.result()
         finally:
-            self.client._cost.wait_s += time.monotonic() - start
+            self.client.cost.wait_s += time.monotonic() - start
 
     # -- the weights a round trains on ----------------------------------------------------
 
@@ -256,7 +256,7 @@ class OverlappedRounds:
                 trained = {name: p.detach().clone() for name, p in parameters.items()}
                 for name, p in parameters.items():
                     p.copy_(exact[name])
-                diverged = c._replay([update])
+                diverged = c.replay([update])
                 moved = {name: p.detach().clone() for name, p in parameters.items()}
                 for name, p in parameters.items():
                     p.copy_(trained[name])
@@ -288,7 +288,7 @@ class OverlappedRounds:
                 except UpdatesPruned:
                     c.log(f"updates since round {c.applied} are pruned; reloading the "
                           "checkpoint")
-                    c._catch_up(reload=True)
+                    c.catch_up(reload=True)
                     self.fetched.clear()
                     continue
             if c.applied not in self.fetched:
@@ -297,12 +297,12 @@ class OverlappedRounds:
             ready = []
             while c.applied + len(ready) <= last and c.applied + len(ready) in self.fetched:
                 ready.append(self.fetched.pop(c.applied + len(ready)))
-            diverged = c._replay(ready)
+            diverged = c.replay(ready)
             if diverged is not None:
                 c.log(f"weight hash after round {diverged} differs from the coordinator's; "
                       "reloading the checkpoint")
                 c.summary.resynchronisations += 1
-                c._catch_up(reload=True)
+                c.catch_up(reload=True)
                 self.fetched.clear()
         for stale in [r for r in self.fetched if r < c.applied]:
             del self.fetched[stale]

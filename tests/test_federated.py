@@ -78,9 +78,9 @@ class Recording(FederatedClient):
 
     trained: dict[int, list[int]]
 
-    def _train_one(self, work, progress):
+    def train_round(self, work, progress):
         self.trained = {**getattr(self, "trained", {}), work.round: list(work.sequence_ids)}
-        return super()._train_one(work, progress)
+        return super().train_round(work, progress)
 
     @property
     def trained_ids(self) -> list[list[int]]:
@@ -332,25 +332,25 @@ def test_catching_up_reloads_once_when_the_log_is_pruned_or_a_hash_disagrees(tmp
         logs: list[str] = []
         late = FederatedClient(client(server, tmp_path, "late", tier=1).options,
                                log=logs.append)
-        late._join()  # at the latest checkpoint, round 3; the log keeps rounds 2 on
+        late.join()  # at the latest checkpoint, round 3; the log keeps rounds 2 on
         coordinator = server.service.coordinator
         published = coordinator.tier_hashes([late.tier])[late.tier]
         assert late.applied == 3 and late.replica.hash(late.tier) == published
 
         late.applied = 0  # as if this machine slept since round 0
-        late._catch_up()
+        late.catch_up()
         assert any("updates since round 0 are pruned" in line for line in logs), logs
         assert late.applied == 3 and late.summary.resynchronisations == 0
         assert late.replica.hash(late.tier) == published
         # the rounds train the reloaded replica, not the one it replaced
         assert late.local_round is None
-        late._build_local_round()
+        late.build_local_round()
         assert late.local_round.replica is late.replica
 
         with torch.no_grad():  # a replica one round behind whose weights drifted
             late.replica.parameters[UP][0, 0] += 1.0
         late.applied = 2
-        late._catch_up()
+        late.catch_up()
         assert any("differs from the coordinator's; reloading" in line for line in logs), logs
         assert late.summary.resynchronisations == 1
         assert late.replica.hash(late.tier) == published
@@ -367,9 +367,9 @@ def test_catching_up_reloads_once_when_the_log_is_pruned_or_a_hash_disagrees(tmp
                                                                         folder="round-2")
         late.applied = 2
         with pytest.raises(ReplicaDiverged, match="after reloading the latest checkpoint"):
-            late._catch_up()
+            late.catch_up()
         assert late.summary.resynchronisations == 3
-        late._leave("done")
+        late.leave("done")
     finally:
         server.stop()
 
