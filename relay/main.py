@@ -32,6 +32,7 @@ import grpc
 
 from matformer.modeling.commands import command_parser
 from matformer.modeling.errors import MatformerError
+from matformer.modeling.settings import add_flags, given_flags, read_table, setting
 from matformer.modeling.threads import add_threads_option, use_threads
 from matformer.protocol.channel import GRPC_OPTIONS, is_loopback, listen
 from matformer.protocol.health import add_health
@@ -40,6 +41,7 @@ from matformer.relay.relay import DEADLINE_SHARE, Relay, RelayError
 from matformer.relay.service import RelayService
 from matformer.relay.upstream import Upstream
 from matformer.server.keys import is_client_key
+from matformer.server.sections.checks import MAX_SECONDS
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 MEMBER_TOKEN_ENV = "MATFORMER_MEMBER_TOKEN"
@@ -129,81 +131,90 @@ class RunningRelay:
         self.relay.stop(reason)
 
 
+@dataclass(kw_only=True, slots=True)
+class RelaySettings:
+    """What ``matformer relay`` takes, one flag per key (``modeling.settings.add_flags``)."""
+
+    upstream: str = setting(help="the root coordinator's gRPC address, HOST:PORT")
+    host: str = setting("127.0.0.1", help="where members reach this relay (0.0.0.0: any)")
+    port: int = setting(7170, low=0, high=65535, help="its gRPC port (0: any free one)")
+    name: str = setting("relay", help="the relay's name at the root")
+    join_token: str | None = setting(None, secret=True, help=(
+        "what the relay presents to the root: the run's join token, or its client key where "
+        f"the root runs [auth] mode = \"keys\" (unset: ${JOIN_TOKEN_ENV})"))
+    member_token: str | None = setting(None, secret=True, help=(
+        f"the token this relay's members present to it (unset: ${MEMBER_TOKEN_ENV}, else "
+        "the join token; needed when the join token is a client key)"))
+    tls_ca: Path | None = setting(None, help=(
+        "the root's certificate (PEM) to trust: connect to the root with TLS"))
+    tls_cert: Path | None = setting(None, help=(
+        "serve members over TLS with this certificate chain (PEM; with --tls-key)"))
+    tls_key: Path | None = setting(None, help="the private key (PEM) of --tls-cert")
+    deadline_s: float | None = setting(None, low=0, above=True, high=MAX_SECONDS, help=(
+        "how long members have for a round before the relay hands in what it has; at most "
+        f"the run's [round] deadline_s, which the root says (unset: {DEADLINE_SHARE:g} of "
+        "it)"))
+    min_members: int = setting(1, low=1, help=(
+        "members ready (their speed known) before the relay takes its first round from the "
+        "root, as [round] min_clients is for the root; the first to join then does not get "
+        "the first rounds alone"))
+    topk: int = setting(0, low=0, help=(
+        "0: hand the root the members' exact sum, which grows with the coefficients they "
+        "send; K: only the K largest per chunk, the rest carried to the next round (lossy, "
+        "one member's size however many)"))
+    mirror: str | None = setting(None, help=(
+        "base URL of an HTTP cache of the root's HTTP side: round updates and checkpoint "
+        "files come from there, checked by sha256, and from the root whenever it fails (as "
+        "matformer client --mirror)"))
+    dir: Path = setting(Path("runs/relay"), help="where the relay keeps checkpoint files")
+
+
 def parser() -> argparse.ArgumentParser:
     p = command_parser("matformer-relay", "A relay between the root coordinator and the "
                        "members near it: one member to the root, a coordinator to them.")
-    p.add_argument("--upstream", required=True, metavar="HOST:PORT",
-                   help="the root coordinator's gRPC address")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="where members reach this relay (default: 127.0.0.1; 0.0.0.0: any)")
-    p.add_argument("--port", type=int, default=7170, help="its gRPC port (default: 7170)")
-    p.add_argument("--name", default="relay", help="the relay's name at the root")
-    p.add_argument("--join-token", default=None,
-                   help="what the relay presents to the root: the run's join token, or its "
-                        f"client key where the root runs [auth] mode = \"keys\" (default: "
-                        f"${JOIN_TOKEN_ENV})")
-    p.add_argument("--member-token", default=None,
-                   help="the token this relay's members present to it (default: "
-                        f"${MEMBER_TOKEN_ENV}, else the join token; needed when the join "
-                        "token is a client key)")
-    p.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
-                   help="the root's certificate to trust: connect to the root with TLS")
-    p.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
-                   help="serve members over TLS with this certificate chain (with --tls-key)")
-    p.add_argument("--tls-key", type=Path, default=None, metavar="PEM",
-                   help="the private key of --tls-cert")
-    p.add_argument("--deadline-s", type=float, default=None,
-                   help="how long members have for a round before the relay hands in what "
-                        "it has; at most the run's [round] deadline_s, which the root says "
-                        f"(default: {DEADLINE_SHARE:.0%} of it)")
-    p.add_argument("--min-members", type=int, default=1, metavar="N",
-                   help="members ready (their speed known) before the relay takes its first "
-                        "round from the root, as [round] min_clients is for the root; the "
-                        "first to join then does not get the first rounds alone (default: 1)")
-    p.add_argument("--topk", type=int, default=0, metavar="K",
-                   help="0 (default): hand the root the members' exact sum, which grows with "
-                        "the coefficients they send; K: only the K largest per chunk, the rest "
-                        "carried to the next round (lossy, one member's size however many)")
-    p.add_argument("--mirror", default=None, metavar="URL",
-                   help="base URL of an HTTP cache of the root's HTTP side: round updates and "
-                        "checkpoint files come from there, checked by sha256, and from the "
-                        "root whenever it fails (as matformer client --mirror)")
-    p.add_argument("--dir", type=Path, default=Path("runs/relay"),
-                   help="where the relay keeps checkpoint files (default: runs/relay)")
+    add_flags(p, RelaySettings)
+    add_threads_option(p)
     return p
+
+
+def settings_of(args: argparse.Namespace) -> RelaySettings:
+    """The command line's settings, each checked against its declaration."""
+    return read_table(RelaySettings, given_flags(args, RelaySettings), "relay", Path.cwd())
 
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
-    add_threads_option(p)
     args = p.parse_args(argv)
-    if args.min_members < 1:
-        p.error(f"--min-members must be at least 1, got {args.min_members}")
-    if args.deadline_s is not None and not 0 < args.deadline_s < float("inf"):
-        p.error(f"--deadline-s must be a positive number of seconds, got {args.deadline_s}")
-    token = args.join_token if args.join_token is not None else os.environ.get(
+    if args.upstream is None:
+        p.error("--upstream HOST:PORT is required: the root coordinator's gRPC address")
+    try:
+        given = settings_of(args)
+    except MatformerError as error:
+        p.error(str(error))
+    token = given.join_token if given.join_token is not None else os.environ.get(
         JOIN_TOKEN_ENV, "")
-    members = args.member_token if args.member_token is not None else os.environ.get(
+    members = given.member_token if given.member_token is not None else os.environ.get(
         MEMBER_TOKEN_ENV)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
         print(f"relay: folding results with {use_threads(args.threads).describe()}", flush=True)
+        # the files as typed, which errors repeat (the settings hold them made absolute)
         access = Access(token, members, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
                         tls_key=args.tls_key)
-        running = RunningRelay.start(args.upstream, name=args.name, access=access,
-                                     folder=args.dir, host=args.host, port=args.port,
-                                     deadline_s=args.deadline_s, topk=args.topk,
-                                     mirror=args.mirror, min_members=args.min_members,
+        running = RunningRelay.start(given.upstream, name=given.name, access=access,
+                                     folder=given.dir, host=given.host, port=given.port,
+                                     deadline_s=given.deadline_s, topk=given.topk,
+                                     mirror=given.mirror, min_members=given.min_members,
                                      log=lambda line: print(f"relay: {line}", flush=True))
     except MatformerError as error:
         print(f"matformer relay: error: {error}", file=sys.stderr)
         return 2
     except grpc.RpcError as error:
-        print(f"matformer relay: error: the root at {args.upstream} answered "
+        print(f"matformer relay: error: the root at {given.upstream} answered "
               f"{error.code().name}: {error.details()}", file=sys.stderr)
         return 2
-    print(f"relay: listening on {args.host}:{running.port}", flush=True)
+    print(f"relay: listening on {given.host}:{running.port}", flush=True)
     try:
         while not stopping.wait(0.5) and not running.relay.finished:
             pass

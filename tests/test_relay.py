@@ -5,6 +5,7 @@ that submit fixed DCT results, so both runs aggregate the very same results."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -25,7 +26,7 @@ from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import submission_messages
 from matformer.protocol.tensors import encode_tensor
 from matformer.relay.cache import UpdateCache
-from matformer.relay.main import Access, RunningRelay, main
+from matformer.relay.main import Access, RelaySettings, RunningRelay, main, parser
 from matformer.relay.relay import Relay, RelayError
 from matformer.relay.rounds import RelayMember
 from matformer.server.api import clients_info
@@ -360,6 +361,25 @@ def test_the_relay_command_refuses_access_it_cannot_serve(tmp_path, monkeypatch,
     (tmp_path / "cert.pem").write_text("not read: the key is missing first")
     assert main(["--upstream", "127.0.0.1:9", "--dir", str(tmp_path / "relay"), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--min-members", "0"], "[relay] min_members must be >= 1, got 0."),
+    (["--deadline-s", "-3"], "[relay] deadline_s must lie in (0, "),
+    (["--port", "70000"], "[relay] port must lie in [0, 65535], got 70000."),
+    ([], "--upstream HOST:PORT is required"),
+])
+def test_the_relay_commands_flags_are_checked_by_their_declarations(capsys, argv, message):
+    upstream = [] if not argv else ["--upstream", "127.0.0.1:9"]
+    with pytest.raises(SystemExit) as exited:
+        main([*upstream, *argv])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_relay_setting_is_a_flag_of_the_command():
+    shown = parser().format_help()
+    for f in dataclasses.fields(RelaySettings):
+        assert f"--{f.name.replace('_', '-')} " in shown, f.name
 
 
 @pytest.mark.parametrize(("listed", "message"), [
