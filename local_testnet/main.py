@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
 import sys
 import time
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 from matformer.local_testnet.chaos import ChaosEvent, chaos_plan, check_run, format_chaos
@@ -51,9 +53,11 @@ from matformer.modeling.commands import apply_overrides, command_parser
 from matformer.modeling.devices import resolve_device
 from matformer.modeling.errors import DeviceUnavailable, MatformerError
 from matformer.modeling.folder_lock import FolderInUse, locked
+from matformer.modeling.settings import add_flags, given_flags, read_table, setting
 from matformer.modeling.threads import use_threads
 from matformer.protocol.auth import new_join_token
 from matformer.server.config import RunConfig
+from matformer.server.errors import InvalidValue
 from matformer.server.held_out_log import HeldOutLog
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
@@ -64,90 +68,89 @@ DEFAULT_ROUNDS = 150
 DEFAULT_TOKENS_PER_ROUND = 4096
 
 
+@dataclass(kw_only=True, slots=True)
+class TestnetSettings:
+    """What ``matformer testnet`` takes, one flag per key (``modeling.settings.add_flags``)."""
+
+    num_clients: int = setting(3, low=1, help="clients, each a process of its own")
+    tiers: list[int] = setting([0, 1, 2], help=(
+        "comma-separated tiers the clients ask for, cycled over them"))
+    config: Path | None = setting(None, help=(
+        "a run.toml (unset: the embedded run, in --run-dir)"))
+    rounds: int | None = setting(None, low=1, help="stop after this many rounds")
+    kill_client_at: int | None = setting(None, low=0, help=(
+        "SIGKILL the last client in this round, then restart it"))
+    chaos: int | None = setting(None, low=0, help=(
+        "SIGKILL random clients and the server once on a schedule drawn from this seed, "
+        "restart them, and check at the end that every sequence was trained exactly once and "
+        "the replicas agree"))
+    latency_ms: float = setting(0.0, low=0, help=(
+        "delay every client call by this much (a simulated WAN)"))
+    bandwidth_mbit: float = setting(0.0, low=0, help=(
+        "limit each client's upload and download to this many Mbit/s (a simulated home "
+        "link; 0: no limit)"))
+    client_speeds: list[float] = setting([1.0], help=(
+        "comma-separated fractions of this machine's speed the clients compute at, cycled "
+        "over them (e.g. 1,0.5,0.25: a fast, a half and a quarter-speed member)"))
+    overlap: bool = setting(False, help=(
+        "overlapped rounds ([round] overlap): members train the next round while the last "
+        "one closes"))
+    relays: int = setting(0, low=0, help=(
+        "relays between the coordinator and the clients (matformer relay), the clients "
+        "spread over them: the root sees that many members and one partial sum from each "
+        "per round"))
+    device: str | None = setting(None, help=(
+        "the clients' device (cpu, cuda, cuda:N; unset: their own default, the CPU); the "
+        "coordinator's close stays on the CPU"))
+    threads: int = setting(1, low=1, help=(
+        "CPU threads each client computes with (the coordinator and relays take one; the "
+        "held-out evaluation, the cores idle then)"))
+    eval_sequences: int = setting(MAX_SEQUENCES, low=1, help=(
+        "held-out sequences the first and final checkpoints are evaluated on at the end, at "
+        "most (never more tokens than the run trains)"))
+    eval: bool = setting(True, help=(
+        "evaluate held-out loss at the end (--no-eval: the table shows training loss)"))
+    resume: bool = setting(False, help=(
+        "continue the run in --run-dir instead of starting anew"))
+    run_dir: Path = setting(DEFAULT_RUN_DIR, help=(
+        f"the embedded run's folder (the run before is kept beside it as "
+        f"{DEFAULT_RUN_DIR}{PREVIOUS_SUFFIX})"))
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise InvalidValue("--tiers is empty; give at least one tier, e.g. --tiers 0,1,2")
+        if not self.client_speeds or not all(0 < v <= 1 for v in self.client_speeds):
+            raise InvalidValue("--client-speeds takes fractions in (0, 1], e.g. 1,0.5,0.25")
+        if self.chaos is not None and self.kill_client_at is not None:
+            raise InvalidValue("--chaos plans its own kills; leave out --kill-client-at")
+        if not self.relays <= self.num_clients:
+            raise InvalidValue(f"--relays must lie in [0, --num-clients], got {self.relays}: "
+                               "each relay serves at least one client")
+        if self.relays and self.chaos is not None:
+            raise InvalidValue("--chaos kills clients and the server of a run without relays; "
+                               "leave out --relays")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = command_parser("local-testnet", __doc__.split("\n")[0])
-    parser.add_argument("--num-clients", type=int, default=3)
-    parser.add_argument("--tiers", default="0,1,2",
-                        help="comma-separated tiers the clients ask for, cycled over them")
-    parser.add_argument("--config", type=Path, default=None,
-                        help="a run.toml (default: the embedded run, in runs/testnet)")
-    parser.add_argument("--rounds", type=int, default=None, help="stop after this many rounds")
-    parser.add_argument("--kill-client-at", type=int, default=None, metavar="ROUND",
-                        help="SIGKILL the last client in this round, then restart it")
-    parser.add_argument("--chaos", type=int, default=None, metavar="SEED",
-                        help="SIGKILL random clients and the server once on a schedule drawn "
-                             "from SEED, restart them, and check at the end that every "
-                             "sequence was trained exactly once and the replicas agree")
-    parser.add_argument("--latency-ms", type=float, default=0.0,
-                        help="delay every client call by this much (a simulated WAN)")
-    parser.add_argument("--bandwidth-mbit", type=float, default=0.0,
-                        help="limit each client's upload and download to this many Mbit/s "
-                             "(a simulated home link; 0: no limit)")
-    parser.add_argument("--client-speeds", default="1",
-                        help="comma-separated fractions of this machine's speed the clients "
-                             "compute at, cycled over them (e.g. 1,0.5,0.25: a fast, a half "
-                             "and a quarter-speed member)")
-    parser.add_argument("--overlap", action="store_true",
-                        help="overlapped rounds ([round] overlap): members train the next "
-                             "round while the last one closes")
-    parser.add_argument("--relays", type=int, default=0, metavar="N",
-                        help="N relays between the coordinator and the clients (matformer "
-                             "relay), the clients spread over them: the root sees N members "
-                             "and one partial sum from each per round")
-    parser.add_argument("--device", default=None,
-                        help="the clients' device (cpu, cuda, cuda:N; default: their own "
-                             "default, the CPU); the coordinator's close stays on the CPU")
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="CPU threads each client computes with (the coordinator and "
-                             "relays take one; the held-out evaluation, the cores idle then)")
-    parser.add_argument("--eval-sequences", type=int, default=MAX_SEQUENCES, metavar="N",
-                        help="held-out sequences the first and final checkpoints are evaluated "
-                             "on at the end, at most (never more tokens than the run trains)")
-    parser.add_argument("--no-eval", action="store_true",
-                        help="no held-out evaluation at the end: the table shows training loss")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run in runs/testnet instead of replacing it")
-    parser.add_argument("--run-dir", type=Path, default=DEFAULT_RUN_DIR,
-                        help="the embedded run's folder (default: runs/testnet; the run "
-                             "before is kept beside it as runs/testnet-previous)")
+    add_flags(parser, TestnetSettings)
     # undocumented knobs of the embedded run, for tests and quick looks
     parser.add_argument("--documents", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--tokens-per-round", type=int, default=DEFAULT_TOKENS_PER_ROUND,
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.num_clients < 1:
-        parser.error("--num-clients must be at least 1")
     try:
-        args.tiers = [int(t) for t in args.tiers.split(",") if t.strip()]
-    except ValueError:
-        parser.error(f"--tiers {args.tiers!r} is not a comma-separated list of tiers")
-    try:
-        args.client_speeds = [float(s) for s in args.client_speeds.split(",") if s.strip()]
-    except ValueError:
-        parser.error(f"--client-speeds {args.client_speeds!r} is not a comma-separated list "
-                     "of fractions, e.g. 1,0.5,0.25")
-    if not args.client_speeds or not all(0 < s <= 1 for s in args.client_speeds):
-        parser.error("--client-speeds takes fractions in (0, 1], e.g. 1,0.5,0.25")
-    if args.chaos is not None and args.kill_client_at is not None:
-        parser.error("--chaos plans its own kills; leave out --kill-client-at")
-    if args.eval_sequences < 1:
-        parser.error(f"--eval-sequences must be at least 1, got {args.eval_sequences} "
-                     "(--no-eval skips the evaluation)")
-    if args.threads < 1:
-        parser.error(f"--threads must be at least 1, got {args.threads}")
+        given = read_table(TestnetSettings, given_flags(args, TestnetSettings), "testnet",
+                           Path.cwd())
+    except MatformerError as err:
+        parser.error(str(err))
+    for f in dataclasses.fields(given):
+        setattr(args, f.name, getattr(given, f.name))
     if args.device is not None:
         try:
             resolve_device(args.device)  # a device this machine lacks stops here, not in N clients
         except DeviceUnavailable as err:
             parser.error(str(err))
-    if not args.tiers:
-        parser.error("--tiers is empty; give at least one tier, e.g. --tiers 0,1,2")
-    if not 0 <= args.relays <= args.num_clients:
-        parser.error(f"--relays must lie in [0, --num-clients], got {args.relays}: each relay "
-                     "serves at least one client")
-    if args.relays and args.chaos is not None:
-        parser.error("--chaos kills clients and the server of a run without relays; leave out "
-                     "--relays")
     return args
 
 
@@ -295,7 +298,7 @@ def finish(args: argparse.Namespace, config: RunConfig, net: Testnet, status: di
         names = [c.name for c in clients]
         tiers_seen = {n: c["tier"] for n, c in client_costs(run_dir / "clients", names).items()}
     code = report(config, status, tiers_seen, train_s,
-                  eval_sequences=None if args.no_eval else args.eval_sequences)
+                  eval_sequences=args.eval_sequences if args.eval else None)
     if args.relays:
         relayed = relay_traffic(status, relay_summaries(run_dir / "relays", list(net.relays)),
                                 client_costs(run_dir / "clients", list(tiers_seen)))

@@ -163,6 +163,25 @@ def test_a_device_the_machine_lacks_stops_the_testnet_before_any_process(capsys)
     assert f"error: device '{absent}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--num-clients", "0"], "[testnet] num_clients must be >= 1, got 0."),
+    (["--client-speeds", "1,2"], "--client-speeds takes fractions in (0, 1]"),
+    (["--relays", "4", "--num-clients", "3"], "--relays must lie in [0, --num-clients]"),
+    (["--latency-ms", "-1"], "[testnet] latency_ms must be >= 0"),
+])
+def test_the_testnets_flags_are_checked_by_their_declarations(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_testnets_flags_read_as_declared():
+    args = parse_args(["--tiers", "0,2", "--client-speeds", "1,0.5", "--no-eval", "--overlap"])
+    assert (args.tiers, args.client_speeds, args.eval, args.overlap) == ([0, 2], [1.0, 0.5],
+                                                                         False, True)
+    assert parse_args([]).tiers == [0, 1, 2] and parse_args([]).eval
+
+
 def test_a_second_testnet_in_a_running_ones_folder_is_refused(tmp_path, capsys):
     run_dir = tmp_path / "testnet"
     (run_dir / "checkpoints").mkdir(parents=True)
