@@ -9,11 +9,11 @@ on the same data path (MDAT sequences, token-budget microbatches, several tiers 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from matformer.modeling.commands import DefaultsShown, command_parser
 from matformer.modeling.devices import resolve_device
 from matformer.modeling.distributed import DataParallel
 from matformer.modeling.errors import MatformerError
+from matformer.modeling.settings import add_flags, given_flags, read_table, setting
 from matformer.modeling.threads import use_threads
 
 # the standalone flags a federated client reads too: FederatedOptions fields of the same name
@@ -52,6 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         unused = [d for d in _given(args, add_federated_arguments) if d != "server"]
         where = "a federated run only: add --server HOST:PORT, or drop {them}"
+    if args.server:
+        try:
+            federated_settings(args)
+        except MatformerError as err:
+            train.error(str(err))
     if unused:
         flags = ", ".join("--" + dest.replace("_", "-") for dest in unused)
         one = len(unused) == 1
@@ -68,81 +74,76 @@ def _given(args: argparse.Namespace, add: Callable[[Any], None]) -> list[str]:
             if getattr(args, dest) != default]
 
 
+@dataclass(kw_only=True, slots=True)
+class FederatedSettings:
+    """The options of a federated run, one flag per key (``modeling.settings.add_flags``)."""
+
+    server: str | None = setting(None, help="HOST:PORT of the coordinator's gRPC service")
+    tier: int | None = setting(None, low=0, help=(
+        "smallest tier index (largest model) wanted; unset: any"))
+    load_strategy: str = setting("auto", choices=STRATEGIES, help=(
+        "auto: the tier slice if listed, else slice the universal checkpoint; sliced: the "
+        "slice or fail; universal: always whole"))
+    checkpoint: str = setting("server", help=(
+        "where checkpoint files come from: server, a folder or hf:ORG/NAME holding a copy of "
+        "the run's checkpoints (files whose sha256 differs from the manifest are downloaded)"))
+    mirror: str | None = setting(None, help=(
+        "base URL of an HTTP server or cache that serves the coordinator's HTTP side (or a "
+        "copy of it): round updates and checkpoint files come from there, checked by sha256, "
+        "and over gRPC whenever it fails"))
+    join_token: str | None = setting(None, secret=True, help=(
+        f"the run's join token (unset: ${JOIN_TOKEN_ENV})"))
+    name: str | None = setting(None, help=(
+        "this client's name ([tiers.pins] match it; unset: the hostname)"))
+    run_id: str = setting("", help="refuse to join any other run")
+    state_dir: Path | None = setting(None, help=(
+        "checkpoint cache and error feedback (unset: runs/clients/<name>)"))
+    tls_ca: Path | None = setting(None, help="PEM certificate to trust: connect with TLS")
+    also_train: list[int] = setting([], help=(
+        "comma-separated smaller tiers trained in the same step"))
+    latency_ms: float = setting(0.0, low=0, help=(
+        "delay every call by this much (simulates a slow network)"))
+    bandwidth_mbit: float = setting(0.0, low=0, help=(
+        "limit uploads and downloads to this many Mbit/s each (simulates a slow link; 0: no "
+        "limit)"))
+    compute_speed: float = setting(1.0, low=0, above=True, high=1, help=(
+        "compute at this fraction of the machine's speed (each round's training is followed "
+        "by a pause in proportion; simulates a slower machine, as local-testnet "
+        "--client-speeds does)"))
+    max_rounds: int | None = setting(None, low=1, help="leave after training this many rounds")
+    progress: bool | None = setting(None, help=(
+        "a progress bar (--no-progress: plain log lines; unset: when stderr is a terminal)"))
+    rank_timeout_s: float = setting(30.0, low=0, above=True, help=(
+        "under torchrun: the node's ranks leave when one of them shows no sign of life "
+        "(stopped, hung) for this long; waiting for the coordinator does not count"))
+
+
 def add_federated_arguments(federated: Any) -> None:
     """The options of a federated run (a parser or an argument group)."""
-    federated.add_argument("--server", help="HOST:PORT of the coordinator's gRPC service")
-    federated.add_argument("--tier", type=int, default=None,
-                           help="smallest tier index (largest model) wanted; default: any")
-    federated.add_argument("--load-strategy", choices=STRATEGIES, default="auto",
-                           help="auto: the tier slice if listed, else slice the universal "
-                                "checkpoint; sliced: the slice or fail; universal: always whole")
-    federated.add_argument("--checkpoint", default="server",
-                           help="where checkpoint files come from: server (default), a folder "
-                                "or hf:ORG/NAME holding a copy of the run's checkpoints "
-                                "(files whose sha256 differs from the manifest are downloaded)")
-    federated.add_argument("--mirror", default=None, metavar="URL",
-                           help="base URL of an HTTP server or cache that serves the "
-                                "coordinator's HTTP side (or a copy of it): round updates and "
-                                "checkpoint files come from there, checked by sha256, and "
-                                "over gRPC whenever it fails")
+    add_flags(federated, FederatedSettings)
     trust.add_option(federated)
-    federated.add_argument("--join-token", default=None,
-                           help=f"the run's join token (default: ${JOIN_TOKEN_ENV})")
-    federated.add_argument("--name", default=None,
-                           help="this client's name ([tiers.pins] match it; default: hostname)")
-    federated.add_argument("--run-id", default="", help="refuse to join any other run")
-    federated.add_argument("--state-dir", type=Path, default=None,
-                           help="checkpoint cache and error feedback (default: "
-                                "runs/clients/<name>)")
-    federated.add_argument("--tls-ca", type=Path, default=None,
-                           help="PEM certificate to trust: connect with TLS")
-    federated.add_argument("--also-train", default="",
-                           help="comma-separated smaller tiers trained in the same step")
-    federated.add_argument("--latency-ms", type=float, default=0.0,
-                           help="delay every call by this much (simulates a slow network)")
-    federated.add_argument("--bandwidth-mbit", type=float, default=0.0,
-                           help="limit uploads and downloads to this many Mbit/s each "
-                                "(simulates a slow link; 0: no limit)")
-    federated.add_argument("--compute-speed", type=_speed, default=1.0, metavar="FRACTION",
-                           help="compute at this fraction of the machine's speed (each "
-                                "round's training is followed by a pause in proportion; "
-                                "simulates a slower machine, as local-testnet "
-                                "--client-speeds does; default: 1)")
-    federated.add_argument("--max-rounds", type=int, default=None,
-                           help="leave after training this many rounds")
-    federated.add_argument("--no-progress", action="store_true",
-                           help="plain log lines instead of a progress bar")
-    federated.add_argument("--rank-timeout-s", type=float, default=30.0,
-                           help="under torchrun: the node's ranks leave when one of them "
-                                "shows no sign of life (stopped, hung) for this long; "
-                                "waiting for the coordinator does not count (default: 30)")
 
 
-def _speed(text: str) -> float:
-    """A fraction in (0, 1]: argparse's type for --compute-speed."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in (0, 1], e.g. 0.25")
-    return value
+def federated_settings(args: argparse.Namespace) -> FederatedSettings:
+    """The command line's federated options, each checked against its declaration."""
+    return read_table(FederatedSettings, given_flags(args, FederatedSettings), "client",
+                      Path.cwd())
 
 
 def federated_options(args: argparse.Namespace) -> FederatedOptions:
+    given = federated_settings(args)
     options = FederatedOptions(
-        server=args.server, tier=args.tier, load_strategy=args.load_strategy,
-        checkpoint=args.checkpoint, mirror=args.mirror,
+        server=given.server, tier=given.tier, load_strategy=given.load_strategy,
+        checkpoint=given.checkpoint, mirror=given.mirror,
         trust_remote_code=args.trust_remote_code,
         **{dest: getattr(args, dest) for dest in SHARED},
-        join_token=args.join_token, run_id=args.run_id, state_dir=args.state_dir,
-        tls_ca=args.tls_ca,
-        also_train=tuple(int(t) for t in args.also_train.split(",") if t.strip()),
-        latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit,
-        compute_speed=args.compute_speed, max_rounds=args.max_rounds,
-        progress=False if args.no_progress else None)
-    if args.name:
-        options.name = args.name
+        join_token=given.join_token, run_id=given.run_id, state_dir=given.state_dir,
+        tls_ca=given.tls_ca, also_train=tuple(given.also_train),
+        latency_ms=given.latency_ms, bandwidth_mbit=given.bandwidth_mbit,
+        compute_speed=given.compute_speed, max_rounds=given.max_rounds,
+        progress=given.progress)
+    if given.name:
+        options.name = given.name
     return options
 
 
@@ -159,7 +160,8 @@ def run_federated(args: argparse.Namespace) -> int:
         args.threads = threads.count  # what the summary records
         print(f"matformer-client: computing with {threads.describe()}", flush=True)
         if parallel is not None:
-            parallel = parallel.watched(args.rank_timeout_s, _leave_silent_node)
+            parallel = parallel.watched(federated_settings(args).rank_timeout_s,
+                                        _leave_silent_node)
         if parallel is not None and not parallel.leader:
             follow(parallel)  # rank 0 talks to the coordinator; this rank trains its share
             parallel.close()

@@ -3,6 +3,7 @@ each fails on the code as it was and passes now."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from matformer.client.cli import SHARED, parse_args
+from matformer.client.cli import SHARED, FederatedSettings, parse_args
 from matformer.client.federated import FederatedOptions
 
 
@@ -46,6 +47,25 @@ def test_the_flags_both_kinds_of_training_read_are_taken_by_a_federated_client()
                        "256", "--microbatch-examples", "8", "--data", "docs.mdat"])
     assert set(SHARED) <= {f.name for f in FederatedOptions.__dataclass_fields__.values()}
     assert (args.precision, args.batching, args.microbatch_tokens) == ("bf16", "padded", 256)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--compute-speed", "2"], "[client] compute_speed must lie in (0, 1], got 2.0."),
+    (["--tier", "-1"], "[client] tier must be >= 0, got -1."),
+    (["--rank-timeout-s", "0"], "[client] rank_timeout_s must be > 0"),
+])
+def test_a_federated_clients_flags_are_checked_by_their_declarations(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["train", "--server", "127.0.0.1:7070", *flags])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_federated_setting_is_a_flag_of_the_client_command(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["train", "--help"])
+    shown = capsys.readouterr().out
+    for f in dataclasses.fields(FederatedSettings):
+        assert f"--{f.name.replace('_', '-')} " in shown, f.name
 
 
 def test_the_client_command_exits_at_once_on_an_ignored_flag():
