@@ -10,7 +10,7 @@ values), and the encoded messages are sent again every round with a new header a
 round's assigned token count.
 
 On the coordinator (its instance's methods and its module's ``close_round`` wrapped; server
-code untouched): ``close``, the whole close of a round (``server.close.close``: aggregate
+code untouched): ``close``, the whole close of a round (``RoundClose.close``: aggregate
 every parameter over the clients' results and compress it for the broadcast, apply the update
 rule to the master, hash it per tier, log the update, save state.json), and inside it
 ``aggregate + step`` (``close_round``: the aggregates, the broadcast's steps, the new
@@ -63,7 +63,6 @@ import grpc
 import torch
 from harness import parse, print_table
 
-import matformer.server.coordinator as coordinator_module
 import matformer.server.policies.mean as close_module  # the default policy calls close_round
 from matformer.modeling import ModelConfig
 from matformer.modeling.compression import (
@@ -240,15 +239,13 @@ class CloseTimer:
         coordinator.log.append = self._step("log + save", coordinator.log.append)
         coordinator.save = self._step("log + save", coordinator.save)
 
-    def close(self, close: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-        """``server.close.close``, timed; installed by ``measure`` for a run."""
+    def close(self, close: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``RoundClose.close`` of this coordinator, timed; installed by ``measure``."""
 
-        def timed(coordinator: Any, closing: Any) -> None:  # closing: server.close.Closing
-            if coordinator is not self._coordinator:
-                return close(coordinator, closing)
+        def timed(closing: Any) -> None:  # closing: server.close.Closing
             self._current = CloseTimes(clients=len(closing.delivered))
             start = time.perf_counter()
-            close(coordinator, closing)
+            close(closing)
             self._current.steps["close"] = time.perf_counter() - start
             self.closes.append(self._current)
             self._current = None
@@ -389,8 +386,8 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
     timer = CloseTimer(coordinator)
     # These clients do no work, so the speeds their submission times suggest mean nothing.
     coordinator.membership.measured = lambda *_args, **_kwargs: None
-    close, close_round = coordinator_module.close, close_module.close_round
-    coordinator_module.close = timer.close(close)
+    close_round = close_module.close_round
+    coordinator.closer.close = timer.close(coordinator.closer.close)
     close_module.close_round = timer.aggregate(close_round)
     channel = grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}", options=GRPC_OPTIONS)
     try:
@@ -418,7 +415,7 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         return Row(clients, timed, walls, received, update_bytes, update_s, probes, up, dense,
                    rss)
     finally:
-        coordinator_module.close, close_module.close_round = close, close_round
+        close_module.close_round = close_round
         channel.close()
         running.stop()
 

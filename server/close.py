@@ -1,12 +1,13 @@
 """The close of a round, as a transaction (docs/architecture.md, "The coordinator").
 
-    closing = Closing.of(coordinator, rnd)   # (lock held) what the close reads, fixed
-    close(coordinator, closing)              # (no lock) compute, then commit under the lock
+    closer = RoundClose(config, policy, lock=..., state=..., queue=..., ...)
+    closing = closer.closing_of(rnd)   # (lock held) what the close reads, fixed
+    closer.close(closing)              # (no lock) compute, then commit under the lock
 
 The heavy part (aggregation, the broadcast's steps, the new master, its hashes, the update
 log, the ledger line, the last checkpoint) runs without the coordinator's lock, beside the
 master it replaces; then, under the lock, the round's records and state.json, and only then
-does the coordinator take the new master. A failed write puts memory and disk back as they
+does the close take the new master. A failed write puts memory and disk back as they
 were and collects the round again. The close runs on the coordinator's close worker
 (``CloseWorker``, run by ``Coordinator.run_closes``), never inside a member's call.
 """
@@ -19,6 +20,7 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
@@ -33,7 +35,18 @@ from matformer.server.run_log import round_line
 from matformer.server.update_steps import Carried
 
 if TYPE_CHECKING:
-    from matformer.server.coordinator import Coordinator
+    from matformer.modeling.tracking import Tracker
+    from matformer.server.checkpoint_writer import CheckpointWriter
+    from matformer.server.checkpoints import CheckpointStore
+    from matformer.server.config import RunConfig
+    from matformer.server.history import RunHistory
+    from matformer.server.ledger import TrainedLedger
+    from matformer.server.membership import Membership
+    from matformer.server.pipeline import RoundPipeline
+    from matformer.server.policies import RoundPolicy
+    from matformer.server.state import RunState
+    from matformer.server.update_log import UpdateLog
+    from matformer.server.work import WorkQueue
 
 # Free space a round needs before it opens, in multiples of the master's size: the update
 # (at most the master's size), a checkpoint and its tier slices (under twice), state.json.
@@ -76,26 +89,6 @@ class Closing:
     logged: RoundUpdate | None = None  # what compute logged
     carried: Carried = field(default_factory=Carried)  # residual and momentum after it
 
-    @classmethod
-    def of(cls, c: Coordinator, rnd: OpenRound) -> Closing:
-        r = rnd.index
-        delivered = {client: a for client, a in rnd.assignments.items()
-                     if client in rnd.submissions}
-        by_name: dict[str, list[SparseResult]] = {}
-        for client in delivered:  # assignment order: aggregation order is deterministic
-            for result in rnd.submissions[client].results:
-                by_name.setdefault(result.name, []).append(result)
-        tokens_after = c.state.tokens + sum(a.tokens for a in delivered.values())
-        stop = c.config.round
-        finishes = (stop.rounds is not None and r + 1 >= stop.rounds) or (
-            stop.tokens is not None and tokens_after >= stop.tokens)
-        return cls(rnd=rnd, round=r, delivered=delivered, by_name=by_name,
-                   update=c.config.update.build(r, stop.planned_rounds, c.config.compression),
-                   tiers=set(c.config.tiers.allowed) | {a.tier for a in delivered.values()},
-                   tokens_after=tokens_after, finishes=finishes,
-                   checkpoint=finishes or (r + 1) % c.config.checkpoint.every_rounds == 0,
-                   ledger_bytes=c.ledger.size(), started=c.clock())
-
 
 class CloseWorker:
     """The thread a server closes rounds on, so that no member's call waits for a close:
@@ -124,193 +117,256 @@ class CloseWorker:
             self.running = False
 
 
-def close(c: Coordinator, closing: Closing) -> None:
-    """Close a detached round: compute without the lock, commit under it. If a write fails
-    (disk full, I/O error), memory and disk are put back as they were before the close, the
-    round is collected again, and RunDirectoryUnavailable names the error; the next close
-    tries again."""
-    rnd = closing.rnd
-    try:
-        master = _compute(c, closing)
-    except Exception as err:
-        with c._lock:
-            _undo_disk(c, closing)
-            c.pipeline.reopen(rnd)
-            _failed(c, rnd, err)
-    with c._lock:
-        # what committing changes in memory, each store's own: put back if state.json
-        # cannot be written
-        stores = (c.state, c.queue, c.membership, c.pipeline)
-        before = [(store, store.snapshot()) for store in stores]
+class RoundClose:
+    """The close of each round, as a part: it owns the master weights and the state carried
+    from round to round, the run's tracker, and what it remembers of the last close; it is
+    given the stores a close writes (the run state, the work queue, the membership, the
+    rounds in flight, the history, the update log, the ledger, the checkpoints and their
+    writer), the round policy, the coordinator's lock and the hooks told of each round."""
+
+    def __init__(self, config: RunConfig, policy: RoundPolicy, *, lock: threading.RLock,
+                 committed: threading.Condition, state: Callable[[], RunState],
+                 queue: WorkQueue, membership: Membership, pipeline: RoundPipeline,
+                 history: RunHistory, update_log: UpdateLog, ledger: TrainedLedger,
+                 checkpoints: CheckpointStore, writer: CheckpointWriter,
+                 clock: Callable[[], float], save: Callable[[], None],
+                 tied: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+                 tier_hashes: Callable[[list[int], Mapping[str, Tensor]], dict[int, str]],
+                 hooks: list[Callable[[ClosedRound], None]]) -> None:
+        self.config, self.policy, self.dir = config, policy, Path(config.run.dir)
+        self.lock, self.committed, self._state = lock, committed, state
+        self.queue, self.membership, self.pipeline = queue, membership, pipeline
+        self.history, self.log, self.ledger = history, update_log, ledger
+        self.checkpoints, self.writer, self.clock, self.save = checkpoints, writer, clock, save
+        self.tied, self.tier_hashes, self.hooks = tied, tier_hashes, hooks
+        self.master: dict[str, Tensor] = {}  # the run's weights, canonical names
+        # the broadcast's residual, the outer momentum and the policy's own buffers, carried
+        # from round to round and saved with each checkpoint (server/outer_state.py)
+        self.carried = Carried()
+        self.tracker: Tracker | None = None  # opened with the first round it records
+        self.under_way: Closing | None = None  # the close being computed, if any
+        self.close_s = 0.0  # how long the last close took
+        self.write_failure: str | None = None  # the last failed close's error, logged once
+        self.waiting_for_disk = False  # a round waits for free space (said once)
+
+    @property
+    def state(self) -> RunState:
+        return self._state()
+
+    def close_tracker(self) -> None:
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
+
+    def closing_of(self, rnd: OpenRound) -> Closing:
+        """(lock held) What the close of ``rnd`` reads, fixed now."""
+        r = rnd.index
+        delivered = {client: a for client, a in rnd.assignments.items()
+                     if client in rnd.submissions}
+        by_name: dict[str, list[SparseResult]] = {}
+        for client in delivered:  # assignment order: aggregation order is deterministic
+            for result in rnd.submissions[client].results:
+                by_name.setdefault(result.name, []).append(result)
+        tokens_after = self.state.tokens + sum(a.tokens for a in delivered.values())
+        stop = self.config.round
+        finishes = (stop.rounds is not None and r + 1 >= stop.rounds) or (
+            stop.tokens is not None and tokens_after >= stop.tokens)
+        return Closing(rnd=rnd, round=r, delivered=delivered, by_name=by_name,
+                   update=self.config.update.build(r, stop.planned_rounds, self.config.compression),
+                   tiers=set(self.config.tiers.allowed) | {a.tier for a in delivered.values()},
+                   tokens_after=tokens_after, finishes=finishes,
+                   checkpoint=finishes or (r + 1) % self.config.checkpoint.every_rounds == 0,
+                   ledger_bytes=self.ledger.size(), started=self.clock())
+
+
+
+    def close(self, closing: Closing) -> None:
+        """Close a detached round: compute without the lock, commit under it. If a write fails
+        (disk full, I/O error), memory and disk are put back as they were before the close, the
+        round is collected again, and RunDirectoryUnavailable names the error; the next close
+        tries again."""
+        rnd = closing.rnd
         try:
-            _commit(c, closing, master)
+            master = self._compute(closing)
         except Exception as err:
-            for store, snapshot in before:
-                store.restore(snapshot)
-            _undo_disk(c, closing)
-            _failed(c, rnd, err)
-        if master is not None:  # recorded and saved: now the run's tracker hears of it
-            _track(c, closing.round)
-        c.pipeline.closing = None
-        c._write_failure = None
-        c._close_s = c.clock() - closing.started
-        if master is not None:
-            closed = ClosedRound(round=closing.round, before=c.master, after=master,
-                                 tiers={a.tier for a in closing.delivered.values()},
-                                 update=closing.logged)
-            c.master, c.carried = master, closing.carried
-            for hook in c.round_closed:
-                hook(closed)
-            if closing.checkpoint and not closing.finishes:
-                c.writer.start(closing.round + 1, master, closing.carried)
-        if closing.finishes:
-            c.pipeline.cancel("the run finished")
-        c.writer.retire()
-        c._committed.notify_all()
+            with self.lock:
+                self._undo_disk(closing)
+                self.pipeline.reopen(rnd)
+                self._failed(rnd, err)
+        with self.lock:
+            # what committing changes in memory, each store's own: put back if state.json
+            # cannot be written
+            stores = (self.state, self.queue, self.membership, self.pipeline)
+            before = [(store, store.snapshot()) for store in stores]
+            try:
+                self._commit(closing, master)
+            except Exception as err:
+                for store, snapshot in before:
+                    store.restore(snapshot)
+                self._undo_disk(closing)
+                self._failed(rnd, err)
+            if master is not None:  # recorded and saved: now the run's tracker hears of it
+                self._track(closing.round)
+            self.pipeline.closing = None
+            self.write_failure = None
+            self.close_s = self.clock() - closing.started
+            if master is not None:
+                closed = ClosedRound(round=closing.round, before=self.master, after=master,
+                                     tiers={a.tier for a in closing.delivered.values()},
+                                     update=closing.logged)
+                self.master, self.carried = master, closing.carried
+                for hook in self.hooks:
+                    hook(closed)
+                if closing.checkpoint and not closing.finishes:
+                    self.writer.start(closing.round + 1, master, closing.carried)
+            if closing.finishes:
+                self.pipeline.cancel("the run finished")
+            self.writer.retire()
+            self.committed.notify_all()
 
 
-def room_to_close(c: Coordinator) -> bool:
-    """Whether the run directory has room for what closing a round writes (an update, a
-    checkpoint with its slices, state.json); a round opens only then. Said once."""
-    need = (CLOSE_RESERVE * sum(t.numel() * t.element_size() for t in c.master.values())
-            + carried_bytes(c.carried))  # saved with the checkpoint
-    free = shutil.disk_usage(c.dir).free
-    if free >= need:
-        c.waiting_for_disk = False
-        return True
-    if not c.waiting_for_disk:
-        c.waiting_for_disk = True
-        why = (f"{free / 2**20:,.0f} MiB free in the run directory, {need / 2**20:,.0f} MiB "
-               "needed to close a round")
-        log.error("no round opens: %s; free some space", why)
-        c.history.event("disk", None, f"no round opens: {why}")
-    return False
+    def room(self) -> bool:
+        """Whether the run directory has room for what closing a round writes (an update, a
+        checkpoint with its slices, state.json); a round opens only then. Said once."""
+        need = (CLOSE_RESERVE * sum(t.numel() * t.element_size() for t in self.master.values())
+                + carried_bytes(self.carried))  # saved with the checkpoint
+        free = shutil.disk_usage(self.dir).free
+        if free >= need:
+            self.waiting_for_disk = False
+            return True
+        if not self.waiting_for_disk:
+            self.waiting_for_disk = True
+            why = (f"{free / 2**20:,.0f} MiB free in the run directory, {need / 2**20:,.0f} MiB "
+                   "needed to close a round")
+            log.error("no round opens: %s; free some space", why)
+            self.history.event("disk", None, f"no round opens: {why}")
+        return False
 
 
-def _compute(c: Coordinator, closing: Closing) -> dict[str, Tensor] | None:
-    """(no lock) The new master, with the update logged, the ledger line and any last
-    checkpoint written; None when the update would make a weight not finite (nothing is
-    written then). Reads only what no other thread changes while a round closes."""
-    policy = c.policy
-    by_name = policy.inputs(closing.by_name)
-    with ThreadPoolExecutor(1, thread_name_prefix="inputs") as beside:
-        # a resume closes the round again from its inputs to rebuild what it carries
-        # (outer_state.py); written while the round is computed, logged with it
-        inputs = beside.submit(c.log.write_inputs, closing.round, by_name) \
-            if policy.carries_state(closing.update.broadcast_topk) else None
-        master, steps, carried = policy.close(closing.update.build(), c.master, by_name,
-                                              c.carried)
-        fields = None if inputs is None else {
-            "inputs": inputs.result(), "outer": policy.record()}
-    master = c.tied(master)
-    closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
-    if closing.broken:  # the limits on results make this unreachable; never serve it
-        return None
-    closing.carried = carried
-    r = closing.round
-    closing.logged = RoundUpdate(
-        round=r, update=closing.update, steps=steps,
-        hashes=c.tier_hashes(sorted(closing.tiers), master),
-        coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()})
-    c.log.append(closing.logged, fields)
-    c.ledger.record(r, [i for a in closing.delivered.values() for i in a.sequence_ids])
-    if closing.checkpoint:
-        c.writer.wait()  # one write at a time; also before the last one
-        if closing.finishes:  # the run's last weights are listed before it is finished
-            c.checkpoints.write(r + 1, master, carried)
-    return master
+    def _compute(self, closing: Closing) -> dict[str, Tensor] | None:
+        """(no lock) The new master, with the update logged, the ledger line and any last
+        checkpoint written; None when the update would make a weight not finite (nothing is
+        written then). Reads only what no other thread changes while a round closes."""
+        policy = self.policy
+        by_name = policy.inputs(closing.by_name)
+        with ThreadPoolExecutor(1, thread_name_prefix="inputs") as beside:
+            # a resume closes the round again from its inputs to rebuild what it carries
+            # (outer_state.py); written while the round is computed, logged with it
+            inputs = beside.submit(self.log.write_inputs, closing.round, by_name) \
+                if policy.carries_state(closing.update.broadcast_topk) else None
+            master, steps, carried = policy.close(closing.update.build(), self.master, by_name,
+                                                  self.carried)
+            fields = None if inputs is None else {
+                "inputs": inputs.result(), "outer": policy.record()}
+        master = self.tied(master)
+        closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
+        if closing.broken:  # the limits on results make this unreachable; never serve it
+            return None
+        closing.carried = carried
+        r = closing.round
+        closing.logged = RoundUpdate(
+            round=r, update=closing.update, steps=steps,
+            hashes=self.tier_hashes(sorted(closing.tiers), master),
+            coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()})
+        self.log.append(closing.logged, fields)
+        self.ledger.record(r, [i for a in closing.delivered.values() for i in a.sequence_ids])
+        if closing.checkpoint:
+            self.writer.wait()  # one write at a time; also before the last one
+            if closing.finishes:  # the run's last weights are listed before it is finished
+                self.checkpoints.write(r + 1, master, carried)
+        return master
 
 
-def _commit(c: Coordinator, closing: Closing, master: dict[str, Tensor] | None) -> None:
-    """(lock held) The closed round in memory and state.json: the members' side, its
-    records, the round counter and tokens, any checkpoint; or, for an update that would
-    make a weight not finite, the round discarded and its ids requeued (with those of the
-    rounds behind it, which were split for a master that did not come)."""
-    rnd, r = closing.rnd, closing.round
-    c.pipeline.settle(rnd)
-    c.pipeline.closing = None  # committed or discarded: no longer held for the saved queue
-    if master is None:
-        for client in list(rnd.assignments):
-            c.queue.requeue(rnd.assignments.pop(client).sequence_ids)
-        c.pipeline.cancel(f"round {r} was discarded")
-        broken = closing.broken
-        c.history.event(
-            "discard", None, f"round {r} discarded: its update makes {broken[0]} (and "
-            f"{len(broken) - 1} more) not finite; its sequences are requeued")
-        c.save()
-        return
-    _record(c, rnd, closing.by_name, close_s=c.clock() - closing.started)
-    c.state.round = r + 1
-    c.state.tokens = closing.tokens_after
-    c.state.finished = closing.finishes
-    if closing.checkpoint and closing.finishes:
-        c.state.checkpoints.append(r + 1)
-        c.history.event("checkpoint", None, f"checkpoints/round-{r + 1}")
-    c.save()
+    def _commit(self, closing: Closing, master: dict[str, Tensor] | None) -> None:
+        """(lock held) The closed round in memory and state.json: the members' side, its
+        records, the round counter and tokens, any checkpoint; or, for an update that would
+        make a weight not finite, the round discarded and its ids requeued (with those of the
+        rounds behind it, which were split for a master that did not come)."""
+        rnd, r = closing.rnd, closing.round
+        self.pipeline.settle(rnd)
+        self.pipeline.closing = None  # committed or discarded: no longer held for the saved queue
+        if master is None:
+            for client in list(rnd.assignments):
+                self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            self.pipeline.cancel(f"round {r} was discarded")
+            broken = closing.broken
+            self.history.event(
+                "discard", None, f"round {r} discarded: its update makes {broken[0]} (and "
+                f"{len(broken) - 1} more) not finite; its sequences are requeued")
+            self.save()
+            return
+        self._record(rnd, closing.by_name, close_s=self.clock() - closing.started)
+        self.state.round = r + 1
+        self.state.tokens = closing.tokens_after
+        self.state.finished = closing.finishes
+        if closing.checkpoint and closing.finishes:
+            self.state.checkpoints.append(r + 1)
+            self.history.event("checkpoint", None, f"checkpoints/round-{r + 1}")
+        self.save()
 
 
-def _failed(c: Coordinator, rnd: OpenRound, err: Exception) -> NoReturn:
-    """(lock held) Re-raise a failed close: an error writing the run directory becomes
-    RunDirectoryUnavailable (said once per distinct error), anything else as it is."""
-    cause = err.__cause__ if isinstance(err, RunDirectoryUnavailable) else err
-    if not isinstance(cause, OSError):
-        raise err
-    why = f"{type(cause).__name__}: {cause.strerror or cause}"
-    if why != c._write_failure:
-        c._write_failure = why
-        log.error("round %d could not be written to %s (%s); it stays open and closes "
-                  "once the run directory can be written", rnd.index, c.dir, why)
-        c.history.event("disk", None, f"round {rnd.index} could not be saved ({why}); "
-                        "it closes once the run directory can be written")
-    raise RunDirectoryUnavailable(
-        f"the coordinator cannot write its run directory ({why}); round {rnd.index} "
-        "closes once it can. Retry shortly.") from err
+    def _failed(self, rnd: OpenRound, err: Exception) -> NoReturn:
+        """(lock held) Re-raise a failed close: an error writing the run directory becomes
+        RunDirectoryUnavailable (said once per distinct error), anything else as it is."""
+        cause = err.__cause__ if isinstance(err, RunDirectoryUnavailable) else err
+        if not isinstance(cause, OSError):
+            raise err
+        why = f"{type(cause).__name__}: {cause.strerror or cause}"
+        if why != self.write_failure:
+            self.write_failure = why
+            log.error("round %d could not be written to %s (%s); it stays open and closes "
+                      "once the run directory can be written", rnd.index, self.dir, why)
+            self.history.event("disk", None, f"round {rnd.index} could not be saved ({why}); "
+                            "it closes once the run directory can be written")
+        raise RunDirectoryUnavailable(
+            f"the coordinator cannot write its run directory ({why}); round {rnd.index} "
+            "closes once it can. Retry shortly.") from err
 
 
-def _undo_disk(c: Coordinator, closing: Closing) -> None:
-    """(lock held) Remove what a failed close wrote: its logged update, ledger line and
-    checkpoint (none of which needs free space)."""
-    try:
-        c.log.discard(closing.round)
-        c.ledger.rewind(closing.ledger_bytes)
-        c.writer.remove_unlisted()
-    except OSError as err:  # a restart repairs the disk side from state.json
-        log.warning("undoing round %d on disk failed: %s", closing.round, err)
+    def _undo_disk(self, closing: Closing) -> None:
+        """(lock held) Remove what a failed close wrote: its logged update, ledger line and
+        checkpoint (none of which needs free space)."""
+        try:
+            self.log.discard(closing.round)
+            self.ledger.rewind(closing.ledger_bytes)
+            self.writer.remove_unlisted()
+        except OSError as err:  # a restart repairs the disk side from state.json
+            log.warning("undoing round %d on disk failed: %s", closing.round, err)
 
 
-def _record(c: Coordinator, rnd: OpenRound, by_name: Mapping[str, list[SparseResult]], *,
-            close_s: float) -> None:
-    """(lock held) The completed round in the run's history and tracker, and each member's
-    share of it."""
-    tokens = sum(a.tokens for a in rnd.assignments.values())
-    for client, submission in rnd.submissions.items():
-        member = c.membership.members.get(client)
-        if member is not None:
-            member.last_round = rnd.index
-            member.last_round_tokens = rnd.assignments[client].tokens
-            member.last_round_share = member.last_round_tokens / tokens if tokens else 0.0
-            member.last_round_seconds = submission.received_at - rnd.opened_at
-    c.history.loss(rnd)
-    c.history.round(rnd, by_name, close_s=close_s)
-    log.info("%s", round_line(c.state, c.config.round, rnd))
+    def _record(self, rnd: OpenRound, by_name: Mapping[str, list[SparseResult]], *,
+                    close_s: float) -> None:
+        """(lock held) The completed round in the run's history and tracker, and each member's
+        share of it."""
+        tokens = sum(a.tokens for a in rnd.assignments.values())
+        for client, submission in rnd.submissions.items():
+            member = self.membership.members.get(client)
+            if member is not None:
+                member.last_round = rnd.index
+                member.last_round_tokens = rnd.assignments[client].tokens
+                member.last_round_share = member.last_round_tokens / tokens if tokens else 0.0
+                member.last_round_seconds = submission.received_at - rnd.opened_at
+        self.history.loss(rnd)
+        self.history.round(rnd, by_name, close_s=close_s)
+        log.info("%s", round_line(self.state, self.config.round, rnd))
 
 
-def _track(c: Coordinator, round_index: int) -> None:
-    """(lock held) The round's record and losses to the run's tracker ([tracking]). A
-    tracker that fails is said once and dropped: the rounds go on without it."""
-    record = c.state.rounds[-1]
-    scalars = {f"round/{key}": float(record[key]) for key in TRACKED}
-    scalars |= {f"loss/tier_{tier}": points[-1][1] for tier, points in c.state.loss.items()
-                if points and points[-1][0] == round_index}
-    try:
-        if c.tracker is None:
-            tracking = c.config.tracking
-            c.tracker = open_tracker(tracking.kind, c.dir / "tensorboard",
-                                     project=tracking.project, name=c.config.run.id,
-                                     config={"run": c.config.run.id})
-        c.tracker.log(round_index + 1, scalars)
-        c.tracker.flush()
-    except Exception as err:
-        log.warning("[tracking] %s failed (%s); going on without it",
-                    c.config.tracking.kind, err)
-        c.tracker = NoTracker()
+    def _track(self, round_index: int) -> None:
+        """(lock held) The round's record and losses to the run's tracker ([tracking]). A
+        tracker that fails is said once and dropped: the rounds go on without it."""
+        record = self.state.rounds[-1]
+        scalars = {f"round/{key}": float(record[key]) for key in TRACKED}
+        scalars |= {f"loss/tier_{tier}": points[-1][1] for tier, points in self.state.loss.items()
+                    if points and points[-1][0] == round_index}
+        try:
+            if self.tracker is None:
+                tracking = self.config.tracking
+                self.tracker = open_tracker(tracking.kind, self.dir / "tensorboard",
+                                         project=tracking.project, name=self.config.run.id,
+                                         config={"run": self.config.run.id})
+            self.tracker.log(round_index + 1, scalars)
+            self.tracker.flush()
+        except Exception as err:
+            log.warning("[tracking] %s failed (%s); going on without it",
+                        self.config.tracking.kind, err)
+            self.tracker = NoTracker()

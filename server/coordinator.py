@@ -45,11 +45,10 @@ from matformer.modeling.compression import (
     universal_shapes,
 )
 from matformer.modeling.mdat import Mdat
-from matformer.modeling.tracking import Tracker
 from matformer.server import resume, status
 from matformer.server.checkpoint_writer import CheckpointWriter
 from matformer.server.checkpoints import CheckpointRef, CheckpointStore
-from matformer.server.close import ClosedRound, CloseWorker, Closing, close, room_to_close
+from matformer.server.close import ClosedRound, CloseWorker, Closing, RoundClose
 from matformer.server.config import RunConfig
 from matformer.server.errors import (
     BadReport,
@@ -95,7 +94,6 @@ class Coordinator:
         self._lock = threading.RLock()
         self._committed = threading.Condition(self._lock)  # notified after every close
         self.worker = CloseWorker(self.advance)  # closes rounds once run_closes runs
-        self._closing: Closing | None = None  # the close under way, for next_work_in
         self.history = RunHistory(lambda: self.state, clock)
         saved = RunState.load(self.dir)
         self.reader, order = work_order(Mdat.open(config.data.path), config, saved)
@@ -103,22 +101,15 @@ class Coordinator:
         self.checkpoints = CheckpointStore(self.dir / "checkpoints", self.model_config,
                                            config.tiers.allowed, config.data)
         self.ledger = TrainedLedger(self.dir)
-        self.tracker: Tracker | None = None  # opened with the first round it records
         self.gate = SubmissionGate(self.shapes,
                                    SubmissionLimits(config.compression, config.faults))
         # how each round's results become its step ([policy]; server/policies/)
         self.policy = config.policy.build(config.update, peer_clip=config.faults.peer_clip)
-        # the broadcast's residual and the outer momentum, carried from round to round and
-        # saved with each checkpoint (server/outer_state.py)
-        self.carried = Carried()
-        self._close_s = 0.0  # how long the last close took
         self.writer = CheckpointWriter(  # state and save looked up when used, not now
             self._lock, self.checkpoints, config.checkpoint, self.history, self.log,
             state=lambda: self.state, save=lambda: self.save(), mark_unsaved=self.mark_unsaved)
         # called (lock held) after each round that moved the master; quick, never calling back
         self.round_closed: list[Callable[[ClosedRound], None]] = []
-        self._write_failure: str | None = None  # the last failed close's error, logged once
-        self.waiting_for_disk = False  # a round waits for free space (said once)
         # joins, leaves and refusals reach state.json together, at most every SAVE_INTERVAL_S
         self._unsaved, self._saved_at = False, -math.inf
         self.state, self.membership, self.queue = resume.records(self, saved, order)
@@ -127,7 +118,15 @@ class Coordinator:
         self.admissions = Admissions(  # save looked up when used, not now
             self.membership, self.pipeline, self.history, config.faults, clock=clock,
             save=lambda: self.save(), mark_unsaved=self.mark_unsaved)
-        self.master, self.carried = resume.master(self, saved, initial)
+        self.closer = RoundClose(  # save and hashes looked up when used, not now
+            config, self.policy, lock=self._lock, committed=self._committed,
+            state=lambda: self.state, queue=self.queue, membership=self.membership,
+            pipeline=self.pipeline, history=self.history, update_log=self.log,
+            ledger=self.ledger, checkpoints=self.checkpoints, writer=self.writer,
+            clock=clock, save=lambda: self.save(), tied=self.tied,
+            tier_hashes=lambda tiers, master: self.tier_hashes(tiers, master),
+            hooks=self.round_closed)
+        self.closer.master, self.closer.carried = resume.master(self, saved, initial)
 
     # -- calls from clients -------------------------------------------------------------
 
@@ -260,8 +259,10 @@ class Coordinator:
     def next_work_in(self, client_id: str) -> float | None:
         """Seconds until ``client_id`` likely has work again (``RoundPipeline.next_work_in``)."""
         with self._lock:
-            started = self._closing.started if self._closing is not None else None
-            return self.pipeline.next_work_in(client_id, self.clock(), self._close_s, started)
+            under_way = self.closer.under_way
+            started = under_way.started if under_way is not None else None
+            return self.pipeline.next_work_in(client_id, self.clock(), self.closer.close_s,
+                                              started)
 
     def logged_rounds(self, round_index: int) -> range:
         """Rounds ``round_index``, ..., the last committed one (UpdatesPruned: not logged)."""
@@ -293,6 +294,16 @@ class Coordinator:
         with self._lock:
             return self.checkpoints.ref(self.state.checkpoints[-1])
 
+    @property
+    def master(self) -> dict[str, Tensor]:
+        """The run's weights after the last committed round (the close owns them)."""
+        return self.closer.master
+
+    @property
+    def carried(self) -> Carried:
+        """What the next close carries over (``RoundClose.carried``)."""
+        return self.closer.carried
+
     # -- the state machine --------------------------------------------------------------
 
     @property
@@ -314,11 +325,11 @@ class Coordinator:
                 closing = self._step(detach=True)
             if closing is None:
                 return
-            self._closing = closing
+            self.closer.under_way = closing
             try:
-                close(self, closing)
+                self.closer.close(closing)
             finally:
-                self._closing = None
+                self.closer.under_way = None
 
     def _advance(self) -> None:
         """What a member's call does after changing the run: with the close worker running,
@@ -344,12 +355,12 @@ class Coordinator:
         rnd = None
         if not self.state.finished:
             rnd, ended = self.pipeline.step(now, committed=self.state.round,
-                                            room=lambda: room_to_close(self),
+                                            room=self.closer.room,
                                             last=self.config.round.rounds, detach=detach)
             if ended:
                 self.save()
         if rnd is not None:
-            return Closing.of(self, rnd)
+            return self.closer.closing_of(rnd)
         if self._unsaved and now - self._saved_at >= SAVE_INTERVAL_S:
             self.save()
         return None
@@ -366,9 +377,7 @@ class Coordinator:
         """``flush``, then close the tracker: a server stopping calls this."""
         self.flush()
         with self._lock:
-            if self.tracker is not None:
-                self.tracker.close()
-                self.tracker = None
+            self.closer.close_tracker()
 
     def snapshot(self, *, since_round: int | None = 0, events_after: int | None = -1
                  ) -> dict[str, Any]:

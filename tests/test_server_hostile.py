@@ -290,7 +290,7 @@ def test_the_tracker_hears_of_a_round_only_once_state_json_holds_it(tmp_path, md
     clock = Clock()
     c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=clock)
     cid = c.join(caps("a", tier=1))[0].client_id
-    c.tracker = tracker = RecordingTracker()
+    c.closer.tracker = tracker = RecordingTracker()
     drive(c, clock, cid, 2)
     assert tracker.steps == [1, 2]
     with monkeypatch.context() as patch:
