@@ -112,7 +112,14 @@ class Coordinator:
         self.round_closed: list[Callable[[ClosedRound], None]] = []
         # joins, leaves and refusals reach state.json together, at most every SAVE_INTERVAL_S
         self._unsaved, self._saved_at = False, -math.inf
-        self.state, self.membership, self.queue = resume.records(self, saved, order)
+        start = resume.Start(  # state, queue, save and hashes looked up when used, not now
+            config=config, model_config=self.model_config, reader=self.reader, log=self.log,
+            ledger=self.ledger, checkpoints=self.checkpoints, writer=self.writer,
+            history=self.history, policy=self.policy, tied=self.tied,
+            tier_hashes=lambda tiers, master: self.tier_hashes(tiers, master),
+            save=lambda: self.save(), current_state=lambda: self.state,
+            current_queue=lambda: self.queue)
+        self.state, self.membership, self.queue = resume.records(start, saved, order)
         self.pipeline = RoundPipeline(config, self.membership, self.history, self.queue,
                                       self._length)
         self.admissions = Admissions(  # save looked up when used, not now
@@ -126,7 +133,7 @@ class Coordinator:
             clock=clock, save=lambda: self.save(), tied=self.tied,
             tier_hashes=lambda tiers, master: self.tier_hashes(tiers, master),
             hooks=self.round_closed)
-        self.closer.master, self.closer.carried = resume.master(self, saved, initial)
+        self.closer.master, self.closer.carried = resume.master(start, saved, initial)
 
     # -- calls from clients -------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Where a coordinator starts: a new run's first master, or a saved run's master rebuilt from
 its latest checkpoint and the logged updates since (docs/architecture.md, "The run
-directory"), after what a kill left half-written is cleared away.
+directory"), after what a kill left half-written is cleared away. The coordinator hands it
+what a start reads and writes (``Start``), not itself.
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,7 +30,15 @@ from matformer.server.update_steps import Carried
 from matformer.server.work import WorkQueue
 
 if TYPE_CHECKING:
-    from matformer.server.coordinator import Coordinator
+    from matformer.modeling.config import ModelConfig
+    from matformer.modeling.mdat.sequences import SequenceReader
+    from matformer.server.checkpoint_writer import CheckpointWriter
+    from matformer.server.checkpoints import CheckpointStore
+    from matformer.server.config import RunConfig
+    from matformer.server.history import RunHistory
+    from matformer.server.ledger import TrainedLedger
+    from matformer.server.policies import RoundPolicy
+    from matformer.server.update_log import UpdateLog
 
 # Names that atomic writes (modeling/atomic.py) give their temporary files and folders
 # (".state.json.tmp-1a2b3c4d", ".round-4.old-1a2b3c4d"): what a kill during a write leaves.
@@ -37,7 +47,41 @@ TEMP_NAME = re.compile(r"\..+\.(tmp|old)(-[0-9a-f]{8})?")
 log = logging.getLogger("matformer.server")
 
 
-def records(c: Coordinator, saved: RunState | None, order: RunOrder
+@dataclass(kw_only=True)
+class Start:
+    """What a coordinator's start reads and writes: the run's config, model and data, the
+    stores of its directory, its history and round policy; ``state`` and ``queue`` as the
+    coordinator holds them once ``records`` made them, ``save`` writes state.json."""
+
+    config: RunConfig
+    model_config: ModelConfig
+    reader: SequenceReader
+    log: UpdateLog
+    ledger: TrainedLedger
+    checkpoints: CheckpointStore
+    writer: CheckpointWriter
+    history: RunHistory
+    policy: RoundPolicy
+    tied: Callable[[dict[str, Tensor]], dict[str, Tensor]]
+    tier_hashes: Callable[[list[int], Mapping[str, Tensor]], dict[int, str]]
+    save: Callable[[], None]
+    current_state: Callable[[], RunState]
+    current_queue: Callable[[], WorkQueue]
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.config.run.dir)
+
+    @property
+    def state(self) -> RunState:
+        return self.current_state()
+
+    @property
+    def queue(self) -> WorkQueue:
+        return self.current_queue()
+
+
+def records(c: Start, saved: RunState | None, order: RunOrder
             ) -> tuple[RunState, Membership, WorkQueue]:
     """The run's state, members and work queue: as saved, or new."""
     policy = c.config.tiers.build(c.model_config)
@@ -50,7 +94,7 @@ def records(c: Coordinator, saved: RunState | None, order: RunOrder
     return state, Membership(policy), WorkQueue(order)
 
 
-def master(c: Coordinator, saved: RunState | None, initial: Mapping[str, Tensor] | None
+def master(c: Start, saved: RunState | None, initial: Mapping[str, Tensor] | None
            ) -> tuple[dict[str, Tensor], Carried]:
     """The master and the carried outer state to go on from, once what a kill left
     half-written is cleared away: a new run's (its checkpoint round-0 written and listed),
@@ -77,7 +121,7 @@ def master(c: Coordinator, saved: RunState | None, initial: Mapping[str, Tensor]
     return start, Carried()
 
 
-def _finished_or_extended(c: Coordinator, saved: RunState) -> None:
+def _finished_or_extended(c: Start, saved: RunState) -> None:
     """A finished run goes on when [round] now asks for more rounds or tokens than it
     trained (its lr schedule then spans the new length); otherwise it stays finished, and
     says how to extend it."""
@@ -98,7 +142,7 @@ def _finished_or_extended(c: Coordinator, saved: RunState) -> None:
                 "rounds or tokens past them", saved.round, f"{saved.tokens:,}")
 
 
-def _check_resumable(c: Coordinator, saved: RunState, sequences: int) -> None:
+def _check_resumable(c: Start, saved: RunState, sequences: int) -> None:
     """ResumeError unless the saved run reads the data [data] reads now."""
     if saved.data_fingerprint != c.reader.fingerprint:
         raise ResumeError(
@@ -120,7 +164,7 @@ def _remove_temp_files(directory: Path) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def _initial(c: Coordinator, initial: Mapping[str, Tensor] | None
+def _initial(c: Start, initial: Mapping[str, Tensor] | None
                    ) -> dict[str, Tensor]:
     """A new run's master: ``initial``, else [model] checkpoint, else a model initialised
     with ``data.seed``."""
@@ -135,7 +179,7 @@ def _initial(c: Coordinator, initial: Mapping[str, Tensor] | None
     return c.tied({n: t.detach().clone() for n, t in initial.items()})
 
 
-def _replayed(c: Coordinator) -> tuple[dict[str, Tensor], Carried]:
+def _replayed(c: Start) -> tuple[dict[str, Tensor], Carried]:
     """The master and carried state of the saved run: the latest checkpoint's, then the
     rounds logged since closed again from their logged inputs (``outer_state.py``), checked
     against the weight hashes the log recorded. A round logged without inputs (before they
