@@ -110,7 +110,8 @@ class FederatedSettings:
         "compute at this fraction of the machine's speed (each round's training is followed "
         "by a pause in proportion; simulates a slower machine, as local-testnet "
         "--client-speeds does)"))
-    max_rounds: int | None = setting(None, low=1, help="leave after training this many rounds")
+    max_rounds: int | None = setting(None, low=0, help=(
+        "leave after training this many rounds (0: join, load the run's weights, leave)"))
     progress: bool | None = setting(None, help=(
         "a progress bar (--no-progress: plain log lines; unset: when stderr is a terminal)"))
     rank_timeout_s: float = setting(30.0, low=0, above=True, help=(
