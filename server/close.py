@@ -171,20 +171,19 @@ class RoundClose:
         stop = self.config.round
         finishes = (stop.rounds is not None and r + 1 >= stop.rounds) or (
             stop.tokens is not None and tokens_after >= stop.tokens)
+        config = self.config
         return Closing(rnd=rnd, round=r, delivered=delivered, by_name=by_name,
-                   update=self.config.update.build(r, stop.planned_rounds, self.config.compression),
-                   tiers=set(self.config.tiers.allowed) | {a.tier for a in delivered.values()},
-                   tokens_after=tokens_after, finishes=finishes,
-                   checkpoint=finishes or (r + 1) % self.config.checkpoint.every_rounds == 0,
-                   ledger_bytes=self.ledger.size(), started=self.clock())
-
-
+                       update=config.update.build(r, stop.planned_rounds, config.compression),
+                       tiers=set(config.tiers.allowed) | {a.tier for a in delivered.values()},
+                       tokens_after=tokens_after, finishes=finishes,
+                       checkpoint=finishes or (r + 1) % config.checkpoint.every_rounds == 0,
+                       ledger_bytes=self.ledger.size(), started=self.clock())
 
     def close(self, closing: Closing) -> None:
-        """Close a detached round: compute without the lock, commit under it. If a write fails
-        (disk full, I/O error), memory and disk are put back as they were before the close, the
-        round is collected again, and RunDirectoryUnavailable names the error; the next close
-        tries again."""
+        """Close a detached round: compute without the lock, commit under it. If a write
+        fails (disk full, I/O error), memory and disk are put back as they were before the
+        close, the round is collected again, and RunDirectoryUnavailable names the error; the
+        next close tries again."""
         rnd = closing.rnd
         try:
             master = self._compute(closing)
@@ -224,7 +223,6 @@ class RoundClose:
             self.writer.retire()
             self.committed.notify_all()
 
-
     def room(self) -> bool:
         """Whether the run directory has room for what closing a round writes (an update, a
         checkpoint with its slices, state.json); a round opens only then. Said once."""
@@ -241,7 +239,6 @@ class RoundClose:
             log.error("no round opens: %s; free some space", why)
             self.history.event("disk", None, f"no round opens: {why}")
         return False
-
 
     def _compute(self, closing: Closing) -> dict[str, Tensor] | None:
         """(no lock) The new master, with the update logged, the ledger line and any last
@@ -276,7 +273,6 @@ class RoundClose:
                 self.checkpoints.write(r + 1, master, carried)
         return master
 
-
     def _commit(self, closing: Closing, master: dict[str, Tensor] | None) -> None:
         """(lock held) The closed round in memory and state.json: the members' side, its
         records, the round counter and tokens, any checkpoint; or, for an update that would
@@ -284,7 +280,7 @@ class RoundClose:
         rounds behind it, which were split for a master that did not come)."""
         rnd, r = closing.rnd, closing.round
         self.pipeline.settle(rnd)
-        self.pipeline.closing = None  # committed or discarded: no longer held for the saved queue
+        self.pipeline.closing = None  # committed or discarded: not held for the saved queue
         if master is None:
             for client in list(rnd.assignments):
                 self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
@@ -304,7 +300,6 @@ class RoundClose:
             self.history.event("checkpoint", None, f"checkpoints/round-{r + 1}")
         self.save()
 
-
     def _failed(self, rnd: OpenRound, err: Exception) -> NoReturn:
         """(lock held) Re-raise a failed close: an error writing the run directory becomes
         RunDirectoryUnavailable (said once per distinct error), anything else as it is."""
@@ -317,11 +312,10 @@ class RoundClose:
             log.error("round %d could not be written to %s (%s); it stays open and closes "
                       "once the run directory can be written", rnd.index, self.dir, why)
             self.history.event("disk", None, f"round {rnd.index} could not be saved ({why}); "
-                            "it closes once the run directory can be written")
+                               "it closes once the run directory can be written")
         raise RunDirectoryUnavailable(
             f"the coordinator cannot write its run directory ({why}); round {rnd.index} "
             "closes once it can. Retry shortly.") from err
-
 
     def _undo_disk(self, closing: Closing) -> None:
         """(lock held) Remove what a failed close wrote: its logged update, ledger line and
@@ -333,11 +327,10 @@ class RoundClose:
         except OSError as err:  # a restart repairs the disk side from state.json
             log.warning("undoing round %d on disk failed: %s", closing.round, err)
 
-
     def _record(self, rnd: OpenRound, by_name: Mapping[str, list[SparseResult]], *,
-                    close_s: float) -> None:
-        """(lock held) The completed round in the run's history and tracker, and each member's
-        share of it."""
+                close_s: float) -> None:
+        """(lock held) The completed round in the run's history, and each member's share of
+        it."""
         tokens = sum(a.tokens for a in rnd.assignments.values())
         for client, submission in rnd.submissions.items():
             member = self.membership.members.get(client)
@@ -350,7 +343,6 @@ class RoundClose:
         self.history.round(rnd, by_name, close_s=close_s)
         log.info("%s", round_line(self.state, self.config.round, rnd))
 
-
     def _track(self, round_index: int) -> None:
         """(lock held) The round's record and losses to the run's tracker ([tracking]). A
         tracker that fails is said once and dropped: the rounds go on without it."""
@@ -362,8 +354,8 @@ class RoundClose:
             if self.tracker is None:
                 tracking = self.config.tracking
                 self.tracker = open_tracker(tracking.kind, self.dir / "tensorboard",
-                                         project=tracking.project, name=self.config.run.id,
-                                         config={"run": self.config.run.id})
+                                            project=tracking.project, name=self.config.run.id,
+                                            config={"run": self.config.run.id})
             self.tracker.log(round_index + 1, scalars)
             self.tracker.flush()
         except Exception as err:

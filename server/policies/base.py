@@ -89,7 +89,7 @@ class RoundPolicy(ABC):
         return cls(read_table(cls.Options, options, "policy", Path(".")))
 
     def describe(self) -> str:
-        """One line for the server's log at start."""
+        """The policy and its options in one line (a refused relay is told it)."""
         options = ", ".join(f"{k} {v}" for k, v in self.options_record().items())
         return self.name + (f" ({options})" if options else "")
 

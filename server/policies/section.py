@@ -19,8 +19,9 @@ from matformer.modeling.settings import (
 )
 from matformer.server.errors import WrongType
 from matformer.server.policies import POLICIES, RoundPolicy, policy_class
+from matformer.server.policies.mean import TokenMean
 
-DEFAULT_POLICY = "mean"
+DEFAULT_POLICY = TokenMean.name  # the policy when [policy] names none
 
 
 @dataclass(kw_only=True, slots=True)
