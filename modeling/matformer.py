@@ -22,8 +22,8 @@ def tier_width(config: Any, tier: int, stored_tier: int | None = None) -> int:
     base = config.matformer_base_intermediate_size
     if isinstance(tier, bool) or not isinstance(tier, int) or tier < 0:
         raise TierError(f"a tier is an integer >= 0, got {tier!r}.")
-    width = base >> tier
-    if width < 1 or width << tier != base:
+    width = base // 2 ** tier  # not >>: under torch.compile(dynamic=True) tier is symbolic,
+    if width < 1 or width * 2 ** tier != base:  # and torch 2.11 cannot shift a symbol
         raise TierError(
             f"tier {tier} would use {base}/2**{tier} = {base / 2**tier:g} FFN neurons, which is "
             f"not a whole number >= 1; with base width {base} the deepest tier is "

@@ -163,7 +163,8 @@ def _coverage(results: Sequence[SparseResult], grid: ChunkGrid) -> tuple[Tensor,
         partial = partial.reshape(-1)
         tokens[ids[~partial]] += count
         mixed[ids[partial]] = True
-    return tokens, mixed
+    device = results[0].chunks.device  # looked up by the results' chunk ids
+    return tokens.to(device), mixed.to(device)
 
 
 def _weighted_sum(results: Sequence[SparseResult], grid: ChunkGrid, region: Region,

@@ -57,7 +57,7 @@ def assert_kernel_matches_reference(name: str, causal: bool, pad: str, kv_heads:
     seg = seg if seg is None else seg.to(device)
     bias = exact_bias = None
     if alibi:
-        positional = AlibiPositions(tiny_config(num_attention_heads=heads))
+        positional = AlibiPositions(tiny_config(num_attention_heads=heads)).to(device)
         positions = torch.arange(length, device=device).expand(batch, length)
         bias, exact_bias = (positional.score_bias(positional.prepare(positions, d))
                             for d in (dtype, torch.float32))

@@ -59,8 +59,9 @@ EXPECTED = {
     "data_parallel": expect("vs 1 rank", "tokens_per_s_ratio",
                             *per(("runs.2fsdp",), "tokens_per_s", "final_loss",
                                  "peak_rss_bytes_per_rank")),
-    "device_round": expect("hash vs cpu", "cpu_close_s", "cpu_apply_s", "device_close_s",
-                           "device_apply_s", "close_hash", "apply_hash", "cpu_apply_hash"),
+    "device_round": expect("replica hash", "cpu_close_s", "cpu_apply_s", "device_close_s",
+                           "device_apply_s", "close_hash", "apply_hash", "cpu_apply_hash",
+                           "close_bits_vs_cpu"),
     "federated_quality": expect("final loss LB / P",
                                 *per(("A", "LB", "D", "P"), "final", "bytes_up", "bytes_down"),
                                 "D.data_parallel"),
@@ -117,8 +118,8 @@ def utilization_figures(cases: list[dict[str, Any]]) -> None:
 def device_round_figures(figures: dict[str, Any]) -> None:
     """The close and the apply on the second device (the CPU again, in a smoke pass) leave
     the CPU's bits."""
-    assert (figures["close_hash"], figures["apply_hash"], figures["cpu_apply_hash"]) == (
-        "equal", "equal", "equal")
+    assert (figures["close_hash"], figures["apply_hash"], figures["cpu_apply_hash"],
+            figures["close_bits_vs_cpu"]) == ("equal", "equal", "equal", "equal")
 
 
 def gpu_check_plan(plan: dict[str, Any]) -> None:

@@ -139,8 +139,15 @@ class TestOnCuda:
 
     @staticmethod
     def close(got, want, dtype):
-        tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(got, want, **tol)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+            return
+        # bf16 keeps 8 bits: a sum of hundreds of products rounded in another order is off by
+        # a few ulps of the sum's scale, not of each (possibly tiny) element
+        scale = max(want.detach().float().abs().max().item(), 1.0)
+        torch.testing.assert_close(got, want, atol=2e-2 * scale, rtol=2e-2)
+        error = (got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)
+        assert error.item() < 1e-2, f"relative error {error.item():.2e} over the whole tensor"
 
     @staticmethod
     def agree(reference, fused, inputs, args, dtype):
