@@ -311,7 +311,7 @@ def join(stub: pb_grpc.CoordinatorStub, running: RunningServer, index: int, tier
         client_name=f"bench-{index}",
         capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**40, requested_tier=tier,
                                      tokens_per_second=1000.0, load_strategy="auto"),
-        schema=pb.Schema(canonical_hash=running.service.schema_hash)))
+        schema=pb.Schema(canonical_hash=running.coordinator.schema_hash)))
     return Client(reply.client_id, reply.tier, session_metadata(reply.session_token),
                   submissions.messages(index, reply.tier))
 

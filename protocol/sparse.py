@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -164,3 +164,26 @@ def check_layout(message: pb.SparseResult, layout: ResultLayout) -> None:
             f"{values.dtype[:20]} values {list(values.shape)}; the run takes at most "
             f"{layout.max_chunks} chunks of at most {layout.per_chunk} {layout.value_dtype} "
             "values for it. Send results encoded with the run's settings.")
+
+
+class ResultLayouts:
+    """What a run accepts of each parameter, built once each: from a member at ``tier``
+    (``of``), and from a relay, per parameter and tier region (``partials``)."""
+
+    def __init__(self, compressor: Compressor, shapes: Mapping[str, tuple[int, ...]],
+                 regions: Callable[[int], Mapping[str, Region]], tiers: Sequence[int]) -> None:
+        self.compressor, self.shapes, self.regions, self.tiers = compressor, shapes, regions, tiers
+        self._by_tier: dict[int, dict[str, ResultLayout]] = {}
+        self._partials: dict[tuple[str, Region], ResultLayout] | None = None
+
+    def of(self, tier: int) -> dict[str, ResultLayout]:
+        if tier not in self._by_tier:
+            self._by_tier[tier] = result_layouts(self.compressor, self.shapes,
+                                                 self.regions(tier))
+        return self._by_tier[tier]
+
+    def partials(self) -> dict[tuple[str, Region], ResultLayout]:
+        if self._partials is None:
+            self._partials = partial_layouts(self.compressor, self.shapes,
+                                             {t: self.regions(t) for t in self.tiers})
+        return self._partials

@@ -38,14 +38,16 @@ from matformer.protocol.channel import GRPC_OPTIONS, is_loopback, listen
 from matformer.protocol.health import add_health
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.relay.relay import DEADLINE_SHARE, Relay, RelayError
-from matformer.relay.service import RelayService
 from matformer.relay.upstream import Upstream
+from matformer.server.call_slots import CallLimits, RequestGate
+from matformer.server.errors import UpstreamError
 from matformer.server.keys import is_client_key
 from matformer.server.sections.checks import MAX_SECONDS
+from matformer.server.service import CoordinatorService
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 MEMBER_TOKEN_ENV = "MATFORMER_MEMBER_TOKEN"
-WORKERS = 64  # calls served at once: each member holds up to four
+LIMITS = CallLimits()  # what one member's calls may hold of the relay: the root's defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +95,13 @@ class RunningRelay:
 
     def __init__(self, relay: Relay, access: Access, *, host: str, port: int) -> None:
         self.relay = relay
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS),
-                                  options=GRPC_OPTIONS)
-        pb_grpc.add_CoordinatorServicer_to_server(RelayService(relay, access.members),
-                                                  self.server)
+        # the root's own servicer and call limits, over the relay's member API
+        service = CoordinatorService(relay, LIMITS)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=LIMITS.workers),
+                                  options=GRPC_OPTIONS,
+                                  interceptors=[RequestGate(service.slots,
+                                                            relay.sessions.client_of)])
+        pb_grpc.add_CoordinatorServicer_to_server(service, self.server)
         add_health(self.server)
         self.port = listen(self.server, f"{host}:{port}", cert=access.tls_cert,
                            key=access.tls_key)
@@ -109,7 +114,7 @@ class RunningRelay:
         """``access``: an ``Access``, or the run's join token alone (plaintext both ways)."""
         access = Access(access) if isinstance(access, str) else access
         relay = Relay(Upstream(upstream, name=name, join_token=access.join_token,
-                               tls_ca=access.tls_ca),
+                               tls_ca=access.tls_ca), member_token=access.members,
                       deadline_s=deadline_s, folder=folder, topk=topk, mirror=mirror,
                       min_members=min_members, log=log)
         relay.start()
@@ -207,12 +212,12 @@ def main(argv: list[str] | None = None) -> int:
                                      deadline_s=given.deadline_s, topk=given.topk,
                                      mirror=given.mirror, min_members=given.min_members,
                                      log=lambda line: print(f"relay: {line}", flush=True))
+    except UpstreamError as error:
+        print(f"matformer relay: error: the root at {given.upstream} answered "
+              f"{error.code.name}: {error.details}", file=sys.stderr)
+        return 2
     except MatformerError as error:
         print(f"matformer relay: error: {error}", file=sys.stderr)
-        return 2
-    except grpc.RpcError as error:
-        print(f"matformer relay: error: the root at {given.upstream} answered "
-              f"{error.code().name}: {error.details()}", file=sys.stderr)
         return 2
     print(f"relay: listening on {given.host}:{running.port}", flush=True)
     try:

@@ -1,12 +1,14 @@
 """The relay's state: its members, the root's rounds it holds, and how each round's work is
 split, collected and folded into one submission upstream (docs/architecture.md, "Relays").
 
-    relay = Relay(root, deadline_s=45.0, folder=Path("runs/relay"), log=print)
+    relay = Relay(root, member_token=token, deadline_s=45.0, folder=Path("runs/relay"))
     relay.start()                          # joins the root, learns the model, starts threads
-    member, tier, token = relay.join(capabilities)
-    relay.assignment_for(client_id, after) # its oldest part not delivered, or None
-    relay.submit(client_id, header, results)
+    CoordinatorService(relay, limits)      # its members' service: the root's own servicer
     relay.stop("done")
+
+The relay offers its members the run's member API (server/member_api.py), as the root's
+coordinator does, over its upstream (``relay.upstream``, its transport edge to the root):
+nothing here touches a message or a status code.
 
 Per root round: ask the root for work (GetRound), fetch its sequences once, split them among
 the live members by speed (the root's own ``assign``), collect each member's results through
@@ -30,10 +32,11 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
-import grpc
+from torch import Tensor
 
 from matformer.client.mirror import MirrorFirst
 from matformer.modeling.atomic import write_json_atomic
@@ -48,22 +51,27 @@ from matformer.modeling.compression import (
 )
 from matformer.modeling.compression.partial import Recompressor, partial_sums
 from matformer.modeling.errors import MatformerError
-from matformer.protocol.auth import SessionTokens
-from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
-from matformer.protocol.settings import decode_settings
-from matformer.protocol.sparse import ResultLayout, result_layouts
+from matformer.protocol.auth import SessionTokens, tokens_equal
+from matformer.protocol.files import send_file
+from matformer.protocol.records import ServedCheckpoint, SubmitHeader, TierLoss
+from matformer.protocol.sparse import ResultLayouts
 from matformer.relay.cache import FileCache, UpdateCache
 from matformer.relay.rounds import HeldRound, Part, RelayMember
-from matformer.relay.upstream import Upstream
+from matformer.relay.upstream import Upstream, rounds_of
 from matformer.server.errors import (
     AlreadySubmitted,
+    JoinRefused,
     NotInRound,
+    SessionInvalid,
     StaleAssignment,
     StaleRound,
     UnknownClient,
+    UpstreamError,
+    WrongJoinToken,
 )
 from matformer.server.gate import MAX_RELAYED, SubmissionGate
 from matformer.server.limits import SubmissionLimits, clip_to_peers
+from matformer.server.member_api import Expected, JoinAsk, Joined, Waiting
 from matformer.server.pipeline import WINDOW
 from matformer.server.rounds import RoundAssignment, deadline_after, pulled_in
 from matformer.server.sections import FaultsSection
@@ -71,6 +79,7 @@ from matformer.server.tiers import Capabilities, TierAssignment, TierPolicy
 from matformer.server.work import assign
 
 WAIT_S = 0.5  # between looks at the root when it has no work for the relay
+RETRY_AFTER_S = 0.25  # a member with no part in a held round asks again after this
 MEMBER_TIMEOUT_S = 30.0  # a member silent this long is gone: its part counts as missed
 SUMMARY_FILE = "summary.json"  # in the relay's --dir, written when it stops
 # A relay's members get this share of the run's [round] deadline_s unless --deadline-s says:
@@ -84,11 +93,13 @@ class RelayError(MatformerError):
 
 
 class Relay:
-    def __init__(self, root: Upstream, *, deadline_s: float | None, folder: Path, topk: int = 0,
+    def __init__(self, root: Upstream, *, member_token: str, deadline_s: float | None,
+                 folder: Path, topk: int = 0,
                  mirror: str | None = None, log: Callable[[str], None] = lambda line: None,
                  member_timeout_s: float = MEMBER_TIMEOUT_S, min_members: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
+        self.member_token = member_token  # what the relay's members present to join
         self.folder = folder
         self.deadline_s = deadline_s  # None: DEADLINE_SHARE of the run's, learnt at start
         self.root_deadline_s = 0.0  # the run's [round] deadline_s, learnt at start
@@ -113,7 +124,7 @@ class Relay:
         self.root_round = 0  # the rounds the root has closed, as its last answer said
         self.run_tokens = 0  # ... and the tokens its completed rounds trained
         self.rounds_submitted = 0
-        self.joined: pb.JoinReply | None = None
+        self.joined: Joined | None = None  # the root's answer to the relay's join
         self._next_id = 0
         self._retry_s = WAIT_S  # until the root's next answer: when it said to ask again
         self._owed: dict[str, float] = {}  # ids rounding left each member short: assign's
@@ -128,13 +139,13 @@ class Relay:
         """Join the root, learn the run's model from its latest checkpoint, and start the
         heartbeat and round threads."""
         self.joined = self.root.join(tokens_per_second=0.0)
-        settings = decode_settings(self.joined.settings)
+        settings = self.joined.settings
         self.root_deadline_s = settings.deadline_s  # 0: an older root that does not say
         if self.deadline_s is None:
             self.deadline_s = (settings.deadline_s or DEFAULT_DEADLINE_S / DEADLINE_SHARE) \
                 * DEADLINE_SHARE
         elif settings.deadline_s and self.deadline_s > settings.deadline_s:
-            with contextlib.suppress(grpc.RpcError):
+            with contextlib.suppress(UpstreamError):
                 self.root.leave("its deadline is longer than the run's")
             self.root.close()
             raise RelayError(
@@ -161,9 +172,8 @@ class Relay:
         tiers = sorted(e.tier for e in manifest.tiers if not e.is_mix)
         self.policy = TierPolicy(config, allowed=tiers, pins={}, mix={})
         self.regions = {t: tier_regions(shapes, config, t) for t in tiers}
-        compressor = settings.compression.build()
-        self.layouts: dict[int, dict[str, ResultLayout]] = {
-            t: result_layouts(compressor, shapes, self.regions[t]) for t in tiers}
+        self.layouts = ResultLayouts(settings.compression.build(), shapes,
+                                     self.regions.__getitem__, tiers)
         # the root's own gate and limits ([faults] max_norm, norm_action) for each member,
         # and its peer clip over the members' results before they are folded
         self.peer_clip = settings.peer_clip
@@ -183,7 +193,7 @@ class Relay:
             self._changed.notify_all()
         for thread in self._threads:
             thread.join(timeout=30)
-        with contextlib.suppress(grpc.RpcError):  # a courtesy: the root drops silent members
+        with contextlib.suppress(UpstreamError):  # a courtesy: the root drops silent members
             self.root.leave(reason)
         self.root.close()
         # what the root saw of this relay, kept once it left (the root forgets a member that
@@ -195,6 +205,48 @@ class Relay:
             "rounds_submitted": self.rounds_submitted})
 
     # -- members ---------------------------------------------------------------------------
+
+    def admit(self, ask: JoinAsk) -> Joined:
+        """A member's Join: the relay's member token, a member (not another relay) of the
+        run's model; then ``join``."""
+        if not tokens_equal(ask.join_token, self.member_token):
+            raise WrongJoinToken("wrong join token; ask the run's operator for it "
+                                 "(--join-token).")
+        if ask.capabilities.relay:
+            raise JoinRefused("a relay joins the root, not another relay; give it the root's "
+                              "address as --upstream.")
+        joined = self._joined()
+        if ask.schema_hash is not None and ask.schema_hash != joined.schema_hash:
+            raise JoinRefused(f"the client's model has canonical schema hash "
+                              f"{ask.schema_hash or '(none)'}, the run's model "
+                              f"{joined.schema_hash}; load the run's checkpoint "
+                              "(--checkpoint server).")
+        member, tier, token = self.join(ask.capabilities)
+        return dataclasses.replace(joined, client_id=member.client_id, session_token=token,
+                                   tier=tier, round=self.root_round)
+
+    def authenticate(self, token: str) -> str:
+        client_id = self.sessions.client_of(token)
+        if client_id is None:
+            raise SessionInvalid("unknown or revoked session token; call Join again.")
+        return client_id
+
+    def heartbeat(self, client_id: str, *, tokens_per_second: float | None = None,
+                  relayed: Sequence[tuple[str, int, float]] = ()) -> RelayMember:
+        return self.seen(client_id, tokens_per_second)
+
+    def closed_rounds(self) -> int:
+        return self.root_round
+
+    @property
+    def sequence_length(self) -> int:
+        return self._joined().settings.sequence_length
+
+    def _joined(self) -> Joined:
+        if self.joined is None:
+            raise RelayError("the relay serves members only once it has joined the root "
+                             "(Relay.start).")
+        return self.joined
 
     def join(self, capabilities: Capabilities) -> tuple[RelayMember, TierAssignment, str]:
         """A member of this relay: its tier by the root's own rule (its memory and request),
@@ -222,7 +274,7 @@ class Relay:
                 self._speed_changed.set()
             return member
 
-    def leave(self, client_id: str) -> None:
+    def leave(self, client_id: str, reason: str = "") -> None:
         with self._changed:
             self.members.pop(client_id, None)
             self.sessions.revoke(client_id)
@@ -230,6 +282,18 @@ class Relay:
                 if client_id in held.parts:
                     held.missed.add(client_id)
             self._changed.notify_all()
+
+    def work(self, client_id: str, after: int | None = None) -> RoundAssignment | Waiting:
+        """The member's oldest part not yet delivered (after ``after``); else when to ask
+        again, or that the root's run is over. Counts as a heartbeat."""
+        self.seen(client_id)
+        if self.finished:  # the root's round: a member catches up to it before it ends
+            return Waiting(round=self.root_round, run_tokens=self.run_tokens, finished=True)
+        part = self.assignment_for(client_id, after)
+        if part is None:
+            return Waiting(round=self.root_round, run_tokens=self.run_tokens,
+                           retry_after_s=RETRY_AFTER_S)
+        return part
 
     def wait_for_members(self, timeout_s: float) -> bool:
         """Until every member left (they leave once told the run finished), at most
@@ -266,14 +330,14 @@ class Relay:
                      if after is None or held.work.round > after]
             return [p.assignment for p in parts if p is not None and p.results is None]
 
-    def sequences(self, client_id: str, ids: list[int]) -> list[pb.Sequence]:
+    def sequences(self, client_id: str, ids: Sequence[int]) -> Iterator[tuple[int, Tensor]]:
         with self._changed:
             for held in self.held:
                 part = held.parts.get(client_id)
                 if part is not None and set(ids) <= set(part.assignment.sequence_ids):
-                    return [held.sequences[i] for i in ids]
-            raise NotInRound(f"sequence ids {ids[:5]} are not in {client_id}'s part of a "
-                             "round this relay holds; ask GetRound again.")
+                    return iter([(i, held.sequences[i]) for i in ids])
+            raise NotInRound(f"sequence ids {list(ids)[:5]} are not in {client_id}'s part of "
+                             "a round this relay holds; ask GetRound again.")
 
     def part_of(self, client_id: str, round_index: int, assignment_id: str) -> Part:
         """The member's part that a submission's header names. Raises StaleRound,
@@ -298,8 +362,12 @@ class Relay:
                                  "its results.")
             return part
 
-    def submit(self, client_id: str, header: pb.SubmitHeader,
-               results: list[SparseResult]) -> None:
+    def expects(self, client_id: str, header: SubmitHeader) -> Expected:
+        part = self.part_of(client_id, header.round, header.assignment_id)
+        return Expected(part.assignment, self.layouts.of(part.assignment.tier))
+
+    def submit_results(self, client_id: str, header: SubmitHeader,
+                       results: Sequence[SparseResult], *, wire_bytes: int = 0) -> None:
         """Keep a member's results once the root's gate passes them for its tier."""
         part = self.part_of(client_id, header.round, header.assignment_id)
         kept = self.gate.results(part.assignment, self.regions[part.assignment.tier],
@@ -311,6 +379,35 @@ class Relay:
             if member is not None and header.train_seconds > 0:  # the speed it showed
                 member.tokens_per_second = part.assignment.tokens / header.train_seconds
             self._changed.notify_all()
+
+    def rejected(self, client_id: str, error: Exception) -> str:
+        """A refused submission: the relay counts none (its members answer to the root's
+        rules through it); nothing to add to the refusal."""
+        return ""
+
+    def max_submission_bytes(self) -> int:
+        return FaultsSection().max_submission_bytes  # the root's default: the relay's peers
+
+    # -- catching up ---------------------------------------------------------------------
+
+    def update_rounds(self, client_id: str, since_round: int, tier: int | None = None,
+                      wait_s: float = 0.0) -> Iterator[list[Any]]:
+        """The root's rounds from ``since_round`` on at ``tier`` (default the member's), from
+        the cache or fetched once; the root's refusal is passed on (UpstreamError)."""
+        member = self.seen(client_id)
+        messages = self.updates.messages(since_round, member.tier if tier is None else tier,
+                                         wait_s)
+        return iter([round_messages for _, round_messages in rounds_of(messages)])
+
+    def checkpoint(self, client_id: str) -> ServedCheckpoint:
+        return self.root.checkpoint()
+
+    def checkpoint_chunks(self, path: str) -> Iterator[Any]:
+        """A file of the root's checkpoint, from this relay's copy (fetched once)."""
+        return send_file(self.files.path(path))
+
+    def downloaded(self, client_id: str, nbytes: int, *, rounds: int = 0) -> None:
+        """What a member took: the relay counts only what crosses to the root."""
 
     # -- threads ---------------------------------------------------------------------------
 
@@ -327,11 +424,11 @@ class Relay:
                 with self._changed:  # what its members are now, for the root's page
                     listed = [(m.name, m.tier, m.tokens_per_second)
                               for m in self.members.values()][:MAX_RELAYED]
-                reply = self.root.heartbeat(held[0].work.round if held else self.root_round,
-                                            self.speed(), listed)
-                self.root_round = max(self.root_round, reply.round)
-            except grpc.RpcError as err:
-                self.log(f"heartbeat to the root failed: {err.code().name}")
+                closed = self.root.heartbeat(held[0].work.round if held else self.root_round,
+                                             self.speed(), listed)
+                self.root_round = max(self.root_round, closed)
+            except UpstreamError as err:
+                self.log(f"heartbeat to the root failed: {err.code.name}")
 
     def _rounds(self) -> None:
         """Hand in the oldest held round once it is done; take the root's next round while
@@ -355,8 +452,8 @@ class Relay:
                     if self.held:
                         wait_s = min(wait_s, max(0.0, self.held[0].deadline - self.clock()))
                     self._changed.wait(min(wait_s, 1.0))
-            except grpc.RpcError as err:
-                self.log(f"the root answered {err.code().name}: {err.details()}")
+            except UpstreamError as err:
+                self.log(f"the root answered {err.code.name}: {err.details}")
                 self._stopping.wait(WAIT_S)
 
     def _take_round(self) -> bool:
@@ -366,15 +463,15 @@ class Relay:
             after = self.held[-1].work.round if self.held else None
         work = self.root.get_round(after)
         self.run_tokens = work.run_tokens
-        if work.state != pb.ROUND_STATE_TRAIN:  # the rounds it closed (TRAIN: work's round)
+        if work.state != "train":  # the rounds it closed ("train": the work's round)
             self.root_round = max(self.root_round, work.round)
-        self._retry_s = min(max(work.retry_after_seconds, 0.05), WAIT_S)
-        if work.state == pb.ROUND_STATE_FINISHED:
+        self._retry_s = min(max(work.retry_after_s, 0.05), WAIT_S)
+        if work.state == "finished":
             with self._changed:
                 self.finished = True
                 self._changed.notify_all()
             return False
-        if work.state != pb.ROUND_STATE_TRAIN:
+        if work.state != "train":
             return False
         live = self._ready()
         if not live or (not self.started and len(live) < self.min_members):
@@ -386,14 +483,14 @@ class Relay:
         with self._changed:  # the root's rule, and never past the root's own deadline
             deadline = deadline_after(received, [h.deadline for h in self.held],
                                       self.deadline_s)
-            if work.deadline_in_seconds > 0:  # less the time the root left for handing in
+            if work.deadline_in_s > 0:  # less the time the root left for handing in
                 margin = max(self.root_deadline_s - self.deadline_s, 0.0)
-                deadline = min(deadline, received + work.deadline_in_seconds - margin)
+                deadline = min(deadline, received + work.deadline_in_s - margin)
         tiers = {m.client_id: m.tier for m in live}
         parts = {client: Part(assignment=RoundAssignment(
             round=work.round, client_id=client, tier=tiers[client],
             sequence_ids=tuple(int(i) for i in ids),
-            tokens=sum(_length(sequences[int(i)]) for i in ids), deadline=deadline,
+            tokens=sum(int(sequences[int(i)].shape[0]) for i in ids), deadline=deadline,
             assignment_id=f"{work.assignment_id}/{client}"))
             for client, ids in shares.items() if len(ids)}
         with self._changed:
@@ -449,14 +546,14 @@ class Relay:
         for part in delivered:
             if part.assignment.tokens:
                 by_tier.setdefault(part.assignment.tier, []).append(part)
-        header = pb.SubmitHeader(
+        header = SubmitHeader(
             round=held.work.round, client_id=self.root.client_id, tokens=tokens,
             loss=_weighted_loss(delivered),
             train_seconds=max(p.delivered_at for p in delivered) - held.opened,
-            assignment_id=held.work.assignment_id, missed_ids=missed,
-            tier_losses=[pb.TierLoss(tier=tier, tokens=sum(p.assignment.tokens for p in parts),
-                                     loss=_weighted_loss(parts))
-                         for tier, parts in sorted(by_tier.items())])
+            assignment_id=held.work.assignment_id, missed_ids=tuple(missed),
+            tier_losses=tuple(TierLoss(tier=tier, tokens=sum(p.assignment.tokens for p in parts),
+                                       loss=_weighted_loss(parts))
+                              for tier, parts in sorted(by_tier.items())))
         self.root.submit(header, partials)
         self.rounds_submitted += 1
         self.log(f"round {held.work.round}: {len(delivered)} of {len(held.parts)} members, "
@@ -469,6 +566,3 @@ def _weighted_loss(parts: list[Part]) -> float:
     return sum(p.loss * p.assignment.tokens for p in parts) / sum(
         p.assignment.tokens for p in parts)
 
-
-def _length(sequence: pb.Sequence) -> int:
-    return int(sequence.tokens.shape[0])

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from matformer.modeling.compression import SparseResult
-from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
+from matformer.relay.upstream import RootWork
 from matformer.server.rounds import RoundAssignment
 
 
@@ -31,8 +33,8 @@ class Part:
 
 @dataclass(kw_only=True, slots=True)
 class HeldRound:
-    work: pb.RoundAssignment  # the root's assignment to the relay
-    sequences: dict[int, pb.Sequence]
+    work: RootWork  # the root's assignment to the relay
+    sequences: dict[int, Tensor]  # each sequence's tokens
     parts: dict[str, Part]  # client id → its part
     opened: float
     deadline: float

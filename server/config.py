@@ -43,6 +43,7 @@ from matformer.modeling.settings import (
     reject_unknown,
     table_of,
 )
+from matformer.protocol.settings import InnerSettings, RunSettings
 from matformer.server.errors import InvalidValue, MissingFile
 from matformer.server.policies.section import PolicySection, policy_schema
 from matformer.server.sections import (
@@ -161,6 +162,24 @@ class RunConfig:
     def keys_path(self) -> Path:
         """The client keys file of ``[auth] mode = "keys"`` (server/keys.py)."""
         return self.auth.keys_file or Path(self.run.dir) / "keys.json"
+
+    def member_settings(self, data_fingerprint: str) -> RunSettings:
+        """What a member needs to train as this run does (``data_fingerprint``: the data's,
+        which the member checks its copy against)."""
+        inner = self.inner
+        return RunSettings(
+            compression=self.compression, sequence_length=self.data.max_seq_len,
+            data_strategy=self.data.strategy, data_view=self.data.view,
+            data_fingerprint=data_fingerprint, heartbeat_s=self.faults.heartbeat_s,
+            inner=None if not inner.enabled else InnerSettings(
+                name=inner.optimizer, lr=inner.lr, weight_decay=inner.weight_decay,
+                beta1=inner.betas[0], beta2=inner.betas[1], eps=inner.eps,
+                warmup_steps=inner.warmup_steps, batch_tokens=inner.batch_tokens,
+                schedule=inner.schedule, final_lr=inner.final_lr_value,
+                planned_rounds=self.round.planned_rounds),
+            overlap=self.round.overlap, peer_clip=self.faults.peer_clip,
+            max_norm=self.faults.max_norm, norm_action=self.faults.norm_action,
+            deadline_s=self.round.deadline_s)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (TOML and JSON types) that ``from_dict`` reads back to an equal config."""

@@ -267,3 +267,36 @@ class RepeatedSequenceIds(ServerError):
     served once per request, so no request holds more ids than the assignment."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class UnknownSequence(ServerError):
+    """A FetchSequences request for an id beyond the run's data."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class JoinRefused(CoordinatorError):
+    """A Join the run cannot take as it stands: another run's id, another model, or a relay
+    where the round policy must see each member's result."""
+
+
+class WrongJoinToken(CoordinatorError):
+    """A Join without the run's join token (or, ``[auth] mode = "keys"``, a key the run's
+    keys file does not hold)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class KeysUnreadable(CoordinatorError):
+    """The coordinator cannot read its client keys file: the reason is logged, not told."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class UpstreamError(ServerError):
+    """A relay's root refused or failed a call: passed on to the relay's member with the
+    root's status and words."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"the root: {details}")
+        self.code, self.details = code, details

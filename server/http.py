@@ -38,11 +38,11 @@ from pydantic import BaseModel, Field
 from matformer.protocol.errors import UnsafePath
 from matformer.server.api import build_router
 from matformer.server.blobs import BlobStore, blob_router
+from matformer.server.coordinator import Coordinator
 from matformer.server.errors import FileNotServed, ServedFileDamaged, UnknownClient
 from matformer.server.held_out_log import HeldOutLog
 from matformer.server.operator_access import operator_refusal
 from matformer.server.served_files import served_files
-from matformer.server.service import CoordinatorService
 
 STATIC = Path(__file__).parent / "static"  # the dashboard: index.html, dashboard.js, .css
 READ_METHODS = ("GET", "HEAD")  # open to all; every other method needs the operator token
@@ -52,8 +52,7 @@ class Exclusion(BaseModel):
     reason: str = Field(min_length=1, max_length=200)  # told to the client on its next call
 
 
-def build_app(service: CoordinatorService) -> FastAPI:
-    coordinator = service.coordinator
+def build_app(coordinator: Coordinator) -> FastAPI:
     app = FastAPI(title=f"matformer run {coordinator.config.run.id}")
     operator_token = coordinator.config.auth.operator()
 
@@ -72,7 +71,8 @@ def build_app(service: CoordinatorService) -> FastAPI:
 
     app.include_router(build_router(coordinator, HeldOutLog(coordinator.config.run.dir),
                                     operator_token))
-    app.state.blobs = BlobStore(coordinator, service.updates, served_files(service.checkpoints))
+    app.state.blobs = BlobStore(coordinator, coordinator.update_messages,
+                                served_files(coordinator.checkpoints.root))
     app.include_router(blob_router(app.state.blobs))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
@@ -82,7 +82,7 @@ def build_app(service: CoordinatorService) -> FastAPI:
 
     @app.get("/status")
     def status() -> dict[str, Any]:
-        return run_status(service)
+        return run_status(coordinator)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def metrics() -> str:
@@ -94,7 +94,7 @@ def build_app(service: CoordinatorService) -> FastAPI:
     @app.head("/files/{path:path}")
     def files(path: str) -> FileResponse:
         try:
-            target, sha256 = served_files(service.checkpoints).verified(path)
+            target, sha256 = served_files(coordinator.checkpoints.root).verified(path)
         except (UnsafePath, FileNotServed) as err:
             raise HTTPException(status_code=404, detail=str(err)) from err
         except ServedFileDamaged as err:
@@ -113,8 +113,8 @@ def build_app(service: CoordinatorService) -> FastAPI:
     return app
 
 
-def run_status(service: CoordinatorService) -> dict[str, Any]:
-    snap = service.coordinator.snapshot(events_after=None)
+def run_status(coordinator: Coordinator) -> dict[str, Any]:
+    snap = coordinator.snapshot(events_after=None)
     now = snap["now"]
     clients = [{"client_id": m["client_id"], "name": m["name"], "tier": m["tier"],
                 "device": m["device_kind"], "tokens_per_second": m["tokens_per_second"],

@@ -12,19 +12,56 @@ with the coordinator's lock held.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from matformer.server.errors import Excluded, JoinsTooFast, NameTaken, RunFull
-from matformer.server.keys import KeyHolder
+from matformer.protocol.auth import tokens_equal
+from matformer.server.errors import (
+    Excluded,
+    JoinsTooFast,
+    KeysUnreadable,
+    NameTaken,
+    RunFull,
+    WrongJoinToken,
+)
+from matformer.server.keys import KeyFile, KeyFileError, KeyHolder
 from matformer.server.membership import Member
 from matformer.server.tiers import Capabilities, TierAssignment
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from matformer.server.history import RunHistory
     from matformer.server.membership import Membership
     from matformer.server.pipeline import RoundPipeline
-    from matformer.server.sections import FaultsSection
+    from matformer.server.sections import AuthSection, FaultsSection
+
+log = logging.getLogger("matformer.server")
+
+
+def credentials(auth: AuthSection, keys_path: Path, presented: str) -> KeyHolder | None:
+    """Whose client key a Join presents (``[auth] mode = "keys"``), None under the other
+    modes; WrongJoinToken for a wrong token or a key the keys file does not hold,
+    KeysUnreadable (the reason logged, not told) when the file cannot be read."""
+    if auth.mode == "token":  # "none" admits anyone; the server is loopback-only then
+        if not tokens_equal(presented, auth.token()):
+            raise WrongJoinToken("wrong join token; ask the run's operator for it "
+                                 "(--join-token).")
+        return None
+    if auth.mode != "keys":
+        return None
+    try:
+        holder = KeyFile(keys_path).holder(presented)
+    except KeyFileError as err:
+        log.error("%s", err)
+        raise KeysUnreadable("the coordinator cannot read its client keys; tell the run's "
+                             "operator.") from None
+    if holder is None:
+        raise WrongJoinToken("unknown client key; this run admits only clients with a key its "
+                             "operator issued (matformer-server keys add NAME): pass it as "
+                             "--join-token.")
+    return holder
 
 
 class Admissions:

@@ -59,7 +59,8 @@ log = logging.getLogger("matformer.server")
 
 @dataclass(kw_only=True)
 class RunningServer:
-    service: CoordinatorService
+    coordinator: Coordinator
+    service: CoordinatorService  # its .coordinator is the same one
     grpc_server: grpc.Server
     http_server: uvicorn.Server
     host: str  # the address both servers bound
@@ -78,8 +79,9 @@ class RunningServer:
             log.log(logging.INFO if issued else logging.WARNING,
                     '[auth] mode = "keys": %d client keys in %s%s', issued, config.keys_path,
                     "" if issued else "; issue one with matformer-server keys add NAME")
-        service = CoordinatorService(Coordinator(config), limits)
-        sessions = service.coordinator.membership.sessions
+        coordinator = Coordinator(config)
+        service = CoordinatorService(coordinator, limits)
+        sessions = coordinator.membership.sessions
         grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers),
                                   options=server_options(config),
                                   interceptors=[RequestGate(service.slots, sessions.client_of)])
@@ -101,19 +103,19 @@ class RunningServer:
                 "machine's; stop it or choose [server] grpc_port / http_port.") from None
         grpc_server.start()
         http_server = uvicorn.Server(uvicorn.Config(
-            build_app(service), log_level="warning",
+            build_app(coordinator), log_level="warning",
             ssl_certfile=tls.cert if tls.enabled else None,
             ssl_keyfile=tls.key if tls.enabled else None))
         stopping = threading.Event()
         threads = [threading.Thread(target=http_server.run, kwargs={"sockets": [sock]},
                                     name="matformer-http", daemon=True),
-                   threading.Thread(target=service.coordinator.run_closes, args=(stopping,),
+                   threading.Thread(target=coordinator.run_closes, args=(stopping,),
                                     name="matformer-close", daemon=True)]
         for thread in threads:
             thread.start()
-        server = cls(service=service, grpc_server=grpc_server, http_server=http_server,
-                     host=host, grpc_port=bound_grpc, http_port=sock.getsockname()[1],
-                     _threads=threads, _stopping=stopping)
+        server = cls(coordinator=coordinator, service=service, grpc_server=grpc_server,
+                     http_server=http_server, host=host, grpc_port=bound_grpc,
+                     http_port=sock.getsockname()[1], _threads=threads, _stopping=stopping)
         log.info("run %s: gRPC on %s:%d (%s), %s on %s:%d", config.run.id, host, bound_grpc,
                  "TLS" if tls.enabled else "plaintext", "HTTPS" if tls.enabled else "HTTP",
                  host, server.http_port)
@@ -133,7 +135,7 @@ class RunningServer:
         for thread in self._threads:
             thread.join(timeout=STOP_GRACE_S + 3)
         try:
-            self.service.coordinator.close()  # joins and leaves of the last second
+            self.coordinator.close()  # joins and leaves of the last second
         except Exception:  # stopping goes on; the run resumes from the last good save
             log.exception("saving state.json on stop failed")
 
@@ -238,12 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    end = RunEnd(server.service.coordinator, stay=config.server.stay_after_finish)
+    end = RunEnd.of(server.coordinator, stay=config.server.stay_after_finish)
     while not stop.wait(END_POLL_S) and not end.reached():
         pass
     if stop.is_set():
         log.info("stopping; %s", "the run is finished" if end.finished_at is not None else
-                 f"the run resumes from {server.service.coordinator.dir}")
+                 f"the run resumes from {server.coordinator.dir}")
     server.stop()
     return 0
 

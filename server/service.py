@@ -1,127 +1,105 @@
-"""The Coordinator gRPC service (protocol/matformer/v1/coordinator.proto) over a ``Coordinator``.
+"""The Coordinator gRPC service (protocol/matformer/v1/coordinator.proto): one servicer over
+the run's member API (server/member_api.py), which the root's ``Coordinator`` offers and a
+relay (``relay.relay.Relay``) offers near its members.
 
-    servicer = CoordinatorService(coordinator)
+    servicer = CoordinatorService(coordinator, limits)   # or CoordinatorService(relay, limits)
     pb_grpc.add_CoordinatorServicer_to_server(servicer, grpc_server)
 
-Every handler turns the errors its helpers raise on purpose into a status with
-``context.abort(err.code, str(err))``: ``ProtocolError`` and ``CompressionError`` (malformed
-messages: INVALID_ARGUMENT), ``CoordinatorError`` / ``TierAssignmentError`` (each with its own
-code). A rejected submission leaves the round's aggregate untouched: the coordinator keeps all
-of a submission or none of it, and counts a refused one against the client
-(``Coordinator.rejected``). ``Join`` authenticates with the run's join token (unless
-``[auth] mode = "none"``); every other RPC with the session token ``Join`` issued
-(``Coordinator.authenticate``: UNAUTHENTICATED when unknown or expired, PERMISSION_DENIED
-once the client is excluded). Every call holds one of the member's call slots, and a stream
-one of its stream slots (server/call_slots.py; the gate in front of this service takes the
-call slot): RESOURCE_EXHAUSTED beyond a member's share, UNAVAILABLE when every shared stream
-slot is taken (a member the open round assigned work to always has one stream of its own),
-DEADLINE_EXCEEDED for a stream that waited on its peer too long. A submission's header is
-checked before any of its results is read, and each result against the run's layout for
-the sender's tier (protocol/sparse.py) before it is decoded.
+This is the transport edge: messages become the run's records here and back, and every
+error raised on purpose becomes a status with ``context.abort(err.code, str(err))``:
+``ProtocolError`` and ``CompressionError`` (malformed messages: INVALID_ARGUMENT),
+``CoordinatorError`` / ``TierAssignmentError`` (each with its own code), and what a relay's
+root answered (``relay.upstream.UpstreamError``, passed on with the root's status). A
+rejected submission leaves the round's aggregate untouched: the run keeps all of a
+submission or none of it, and counts a refused one against the client (``rejected``).
+``Join`` presents the run's join token (or a client key); every other RPC the session token
+``Join`` issued (``authenticate``: UNAUTHENTICATED when unknown or expired,
+PERMISSION_DENIED once the client is excluded). Every call holds one of the member's call
+slots, and a stream one of its stream slots (server/call_slots.py; the gate in front of
+this service takes the call slot): RESOURCE_EXHAUSTED beyond a member's share, UNAVAILABLE
+when every shared stream slot is taken (a member with work in an open round always has one
+stream of its own), DEADLINE_EXCEEDED for a stream that waited on its peer too long. A
+submission's header is checked before any of its results is read, and each result against
+its layout (protocol/sparse.py) as it is decoded.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import NoReturn, TypeVar
 
 import grpc
-import torch
 from google.protobuf.message import Message
 
-from matformer.modeling.checkpoint.schema import canonical_schema_hash
-from matformer.modeling.compression import Region
-from matformer.modeling.errors import CheckpointError, CompressionError
-from matformer.protocol.auth import SESSION_METADATA_KEY, check_join_token, presented_session
+from matformer.modeling.errors import CompressionError
+from matformer.protocol.auth import SESSION_METADATA_KEY, presented_session
 from matformer.protocol.errors import MalformedStream, ProtocolError
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from matformer.protocol.sparse import ResultLayout, partial_layouts, result_layouts
+from matformer.protocol.records import decode_header, encode_checkpoint
+from matformer.protocol.settings import encode_settings
 from matformer.protocol.submission import read_partials, read_results, read_submission
 from matformer.protocol.tensors import encode_tensor
-from matformer.server import replies
 from matformer.server.call_slots import CallLimits, CallSlots, Watch, end_call
-from matformer.server.coordinator import Coordinator
 from matformer.server.errors import (
     BadResult,
     CallRefused,
     CoordinatorError,
     FileNotServed,
-    NotARunTier,
     RepeatedSequenceIds,
     ServedFileDamaged,
     StaleRound,
     SubmissionTooLarge,
     TierAssignmentError,
-    UpdatesPruned,
+    UnknownSequence,
+    UpstreamError,
 )
-from matformer.server.keys import KeyFile, KeyFileError, KeyHolder
-from matformer.server.served_files import served_files
+from matformer.server.member_api import JoinAsk, MemberAPI, Waiting
+from matformer.server.rounds import RoundAssignment
 from matformer.server.tiers import Capabilities
-from matformer.server.update_cache import UpdateCache
 
-log = logging.getLogger("matformer.server")
-
-RETRY_AFTER_S = 0.5  # how soon a waiting client asks GetRound again, at most
-MIN_RETRY_AFTER_S = 0.05  # ... and at least, when the coordinator expects work for it sooner
-MAX_WAIT_S = 30.0  # the longest GetUpdates holds a stream waiting for a round to close
+MAX_WAIT_S = 30.0  # the longest GetUpdates holds a call waiting for a round to close
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
 _REFUSED = (ProtocolError, CompressionError, CoordinatorError, TierAssignmentError,
-            CallRefused, RepeatedSequenceIds)
+            CallRefused, RepeatedSequenceIds, UnknownSequence, UpstreamError)
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, coordinator: Coordinator, limits: CallLimits) -> None:
-        self.coordinator = coordinator
+    """The one servicer of the member RPCs, for the root and for a relay alike."""
+
+    def __init__(self, coordinator: MemberAPI, limits: CallLimits) -> None:
+        self.coordinator = coordinator  # the root's, or a relay standing in for it
         # a member with work in the open round always has a stream of its own
-        self.slots = CallSlots(limits, assigned=lambda client_id: (
-            coordinator.assignment_for(client_id) is not None))
-        # GetUpdates from memory: each round encoded once per tier, fed by every close
-        self._result_layouts: dict[int, dict[str, ResultLayout]] = {}  # by tier (_layouts)
-        self._relay_layouts: dict[tuple[str, Region], ResultLayout] | None = None
-        self.updates = UpdateCache(read=coordinator.log.read, regions=coordinator.regions)
-        coordinator.round_closed.append(lambda closed: self.updates.put(closed.update))
-        self.schema_hash = canonical_schema_hash(coordinator.model_config, coordinator.shapes)
+        self.slots = CallSlots(limits, assigned=lambda client_id: bool(
+            coordinator.pending(client_id)))
 
     # -- join and membership ------------------------------------------------------------
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         c = self.coordinator
-        key = None
-        if c.config.auth.mode == "token":  # "none" admits anyone; the server is loopback-only
-            check_join_token(context, request.join_token, c.config.auth.token())
-        elif c.config.auth.mode == "keys":
-            key = self._key_holder(request.join_token, context)
-        if request.run_id and request.run_id != c.config.run.id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"this server runs {c.config.run.id!r}, not {request.run_id!r}; "
-                          "check --server.")
-        check_schema(context, request, self.schema_hash)
-        if request.relay and not c.policy.takes_partials:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"this run's round policy, {c.policy.describe()}, must see each "
-                          "member's result, which a relay's partial sum hides; join its "
-                          "members directly, or run a policy that takes sums ([policy] name "
-                          "= \"mean\", [update] vote = \"mean\").")
-        capabilities = capabilities_of(request, c.config.data.max_seq_len)
         # a restarted client presents the session it had, to take its name back at once
         previous = dict(context.invocation_metadata()).get(SESSION_METADATA_KEY)
-        member, tier, token = _call(context, lambda: c.join(capabilities, key=key,
-                                                            previous_session=previous))
-        return pb.JoinReply(client_id=member.client_id, session_token=token, tier=tier.tier,
-                            ffn_width=tier.ffn_width, tier_reason=tier.reason,
-                            round=c.state.round,
-                            checkpoint=replies.checkpoint_ref(c, tier.tier),
-                            settings=replies.settings(c), schema_hash=self.schema_hash,
-                            **replies.planned(c))
+        ask = JoinAsk(capabilities=capabilities_of(request, c.sequence_length),
+                      join_token=request.join_token, run_id=request.run_id,
+                      schema_hash=(request.schema.canonical_hash
+                                   if request.HasField("schema") else None),
+                      previous_session=previous)
+        joined = _call(context, lambda: c.admit(ask))
+        reply = pb.JoinReply(client_id=joined.client_id, session_token=joined.session_token,
+                             tier=joined.tier.tier, ffn_width=joined.tier.ffn_width,
+                             tier_reason=joined.tier.reason, round=joined.round,
+                             settings=encode_settings(joined.settings),
+                             schema_hash=joined.schema_hash,
+                             rounds_planned=joined.rounds_planned,
+                             tokens_planned=joined.tokens_planned)
+        if joined.checkpoint is not None:
+            reply.checkpoint.CopyFrom(encode_checkpoint(joined.checkpoint))
+        return reply
 
     def Heartbeat(self, request: pb.HeartbeatRequest,
                   context: grpc.ServicerContext) -> pb.HeartbeatReply:
@@ -133,7 +111,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         relayed = [(m.name, m.tier, m.tokens_per_second) for m in request.relayed]
         _call(context, lambda: self.coordinator.heartbeat(client_id, tokens_per_second=speed,
                                                           relayed=relayed))
-        return pb.HeartbeatReply(round=self.coordinator.state.round)
+        return pb.HeartbeatReply(round=self.coordinator.closed_rounds())
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         client_id = self._session(context)
@@ -148,68 +126,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         the client holds the earlier ones); WAIT when it has none."""
         c = self.coordinator
         client_id = self._session(context)
-        _call(context, lambda: c.heartbeat(client_id))
-        if c.phase == "finished":
-            return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=c.state.round,
-                                      run_tokens=c.state.tokens)
         after = request.after_round if request.HasField("after_round") else None
-        assignment = c.assignment_for(client_id, after)
-        if assignment is None:
-            expected = c.next_work_in(client_id)
-            retry = RETRY_AFTER_S if expected is None else min(
-                RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, expected))
-            return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=c.state.round,
-                                      retry_after_seconds=retry, run_tokens=c.state.tokens)
-        return replies.assignment(assignment, c.state.tokens, c.clock())
+        work = _call(context, lambda: c.work(client_id, after))
+        if isinstance(work, Waiting):
+            if work.finished:
+                return pb.RoundAssignment(state=pb.ROUND_STATE_FINISHED, round=work.round,
+                                          run_tokens=work.run_tokens)
+            return pb.RoundAssignment(state=pb.ROUND_STATE_WAIT, round=work.round,
+                                      retry_after_seconds=work.retry_after_s,
+                                      run_tokens=work.run_tokens)
+        return assignment_message(work, c.run_tokens, c.clock())
 
     def FetchSequences(self, request: pb.FetchSequencesRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.Sequence]:
-        """The assigned sequences asked for, each once: ids beyond the data, outside the
-        client's assignment in the round being collected, or repeated, are refused (so a
-        request holds no more ids than the assignment)."""
-        c = self.coordinator
+        """The assigned sequences asked for, each once (``MemberAPI.sequences`` refuses the
+        rest before any is sent)."""
         client_id = self._session(context)
         with self._stream(context, client_id) as watch:
-            reader, ids = c.reader, list(request.ids)
-            bad = [i for i in ids if i >= len(reader)]
-            if bad:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"sequence ids {bad[:5]} are outside the run's {len(reader)} "
-                              "sequences; fetch the ids GetRound assigned.")
-            held = {i for a in c.pending(client_id) for i in a.sequence_ids}
-            foreign = sorted(set(ids) - held)
-            if foreign:  # a client reads only the sequences it is assigned now
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"sequence ids {foreign[:5]} are not in {client_id}'s assignment "
-                              "for the round being collected (it closed, or they are another "
-                              "client's); ask GetRound for the current assignment.")
-            counts = Counter(ids)
-            if len(counts) < len(ids):
-                repeated = sorted(i for i, n in counts.items() if n > 1)
-                raise RepeatedSequenceIds(
-                    f"the request names sequence ids {repeated[:5]} more than once ({len(ids)} "
-                    f"ids, {len(counts)} distinct); ask for each assigned id once.")
+            sequences = self.coordinator.sequences(client_id, list(request.ids))
             yield from self._sent(watch, client_id, (
-                pb.Sequence(id=i, tokens=encode_tensor(torch.from_numpy(reader[i].copy())))
-                for i in ids))
-
-    def _layouts(self, tier: int) -> dict[str, ResultLayout]:
-        """What the run accepts of each parameter from a client of ``tier``: fixed for the
-        run, so built once per tier."""
-        if tier not in self._result_layouts:
-            c = self.coordinator
-            self._result_layouts[tier] = result_layouts(c.config.compression.build(), c.shapes,
-                                                        c.regions(tier))
-        return self._result_layouts[tier]
-
-    def _partial_layouts(self) -> dict[tuple[str, Region], ResultLayout]:
-        """What the run accepts from a relay: built once."""
-        if self._relay_layouts is None:
-            c = self.coordinator
-            self._relay_layouts = partial_layouts(
-                c.config.compression.build(), c.shapes,
-                {t: c.regions(t) for t in c.config.tiers.allowed})
-        return self._relay_layouts
+                pb.Sequence(id=i, tokens=encode_tensor(tokens)) for i, tokens in sequences))
 
     def SubmitResult(self, request_iterator: Iterator[pb.SubmitMessage],
                      context: grpc.ServicerContext) -> pb.SubmitReply:
@@ -217,7 +153,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         client_id = self._session(context)
         received = 0
 
-        limit = c.config.faults.max_submission_bytes
+        limit = c.max_submission_bytes()
 
         def counted(messages: Iterator[pb.SubmitMessage]) -> Iterator[pb.SubmitMessage]:
             nonlocal received
@@ -230,28 +166,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 yield message
 
         def submit(watch: Watch) -> int:
-            header, rest = read_submission(counted(watch.received(request_iterator)))
+            first, rest = read_submission(counted(watch.received(request_iterator)))
+            header = decode_header(first)
             if header.client_id != client_id:
                 raise _NotYourSession(f"the header names {header.client_id!r} but the session "
                                       f"is {client_id!r}; submit with your own client id.")
-            assignment = c.check_header(client_id, header.round, header.assignment_id)
-            watch.until(time.monotonic() + assignment.deadline - c.clock(), StaleRound(
-                f"round {assignment.round} reached its deadline while this submission was "
+            expected = c.expects(client_id, header)
+            assigned = expected.assignment
+            watch.until(time.monotonic() + assigned.deadline - c.clock(), StaleRound(
+                f"round {assigned.round} reached its deadline while this submission was "
                 "still arriving; nothing of it was kept, wait for the next assignment."))
-            # each result checked against the run's layout for the assigned tier (a relay's:
-            # for a tier region) before it is decoded, then checked whole, before the
-            # coordinator sees any
-            if c.membership.get(client_id).relay:
-                results = list(read_partials(rest, self._partial_layouts()))
-            else:
-                results = list(read_results(rest, self._layouts(assignment.tier)))
+            # each result checked against its layout (a relay's: for a tier region) as it
+            # is decoded, then all of them whole, before the run keeps any
+            read = read_partials if expected.partials else read_results
+            results = list(read(rest, expected.layouts))
             if not context.is_active():  # gRPC ends the stream at a message it cannot parse
                 raise MalformedStream("the SubmitResult stream broke off at a message that "
                                       "does not parse; nothing was kept, submit again.")
-            c.submit(client_id, header.round, results, loss=header.loss,
-                     train_seconds=header.train_seconds, assignment_id=header.assignment_id,
-                     wire_bytes=received, missed=list(header.missed_ids),
-                     tier_losses=[(t.tier, t.tokens, t.loss) for t in header.tier_losses])
+            c.submit_results(client_id, header, results, wire_bytes=received)
             return len(results)
 
         with self._stream(context, client_id) as watch:
@@ -263,40 +195,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 _abort(context, err, consequence)
             # the next round's work rides on the answer (overlapped rounds hand it out ahead)
             return pb.SubmitReply(accepted=accepted, assignments=[
-                replies.assignment(a, c.state.tokens, c.clock()) for a in c.pending(client_id)])
+                assignment_message(a, c.run_tokens, c.clock()) for a in c.pending(client_id)])
 
     # -- catching up --------------------------------------------------------------------
 
     def GetUpdates(self, request: pb.GetUpdatesRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.UpdateMessage]:
         """The logged updates of rounds ``since_round``, since_round + 1, ...: a checkpoint
-        reference's ``round`` counts the rounds inside it, so it is the first to replay."""
-        c = self.coordinator
+        reference's ``round`` counts the rounds inside it, so it is the first to replay. A
+        client ahead of the log waits for the close in a call slot, not a stream's."""
         client_id = self._session(context)
-        tier = _call(context, lambda: c.membership.get(client_id).tier)
-        if request.HasField("tier"):  # the replica's, which lags a move by a round or two
-            tier = _call(context, lambda: _run_tier(c, request.tier))
-        if request.wait_seconds > 0:  # a client ahead of the log waits for the close, in a
-            # call slot but not a stream's: nothing is in flight yet
-            c.wait_for_round(request.since_round, min(request.wait_seconds, MAX_WAIT_S))
+        tier = request.tier if request.HasField("tier") else None  # the replica's
+        rounds = _call(context, lambda: self.coordinator.update_rounds(
+            client_id, request.since_round, tier, min(request.wait_seconds, MAX_WAIT_S)))
         with self._stream(context, client_id) as watch:
-            rounds = _call(context, lambda: c.logged_rounds(request.since_round))
             context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
-            for round_index in rounds:
-                try:
-                    messages = self.updates.messages(round_index, tier)
-                except (OSError, CheckpointError):  # pruned since: a checkpoint holds it now
-                    _abort(context, UpdatesPruned(
-                        f"round {round_index} left the update log while it was being sent; "
-                        "load the latest checkpoint (GetCheckpoint) and ask again."))
+            for messages in rounds:
                 yield from self._sent(watch, client_id, messages, rounds=1)
 
     def GetCheckpoint(self, request: pb.GetCheckpointRequest,
                       context: grpc.ServicerContext) -> pb.CheckpointRef:
-        c = self.coordinator
         client_id = self._session(context)
-        tier = _call(context, lambda: c.membership.get(client_id).tier)
-        return _call(context, lambda: replies.checkpoint_ref(c, tier))
+        return encode_checkpoint(_call(context, lambda: self.coordinator.checkpoint(client_id)))
 
     def DownloadCheckpoint(self, request: pb.DownloadCheckpointRequest,
                            context: grpc.ServicerContext) -> Iterator[pb.FileChunk]:
@@ -306,17 +226,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self._stream(context, client_id) as watch:
             try:
                 yield from self._sent(watch, client_id,
-                                      served_files(self.checkpoints).chunks(request.path))
+                                      self.coordinator.checkpoint_chunks(request.path))
             except (ProtocolError, FileNotServed, ServedFileDamaged) as err:
                 _abort(context, err)
             except OSError as err:  # whatever else the file system refuses: not a served file
                 context.abort(grpc.StatusCode.NOT_FOUND,
                               f"{request.path[:200]!r} cannot be read ({err.strerror}); take "
                               "paths from the manifest.")
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.coordinator.dir / "checkpoints"
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -332,22 +248,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         finally:
             self.coordinator.downloaded(client_id, watch.sent_bytes - before,
                                         rounds=rounds if whole else 0)
-
-    def _key_holder(self, presented: str, context: grpc.ServicerContext) -> KeyHolder:
-        """Whose client key the Join presents; UNAUTHENTICATED for a key the keys file does
-        not hold, UNAVAILABLE (the reason logged, not told) when the file cannot be read."""
-        try:
-            holder = KeyFile(self.coordinator.config.keys_path).holder(presented)
-        except KeyFileError as err:
-            log.error("%s", err)
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator cannot read its client "
-                          "keys; tell the run's operator.")
-        if holder is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "unknown client key; this run admits only clients with a key its "
-                          "operator issued (matformer-server keys add NAME): pass it as "
-                          "--join-token.")
-        return holder
 
     def _session(self, context: grpc.ServicerContext) -> str:
         """The calling client's id, from its session token; aborts UNAUTHENTICATED for a
@@ -369,17 +269,6 @@ class _NotYourSession(ProtocolError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
-def check_schema(context: grpc.ServicerContext, request: pb.JoinRequest, schema_hash: str
-                 ) -> None:
-    """FAILED_PRECONDITION for a Join whose model is not the run's. No schema: the client
-    loads the run's checkpoint after joining and checks JoinReply.schema_hash itself."""
-    if request.HasField("schema") and request.schema.canonical_hash != schema_hash:
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"the client's model has canonical schema hash "
-                      f"{request.schema.canonical_hash or '(none)'}, the run's model "
-                      f"{schema_hash}; load the run's checkpoint (--checkpoint server).")
-
-
 def capabilities_of(request: pb.JoinRequest, sequence_length: int) -> Capabilities:
     """What a Join says of the client, as the tier policy reads it (checked there)."""
     caps = request.capabilities
@@ -393,13 +282,15 @@ def capabilities_of(request: pb.JoinRequest, sequence_length: int) -> Capabiliti
         device_name=caps.device_name[:200], relay=request.relay)
 
 
-def _run_tier(c: Coordinator, tier: int) -> int:
-    """``tier`` if the run has it (its updates record a hash of every allowed tier)."""
-    allowed = c.config.tiers.allowed
-    if tier not in allowed:
-        raise NotARunTier(f"updates asked for at tier {tier}, which this run does not have "
-                          f"(its tiers: {', '.join(map(str, allowed))}).")
-    return tier
+def assignment_message(assigned: RoundAssignment, run_tokens: int, now: float
+                       ) -> pb.RoundAssignment:
+    """A member's work in a round: ROUND_STATE_TRAIN (``run_tokens``: the run's so far;
+    ``now``: the clock the assignment's deadline is on)."""
+    return pb.RoundAssignment(
+        state=pb.ROUND_STATE_TRAIN, round=assigned.round,
+        sequence_ids=assigned.sequence_ids, tier=assigned.tier,
+        assignment_id=assigned.assignment_id, run_tokens=run_tokens,
+        deadline_in_seconds=max(assigned.deadline - now, 0.0))
 
 
 def _call(context: grpc.ServicerContext, action: Callable[[], T]) -> T:

@@ -143,7 +143,7 @@ def join_request(server: RunningServer, name: str) -> pb.JoinRequest:
         run_id=RUN_ID, join_token=JOIN_TOKEN, client_name=name,
         capabilities=pb.Capabilities(device_kind="cpu", memory_bytes=2**34, requested_tier=0,
                                      tokens_per_second=SPEED, load_strategy="auto"),
-        schema=pb.Schema(canonical_hash=server.service.schema_hash))
+        schema=pb.Schema(canonical_hash=server.coordinator.schema_hash))
 
 
 def valid_submission(server: RunningServer, client_id: str) -> list[pb.SubmitMessage]:

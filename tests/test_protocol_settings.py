@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 from support.helpers import run_tables
@@ -18,7 +17,6 @@ from matformer.protocol.settings import (
     encode_settings,
 )
 from matformer.server.config import RunConfig
-from matformer.server.replies import settings as settings_message
 
 INNER = InnerSettings(name="adamw", lr=3e-3, weight_decay=0.01, beta1=0.9, beta2=0.95,
                       eps=1e-8, warmup_steps=7, batch_tokens=256, schedule="cosine",
@@ -58,8 +56,7 @@ def test_the_coordinators_settings_are_its_config_and_a_member_builds_its_steps_
         mdat_path, inner={"batch_tokens": 256, "lr": 2e-3, "warmup_steps": 5},
         round={"min_clients": 1, "deadline_s": 30.0, "tokens_per_round": 1024, "rounds": 9,
                "overlap": True}))
-    coordinator = SimpleNamespace(config=config, reader=SimpleNamespace(fingerprint="f00d"))
-    got = decode_settings(settings_message(coordinator))
+    got = decode_settings(encode_settings(config.member_settings("f00d")))
     assert got.compression == config.compression and got.overlap
     assert (got.sequence_length, got.data_fingerprint) == (128, "f00d")
     assert got.inner == InnerSettings(

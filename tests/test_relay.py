@@ -24,11 +24,11 @@ from matformer.protocol.channel import GRPC_OPTIONS, open_channel
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import submission_messages
-from matformer.protocol.tensors import encode_tensor
 from matformer.relay.cache import UpdateCache
 from matformer.relay.main import Access, RelaySettings, RunningRelay, main, parser
 from matformer.relay.relay import Relay, RelayError
 from matformer.relay.rounds import RelayMember
+from matformer.relay.upstream import RootWork
 from matformer.server.api import clients_info
 from matformer.server.config import RunConfig
 from matformer.server.errors import BadReport
@@ -500,13 +500,12 @@ class ScriptedRoot:
     def __init__(self, deadline_in_seconds: float) -> None:
         self.deadline_in_seconds = deadline_in_seconds
 
-    def get_round(self, after: int | None = None) -> pb.RoundAssignment:
-        return pb.RoundAssignment(state=pb.ROUND_STATE_TRAIN, round=0, sequence_ids=[1, 2],
-                                  assignment_id="0.x.relay-0",
-                                  deadline_in_seconds=self.deadline_in_seconds)
+    def get_round(self, after: int | None = None) -> RootWork:
+        return RootWork(state="train", round=0, run_tokens=0, sequence_ids=(1, 2),
+                        assignment_id="0.x.relay-0", deadline_in_s=self.deadline_in_seconds)
 
-    def fetch(self, ids) -> dict[int, pb.Sequence]:
-        return {i: pb.Sequence(id=i, tokens=encode_tensor(torch.arange(4))) for i in ids}
+    def fetch(self, ids) -> dict[int, torch.Tensor]:
+        return {i: torch.arange(4) for i in ids}
 
 
 @pytest.mark.parametrize(("root_left_s", "due_in_s"), [(100.0, 20.0), (12.0, 2.0), (0.0, 20.0)],
@@ -516,7 +515,8 @@ def test_a_relay_hands_a_round_in_before_the_root_closes_it(tmp_path, root_left_
     deadline for the round comes sooner: what the root leaves, less the 10 s the root's
     deadline gives over the relay's for handing in (0 on the wire: a root that does not say)."""
     clock = Clock(1000.0)
-    relay = Relay(ScriptedRoot(root_left_s), deadline_s=20.0, folder=tmp_path, clock=clock)
+    relay = Relay(ScriptedRoot(root_left_s), member_token="t", deadline_s=20.0,
+                  folder=tmp_path, clock=clock)
     relay.root_deadline_s = 30.0
     relay.members["m"] = RelayMember(client_id="m", name="m", tier=0, tokens_per_second=1.0,
                                      last_seen=clock.now)

@@ -27,7 +27,7 @@ def test_each_round_is_a_line_and_the_end_waits_for_the_members(tmp_path, mdat_p
     clock = Clock()
     c = Coordinator(run_config(tmp_path / "run", mdat_path, rounds=2), clock=clock)
     cid = c.join(caps("alice", tier=1))[0].client_id
-    end, stays = RunEnd(c, stay=False), RunEnd(c, stay=True)
+    end, stays = RunEnd.of(c, stay=False), RunEnd.of(c, stay=True)
     drive(c, clock, cid, 1)
     assert not end.reached()  # a run that goes on
     drive(c, clock, cid, 1)

@@ -183,7 +183,8 @@ def test_head_on_files_answers_like_get_without_the_body(running):
     server, *_ = running
     folder = f"round-{server.service.coordinator.state.checkpoints[-1]}"
     manifest = f"{folder}/{MANIFEST_NAME}"
-    listed = sorted(json.loads((server.service.checkpoints / manifest).read_text())["sha256"])
+    served = server.coordinator.checkpoints.root
+    listed = sorted(json.loads((served / manifest).read_text())["sha256"])
     for path in (manifest, f"{folder}/{listed[0]}"):
         status, body = http_get(server, f"/files/{path}")
         head_status, headers, head_body = http_head(server, f"/files/{path}")

@@ -42,7 +42,7 @@ def running(tmp_path_factory):
 
 @pytest.fixture
 def checkpoints(running) -> Path:
-    return running[0].service.checkpoints
+    return running[0].coordinator.checkpoints.root
 
 
 @pytest.fixture
