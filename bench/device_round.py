@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # what replicas need of a close on the device: its update, applied to the old
         # weights on a CPU member, gives the device master's bits. Its sums may round
         # otherwise than the CPU's (another reduction order): reported, no fault.
-        device_record = RoundUpdate(round=0, update=update, steps={name: _on_cpu(step) for name, step in device_steps.items()},
-                                    hashes=got)
+        device_record = RoundUpdate(
+            round=0, update=update, hashes=got,
+            steps={name: _on_cpu(step) for name, step in device_steps.items()})
         followed = device_record.cut(0, regions[0]).apply(
             {name: t.clone() for name, t in member.items()}, regions[0])
         figures |= {"device_close_s": device_close,

@@ -26,6 +26,7 @@ from matformer.modeling.compression import (
     Compressor,
     Region,
     SparseResult,
+    ValidResult,
     index_dtype,
     region_shape,
     validate,
@@ -110,10 +111,10 @@ def encode_sparse_result(result: SparseResult) -> pb.SparseResult:
     )
 
 
-def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout) -> SparseResult:
-    """Message → a validated ``SparseResult``; raises a ``ProtocolError`` subclass if the
-    message does not have the run's ``layout`` (checked before anything is decoded) or the
-    result is inconsistent (ids, positions, NaN, tokens)."""
+def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout) -> ValidResult:
+    """Message → a ``ValidResult`` (validated here, once, for everything after); raises a
+    ``ProtocolError`` subclass if the message does not have the run's ``layout`` (checked
+    before anything is decoded) or the result is inconsistent (ids, positions, NaN, tokens)."""
     what = f"sparse result {message.name!r}"
     check_layout(message, layout)
     result = SparseResult(
@@ -128,10 +129,9 @@ def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout) -> Spar
         tokens=message.tokens,
     )
     try:
-        validate(result)
+        return validate(result)
     except CompressionError as err:
         raise MalformedSparseResult(f"{what} is inconsistent: {err}") from err
-    return result
 
 
 def check_layout(message: pb.SparseResult, layout: ResultLayout) -> None:

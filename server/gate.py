@@ -9,7 +9,8 @@ In the order a submission meets them:
 2. The layout of each result against the run's, from its declared dtypes and shapes alone,
    before it is decoded (``protocol/sparse.py``, called by the service as it reads them).
 3. ``results``: each names a parameter once, covers exactly the sender's tier region of it,
-   passes modeling's validation (ids, indices, NaN/Inf); the token count is the assignment's
+   passes modeling's validation (ids, indices, NaN/Inf: done once, by the decoder, for what
+   comes off the wire; ``ValidResult``); the token count is the assignment's
    and the reported loss and speed are physically possible; values and norm are within
    ``[faults]`` (``server/limits.py``: clipped or refused).
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from matformer.modeling.compression import Region, SparseResult, validate
+from matformer.modeling.compression import Region, SparseResult, ValidResult, validate
 from matformer.modeling.errors import CompressionError
 from matformer.server.errors import (
     AlreadySubmitted,
@@ -87,6 +88,7 @@ class SubmissionGate:
         """``results`` as the coordinator keeps them (clipped by the limits), or the
         BadResult that refuses the whole submission."""
         seen: set[str] = set()
+        valid: list[ValidResult] = []
         for result in results:
             name = result.name
             if name not in self.shapes:
@@ -104,18 +106,15 @@ class SubmissionGate:
                     f"client's tier {assigned.tier} region {region[name]} of shape "
                     f"{self.shapes[name]}; the client trains the wrong tier or model, so it "
                     "should rejoin.")
-            try:
-                validate(result)
-            except CompressionError as err:
-                raise MalformedResult(str(err)) from err
-        wrong = [r for r in results if r.tokens != assigned.tokens]
+            valid.append(_valid(result))
+        wrong = [r for r in valid if r.tokens != assigned.tokens]
         if wrong:
             raise WrongTokenCount(
                 f"{wrong[0].name} claims {wrong[0].tokens} tokens ({len(wrong)} result(s) "
                 f"differ), but the assignment holds {assigned.tokens}; results are weighted by "
                 "the tokens assigned, so send that count.")
         check_reports(assigned.tokens, loss, train_seconds)
-        return self.limits.check(results)
+        return self.limits.check(valid)
 
     def partials(self, assigned: RoundAssignment, regions: Iterable[Mapping[str, Region]],
                  results: Sequence[SparseResult], *, tokens: int, loss: float | None,
@@ -129,6 +128,7 @@ class SubmissionGate:
                 allowed.setdefault(name, set()).add(tuple(map(tuple, region)))
         seen: set[tuple[str, Region]] = set()
         covered: dict[str, int] = {}
+        valid: list[ValidResult] = []
         for result in results:
             name, region = result.name, tuple(map(tuple, result.region))
             if name not in self.shapes:
@@ -143,10 +143,7 @@ class SubmissionGate:
                                       f"{assigned.client_id}'s submission for round "
                                       f"{assigned.round}; fold each region's results into one.")
             seen.add((name, region))
-            try:
-                validate(result)
-            except CompressionError as err:
-                raise MalformedResult(str(err)) from err
+            valid.append(_valid(result))
             covered[name] = covered.get(name, 0) + result.tokens
         wrong = sorted(name for name, count in covered.items() if count != tokens)
         if wrong:
@@ -155,7 +152,16 @@ class SubmissionGate:
                 f"parameter(s) differ), but the members delivered {tokens}; each parameter's "
                 "partials add up to the tokens of the sequences they cover.")
         check_reports(tokens, loss, train_seconds)
-        return self.limits.check(results, partial=True)
+        return self.limits.check(valid, partial=True)
+
+
+def _valid(result: SparseResult) -> ValidResult:
+    """``result`` validated (a decoded one already is), or the MalformedResult that says why
+    not."""
+    try:
+        return validate(result)
+    except CompressionError as err:
+        raise MalformedResult(str(err)) from err
 
 
 def check_tier_losses(losses: Iterable[tuple[int, int, float]], tiers: Iterable[int],

@@ -15,13 +15,15 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 from support.helpers import Clock, run_config, served_run_toml
-from support.rounds import assigned, caps, committed, drive, events, flat_results
+from support.rounds import assigned, caps, committed, drive, events, flat_results, results
 from support.wire import code_of, header_of, joined, serving_config
 
+import matformer.modeling.compression.validation as validation
 import matformer.protocol.sparse as sparse_module
+from matformer.modeling.compression import ValidResult
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
-from matformer.protocol.sparse import encode_sparse_result
+from matformer.protocol.sparse import decode_sparse_result, encode_sparse_result
 from matformer.protocol.submission import submission_messages
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
@@ -179,3 +181,31 @@ def test_a_checkpoint_written_beside_the_rounds_that_fails_so_is_tried_again(
     assert "No space left on device" in events(c, "disk")[0]["detail"]
     drive(c, clock, cid, 1)  # room again: round 3's close writes checkpoint round-4
     assert c.state.checkpoints == [0, 4]
+
+
+def test_a_result_is_validated_once_from_the_wire_to_the_close(tmp_path, mdat_path,
+                                                               monkeypatch):
+    """The decoder validates what it reads (a ValidResult); the gate and the close's
+    aggregation take it as it is. A result made in process is validated by the gate, once."""
+    checked: list[str] = []
+    real = validation._check
+    monkeypatch.setattr(validation, "_check",
+                        lambda result: (checked.append(result.name), real(result))[1])
+    clock = Clock()
+    c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=clock)
+    cid = c.join(caps("alice", tier=1))[0].client_id
+    tier = assigned(c, cid).tier
+    sent = results(c, cid)
+    layouts = c.layouts.of(tier)
+    decoded = [decode_sparse_result(encode_sparse_result(r), layouts[r.name]) for r in sent]
+    assert all(isinstance(r, ValidResult) for r in decoded)
+    assert sorted(checked) == sorted(r.name for r in sent)  # by the decoder
+    clock.now += 1.0
+    c.submit(cid, c.current_round.index, decoded, loss=1.0)
+    c.flush()
+    assert c.state.round == 1 and sorted(checked) == sorted(r.name for r in sent)
+    checked.clear()
+    clock.now += 1.0
+    c.submit(cid, c.current_round.index, results(c, cid), loss=1.0)  # made in process
+    c.flush()
+    assert c.state.round == 2 and sorted(checked) == sorted(r.name for r in sent)

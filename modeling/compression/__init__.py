@@ -41,7 +41,7 @@ from matformer.modeling.compression.update import (
     sgd,
     sign,
 )
-from matformer.modeling.compression.validation import validate, validate_group
+from matformer.modeling.compression.validation import ValidResult, validate, validate_group
 from matformer.modeling.compression.wire import (
     DENSE_BYTES_PER_VALUE,
     index_dtype,
@@ -69,6 +69,7 @@ __all__ = [
     "Step",
     "UpdateConfig",
     "UpdateRule",
+    "ValidResult",
     "bounding_box",
     "dct",
     "dct_matrix",

@@ -1,11 +1,17 @@
 """Checks on a sparse result from the wire, before it touches any aggregate.
 
+A result is checked once: ``validate`` returns it as a ``ValidResult``, which is checked
+when it is made (``dataclasses.replace`` makes one too), and which every later ``validate``
+takes as it is. The wire's decoder validates what it reads, so the submission gate and the
+aggregation take the decoded results without checking them again.
+
 Every failure is a ``CompressionError`` subclass whose message names the parameter and the
 field, so the coordinator can answer INVALID_ARGUMENT with it as it stands.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -15,9 +21,25 @@ from matformer.modeling.compression.sparse import SparseResult
 from matformer.modeling.errors import BadTokenCount, NonFiniteValues, ResultShapeMismatch
 
 
-def validate(result: SparseResult) -> None:
-    """Raise the matching CompressionError unless ``result`` decodes to what it claims: common
-    fields here, the encoding's own layout in its ``check``."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ValidResult(SparseResult):
+    """A ``SparseResult`` known to decode to what it claims: checked when it is made."""
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+def validate(result: SparseResult) -> ValidResult:
+    """``result`` as a ``ValidResult``; the matching CompressionError unless it decodes to
+    what it claims. A ``ValidResult`` is returned as it is: it was checked when made."""
+    if isinstance(result, ValidResult):
+        return result
+    return ValidResult(**{f.name: getattr(result, f.name)
+                          for f in dataclasses.fields(SparseResult)})
+
+
+def _check(result: SparseResult) -> None:
+    """Common fields here, the encoding's own layout in its ``check``."""
     encoding = get_encoding(result.encoding)  # raises UnknownEncoding
     name = result.name
     if isinstance(result.tokens, bool) or not isinstance(result.tokens, int) or result.tokens < 1:
@@ -38,13 +60,14 @@ def validate(result: SparseResult) -> None:
         )
 
 
-def validate_group(results: Sequence[SparseResult]) -> None:
-    """Validate each result, and that all are for one parameter of one universal shape."""
-    for result in results:
-        validate(result)
+def validate_group(results: Sequence[SparseResult]) -> list[ValidResult]:
+    """Each result validated (once: see the module), all for one parameter of one universal
+    shape."""
+    valid = [validate(result) for result in results]
     for result in results[1:]:
         if (result.name, result.shape) != (results[0].name, results[0].shape):
             raise ResultShapeMismatch(
                 f"results for one aggregation disagree: {result.name} {result.shape} against "
                 f"{results[0].name} {results[0].shape}; aggregate each parameter on its own."
             )
+    return valid
