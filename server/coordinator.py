@@ -28,7 +28,6 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,8 +36,6 @@ import torch
 from google.protobuf.message import Message
 from torch import Tensor
 
-from matformer.modeling.checkpoint.export import read_manifest
-from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
 from matformer.modeling.checkpoint.schema import canonical_schema_hash
 from matformer.modeling.compression import (
     DENSE_BYTES_PER_VALUE,
@@ -50,12 +47,12 @@ from matformer.modeling.compression import (
     tier_regions,
     universal_shapes,
 )
-from matformer.modeling.errors import CheckpointError
 from matformer.modeling.mdat import Mdat
-from matformer.protocol.records import ServedCheckpoint, ServedEntry, SubmitHeader
+from matformer.protocol.records import ServedCheckpoint, SubmitHeader
 from matformer.protocol.settings import RunSettings
 from matformer.protocol.sparse import ResultLayouts
 from matformer.server import resume, status
+from matformer.server.catch_up import CatchUp
 from matformer.server.checkpoint_writer import CheckpointWriter
 from matformer.server.checkpoints import CheckpointRef, CheckpointStore
 from matformer.server.close import ClosedRound, CloseWorker, Closing, RoundClose
@@ -63,19 +60,14 @@ from matformer.server.config import RunConfig
 from matformer.server.errors import (
     BadReport,
     Excluded,
-    JoinRefused,
     MissedNotAssigned,
-    NotARunTier,
-    NotInRound,
-    RepeatedSequenceIds,
     RunDirectoryUnavailable,
     SessionInvalid,
-    UnknownSequence,
     UpdatesPruned,
 )
-from matformer.server.gate import SubmissionGate, check_relayed, check_tier_losses
+from matformer.server.gate import SubmissionGate, check_fetch, check_relayed, check_tier_losses
 from matformer.server.history import RunHistory
-from matformer.server.joins import Admissions, credentials
+from matformer.server.joins import Admissions, check_join, credentials
 from matformer.server.keys import KeyHolder
 from matformer.server.ledger import TrainedLedger
 from matformer.server.limits import SubmissionLimits
@@ -83,10 +75,8 @@ from matformer.server.member_api import Expected, JoinAsk, Joined, Waiting
 from matformer.server.membership import Member
 from matformer.server.pipeline import RoundPipeline
 from matformer.server.rounds import OpenRound, RoundAssignment, Submission
-from matformer.server.served_files import served_files
 from matformer.server.state import RunState
 from matformer.server.tiers import Capabilities, TierAssignment, check_speed
-from matformer.server.update_cache import UpdateCache
 from matformer.server.update_log import UpdateLog
 from matformer.server.update_steps import Carried
 from matformer.server.work import work_order
@@ -154,10 +144,12 @@ class Coordinator:
             tier_hashes=lambda tiers, master: self.tier_hashes(tiers, master),
             hooks=self.round_closed)
         self.closer.master, self.closer.carried = resume.master(start, saved, initial)
-        # what the member API serves: each round's update messages per tier, encoded once
-        # and fed by every close; the layouts results must have; the model's schema hash
-        self.update_messages = UpdateCache(read=self.log.read, regions=self.regions)
-        self.round_closed.append(lambda closed: self.update_messages.put(closed.update))
+        # what the member API serves: the updates and checkpoints members catch up from,
+        # the layouts results must have, the model's schema hash
+        self.catch_up = CatchUp(self.log, self.checkpoints, self.regions, config.tiers.allowed,
+                                logged=self.logged_rounds, latest=self.latest_checkpoint,
+                                wait=self.wait_for_round)
+        self.round_closed.append(self.catch_up.closed)
         self.layouts = ResultLayouts(config.compression.build(), self.shapes, self.regions,
                                      config.tiers.allowed)
         self.schema_hash = canonical_schema_hash(self.model_config, self.shapes)
@@ -165,29 +157,17 @@ class Coordinator:
     # -- the member API (server/member_api.py): what the gRPC service asks ---------------
 
     def admit(self, ask: JoinAsk) -> Joined:
-        """A Join: its credentials, run and model checked (WrongJoinToken, JoinRefused),
-        then ``join``."""
+        """A Join: its credentials (``joins.credentials``), run, model and kind
+        (``joins.check_join``) checked, then ``join``."""
         key = credentials(self.config.auth, self.config.keys_path, ask.join_token)
-        run_id = self.config.run.id
-        if ask.run_id and ask.run_id != run_id:
-            raise JoinRefused(f"this server runs {run_id!r}, not {ask.run_id!r}; check "
-                              "--server.")
-        if ask.schema_hash is not None and ask.schema_hash != self.schema_hash:
-            raise JoinRefused(f"the client's model has canonical schema hash "
-                              f"{ask.schema_hash or '(none)'}, the run's model "
-                              f"{self.schema_hash}; load the run's checkpoint "
-                              "(--checkpoint server).")
-        if ask.capabilities.relay and not self.policy.takes_partials:
-            raise JoinRefused(f"this run's round policy, {self.policy.describe()}, must see "
-                              "each member's result, which a relay's partial sum hides; join "
-                              "its members directly, or run a policy that takes sums ([policy] "
-                              "name = \"mean\", [update] vote = \"mean\").")
+        check_join(ask, run_id=self.config.run.id, schema_hash=self.schema_hash,
+                   policy=self.policy)
         member, tier, token = self.join(ask.capabilities, key=key,
                                         previous_session=ask.previous_session)
         stop = self.config.round  # [round] rounds counts for progress when it comes first
         rounds_first = stop.rounds is not None and stop.rounds == stop.planned_rounds
         return Joined(client_id=member.client_id, session_token=token, tier=tier,
-                      round=self.closed_rounds(), checkpoint=self.checkpoint_for(tier.tier),
+                      round=self.closed_rounds(), checkpoint=self.catch_up.checkpoint(tier.tier),
                       settings=self.run_settings(), schema_hash=self.schema_hash,
                       rounds_planned=stop.rounds if rounds_first else 0,
                       tokens_planned=stop.tokens or 0)
@@ -210,26 +190,10 @@ class Coordinator:
         return Waiting(round=closed, run_tokens=tokens, retry_after_s=retry)
 
     def sequences(self, client_id: str, ids: Sequence[int]) -> Iterator[tuple[int, Tensor]]:
-        """The assigned sequences asked for, each once: ids beyond the data
-        (UnknownSequence), outside the member's assignments in the rounds being collected
-        (NotInRound) or repeated (RepeatedSequenceIds) are refused before any is read."""
-        bad = [i for i in ids if i >= len(self.reader)]
-        if bad:
-            raise UnknownSequence(f"sequence ids {bad[:5]} are outside the run's "
-                                  f"{len(self.reader)} sequences; fetch the ids GetRound "
-                                  "assigned.")
+        """The assigned sequences asked for, each once (``gate.check_fetch`` refuses the
+        rest before any is read)."""
         held = {i for a in self.pending(client_id) for i in a.sequence_ids}
-        foreign = sorted(set(ids) - held)
-        if foreign:  # a member reads only the sequences it is assigned now
-            raise NotInRound(f"sequence ids {foreign[:5]} are not in {client_id}'s assignment "
-                             "for the round being collected (it closed, or they are another "
-                             "client's); ask GetRound for the current assignment.")
-        if len(set(ids)) < len(ids):
-            counts = Counter(ids)
-            repeated = sorted(i for i, n in counts.items() if n > 1)
-            raise RepeatedSequenceIds(
-                f"the request names sequence ids {repeated[:5]} more than once ({len(ids)} "
-                f"ids, {len(counts)} distinct); ask for each assigned id once.")
+        check_fetch(client_id, ids, held, data_size=len(self.reader))
         return ((i, torch.from_numpy(self.reader[i].copy())) for i in ids)
 
     def expects(self, client_id: str, header: SubmitHeader) -> Expected:
@@ -254,49 +218,17 @@ class Coordinator:
 
     def update_rounds(self, client_id: str, since_round: int, tier: int | None = None,
                       wait_s: float = 0.0) -> Iterator[list[Message]]:
-        """The logged rounds from ``since_round`` on, each as its update messages cut to
-        ``tier`` (default the member's; a replica's lags a move by a round or two), after
-        waiting up to ``wait_s`` for ``since_round`` to close. UpdatesPruned for a round the
-        log no longer holds (also one pruned while it is being sent)."""
+        """``CatchUp.rounds`` at ``tier``, default the member's (a replica's lags a move by a
+        round or two)."""
         member_tier = self.membership.get(client_id).tier
-        allowed = self.config.tiers.allowed
-        if tier is not None and tier not in allowed:
-            raise NotARunTier(f"updates asked for at tier {tier}, which this run does not "
-                              f"have (its tiers: {', '.join(map(str, allowed))}).")
-        tier = member_tier if tier is None else tier
-        if wait_s > 0:
-            self.wait_for_round(since_round, wait_s)
-        rounds = self.logged_rounds(since_round)
-
-        def messages() -> Iterator[list[Message]]:
-            for round_index in rounds:
-                try:
-                    yield self.update_messages.messages(round_index, tier)
-                except (OSError, CheckpointError):  # pruned since: a checkpoint holds it now
-                    raise UpdatesPruned(
-                        f"round {round_index} left the update log while it was being sent; "
-                        "load the latest checkpoint (GetCheckpoint) and ask again.") from None
-        return messages()
+        return self.catch_up.rounds(since_round, member_tier if tier is None else tier, wait_s)
 
     def checkpoint(self, client_id: str) -> ServedCheckpoint:
         """Where the member starts: the latest checkpoint, at its tier."""
-        return self.checkpoint_for(self.membership.get(client_id).tier)
-
-    def checkpoint_for(self, tier: int) -> ServedCheckpoint:
-        """The latest universal checkpoint's manifest and its entry for ``tier``."""
-        ref = self.latest_checkpoint()
-        manifest = read_manifest(ref.path)
-        entry = manifest.entry(tier) if manifest is not None else None
-        return ServedCheckpoint(
-            round=ref.round, manifest_path=f"{ref.path.name}/{MANIFEST_NAME}",
-            entry=None if entry is None else ServedEntry(
-                tier=str(entry.tier), intermediate_size=entry.intermediate_size or 0,
-                files=tuple(entry.files)))
+        return self.catch_up.checkpoint(self.membership.get(client_id).tier)
 
     def checkpoint_chunks(self, path: str) -> Iterator[Message]:
-        """A manifest or a file it lists, checked against its sha256 before and while it is
-        read (``ServedFiles.chunks``)."""
-        return served_files(self.checkpoints.root).chunks(path)
+        return self.catch_up.chunks(path)
 
     def run_settings(self) -> RunSettings:
         """What a member needs to train as the run does."""

@@ -14,6 +14,8 @@ In the order a submission meets them:
    and the reported loss and speed are physically possible; values and norm are within
    ``[faults]`` (``server/limits.py``: clipped or refused).
 
+A member's FetchSequences request meets ``check_fetch`` before any sequence is read.
+
 A refusal raises the ``BadResult`` (or ``StaleRound``/``NotInRound``) that names it; the
 gate never changes the round, so a refused submission leaves everything as it was.
 """
@@ -21,6 +23,7 @@ gate never changes the round, so a refused submission leaves everything as it wa
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 from matformer.modeling.compression import Region, SparseResult, ValidResult, validate
@@ -31,9 +34,11 @@ from matformer.server.errors import (
     DuplicateResult,
     MalformedResult,
     NotInRound,
+    RepeatedSequenceIds,
     StaleAssignment,
     StaleRound,
     UnknownParameter,
+    UnknownSequence,
     WrongRegion,
     WrongTokenCount,
 )
@@ -153,6 +158,28 @@ class SubmissionGate:
                 "partials add up to the tokens of the sequences they cover.")
         check_reports(tokens, loss, train_seconds)
         return self.limits.check(valid, partial=True)
+
+
+def check_fetch(client_id: str, ids: Sequence[int], held: set[int], *, data_size: int) -> None:
+    """A FetchSequences request, before any sequence is read: UnknownSequence for ids beyond
+    the run's ``data_size`` sequences, NotInRound for ids outside the member's assignments
+    in the rounds being collected (``held``), RepeatedSequenceIds for an id asked twice (so
+    no request holds more ids than the assignment)."""
+    bad = [i for i in ids if i >= data_size]
+    if bad:
+        raise UnknownSequence(f"sequence ids {bad[:5]} are outside the run's {data_size} "
+                              "sequences; fetch the ids GetRound assigned.")
+    foreign = sorted(set(ids) - held)
+    if foreign:  # a member reads only the sequences it is assigned now
+        raise NotInRound(f"sequence ids {foreign[:5]} are not in {client_id}'s assignment "
+                         "for the round being collected (it closed, or they are another "
+                         "client's); ask GetRound for the current assignment.")
+    if len(set(ids)) < len(ids):
+        counts = Counter(ids)
+        repeated = sorted(i for i, n in counts.items() if n > 1)
+        raise RepeatedSequenceIds(
+            f"the request names sequence ids {repeated[:5]} more than once ({len(ids)} "
+            f"ids, {len(counts)} distinct); ask for each assigned id once.")
 
 
 def _valid(result: SparseResult) -> ValidResult:

@@ -71,7 +71,7 @@ def build_app(coordinator: Coordinator) -> FastAPI:
 
     app.include_router(build_router(coordinator, HeldOutLog(coordinator.config.run.dir),
                                     operator_token))
-    app.state.blobs = BlobStore(coordinator, coordinator.update_messages,
+    app.state.blobs = BlobStore(coordinator, coordinator.catch_up.updates,
                                 served_files(coordinator.checkpoints.root))
     app.include_router(blob_router(app.state.blobs))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

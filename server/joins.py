@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from matformer.protocol.auth import tokens_equal
 from matformer.server.errors import (
     Excluded,
+    JoinRefused,
     JoinsTooFast,
     KeysUnreadable,
     NameTaken,
@@ -33,11 +34,29 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from matformer.server.history import RunHistory
+    from matformer.server.member_api import JoinAsk
     from matformer.server.membership import Membership
     from matformer.server.pipeline import RoundPipeline
+    from matformer.server.policies.base import RoundPolicy
     from matformer.server.sections import AuthSection, FaultsSection
 
 log = logging.getLogger("matformer.server")
+
+
+def check_join(ask: JoinAsk, *, run_id: str, schema_hash: str, policy: RoundPolicy) -> None:
+    """JoinRefused for a Join of another run or another model, or of a relay where the
+    round ``policy`` must see each member's result."""
+    if ask.run_id and ask.run_id != run_id:
+        raise JoinRefused(f"this server runs {run_id!r}, not {ask.run_id!r}; check --server.")
+    if ask.schema_hash is not None and ask.schema_hash != schema_hash:
+        raise JoinRefused(f"the client's model has canonical schema hash "
+                          f"{ask.schema_hash or '(none)'}, the run's model {schema_hash}; "
+                          "load the run's checkpoint (--checkpoint server).")
+    if ask.capabilities.relay and not policy.takes_partials:
+        raise JoinRefused(f"this run's round policy, {policy.describe()}, must see each "
+                          "member's result, which a relay's partial sum hides; join its "
+                          "members directly, or run a policy that takes sums ([policy] name = "
+                          "\"mean\", [update] vote = \"mean\").")
 
 
 def credentials(auth: AuthSection, keys_path: Path, presented: str) -> KeyHolder | None:
