@@ -32,6 +32,12 @@ first failure's message of each), ``join_s`` (until all N members had joined), `
 ``coordinator_threads`` (its threads after the timed rounds: gRPC's worker pool never
 shrinks, so this is its peak).
 
+With ``--free-riders F`` each count runs twice: as above, then with F more members that
+join, heartbeat and take work (GetRound, FetchSequences) but never submit, as a free rider
+does; ``rounds/min with free riders / without`` compares the two (issue 47: at least 0.8).
+The warm-up round holds their first miss, which waits the whole ``--deadline-s``; the
+coordinator then no longer waits for them and excludes them after [faults] max_misses.
+
 With ``--relays R`` the members join through R relays (``matformer relay``, a process each
 on the members' cores), spread evenly, each member with positions of its own (its tier's
 results, each chunk's positions moved by a shift of its own: within a relay no two members
@@ -49,6 +55,8 @@ round is the figure that carries to a real deployment.
     python bench/many_members.py --json runs/many.json           # tiny (4M): 16 ... 1,024
     python bench/many_members.py --shape 150m --members 16,64 --json runs/many-150m.json
     python bench/many_members.py --members 256 --relays 8 --json runs/many-relays.json
+    python bench/many_members.py --members 2 --free-riders 8 --rounds 8 --deadline-s 10 \
+        --train-s 2
 """
 
 from __future__ import annotations
@@ -125,6 +133,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "each), spread evenly; 0: they join the coordinator")
     parser.add_argument("--relay-topk", type=int, default=0, metavar="K",
                         help="the relays' --topk: 0 hands the root the exact partial sums")
+    parser.add_argument("--free-riders", type=int, default=0, metavar="F",
+                        help="also run each count with F more members that take work and "
+                             "never deliver")
+    parser.add_argument("--train-s", type=float, default=0.0,
+                        help="each member's training of a round, simulated (a sleep); 0: none, "
+                             "the calls alone")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="[round] deadline_s (default: scale's, an hour)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures per count")
     parser.set_defaults(**FIXED)
     args = parse(parser, SMOKE, argv)
@@ -145,6 +161,9 @@ def many_config(args: argparse.Namespace, members: int, folder: Path, mdat: Path
     """``scale.run_config`` for ``members`` that stay a whole run: room for all of them, and
     heartbeats on their schedule."""
     config = run_config(args, members, folder, mdat)
+    if args.deadline_s is not None:
+        config = dataclasses.replace(config, round=dataclasses.replace(
+            config.round, deadline_s=args.deadline_s))
     if args.relays:  # the root's members are the relays
         config = dataclasses.replace(config, round=dataclasses.replace(
             config.round, min_clients=args.relays))
@@ -188,6 +207,8 @@ class Member:
     tier: int
     auth: tuple[tuple[str, str], ...]
     messages: list[pb.SubmitMessage]  # its tier's results, shared by the tier's members
+    free_rider: bool = False  # takes work, never delivers
+    train_s: float = 0.0  # how long its training of a round takes (simulated: a sleep)
 
     def submission(self, work: pb.RoundAssignment, tokens: int, traffic: Traffic
                    ) -> Iterator[pb.SubmitMessage]:
@@ -254,6 +275,8 @@ async def heartbeats(member: Member, every_s: float, traffic: Traffic) -> None:
             traffic.back(await member.stub.Heartbeat(traffic.out(pb.HeartbeatRequest()),
                                                      metadata=member.auth))
         except grpc.aio.AioRpcError as err:  # the next beat is on schedule anyway
+            if member.free_rider and err.code() == grpc.StatusCode.PERMISSION_DENIED:
+                return  # excluded
             if err.code() not in TRANSIENT:
                 raise
             traffic.fail(f"Heartbeat {err.code().name}", err)
@@ -283,7 +306,15 @@ async def retried(call: Callable[[], Awaitable[T]], traffic: Traffic) -> T:
 
 async def play(member: Member, last_round: int, traffic: Traffic) -> None:
     """The member's rounds up to ``last_round`` (not played): work, sequences, results, and
-    the round's update."""
+    the round's update; a free rider's until it is excluded."""
+    try:
+        await _play(member, last_round, traffic)
+    except grpc.aio.AioRpcError as err:
+        if not (member.free_rider and err.code() == grpc.StatusCode.PERMISSION_DENIED):
+            raise
+
+
+async def _play(member: Member, last_round: int, traffic: Traffic) -> None:
     auth = member.auth
     while True:
         work = traffic.back(await retried(lambda: member.stub.GetRound(
@@ -303,8 +334,10 @@ async def train(member: Member, work: pb.RoundAssignment, traffic: Traffic) -> N
     lengths = {s.id: s.tokens.shape[0] for s in await retried(lambda: collect(
         member.stub.FetchSequences(traffic.out(fetch), metadata=auth), traffic), traffic)}
     tokens = sum(lengths[i] for i in work.sequence_ids)
-    traffic.back(await retried(lambda: member.stub.SubmitResult(
-        member.submission(work, tokens, traffic), metadata=auth), traffic))
+    await asyncio.sleep(member.train_s)
+    if not member.free_rider:
+        traffic.back(await retried(lambda: member.stub.SubmitResult(
+            member.submission(work, tokens, traffic), metadata=auth), traffic))
     request = pb.GetUpdatesRequest(since_round=work.round, wait_seconds=UPDATE_WAIT_S,
                                    tier=member.tier)
     while not await retried(lambda: collect(member.stub.GetUpdates(
@@ -374,9 +407,18 @@ def root_bytes(server: ServerProcess) -> tuple[int, int]:
 
 
 async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Path,
-                  messages: dict[int, list[pb.SubmitMessage]]) -> dict[str, Any]:
-    config = many_config(args, members, folder / f"{members}-members", mdat)
-    (folder / f"{members}-members").mkdir()
+                  messages: dict[int, list[pb.SubmitMessage]], riders: int = 0,
+                  budget: int = 0) -> dict[str, Any]:
+    """One case: ``members`` honest members, and ``riders`` free riders beside them; the
+    round's budget that of ``budget`` members (0: all of them), so a case with free riders
+    and its reference without them ask the honest for the same work."""
+    honest, members = members, members + riders
+    # a round's budget for everyone, so the free riders take work in the warm-up round; and
+    # min_clients counts the honest, so the run goes on once the free riders are excluded
+    config = many_config(args, budget or members, folder / f"{honest}+{riders}-members", mdat)
+    config = dataclasses.replace(config, round=dataclasses.replace(
+        config.round, min_clients=args.relays or honest))
+    (folder / f"{honest}+{riders}-members").mkdir()
     cores = os.sched_getaffinity(0)
     server, pinned = start_pinned(config, args.threads)
     pid = server.process.pid
@@ -385,17 +427,26 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
     channels: list[grpc.aio.Channel] = []
     tiers = tiers_of(args)
     try:
-        relays = start_relays(args, server.grpc_port, folder / f"{members}-members",
+        relays = start_relays(args, server.grpc_port, folder / f"{honest}+{riders}-members",
                               0.9 * config.round.deadline_s)
         ports = list(relays) or [server.grpc_port]
         channels = [grpc.aio.insecure_channel(f"127.0.0.1:{ports[i % len(ports)]}",
                                               options=GRPC_OPTIONS) for i in range(members)]
         joining = time.perf_counter()
         admitted = asyncio.Semaphore(CallLimits().anonymous)
-        joined = await asyncio.gather(*(join(channel, config.run.id, i, tiers[i % len(tiers)],
-                                             messages, traffic, admitted, own=bool(relays))
-                                        for i, channel in enumerate(channels)))
+        def joining_(indices: range) -> Awaitable[list[Member]]:
+            return asyncio.gather(*(join(channels[i], config.run.id, i, tiers[i % len(tiers)],
+                                         messages, traffic, admitted, own=bool(relays))
+                                    for i in indices))
+
+        # free riders first: the first round, which opens once the honest are in, holds them
+        riding = await joining_(range(honest, members))
+        joined = [*await joining_(range(honest)), *riding]
         join_s = time.perf_counter() - joining
+        for member in joined:
+            member.train_s = args.train_s
+        for member in joined[honest:]:
+            member.free_rider = True
         tasks = [asyncio.create_task(heartbeats(m, args.heartbeat_s, traffic)) for m in joined]
         last = WARMUP_ROUNDS + args.rounds
         playing = [asyncio.create_task(play(m, last, traffic)) for m in joined]
@@ -421,8 +472,10 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
         records = [r for r in server.snapshot(since_round=WARMUP_ROUNDS)["rounds"]
                    if r["round"] < last]
         beats = sorted(traffic.heartbeats)
+        excluded = len(server.snapshot(since_round=None)["excluded"])
         return {
-            "members": members, "rounds": args.rounds,
+            "members": honest, "free_riders": riders, "excluded": excluded,
+            "rounds": args.rounds,
             "rounds_per_min": 60 * args.rounds / wall,
             "close_ms": statistics.median(r["close_s"] for r in records) * 1e3,
             "coordinator_cpu_s_per_round": cpu / args.rounds,
@@ -472,9 +525,20 @@ def main(argv: list[str] | None = None) -> None:
         build_default_mdat(mdat, limit=200).close()
         for n in args.counts:
             began = time.perf_counter()
-            cases.append(asyncio.run(measure(args, n, folder, mdat, messages)))
+            cases.append(asyncio.run(measure(args, n, folder, mdat, messages,
+                                             budget=n + args.free_riders)))
             case = cases[-1]
             case["case_s"] = time.perf_counter() - began
+            if args.free_riders:
+                with_riders = asyncio.run(measure(args, n, folder, mdat, messages,
+                                                  args.free_riders))
+                case["with_free_riders"] = with_riders
+                case["free_rider_rate_ratio"] = (with_riders["rounds_per_min"]
+                                                 / case["rounds_per_min"])
+                print(f"{n} members and {args.free_riders} free riders: "
+                      f"{with_riders['rounds_per_min']:.1f} rounds/min, "
+                      f"{with_riders['excluded']} excluded; rounds/min with free riders / "
+                      f"without: {case['free_rider_rate_ratio']:.2f}", flush=True)
             print(f"{n} members: {case['rounds_per_min']:.1f} rounds/min; case "
                   f"{case['case_s']:.0f} s (joins {case['join_s']:.1f} s, timed rounds "
                   f"{case['timed_s']:.1f} s); coordinator threads {case['coordinator_threads']}"

@@ -165,7 +165,7 @@ def run_config(args: argparse.Namespace, clients: int, folder: Path, mdat: Path)
                       else {"broadcast_topk": args.broadcast_topk})},
         "compression": {"encoding": args.encoding, "chunk": args.chunk, "topk": args.topk,
                         "value_dtype": args.value_dtype},
-        "checkpoint": {"every_rounds": 10**9},
+        "checkpoint": {"every_rounds": 10**6},
         # a close of a large model outlasts the default heartbeat timeout (these clients do
         # not heartbeat while they wait), and all N join at once
         "faults": {"heartbeat_timeout_s": 3600.0, "max_joins_per_minute": 100_000},

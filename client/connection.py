@@ -5,6 +5,7 @@
     work = connection.get_round()                        # Train | Wait | Finished
     connection.fetch_sequences(work.sequence_ids); connection.submit(work, ...)
     connection.updates(since_round, tier); connection.download(path, dest, sha256)
+    connection.published(since_round, tier)              # those rounds' headers alone
     with connection.keep_alive(lambda: work.round): ...  # heartbeats while busy
     connection.leave(reason)
 
@@ -53,11 +54,12 @@ from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.settings import RunSettings, decode_settings
 from matformer.protocol.submission import submission_messages
 from matformer.protocol.tensors import decode_tensor
-from matformer.protocol.updates import read_updates
+from matformer.protocol.updates import RoundHeader, read_headers, read_updates
 
 T = TypeVar("T")
 RETRY_FIRST_S = 0.2  # first backoff; doubles per attempt up to RETRY_MAX_S, with jitter
 RETRY_MAX_S = 5.0
+HEARTBEAT_DEADLINE_S = 10.0  # a heartbeat call unanswered this long counts as unanswered
 LEAVE_S = 5.0  # a Leave's deadline, and how long it is retried: Ctrl-C never waits longer
 
 Code = grpc.StatusCode
@@ -226,8 +228,12 @@ class Connection:
     def heartbeat(self, round_index: int, tokens_per_second: float | None = None, *,
                   patience_s: float | None = None) -> None:
         request = pb.HeartbeatRequest(round=round_index, tokens_per_second=tokens_per_second)
-        self._call("Heartbeat", lambda: self.stub.Heartbeat(request, metadata=self.metadata),
-                   patience_s=patience_s)
+        # a deadline of two beats: on a link gone half-open (no FIN, no RST) the call would
+        # hang until the link returns, and the member would not notice the outage
+        deadline_s = 2 * (self.heartbeat_s or HEARTBEAT_DEADLINE_S / 2)
+        self._call("Heartbeat", lambda: self.stub.Heartbeat(
+            request, metadata=self.metadata, timeout=deadline_s), patience_s=patience_s,
+            retried=(Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED))
 
     def keep_alive(self, round_index: Callable[[], int]) -> Heartbeat:
         """Heartbeats for ``round_index()`` while the ``with`` block runs (inside another
@@ -294,6 +300,14 @@ class Connection:
             pb.GetUpdatesRequest(since_round=since_round, wait_seconds=wait_s, tier=tier),
             metadata=self.metadata)), tier)))
 
+    def published(self, since_round: int, tier: int, *, wait_s: float = 0.0
+                  ) -> list[RoundHeader]:
+        """What the coordinator published of the rounds ``updates`` would give, their
+        headers alone (weight hash, rule, parameter updates): about 100 bytes a round."""
+        return self._call("GetUpdates", lambda: list(read_headers(self.stub.GetUpdates(
+            pb.GetUpdatesRequest(since_round=since_round, wait_seconds=wait_s, tier=tier,
+                                 headers_only=True), metadata=self.metadata))))
+
     def latest_checkpoint(self) -> PublishedCheckpoint:
         """The coordinator's latest checkpoint."""
         return PublishedCheckpoint.from_proto(self._call("GetCheckpoint", lambda: (
@@ -311,8 +325,8 @@ class Connection:
 
     # -- retries and the meaning of a status --------------------------------------------
 
-    def _call(self, name: str, action: Callable[[], T], *, patience_s: float | None = None
-              ) -> T:
+    def _call(self, name: str, action: Callable[[], T], *, patience_s: float | None = None,
+              retried: tuple[Code, ...] = (Code.UNAVAILABLE,)) -> T:
         patience_s = self.patience_s if patience_s is None else patience_s
         give_up = time.monotonic() + patience_s
         backoff = RETRY_FIRST_S
@@ -327,7 +341,7 @@ class Connection:
                 return answer
             except grpc.RpcError as err:
                 code = err.code()
-                if code != Code.UNAVAILABLE:
+                if code not in retried:
                     self._answered()
                     raise _refusal(name, code, err.details() or "") from None
                 self._unanswered(name, err.details(), patience_s)

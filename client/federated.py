@@ -333,7 +333,8 @@ class FederatedClient:
 
     def replay(self, updates: list[RoundUpdate]) -> int | None:
         """Apply ``updates`` from round ``applied`` on; the first round after which the
-        replica's hash differs from the one the coordinator published, else None."""
+        replica's hash differs from the one the coordinator published, else None (the
+        broadcast hears of it: a mirror's round is taken from the coordinator after)."""
         applied, start = [], time.monotonic()
         try:
             for update in updates:
@@ -345,6 +346,7 @@ class FederatedClient:
                 self.cost.dense_down += self._dense_bytes()
                 published = update.hashes.get(self.tier)
                 if published and self.replica.hash(self.tier) != published:
+                    self.broadcast.disagreed(update.round)
                     return update.round
             return None
         finally:

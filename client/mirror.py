@@ -6,17 +6,24 @@ of it (server/blobs.py). A member asks it for the index of the rounds it lacks
 (``/updates?since_round=R&tier=T``), takes each round's blob from
 ``/blobs/sha256/<hex>``, checks that the bytes hash to that digest, and reads them with the
 GetUpdates stream's own decoder (``read_updates``). Checkpoint files come from
-``/blobs/sha256/<the manifest's digest>`` the same way. Whatever the mirror gets wrong (no
-answer, an error, bytes that are not what they claim) sends that download to the
-coordinator over gRPC instead, said once in the log; the mirror is tried again a minute on.
+``/blobs/sha256/<the manifest's digest>`` the same way.
 
-The digests come from the index, which the mirror passes on: they catch damage on the way
-(a cache, a proxy, a disk), not a mirror that forges both. Point --mirror at a cache run by
-the run's operator or yourself.
+The coordinator stays the authority. The index's digests come from the mirror: they catch
+damage on the way (a cache, a proxy, a disk), not a mirror that forges both. So a member
+asks the coordinator which rounds have closed, and their headers alone (``headers_only``:
+weight hash, rule, parameter updates), and takes a round from the mirror only when the
+mirror lists it with that header; after applying it, the replica's hash must be the
+coordinator's (``Broadcast.disagreed``). Checkpoint files are checked against the digests of
+a manifest the coordinator sent. Whatever the mirror gets wrong (no answer in time, an
+error, bytes that are not what they claim, rounds it withholds or lists otherwise) sends
+that download to the coordinator over gRPC instead, said once in the log; the mirror is
+left alone a minute, twice as long after each failure in a row (up to an hour).
 
     broadcast = Broadcast(connection, "http://cache.example:8080", log=print)
     broadcast.updates(since_round, tier, wait_s=20.0)    # as Connection.updates
     broadcast.download(path, dest, sha256)               # as Connection.download
+    broadcast.disagreed(round_index)                     # the replica's hash was not the
+                                                         # coordinator's after that round
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ from matformer.modeling.atomic import built_aside
 from matformer.modeling.compression import RoundUpdate
 from matformer.protocol.errors import MalformedStream
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
-from matformer.protocol.updates import read_updates
+from matformer.protocol.updates import RoundHeader, read_updates
 
 TIMEOUT_S = 60.0  # for the mirror's answer to start, and between its reads
 MIRROR_REST_S = 60.0  # after the mirror failed, how long downloads skip it
+MIRROR_REST_MAX_S = 3600.0  # the rest doubles with each failure in a row, up to this
 READ_BYTES = 2**20
 LENGTH_BYTES = 4  # a frame's length prefix in a round's blob: unsigned, big-endian
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -53,7 +61,7 @@ T = TypeVar("T")
 
 class MirrorFailed(ClientError):
     """The mirror did not answer, or answered with what the coordinator did not publish; the
-    download goes to the coordinator instead."""
+    download goes to the coordinator instead. The message says what the mirror did."""
 
 
 class HttpMirror:
@@ -182,7 +190,13 @@ class MirrorFirst:
         self.mirror = HttpMirror(mirror) if mirror else None
         self.log = log
         self.fallbacks = 0  # downloads the mirror failed, taken from the coordinator
+        self._failures = 0  # in a row: each doubles the rest
         self._resting_until = 0.0  # a mirror that failed is left alone until then
+
+    @property
+    def ready(self) -> bool:
+        """There is a mirror, and it is not resting after a failure."""
+        return self.mirror is not None and time.monotonic() >= self._resting_until
 
     def take(self, what: str, from_mirror: Callable[[HttpMirror], T],
              from_coordinator: Callable[[], T]) -> T:
@@ -190,36 +204,48 @@ class MirrorFirst:
         ``from_coordinator()``: an empty answer from the mirror is no answer (a round that
         did not close in time, a log that no longer reaches back, a stale copy), so the
         coordinator's is final."""
-        if self.mirror is not None and time.monotonic() >= self._resting_until:
+        if self.ready:
             try:
                 got = from_mirror(self.mirror)
             except MirrorFailed as err:
-                self._fell_back(what, err)
+                self.failed(what, err)
             else:
                 if got:
+                    self.answered()
                     return got
         return from_coordinator()
 
-    def _fell_back(self, what: str, err: MirrorFailed) -> None:
-        """A mirror that hangs would cost every download its timeout: after a failure the
-        broadcast comes from the coordinator for ``MIRROR_REST_S``, then the mirror is tried
-        again."""
+    def answered(self) -> None:
+        """The mirror's answer was taken: the next failure rests it for ``MIRROR_REST_S``."""
+        self._failures = 0
+
+    def failed(self, what: str, err: MirrorFailed) -> None:
+        """A mirror that hangs or lies would cost every download its timeout or a check:
+        after a failure the broadcast comes from the coordinator for ``MIRROR_REST_S``,
+        twice as long after each failure in a row, then the mirror is tried again."""
         self.fallbacks += 1
-        self._resting_until = time.monotonic() + MIRROR_REST_S
+        self._failures += 1
+        rest = min(MIRROR_REST_S * 2 ** (self._failures - 1), MIRROR_REST_MAX_S)
+        self._resting_until = time.monotonic() + rest
         if self.fallbacks == 1:
-            self.log(f"the mirror {self.mirror.url} failed for {what} ({err}); taking the "
-                     f"broadcast from the coordinator over gRPC, and the mirror again after "
-                     f"{MIRROR_REST_S:g} s each time it fails (said once)")
+            self.log(f"the mirror {self.mirror.url} failed for {what}: "
+                     f"{str(err).rstrip('.')}; taking the broadcast from the coordinator "
+                     f"over gRPC, and the mirror again after "
+                     f"{MIRROR_REST_S:g} s, twice as long after each failure in a row (said "
+                     "once)")
 
 
 class Broadcast:
     """Where this member takes the broadcast from: the mirror when one is given, the
-    coordinator over gRPC without one and whenever the mirror fails."""
+    coordinator over gRPC without one and whenever the mirror fails. The coordinator is the
+    authority on every round."""
 
     def __init__(self, connection: Connection, mirror: str | None,
                  log: Callable[[str], None] = lambda line: None) -> None:
         self.connection = connection
         self.source = MirrorFirst(mirror, log)
+        self._mirrored: set[int] = set()  # rounds taken from the mirror, not yet applied
+        self._refused_through = -1  # the mirror got this round wrong: none up to it from it
 
     @property
     def mirror(self) -> HttpMirror | None:
@@ -236,13 +262,37 @@ class Broadcast:
 
     def updates(self, since_round: int, tier: int, *, wait_s: float = 0.0
                 ) -> list[RoundUpdate]:
-        """``Connection.updates``, through the mirror when there is one. When the mirror
-        lists none, the coordinator's answer is final: a round that did not close in time, a
-        log that no longer reaches back, or a mirror that is a stale copy all look alike."""
-        return self.source.take(
-            f"updates from round {since_round}",
-            lambda mirror: mirror.updates(since_round, tier, wait_s=wait_s),
-            lambda: self.connection.updates(since_round, tier, wait_s=wait_s))
+        """``Connection.updates``, through the mirror when there is one: the coordinator
+        says which rounds have closed and their headers (waiting up to ``wait_s`` for
+        ``since_round``'s close), and the mirror must list each of them with that header.
+        A mirror that fails, withholds a round or lists it otherwise is a failure
+        (``MirrorFailed``): those rounds come from the coordinator."""
+        if not self.source.ready or since_round <= self._refused_through:
+            return self.connection.updates(since_round, tier, wait_s=wait_s)
+        published = self.connection.published(since_round, tier, wait_s=wait_s)
+        if not published:
+            return []
+        try:
+            got = self.mirror.updates(since_round, tier)[:len(published)]
+            _same_rounds(got, published, tier)
+        except MirrorFailed as err:
+            self.source.failed(f"updates from round {since_round}", err)
+            return self.connection.updates(since_round, tier)
+        self.source.answered()
+        self._mirrored = {r for r in self._mirrored if r >= since_round} | {
+            update.round for update in got}
+        return got
+
+    def disagreed(self, round_index: int) -> None:
+        """After ``round_index`` the replica's hash is not the coordinator's: when the round
+        came from the mirror, its steps were not the coordinator's: the member reloads and
+        replays through it from the coordinator (whether or not the mirror still rests)."""
+        if round_index in self._mirrored:
+            self._mirrored.discard(round_index)
+            self._refused_through = round_index
+            self.source.failed(f"round {round_index}", MirrorFailed(
+                f"its update of round {round_index} carries the coordinator's header, but "
+                "applying it left the replica's weight hash unlike the coordinator's."))
 
     def download(self, path: str, dest: Path, sha256: str | None = None) -> str:
         """``Connection.download``; a file the manifest gives a sha256 comes from the mirror
@@ -252,3 +302,23 @@ class Broadcast:
         return self.source.take(
             path, lambda mirror: mirror.download(sha256, dest) or sha256,
             lambda: self.connection.download(path, dest, sha256))
+
+
+def _same_rounds(got: list[RoundUpdate], published: list[RoundHeader], tier: int) -> None:
+    """Raises ``MirrorFailed`` unless the mirror's rounds are those the coordinator
+    ``published``, each with its header."""
+    if len(got) < len(published):
+        raise MirrorFailed(
+            f"it lists {len(got)} rounds from round {published[0].round} on, while the "
+            f"coordinator has closed {len(published)} (through round {published[-1].round}).")
+    for update, header in zip(got, published, strict=True):
+        listed = RoundHeader.of(update, tier)
+        if listed != header:
+            raise MirrorFailed(f"it lists round {header.round} with {_described(listed)}; the "
+                               f"coordinator published {_described(header)}.")
+
+
+def _described(header: RoundHeader) -> str:
+    return (f"{header.parameters} parameter updates ({header.update.rule}, lr "
+            f"{header.update.lr:g}, weight decay {header.update.weight_decay:g}) and weight "
+            f"hash {header.weight_hash[:12] or '(none)'}")

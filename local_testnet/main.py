@@ -4,12 +4,15 @@
     local-testnet --config run.toml --rounds 20 --kill-client-at 5 --latency-ms 50
     local-testnet --bandwidth-mbit 20 --latency-ms 50      # every client on a home link
     local-testnet --chaos 7                    # seeded client kills and one server kill
+    local-testnet --netns --link-rate 2 --cut-link-at 3 --cut-s 30   # real links, one cut
 
 It starts ``matformer-server`` and the clients on loopback, streams their logs with
 prefixes, and at the end prints a per-tier loss table and writes ``loss.png`` and
 ``summary.json`` into the run directory, next to the checkpoints, tier slices and manifest.
 Exit code 0 when the run finished and the held-out loss fell at every tier (and, with
-``--chaos``, every sequence was trained exactly once and the surviving replicas agree).
+``--chaos`` or ``--cut-link-at``, every sequence was trained exactly once and the surviving
+replicas agree). ``--netns`` (root) puts each process in a network namespace of its own, over
+real links (local_testnet/netns.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 from matformer.local_testnet.chaos import ChaosEvent, chaos_plan, check_run, format_chaos
 from matformer.local_testnet.default_run import ensure_default_data, write_default_run
 from matformer.local_testnet.held_out import MAX_SEQUENCES, HeldOut
+from matformer.local_testnet.netns import NetnsError, NetnsUnavailable, Network
 from matformer.local_testnet.processes import free_port, say
 from matformer.local_testnet.report import (
     add_to_summary,
@@ -45,6 +49,7 @@ from matformer.local_testnet.report import (
 from matformer.local_testnet.testnet import (
     RESTART_AFTER_S,
     ClientSpec,
+    LinkCut,
     Testnet,
     TestnetFailed,
     TestnetPlan,
@@ -92,6 +97,16 @@ class TestnetSettings:
     client_speeds: list[float] = setting([1.0], help=(
         "comma-separated fractions of this machine's speed the clients compute at, cycled "
         "over them (e.g. 1,0.5,0.25: a fast, a half and a quarter-speed member)"))
+    netns: bool = setting(False, help=(
+        "each process in a network namespace of its own, joined over veth pairs to one "
+        "bridge: real links, real TCP (needs root and `ip netns`)"))
+    link_rate: float = setting(0.0, low=0, help=(
+        "with --netns: each client's link rate, each way, in Mbit/s (tc tbf; 0: no limit; "
+        "the coordinator's and the relays' links have none)"))
+    cut_link_at: int | None = setting(None, low=0, help=(
+        "with --netns: once this round is open, set the last client's link down while it "
+        "uploads, for --cut-s, then check that nothing was lost and the replicas agree"))
+    cut_s: float = setting(30.0, low=0, help="how long --cut-link-at keeps the link down")
     overlap: bool = setting(False, help=(
         "overlapped rounds ([round] overlap): members train the next round while the last "
         "one closes"))
@@ -126,6 +141,8 @@ class TestnetSettings:
         if not self.relays <= self.num_clients:
             raise InvalidValue(f"--relays must lie in [0, --num-clients], got {self.relays}: "
                                "each relay serves at least one client")
+        if not self.netns and (self.link_rate or self.cut_link_at is not None):
+            raise InvalidValue("--link-rate and --cut-link-at act on real links; add --netns")
         if self.relays and self.chaos is not None:
             raise InvalidValue("--chaos kills clients and the server of a run without relays; "
                                "leave out --relays")
@@ -234,8 +251,10 @@ def run(args: argparse.Namespace) -> int:
             http_port = free_port()
         # the server stays up after the finish: the testnet reads its final /status, then
         # stops it
+        # --netns: the server listens on its namespace's link
+        host = "0.0.0.0" if args.netns else "127.0.0.1"
         overrides += [f"server.grpc_port={grpc_port}", f"server.http_port={http_port}",
-                      'server.host="127.0.0.1"', "server.stay_after_finish=true"]
+                      f'server.host="{host}"', "server.stay_after_finish=true"]
         config = load_run_config(config_path, overrides)
     except (MatformerError, OSError, tomllib.TOMLDecodeError) as err:
         print(f"local-testnet: {err}", file=sys.stderr)
@@ -261,12 +280,26 @@ def run(args: argparse.Namespace) -> int:
                             clients=[c.name for c in clients])
         say(f"[testnet] chaos (seed {args.chaos}): " + ", ".join(
             f"round {e.round} {e.target}" for e in events))
-    net = Testnet(TestnetPlan(
-        config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
-        run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
-        bandwidth_mbit=args.bandwidth_mbit, device=args.device, threads=args.threads,
-        events=events,
-        tls_ca=config.tls.cert, tls_key=config.tls.key, env=env, relay_ports=relay_ports))
+    cut = (LinkCut(round=args.cut_link_at, target=clients[-1].name, seconds=args.cut_s)
+           if args.cut_link_at is not None else None)
+    with contextlib.ExitStack() as stack:
+        try:
+            links = stack.enter_context(Network.open()) if args.netns else None
+        except NetnsUnavailable as err:
+            print(f"local-testnet: --netns: {err}", file=sys.stderr)
+            return 2
+        net = Testnet(TestnetPlan(
+            config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
+            run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
+            bandwidth_mbit=args.bandwidth_mbit, device=args.device, threads=args.threads,
+            events=events, tls_ca=config.tls.cert, tls_key=config.tls.key, env=env,
+            relay_ports=relay_ports, links=links, link_rate_mbit=args.link_rate, cut=cut))
+        return drive(args, config, net, clients, started)
+
+
+def drive(args: argparse.Namespace, config: RunConfig, net: Testnet, clients: list[ClientSpec],
+          started: float) -> int:
+    """Run the testnet to its end and report; the exit code."""
     # `kill` and `timeout` stop the run as Ctrl-C does: the children are stopped with it
     # (each runs in its own session, so nothing else would stop them)
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -276,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             net.stop_members()  # the server stays: its page shows the finished run meanwhile
         return finish(args, config, net, status, clients, time.monotonic() - started)
-    except TestnetFailed as err:
+    except (TestnetFailed, NetnsError) as err:
         print(f"local-testnet: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -304,6 +337,8 @@ def finish(args: argparse.Namespace, config: RunConfig, net: Testnet, status: di
                                 client_costs(run_dir / "clients", list(tiers_seen)))
         say("\n" + format_relay_traffic(relayed))
         add_to_summary(run_dir / "summary.json", "relays", relayed)
+    if net.cut is not None:
+        code = check_cut(config, net) or code
     if args.chaos is None:
         return code
     check = check_run(config, net.survivors)
@@ -313,6 +348,23 @@ def finish(args: argparse.Namespace, config: RunConfig, net: Testnet, status: di
         print("local-testnet: the chaos check failed (see above)", file=sys.stderr)
         return 1
     return code
+
+
+def check_cut(config: RunConfig, net: Testnet) -> int:
+    """The link cut's record and the run's check (every sequence trained exactly once, the
+    replicas equal), printed and added to summary.json; 1 when the cut never came or the
+    check failed."""
+    check = check_run(config, net.survivors)
+    record = {**net.cut.summary(), "rounds": check.rounds,
+              "sequences_lost": len(check.audit.lost),
+              "sequences_duplicated": len(check.audit.duplicated), "replicas": check.replicas,
+              "passed": check.passed and net.cut.down_at is not None}
+    say("\n[testnet] link cut: " + ", ".join(f"{k} {v}" for k, v in record.items()))
+    add_to_summary(Path(config.run.dir) / "summary.json", "link_cut", record)
+    if not record["passed"]:
+        print("local-testnet: the link cut's check failed (see above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def write_chaos(path: Path, seed: int, net: Testnet, check) -> None:

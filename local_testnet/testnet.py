@@ -13,20 +13,29 @@ state dir. A killed client falls silent, so the coordinator drops it from the ro
 re-queues its sequences; the restarted client rejoins, restores its error feedback and
 replays the updates since its checkpoint. A restarted server resumes from the run directory
 and the clients reconnect.
+
+With ``links`` (``--netns``, local_testnet/netns.py) each child runs in a network namespace
+of its own, over a real link to one bridge, and ``cut`` (``--cut-link-at``) sets a member's
+link down mid-upload: no process is killed, the connection goes half-open, and the
+``CutRecord`` times, from the children's own lines, who noticed and when the member was back.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import ssl
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from matformer.local_testnet.chaos import SERVER, ChaosEvent, ChaosRecord
+from matformer.local_testnet.netns import Network
 from matformer.local_testnet.processes import Child, child_env, python_module, say, wait_serving
 from matformer.server.state import RunState
 
@@ -35,6 +44,9 @@ CHAOS_POLL_S = 0.1  # while kills are pending: rounds of a small run take well u
 SERVER_START_S = 60.0  # until the health service answers (first start builds round 0)
 CLIENT_EXIT_S = 60.0  # clients leave on their own once the run finishes
 RESTART_AFTER_S = 2.0  # --kill-client-at: from the kill to the restart
+LOOPBACK = "127.0.0.1"
+# a member's line for a round whose results were taken (client/progress.py)
+TAKEN = re.compile(r"^round +\d+.*\(([1-9]\d*) results\)")
 
 
 class TestnetFailed(RuntimeError):
@@ -54,6 +66,55 @@ class ClientSpec:
             f", at {self.speed:g}x this machine's speed)" if self.speed != 1 else ")")
 
 
+@dataclass(frozen=True, slots=True)
+class LinkCut:
+    """Once ``round`` is open, ``target``'s link goes down when it next uploads, for
+    ``seconds``."""
+
+    round: int
+    target: str
+    seconds: float
+
+
+@dataclass(kw_only=True)
+class CutRecord:
+    """What a link cut did: the seconds from the link going down until the coordinator
+    dropped the member for silence and until the member said the coordinator does not
+    answer; from the link coming back until the member's next results were taken."""
+
+    cut: LinkCut
+    round: int | None = None  # the round open when the link went down
+    down_at: float | None = None  # time.monotonic()
+    up_at: float | None = None
+    coordinator_noticed_s: float | None = None
+    member_noticed_s: float | None = None
+    recovered_s: float | None = None
+
+    def hear(self, name: str, line: str) -> None:
+        """A child's line: the first of each kind after the cut is timed."""
+        if self.down_at is None:
+            return
+        now = time.monotonic()
+        if (name == "server" and self.coordinator_noticed_s is None
+                and "silent for" in line and self.cut.target in line):
+            self.coordinator_noticed_s = now - self.down_at
+        elif name != self.cut.target:
+            return
+        if self.member_noticed_s is None and ("does not answer" in line
+                                              or "heartbeat failed" in line):
+            self.member_noticed_s = now - self.down_at
+        if self.up_at is not None and self.recovered_s is None and TAKEN.search(line):
+            self.recovered_s = now - self.up_at
+
+    def summary(self) -> dict[str, Any]:
+        """The record as summary.json keeps it (seconds to 0.1 s; None: not seen)."""
+        seconds = {k: None if v is None else round(v, 1) for k, v in (
+            ("coordinator_noticed_s", self.coordinator_noticed_s),
+            ("member_noticed_s", self.member_noticed_s), ("recovered_s", self.recovered_s))}
+        return {"target": self.cut.target, "round": self.round, "down_s": self.cut.seconds,
+                "cut": self.down_at is not None, **seconds}
+
+
 @dataclass(kw_only=True)
 class TestnetPlan:
     config: Path  # run.toml
@@ -71,6 +132,9 @@ class TestnetPlan:
     tls_key: Path | None = None  # [tls] key: relays serve their clients with the same pair
     env: dict[str, str] = field(default_factory=dict)  # the join token, for every child
     relay_ports: list[int] = field(default_factory=list)  # one relay each (--relays)
+    links: Network | None = None  # --netns: each child in a namespace of its own on it
+    link_rate_mbit: float = 0.0  # --link-rate: each member's link, each way; 0: no limit
+    cut: LinkCut | None = None  # --cut-link-at (with links)
 
 
 class Testnet:
@@ -87,6 +151,9 @@ class Testnet:
         self._down: tuple[str, float] | None = None  # (killed target, restart time)
         self._restarted: tuple[float, int] | None = None  # server: (restart time, its round)
         self._started = time.monotonic()
+        self.cut = CutRecord(cut=plan.cut) if plan.cut is not None else None
+        self._cutter: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     # -- the run --------------------------------------------------------------------------
 
@@ -108,6 +175,7 @@ class Testnet:
                     "waiting for the clients to leave")
                 break
             self._chaos_step()
+            self._cut_step()
             time.sleep(CHAOS_POLL_S if self._events or self._down else POLL_S)
         self.chaos.skipped = list(self._events)
         self._wait_for_clients()
@@ -116,7 +184,7 @@ class Testnet:
     @property
     def http_base(self) -> str:
         scheme = "https" if self.plan.tls_ca is not None else "http"
-        return f"{scheme}://127.0.0.1:{self.plan.http_port}"
+        return f"{scheme}://{self._host('server')}:{self.plan.http_port}"
 
     @property
     def survivors(self) -> list[str]:
@@ -134,6 +202,41 @@ class Testnet:
         self.stop_members()
         if self.server is not None:
             self.server.stop()
+        self._stopping.set()
+        if self._cutter is not None:
+            self._cutter.join()  # the link comes back before the network goes
+
+    # -- where children live --------------------------------------------------------------
+
+    def _host(self, name: str) -> str:
+        """The address ``name`` (the server, a relay) is reached at."""
+        return LOOPBACK if self.plan.links is None else self.plan.links.address(name)
+
+    def _placed(self, name: str, argv: list[str], rate_mbit: float) -> list[str]:
+        """``argv`` as ``name`` runs it: in its own namespace with ``links``, its link made
+        at ``rate_mbit`` on its first start and kept across restarts."""
+        links = self.plan.links
+        if links is None:
+            return argv
+        if name not in links.nodes:
+            links.add(name, rate_mbit=rate_mbit)
+        return links.wrap(name, argv)
+
+    def _child(self, name: str, argv: list[str], on_line: Callable[[str], None] | None = None,
+               *, rate_mbit: float = 0.0) -> Child:
+        """``name``'s process, placed; ``on_line`` and the link cut's record hear its lines.
+        Only a client's link has a rate: the coordinator's and the relays' stand for a data
+        centre's."""
+        cut = self.cut
+
+        def heard(line: str) -> None:
+            if on_line is not None:
+                on_line(line)
+            if cut is not None:
+                cut.hear(name, line)
+
+        return Child.start(name, self._placed(name, argv, rate_mbit),
+                           env=child_env(self.plan.env), on_line=heard)
 
     # -- children -------------------------------------------------------------------------
 
@@ -141,8 +244,8 @@ class Testnet:
         p = self.plan
         argv = python_module("matformer.server.main", "--config", str(p.config),
                              *(arg for o in p.overrides for arg in ("--set", o)))
-        self.server = Child.start("server", argv, env=child_env(p.env))
-        address = f"127.0.0.1:{p.grpc_port}"
+        self.server = self._child("server", argv)
+        address = f"{self._host('server')}:{p.grpc_port}"
         try:
             wait_serving(address, self.server, SERVER_START_S, tls_ca=p.tls_ca)
         except RuntimeError as err:
@@ -152,7 +255,8 @@ class Testnet:
     def _start_relay(self, name: str, port: int) -> None:
         """A relay between the root and the clients that join through ``port``."""
         p = self.plan
-        argv = python_module("matformer.relay.main", "--upstream", f"127.0.0.1:{p.grpc_port}",
+        argv = python_module("matformer.relay.main", "--upstream",
+                             f"{self._host('server')}:{p.grpc_port}",
                              "--port", str(port), "--name", name,
                              "--dir", str(p.run_dir / "relays" / name),
                              # its clients all ready before it takes the root's first round
@@ -160,19 +264,24 @@ class Testnet:
         if p.tls_ca is not None:  # TLS to the root, and to its clients with the root's pair
             argv += ["--tls-ca", str(p.tls_ca), "--tls-cert", str(p.tls_ca),
                      "--tls-key", str(p.tls_key)]
-        self.relays[name] = Child.start(name, argv, env=child_env(p.env))
+        if p.links is not None:  # its members dial its namespace's address
+            argv += ["--host", "0.0.0.0"]
+        self.relays[name] = self._child(name, argv)
         try:
-            wait_serving(f"127.0.0.1:{port}", self.relays[name], SERVER_START_S,
+            wait_serving(f"{self._host(name)}:{port}", self.relays[name], SERVER_START_S,
                          tls_ca=p.tls_ca)
         except RuntimeError as err:
             raise TestnetFailed(str(err)) from None
-        say(f"[testnet] {name} relays between the root and the clients on 127.0.0.1:{port}")
+        say(f"[testnet] {name} relays between the root and the clients on "
+            f"{self._host(name)}:{port}")
 
     def _start_client(self, spec: ClientSpec, *, restarted: bool = False) -> None:
         p = self.plan
+        upstream = ("server" if spec.port is None
+                    else f"relay-{p.relay_ports.index(spec.port)}")
         argv = python_module(
             "matformer.client.cli", "train", "--server",
-            f"127.0.0.1:{spec.port if spec.port is not None else p.grpc_port}",
+            f"{self._host(upstream)}:{spec.port if spec.port is not None else p.grpc_port}",
             "--tier", str(spec.tier), "--name", spec.name,
             "--state-dir", str(p.run_dir / "clients" / spec.name), "--no-progress")
         if spec.speed != 1:
@@ -197,8 +306,9 @@ class Testnet:
         if not restarted:
             say(f"[testnet] starting {spec.describe()}")
         # the prefix is the member's name: the one its --name gives the coordinator
-        self.clients[spec.name] = Child.start(spec.name, argv, env=child_env(p.env),
-                                              on_line=announce_rejoin if restarted else None)
+        self.clients[spec.name] = self._child(spec.name, argv,
+                                              announce_rejoin if restarted else None,
+                                              rate_mbit=p.link_rate_mbit)
 
     # -- chaos ------------------------------------------------------------------------------
 
@@ -221,6 +331,29 @@ class Testnet:
             self._events.pop(0)
             self._armed_at = None
             self._kill(event)
+
+    def _cut_step(self) -> None:
+        """Once the cut's round is open: a thread of its own waits for the member's upload
+        and cuts its link."""
+        if self.cut is None or self._cutter is not None or self.status.get(
+                "phase") != "collecting" or self.status.get("round", -1) < self.cut.cut.round:
+            return
+        self._cutter = threading.Thread(target=self._cut_link, name="link-cut", daemon=True)
+        self._cutter.start()
+
+    def _cut_link(self) -> None:
+        record, links = self.cut, self.plan.links
+        target, seconds = record.cut.target, record.cut.seconds
+        while not links.wait_for_upload(target, wait_s=1.0):
+            if self._stopping.is_set():
+                return
+        record.round = self.status.get("round")
+        say(f"[testnet] {target}'s link goes down mid-upload in round {record.round} for "
+            f"{seconds:g} s: no FIN, no RST, its connections are half-open")
+        record.down_at = time.monotonic()
+        links.down(target, seconds=seconds)
+        record.up_at = time.monotonic()
+        say(f"[testnet] {target}'s link is up again")
 
     def _time_restart(self) -> None:
         """Once a restarted server has completed a round: how long that took."""

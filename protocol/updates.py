@@ -5,11 +5,14 @@ announces, one ``modeling.compression`` step per updated parameter.
 A round travels as the record the coordinator logged (``RoundUpdate``), cut to the tier's
 regions (``RoundUpdate.cut``); every field of a step has a message field, so decoding gives
 back the same step, checked throughout: a client applies nothing it cannot apply exactly.
+Asked with ``headers_only``, the stream carries the headers alone (``read_headers``): the
+coordinator's word on each round, which a round taken from a mirror must match.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -73,6 +76,32 @@ def read_updates(messages: Iterable[pb.UpdateMessage], tier: int = 0) -> Iterato
             header, steps, last_round = None, {}, header.round
     if header is not None:
         raise _cut_short(header, len(steps))
+
+
+@dataclass(frozen=True, slots=True)
+class RoundHeader:
+    """A round as its header describes it, without its steps."""
+
+    round: int
+    update: UpdateConfig  # rule, lr and weight decay
+    parameters: int  # parameter updates it carries
+    weight_hash: str  # of the requesting tier's weights after it; "": none published
+
+    @classmethod
+    def of(cls, update: RoundUpdate, tier: int) -> RoundHeader:
+        """What ``update``'s header said, as ``read_updates`` gave it at ``tier``."""
+        return cls(round=update.round, update=update.update, parameters=len(update.steps),
+                   weight_hash=update.hashes.get(tier, ""))
+
+
+def read_headers(messages: Iterable[pb.UpdateMessage]) -> Iterator[RoundHeader]:
+    """The round headers of a GetUpdates stream (a ``headers_only`` one holds nothing else).
+    Raises ``MalformedStream`` for a rule this client does not apply."""
+    for message in messages:
+        if message.WhichOneof("item") == "header":
+            header = message.header
+            yield RoundHeader(round=header.round, update=_rule(header),
+                              parameters=header.parameters, weight_hash=header.weight_hash)
 
 
 def encode_step(name: str, step: Step) -> pb.ParameterUpdate:

@@ -110,13 +110,14 @@ class RunningRelay:
     def start(cls, upstream: str, *, name: str, access: Access | str, folder: Path,
               host: str = "127.0.0.1", port: int = 0, deadline_s: float | None = None,
               topk: int = 0, mirror: str | None = None, min_members: int = 1,
+              trust_remote_code: bool = False,
               log: Callable[[str], None] = print) -> RunningRelay:
         """``access``: an ``Access``, or the run's join token alone (plaintext both ways)."""
         access = Access(access) if isinstance(access, str) else access
         relay = Relay(Upstream(upstream, name=name, join_token=access.join_token,
                                tls_ca=access.tls_ca), member_token=access.members,
                       deadline_s=deadline_s, folder=folder, topk=topk, mirror=mirror,
-                      min_members=min_members, log=log)
+                      min_members=min_members, trust_remote_code=trust_remote_code, log=log)
         relay.start()
         try:
             running = cls(relay, access, host=host, port=port)
@@ -172,6 +173,9 @@ class RelaySettings:
         "files come from there, checked by sha256, and from the root whenever it fails (as "
         "matformer client --mirror)"))
     dir: Path = setting(Path("runs/relay"), help="where the relay keeps checkpoint files")
+    trust_remote_code: bool = setting(False, help=(
+        "run the module files the root's checkpoint names (the run's own model components); "
+        "read them first: they run with your rights"))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -211,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                                      folder=given.dir, host=given.host, port=given.port,
                                      deadline_s=given.deadline_s, topk=given.topk,
                                      mirror=given.mirror, min_members=given.min_members,
+                                     trust_remote_code=given.trust_remote_code,
                                      log=lambda line: print(f"relay: {line}", flush=True))
     except UpstreamError as error:
         print(f"matformer relay: error: the root at {given.upstream} answered "

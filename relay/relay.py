@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import posixpath
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +44,7 @@ from matformer.modeling.atomic import write_json_atomic
 from matformer.modeling.checkpoint.files import read_json
 from matformer.modeling.checkpoint.hf_config import from_config_dict
 from matformer.modeling.checkpoint.manifest import Manifest
+from matformer.modeling.checkpoint.remote_code import consented, listed_modules, packed_modules
 from matformer.modeling.compression import (
     SparseResult,
     tier_regions,
@@ -50,6 +52,7 @@ from matformer.modeling.compression import (
     universal_shapes,
 )
 from matformer.modeling.compression.partial import Recompressor, partial_sums
+from matformer.modeling.config import ModelConfig
 from matformer.modeling.errors import MatformerError
 from matformer.protocol.auth import SessionTokens, tokens_equal
 from matformer.protocol.files import send_file
@@ -70,6 +73,7 @@ from matformer.server.errors import (
     WrongJoinToken,
 )
 from matformer.server.gate import MAX_RELAYED, SubmissionGate
+from matformer.server.joins import JoinGate
 from matformer.server.limits import SubmissionLimits, clip_to_peers
 from matformer.server.member_api import Expected, JoinAsk, Joined, Waiting
 from matformer.server.pipeline import WINDOW
@@ -94,12 +98,17 @@ class RelayError(MatformerError):
 
 class Relay:
     def __init__(self, root: Upstream, *, member_token: str, deadline_s: float | None,
-                 folder: Path, topk: int = 0,
+                 folder: Path, topk: int = 0, trust_remote_code: bool = False,
+                 faults: FaultsSection | None = None,
                  mirror: str | None = None, log: Callable[[str], None] = lambda line: None,
                  member_timeout_s: float = MEMBER_TIMEOUT_S, min_members: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.root = root
         self.member_token = member_token  # what the relay's members present to join
+        # the code a root's checkpoint names runs only with the operator's consent
+        self.trust_remote_code = trust_remote_code
+        # its members' admission, as the root's ([faults] max_members, max_joins_per_minute)
+        self.faults = faults or FaultsSection()
         self.folder = folder
         self.deadline_s = deadline_s  # None: DEADLINE_SHARE of the run's, learnt at start
         self.root_deadline_s = 0.0  # the run's [round] deadline_s, learnt at start
@@ -126,6 +135,7 @@ class Relay:
         self.rounds_submitted = 0
         self.joined: Joined | None = None  # the root's answer to the relay's join
         self._next_id = 0
+        self._joins = JoinGate(self.faults, clock())
         self._retry_s = WAIT_S  # until the root's next answer: when it said to ask again
         self._owed: dict[str, float] = {}  # ids rounding left each member short: assign's
         self._changed = threading.Condition()  # guards everything above
@@ -166,8 +176,7 @@ class Relay:
             raise RelayError(f"the root's checkpoint {folder} lists no universal config.json; "
                              "a relay learns the run's model from it (export the tiers "
                              "with this Matformer).")
-        config = universal_config(from_config_dict(read_json(self.files.path(
-            f"{folder}/{config_file}"))))
+        config = universal_config(self._model_config(folder, config_file))
         shapes = universal_shapes(config)
         tiers = sorted(e.tier for e in manifest.tiers if not e.is_mix)
         self.policy = TierPolicy(config, allowed=tiers, pins={}, mix={})
@@ -185,6 +194,19 @@ class Relay:
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
             self._threads.append(thread)
+
+    def _model_config(self, folder: str, config_file: str) -> ModelConfig:
+        """The run's model config from the root's checkpoint. Module files it names are made
+        paths inside this relay's copy of the checkpoint (never the working folder) and run
+        only with ``trust_remote_code``, downloaded once allowed (the root serves only files
+        its manifest vouches for)."""
+        path = self.files.path(f"{folder}/{config_file}")
+        config = consented(packed_modules(from_config_dict(read_json(path)), path.parent),
+                           self.trust_remote_code, f"the root's checkpoint {folder}")
+        inside = posixpath.dirname(f"{folder}/{config_file}")
+        for module in listed_modules(config):
+            self.files.path(f"{inside}/{module.name}")
+        return config
 
     def stop(self, reason: str) -> None:
         self._stopping.set()
@@ -253,6 +275,7 @@ class Relay:
         and its session. Raises the policy's ``TierAssignmentError``."""
         tier = self.policy.assign(capabilities)
         with self._changed:
+            self._joins.admit(len(self.members), self.clock())
             client_id = f"{self.root.client_id}.m{self._next_id}"
             self._next_id += 1
             member = RelayMember(client_id=client_id, name=capabilities.name, tier=tier.tier,

@@ -18,6 +18,13 @@ max-age=31536000, immutable``, ``Accept-Ranges: bytes`` and its ``Content-Length
 the end), a matching ``If-None-Match`` 304. An unknown digest is 404 with ``Cache-Control:
 no-store``, so no cache keeps the miss. ``BlobStore.served`` counts the bodies sent per
 digest, and ``/metrics`` their totals: behind a cache, each blob's body leaves once.
+
+A body leaves in pieces of ``CHUNK_BYTES``, views of the cached blob or of a file's reads,
+never a copy of the whole: a connection holds at most a piece or two beyond its socket's
+buffers, whatever its client reads. One client address is sent at most [server]
+``http_streams_per_client`` bodies at once (``BlobStore.streams`` counts them; 503 and
+``Retry-After`` beyond), and a client that takes no bytes for ``http_send_timeout_s`` is
+dropped (server/http.py), its slot and buffers with it.
 """
 
 from __future__ import annotations
@@ -27,14 +34,15 @@ import contextlib
 import re
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request, Response
-from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import StreamingResponse
+from fastapi.concurrency import iterate_in_threadpool, run_in_threadpool
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from matformer.modeling.errors import CheckpointError
 from matformer.server.coordinator import Coordinator
@@ -48,6 +56,8 @@ IMMUTABLE = "public, max-age=31536000, immutable"
 NO_STORE = {"Cache-Control": "no-store"}
 SHA256 = re.compile(r"[0-9a-f]{64}")
 RANGE = re.compile(r"bytes=(\d*)-(\d*)")  # one range; several are answered with all bytes
+CHUNK_BYTES = 64 * 1024  # a body's piece: what one connection holds beyond its socket
+RETRY_AFTER_S = 5  # told to a client refused for the blobs it is already being sent
 
 
 class UpdateEntry(BaseModel):
@@ -65,24 +75,27 @@ class UpdateIndex(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class Body:
-    """A blob's bytes: how many, and a reader of bytes ``start`` to ``stop``."""
+    """A blob's bytes: how many, and a reader of bytes ``start`` to ``stop`` (which may
+    block: a file's)."""
 
     kind: Literal["update", "file"]
     size: int
-    read: Callable[[int, int], Iterator[bytes]]
+    read: Callable[[int, int], Iterator[bytes | memoryview]]
 
 
 class BlobStore:
     """What the URLs above serve: round updates from the ``UpdateCache`` that GetUpdates
     reads, checkpoint files from ``ServedFiles``."""
 
-    def __init__(self, coordinator: Coordinator, updates: UpdateCache, files: ServedFiles
-                 ) -> None:
+    def __init__(self, coordinator: Coordinator, updates: UpdateCache, files: ServedFiles,
+                 streams_per_client: int) -> None:
         self.coordinator = coordinator
         self.updates = updates
         self.files = files
+        self.streams_per_client = streams_per_client
         self.served: Counter[str] = Counter()  # sha256 → bodies sent (200 or 206)
         self.sent: Counter[str] = Counter()  # kind → bodies sent
+        self.streams: Counter[str] = Counter()  # client address → bodies being sent now
         self._lock = threading.Lock()
 
     def check_tier(self, tier: int) -> None:
@@ -109,8 +122,8 @@ class BlobStore:
         ``ServedFileDamaged`` for a checkpoint file that no longer matches its manifest."""
         blob = self.updates.find(digest)
         if blob is not None:
-            return Body("update", len(blob.data), lambda start, stop: iter(
-                [blob.data[start:stop]]))
+            view = memoryview(blob.data)  # pieces of it are sent, never a copy
+            return Body("update", len(view), lambda start, stop: iter([view[start:stop]]))
         relative = self.files.by_sha256(digest)
         if relative is None:
             return None
@@ -121,10 +134,20 @@ class BlobStore:
             return None
         return Body("file", size, lambda start, stop: self.files.read(relative, start, stop))
 
-    def count(self, digest: str, body: Body) -> None:
+    def open_stream(self, client: str, digest: str, body: Body) -> bool:
+        """Count a body sent to ``client`` (an address); False, counting nothing, when it is
+        sent ``streams_per_client`` already."""
         with self._lock:
+            if self.streams[client] >= self.streams_per_client:
+                return False
+            self.streams[client] += 1
             self.served[digest] += 1
             self.sent[body.kind] += 1
+            return True
+
+    def close_stream(self, client: str) -> None:
+        with self._lock:
+            self.streams -= Counter({client: 1})  # an address sent nothing leaves the count
 
     def prometheus(self, run: str) -> list[str]:
         with self._lock:
@@ -207,15 +230,14 @@ def blob_router(store: BlobStore) -> APIRouter:
                 f"no blob has sha256 {digest[:64]!r} here: take digests (lowercase hex) from "
                 "/updates or a checkpoint manifest; a round that left the update log is in "
                 "the latest checkpoint."))
-        return ranged(request, digest, body, store.count)
+        return ranged(request, digest, body, store)
 
     return router
 
 
-def ranged(request: Request, digest: str, body: Body,
-           sent: Callable[[str, Body], None]) -> Response:
-    """The answer to a GET or HEAD of ``body``: 304, 416, 206 or 200 (``sent`` is told of
-    each body that goes out)."""
+def ranged(request: Request, digest: str, body: Body, store: BlobStore) -> Response:
+    """The answer to a GET or HEAD of ``body``: 304, 416, 206 or 200, whose body ``store``
+    counts (or 503 when its client is sent too many already)."""
     etag = f'"{digest}"'
     headers = {"ETag": etag, "Cache-Control": IMMUTABLE, "Accept-Ranges": "bytes"}
     if _matches(request.headers.get("if-none-match"), etag):
@@ -234,9 +256,44 @@ def ranged(request: Request, digest: str, body: Body,
     if request.method == "HEAD":
         return Response(status_code=status, headers=headers,
                         media_type="application/octet-stream")
-    sent(digest, body)
-    return StreamingResponse(body.read(start, stop), status_code=status, headers=headers,
-                             media_type="application/octet-stream")
+    return BlobStream(store, digest, body, (start, stop), status_code=status, headers=headers,
+                      media_type="application/octet-stream")
+
+
+class BlobStream(StreamingResponse):
+    """Bytes ``span`` of ``body`` in pieces, as one of its client's streams in ``store``:
+    taken when the answer starts, given back however it ends (sent, the client gone, or
+    dropped by the send timeout); 503 instead when the client has no stream left."""
+
+    def __init__(self, store: BlobStore, digest: str, body: Body, span: tuple[int, int],
+                 **response: Any) -> None:
+        super().__init__(pieces(body.read(*span)), **response)
+        self.store, self.digest, self.body = store, digest, body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client = scope["client"][0] if scope.get("client") else ""
+        if not self.store.open_stream(client, self.digest, self.body):
+            busy = JSONResponse({"detail": (
+                f"{client} is sent {self.store.streams_per_client} blobs at once already "
+                f"([server] http_streams_per_client); ask again once one has arrived, or take "
+                "the broadcast from a cache of this server (docs/operations.md).")},
+                status_code=503, headers={**NO_STORE, "Retry-After": str(RETRY_AFTER_S),
+                                          "Connection": "close"})  # its slot, at once
+            await busy(scope, receive, send)
+            return
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.store.close_stream(client)
+
+
+async def pieces(reads: Iterator[bytes | memoryview]) -> AsyncIterator[memoryview]:
+    """What ``reads`` yields (on a worker thread: a file's reads block), as views of at most
+    ``CHUNK_BYTES``."""
+    async for data in iterate_in_threadpool(reads):
+        view = memoryview(data)
+        for at in range(0, len(view), CHUNK_BYTES):
+            yield view[at:at + CHUNK_BYTES]
 
 
 def byte_range(header: str | None, size: int) -> tuple[int, int] | None:

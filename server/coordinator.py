@@ -201,6 +201,8 @@ class Coordinator:
         each result it may hold: a relay's partials per tier region, a member's at its
         assignment's tier."""
         assigned = self.check_header(client_id, header.round, header.assignment_id)
+        with self._lock:
+            self.pipeline.arrives(client_id, assigned.assignment_id)
         if self.membership.get(client_id).relay:
             return Expected(assigned, self.layouts.partials(), partials=True)
         return Expected(assigned, self.layouts.of(assigned.tier))
@@ -271,6 +273,8 @@ class Coordinator:
                 self.membership.reported(client_id, tokens_per_second)
             if relayed or member.relayed:
                 member.relayed = check_relayed(relayed, member.relay, self.config.tiers.allowed)
+                member.relayed_tiers = sorted({*member.relayed_tiers,
+                                               *(m["tier"] for m in member.relayed)})
         self._advance()
         return self.assignment_for(client_id)
 
@@ -311,7 +315,8 @@ class Coordinator:
         (they go back to the queue), and ``tier_losses`` its members' loss per tier
         (``(tier, tokens, loss)`` each)."""
         with self._lock:
-            relay = self.membership.heartbeat(client_id, now=self.clock()).relay
+            sender = self.membership.heartbeat(client_id, now=self.clock())
+            relay, relayed_tiers = sender.relay, list(sender.relayed_tiers)
         self._advance()  # a round past its deadline ends before late results are looked at
         with self._lock:
             _, assigned = self._header(client_id, round_index, assignment_id)
@@ -321,8 +326,8 @@ class Coordinator:
             kept = self.gate.partials(
                 assigned, [self.regions(t) for t in self.config.tiers.allowed], results,
                 tokens=delivered.tokens, loss=loss, train_seconds=train_seconds)
-            losses = check_tier_losses(tier_losses, self.config.tiers.allowed,
-                                       delivered.tokens)
+            # the tiers its members were at, as its heartbeats listed them
+            losses = check_tier_losses(tier_losses, relayed_tiers, delivered.tokens)
         elif missed:
             raise MissedNotAssigned("only a relay names missed sequences; a member submits "
                                     "its whole assignment or nothing.")
@@ -474,6 +479,9 @@ class Coordinator:
             rnd, ended = self.pipeline.step(now, committed=self.state.round,
                                             room=self.closer.room,
                                             last=self.config.round.rounds, detach=detach)
+            for client_id, why in self.pipeline.take_exclusions().items():
+                if client_id in self.membership.members:
+                    self.admissions.exclude(client_id, why)  # saves
             if ended:
                 self.save()
         if rnd is not None:

@@ -194,13 +194,14 @@ def _valid(result: SparseResult) -> ValidResult:
 def check_tier_losses(losses: Iterable[tuple[int, int, float]], tiers: Iterable[int],
                       tokens: int) -> dict[int, tuple[float, int]]:
     """A relay's losses per tier, ``(tier, tokens, loss)`` each, as the record keeps them:
-    tier → (loss, tokens). BadReport unless each names one of the run's ``tiers`` once with
-    a possible loss, and their tokens add up to the ``tokens`` its members delivered."""
+    tier → (loss, tokens). BadReport unless each names once, with a possible loss, one of
+    ``tiers`` (those the relay's heartbeats listed a member at), and their tokens add up to
+    the ``tokens`` its members delivered."""
     kept: dict[int, tuple[float, int]] = {}
     allowed = set(tiers)
     for tier, count, loss in losses:
         if tier in kept or tier not in allowed:
-            why = "twice" if tier in kept else "which the run does not allow"
+            why = "twice" if tier in kept else "at which the relay listed no member"
             raise BadReport(f"the losses per tier name tier {tier} {why}; report each tier "
                             "the relay's members trained once.")
         check_reports(count, loss, None)

@@ -12,7 +12,8 @@
   the same without the body (its length and ``X-Checksum-Sha256``);
 - ``GET /updates?since_round=R&tier=T`` and ``GET /blobs/sha256/{hex}``: each round's update
   per tier and each checkpoint file as an immutable, content-addressed resource any HTTP cache
-  can carry (server/blobs.py; ``app.state.blobs`` counts the bodies sent);
+  can carry (server/blobs.py; ``app.state.blobs`` counts the bodies sent, and those being
+  sent per client address);
 - ``POST /api/clients/{client_id}/exclude`` with ``{"reason": "..."}``: the operator removes a
   member for good (``Coordinator.exclude``; 404 for a non-member).
 
@@ -22,10 +23,17 @@ the operator token sees why a client was excluded (server/api.py). Every other m
 401 without it, 403 with a wrong one, 403 when the run has none (its HTTP side is then
 read-only). Clients need this side only to take the broadcast from a mirror of it
 (``matformer-client --mirror``).
+
+Under load (``http_options``, [server] ``http_*``): at most ``http_connections`` connections
+and requests at once (uvicorn's ``limit_concurrency``; 503 beyond), and a connection whose
+client takes none of its bytes for ``http_send_timeout_s`` is aborted (``TimedSends``), which
+drops what was buffered for it, so readers that never read cost the server nothing lasting.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +42,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from matformer.protocol.errors import UnsafePath
 from matformer.server.api import build_router
@@ -42,6 +51,7 @@ from matformer.server.coordinator import Coordinator
 from matformer.server.errors import FileNotServed, ServedFileDamaged, UnknownClient
 from matformer.server.held_out_log import HeldOutLog
 from matformer.server.operator_access import operator_refusal
+from matformer.server.sections import ServerSection
 from matformer.server.served_files import served_files
 
 STATIC = Path(__file__).parent / "static"  # the dashboard: index.html, dashboard.js, .css
@@ -72,7 +82,8 @@ def build_app(coordinator: Coordinator) -> FastAPI:
     app.include_router(build_router(coordinator, HeldOutLog(coordinator.config.run.dir),
                                     operator_token))
     app.state.blobs = BlobStore(coordinator, coordinator.catch_up.updates,
-                                served_files(coordinator.checkpoints.root))
+                                served_files(coordinator.checkpoints.root),
+                                coordinator.config.server.http_streams_per_client)
     app.include_router(blob_router(app.state.blobs))
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
@@ -111,6 +122,41 @@ def build_app(coordinator: Coordinator) -> FastAPI:
         return {"client_id": client_id, "excluded": exclusion.reason}
 
     return app
+
+
+def http_options(server: ServerSection) -> dict[str, Any]:
+    """uvicorn.Config's options that bound what HTTP clients hold of the server."""
+    return {"http": functools.partial(TimedSends, send_timeout_s=server.http_send_timeout_s),
+            "limit_concurrency": server.http_connections}
+
+
+class TimedSends(H11Protocol):
+    """uvicorn's HTTP/1.1 connection, aborted when its client takes none of its bytes for
+    ``send_timeout_s``: its write buffer stays above the transport's high-water mark that
+    long. Aborted, not closed: ``close`` would keep the buffer until the client read it."""
+
+    def __init__(self, *args: Any, send_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.send_timeout_s = send_timeout_s
+        self._stalled: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stalled is None:
+            self._stalled = self.loop.call_later(self.send_timeout_s, self.transport.abort)
+
+    def resume_writing(self) -> None:
+        self._taken()
+        super().resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._taken()
+        super().connection_lost(exc)
+
+    def _taken(self) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
 
 
 def run_status(coordinator: Coordinator) -> dict[str, Any]:

@@ -83,6 +83,31 @@ def credentials(auth: AuthSection, keys_path: Path, presented: str) -> KeyHolder
     return holder
 
 
+class JoinGate:
+    """How many members at once and how fast joins may come, for a root ([faults]) and for
+    a relay's own members alike."""
+
+    def __init__(self, faults: FaultsSection, now: float) -> None:
+        self.faults = faults  # read at each join: an operator may change the limits
+        self.bucket = (float(faults.max_joins_per_minute), now)  # (joins left, when filled)
+
+    def admit(self, members: int, now: float) -> None:
+        """RunFull when ``members`` (those the join would sit beside) already reach
+        max_members, JoinsTooFast beyond max_joins_per_minute (a bucket of that many joins,
+        refilled over a minute); nothing changes on a refusal."""
+        most, per_minute = self.faults.max_members, self.faults.max_joins_per_minute
+        if members >= most:
+            raise RunFull(f"the run has {most} members, the most it admits ([faults] "
+                          "max_members); try again when one has left.")
+        rate = per_minute / 60
+        level, at = self.bucket
+        level = min(per_minute, level + (now - at) * rate)
+        if level < 1:
+            raise JoinsTooFast(f"more than {per_minute} joins in a minute ([faults] "
+                               f"max_joins_per_minute); retry in {(1 - level) / rate:.0f} s.")
+        self.bucket = (level - 1, now)
+
+
 class Admissions:
     def __init__(self, membership: Membership, pipeline: RoundPipeline, history: RunHistory,
                  faults: FaultsSection, *, clock: Callable[[], float],
@@ -92,8 +117,7 @@ class Admissions:
         self.membership, self.pipeline, self.history = membership, pipeline, history
         self.faults, self.clock = faults, clock
         self.save, self.mark_unsaved = save, mark_unsaved
-        # [faults] max_joins_per_minute as a bucket: (joins left, when it was last filled)
-        self.join_bucket = (float(faults.max_joins_per_minute), clock())
+        self.gate = JoinGate(faults, clock())
 
     def drop_member(self, client_id: str, why: str) -> None:
         self.pipeline.drop_member(client_id, why)
@@ -126,7 +150,7 @@ class Admissions:
                 f"a live member of this run is named {capabilities.name!r}; choose another "
                 "--name (a restarted client proves its name with the session it saved in its "
                 "--state-dir).")
-        self._admit_check(now, replacing=holder is not None)
+        self.gate.admit(len(self.membership.members) - (holder is not None), now)
         # the tier first: a join the policy refuses (its capabilities, no tier that fits) must
         # leave the member it would replace in place
         tier = membership.policy.assign(capabilities, [
@@ -140,24 +164,6 @@ class Admissions:
         self.history.event("join", member,
                         f"{member.name} ({member.device_kind}) at tier {tier.tier}: {tier.reason}")
         return joined
-
-
-    def _admit_check(self, now: float, *, replacing: bool) -> None:
-        """RunFull beyond [faults] max_members (``replacing``: the join takes a member's place),
-        JoinsTooFast beyond max_joins_per_minute (a bucket of that many joins, refilled over a
-        minute). Checked before anything changes."""
-        faults = self.faults
-        if len(self.membership.members) - replacing >= faults.max_members:
-            raise RunFull(f"the run has {faults.max_members} members, the most it admits "
-                          "([faults] max_members); try again when one has left.")
-        rate = faults.max_joins_per_minute / 60
-        level, at = self.join_bucket
-        level = min(faults.max_joins_per_minute, level + (now - at) * rate)
-        if level < 1:
-            raise JoinsTooFast(f"more than {faults.max_joins_per_minute} joins in a minute "
-                               "([faults] max_joins_per_minute); retry in "
-                               f"{(1 - level) / rate:.0f} s.")
-        self.join_bucket = (level - 1, now)
 
 
     def remove(self, member: Member, why: str, *, dropped: str | None = None) -> None:

@@ -42,7 +42,7 @@ from matformer.server.call_slots import RequestGate
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
 from matformer.server.errors import PortUnavailable
-from matformer.server.http import build_app
+from matformer.server.http import build_app, http_options
 from matformer.server.keys import KeyFile
 from matformer.server.run_end import END_POLL_S, RunEnd
 from matformer.server.service import CoordinatorService
@@ -103,7 +103,7 @@ class RunningServer:
                 "machine's; stop it or choose [server] grpc_port / http_port.") from None
         grpc_server.start()
         http_server = uvicorn.Server(uvicorn.Config(
-            build_app(coordinator), log_level="warning",
+            build_app(coordinator), log_level="warning", **http_options(config.server),
             ssl_certfile=tls.cert if tls.enabled else None,
             ssl_keyfile=tls.key if tls.enabled else None))
         stopping = threading.Event()

@@ -63,6 +63,8 @@ class Member:
     relay: bool = False  # submits partial sums of its own members (docs/architecture.md)
     # a relay's members, as its last heartbeat listed them: name, tier, tokens_per_second
     relayed: list[dict[str, Any]] = field(default_factory=list)
+    # a relay's: every tier it has listed a member at; its losses per tier name only these
+    relayed_tiers: list[int] = field(default_factory=list)
 
 
 class Membership:

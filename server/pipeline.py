@@ -63,6 +63,12 @@ class RoundPipeline:
         # client id → the assignment its last counted refusal was for: once the others are
         # in, a round stops waiting for a member refused in it (drop_refused)
         self.refused: dict[str, str] = {}
+        # client id → why: members to exclude for missing [faults] max_misses rounds in a
+        # row; the coordinator's admissions exclude them (``take_exclusions``)
+        self.excluding: dict[str, str] = {}
+        # client id → the assignment whose submission is arriving (its header passed): a
+        # member that missed its last round is still waited for while its upload comes in
+        self.arriving: dict[str, str] = {}
         self.owed: dict[str, float] = {}  # client id → ids rounding left it short (assign)
         self.sized = False  # whether rounds are sized below tokens_per_round (round_tokens)
 
@@ -150,6 +156,7 @@ class RoundPipeline:
             opened = True
         if opened and len(self.collecting) == 1:
             self.refused.clear()  # refusals of earlier assignments hold no round up
+            self.arriving.clear()
         return opened
 
     def _open(self, now: float, index: int) -> OpenRound | None:
@@ -329,22 +336,51 @@ class RoundPipeline:
 
     def drop_refused(self) -> None:
         """Once every other member of the oldest round has delivered, stop waiting for those
-        whose submission in it was refused: each refusal sends such a member to train its
-        share again, so the round would wait for up to max_rejections trainings of a member
-        that may never be accepted. Their ids go back to the queue."""
+        that showed they may not deliver: a member whose submission in it was refused (each
+        refusal sends it to train its share again, so the round would wait for up to
+        max_rejections trainings of a member that may never be accepted), and one that
+        missed its last round and has not started to hand this one in (it takes work and
+        may deliver nothing; each such round is one more miss, and [faults] max_misses in a
+        row exclude it; one whose upload is arriving, over a slow link, is waited for). Their
+        ids go back to the queue."""
         if not self.collecting:
             return
         rnd = self.collecting[0]
         pending = rnd.pending()
-        if not pending or not rnd.submissions or any(
-                self.refused.get(c) != rnd.assignments[c].assignment_id for c in pending):
+        if not pending or not rnd.submissions:
+            return
+        ids = {c: rnd.assignments[c].assignment_id for c in pending}
+        refused = {c for c in pending if self.refused.get(c) == ids[c]}
+        missing = {c for c in pending if c not in refused and self._missing(c)
+                   and self.arriving.get(c) != ids[c]}
+        if refused | missing != set(pending):
             return
         for client in pending:
             self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
-            rnd.dropped[client] = "its submission was refused"
-            self.history.event("drop", self.membership.members.get(client, client),
-                               f"its submission for round {rnd.index} was "
-                               "refused; the round closes without it")
+            if client in refused:
+                rnd.dropped[client] = "its submission was refused"
+                self.history.event("drop", self.membership.members.get(client, client),
+                                   f"its submission for round {rnd.index} was "
+                                   "refused; the round closes without it")
+            else:
+                rnd.dropped[client] = "missed its last round and was not waited for"
+                self.missed(client, f"round {rnd.index} closed without it: it missed its "
+                                    "last round, so the round does not wait for it once the "
+                                    "others are in")
+
+    def arrives(self, client_id: str, assignment_id: str) -> None:
+        """A member's submission for ``assignment_id`` started to arrive (its header passed)."""
+        self.arriving[client_id] = assignment_id
+
+    def take_exclusions(self) -> dict[str, str]:
+        """The members to exclude since the last call (client id → why)."""
+        taken, self.excluding = self.excluding, {}
+        return taken
+
+    def _missing(self, client_id: str) -> bool:
+        """Whether a member has shown it may not deliver: dropped from its last round."""
+        member = self.membership.members.get(client_id)
+        return member is not None and member.missed > 0
 
     def drop_member(self, client_id: str, why: str) -> None:
         """Hand a member's unsubmitted ids of every round being collected back to the queue."""
@@ -367,7 +403,8 @@ class RoundPipeline:
 
     def missed(self, client_id: str, why: str) -> None:
         """A member dropped from a round: a smaller share next time (its speed estimate is
-        halved) and, after [faults] miss_limit misses in a row, the next smaller tier."""
+        halved), after each [faults] miss_limit misses in a row the next smaller tier, and
+        after max_misses in a row exclusion."""
         member = self.membership.members.get(client_id)
         self.history.event("drop", member or client_id, why)
         if member is None:
@@ -376,8 +413,11 @@ class RoundPipeline:
         member.early = 0
         member.tokens_per_second /= 2
         member.delivered_per_second /= 2
-        limit = self.config.faults.miss_limit
-        if limit and member.missed >= limit:
+        faults = self.config.faults
+        if faults.max_misses and member.missed >= faults.max_misses:
+            self.excluding[client_id] = (f"dropped from {member.missed} rounds in a row "
+                                         f"([faults] max_misses): {why}")
+        elif faults.miss_limit and member.missed % faults.miss_limit == 0:
             self._retier(member, +1, f"missed {member.missed} rounds in a row")
 
     def _pace(self, rnd: OpenRound) -> None:
@@ -412,7 +452,7 @@ class RoundPipeline:
             return
         old = member.tier
         member.tier = tier
-        member.missed = member.early = 0
+        member.early = 0  # misses count on: every miss_limit of them one tier smaller
         member.tier_reason = f"moved from tier {old} to tier {tier}: {why}"
         self.history.event("retier", member, member.tier_reason)
 

@@ -25,6 +25,7 @@ its layout (protocol/sparse.py) as it is decoded.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -203,7 +204,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                    context: grpc.ServicerContext) -> Iterator[pb.UpdateMessage]:
         """The logged updates of rounds ``since_round``, since_round + 1, ...: a checkpoint
         reference's ``round`` counts the rounds inside it, so it is the first to replay. A
-        client ahead of the log waits for the close in a call slot, not a stream's."""
+        client ahead of the log waits for the close in a call slot, not a stream's.
+        ``headers_only``: each round's header alone (a round's first message), what a member
+        checks the rounds it takes from a mirror against."""
         client_id = self._session(context)
         tier = request.tier if request.HasField("tier") else None  # the replica's
         rounds = _call(context, lambda: self.coordinator.update_rounds(
@@ -211,7 +214,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self._stream(context, client_id) as watch:
             context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
             for messages in rounds:
-                yield from self._sent(watch, client_id, messages, rounds=1)
+                if request.headers_only:
+                    yield from self._sent(watch, client_id, itertools.islice(messages, 1))
+                else:
+                    yield from self._sent(watch, client_id, messages, rounds=1)
 
     def GetCheckpoint(self, request: pb.GetCheckpointRequest,
                       context: grpc.ServicerContext) -> pb.CheckpointRef:

@@ -5,20 +5,26 @@ that submit fixed DCT results, so both runs aggregate the very same results."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from support.certs import self_signed
 from support.helpers import JOIN_TOKEN, Clock, served_run_toml
+from support.models import tiny_config
 from support.rounds import assigned
 from support.wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, serving_config
 
 from matformer.client.mirror import MirrorFirst
-from matformer.modeling.compression import CompressionConfig
+from matformer.modeling.checkpoint.hf_config import to_config_dict
+from matformer.modeling.compression import CompressionConfig, universal_config, universal_shapes
+from matformer.modeling.errors import CodeOutsideCheckpoint
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.channel import GRPC_OPTIONS, open_channel
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
@@ -30,10 +36,12 @@ from matformer.relay.relay import Relay, RelayError
 from matformer.relay.rounds import RelayMember
 from matformer.relay.upstream import RootWork
 from matformer.server.api import clients_info
+from matformer.server.call_slots import CallLimits
 from matformer.server.config import RunConfig
 from matformer.server.errors import BadReport
 from matformer.server.gate import MAX_RELAYED, check_relayed, check_tier_losses
 from matformer.server.keys import KeyFile
+from matformer.server.sections import FaultsSection
 
 ROUNDS = 3
 WAIT_S = 120.0  # generous: a busy two-core machine runs these
@@ -398,7 +406,7 @@ def test_a_relays_list_of_members_is_refused_unless_the_run_could_have_them(list
 
 
 @pytest.mark.parametrize(("losses", "message"), [
-    ([(0, 10, 2.0), (3, 6, 2.5)], "tier 3 which the run does not allow"),
+    ([(0, 10, 2.0), (3, 6, 2.5)], "tier 3 at which the relay listed no member"),
     ([(0, 10, 2.0), (0, 6, 2.5)], "tier 0 twice"),
     ([(0, 10, 2.0), (1, 6, float("nan"))], "the reported loss nan"),
     ([(0, 10, 2.0)], "cover 10 tokens, but the members delivered 16"),
@@ -608,4 +616,95 @@ def test_a_relay_takes_no_round_before_min_members_are_ready(tmp_path):
             members = {first.reply.client_id, second.reply.client_id}
             assert set(relay.relay.held[0].parts) == members
         finally:
+            relay.stop("done")
+
+
+class CheckpointFiles:
+    """The relay's copy of the root's checkpoint files: what ``files.path`` hands back,
+    written where the relay keeps them, and which it fetched."""
+
+    def __init__(self, folder: Path, files: dict[str, str]) -> None:
+        self.folder, self.files, self.fetched = folder, files, []
+
+    def path(self, relative: str) -> Path:
+        local = self.folder / relative
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(self.files[relative])
+        self.fetched.append(relative)
+        return local
+
+
+@pytest.mark.parametrize("listed", ["evil.py", ".", "/tmp/evil.py", "../evil.py"])
+def test_a_relay_runs_no_code_the_roots_checkpoint_names_unless_allowed(
+        tmp_path, monkeypatch, listed):
+    """The root's config.json naming module files: the relay's working folder is never
+    searched, a name that leaves the checkpoint is refused, and one inside it runs only with
+    --trust-remote-code, from the relay's own copy."""
+    work = tmp_path / "work"
+    work.mkdir()
+    marker = tmp_path / "ran"
+    code = f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')\n"
+    (work / "evil.py").write_text(code)  # what a module resolved against the cwd would run
+    monkeypatch.chdir(work)
+    data = to_config_dict(tiny_config()) | {"external_modules_path": [listed]}
+    served = {"round-0/config.json": json.dumps(data), "round-0/evil.py": code}
+    for trusted in (False, True):
+        relay = Relay(ScriptedRoot(0.0), member_token="t", deadline_s=20.0,
+                      folder=tmp_path / f"relay-{trusted}", trust_remote_code=trusted)
+        relay.files = CheckpointFiles(relay.folder, served)
+        if listed != "evil.py":
+            with pytest.raises(CodeOutsideCheckpoint, match="do not load it"):
+                relay._model_config("round-0", "config.json")
+            continue
+        config = relay._model_config("round-0", "config.json")
+        if not trusted:  # registered components build it: the module is left out, not run
+            assert config.external_modules_path is None and not marker.exists()
+            continue
+        assert config.external_modules_path == [str(relay.folder / "round-0" / "evil.py")]
+        assert "round-0/evil.py" in relay.files.fetched
+        universal_shapes(universal_config(config))  # builds the model's spec: imports it
+        assert marker.read_text() == "ran"
+    assert not (work / "__pycache__").exists()  # nothing was imported from the cwd
+
+
+def test_a_relays_members_meet_the_roots_call_limits_and_join_rate(tmp_path):
+    """One member cannot take a relay: its silent calls beyond the root's per-member share
+    are refused while another member is still answered, and joins beyond
+    [faults] max_joins_per_minute wait."""
+    with serving_config(config(tmp_path, min_clients=1)) as (server, _):
+        relay = relay_for(server, tmp_path)
+        stop = threading.Event()
+        channel = open_channel(f"127.0.0.1:{relay.port}")
+        try:
+            stub = pb_grpc.CoordinatorStub(channel)
+            greedy, other = (stub.Join(join_request(server, name=name),
+                                       timeout=HONEST_TIMEOUT_S) for name in ("greedy", "other"))
+
+            def silent():
+                stop.wait()
+                yield from ()
+
+            held = [stub.SubmitResult.future(silent(), metadata=session_metadata(
+                greedy.session_token), timeout=30) for _ in range(CallLimits().per_member)]
+            time.sleep(0.5)  # the calls reach the relay and take their slots
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Heartbeat(pb.HeartbeatRequest(), timeout=HONEST_TIMEOUT_S,
+                               metadata=session_metadata(greedy.session_token))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            stub.Heartbeat(pb.HeartbeatRequest(), timeout=HONEST_TIMEOUT_S,
+                           metadata=session_metadata(other.session_token))
+            stop.set()
+            for call in held:
+                with contextlib.suppress(grpc.RpcError):
+                    call.result()
+            joins = FaultsSection().max_joins_per_minute - 2  # two joined above
+            for index in range(joins):
+                stub.Join(join_request(server, name=f"m{index}"), timeout=HONEST_TIMEOUT_S)
+            with pytest.raises(grpc.RpcError) as too_fast:
+                stub.Join(join_request(server, name="one-more"), timeout=HONEST_TIMEOUT_S)
+            assert too_fast.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "max_joins_per_minute" in too_fast.value.details()
+        finally:
+            stop.set()
+            channel.close()
             relay.stop("done")

@@ -15,7 +15,7 @@ from matformer.server.errors import (
     MissingKey,
     MissingSecret,
 )
-from matformer.server.sections.checks import require
+from matformer.server.sections.checks import MAX_SECONDS, SECONDS, require
 
 # What each [auth] mode asks of a joining client (an unknown mode's error lists them)
 AUTH_MODES = {
@@ -36,6 +36,15 @@ class ServerSection:
     stay_after_finish: bool = setting(False, help=(
         "once the run is finished, keep the dashboard and checkpoint files served until "
         "Ctrl-C"))
+    # What HTTP clients may hold of the server (server/http.py): a reader that never reads
+    # holds its connection and what is buffered for it until the send timeout drops it.
+    http_connections: int = setting(512, low=1, high=100_000, help=(
+        "HTTP connections and requests at once; beyond them, 503"))
+    http_streams_per_client: int = setting(16, low=1, high=100_000, help=(
+        "blobs (/blobs/sha256/...) sent at once to one client address; beyond them, 503"))
+    http_send_timeout_s: float = setting(10.0, low=0, above=True, high=MAX_SECONDS,
+                                         unit=SECONDS, help=(
+        "an HTTP answer whose client takes none of its bytes for this long is dropped"))
 
     def __post_init__(self) -> None:
         require(bool(self.host), "[server] host is empty; give an address such as 127.0.0.1.")

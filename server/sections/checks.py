@@ -6,6 +6,9 @@ from __future__ import annotations
 from matformer.server.errors import InvalidValue
 
 MAX_SECONDS = 30 * 24 * 3600.0  # deadlines, heartbeats and session lifetimes
+MIN_IDLE_S = 0.5  # a stream's or request's idle bound: shorter ends honest calls on a busy host
+MAX_COUNT = 1_000_000  # rounds, members, misses and such counts of one run
+MAX_TOKENS = 2**50  # tokens of one run (2**40 of one round): far past any, far from overflow
 SECONDS = " seconds"  # their unit, in a range's error
 
 

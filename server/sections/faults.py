@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from matformer.modeling.settings import setting
 from matformer.protocol.channel import MAX_MESSAGE_BYTES
 from matformer.server.call_slots import CallLimits
-from matformer.server.sections.checks import MAX_SECONDS, SECONDS, require
+from matformer.server.sections.checks import MAX_COUNT, MAX_SECONDS, MIN_IDLE_S, SECONDS, require
 
 MIN_HEARTBEAT_S = 0.1  # more often, every member's heartbeats become a busy loop of calls
 MIB = 1024 * 1024
@@ -30,6 +30,9 @@ class FaultsSection:
     allowed tier. Finishing within ``early_fraction`` of the deadline ``early_rounds`` times in
     a row offers it the next larger tier its memory and request allow. A submission that
     breaks a limit is refused and counted; ``max_rejections`` refusals exclude the client.
+    A member that missed its last round is not waited for once the others have delivered
+    (free riders take work and deliver nothing), and ``max_misses`` rounds in a row without a
+    delivery exclude it.
     """
 
     heartbeat_s: float = setting(5.0, low=MIN_HEARTBEAT_S, high=MAX_SECONDS, unit=SECONDS,
@@ -38,13 +41,16 @@ class FaultsSection:
                                          help="silence after which a member counts as gone")
     session_ttl_s: float = setting(3600.0, low=0, above=True, high=MAX_SECONDS, unit=SECONDS,
                                    help="silence after which a member is removed (rejoin needed)")
-    miss_limit: int = setting(2, low=0, help=(
+    miss_limit: int = setting(2, low=0, high=MAX_COUNT, help=(
         "consecutive missed rounds before a smaller tier; 0: never"))
+    max_misses: int = setting(6, low=0, high=MAX_COUNT, help=(
+        "consecutive rounds a member is dropped from (missed deadline, silence, or not waited "
+        "for after a miss) before it is excluded; 0: never"))
     early_fraction: float = setting(0.25, low=0, above=True, help=(
         "\"early\": submitted within this fraction of the deadline; below 1"))
-    early_rounds: int = setting(5, low=0, help=(
+    early_rounds: int = setting(5, low=0, high=MAX_COUNT, help=(
         "consecutive early rounds before a larger tier is offered; 0: never"))
-    max_rejections: int = setting(3, low=0, help=(
+    max_rejections: int = setting(3, low=0, high=MAX_COUNT, help=(
         "refused submissions before the client is excluded; 0: never"))
     max_norm: float | None = setting(None, low=0, above=True, help=(
         "L2 bound on one submission's values; unset: unbounded"))
@@ -68,10 +74,10 @@ class FaultsSection:
         "... of them streams, at most max_calls_per_member"))
     max_streams: int = setting(16, low=1, high=1024, help=(
         "streams shared by all members; each member with work in the open round has one more"))
-    stream_idle_s: float = setting(10.0, low=0, above=True, high=MAX_SECONDS, unit=SECONDS,
+    stream_idle_s: float = setting(10.0, low=MIN_IDLE_S, high=MAX_SECONDS, unit=SECONDS,
                                    help="a stream waiting on its peer this much longer than "
                                    "its message needs at 8 Mbit/s is ended")
-    request_idle_s: float = setting(10.0, low=0, above=True, high=MAX_SECONDS, unit=SECONDS,
+    request_idle_s: float = setting(10.0, low=MIN_IDLE_S, high=MAX_SECONDS, unit=SECONDS,
                                     help="a call whose request has not arrived in this long is "
                                     "ended")
     max_members: int = setting(512, low=1, high=100_000, help=(

@@ -144,7 +144,7 @@ class DataSection:
     strategy: str = setting(DEFAULT_STRATEGY["strategy_name"],
                             help="the container's pretokenization strategy")
     view: str | None = setting(None, help="a view of the container; unset: all of it")
-    max_seq_len: int = setting(256, low=1, help=(
+    max_seq_len: int = setting(256, low=1, high=2**20, help=(
         "tokens per sequence, a multiple of the strategy's chunk size"))
     seed: int = setting(0, low=0, high=INT64[1], help=(  # numpy's shuffle needs seed >= 0
         "seed of the shuffle that orders sequences over rounds"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from matformer.modeling.settings import setting
 from matformer.modeling.tracking import TRACKERS
-from matformer.server.sections.checks import require
+from matformer.server.sections.checks import MAX_COUNT, require
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -30,7 +30,7 @@ class RunSection:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointSection:
-    every_rounds: int = setting(10, low=1, help=(
+    every_rounds: int = setting(10, low=1, high=MAX_COUNT, help=(
         "universal + tier slices + manifest after every this many rounds"))
     # Older checkpoints are removed once a newer one is complete; at least 2 are kept, as the
     # update log starts at the one before the latest.

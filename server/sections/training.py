@@ -19,7 +19,7 @@ from matformer.modeling.optim import (
 )
 from matformer.modeling.settings import setting
 from matformer.server.errors import InvalidValue, MissingKey
-from matformer.server.sections.checks import MAX_SECONDS, SECONDS, require
+from matformer.server.sections.checks import MAX_COUNT, MAX_SECONDS, MAX_TOKENS, SECONDS, require
 from matformer.server.update_steps import Momentum
 
 MIN_DEADLINE_S = 1.0  # no round is ever trained and submitted in less
@@ -34,14 +34,16 @@ class RoundSection:
     """When rounds start and end, and when the run stops: after ``rounds`` rounds or ``tokens``
     tokens, whichever comes first (at least one of the two)."""
 
-    min_clients: int = setting(1, low=1, help=(
+    min_clients: int = setting(1, low=1, high=MAX_COUNT, help=(
         "members ready to train (their speed measured) before a round opens"))
     deadline_s: float = setting(60.0, low=MIN_DEADLINE_S, high=MAX_SECONDS, unit=SECONDS,
                                 help="a client that has not submitted by then leaves the round")
-    tokens_per_round: int = setting(8192, low=1, help=(
+    tokens_per_round: int = setting(8192, low=1, high=2**40, help=(
         "the round's token budget, shared among clients by their measured speed"))
-    rounds: int | None = setting(None, low=1, help="stop after this many rounds ...")
-    tokens: int | None = setting(None, low=1, help="... or this many tokens, whichever first")
+    rounds: int | None = setting(None, low=1, high=MAX_COUNT,
+                                 help="stop after this many rounds ...")
+    tokens: int | None = setting(None, low=1, high=MAX_TOKENS,
+                                 help="... or this many tokens, whichever first")
     # Members train round r+1 on the weights they hold and apply round r's update when it
     # arrives: a one-round-delayed update.
     overlap: bool = setting(False, help="hand out round r+1's work before round r closes")
@@ -75,7 +77,8 @@ class UpdateSection:
     momentum: float = setting(0.0, low=0, help=(
         "rule sgd: buf ← μ·buf + agg (torch.optim.SGD's), kept by the coordinator; below 1"))
     nesterov: bool = setting(False, help="step along agg + μ·buf (needs momentum > 0)")
-    warmup_rounds: int = setting(0, low=0, help="linear warmup from lr / warmup_rounds to lr")
+    warmup_rounds: int = setting(0, low=0, high=MAX_COUNT,
+                                 help="linear warmup from lr / warmup_rounds to lr")
     schedule: str = setting("cosine", choices=SCHEDULES, help="the decay after warmup")
     final_lr: float = setting(0.0, low=0, help=(
         "learning rate at the last planned round (cosine, linear); at most lr"))

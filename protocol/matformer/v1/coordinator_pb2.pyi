@@ -329,14 +329,16 @@ class SubmitReply(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[RoundAssignment, _Mapping]]] = ...) -> None: ...
 
 class GetUpdatesRequest(_message.Message):
-    __slots__ = ("since_round", "wait_seconds", "tier")
+    __slots__ = ("since_round", "wait_seconds", "tier", "headers_only")
     SINCE_ROUND_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_ONLY_FIELD_NUMBER: _ClassVar[int]
     since_round: int
     wait_seconds: float
     tier: int
-    def __init__(self, since_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., tier: _Optional[int] = ...) -> None: ...
+    headers_only: bool
+    def __init__(self, since_round: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., tier: _Optional[int] = ..., headers_only: _Optional[bool] = ...) -> None: ...
 
 class RoundUpdateHeader(_message.Message):
     __slots__ = ("round", "learning_rate", "weight_hash", "parameters", "rule", "weight_decay")
