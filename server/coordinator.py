@@ -200,6 +200,8 @@ class Coordinator:
         """The assignment a submission's header names (``check_header``) and the layout of
         each result it may hold: a relay's partials per tier region, a member's at its
         assignment's tier."""
+        with self._lock:
+            self.pipeline.attempted(client_id)  # late or not: it works
         assigned = self.check_header(client_id, header.round, header.assignment_id)
         with self._lock:
             self.pipeline.arrives(client_id, assigned.assignment_id)
@@ -316,6 +318,7 @@ class Coordinator:
         (``(tier, tokens, loss)`` each)."""
         with self._lock:
             sender = self.membership.heartbeat(client_id, now=self.clock())
+            self.pipeline.attempted(client_id)
             relay, relayed_tiers = sender.relay, list(sender.relayed_tiers)
         self._advance()  # a round past its deadline ends before late results are looked at
         with self._lock:

@@ -339,10 +339,10 @@ class RoundPipeline:
         that showed they may not deliver: a member whose submission in it was refused (each
         refusal sends it to train its share again, so the round would wait for up to
         max_rejections trainings of a member that may never be accepted), and one that
-        missed its last round and has not started to hand this one in (it takes work and
-        may deliver nothing; each such round is one more miss, and [faults] max_misses in a
-        row exclude it; one whose upload is arriving, over a slow link, is waited for). Their
-        ids go back to the queue."""
+        missed its last round and has handed nothing in since, not even late (it takes work
+        and may deliver nothing; each such round is one more miss, and [faults] max_misses
+        in a row exclude it; one whose upload is arriving, over a slow link, is waited for).
+        Their ids go back to the queue."""
         if not self.collecting:
             return
         rnd = self.collecting[0]
@@ -378,9 +378,22 @@ class RoundPipeline:
         return taken
 
     def _missing(self, client_id: str) -> bool:
-        """Whether a member has shown it may not deliver: dropped from its last round."""
+        """Whether a member has shown it may not deliver: dropped from its last round, and
+        no submission of it has arrived since, not even a late one."""
         member = self.membership.members.get(client_id)
-        return member is not None and member.missed > 0
+        return member is not None and member.missed > 0 and self._idle(member)
+
+    @staticmethod
+    def _idle(member: Member) -> bool:
+        """No submission of ``member`` arrived since its current run of misses began: it
+        takes work and hands nothing in (a slow member's late submissions show it works)."""
+        return member.attempts == member.attempts_at_miss
+
+    def attempted(self, client_id: str) -> None:
+        """A submission of the member started to arrive, in time or not."""
+        member = self.membership.members.get(client_id)
+        if member is not None:
+            member.attempts += 1
 
     def drop_member(self, client_id: str, why: str) -> None:
         """Hand a member's unsubmitted ids of every round being collected back to the queue."""
@@ -410,11 +423,13 @@ class RoundPipeline:
         if member is None:
             return
         member.missed += 1
+        if member.missed == 1:
+            member.attempts_at_miss = member.attempts
         member.early = 0
         member.tokens_per_second /= 2
         member.delivered_per_second /= 2
         faults = self.config.faults
-        if faults.max_misses and member.missed >= faults.max_misses:
+        if faults.max_misses and member.missed >= faults.max_misses and self._idle(member):
             self.excluding[client_id] = (f"dropped from {member.missed} rounds in a row "
                                          f"([faults] max_misses): {why}")
         elif faults.miss_limit and member.missed % faults.miss_limit == 0:

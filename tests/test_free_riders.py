@@ -13,7 +13,7 @@ from support.rounds import caps, results
 
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
-from matformer.server.errors import BadReport, Excluded
+from matformer.server.errors import BadReport, Excluded, StaleRound
 
 DEADLINE_S = 10.0
 
@@ -83,3 +83,24 @@ def test_a_relay_files_losses_only_under_the_tiers_it_listed_members_at(tmp_path
                  tier_losses=[(0, assigned.tokens, 0.0)])
     c.submit(relay, 0, results(c, relay), loss=2.0, tier_losses=[(1, assigned.tokens, 2.0)])
     assert c.state.round == 1 and c.state.loss == {"1": [[0, 2.0]]}
+
+
+def test_a_slow_member_whose_late_results_arrive_is_still_waited_for(tmp_path, mdat_path):
+    """A member that missed a round but handed its results in late shows it works: the next
+    round waits for it as for anyone (a free rider hands nothing in)."""
+    clock = Clock()
+    c = coordinator(tmp_path, mdat_path, clock, 2, max_misses=2, miss_limit=0)
+    a, b = (c.join(caps(name))[0].client_id for name in ("a", "b"))
+    late = results(c, b)
+    clock.now += 1.0
+    c.submit(a, 0, results(c, a), loss=1.0)
+    clock.now += DEADLINE_S
+    c.advance()  # b missed round 0
+    with pytest.raises(StaleRound):
+        c.submit(b, 0, late, loss=1.0)  # ... and its results came after all
+    clock.now += 1.0
+    c.submit(a, 1, results(c, a), loss=1.0)
+    assert c.state.round == 1 and c.assignment_for(b) is not None  # waited for
+    clock.now += 1.0
+    c.submit(b, 1, results(c, b), loss=1.0)
+    assert c.state.round == 2 and c.membership.get(b).missed == 0

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import pytest
 from support.helpers import JOIN_TOKEN, served_run_toml
+from support.http import serving_http
 from support.rounds import committed, flat_results, same
 from support.wire import header_of, joined, serving, serving_config
 
@@ -348,28 +349,14 @@ def lying_mirror(upstream: int) -> Iterator[str]:
     """A mirror of ``upstream`` (an HTTP port) whose blobs each have their last byte
     flipped; its base URL."""
 
-    class Lying(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            status, _, body = get(f"http://127.0.0.1:{upstream}{self.path}")
-            if self.path.startswith("/blobs/") and body:
-                body = body[:-1] + bytes([body[-1] ^ 1])
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path: str) -> tuple[int, bytes]:
+        status, _, body = get(f"http://127.0.0.1:{upstream}{path}")
+        if path.startswith("/blobs/") and body:
+            body = body[:-1] + bytes([body[-1] ^ 1])
+        return status, body
 
-        def log_message(self, *args) -> None:
-            pass
-
-    mirror = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Lying)
-    thread = threading.Thread(target=mirror.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{mirror.server_address[1]}"
-    finally:
-        mirror.shutdown()
-        mirror.server_close()
-        thread.join(WAIT_S)
+    with serving_http(answer) as url:
+        yield url
 
 
 @pytest.mark.parametrize("fault", ["wrong-bytes", "no-answer"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import http.server
 import json
 import threading
 import urllib.parse
@@ -18,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from support.helpers import served_run_toml
+from support.http import serving_http
 from support.wire import serving_config
 from test_http_cache import get, holds_the_master, mirrored
 
@@ -83,29 +83,11 @@ class BadMirror:
 @contextlib.contextmanager
 def serving_mirror(mirror: BadMirror) -> Iterator[str]:
     """``mirror`` on a loopback port; its base URL."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            status, body = mirror.answer(self.path)
-            with contextlib.suppress(OSError):  # the member gave up on a stalled answer
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        mirror.released.set()
-        server.shutdown()
-        server.server_close()
-        thread.join(STALL_S)
+    with serving_http(mirror.answer) as url:
+        try:
+            yield url
+        finally:
+            mirror.released.set()  # a stalled answer ends before the server does
 
 
 def nothing_under_round_0s_hash(messages: list[pb.UpdateMessage],

@@ -30,9 +30,9 @@ class FaultsSection:
     allowed tier. Finishing within ``early_fraction`` of the deadline ``early_rounds`` times in
     a row offers it the next larger tier its memory and request allow. A submission that
     breaks a limit is refused and counted; ``max_rejections`` refusals exclude the client.
-    A member that missed its last round is not waited for once the others have delivered
-    (free riders take work and deliver nothing), and ``max_misses`` rounds in a row without a
-    delivery exclude it.
+    A member that missed its last round and has handed nothing in since, not even late, is not
+    waited for once the others have delivered (free riders take work and deliver nothing),
+    and ``max_misses`` such rounds in a row exclude it.
     """
 
     heartbeat_s: float = setting(5.0, low=MIN_HEARTBEAT_S, high=MAX_SECONDS, unit=SECONDS,
@@ -44,8 +44,8 @@ class FaultsSection:
     miss_limit: int = setting(2, low=0, high=MAX_COUNT, help=(
         "consecutive missed rounds before a smaller tier; 0: never"))
     max_misses: int = setting(6, low=0, high=MAX_COUNT, help=(
-        "consecutive rounds a member is dropped from (missed deadline, silence, or not waited "
-        "for after a miss) before it is excluded; 0: never"))
+        "consecutive rounds a member is dropped from while handing nothing in, not even late, "
+        "before it is excluded; 0: never"))
     early_fraction: float = setting(0.25, low=0, above=True, help=(
         "\"early\": submitted within this fraction of the deadline; below 1"))
     early_rounds: int = setting(5, low=0, high=MAX_COUNT, help=(
