@@ -37,8 +37,6 @@ class Member:
     microbatch_tokens: int = 0
     requested_tier: int | None = None
     missed: int = 0  # consecutive rounds it was dropped from at the deadline (or hung)
-    attempts: int = 0  # submissions it started (headers that arrived, also late ones)
-    attempts_at_miss: int = 0  # ... when its current run of misses began
     silence_counted: float | None = None  # last_seen of the silence already counted a miss
     early: int = 0  # consecutive rounds it finished within [faults] early_fraction
     rejections: int = 0  # submissions refused as bad results, over the whole run

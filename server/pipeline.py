@@ -69,6 +69,11 @@ class RoundPipeline:
         # client id → the assignment whose submission is arriving (its header passed): a
         # member that missed its last round is still waited for while its upload comes in
         self.arriving: dict[str, str] = {}
+        # client id → submissions it started (headers that arrived, late ones too), and that
+        # count when its current run of misses began: kept in memory only, so a refusal
+        # changes nothing the run saves
+        self.attempts: dict[str, int] = {}
+        self.attempts_at_miss: dict[str, int] = {}
         self.owed: dict[str, float] = {}  # client id → ids rounding left it short (assign)
         self.sized = False  # whether rounds are sized below tokens_per_round (round_tokens)
 
@@ -381,19 +386,16 @@ class RoundPipeline:
         """Whether a member has shown it may not deliver: dropped from its last round, and
         no submission of it has arrived since, not even a late one."""
         member = self.membership.members.get(client_id)
-        return member is not None and member.missed > 0 and self._idle(member)
+        return member is not None and member.missed > 0 and self._idle(client_id)
 
-    @staticmethod
-    def _idle(member: Member) -> bool:
-        """No submission of ``member`` arrived since its current run of misses began: it
+    def _idle(self, client_id: str) -> bool:
+        """No submission of the member arrived since its current run of misses began: it
         takes work and hands nothing in (a slow member's late submissions show it works)."""
-        return member.attempts == member.attempts_at_miss
+        return self.attempts.get(client_id, 0) == self.attempts_at_miss.get(client_id, 0)
 
     def attempted(self, client_id: str) -> None:
         """A submission of the member started to arrive, in time or not."""
-        member = self.membership.members.get(client_id)
-        if member is not None:
-            member.attempts += 1
+        self.attempts[client_id] = self.attempts.get(client_id, 0) + 1
 
     def drop_member(self, client_id: str, why: str) -> None:
         """Hand a member's unsubmitted ids of every round being collected back to the queue."""
@@ -424,12 +426,12 @@ class RoundPipeline:
             return
         member.missed += 1
         if member.missed == 1:
-            member.attempts_at_miss = member.attempts
+            self.attempts_at_miss[client_id] = self.attempts.get(client_id, 0)
         member.early = 0
         member.tokens_per_second /= 2
         member.delivered_per_second /= 2
         faults = self.config.faults
-        if faults.max_misses and member.missed >= faults.max_misses and self._idle(member):
+        if faults.max_misses and member.missed >= faults.max_misses and self._idle(client_id):
             self.excluding[client_id] = (f"dropped from {member.missed} rounds in a row "
                                          f"([faults] max_misses): {why}")
         elif faults.miss_limit and member.missed % faults.miss_limit == 0:
