@@ -79,7 +79,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 from harness import parse, print_table
-from scale import JOIN_TOKEN, Submissions, run_config, tiers_of
+from scale import JOIN_TOKEN, RELAY_TOKEN, Submissions, run_config, tiers_of
 from utilization import SHAPES, ServerProcess
 
 from matformer.local_testnet.processes import (
@@ -391,7 +391,8 @@ def start_relays(args: argparse.Namespace, upstream: int, folder: Path, deadline
         port = free_port()
         argv = python_module(
             "matformer.relay.main", "--upstream", f"127.0.0.1:{upstream}", "--port", str(port),
-            "--name", f"relay-{index}", "--join-token", JOIN_TOKEN, "--dir",
+            "--name", f"relay-{index}", "--relay-token", RELAY_TOKEN,
+            "--member-token", JOIN_TOKEN, "--dir",
             str(folder / f"relay-{index}"), "--deadline-s", f"{deadline_s:g}",
             "--topk", str(args.relay_topk))
         relays[port] = Child.start(f"relay-{index}", argv, env=child_env())

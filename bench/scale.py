@@ -87,6 +87,7 @@ from matformer.server.main import RunningServer
 
 NAN = float("nan")
 JOIN_TOKEN = "bench"
+RELAY_TOKEN = "bench-relay"  # what the relays present to the root (many_members --relays)
 RESULT_TOKENS = 512  # the count encoded at first; each round sends its assignment's count
 SHAPES = {"150m": {"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 12,
                   "intermediate_size": 3072, "vocab_size": 32000}}
@@ -169,7 +170,7 @@ def run_config(args: argparse.Namespace, clients: int, folder: Path, mdat: Path)
         # a close of a large model outlasts the default heartbeat timeout (these clients do
         # not heartbeat while they wait), and all N join at once
         "faults": {"heartbeat_timeout_s": 3600.0, "max_joins_per_minute": 100_000},
-        "auth": {"join_token": JOIN_TOKEN},
+        "auth": {"join_token": JOIN_TOKEN, "relay_token": RELAY_TOKEN},
     }
     return RunConfig.from_dict(tables, base=folder)
 

@@ -78,7 +78,8 @@ heartbeat_timeout_s = 20.0      # 20 s of silence: killed or hung (a member star
                                 # busy machine went 5 s without a heartbeat and was not)
 
 [auth]
-join_token_env = "MATFORMER_JOIN_TOKEN"  # local-testnet generates the token
+join_token_env = "MATFORMER_JOIN_TOKEN"    # local-testnet generates the token
+relay_token_env = "MATFORMER_RELAY_TOKEN"  # ... and the relays' (--relays)
 """
 
 

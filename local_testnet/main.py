@@ -66,6 +66,7 @@ from matformer.server.errors import InvalidValue
 from matformer.server.held_out_log import HeldOutLog
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
+RELAY_TOKEN_ENV = "MATFORMER_RELAY_TOKEN"
 DEFAULT_RUN_DIR = Path("runs/testnet")
 PREVIOUS_SUFFIX = "-previous"  # the run before the current one, kept beside it
 # The embedded run: about two and a half minutes on two CPU cores with three clients.
@@ -216,16 +217,27 @@ def load_run_config(path: Path, overrides: list[str]) -> RunConfig:
     return RunConfig.from_dict(apply_overrides(data, overrides), base=path.resolve().parent)
 
 
-def join_token_env(path: Path) -> dict[str, str]:
-    """The join token for every child: the config's env var when set, else a new token."""
+def token_env(path: Path, relays: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The join token for every child (the config's env var when set, else a new token),
+    and the relay token for the coordinator and the relays alone; TestnetFailed where
+    ``relays`` are asked of a run that grants no relay role."""
     auth = tomllib.loads(path.read_text()).get("auth", {})
     if not isinstance(auth, dict) or auth.get("mode") == "none":
-        return {}  # auth = "none": anyone on loopback joins
-    name = auth.get("join_token_env")
-    if isinstance(auth.get("join_token"), str):
-        return {JOIN_TOKEN_ENV: auth["join_token"]}
-    token = os.environ.get(name or JOIN_TOKEN_ENV) or new_join_token()
-    return {JOIN_TOKEN_ENV: token, **({name: token} if name else {})}
+        return {}, {}  # auth = "none": anyone on loopback joins
+    env = {}
+    for key, default, secret in (("join_token", JOIN_TOKEN_ENV, True),
+                                 ("relay_token", RELAY_TOKEN_ENV, relays > 0)):
+        name = auth.get(f"{key}_env")
+        if isinstance(auth.get(key), str):
+            env[key] = {default: auth[key]}
+        elif name or key == "join_token":
+            token = os.environ.get(name or default) or new_join_token()
+            env[key] = {default: token, **({name: token} if name else {})}
+        elif secret:
+            raise TestnetFailed(f"--relays {relays}: {path} grants no relay role; add [auth] "
+                                f"relay_token_env = \"{RELAY_TOKEN_ENV}\" (the testnet makes "
+                                "the token) to run relays.")
+    return env["join_token"], env.get("relay_token", {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,8 +256,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         config_path, overrides = prepare_run(args)
-        env = join_token_env(config_path)
-        os.environ.update(env)  # this process reads the config too
+        env, relay_env = token_env(config_path, args.relays)
+        os.environ.update({**env, **relay_env})  # this process reads the config too
         grpc_port, http_port = free_port(), free_port()
         while http_port == grpc_port:
             http_port = free_port()
@@ -256,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         overrides += [f"server.grpc_port={grpc_port}", f"server.http_port={http_port}",
                       f'server.host="{host}"', "server.stay_after_finish=true"]
         config = load_run_config(config_path, overrides)
-    except (MatformerError, OSError, tomllib.TOMLDecodeError) as err:
+    except (MatformerError, OSError, tomllib.TOMLDecodeError, TestnetFailed) as err:
         print(f"local-testnet: {err}", file=sys.stderr)
         return 2
     run_dir = Path(config.run.dir)
@@ -293,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
             run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
             bandwidth_mbit=args.bandwidth_mbit, device=args.device, threads=args.threads,
             events=events, tls_ca=config.tls.cert, tls_key=config.tls.key, env=env,
+            relay_env=relay_env,
             relay_ports=relay_ports, links=links, link_rate_mbit=args.link_rate, cut=cut))
         return drive(args, config, net, clients, started)
 

@@ -131,10 +131,15 @@ class TestnetPlan:
     tls_ca: Path | None = None  # [tls] cert: what clients (and relays) trust
     tls_key: Path | None = None  # [tls] key: relays serve their clients with the same pair
     env: dict[str, str] = field(default_factory=dict)  # the join token, for every child
+    relay_env: dict[str, str] = field(default_factory=dict)  # the coordinator's and relays'
     relay_ports: list[int] = field(default_factory=list)  # one relay each (--relays)
     links: Network | None = None  # --netns: each child in a namespace of its own on it
     link_rate_mbit: float = 0.0  # --link-rate: each member's link, each way; 0: no limit
     cut: LinkCut | None = None  # --cut-link-at (with links)
+
+    @property
+    def relay_names(self) -> list[str]:
+        return [f"relay-{index}" for index in range(len(self.relay_ports))]
 
 
 class Testnet:
@@ -160,8 +165,8 @@ class Testnet:
     def run(self) -> dict[str, Any]:
         say("[testnet] starting the server")
         self._start_server()
-        for index, port in enumerate(self.plan.relay_ports):
-            self._start_relay(f"relay-{index}", port)
+        for name, port in zip(self.plan.relay_names, self.plan.relay_ports, strict=True):
+            self._start_relay(name, port)
         for spec in self.plan.clients:
             self._start_client(spec)
         while True:
@@ -235,8 +240,11 @@ class Testnet:
             if cut is not None:
                 cut.hear(name, line)
 
-        return Child.start(name, self._placed(name, argv, rate_mbit),
-                           env=child_env(self.plan.env), on_line=heard)
+        # the relay token for the coordinator and the relays alone
+        env = child_env({**self.plan.env, **self.plan.relay_env})
+        if name != "server" and name not in self.plan.relay_names:
+            env = {k: v for k, v in env.items() if k not in self.plan.relay_env}
+        return Child.start(name, self._placed(name, argv, rate_mbit), env=env, on_line=heard)
 
     # -- children -------------------------------------------------------------------------
 

@@ -4,14 +4,18 @@ members near it (docs/scaling.md, "Relays").
     matformer relay --upstream root.example:7070 --port 7170 --name relay-eu
     matformer client train --server relay.example:7170 --name laptop   # as if to the root
 
-Members join the relay with the run's join token, as they would the root, or with the
-relay's own ``--member-token``. The relay runs until the root's run finishes, or Ctrl-C /
-SIGTERM, then leaves the root.
+The root grants the relay role: a relay presents the run's relay token (``[auth]
+relay_token``, in ``$MATFORMER_RELAY_TOKEN`` above) or, where the root admits only client
+keys, a key issued with ``matformer-server keys add NAME --relay``. A member's credential
+never admits a relay, and the relay's own is never handed to its members: they join it with
+``--member-token`` (else ``$MATFORMER_MEMBER_TOKEN``, else the run's join token in
+``$MATFORMER_JOIN_TOKEN``, as they would join the root). The relay runs until the root's run
+finishes, or Ctrl-C / SIGTERM, then leaves the root.
 
 Over TLS, and into a run whose root admits only client keys (``[auth] mode = "keys"``):
 
     matformer relay --upstream root.example:7070 --tls-ca root-ca.pem \\
-        --join-token "$RELAY_KEY" --member-token "$LAB_TOKEN" \\
+        --relay-token "$RELAY_KEY" --member-token "$LAB_TOKEN" \\
         --tls-cert relay.pem --tls-key relay-key.pem --host 0.0.0.0
     matformer client train --server relay.example:7170 --tls-ca relay.pem --join-token "$LAB_TOKEN"
 """
@@ -34,6 +38,7 @@ from matformer.modeling.commands import command_parser
 from matformer.modeling.errors import MatformerError
 from matformer.modeling.settings import add_flags, given_flags, read_table, setting
 from matformer.modeling.threads import add_threads_option, use_threads
+from matformer.protocol.auth import tokens_equal
 from matformer.protocol.channel import GRPC_OPTIONS, is_loopback, listen
 from matformer.protocol.health import add_health
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
@@ -41,11 +46,11 @@ from matformer.relay.relay import DEADLINE_SHARE, Relay, RelayError
 from matformer.relay.upstream import Upstream
 from matformer.server.call_slots import CallLimits, RequestGate
 from matformer.server.errors import UpstreamError
-from matformer.server.keys import is_client_key
 from matformer.server.sections.checks import MAX_SECONDS
 from matformer.server.service import CoordinatorService
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
+RELAY_TOKEN_ENV = "MATFORMER_RELAY_TOKEN"
 MEMBER_TOKEN_ENV = "MATFORMER_MEMBER_TOKEN"
 LIMITS = CallLimits()  # what one member's calls may hold of the relay: the root's defaults
 
@@ -54,14 +59,15 @@ LIMITS = CallLimits()  # what one member's calls may hold of the relay: the root
 class Access:
     """How a relay reaches the root and who may join it.
 
-    ``join_token`` is what the relay presents to the root: the run's join token, or the
-    relay's own client key where the root admits only keys. ``member_token`` is what its
-    members present to it (None: the join token; a client key names one holder, so it is
-    never handed to members and a relay holding one needs a member token of its own).
-    ``tls_ca`` is the root's certificate (TLS to the root); ``tls_cert`` and ``tls_key``, the
-    relay's own, serve its members over TLS."""
+    ``relay_token`` is what the relay presents to the root: the run's relay token, or the
+    relay's key where the root admits only keys ("" where the root admits anyone on its
+    machine). ``member_token`` is what its members present to it; it must be given whenever
+    the relay token is, and differ from it: the relay token grants the relay role at the
+    root, so a member holding it could speak for others there. ``tls_ca`` is the root's
+    certificate (TLS to the root); ``tls_cert`` and ``tls_key``, the relay's own, serve its
+    members over TLS."""
 
-    join_token: str
+    relay_token: str
     member_token: str | None = None
     tls_ca: Path | None = None
     tls_cert: Path | None = None
@@ -76,18 +82,19 @@ class Access:
                            ("--tls-key", self.tls_key)):
             if path is not None and not Path(path).is_file():
                 raise RelayError(f"{flag} {path} does not exist; fix the path.")
-        if self.member_token is None and is_client_key(self.join_token):
-            raise RelayError("the join token is a client key, which names this relay alone; "
-                             "its members must not present it. Give the relay's members a "
-                             f"token of their own: --member-token or ${MEMBER_TOKEN_ENV}.")
-        if self.member_token == "" and self.join_token:
-            raise RelayError("--member-token is empty; give the token the relay's members "
-                             "present, or leave it out to take the run's join token.")
+        if self.relay_token and not self.member_token:
+            raise RelayError("no token for the relay's members: give --member-token (or "
+                             f"${MEMBER_TOKEN_ENV}, or the run's join token in "
+                             f"${JOIN_TOKEN_ENV}); the relay token is never theirs.")
+        if self.relay_token and tokens_equal(self.member_token, self.relay_token):
+            raise RelayError("the member token is the relay token, which grants the relay "
+                             "role at the root; give the relay's members a token of their own "
+                             "(--member-token).")
 
     @property
     def members(self) -> str:
-        """The token members present to this relay."""
-        return self.join_token if self.member_token is None else self.member_token
+        """The token members present to this relay ("" where the root asks for none)."""
+        return self.member_token or ""
 
 
 class RunningRelay:
@@ -107,14 +114,12 @@ class RunningRelay:
                            key=access.tls_key)
 
     @classmethod
-    def start(cls, upstream: str, *, name: str, access: Access | str, folder: Path,
+    def start(cls, upstream: str, *, name: str, access: Access, folder: Path,
               host: str = "127.0.0.1", port: int = 0, deadline_s: float | None = None,
               topk: int = 0, mirror: str | None = None, min_members: int = 1,
               trust_remote_code: bool = False,
               log: Callable[[str], None] = print) -> RunningRelay:
-        """``access``: an ``Access``, or the run's join token alone (plaintext both ways)."""
-        access = Access(access) if isinstance(access, str) else access
-        relay = Relay(Upstream(upstream, name=name, join_token=access.join_token,
+        relay = Relay(Upstream(upstream, name=name, join_token=access.relay_token,
                                tls_ca=access.tls_ca), member_token=access.members,
                       deadline_s=deadline_s, folder=folder, topk=topk, mirror=mirror,
                       min_members=min_members, trust_remote_code=trust_remote_code, log=log)
@@ -145,12 +150,13 @@ class RelaySettings:
     host: str = setting("127.0.0.1", help="where members reach this relay (0.0.0.0: any)")
     port: int = setting(7170, low=0, high=65535, help="its gRPC port (0: any free one)")
     name: str = setting("relay", help="the relay's name at the root")
-    join_token: str | None = setting(None, secret=True, help=(
-        "what the relay presents to the root: the run's join token, or its client key where "
-        f"the root runs [auth] mode = \"keys\" (unset: ${JOIN_TOKEN_ENV})"))
+    relay_token: str | None = setting(None, secret=True, help=(
+        "what the relay presents to the root: the run's relay token ([auth] relay_token), "
+        "or its relay key where the root runs [auth] mode = \"keys\" (keys add NAME "
+        f"--relay) (unset: ${RELAY_TOKEN_ENV})"))
     member_token: str | None = setting(None, secret=True, help=(
         f"the token this relay's members present to it (unset: ${MEMBER_TOKEN_ENV}, else "
-        "the join token; needed when the join token is a client key)"))
+        f"the run's join token in ${JOIN_TOKEN_ENV}); never the relay token"))
     tls_ca: Path | None = setting(None, help=(
         "the root's certificate (PEM) to trust: connect to the root with TLS"))
     tls_cert: Path | None = setting(None, help=(
@@ -200,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         given = settings_of(args)
     except MatformerError as error:
         p.error(str(error))
-    token = given.join_token if given.join_token is not None else os.environ.get(
-        JOIN_TOKEN_ENV, "")
-    members = given.member_token if given.member_token is not None else os.environ.get(
-        MEMBER_TOKEN_ENV)
+    token = given.relay_token if given.relay_token is not None else os.environ.get(
+        RELAY_TOKEN_ENV, "")
+    members = next((t for t in (given.member_token, os.environ.get(MEMBER_TOKEN_ENV),
+                                os.environ.get(JOIN_TOKEN_ENV)) if t is not None), None)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:

@@ -136,6 +136,12 @@ class ClientInfo(Strict):
                                            "heartbeat_timeout_s)")
     rejections: int = Field(description="submissions refused as bad results")
     missed: int = Field(description="rounds missed in a row")
+    score: float | None = Field(description="its last delivered round's agreement with its "
+                                            "peers: the cosine between its result and theirs, "
+                                            "in [-1, 1]; null where that round was not scored")
+    score_mean: float | None = Field(description="the mean of its last [faults] score_rounds "
+                                                 "scores, which excludes it below [faults] "
+                                                 "min_score; null before its first")
     bytes_up: int = Field(description="bytes of its submissions since it joined, as received")
     bytes_down: int = Field(description="bytes sent to it since it joined: updates, sequences "
                                         "and checkpoint files (before gRPC's compression)")
@@ -191,6 +197,13 @@ class DroppedClient(Strict):
                                            f"only: {EXCLUDED}{WITHHELD}")
 
 
+class ScoredResult(Strict):
+    client_id: str
+    name: str
+    score: float = Field(description="cosine between its result and its peers' "
+                                     "token-weighted sum, over the coordinates it sent")
+
+
 class RoundRecord(Strict):
     round: int
     opened_at: float
@@ -208,6 +221,9 @@ class RoundRecord(Strict):
     bytes_dense: int = Field(description="the same results as dense float32 tensors of the "
                                          "regions they cover")
     dropped: list[DroppedClient] = Field(description="clients whose work was handed back")
+    scores: list[ScoredResult] = Field([], description=(
+        "each scored result's agreement with its peers'; empty in a round of fewer than three "
+        "results, and in records written before scores were kept"))
 
 
 class Event(Strict):
@@ -315,7 +331,7 @@ def clients_info(snap: dict[str, Any], operator: bool) -> Clients:
             last_round=m["last_round"], last_round_share=m["last_round_share"],
             last_round_seconds=m["last_round_seconds"], last_seen=m["last_seen"],
             last_seen_s_ago=age, longest_silence_s=m["longest_silence_s"], state=state,
-            rejections=m["rejections"],
+            rejections=m["rejections"], score=m["score"], score_mean=m["score_mean"],
             missed=m["missed"], bytes_up=m["bytes_up"], bytes_down=m["bytes_down"],
             dense_bytes_up=m["dense_bytes_up"], dense_bytes_down=m["dense_bytes_down"],
             compute_utilization=(min(m["last_round_compute_s"] / m["last_round_seconds"], 1.0)

@@ -32,6 +32,7 @@ from matformer.server.errors import RunDirectoryUnavailable
 from matformer.server.outer_state import carried_bytes
 from matformer.server.rounds import OpenRound, RoundAssignment
 from matformer.server.run_log import round_line
+from matformer.server.scores import ScoreJudge, agreement
 from matformer.server.update_steps import Carried
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ class Closing:
     started: float  # clock time the close began
     broken: list[str] = field(default_factory=list)  # parameters the update would break
     logged: RoundUpdate | None = None  # what compute logged
+    scores: dict[str, float] = field(default_factory=dict)  # client → its agreement
     carried: Carried = field(default_factory=Carried)  # residual and momentum after it
 
 
@@ -148,10 +150,19 @@ class RoundClose:
         self.close_s = 0.0  # how long the last close took
         self.write_failure: str | None = None  # the last failed close's error, logged once
         self.waiting_for_disk = False  # a round waits for free space (said once)
+        self.judge = ScoreJudge(config.faults)
+        # members whose scores keep pushing against their peers': client → why; the
+        # coordinator's admissions exclude them (``take_exclusions``)
+        self.excluding: dict[str, str] = {}
 
     @property
     def state(self) -> RunState:
         return self._state()
+
+    def take_exclusions(self) -> dict[str, str]:
+        """(lock held) The members the last closes found to push against their peers."""
+        taken, self.excluding = self.excluding, {}
+        return taken
 
     def close_tracker(self) -> None:
         if self.tracker is not None:
@@ -260,6 +271,8 @@ class RoundClose:
         if closing.broken:  # the limits on results make this unreachable; never serve it
             return None
         closing.carried = carried
+        closing.scores = agreement({client: closing.rnd.submissions[client].results
+                                    for client in closing.delivered})
         r = closing.round
         closing.logged = RoundUpdate(
             round=r, update=closing.update, steps=steps,
@@ -291,7 +304,8 @@ class RoundClose:
                 f"{len(broken) - 1} more) not finite; its sequences are requeued")
             self.save()
             return
-        self._record(rnd, closing.by_name, close_s=self.clock() - closing.started)
+        self._record(rnd, closing.by_name, closing.scores,
+                     close_s=self.clock() - closing.started)
         self.state.round = r + 1
         self.state.tokens = closing.tokens_after
         self.state.finished = closing.finishes
@@ -327,10 +341,11 @@ class RoundClose:
         except OSError as err:  # a restart repairs the disk side from state.json
             log.warning("undoing round %d on disk failed: %s", closing.round, err)
 
-    def _record(self, rnd: OpenRound, by_name: Mapping[str, list[SparseResult]], *,
-                close_s: float) -> None:
+    def _record(self, rnd: OpenRound, by_name: Mapping[str, list[SparseResult]],
+                scores: Mapping[str, float], *, close_s: float) -> None:
         """(lock held) The completed round in the run's history, and each member's share of
-        it."""
+        it and score; members whose scores keep pushing against their peers' are marked for
+        exclusion."""
         tokens = sum(a.tokens for a in rnd.assignments.values())
         for client, submission in rnd.submissions.items():
             member = self.membership.members.get(client)
@@ -339,8 +354,11 @@ class RoundClose:
                 member.last_round_tokens = rnd.assignments[client].tokens
                 member.last_round_share = member.last_round_tokens / tokens if tokens else 0.0
                 member.last_round_seconds = submission.received_at - rnd.opened_at
+                why = self.judge.add(member, scores.get(client))
+                if why is not None:
+                    self.excluding[client] = why
         self.history.loss(rnd)
-        self.history.round(rnd, by_name, close_s=close_s)
+        self.history.round(rnd, by_name, scores, close_s=close_s)
         log.info("%s", round_line(self.state, self.config.round, rnd))
 
     def _track(self, round_index: int) -> None:

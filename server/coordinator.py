@@ -159,7 +159,8 @@ class Coordinator:
     def admit(self, ask: JoinAsk) -> Joined:
         """A Join: its credentials (``joins.credentials``), run, model and kind
         (``joins.check_join``) checked, then ``join``."""
-        key = credentials(self.config.auth, self.config.keys_path, ask.join_token)
+        key = credentials(self.config.auth, self.config.keys_path, ask.join_token,
+                          relay=ask.capabilities.relay)
         check_join(ask, run_id=self.config.run.id, schema_hash=self.schema_hash,
                    policy=self.policy)
         member, tier, token = self.join(ask.capabilities, key=key,
@@ -482,7 +483,8 @@ class Coordinator:
             rnd, ended = self.pipeline.step(now, committed=self.state.round,
                                             room=self.closer.room,
                                             last=self.config.round.rounds, detach=detach)
-            for client_id, why in self.pipeline.take_exclusions().items():
+            for client_id, why in (self.pipeline.take_exclusions()
+                                   | self.closer.take_exclusions()).items():
                 if client_id in self.membership.members:
                     self.admissions.exclude(client_id, why)  # saves
             if ended:

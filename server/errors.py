@@ -287,6 +287,14 @@ class WrongJoinToken(CoordinatorError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class RoleNotGranted(CoordinatorError):
+    """A Join as a relay with a member's credential, or as a member with a relay's: the
+    relay role is granted by the run's operator ([auth] relay_token, or a key issued with
+    ``--relay``)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class KeysUnreadable(CoordinatorError):
     """The coordinator cannot read its client keys file: the reason is logged, not told."""
 

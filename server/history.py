@@ -85,10 +85,11 @@ class RunHistory:
             if tokens:
                 state.loss.setdefault(str(tier), []).append([rnd.index, weighted / tokens])
 
-    def round(self, rnd: OpenRound, by_name: Mapping[str, Sequence[SparseResult]], *,
-              close_s: float) -> None:
+    def round(self, rnd: OpenRound, by_name: Mapping[str, Sequence[SparseResult]],
+              scores: Mapping[str, float], *, close_s: float) -> None:
         """The completed round: duration, slowest client, how long its close took, bytes as
-        sent against their dense float32 size, who was dropped."""
+        sent against their dense float32 size, who was dropped, each scored result's
+        agreement with its peers' (server/scores.py)."""
         now = self._clock()
         took = {c: s.received_at - rnd.opened_at for c, s in rnd.submissions.items()}
         slowest = max(took, key=took.__getitem__)
@@ -106,6 +107,8 @@ class RunHistory:
                                for results in by_name.values() for r in results),
             "dropped": [{"client_id": c, "name": names.get(c, c), "reason": why}
                         for c, why in rnd.dropped.items()],
+            "scores": [{"client_id": c, "name": names.get(c, c), "score": score}
+                       for c, score in scores.items()],
         })
         del state.rounds[:-MAX_ROUND_RECORDS]
 

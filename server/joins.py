@@ -23,6 +23,7 @@ from matformer.server.errors import (
     JoinsTooFast,
     KeysUnreadable,
     NameTaken,
+    RoleNotGranted,
     RunFull,
     WrongJoinToken,
 )
@@ -59,12 +60,19 @@ def check_join(ask: JoinAsk, *, run_id: str, schema_hash: str, policy: RoundPoli
                           "\"mean\", [update] vote = \"mean\").")
 
 
-def credentials(auth: AuthSection, keys_path: Path, presented: str) -> KeyHolder | None:
+def credentials(auth: AuthSection, keys_path: Path, presented: str, *,
+                relay: bool = False) -> KeyHolder | None:
     """Whose client key a Join presents (``[auth] mode = "keys"``), None under the other
-    modes; WrongJoinToken for a wrong token or a key the keys file does not hold,
-    KeysUnreadable (the reason logged, not told) when the file cannot be read."""
+    modes. WrongJoinToken for a token or key the run does not hold; RoleNotGranted for a
+    relay presenting a member's credential or a member a relay's (the run's operator grants
+    the role: [auth] relay_token, or ``keys add NAME --relay``); KeysUnreadable (the reason
+    logged, not told) when the keys file cannot be read."""
     if auth.mode == "token":  # "none" admits anyone; the server is loopback-only then
-        if not tokens_equal(presented, auth.token()):
+        granted = auth.relay()
+        as_relay = granted is not None and tokens_equal(presented, granted)
+        if as_relay != relay and (as_relay or tokens_equal(presented, auth.token())):
+            raise _role_refused(relay, "[auth] relay_token")
+        if not as_relay and not tokens_equal(presented, auth.token()):
             raise WrongJoinToken("wrong join token; ask the run's operator for it "
                                  "(--join-token).")
         return None
@@ -80,7 +88,18 @@ def credentials(auth: AuthSection, keys_path: Path, presented: str) -> KeyHolder
         raise WrongJoinToken("unknown client key; this run admits only clients with a key its "
                              "operator issued (matformer-server keys add NAME): pass it as "
                              "--join-token.")
+    if holder.relay != relay:
+        raise _role_refused(relay, "a key issued with `matformer-server keys add NAME --relay`")
     return holder
+
+
+def _role_refused(relay: bool, grant: str) -> RoleNotGranted:
+    if relay:
+        return RoleNotGranted(f"this credential admits a member, not a relay: a relay speaks "
+                              f"for its members, so the run's operator grants the role "
+                              f"({grant}); ask them for it (matformer relay --relay-token).")
+    return RoleNotGranted("this credential admits a relay, not a member; join with the run's "
+                          "join token or your own client key (--join-token).")
 
 
 class JoinGate:

@@ -22,7 +22,6 @@ keys added or removed while it runs take effect at once.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from matformer.server.tiers import valid_name
 
 KEYS_VERSION = 1
 SECRET_BYTES = 32  # of a key's secret: 43 URL-safe base64 characters
-_SECRET = re.compile(r"[A-Za-z0-9_-]{43}")
 
 
 class KeyFileError(ServerError):
@@ -47,6 +45,7 @@ class KeyFileError(ServerError):
 class KeyHolder:
     name: str  # the member name the key carries
     key_hash: str  # "sha256:<hex>": what an exclusion is bound to
+    relay: bool = False  # issued with --relay: it admits a relay, and only a relay
 
 
 class KeyFile:
@@ -55,8 +54,10 @@ class KeyFile:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def add(self, name: str) -> str:
-        """Issue a key for ``name`` and return it (the only time it is seen in clear)."""
+    def add(self, name: str, *, relay: bool = False) -> str:
+        """Issue a key for ``name`` and return it (the only time it is seen in clear);
+        ``relay``: the key admits a relay (``matformer relay --relay-token``), not a
+        member."""
         if not valid_name(name):
             raise KeyFileError(f"key name {name[:64]!r} is not 1-64 letters, digits or "
                                ". _ @ + -, starting with a letter or digit; choose another.")
@@ -65,7 +66,8 @@ class KeyFile:
             raise KeyFileError(f"{self.path} already holds a key named {name!r}; "
                                f"`keys remove {name}` first to issue a new one.")
         key = f"{name}.{secrets.token_urlsafe(SECRET_BYTES)}"
-        entries[name] = {"hash": token_hash(key), "issued": time.time()}
+        entries[name] = {"hash": token_hash(key), "issued": time.time(),
+                         **({"role": "relay"} if relay else {})}
         self._write(entries)
         return key
 
@@ -83,10 +85,11 @@ class KeyFile:
         entry = self.entries().get(name)
         if entry is None or not tokens_equal(token_hash(key), entry["hash"]):
             return None
-        return KeyHolder(name=name, key_hash=entry["hash"])
+        return KeyHolder(name=name, key_hash=entry["hash"], relay=entry.get("role") == "relay")
 
     def entries(self) -> dict[str, dict[str, Any]]:
-        """Name → {"hash", "issued"}; empty when the file does not exist yet."""
+        """Name → {"hash", "issued"} (and "role": "relay" for a relay's key); empty when the
+        file does not exist yet."""
         if not self.path.exists():
             return {}
         try:
@@ -94,6 +97,7 @@ class KeyFile:
             entries = data["keys"]
             if data.get("version") != KEYS_VERSION or not all(
                     isinstance(e, dict) and str(e.get("hash", "")).startswith("sha256:")
+                    and e.get("role", "member") in ("member", "relay")
                     for e in entries.values()):
                 raise ValueError("unexpected layout")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
@@ -104,11 +108,3 @@ class KeyFile:
     def _write(self, entries: dict[str, dict[str, Any]]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path, {"version": KEYS_VERSION, "keys": entries}, mode=0o600)
-
-
-def is_client_key(token: str) -> bool:
-    """Whether ``token`` has the form of a client key (``NAME.SECRET``, as ``KeyFile.add``
-    issues them) rather than of a join token, which has no "." when made by
-    ``protocol.auth.new_join_token``."""
-    name, dot, secret = token.rpartition(".")
-    return bool(dot) and valid_name(name) and _SECRET.fullmatch(secret) is not None

@@ -187,16 +187,23 @@ def keys_main(argv: list[str]) -> int:
     parser.add_argument("action", choices=("add", "remove", "list"))
     parser.add_argument("name", nargs="?", help="the member name the key carries (add, remove)")
     parser.add_argument("--config", type=Path, required=True, help="the run's run.toml")
+    parser.add_argument("--relay", action="store_true", help=(
+        "add: a relay's key (matformer relay --relay-token), which admits a relay and no "
+        "member; a member's key never admits a relay"))
     args = parser.parse_args(argv)
+    if args.relay and args.action != "add":
+        parser.error("--relay goes with keys add")
     if args.action != "list" and not args.name:
         parser.error(f"keys {args.action} needs a NAME")
     try:
         config = RunConfig.load(args.config)
         keys = KeyFile(config.keys_path)
         if args.action == "add":
-            key = keys.add(args.name)
-            print(f"{key}\n\nThe key for {args.name!r}: give it to its holder once, to pass as "
-                  f"--join-token (or $MATFORMER_JOIN_TOKEN). {keys.path} keeps only its hash.")
+            key = keys.add(args.name, relay=args.relay)
+            flag = ("--relay-token (or $MATFORMER_RELAY_TOKEN) of matformer relay" if args.relay
+                    else "--join-token (or $MATFORMER_JOIN_TOKEN)")
+            print(f"{key}\n\nThe {'relay ' if args.relay else ''}key for {args.name!r}: give it "
+                  f"to its holder once, to pass as {flag}. {keys.path} keeps only its hash.")
         elif args.action == "remove":
             keys.remove(args.name)
             print(f"removed the key of {args.name!r}; its holder can no longer join (a member "
@@ -204,7 +211,7 @@ def keys_main(argv: list[str]) -> int:
         else:
             for name, entry in sorted(keys.entries().items()):
                 issued = time.strftime("%Y-%m-%d %H:%M", time.gmtime(entry["issued"]))
-                print(f"{name}\tissued {issued} UTC")
+                print(f"{name}\t{entry.get('role', 'member')}\tissued {issued} UTC")
     except MatformerError as err:
         print(f"{parser.prog}: error: {err}", file=sys.stderr)
         return 2

@@ -40,6 +40,11 @@ class Member:
     silence_counted: float | None = None  # last_seen of the silence already counted a miss
     early: int = 0  # consecutive rounds it finished within [faults] early_fraction
     rejections: int = 0  # submissions refused as bad results, over the whole run
+    # contribution scores (server/scores.py): its last round's agreement with its peers
+    # (None: that round was not scored), its last [faults] score_rounds scores, their mean
+    score: float | None = None
+    scores: list[float] = field(default_factory=list)
+    score_mean: float | None = None
     device_name: str = ""  # what it reported, e.g. "NVIDIA H100 80GB HBM3"; "" if it did not
     last_round: int | None = None  # the last completed round it delivered in
     last_round_tokens: int = 0  # its tokens in that round

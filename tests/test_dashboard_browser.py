@@ -22,7 +22,7 @@ from support.helpers import local_testnet_toml
 from support.openapi import api_paths, response_errors
 
 from matformer.local_testnet import testnet
-from matformer.local_testnet.main import join_token_env
+from matformer.local_testnet.main import token_env
 from matformer.local_testnet.processes import free_port
 from matformer.modeling.mdat import build_default_mdat
 from matformer.server.held_out_log import HeldOutLog
@@ -115,7 +115,8 @@ class LiveRun:
         while http_port == grpc_port:
             http_port = free_port()
         self.net = testnet.Testnet(testnet.TestnetPlan(
-            config=config, run_dir=tmp_path / "run", clients=CLIENTS, env=join_token_env(config),
+            config=config, run_dir=tmp_path / "run", clients=CLIENTS,
+            env=token_env(config, relays=0)[0],
             grpc_port=grpc_port, http_port=http_port, latency_ms=LATENCY_MS,
             overrides=[f"server.grpc_port={grpc_port}", f"server.http_port={http_port}",
                        'server.host="127.0.0.1"',
@@ -286,6 +287,8 @@ def compare(page: dict, api: dict) -> list[str]:
         errors += shows(row.get("last_round_share"), m["last_round_share"], 1, f"{who} share",
                         scale=100)
         errors += shows(row.get("rejections"), m["rejections"], 0, f"{who} rejections")
+        if m["score_mean"] is not None:
+            errors += shows(row.get("score_mean"), m["score_mean"], 2, f"{who} agreement")
         errors += shows(row.get("longest_silence_s"), m["longest_silence_s"], 1,
                         f"{who} longest silence")
         seen = row.get("last_seen_s_ago")

@@ -15,9 +15,11 @@ import torch
 from support.certs import self_signed
 from support.helpers import TESTNET_MODEL, local_testnet_toml, run_testnet
 
+from matformer.local_testnet import testnet as testnets  # its classes are not tests
 from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
+from matformer.local_testnet.default_run import write_default_run
 from matformer.local_testnet.main import main as local_testnet_main
-from matformer.local_testnet.main import parse_args, set_aside
+from matformer.local_testnet.main import parse_args, set_aside, token_env
 from matformer.local_testnet.report import (
     format_table,
     moved_mib,
@@ -332,6 +334,32 @@ def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap)
 
 
 
+def test_the_testnet_hands_the_relay_token_to_the_server_and_its_relays_alone(
+        tmp_path, monkeypatch):
+    only_join = local_testnet_toml(tmp_path / "run.toml",
+                                   auth={"join_token_env": "TESTNET_JOIN_TOKEN"})
+    with pytest.raises(testnets.TestnetFailed, match=r"no relay role; add \[auth\] relay_token"):
+        token_env(only_join, relays=2)
+    assert token_env(only_join, relays=0)[1] == {}
+    monkeypatch.delenv("MATFORMER_RELAY_TOKEN", raising=False)
+    default = write_default_run(tmp_path / "default", data=tmp_path / "d.mdat", min_clients=1,
+                                rounds=1, tokens_per_round=1024)
+    env, relay_env = token_env(default, relays=1)
+    assert set(relay_env) == {"MATFORMER_RELAY_TOKEN"}  # a token made for this run
+    assert relay_env["MATFORMER_RELAY_TOKEN"] != env["MATFORMER_JOIN_TOKEN"]
+    plan = testnets.TestnetPlan(config=default, overrides=[], grpc_port=1, http_port=2,
+                                run_dir=tmp_path, clients=[], env=env, relay_env=relay_env,
+                                relay_ports=[3])
+    seen = {}
+    for name in ("server", "relay-0", "member-0"):
+        child = testnets.Testnet(plan)._child(name, [sys.executable, "-c", (
+            "import os; print('token', os.environ.get('MATFORMER_RELAY_TOKEN'))")],
+            on_line=lambda line, n=name: seen.setdefault(n, line))
+        assert child.wait(60) and child.returncode == 0
+    assert seen["server"] == seen["relay-0"] == f"token {relay_env['MATFORMER_RELAY_TOKEN']}"
+    assert seen["member-0"] == "token None"
+
+
 def test_clients_behind_two_relays_train_the_run_and_the_report_shows_the_roots_bytes(
         tmp_path, monkeypatch):
     """Over TLS (each relay trusts the root's certificate and serves its clients with it),
@@ -339,10 +367,10 @@ def test_clients_behind_two_relays_train_the_run_and_the_report_shows_the_roots_
     out)."""
     build_default_mdat(tmp_path / "d.mdat", limit=40).close()
     self_signed(tmp_path)
+    auth = {"join_token_env": "TESTNET_JOIN_TOKEN", "relay_token_env": "TESTNET_RELAY_TOKEN"}
     config = local_testnet_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=6,
-                                auth={"join_token_env": "TESTNET_JOIN_TOKEN"},
-                                tls={"cert": "cert.pem", "key": "key.pem"})
-    env = {k: v for k, v in os.environ.items() if k != "TESTNET_JOIN_TOKEN"}
+                                auth=auth, tls={"cert": "cert.pem", "key": "key.pem"})
+    env = {k: v for k, v in os.environ.items() if k not in auth.values()}
     result = run_testnet(
         [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "3",
          "--tiers", "0,1", "--config", str(config), "--relays", "2", "--overlap"],
@@ -363,6 +391,7 @@ def test_clients_behind_two_relays_train_the_run_and_the_report_shows_the_roots_
     # the clients behind the relays hold the root's weights, and every sequence the run
     # handed out was trained exactly once
     monkeypatch.setenv("TESTNET_JOIN_TOKEN", "read-the-config")
+    monkeypatch.setenv("TESTNET_RELAY_TOKEN", "and-its-relays")
     check = check_run(RunConfig.load(config), ["member-0", "member-1", "member-2"])
     assert set(check.replicas.values()) == {"equal"}, check.replicas
     assert check.audit.exactly_once

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import grpc
 import pytest
 import torch
 from support.certs import self_signed
-from support.helpers import JOIN_TOKEN, Clock, served_run_toml
+from support.helpers import JOIN_TOKEN, RELAY_TOKEN, Clock, checked_tables, served_run_toml
 from support.models import tiny_config
 from support.rounds import assigned
 from support.wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, serving_config
@@ -24,7 +25,7 @@ from support.wire import HONEST_TIMEOUT_S, code_of, header_of, join_request, ser
 from matformer.client.mirror import MirrorFirst
 from matformer.modeling.checkpoint.hf_config import to_config_dict
 from matformer.modeling.compression import CompressionConfig, universal_config, universal_shapes
-from matformer.modeling.errors import CodeOutsideCheckpoint
+from matformer.modeling.errors import CodeOutsideCheckpoint, MatformerError
 from matformer.protocol.auth import session_metadata
 from matformer.protocol.channel import GRPC_OPTIONS, open_channel
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
@@ -38,8 +39,9 @@ from matformer.relay.upstream import RootWork
 from matformer.server.api import clients_info
 from matformer.server.call_slots import CallLimits
 from matformer.server.config import RunConfig
-from matformer.server.errors import BadReport
+from matformer.server.errors import BadReport, RoleNotGranted, UpstreamError, WrongJoinToken
 from matformer.server.gate import MAX_RELAYED, check_relayed, check_tier_losses
+from matformer.server.joins import credentials
 from matformer.server.keys import KeyFile
 from matformer.server.sections import FaultsSection
 
@@ -158,9 +160,12 @@ def master(server, rounds: int = ROUNDS) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in c.master.items()}
 
 
+ACCESS = Access(RELAY_TOKEN, JOIN_TOKEN)  # the run's relay token up, its join token down
+
+
 def relay_for(server, tmp_path, **kwargs) -> RunningRelay:
     return RunningRelay.start(f"127.0.0.1:{server.grpc_port}", name="relay-a",
-                              access=JOIN_TOKEN, folder=tmp_path / "relay", **kwargs)
+                              access=ACCESS, folder=tmp_path / "relay", **kwargs)
 
 
 def test_members_behind_a_relay_end_where_the_same_members_joined_directly_end(tmp_path):
@@ -252,7 +257,7 @@ def test_what_a_relays_member_does_not_deliver_goes_back_to_the_roots_queue(tmp_
 def test_the_root_refuses_a_relay_in_a_majority_vote_run(tmp_path):
     run = config(tmp_path, min_clients=1, update={"rule": "sign", "lr": 0.01, "vote": "majority"})
     with serving_config(run) as (server, stub):
-        request = join_request(server, name="relay-a")
+        request = join_request(server, name="relay-a", token=RELAY_TOKEN)
         request.relay = True
         code, details = code_of(lambda: stub.Join(request, timeout=HONEST_TIMEOUT_S))
         assert code == grpc.StatusCode.FAILED_PRECONDITION and "vote" in details
@@ -261,7 +266,7 @@ def test_the_root_refuses_a_relay_in_a_majority_vote_run(tmp_path):
 def test_the_root_refuses_a_relay_when_its_round_policy_must_see_each_result(tmp_path):
     run = config(tmp_path, min_clients=1, policy={"name": "trimmed_mean"})
     with serving_config(run) as (server, stub):
-        request = join_request(server, name="relay-a")
+        request = join_request(server, name="relay-a", token=RELAY_TOKEN)
         request.relay = True
         code, details = code_of(lambda: stub.Join(request, timeout=HONEST_TIMEOUT_S))
         assert code == grpc.StatusCode.FAILED_PRECONDITION
@@ -294,7 +299,7 @@ def test_a_relay_with_topk_hands_the_root_k_coefficients_per_chunk(tmp_path):
         root = server.service.coordinator
         exact = relay_for(server, tmp_path / "exact")
         cut = RunningRelay.start(f"127.0.0.1:{server.grpc_port}", name="relay-b",
-                                 access=JOIN_TOKEN, folder=tmp_path / "cut", topk=2)
+                                 access=ACCESS, folder=tmp_path / "cut", topk=2)
         try:
             members = [Member(f"127.0.0.1:{relay.port}", server, f"{relay.relay.root.name}-{n}",
                               tier) for relay in (exact, cut) for n, tier in MEMBERS]
@@ -334,7 +339,7 @@ def test_a_relay_joins_a_tls_root_with_its_own_key_and_serves_its_members_over_t
     cert, key = self_signed(tmp_path)
     run = config(tmp_path, min_clients=1, auth={"mode": "keys"},
                  tls={"cert": "cert.pem", "key": "key.pem"})
-    relay_key = KeyFile(run.keys_path).add("relay-a")  # the root admits key holders only
+    relay_key = KeyFile(run.keys_path).add("relay-a", relay=True)  # the root grants the role
     with pytest.raises(RelayError, match="--member-token"):  # a key is never the members'
         Access(relay_key, tls_ca=cert)
     with serving_config(run) as (server, _):
@@ -357,15 +362,77 @@ def test_a_relay_joins_a_tls_root_with_its_own_key_and_serves_its_members_over_t
             relay.stop("done")
 
 
+def test_the_root_grants_the_relay_role_and_a_members_token_does_not_take_it(tmp_path):
+    """A holder of the join token could once join as a relay and file losses for tiers no
+    member trained; now a relay presents the run's relay token, which admits no member."""
+    with serving_config(config(tmp_path, min_clients=1)) as (server, stub):
+        as_relay = join_request(server, name="relay-x")
+        as_relay.relay = True
+        code, details = code_of(lambda: stub.Join(as_relay, timeout=HONEST_TIMEOUT_S))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert details.startswith("this credential admits a member, not a relay")
+        assert "[auth] relay_token" in details
+        code, details = code_of(lambda: stub.Join(join_request(
+            server, name="m0", token=RELAY_TOKEN), timeout=HONEST_TIMEOUT_S))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert details.startswith("this credential admits a relay, not a member")
+        with pytest.raises(UpstreamError) as refused:  # a real relay holding a member's token
+            RunningRelay.start(f"127.0.0.1:{server.grpc_port}", name="relay-x",
+                               access=Access(JOIN_TOKEN, "lab"), folder=tmp_path / "x")
+        assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+        assert not server.service.coordinator.membership.members
+        relay = relay_for(server, tmp_path)  # the relay token admits it
+        try:
+            (member,) = server.service.coordinator.membership.members.values()
+            assert member.relay and member.name == "relay-a"
+        finally:
+            relay.stop("done")
+
+
+@pytest.mark.parametrize("mode", ["token", "token-without-relays", "keys"])
+def test_only_the_operators_grant_admits_a_relay(tmp_path, mode):
+    keys = tmp_path / "keys.json"
+    auth = {"mode": "keys", "keys_file": str(keys)} if mode == "keys" else {
+        "join_token": JOIN_TOKEN, **({"relay_token": RELAY_TOKEN} if mode == "token" else {})}
+    run = RunConfig.from_dict(checked_tables(auth=auth), base=tmp_path)
+    member, relay = JOIN_TOKEN, RELAY_TOKEN
+    if mode == "keys":
+        member, relay = KeyFile(keys).add("m0"), KeyFile(keys).add("r0", relay=True)
+        assert credentials(run.auth, keys, relay, relay=True).relay
+    elif mode == "token":
+        assert credentials(run.auth, keys, relay, relay=True) is None
+    assert credentials(run.auth, keys, member) is None or mode == "keys"
+    with pytest.raises(RoleNotGranted, match="admits a member, not a relay"):
+        credentials(run.auth, keys, member, relay=True)
+    if mode != "token-without-relays":
+        with pytest.raises(RoleNotGranted, match="admits a relay, not a member"):
+            credentials(run.auth, keys, relay)
+    else:  # no relay token: the would-be one is just a wrong token
+        with pytest.raises(WrongJoinToken):
+            credentials(run.auth, keys, relay, relay=True)
+
+
+@pytest.mark.parametrize(("auth", "message"), [
+    ({"join_token": "same", "relay_token": "same"}, "the relay token is the join token"),
+    ({"mode": "keys", "relay_token": "r"}, "keys add NAME --relay"),
+    ({"mode": "none", "relay_token_env": "R"}, "any relay on this machine may join"),
+])
+def test_a_relay_token_the_run_cannot_use_is_refused(tmp_path, auth, message):
+    with pytest.raises(MatformerError, match=re.escape(message)):
+        RunConfig.from_dict(checked_tables(auth=auth), base=tmp_path)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--join-token", "relay-a." + "x" * 43], "its members must not present it"),
+    (["--relay-token", "relay-a." + "x" * 43], "no token for the relay's members"),
+    (["--relay-token", "t", "--member-token", "t"], "the member token is the relay token"),
     (["--tls-cert", "cert.pem"], "--tls-cert is given but not --tls-key"),
     (["--tls-ca", "missing.pem"], "--tls-ca missing.pem does not exist"),
 ])
 def test_the_relay_command_refuses_access_it_cannot_serve(tmp_path, monkeypatch, capsys, argv,
                                                           message):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MATFORMER_MEMBER_TOKEN", raising=False)
+    for name in ("MATFORMER_MEMBER_TOKEN", "MATFORMER_JOIN_TOKEN", "MATFORMER_RELAY_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
     (tmp_path / "cert.pem").write_text("not read: the key is missing first")
     assert main(["--upstream", "127.0.0.1:9", "--dir", str(tmp_path / "relay"), *argv]) == 2
     assert message in capsys.readouterr().err
@@ -450,7 +517,8 @@ def test_a_relay_with_a_longer_deadline_than_the_roots_is_refused_in_one_line(tm
             f"--deadline-s {root_s + 5:g} is longer than the run's [round] deadline_s "
             f"{root_s:g}: the root would close rounds while this relay's members still train "
             f"them; give at most {root_s:g}, or leave it out (75% of the run's).")
-        assert main(["--upstream", f"127.0.0.1:{server.grpc_port}", "--join-token", JOIN_TOKEN,
+        assert main(["--upstream", f"127.0.0.1:{server.grpc_port}",
+                     "--relay-token", RELAY_TOKEN, "--member-token", JOIN_TOKEN,
                      "--deadline-s", "90", "--dir", str(tmp_path / "cmd")]) == 2
         said = capsys.readouterr().err.strip().splitlines()
         assert len(said) == 1 and said[0].startswith("matformer relay: error: --deadline-s 90 ")

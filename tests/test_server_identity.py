@@ -193,9 +193,14 @@ def test_keys_mode_over_grpc_with_keys_issued_by_the_command(tmp_path):
                             cwd=os.getcwd())
     key = issued.stdout.split()[0]
     assert key.startswith("alice.") and "keeps only its hash" in issued.stdout
+    relay = subprocess.run([sys.executable, "-m", "matformer.server.main", "keys", "add", "lab",
+                            "--relay", "--config", str(toml)], capture_output=True, text=True,
+                           check=True)
+    assert "--relay-token" in relay.stdout
     listed = subprocess.run([sys.executable, "-m", "matformer.server.main", "keys", "list",
                              "--config", str(toml)], capture_output=True, text=True, check=True)
-    assert listed.stdout.startswith("alice\tissued ")
+    assert listed.stdout.startswith("alice\tmember\tissued ")
+    assert "\nlab\trelay\tissued " in listed.stdout
     server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     stub = pb_grpc.CoordinatorStub(channel)

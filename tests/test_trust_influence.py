@@ -7,9 +7,11 @@ a run are refused by name."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -54,46 +56,65 @@ def corpus(tmp_path_factory):
     return path
 
 
-def local_steps_run(folder: Path, corpus: Path, attack: float | None) -> dict:
-    """A default local-steps run (outer sgd, lr 1, DCT; [faults] as its defaults) of three
-    members at tiers 0, 1, 2, the tier-0 one sending ``attack`` times its values. What the
-    run did: the master's movement, the members' summaries, its exclusions."""
-    rounds = 3
+def local_steps_run(folder: Path, corpus: Path, attack: float | None, *, rounds: int = 3,
+                    tiers: tuple[int, ...] = (0, 1, 2), faults: dict | None = None) -> dict:
+    """A default local-steps run (outer sgd, lr 1, DCT; [faults] as its defaults, or
+    ``faults``) of members m0, m1, ... at ``tiers``, rounds of three at least, the first
+    (tier 0) sending ``attack`` times its values. What the run did: the master's movement,
+    the members' summaries, its exclusions, its round records and what /api/clients said the
+    last time it showed a member's score."""
     tables = run_tables(
         corpus, run={"id": "trust", "dir": "run"}, tiers={"allowed": [0, 1, 2]},
-        round={"min_clients": 3, "deadline_s": 120.0, "tokens_per_round": 1536,
+        round={"min_clients": 3, "deadline_s": 120.0, "tokens_per_round": 512 * len(tiers),
                "rounds": rounds},
         update={"rule": "sgd", "lr": 1.0, "schedule": "constant"},
         compression={"encoding": "dct"}, inner={"batch_tokens": 256},
-        checkpoint={"every_rounds": 100}, auth={"join_token": TOKEN})
+        checkpoint={"every_rounds": 100}, auth={"join_token": TOKEN}, faults=faults or {})
     server = RunningServer.start(RunConfig.load(write_run_toml(folder / "run.toml", tables)),
                                  grpc_port=0, http_port=0)
     coordinator = server.service.coordinator
     start = {n: t.clone() for n, t in coordinator.master.items()}
     summaries: dict[int, object] = {}
     try:
-        def play(tier: int) -> None:
+        def play(index: int) -> None:
             options = FederatedOptions(
-                server=f"127.0.0.1:{server.grpc_port}", tier=tier, name=f"m{tier}",
-                join_token=TOKEN, state_dir=folder / "clients" / str(tier),
+                server=f"127.0.0.1:{server.grpc_port}", tier=tiers[index], name=f"m{index}",
+                join_token=TOKEN, state_dir=folder / "clients" / str(index),
                 microbatch_tokens=256, progress=False)
-            member = (Loud(options, attack) if tier == 0 and attack is not None
+            member = (Loud(options, attack) if index == 0 and attack is not None
                       else FederatedClient(options, log=lambda line: None))
             try:
-                summaries[tier] = member.run()
+                summaries[index] = member.run()
             except Exception as err:  # an excluded member's client raises Excluded
-                summaries[tier] = err
+                summaries[index] = err
 
-        threads = [threading.Thread(target=play, args=(tier,), daemon=True) for tier in (0, 1, 2)]
+        api = f"http://127.0.0.1:{server.http_port}/api/clients"
+        scored: list[dict] = []  # /api/clients as last seen with a member's score in it
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(0.25):
+                clients = json.loads(urllib.request.urlopen(api, timeout=30).read())
+                if any(m["score"] is not None for m in clients["members"]):
+                    scored[:] = [clients]
+
+        threads = [threading.Thread(target=play, args=(index,), daemon=True)
+                   for index in range(len(tiers))]
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(300)
+        done.set()
+        watcher.join(60)
         moved = torch.cat([(coordinator.master[n] - start[n]).flatten() for n in start])
         return {"moved": float(moved.norm()), "largest": max(
                     float(t.abs().max()) for t in coordinator.master.values()),
                 "summaries": summaries, "round": coordinator.state.round, "rounds": rounds,
-                "excluded": [e["detail"] for e in events(coordinator, "exclude")]}
+                "excluded": [e["detail"] for e in events(coordinator, "exclude")],
+                "records": list(coordinator.state.rounds), "clients": scored[0] if scored
+                else None}
     finally:
         server.stop()
 
@@ -118,6 +139,28 @@ def test_a_loud_member_neither_wrecks_the_master_nor_gets_anyone_excluded(tmp_pa
     # clipped to a multiple of its peers' magnitude, the loud member's own (honest) direction
     # weighs at most a few honest members': the master moves about as far as honestly
     assert run["moved"] <= 3 * honest_run["moved"], (run["moved"], honest_run["moved"])
+
+
+def test_a_sign_flipped_member_at_an_honest_norm_is_excluded_by_its_scores(tmp_path, corpus):
+    """Issue 47, item 3: m0 trains honestly and sends its results with the sign flipped
+    (factor -1: an honest norm, which no norm bound sees). Every round scores it below 0 and
+    the honest members above; once [faults] score_rounds of its rounds are scored it is
+    excluded, and the three honest members finish the run."""
+    run = local_steps_run(tmp_path, corpus, -1.0, rounds=6, tiers=(0, 1, 2, 1),
+                          faults={"score_rounds": 3})
+    scores = [{s["name"]: s["score"] for s in r["scores"]} for r in run["records"]]
+    assert run["round"] == run["rounds"], run
+    flipped = [r for r in scores if "m0" in r]
+    assert len(flipped) == 3, scores  # excluded once three of its rounds were scored
+    assert all(r.pop("m0") < 0 < min(r.values()) for r in flipped), scores
+    (why,) = run["excluded"]
+    assert why.startswith("its results pointed against its peers': mean agreement -")
+    assert isinstance(run["summaries"][0], Exception)  # told it was excluded
+    assert all(run["summaries"][i].finished for i in (1, 2, 3))
+    # /api/clients the last time it showed a score: after the exclusion, as members left
+    shown = {m["name"]: m for m in run["clients"]["members"]}
+    assert shown and "m0" not in shown
+    assert all(m["score_mean"] > 0 for m in shown.values()), shown
 
 
 # -- rows 5 and 15: values far beyond an honest member's, in process ---------------------------

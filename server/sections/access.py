@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from matformer.modeling.settings import setting
+from matformer.protocol.auth import tokens_equal
 from matformer.server.errors import (
     ConflictingKeys,
     InvalidValue,
@@ -59,7 +60,12 @@ class AuthSection:
     from an environment variable. ``mode = "keys"`` admits only holders of a client key the
     operator issued (``matformer-server keys add NAME``; server/keys.py), each under its key's
     name. ``mode = "none"`` admits any client without a join token, and the server then
-    listens on loopback only, whatever [server] host says."""
+    listens on loopback only, whatever [server] host says.
+
+    A relay speaks for its members (their losses, their results summed), so the role is
+    granted, never taken: under mode = "token" a relay presents the relay token, under
+    mode = "keys" a key issued with ``--relay``; a member's credential does not admit a
+    relay, nor a relay's a member (``joins.credentials``)."""
 
     mode: str = setting("token", choices=AUTH_MODES, help="who may join; " + "; ".join(
         f"{mode}: {meaning}" for mode, meaning in AUTH_MODES.items()))
@@ -67,6 +73,11 @@ class AuthSection:
         "the join token itself (then keep this file private)"))
     join_token_env: str | None = setting(None, help=(
         "name of the environment variable holding the join token"))
+    relay_token: str | None = setting(None, secret=True, help=(
+        "mode = \"token\": the token a relay presents (matformer relay --relay-token); "
+        "unset: no relay may join (mode = \"keys\": keys add NAME --relay)"))
+    relay_token_env: str | None = setting(None, help=(
+        "name of the environment variable holding the relay token"))
     operator_token: str | None = setting(None, secret=True, help=(
         "the token HTTP writes (POST /api/...) need; unset: HTTP is read-only"))
     operator_token_env: str | None = setting(None, help=(
@@ -75,7 +86,7 @@ class AuthSection:
         "mode = \"keys\": the client keys; unset: keys.json in [run] dir"))
 
     def __post_init__(self) -> None:
-        for key in ("join_token", "operator_token"):
+        for key in ("join_token", "relay_token", "operator_token"):
             if getattr(self, key) is not None and getattr(self, f"{key}_env") is not None:
                 raise ConflictingKeys(f"[auth] gives both {key} and {key}_env; keep one.")
             require(getattr(self, key) != "", f"[auth] {key} is empty; set a token.")
@@ -84,6 +95,13 @@ class AuthSection:
             raise ConflictingKeys(f"[auth] mode = \"{self.mode}\" admits clients without the "
                                   f"join token, but {join_keys[0]} is given; remove it, or set "
                                   "mode = \"token\" to require the token.")
+        relay_keys = [k for k in ("relay_token", "relay_token_env")
+                      if getattr(self, k) is not None]
+        if self.mode != "token" and relay_keys:
+            grant = ("issue the relay a key with `matformer-server keys add NAME --relay`"
+                     if self.mode == "keys" else "any relay on this machine may join")
+            raise ConflictingKeys(f"[auth] {relay_keys[0]} is given but mode = \"{self.mode}\" "
+                                  f"does not read it: {grant}; remove it.")
         if self.mode != "keys" and self.keys_file is not None:
             raise ConflictingKeys(f"[auth] keys_file is given but mode = \"{self.mode}\" does "
                                   "not read it; set mode = \"keys\" or remove keys_file.")
@@ -94,7 +112,10 @@ class AuthSection:
                              "print(t())' makes one. (mode = \"none\" runs without one, on "
                              "loopback only.)")
         if self.mode == "token":
-            self.token()
+            token, relay = self.token(), self.relay()
+            require(relay is None or not tokens_equal(relay, token),
+                    "[auth] the relay token is the join token, so every member could join as "
+                    "a relay; give relays a token of their own.")
         self.operator()
 
     def token(self) -> str:
@@ -102,6 +123,11 @@ class AuthSection:
         if self.mode != "token":  # callers check the mode first; never compare against nothing
             raise InvalidValue(f"[auth] mode = \"{self.mode}\" has no join token.")
         return self._secret("join_token")
+
+    def relay(self) -> str | None:
+        """The relay token (read from the environment now when ``relay_token_env`` names
+        it), or None when mode = "token" grants no relay role."""
+        return self._secret("relay_token") if self.mode == "token" else None
 
     def operator(self) -> str | None:
         """The operator token (read from the environment now when ``operator_token_env`` names

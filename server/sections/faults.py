@@ -32,7 +32,9 @@ class FaultsSection:
     breaks a limit is refused and counted; ``max_rejections`` refusals exclude the client.
     A member that missed its last round and has handed nothing in since, not even late, is not
     waited for once the others have delivered (free riders take work and deliver nothing),
-    and ``max_misses`` such rounds in a row exclude it.
+    and ``max_misses`` such rounds in a row exclude it. Each accepted result is scored by its
+    agreement with its peers' (server/scores.py); a member whose mean score over its last
+    ``score_rounds`` scored rounds is below ``min_score`` is excluded.
     """
 
     heartbeat_s: float = setting(5.0, low=MIN_HEARTBEAT_S, high=MAX_SECONDS, unit=SECONDS,
@@ -52,6 +54,12 @@ class FaultsSection:
         "consecutive early rounds before a larger tier is offered; 0: never"))
     max_rejections: int = setting(3, low=0, high=MAX_COUNT, help=(
         "refused submissions before the client is excluded; 0: never"))
+    score_rounds: int = setting(8, low=0, high=MAX_COUNT, help=(
+        "scored rounds a member's mean agreement with its peers is taken over before it can "
+        "exclude the member; 0: never"))
+    min_score: float = setting(-0.05, low=-1, high=1, help=(
+        "a member whose mean agreement (cosine with its peers' results, in [-1, 1]) is "
+        "below this is excluded: its results push against the others'"))
     max_norm: float | None = setting(None, low=0, above=True, help=(
         "L2 bound on one submission's values; unset: unbounded"))
     norm_action: str = setting("reject", choices=NORM_ACTIONS, help=(

@@ -196,6 +196,15 @@ function clientRow(m) {
                              "data-value": m.longest_silence_s, class: "sub" },
                    `longest silence ${fmt(m.longest_silence_s, 1)} s`));
   row.append(seen);
+  // agreement with its peers (server/scores.py): the window's mean, the last round's under it
+  const agreement = numCell("score_mean", m.score_mean,
+                            m.score_mean === null ? "–" : fmt(m.score_mean, 2));
+  agreement.classList.toggle("against", m.score_mean !== null && m.score_mean < 0);
+  if (m.score !== null) {
+    agreement.append(node("span", { "data-field": "score", "data-value": m.score,
+                                    class: "sub" }, `last ${fmt(m.score, 2)}`));
+  }
+  row.append(agreement);
   row.append(numCell("rejections", m.rejections, fmt(m.rejections, 0)));
   row.append(node("td", { "data-field": "state", class: `state state-${m.state}` }, m.state));
   return row;

@@ -20,6 +20,7 @@ from matformer.server.config import RunConfig
 from support.models import tiny_config
 
 JOIN_TOKEN = "join-secret"
+RELAY_TOKEN = "relay-secret"  # [auth] relay_token of run_tables' runs
 OPERATOR_TOKEN = "operator-secret"
 # The model of configs that are checked and never built into weights.
 CHECKED_MODEL = {"vocab_size": 260, "hidden_size": 64, "num_attention_heads": 4,
@@ -62,7 +63,7 @@ def run_tables(mdat: str | Path, /, **tables: Any) -> dict[str, Any]:
         "round": {"min_clients": 1, "deadline_s": 30.0, "tokens_per_round": 1024, "rounds": 5},
         "update": {"rule": "sgd", "lr": 0.1, "schedule": "constant"},
         "compression": {"encoding": "dense"},
-        "auth": {"join_token": JOIN_TOKEN},
+        "auth": {"join_token": JOIN_TOKEN, "relay_token": RELAY_TOKEN},
         **tables,
     }
 

@@ -1,0 +1,175 @@
+"""Contribution scores: how far each accepted result points the way its peers' results do
+(docs/architecture.md, "Members that fail or misbehave").
+
+The norm limits bound how much a result weighs, never which way it pushes: a member that
+sends its honest result with the sign flipped, at an honest norm, passes every bound and
+undoes a peer's work each round. Its direction gives it away. A result's score is the cosine
+between it and the token-weighted sum of the round's other results, over the coordinates it
+sent (``agreement``): near 1 for a result its peers' agree with, near 0 for noise, negative for
+one that pushes against them. It is taken where the results were sent, in the DCT (or top-k)
+domain: the chunkwise DCT is orthonormal, so inner products there are those of the decoded
+values, and the cost is one gather per result of the values it sent.
+
+Two results cannot tell which of them is wrong, so a round is scored only when it has at
+least ``MIN_RESULTS`` results (a relay's partial sum is one). A member is excluded when the
+mean of its last ``[faults] score_rounds`` scores is below ``[faults] min_score``
+(``ScoreJudge``); the scores and their mean are in the round records, on the dashboard and
+in ``/api/clients``.
+
+    scores = agreement({"client-0": results0, "client-1": results1, "client-2": results2})
+    judge = ScoreJudge(faults)
+    why = judge.add(member, scores["client-2"])   # the exclusion's reason, or None
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from matformer.modeling.compression import SparseResult
+from matformer.modeling.compression.grid import region_slices
+
+if TYPE_CHECKING:
+    from matformer.server.membership import Member
+    from matformer.server.sections import FaultsSection
+
+MIN_RESULTS = 3  # results in a round before any is scored: a majority to agree with
+PAIRWISE_MAX = 8  # up to this many results, the majority is found from every pair
+
+
+@dataclass(slots=True)
+class _Sums:
+    """One result's inner products, added up over its parameters."""
+
+    dot: float = 0.0  # <its values, its peers' sum>
+    own: float = 0.0  # |its values|²
+    peers: float = 0.0  # |its peers' sum|², over the coordinates it sent
+
+    def add(self, values: Tensor, peers: Tensor) -> None:
+        self.dot += float(torch.dot(values, peers))
+        self.own += float(torch.dot(values, values))
+        self.peers += float(torch.dot(peers, peers))
+
+    @property
+    def cosine(self) -> float | None:
+        if self.own <= 0 or self.peers <= 0:
+            return None
+        return max(-1.0, min(1.0, self.dot / math.sqrt(self.own * self.peers)))
+
+
+def agreement(results: Mapping[str, Sequence[SparseResult]]) -> dict[str, float]:
+    """Client → the cosine between its results and the token-weighted sum of its peers'
+    in the round's majority (each parameter compared where the client sent values, among
+    results of one layout), in [-1, 1]. Clients are left out where the round has fewer than
+    MIN_RESULTS results, or no peer sent values where they did.
+
+    The majority is the n // 2 + 1 results that agree most with the others: by the sum of
+    their cosines with each other result (up to PAIRWISE_MAX results), else by their cosine
+    with the sum of all the others. Against all peers, one result pushing against the rest
+    drags every honest member's reference with it (with three members an honest one's peers
+    sum to an honest result minus another, near 0 or below); against the majority, everyone
+    is compared with honest results only, as long as fewer than half push against them."""
+    if len(results) < MIN_RESULTS:
+        return {}
+    groups = _groups(results)
+    ranks = (_support(groups, results) if len(results) <= PAIRWISE_MAX
+             else _cosines(groups, results, set(results)))
+    majority = sorted(ranks, key=ranks.__getitem__, reverse=True)[:len(results) // 2 + 1]
+    return _cosines(groups, results, set(majority))
+
+
+Placed = tuple[int, list[tuple[str, Tensor, Tensor, int]]]  # size; client, at, values, tokens
+
+
+def _groups(results: Mapping[str, Sequence[SparseResult]]) -> list[Placed]:
+    """The results of each parameter and layout that more than one client sent, placed on
+    one index space: each result's values (float32, flat) and where they lie in it."""
+    by_layout: dict[tuple[str, str, tuple[int, ...]], list[tuple[str, SparseResult]]] = {}
+    for client, sent in results.items():
+        for result in sent:
+            by_layout.setdefault((result.name, result.encoding, result.chunk), []).append(
+                (client, result))
+    return [_placed(group) for group in by_layout.values() if len(group) > 1]
+
+
+def _placed(group: list[tuple[str, SparseResult]]) -> Placed:
+    first = group[0][1]
+    if first.encoding == "dense":  # the universal shape's elements, each region's own
+        size = math.prod(first.shape)
+        flat = torch.arange(size).view(first.shape)
+        at = [flat[region_slices(r.region)].reshape(-1) for _, r in group]
+    else:  # the coordinates any of them sent: (chunk, position in it)
+        chunk = math.prod(first.chunk)
+        keys = [(r.chunks.long().unsqueeze(1) * chunk + r.indices.long()).reshape(-1)
+                for _, r in group]
+        sent, where = torch.unique(torch.cat(keys), return_inverse=True)
+        size, at = sent.numel(), list(torch.split(where, [k.numel() for k in keys]))
+    return size, [(client, where, r.values.float().reshape(-1), r.tokens)
+                  for (client, r), where in zip(group, at, strict=True)]
+
+
+def _cosines(groups: list[Placed], results: Mapping[str, Sequence[SparseResult]],
+             counted: set[str]) -> dict[str, float]:
+    """Each client's cosine with the token-weighted sum of the ``counted`` clients' results
+    but its own, over the coordinates it sent."""
+    sums = {client: _Sums() for client in results}
+    for size, placed in groups:
+        total = torch.zeros(size, dtype=torch.float32)
+        for client, at, values, tokens in placed:
+            if client in counted:
+                total.index_add_(0, at, values * tokens)
+        for client, at, values, tokens in placed:
+            peers = total[at] - values * tokens if client in counted else total[at]
+            sums[client].add(values, peers)
+    return {client: score for client, s in sums.items() if (score := s.cosine) is not None}
+
+
+def _support(groups: list[Placed], results: Mapping[str, Sequence[SparseResult]]
+             ) -> dict[str, float]:
+    """Each client's cosines with every other client's results (each over all the values
+    both sent), summed: high for one the others agree with."""
+    dots: dict[tuple[str, str], float] = {}
+    norms = dict.fromkeys(results, 0.0)
+    for size, placed in groups:
+        for client, at, values, _ in placed:
+            norms[client] += float(torch.dot(values, values))
+            spread = torch.zeros(size, dtype=torch.float32).index_put_((at,), values)
+            for other, their_at, theirs, _ in placed:
+                if other > client:  # each pair once
+                    pair = (client, other)
+                    dots[pair] = dots.get(pair, 0.0) + float(torch.dot(spread[their_at], theirs))
+    support = dict.fromkeys(results, 0.0)
+    for (a, b), dot in dots.items():
+        if norms[a] > 0 and norms[b] > 0:
+            cosine = dot / math.sqrt(norms[a] * norms[b])
+            support[a] += cosine
+            support[b] += cosine
+    return support
+
+
+class ScoreJudge:
+    """Each member's recent scores, and who keeps pushing against its peers."""
+
+    def __init__(self, faults: FaultsSection) -> None:
+        self.faults = faults  # min_score and score_rounds, read at each round
+
+    def add(self, member: Member, score: float | None) -> str | None:
+        """Record ``member``'s score for a round it delivered in (None: not scored); the
+        reason to exclude it, or None."""
+        member.score = score
+        if score is None:
+            return None
+        window = self.faults.score_rounds
+        member.scores = [*member.scores, score][-max(window, 1):]
+        mean = sum(member.scores) / len(member.scores)
+        member.score_mean = mean
+        if window and len(member.scores) >= window and mean < self.faults.min_score:
+            return (f"its results pointed against its peers': mean agreement {mean:+.3f} over "
+                    f"its last {window} scored rounds, below [faults] min_score "
+                    f"{self.faults.min_score:+g}")
+        return None
