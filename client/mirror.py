@@ -274,7 +274,7 @@ class Broadcast:
             return []
         try:
             got = self.mirror.updates(since_round, tier)[:len(published)]
-            _same_rounds(got, published, tier)
+            same_rounds(got, published, tier)
         except MirrorFailed as err:
             self.source.failed(f"updates from round {since_round}", err)
             return self.connection.updates(since_round, tier)
@@ -304,9 +304,9 @@ class Broadcast:
             lambda: self.connection.download(path, dest, sha256))
 
 
-def _same_rounds(got: list[RoundUpdate], published: list[RoundHeader], tier: int) -> None:
+def same_rounds(got: list[RoundUpdate], published: list[RoundHeader], tier: int) -> None:
     """Raises ``MirrorFailed`` unless the mirror's rounds are those the coordinator
-    ``published``, each with its header."""
+    ``published``, each with its header (a member's broadcast and a relay's check)."""
     if len(got) < len(published):
         raise MirrorFailed(
             f"it lists {len(got)} rounds from round {published[0].round} on, while the "

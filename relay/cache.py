@@ -1,6 +1,8 @@
 """What the relay serves its members from the root: each round's update per tier and each
 checkpoint file, fetched once and kept; from an HTTP mirror of the root's broadcast first
 when the relay has one (``--mirror``, ``client.mirror.MirrorFirst``), from the root else.
+The root stays the authority: a round comes from the mirror only as the root's headers say
+it closed (``client.mirror.same_rounds``), as a member checks its own mirror.
 
     source = MirrorFirst(mirror_url_or_None, log)
     updates = UpdateCache(root, source)
@@ -20,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from matformer.client.mirror import MirrorFirst
+from matformer.client.mirror import HttpMirror, MirrorFirst, same_rounds
 from matformer.modeling.checkpoint.files import read_json
 from matformer.modeling.checkpoint.manifest import MANIFEST_NAME, Manifest
 from matformer.protocol.files import resolve_inside
@@ -62,9 +64,8 @@ class UpdateCache:
             # from the first round not held; no wait when some are (they answer at once)
             wait = (lambda: 0.0) if held else (lambda: max(0.0, until - time.monotonic()))
             fresh = self.source.take(
-                f"updates from round {after}",
-                lambda mirror: [(update.round, messages) for update, messages in mirror.rounds(
-                    after, tier, wait_s=wait())],
+                f"updates from round {after}", lambda mirror: self._mirrored(
+                    mirror, after, tier, wait()),
                 lambda: list(rounds_of(self.root.updates(after, tier, wait()))))
             with self._lock:
                 for round_index, messages in fresh:
@@ -74,6 +75,19 @@ class UpdateCache:
                     del self._rounds[key]
         held, after = self._held(since_round, tier)
         return self._serve(held, after - since_round)
+
+    def _mirrored(self, mirror: HttpMirror, since_round: int, tier: int, wait_s: float
+                  ) -> list[tuple[int, list[pb.UpdateMessage]]]:
+        """The rounds the root has closed from ``since_round`` on, from the mirror: the root
+        says which and their headers (waiting up to ``wait_s``), and the mirror must list
+        each with that header, else ``MirrorFailed`` (the root is the authority: a mirror
+        that withholds or forges a round does not reach the relay's members)."""
+        published = self.root.published(since_round, tier, wait_s)
+        if not published:
+            return []
+        got = mirror.rounds(since_round, tier)[:len(published)]
+        same_rounds([update for update, _ in got], published, tier)
+        return [(update.round, messages) for update, messages in got]
 
     def _serve(self, messages: list[pb.UpdateMessage], rounds: int) -> list[pb.UpdateMessage]:
         with self._lock:

@@ -5,6 +5,7 @@ relay's transport edge to it (as ``client/connection.py`` is a member's).
     joined = root.join(tokens_per_second=0.0)      # Joined: the relay's session and the run
     work = root.get_round(after=None)              # RootWork
     root.fetch(ids); root.submit(header, partials); root.updates(since, tier, wait_s)
+    root.published(since, tier, wait_s)            # the rounds' headers alone
     root.checkpoint(); root.download(path, dest)
 
 The relay's core sees the project's records only: what the root answers comes back as them,
@@ -40,6 +41,7 @@ from matformer.protocol.records import (
 from matformer.protocol.settings import decode_settings
 from matformer.protocol.submission import submission_messages
 from matformer.protocol.tensors import decode_tensor
+from matformer.protocol.updates import RoundHeader, read_headers
 from matformer.server.errors import UpstreamError
 from matformer.server.member_api import Joined
 from matformer.server.tiers import TierAssignment
@@ -156,6 +158,15 @@ class Upstream:
             return [self._in(m) for m in self.stub.GetUpdates(self._out(pb.GetUpdatesRequest(
                 since_round=since_round, tier=tier, wait_seconds=wait_s)),
                 metadata=self.metadata, timeout=wait_s + TRANSFER_S)]
+
+    def published(self, since_round: int, tier: int, wait_s: float) -> list[RoundHeader]:
+        """The headers alone of the rounds ``updates`` would give (weight hash, rule,
+        parameter updates): what a mirror's rounds are checked against."""
+        with self._streams, _answered():
+            return list(read_headers(self._in(m) for m in self.stub.GetUpdates(
+                self._out(pb.GetUpdatesRequest(since_round=since_round, tier=tier,
+                                               wait_seconds=wait_s, headers_only=True)),
+                metadata=self.metadata, timeout=wait_s + CALL_S)))
 
     def checkpoint(self) -> ServedCheckpoint:
         with _answered():

@@ -18,13 +18,20 @@ from collections.abc import Callable, Iterator
 import pytest
 from support.helpers import served_run_toml
 from support.http import serving_http
-from support.wire import serving_config
+from support.wire import HONEST_TIMEOUT_S, join_request, serving_config
 from test_http_cache import get, holds_the_master, mirrored
+from test_relay import ROUNDS as RELAY_ROUNDS
+from test_relay import WAIT_S as RELAY_WAIT_S
+from test_relay import config as relay_config
+from test_relay import relay_for, run_members
 
 import matformer.client.mirror as mirror_module
 from matformer.client.mirror import unframed
+from matformer.protocol.auth import session_metadata
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.tensors import decode_tensor, encode_tensor
+from matformer.protocol.updates import read_headers
+from matformer.relay.upstream import rounds_of
 from matformer.server.config import RunConfig
 from matformer.server.update_cache import framed
 
@@ -175,3 +182,45 @@ def test_a_mirror_serving_a_damaged_round_under_its_own_digest_is_caught_at_roun
     # since replayed from the coordinator, though the mirror no longer rests by then
     assert member.summary.resynchronisations == member.broadcast.fallbacks == ROUNDS - 1
     assert mirror.forged
+
+
+@pytest.mark.parametrize("fault", ["forge", "withhold"])
+def test_a_relays_mirror_is_checked_against_the_roots_headers(tmp_path, monkeypatch, fault):
+    """A relay with --mirror takes a round from it only as the root's headers say it closed:
+    a mirror that lists round 1 with no parameter updates under round 0's hash, or withholds
+    it, is caught at round 1, said once naming the mirror, and the relay's members get the
+    root's rounds."""
+    monkeypatch.setattr(mirror_module, "MIRROR_REST_S", 0.0)  # tried again every round
+    mirror = BadMirror(**({"forge": nothing_under_round_0s_hash} if fault == "forge"
+                          else {"withhold": True}))
+    logs: list[str] = []
+    with serving_config(relay_config(tmp_path, min_clients=1)) as (server, stub):
+        mirror.base = f"http://127.0.0.1:{server.http_port}"
+        with serving_mirror(mirror) as url:
+            relay = relay_for(server, tmp_path, mirror=url, log=logs.append)
+            try:
+                run_members(f"127.0.0.1:{relay.port}", server, rounds=RELAY_ROUNDS)
+                root = server.service.coordinator
+                root.wait_for_round(RELAY_ROUNDS - 1, RELAY_WAIT_S)
+                cache = relay.relay.updates
+                reader = stub.Join(join_request(server, name="reader"), timeout=HONEST_TIMEOUT_S)
+                for tier in (0, 1):
+                    served = [h for _, messages in rounds_of(cache.messages(0, tier, 0.0))
+                              for h in read_headers(messages)]
+                    published = [h for _, messages in rounds_of(root_updates(stub, reader, tier))
+                                 for h in read_headers(messages)]
+                    assert served == published and len(served) == RELAY_ROUNDS, tier
+            finally:
+                relay.stop("done")
+    said = warning(logs, url)
+    assert "for updates from round 1: " in said, said
+    assert ("it lists round 1 with 0 parameter updates" in said if fault == "forge"
+            else "it lists 0 rounds from round 1 on, while the coordinator has closed" in said)
+    assert relay.relay.updates.source.fallbacks >= 1
+
+
+def root_updates(stub, reader: pb.JoinReply, tier: int) -> list[pb.UpdateMessage]:
+    """Every round the root logged, at ``tier``, as a member of its own reads them."""
+    return list(stub.GetUpdates(pb.GetUpdatesRequest(since_round=0, tier=tier),
+                                metadata=session_metadata(reader.session_token),
+                                timeout=HONEST_TIMEOUT_S))
