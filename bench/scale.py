@@ -14,7 +14,8 @@ code untouched): ``close``, the whole close of a round (``RoundClose.close``: ag
 every parameter over the clients' results and compress it for the broadcast, apply the update
 rule to the master, hash it per tier, log the update, save state.json), and inside it
 ``aggregate + step`` (``close_round``: the aggregates, the broadcast's steps, the new
-master), ``hash`` (``tier_hashes``), ``log + save`` and ``rest``. Checkpoints are kept out
+master), ``score`` (``server.scores.agreement``: each result's contribution score),
+``hash`` (``tier_hashes``), ``log + save`` and ``rest``. Checkpoints are kept out
 (the interval is longer than the run). While each timed round closes, a prober thread sends
 Heartbeat and GetRound in turn and records how long each takes to answer: ``hb p99``, the
 99th percentile over every timed round.
@@ -29,7 +30,7 @@ process (server and simulated clients together).
 Each client count plays one untimed warm-up round, then ``--rounds`` timed ones; medians are
 shown. The benchmark keeps the clients' reported speeds (``membership.measured`` is a no-op:
 they submit one after another without training), so every client gets an equal share.
-``--json OUT`` writes one object per N with ``clients``, ``close_ms``, ``bytes_up``,
+``--json OUT`` writes one object per N with ``clients``, ``close_ms``, ``score_ms``, ``bytes_up``,
 ``bytes_down``, ``dense_bytes_up``, ``dense_bytes_down``, ``update_apply_s``,
 ``heartbeat_p99_ms`` (and ``getround_p99_ms``, ``peak_rss_mib``). Targets (issue 16): up +
 down at least 100x below dense at every N, close at 64 clients at most 3x close at 1,
@@ -63,6 +64,7 @@ import grpc
 import torch
 from harness import parse, print_table
 
+import matformer.server.close as round_close  # the close scores results with agreement
 import matformer.server.policies.mean as close_module  # the default policy calls close_round
 from matformer.modeling import ModelConfig
 from matformer.modeling.compression import (
@@ -92,7 +94,8 @@ RESULT_TOKENS = 512  # the count encoded at first; each round sends its assignme
 SHAPES = {"150m": {"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 12,
                   "intermediate_size": 3072, "vocab_size": 32000}}
 PROBE_S = 0.005  # the prober's pause between calls while a round closes
-STEPS = ("aggregate + step", "hash", "log + save")  # timed inside close; "rest" is the remainder
+# timed inside close; "rest" is the remainder
+STEPS = ("aggregate + step", "score", "hash", "log + save")
 SMOKE = dict(vocab_size=260, hidden_size=64, layers=2, heads=4, kv_heads=2,
              intermediate_size=256, clients="1,2", rounds=1, threads=1)
 
@@ -270,6 +273,10 @@ class CloseTimer:
         """``close_round``, timed; installed by ``measure`` for a run."""
         return self._step("aggregate + step", work)
 
+    def score(self, work: Callable[..., Any]) -> Callable[..., Any]:
+        """``agreement`` (the contribution scores), timed; installed by ``measure``."""
+        return self._step("score", work)
+
 
 @dataclass(slots=True)
 class Row:
@@ -291,6 +298,7 @@ class Row:
     def figures(self) -> dict[str, float]:
         """The JSON keys of one client count."""
         return {"clients": self.clients, "close_ms": self.close_s() * 1e3,
+                "score_ms": self.close_s("score") * 1e3,
                 "bytes_up": self.up_bytes, "bytes_down": self.update_bytes,
                 "dense_bytes_up": self.dense, "dense_bytes_down": self.dense,
                 "update_apply_s": self.update_s, "heartbeat_p99_ms": self.p99_ms("Heartbeat"),
@@ -390,6 +398,8 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
     close_round = close_module.close_round
     coordinator.closer.close = timer.close(coordinator.closer.close)
     close_module.close_round = timer.aggregate(close_round)
+    agreement = round_close.agreement
+    round_close.agreement = timer.score(agreement)
     channel = grpc.insecure_channel(f"127.0.0.1:{running.grpc_port}", options=GRPC_OPTIONS)
     try:
         stub = pb_grpc.CoordinatorStub(channel)
@@ -417,6 +427,7 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
                    rss)
     finally:
         close_module.close_round = close_round
+        round_close.agreement = agreement
         channel.close()
         running.stop()
 
@@ -467,7 +478,8 @@ def main() -> None:
         print(f"encoded {max(counts)} clients' results in {time.perf_counter() - start:.1f} s")
         rows = [measure(args, n, folder, mdat, submissions) for n in counts]
     print_table(
-        ["clients", "close ms", "ms/client", "aggregate + step ms", "hash ms", "log + save ms",
+        ["clients", "close ms", "ms/client", "aggregate + step ms", "score ms", "hash ms",
+         "log + save ms",
          "rest ms", "round wall ms", "hb p99 ms", "GetRound p99 ms"],
         [[str(r.clients), f"{r.close_s() * 1e3:,.1f}", f"{r.close_s() * 1e3 / r.clients:,.2f}",
           *(f"{r.close_s(s) * 1e3:,.1f}" for s in STEPS), f"{r.rest_s() * 1e3:,.1f}",
