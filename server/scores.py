@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from matformer.modeling.compression import SparseResult
-from matformer.modeling.compression.grid import region_slices
+from matformer.modeling.compression.grid import ChunkGrid, region_slices
 
 if TYPE_CHECKING:
     from matformer.server.membership import Member
@@ -88,7 +88,9 @@ Placed = tuple[int, list[tuple[str, Tensor, Tensor, int]]]  # size; client, at, 
 
 def _groups(results: Mapping[str, Sequence[SparseResult]]) -> list[Placed]:
     """The results of each parameter and layout that more than one client sent, placed on
-    one index space: each result's values (float32, flat) and where they lie in it."""
+    one index space the size of the parameter (its chunks whole, for chunked results): each
+    result's values (float32, flat) and where they lie in it. No sort: the sums are taken by
+    adding into that space."""
     by_layout: dict[tuple[str, str, tuple[int, ...]], list[tuple[str, SparseResult]]] = {}
     for client, sent in results.items():
         for result in sent:
@@ -103,12 +105,11 @@ def _placed(group: list[tuple[str, SparseResult]]) -> Placed:
         size = math.prod(first.shape)
         flat = torch.arange(size).view(first.shape)
         at = [flat[region_slices(r.region)].reshape(-1) for _, r in group]
-    else:  # the coordinates any of them sent: (chunk, position in it)
+    else:  # the chunked coefficients: chunk id × chunk size + position in the chunk
         chunk = math.prod(first.chunk)
-        keys = [(r.chunks.long().unsqueeze(1) * chunk + r.indices.long()).reshape(-1)
-                for _, r in group]
-        sent, where = torch.unique(torch.cat(keys), return_inverse=True)
-        size, at = sent.numel(), list(torch.split(where, [k.numel() for k in keys]))
+        size = ChunkGrid(shape=first.shape, chunk=first.chunk).size * chunk
+        at = [(r.chunks.long().unsqueeze(1) * chunk + r.indices.long()).reshape(-1)
+              for _, r in group]
     return size, [(client, where, r.values.float().reshape(-1), r.tokens)
                   for (client, r), where in zip(group, at, strict=True)]
 
