@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import matformer.server.scores as scores_module
 from matformer.modeling.compression import CompressionConfig, SparseResult
 from matformer.modeling.compression.grid import region_slices
 from matformer.server.membership import Member
@@ -176,3 +177,24 @@ def test_the_judge_excludes_on_the_windows_mean_only_once_it_is_full():
     assert m.scores == [0.5, 0.5, -0.5]
     never = ScoreJudge(FaultsSection(score_rounds=0))
     assert all(never.add(member(), -1.0) is None for _ in range(20))
+
+
+def test_a_large_round_is_scored_on_a_sample_drawn_anew_each_round(monkeypatch):
+    """Beyond SCORED_VALUES a round's values are sampled (every stride-th chunk from a
+    random offset): the sampled scores stay near those over every value, and the flipped
+    member is caught whichever sample is drawn."""
+    common = common_direction()
+    grads = {f"m{i}": honest(i, common) for i in range(4)}
+    grads["m0"] = {n: -g for n, g in grads["m0"].items()}
+    results = {c: encoded(g, 0, 100, "dct") for c, g in grads.items()}
+    whole = agreement(results)
+    sent = sum(r.values.numel() for rs in results.values() for r in rs)
+    monkeypatch.setattr(scores_module, "SCORED_VALUES", sent // 3)  # a stride of 4
+    offsets = []
+    monkeypatch.setattr(scores_module.secrets, "randbelow",
+                        lambda n: offsets.append(n) or len(offsets) % n)
+    for _ in range(4):
+        sampled = agreement(results)
+        assert sampled != whole and sampled["m0"] < 0 < min(sampled["m1"], sampled["m2"])
+        assert all(abs(sampled[c] - whole[c]) < 0.25 for c in whole), (sampled, whole)
+    assert offsets == [4, 4, 4, 4]
