@@ -17,6 +17,11 @@ the same sequences of the stdlib-docstrings MDAT:
      federated run here (``FederatedOptions.also_train`` empty), where P sums tiers 0, 1, 2
   O  as L with overlapped rounds ([round] overlap): each round trains on the weights after
      the round before last, while that round closes; same sequences, same tokens
+  AF as A with a fourth client at tier 0 that trains honestly and submits its results with
+     the sign flipped (an honest norm, so no norm bound sees it); contribution scores on, as
+     by default (server/scores.py): it is excluded once [faults] score_rounds of its rounds
+     are scored, and the three honest clients train on
+  AU as AF with [faults] score_rounds = 0: the flipped client stays to the end
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
   P  as D in steps of 3 × ``--batch-tokens``: what data-parallel training by 3 workers at
      L's inner batch computes, a third of D's steps. LB replaces it, so LB / P is the price
@@ -38,6 +43,9 @@ the join's checkpoint download included), per client and round. Against L stands
 data-parallel training would move for D's steps: a ring all-reduce of the float32 gradient
 among 3 workers sends and receives 2·(3−1)/3 of the model's bytes per step and worker.
 
+AF / A and AU / A are the price of a sign-flipped member caught and not caught; the lines
+after the table give its scores and the round it was excluded in.
+
 ``--attack-scale F``: the first client (tier 0) trains honestly and submits every value
 times F, a member lying about magnitude; ``--peer-clip`` sets the defence ([faults]
 peer_clip; 0: off, unset: the run's default), ``--policy NAME`` the round policy of the
@@ -48,7 +56,8 @@ federated runs ([policy] name, e.g. trimmed_mean; ``--trim`` its fraction).
     python bench/federated_quality.py --runs L,D,P --json quality.json
     python bench/federated_quality.py --runs LB,L,P --seed 1
     python bench/federated_quality.py --runs L --attack-scale 1000
-    python bench/federated_quality.py --smoke     # A, LB, D, P: one round on 60 docstrings
+    python bench/federated_quality.py --runs A,AF,AU --json flip.json
+    python bench/federated_quality.py --smoke     # A, AF, LB, D, P: one round, 60 docstrings
 """
 
 from __future__ import annotations
@@ -70,6 +79,7 @@ from harness import parse, print_table
 from torch import Tensor
 
 from matformer.client.connection import Train
+from matformer.client.errors import Excluded
 from matformer.client.federated import FederatedClient, FederatedOptions
 from matformer.client.standalone import TINY
 from matformer.client.summary import ClientSummary
@@ -107,6 +117,13 @@ class FederatedRun:
     broadcast_topk: int | None = None  # [update] broadcast_topk (None: the default)
     local_steps: bool = False  # [inner] steps of --batch-tokens, DiLoCo's outer step
     overlap: bool = False  # [round] overlap: round r trains on the weights after r - 1 rounds
+    flipped: bool = False  # one more client, at tier 0, submits its results sign-flipped
+    scored: bool = True  # False: [faults] score_rounds = 0, scores exclude no one
+
+    @property
+    def clients(self) -> tuple[int, ...]:
+        """Every client's tier: the honest ones, then the flipped one, if any."""
+        return (*self.tiers, 0) if self.flipped else self.tiers
 
 
 RUNS = {
@@ -118,12 +135,15 @@ RUNS = {
     "O": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", local_steps=True,
                       overlap=True),
     "LB": FederatedRun(tiers=(0, 0, 0), encoding="dct", value_dtype="bfloat16", local_steps=True),
+    "AF": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", flipped=True),
+    "AU": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", flipped=True,
+                       scored=False),
 }
 DP_WORKERS = 3  # data-parallel reference: a ring all-reduce among this many workers
 STANDALONE = "D"
 DATA_PARALLEL = "P"  # standalone at the global batch of DP_WORKERS data-parallel workers
 NAMES = ", ".join([*RUNS, STANDALONE, DATA_PARALLEL])  # what --runs takes
-SMOKE = dict(runs="A,LB,D,P", rounds=1, local_rounds=1, tokens_per_round=2048, warmup_rounds=0,
+SMOKE = dict(runs="A,AF,LB,D,P", rounds=1, local_rounds=1, tokens_per_round=2048, warmup_rounds=0,
              documents=60)
 
 
@@ -153,6 +173,17 @@ class Outcome:
     final: dict[str, float]
     seconds: float
     summaries: list[ClientSummary]
+    flipped: dict[str, Any] | None = None  # the flipped client's scores and exclusion
+
+
+def flipped_record(coordinator: Any, name: str) -> dict[str, Any]:
+    """The flipped client's score in each round that scored it, and the round whose close
+    excluded it (None: it stayed)."""
+    scores = [s["score"] for r in coordinator.state.rounds for s in r["scores"]
+              if s["name"] == name]
+    excluded = [e["round"] - 1 for e in coordinator.state.events
+                if e["kind"] == "exclude" and e["name"] == name]
+    return {"scores": scores, "excluded_after_round": excluded[0] if excluded else None}
 
 
 def parse_args() -> argparse.Namespace:
@@ -266,13 +297,14 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
         "data": {"path": str(data), "strategy": STRATEGY, "max_seq_len": args.seq_len,
                  "seed": args.seed},
         "tiers": {"allowed": TIERS},
-        "round": {"min_clients": len(run.tiers), "deadline_s": 3600.0,
+        "round": {"min_clients": len(run.tiers), "deadline_s": 3600.0,  # the honest ones
                   "tokens_per_round": tokens, "rounds": rounds, "overlap": run.overlap},
         "compression": compression,
         "update": update,
         "inner": inner,
         "checkpoint": {"every_rounds": rounds},
-        "faults": {} if args.peer_clip is None else {"peer_clip": args.peer_clip},
+        "faults": {**({} if args.peer_clip is None else {"peer_clip": args.peer_clip}),
+                   **({} if run.scored else {"score_rounds": 0})},
         "policy": {"name": args.policy,
                    "options": {} if args.trim is None else {"trim": args.trim}},
         "auth": {"join_token": TOKEN},
@@ -282,10 +314,10 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
 class _Recording(FederatedClient):
     """Remembers every sequence id it trained and the coordinator took."""
 
-    trained: list[int]
+    trained: tuple[int, ...] = ()  # none until a round of its is taken
 
     def accepted(self, work: Train, *args: Any) -> None:
-        self.trained = [*getattr(self, "trained", []), *work.sequence_ids]
+        self.trained = (*self.trained, *work.sequence_ids)
         return super().accepted(work, *args)
 
 
@@ -316,10 +348,13 @@ def run_federated(name: str, run: FederatedRun, data: Path, held_out: set[int],
         options = [FederatedOptions(
             server=f"127.0.0.1:{server.grpc_port}", tier=tier, name=f"{name}{i}-t{tier}",
             join_token=TOKEN, state_dir=args.out / name / "clients" / str(i), data=data,
-            progress=False) for i, tier in enumerate(run.tiers)]
-        # the attacker, if any, is the first client: at tier 0 it covers every weight
+            progress=False) for i, tier in enumerate(run.clients)]
+        # the attacker, if any, is the first client: at tier 0 it covers every weight; the
+        # flipped one is the last
         clients = [_Attacking(o, args.attack_scale, log=lambda line: None)
                    if i == 0 and args.attack_scale is not None
+                   else _Attacking(o, -1.0, log=lambda line: None)
+                   if run.flipped and i == len(run.tiers)
                    else _Recording(o, log=lambda line: None) for i, o in enumerate(options)]
         summaries: list[ClientSummary | BaseException] = [None] * len(clients)
 
@@ -336,22 +371,30 @@ def run_federated(name: str, run: FederatedRun, data: Path, held_out: set[int],
             thread.join()
         coordinator = server.service.coordinator
         position, tokens = coordinator.queue.position, coordinator.state.tokens
+        flipped = flipped_record(coordinator, options[-1].name) if run.flipped else None
     finally:
         server.stop()
     seconds = time.perf_counter() - started
+    if run.flipped and isinstance(summaries[-1], Excluded):
+        summaries.pop()  # what scores are for
     for summary in summaries:
         if isinstance(summary, BaseException):
             raise summary
-    if [s.tier for s in summaries] != list(run.tiers):
+    if [s.tier for s in summaries] != list(run.clients)[:len(summaries)]:
         raise RuntimeError(f"run {name}: clients got tiers {[s.tier for s in summaries]}")
     trained = {i for c in clients for i in c.trained}
     if trained & held_out:
         raise RuntimeError(f"run {name} trained on {len(trained & held_out)} held-out sequences")
-    if position != sum(map(len, planned)) or trained != {i for r in planned for i in r}:
+    plan = {i for r in planned for i in r}
+    # an excluded client's work of the round then open went back to the queue, so the run
+    # trained that much less of the plan
+    short = run.flipped and flipped["excluded_after_round"] is not None
+    if (position > len(plan) or not trained <= plan) if short else (
+            position != len(plan) or trained != plan):
         raise RuntimeError(f"run {name} did not train on the planned sequences (a client "
                            "missed a round's deadline?)")
     checkpoints = args.out / name / "checkpoints"
-    return Outcome(tokens=tokens, seconds=seconds, summaries=summaries,
+    return Outcome(tokens=tokens, seconds=seconds, summaries=summaries, flipped=flipped,
                    initial=held.start(load_pretrained(checkpoints / "round-0")),
                    final=held.final(load_pretrained(checkpoints / f"round-{len(planned)}")))
 
@@ -468,9 +511,17 @@ def main() -> None:
             print(f"{name}: share of each client's wall time spent computing: {busy}")
     for note in notes:
         print(note)
+    for name, o in outcomes.items():
+        if o.flipped is not None:
+            scores, after = o.flipped["scores"], o.flipped["excluded_after_round"]
+            print(f"{name}: the flipped client's scores "
+                  + (" ".join(f"{score:+.2f}" for score in scores)
+                     + f" (mean {sum(scores) / len(scores):+.2f})" if scores else "none")
+                  + ("; it stayed to the end" if after is None
+                     else f"; excluded when round {after} closed"))
     for first, other in [("A", "B"), ("A", "C"), ("A", STANDALONE), ("A", "E"),
                          ("L", STANDALONE), ("L", DATA_PARALLEL), ("LB", DATA_PARALLEL),
-                         ("L", "LB"), ("L", "A"), ("O", "L")]:
+                         ("L", "LB"), ("L", "A"), ("O", "L"), ("AF", "A"), ("AU", "A")]:
         if first in outcomes and other in outcomes:
             ratios = ", ".join(
                 f"tier {t} {outcomes[first].final[t] / outcomes[other].final[t]:.3f}"
@@ -492,7 +543,8 @@ def main() -> None:
         report = {name: {"final": {str(t): o.final[tier_label(t)] for t in TIERS},
                          "bytes_up": _bytes(o.summaries, "bytes_up", "rounds_trained"),
                          "bytes_down": _bytes(o.summaries, "bytes_down", "rounds_applied"),
-                         "tokens": o.tokens, "seconds": round(o.seconds, 1)}
+                         "tokens": o.tokens, "seconds": round(o.seconds, 1),
+                         **({} if o.flipped is None else {"flipped": o.flipped})}
                   for name, o in outcomes.items()}
         if STANDALONE in report:  # no messages: what data parallelism would move instead
             report[STANDALONE]["data_parallel"] = {
