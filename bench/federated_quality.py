@@ -22,6 +22,7 @@ the same sequences of the stdlib-docstrings MDAT:
      by default (server/scores.py): it is excluded once [faults] score_rounds of its rounds
      are scored, and the three honest clients train on
   AU as AF with [faults] score_rounds = 0: the flipped client stays to the end
+  LF, LU as AF and AU for L
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
   P  as D in steps of 3 × ``--batch-tokens``: what data-parallel training by 3 workers at
      L's inner batch computes, a third of D's steps. LB replaces it, so LB / P is the price
@@ -43,7 +44,8 @@ the join's checkpoint download included), per client and round. Against L stands
 data-parallel training would move for D's steps: a ring all-reduce of the float32 gradient
 among 3 workers sends and receives 2·(3−1)/3 of the model's bytes per step and worker.
 
-AF / A and AU / A are the price of a sign-flipped member caught and not caught; the lines
+AF / A and AU / A (LF / L and LU / L) are the price of a sign-flipped member caught and
+not caught; the lines
 after the table give its scores and the round it was excluded in.
 
 ``--attack-scale F``: the first client (tier 0) trains honestly and submits every value
@@ -56,7 +58,7 @@ federated runs ([policy] name, e.g. trimmed_mean; ``--trim`` its fraction).
     python bench/federated_quality.py --runs L,D,P --json quality.json
     python bench/federated_quality.py --runs LB,L,P --seed 1
     python bench/federated_quality.py --runs L --attack-scale 1000
-    python bench/federated_quality.py --runs A,AF,AU --json flip.json
+    python bench/federated_quality.py --runs A,AF,AU,L,LF,LU --json flip.json
     python bench/federated_quality.py --smoke     # A, AF, LB, D, P: one round, 60 docstrings
 """
 
@@ -138,6 +140,10 @@ RUNS = {
     "AF": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", flipped=True),
     "AU": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", flipped=True,
                        scored=False),
+    "LF": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", local_steps=True,
+                       flipped=True),
+    "LU": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", local_steps=True,
+                       flipped=True, scored=False),
 }
 DP_WORKERS = 3  # data-parallel reference: a ring all-reduce among this many workers
 STANDALONE = "D"
@@ -521,7 +527,8 @@ def main() -> None:
                      else f"; excluded when round {after} closed"))
     for first, other in [("A", "B"), ("A", "C"), ("A", STANDALONE), ("A", "E"),
                          ("L", STANDALONE), ("L", DATA_PARALLEL), ("LB", DATA_PARALLEL),
-                         ("L", "LB"), ("L", "A"), ("O", "L"), ("AF", "A"), ("AU", "A")]:
+                         ("L", "LB"), ("L", "A"), ("O", "L"), ("AF", "A"), ("AU", "A"), ("LF", "L"),
+                         ("LU", "L")]:
         if first in outcomes and other in outcomes:
             ratios = ", ".join(
                 f"tier {t} {outcomes[first].final[t] / outcomes[other].final[t]:.3f}"
