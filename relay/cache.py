@@ -17,6 +17,7 @@ published, so nothing here is ever refreshed; the oldest rounds leave past ``KEE
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -123,15 +124,32 @@ class FileCache:
             lock = self._locks.setdefault(relative, threading.Lock())
         with lock:
             if not local.is_file():
-                local.parent.mkdir(parents=True, exist_ok=True)
-                sha256 = self._listed(relative)
-                if sha256 is None:  # a manifest, or a file no manifest vouches for
-                    self.root.download(relative, local)
-                else:
-                    self.source.take(relative, lambda m: m.download(sha256, local) or sha256,
-                                     lambda: self.root.download(relative, local))
+                try:
+                    self._fetch(relative, local)
+                except BaseException:  # a path not fetched keeps nothing here, not even a lock
+                    with self._lock:
+                        self._locks.pop(relative, None)
+                    raise
                 self.fetched += 1
         return local
+
+    def _fetch(self, relative: str, local: Path) -> None:
+        """The root's file ``relative`` to ``local``, from the mirror first where the manifest
+        vouches for it; the folders made for it are removed again when it fails."""
+        made = [p for p in local.parents if not p.exists()]  # innermost first
+        local.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            sha256 = self._listed(relative)
+            if sha256 is None:  # a manifest, or a file no manifest vouches for
+                self.root.download(relative, local)
+            else:
+                self.source.take(relative, lambda m: m.download(sha256, local) or sha256,
+                                 lambda: self.root.download(relative, local))
+        except BaseException:
+            for folder in made:
+                with contextlib.suppress(OSError):  # another fetch put a file in it meanwhile
+                    folder.rmdir()
+            raise
 
     def _listed(self, relative: str) -> str | None:
         """The sha256 the manifest of ``relative``'s checkpoint gives it (the manifest comes

@@ -79,7 +79,13 @@ from matformer.server.member_api import Expected, JoinAsk, Joined, Waiting
 from matformer.server.pipeline import WINDOW
 from matformer.server.rounds import RoundAssignment, deadline_after, pulled_in
 from matformer.server.sections import FaultsSection
-from matformer.server.tiers import Capabilities, TierAssignment, TierPolicy
+from matformer.server.tiers import (
+    MAX_TOKENS_PER_SECOND,
+    Capabilities,
+    TierAssignment,
+    TierPolicy,
+    check_speed,
+)
 from matformer.server.work import assign
 
 WAIT_S = 0.5  # between looks at the root when it has no work for the relay
@@ -255,6 +261,9 @@ class Relay:
 
     def heartbeat(self, client_id: str, *, tokens_per_second: float | None = None,
                   relayed: Sequence[tuple[str, int, float]] = ()) -> RelayMember:
+        """A member alive, at a speed the root would take from it (BadCapabilities else)."""
+        if tokens_per_second is not None:
+            check_speed(tokens_per_second, client_id)
         return self.seen(client_id, tokens_per_second)
 
     def closed_rounds(self) -> int:
@@ -326,11 +335,12 @@ class Relay:
 
     def speed(self) -> float:
         """What the relay reports to the root: its ready members' tokens/s together (0 until
-        ``min_members`` are ready, before its first round)."""
+        ``min_members`` are ready, before its first round), at most the fastest speed the
+        root takes."""
         ready = self._ready()
         if not self.started and len(ready) < self.min_members:
             return 0.0
-        return sum(m.tokens_per_second for m in ready)
+        return min(sum(m.tokens_per_second for m in ready), MAX_TOKENS_PER_SECOND)
 
     def _ready(self) -> list[RelayMember]:
         """The live members with a speed to size a share by."""
@@ -444,9 +454,10 @@ class Relay:
                 return
             try:
                 held = self.held[:1]
-                with self._changed:  # what its members are now, for the root's page
-                    listed = [(m.name, m.tier, m.tokens_per_second)
-                              for m in self.members.values()][:MAX_RELAYED]
+                with self._changed:  # what its members are now, for the root's page: each
+                    # name once, as the root takes a listing (members may share a name here)
+                    listed = list({m.name: (m.name, m.tier, m.tokens_per_second)
+                                   for m in self.members.values()}.values())[:MAX_RELAYED]
                 closed = self.root.heartbeat(held[0].work.round if held else self.root_round,
                                              self.speed(), listed)
                 self.root_round = max(self.root_round, closed)

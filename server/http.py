@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
@@ -78,6 +80,14 @@ def build_app(coordinator: Coordinator) -> FastAPI:
             headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
             return JSONResponse({"detail": detail}, status_code=status, headers=headers)
         return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        """FastAPI's own 422, but an input of bytes that are not UTF-8 (a body not sent as
+        JSON) is shown with those bytes replaced: FastAPI's own answer failed on it (500)."""
+        detail = jsonable_encoder(error.errors(), custom_encoder={
+            bytes: lambda data: data.decode(errors="replace")})
+        return JSONResponse({"detail": detail}, status_code=422)
 
     app.include_router(build_router(coordinator, HeldOutLog(coordinator.config.run.dir),
                                     operator_token))

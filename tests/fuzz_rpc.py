@@ -1,7 +1,16 @@
 """Fuzz every Coordinator RPC with random and mutated messages against a real server on
-loopback: the server must never crash, and a call it rejects must leave the run as it was.
+loopback, the root or a relay in front of it (or, ``--target http``, the root's HTTP side:
+tests/fuzz_http.py): the server must never crash, and a call it rejects must leave the run
+as it was.
 
     python tests/fuzz_rpc.py --examples 2000 --seconds 120 --seed 0
+    python tests/fuzz_rpc.py --target relay    # the same RPCs to a relay in front of the root
+    python tests/fuzz_rpc.py --target http     # the root's HTTP side (tests/fuzz_http.py)
+
+The target (``--target``) is the root coordinator itself (``RootTarget``), or a relay in front
+of it (``RelayTarget``, ``fuzz_relay``): the relay serves its members the same RPCs through
+the same servicer, and is the root's only member. Either way the fuzzed calls and the honest
+members' calls go to the target, and the rounds that must move on are the root's.
 
 Each case (drawn by hypothesis) picks an RPC, a session (none, forged, garbage, revoked, a
 live member's, or one with work in the open round) and a request: random fields, a valid
@@ -16,20 +25,24 @@ INTERNAL "Exception deserializing request!", listed as ``INTERNAL(unparseable)``
 
 A crash is a call ending UNKNOWN (an exception escaped a handler) or any other INTERNAL, a
 call still running after ``CALL_TIMEOUT_S``, a failed health check, or an error logged by
-gRPC or the coordinator (its tick thread included). After every call that ends in an error
-status, ``snapshot`` must be unchanged: state.json and the live run state, members and
-session tokens, the work queue, the open round (assignments, who submitted what), the
-master's weight hash, every other file of the run directory and the bytes counted as
-received; all but what a refusal changes on purpose (``_uncounted``, ``_members``).
+gRPC, the coordinator (its tick thread included) or the relay (the root refusing it). After
+every call that ends in an error status, the target's snapshot must be unchanged. The root's
+(``snapshot``): state.json and the live run state, members and session tokens, the work
+queue, the open round (assignments, who submitted what), the master's weight hash, every
+other file of the run directory and the bytes counted as received; all but what a refusal
+changes on purpose (``_uncounted``, ``_members``). The relay's (``relay_snapshot``): its
+members and sessions, the root's rounds it holds (each member's part and what it delivered),
+its counts and its caches of the root's updates and files.
 
 An accepted input can also break the run later: a Join with a speed of inf once made every
 later round fail to open. So every ``--round-every`` cases, and once at the end, the
 fuzzer's two honest members move the run one round on as clients would (``honest_round``):
-GetRound, FetchSequences of their assignment, a valid SubmitResult, and the round closes (at
-its deadline, when fuzzed members hold assignments too); every call must answer OK, the
-round index must go up by one with the next round open, and state.json must hold only
-finite numbers. A failure there is a crash, listed with the cases since the last good
-round, and fuzzing stops: every later call would fail the same way.
+GetRound, FetchSequences of their assignment, a valid SubmitResult, and the root's round
+closes (at its deadline, or the relay's, when fuzzed members hold work too); every call must
+answer OK, the root's round index must go up by one with the next round open, and state.json
+must hold only finite numbers. A failure there is a crash, listed with the cases since the
+last good round, and fuzzing stops: every later call would fail the same way. When fuzzing
+ends the honest members leave, so that another fuzzer may take their names.
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 import torch
@@ -64,17 +78,24 @@ from support.helpers import Clock, served_run_toml
 
 from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
 from matformer.modeling.compression import weight_hash
-from matformer.protocol.auth import session_metadata
+from matformer.protocol.auth import SessionTokens, session_metadata
 from matformer.protocol.channel import COORDINATOR_SERVICE, GRPC_OPTIONS
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.sparse import encode_sparse_result
 from matformer.protocol.tensors import DTYPES
+from matformer.relay.main import Access, RunningRelay
+from matformer.relay.relay import Relay
+from matformer.relay.rounds import RelayMember
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
 from matformer.server.main import RunningServer
+from matformer.server.membership import Member
+from matformer.server.rounds import RoundAssignment
 
 JOIN_TOKEN = "fuzz-join-token"
+RELAY_TOKEN = "fuzz-relay-token"  # grants the relay role at the root ([auth] relay_token)
+OPERATOR_TOKEN = "fuzz-operator-token"  # the HTTP side's writes ([auth] operator_token)
 RUN_ID = "fuzz"
 CALL_TIMEOUT_S = 30.0
 UNPARSEABLE = "Exception deserializing request!"  # gRPC's own answer to bytes that do not parse
@@ -90,6 +111,11 @@ HOWS = ["random", "one field", "one number", "mutated"]  # how a request is made
 PAIRS = [(rpc, how) for rpc in RPCS
          for how in ([*HOWS, "off layout"] if rpc == "SubmitResult" else HOWS)]
 OFF_LAYOUT_BYTES = 1 << 20  # the most bytes an off-layout tensor gets to match its shape
+# The root's [faults] heartbeat_s under a relay: how soon the relay learns of a close (its
+# heartbeat's answer says), which its answers to its members then say
+RELAY_HEARTBEAT_S = 0.2
+# what the relay logs when the root refuses it: an error, as the coordinator's own would be
+RELAY_FAILURES = ("heartbeat to the root failed", "the root answered")
 
 @dataclass
 class FuzzReport:
@@ -104,32 +130,44 @@ class FuzzReport:
     reseeded: int = 0  # times hypothesis stopped on draws that depend on the server's state
 
     def table(self) -> str:
-        """Calls per RPC and status code, one row per RPC."""
+        """Calls per RPC (or route) and status code, one row each."""
         statuses = sorted({code for _, code in self.codes})
-        rows = [["rpc", "tried", *statuses]]
-        for rpc in RPCS:
-            counts = [self.codes[rpc, code] for code in statuses]
-            rows.append([rpc, str(sum(counts)), *map(str, counts)])
+        rows = [["called", "tried", *statuses]]
+        for name in sorted({name for name, _ in self.codes}):
+            counts = [self.codes[name, code] for code in statuses]
+            rows.append([name, str(sum(counts)), *map(str, counts)])
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
                  for row in rows)
         return "\n".join(lines)
 
+    def check_unchanged(self, what: str, before: dict[str, str], after: dict[str, str]) -> None:
+        """The snapshots before and after a refused call (``what``): a part that differs is
+        a state change."""
+        changed = [f"{k} ({difference(before[k], after[k])})" for k in sorted(before)
+                   if before[k] != after[k]]
+        if changed:
+            self.state_changes.append(f"{what} changed {'; '.join(changed)}")
+
 
 @contextlib.contextmanager
-def fuzz_server(directory: Path) -> Iterator[RunningServer]:
+def fuzz_server(directory: Path, *, min_clients: int = 2, heartbeat_s: float = 5.0
+                ) -> Iterator[RunningServer]:
     """A coordinator on loopback (ephemeral ports) for a tiny run in ``directory``. Its
     clients are never excluded, so the honest members keep their sessions. Its clock stands
     still while fuzzing (``Clock``): no call changes state by the clock; each honest round
-    moves it at most one deadline on, far less than a member's timeouts."""
+    moves it at most one deadline on, far less than a member's timeouts. It admits a relay
+    (``RELAY_TOKEN``), and its HTTP side takes the operator's writes (``OPERATOR_TOKEN``)."""
     directory.mkdir(parents=True, exist_ok=True)
     toml = served_run_toml(
         directory, run={"id": RUN_ID, "dir": "run"},
-        round={"min_clients": 2, "deadline_s": 60.0, "tokens_per_round": 1024,
+        round={"min_clients": min_clients, "deadline_s": 60.0, "tokens_per_round": 1024,
                "rounds": 1000000},
-        faults={"heartbeat_timeout_s": 3600.0, "session_ttl_s": 7200.0, "max_rejections": 0},
+        faults={"heartbeat_timeout_s": 3600.0, "session_ttl_s": 7200.0, "max_rejections": 0,
+                "heartbeat_s": heartbeat_s},
         compression={"encoding": "topk", "chunk": 8, "topk": 4},  # int8 and int16 ids, positions
-        auth={"join_token": JOIN_TOKEN})
+        auth={"join_token": JOIN_TOKEN, "relay_token": RELAY_TOKEN,
+              "operator_token": OPERATOR_TOKEN})
     server = RunningServer.start(RunConfig.load(toml), grpc_port=0, http_port=0)
     try:
         yield server
@@ -146,12 +184,12 @@ def join_request(server: RunningServer, name: str) -> pb.JoinRequest:
         schema=pb.Schema(canonical_hash=server.coordinator.schema_hash))
 
 
-def valid_submission(server: RunningServer, client_id: str) -> list[pb.SubmitMessage]:
-    """The SubmitResult stream ``client_id`` would send now: results encoded with the run's
-    settings at its tier for every parameter, trained at ``SPEED``."""
-    c = server.service.coordinator
-    assignment = c.assignment_for(client_id)
-    member = c.membership.members.get(client_id)
+def valid_submission(target: Target, client_id: str) -> list[pb.SubmitMessage]:
+    """The SubmitResult stream ``client_id`` would send ``target`` now: results encoded with
+    the run's settings at its tier for every parameter, trained at ``SPEED``."""
+    c = target.server.service.coordinator  # the run: its parameters, tier regions, settings
+    assignment = target.assignment_for(client_id)
+    member = target.member(client_id)
     regions = c.regions(member.tier if member is not None else 0)
     tokens = assignment.tokens if assignment is not None else 1
     header = pb.SubmitHeader(round=assignment.round if assignment else c.state.round,
@@ -172,9 +210,12 @@ def snapshot(server: RunningServer) -> dict[str, str]:
     """What a rejected call must not change, as JSON per part (see the module docstring)."""
     c = server.service.coordinator
     with c._lock:  # the coordinator's own lock: no handler or tick changes it meanwhile
-        # what earlier accepted calls changed reaches state.json first; a failing save is
-        # for the next honest round to report
+        # state.json is written from the live run first, so that what earlier calls changed
+        # unsaved (an event, which marks nothing unsaved) is not taken for a refusal's doing
+        # when the refusal's save writes it; a failing save is for the next honest round to
+        # report
         with contextlib.suppress(Exception):
+            c.mark_unsaved()
             c.flush()
         rnd = c.current_round
         open_round = None if rnd is None else {
@@ -211,6 +252,204 @@ def _members(membership: dict) -> dict:
         member.pop("last_seen")
         member.pop("rejections")
     return membership
+
+
+def relay_snapshot(relay: Relay) -> dict[str, str]:
+    """What a call the relay refuses must not change, as JSON per part: its members (all but
+    ``last_seen``, which a member's call refreshes before it is checked) and sessions, the
+    root's rounds it holds (each member's part, and what it delivered), its counts (members
+    it admitted, the join bucket, the ids rounding owes each member, the root's rounds it
+    knows of and handed in) and its caches of the root's updates and checkpoint files, with
+    the folder those files live in. The counts are the relay's private fields: nothing else
+    shows them."""
+    with relay._changed:  # the relay's own lock: no handler or thread of it changes it meanwhile
+        members = {client: {k: v for k, v in dataclasses.asdict(m).items() if k != "last_seen"}
+                   for client, m in relay.members.items()}
+        held = [{"work": dataclasses.asdict(h.work), "sequences": sorted(h.sequences),
+                 "opened": h.opened, "deadline": h.deadline, "missed": sorted(h.missed),
+                 "parts": {client: {
+                     "assignment": dataclasses.asdict(part.assignment),
+                     "results": None if part.results is None else
+                     sorted((r.name, r.region) for r in part.results),
+                     "loss": part.loss, "delivered_at": part.delivered_at}
+                     for client, part in h.parts.items()}}
+                for h in relay.held]
+        counts = {"admitted": relay._next_id, "joins": relay._joins.bucket, "owed": relay._owed,
+                  "root_round": relay.root_round, "run_tokens": relay.run_tokens,
+                  "rounds_submitted": relay.rounds_submitted, "started": relay.started,
+                  "finished": relay.finished}
+    caches = {"updates fetched": relay.updates.fetched, "updates served": relay.updates.served,
+              "files fetched": relay.files.fetched, "files asked for": len(relay.files._locks)}
+    folder = {str(p.relative_to(relay.folder)):
+              hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+              for p in sorted(relay.folder.rglob("*"))}
+    parts = {"members": members, "sessions": relay.sessions.as_dict(), "held": held,
+             "counts": counts, "caches": caches, "folder": folder}
+    return {k: json.dumps(v, sort_keys=True, default=str) for k, v in parts.items()}
+
+
+# -- targets: what the fuzzed and the honest members call --------------------------------------
+
+class Target(Protocol):
+    """Where members call (``port``), serving the run of ``server`` (the root), and how that
+    run moves on between calls."""
+
+    server: RunningServer  # the root: its rounds are the ones the honest members move on
+    port: int  # the gRPC port members call
+    sessions: SessionTokens  # of the target's members
+
+    def member(self, client_id: str) -> Member | RelayMember | None: ...
+
+    def assignment_for(self, client_id: str) -> RoundAssignment | None: ...
+
+    def freeze(self) -> None: ...  # the fuzzer's clocks: no call changes state by the clock
+
+    def snapshot(self) -> dict[str, str]: ...  # what a refused call must not change
+
+    def settle(self, failed: Callable[[], bool]) -> None: ...  # until nothing moves unasked
+
+    def pass_deadline(self) -> None: ...  # move the clocks past the deadline that holds on
+
+
+class RootTarget:
+    """The root coordinator: members call it."""
+
+    def __init__(self, server: RunningServer) -> None:
+        self.server = server
+        self.port = server.grpc_port
+        self.coordinator = server.service.coordinator
+        self.sessions = self.coordinator.membership.sessions
+        self.clock = Clock()
+
+    def member(self, client_id: str) -> Member | None:
+        return self.coordinator.membership.members.get(client_id)
+
+    def assignment_for(self, client_id: str) -> RoundAssignment | None:
+        return self.coordinator.assignment_for(client_id)
+
+    def freeze(self) -> None:
+        self.clock.now = self.coordinator.clock()
+        self.coordinator.clock = self.clock
+
+    def snapshot(self) -> dict[str, str]:
+        return snapshot(self.server)
+
+    def settle(self, failed: Callable[[], bool]) -> None:
+        _wait_for_close(self.coordinator, failed)
+
+    def pass_deadline(self) -> None:
+        """At the open round's deadline the round closes, or opens again if nobody delivered,
+        on the honest members' next calls."""
+        c = self.coordinator
+        rnd = c.current_round
+        if rnd is None:
+            raise _Unserved(f"no round is open in round {c.state.round} (phase {c.phase}), "
+                            "though both honest members call")
+        self.clock.now = max(self.clock.now, rnd.deadline)
+
+
+class SkippingClock:
+    """A clock that runs (``time.monotonic``), and jumps ahead when told (``skip_to``)."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.skipped
+
+    def skip_to(self, when: float) -> None:
+        self.skipped += max(when - self(), 0.0)
+
+
+class RelayTarget:
+    """A relay in front of the root, the root's only member (``fuzz_relay``): members call the
+    relay, which holds the root's open round and splits it among them. The relay's clock runs
+    (it paces its calls to the root by it) and skips to a held round's deadline when an honest
+    round waits on it; the root's stands still."""
+
+    def __init__(self, server: RunningServer, running: RunningRelay) -> None:
+        self.server = server
+        self.root = RootTarget(server)
+        self.port = running.port
+        self.relay = running.relay
+        self.sessions = self.relay.sessions
+        self.clock = SkippingClock()
+
+    def member(self, client_id: str) -> RelayMember | None:
+        return self.relay.members.get(client_id)
+
+    def assignment_for(self, client_id: str) -> RoundAssignment | None:
+        return self.relay.assignment_for(client_id, None)
+
+    def freeze(self) -> None:
+        self.root.freeze()
+        self.relay.clock = self.clock
+
+    def snapshot(self) -> dict[str, str]:
+        return relay_snapshot(self.relay)
+
+    def settle(self, failed: Callable[[], bool]) -> None:
+        """Until the relay's threads and the root's close worker have done what the last calls
+        set off (``_moving``), or ``failed()``: an error was logged."""
+        give_up = time.monotonic() + CALL_TIMEOUT_S
+        while time.monotonic() < give_up and not failed() and self._moving():
+            time.sleep(0.01)
+
+    def pass_deadline(self) -> None:
+        """At the relay's deadline it hands in what its members delivered, naming the rest
+        missed, and the root's round closes; when none delivered, it takes the root's round
+        again and splits it anew."""
+        with self.relay._changed:
+            if not self.relay.held:
+                raise _Unserved(f"the relay holds no round of the root's (round "
+                                f"{self.server.service.coordinator.state.round}), though both "
+                                "honest members call it")
+            self.clock.skip_to(self.relay.held[0].deadline)
+            self.relay._changed.notify_all()  # its round thread looks at the clock now
+
+    def _moving(self) -> bool:
+        """Whether the root or the relay is about to change something unasked: the root closes
+        a round, or opens one for a relay with members ready; the relay hands in a round that
+        is done, takes the root's round (its members ready), or has yet to learn of a close."""
+        c, relay = self.server.service.coordinator, self.relay
+        with c._lock:
+            if c.pipeline.closing is not None or c.pipeline.ready(c.clock()) is not None:
+                return True
+            closed, opened = c.state.round, c.current_round is not None
+        owed = c.assignment_for(relay.root.client_id) is not None
+        with relay._changed:
+            held = relay.held[:1]
+            if held and held[0].done(relay.clock()):
+                return True
+        if relay.closed_rounds() < closed:
+            return True
+        # with members ready, the root opens a round for the relay and the relay takes it
+        return relay.speed() > 0 and (not opened or (not held and owed))
+
+
+def relay_log(line: str) -> None:
+    """The relay's log as Python logging: the root refusing the relay (``RELAY_FAILURES``)
+    is an error, as the coordinator's own would be; the rest is information."""
+    level = logging.ERROR if line.startswith(RELAY_FAILURES) else logging.INFO
+    logging.getLogger("matformer.relay").log(level, "%s", line)
+
+
+@contextlib.contextmanager
+def fuzz_relay(directory: Path) -> Iterator[RelayTarget]:
+    """The fuzz run's root (``fuzz_server``, in ``directory``) with a relay in front of it,
+    the root's only member: the root opens its rounds for the relay alone, and tells it of
+    each close within ``RELAY_HEARTBEAT_S``. The relay's members join with the run's join
+    token and are never taken for silent (as the root's clients are never excluded); its
+    checkpoint files are kept in ``directory``/relay."""
+    with fuzz_server(directory, min_clients=1, heartbeat_s=RELAY_HEARTBEAT_S) as server:
+        running = RunningRelay.start(f"127.0.0.1:{server.grpc_port}", name="relay-fuzz",
+                                     access=Access(RELAY_TOKEN, JOIN_TOKEN),
+                                     folder=directory / "relay", log=relay_log)
+        running.relay.member_timeout_s = 3600.0
+        try:
+            yield RelayTarget(server, running)
+        finally:
+            running.stop("fuzzed")
 
 
 # -- strategies -----------------------------------------------------------------------------
@@ -282,7 +521,8 @@ def requests(rpc: str, names: list[str], client_ids: list[str]) -> st.SearchStra
         return st.builds(pb.GetUpdatesRequest, since_round=UINT64)
     if rpc == "DownloadCheckpoint":
         paths = st.sampled_from(["", ".", "..", "../state.json", "/etc/passwd", "round-0",
-                                 f"round-0/{MANIFEST_NAME}", "round-0/\x00", "a" * 5000])
+                                 f"round-0/{MANIFEST_NAME}", f"round-9/{MANIFEST_NAME}",
+                                 "round-0/\x00", "a" * 5000])
         return st.builds(pb.DownloadCheckpointRequest, path=paths | TEXT)
     if rpc == "Leave":
         return st.builds(pb.LeaveRequest, reason=TEXT)
@@ -338,8 +578,9 @@ def mutated(draw: st.DrawFn, blob: bytes) -> bytes:
 
 # -- running one case -----------------------------------------------------------------------
 
-class _ErrorLog(logging.Handler):
-    """Errors logged by any thread (gRPC's handler wrapper, the coordinator's tick)."""
+class ErrorLog(logging.Handler):
+    """Errors logged by any thread (gRPC's handler wrapper, the coordinator's tick, the
+    relay, uvicorn)."""
 
     def __init__(self) -> None:
         super().__init__(logging.ERROR)
@@ -397,18 +638,20 @@ def _finite_state(path: Path) -> None:
     json.loads(path.read_text(), parse_constant=refuse)
 
 
-class _Fuzzer:
-    def __init__(self, server: RunningServer, channel: grpc.Channel, report: FuzzReport, *,
+class RpcFuzzer:
+    """Cases against ``target`` over ``channel`` (a channel to its port), and the honest
+    members' rounds between them; what it finds goes into ``report``."""
+
+    def __init__(self, target: Target, channel: grpc.Channel, report: FuzzReport, *,
                  round_every: int) -> None:
-        self.server, self.channel, self.report = server, channel, report
+        self.target, self.channel, self.report = target, channel, report
         self.round_every = round_every
         self.health = health_pb2_grpc.HealthStub(channel)
         self.stub = pb_grpc.CoordinatorStub(channel)
-        self.errors = _ErrorLog()
+        self.errors = ErrorLog()
         self.revoked: list[str] = []
-        c = server.service.coordinator
-        self.names = sorted(c.shapes)
-        self.clock = c.clock = Clock(c.clock())
+        self.names = sorted(target.server.service.coordinator.shapes)
+        target.freeze()
         self.honest: dict[str, pb.JoinReply] = {}  # name → its Join's answer
         # client id → session token, of every Join answered OK: the coordinator keeps only
         # their hashes
@@ -420,42 +663,50 @@ class _Fuzzer:
 
     def honest_members(self) -> list[pb.JoinReply]:
         """The honest members' sessions; one that a fuzzed Leave ended joins again."""
-        sessions = self.server.service.coordinator.membership.sessions
         for name in HONEST:
             joined = self.honest.get(name)
-            if joined is None or sessions.client_of(joined.session_token) is None:
+            if joined is None or self.target.sessions.client_of(joined.session_token) is None:
                 with _step(f"{name}'s Join"):
-                    joined = self.stub.Join(join_request(self.server, name),
+                    joined = self.stub.Join(join_request(self.target.server, name),
                                             timeout=CALL_TIMEOUT_S)
                 self.honest[name] = joined
                 self.tokens[joined.client_id] = joined.session_token
         return [self.honest[name] for name in HONEST]
 
+    def leave(self) -> None:
+        """The honest members leave, as clients do when they stop: their names are free for
+        the next fuzzer of the same target."""
+        for joined in self.honest.values():
+            with contextlib.suppress(grpc.RpcError):  # a fuzzed Leave ended it already
+                self.stub.Leave(pb.LeaveRequest(reason="fuzzing ends"), timeout=CALL_TIMEOUT_S,
+                                metadata=session_metadata(joined.session_token))
+
     def honest_round(self) -> None:
         """Move the run one round on as honest members would; _Unserved if any step fails
         (see the module docstring)."""
-        c = self.server.service.coordinator
+        c = self.target.server.service.coordinator  # the root: its rounds are the run's
         seen_errors = len(self.errors.records)
+
+        def failed() -> bool:  # a close failed: no need to wait on
+            return len(self.errors.records) > seen_errors
+
         members = self.honest_members()
         start = c.state.round
         for deadlines in range(HONEST_DEADLINES + 1):
+            self.target.settle(failed)  # a relay takes the root's round before it splits it
             for member in members:
                 self.train(member, start)
-            _wait_for_close(c, lambda: len(self.errors.records) > seen_errors)
-            if len(self.errors.records) > seen_errors:  # a close failed: no need to wait on
+            self.target.settle(failed)
+            if failed():
                 raise _Unserved(f"logged: {self.errors.records[seen_errors]}")
             if c.state.round > start:
                 break
             if deadlines == HONEST_DEADLINES:
                 raise _Unserved(f"round {start} did not close with the honest members' results "
                                 f"within {HONEST_DEADLINES} deadlines")
-            rnd = c.current_round
-            if rnd is None:
-                raise _Unserved(f"no round is open in round {start} (phase {c.phase}), though "
-                                "both honest members call")
-            # Fuzzed members hold assignments (or only they do): at the deadline the round
-            # closes, or opens again if nobody delivered, on the honest members' next calls.
-            self.clock.now = max(self.clock.now, rnd.deadline)
+            # Fuzzed members hold work too (or only they do): the deadline that holds the
+            # round passes
+            self.target.pass_deadline()
         for member in members:
             with _step(f"{member.client_id}'s GetRound after round {start}"):
                 work = self.stub.GetRound(pb.GetRoundRequest(),
@@ -491,13 +742,13 @@ class _Fuzzer:
             if got != ids:
                 raise _Unserved(f"{member.client_id} asked for sequences {ids} and got {got}")
             with _step(f"{member.client_id}'s SubmitResult in round {round_index}"):
-                self.stub.SubmitResult(iter(valid_submission(self.server, member.client_id)),
+                self.stub.SubmitResult(iter(valid_submission(self.target, member.client_id)),
                                        metadata=auth, timeout=CALL_TIMEOUT_S)
         except _Unserved:
             # The round's deadline passed on the close worker after GetRound answered, and
             # its work was handed out anew: the member asks again, as the client does, and
             # the honest round goes on. Any other refusal is the run failing the member.
-            held = self.server.service.coordinator.assignment_for(member.client_id)
+            held = self.target.assignment_for(member.client_id)
             if held is not None and held.assignment_id == work.assignment_id:
                 raise
 
@@ -529,21 +780,19 @@ class _Fuzzer:
         rpc, how = PAIRS[sum(self.report.hows.values()) % len(PAIRS)]
         self.report.hows[rpc, how] += 1
         self.honest_members()
-        c = self.server.service.coordinator
         live = {client: token for client, token in self.tokens.items()
-                if c.membership.sessions.client_of(token) is not None}
+                if self.target.sessions.client_of(token) is not None}
         tokens = sorted(live.values())
-        rnd = c.current_round
         # members with work in the open round: what they send is taken, so it can do harm
-        working = sorted(token for client, token in live.items() if rnd is not None
-                         and client in rnd.assignments and client not in rnd.submissions)
+        working = sorted(token for client, token in live.items()
+                         if self.target.assignment_for(client) is not None)
         # Draws never depend on the server's state (hypothesis replays them): an index, not a
         # choice among however many tokens there are.
         # a result's layout is read only in a submission of work in the open round
         auth = data.draw(st.sampled_from(["working"] if how == "off layout" else [
             "none", "forged", "garbage", "revoked", "live", "working"]), label="auth")
         garbage, index = data.draw(ASCII_TOKEN), data.draw(INDEX)
-        token = {"none": None, "forged": f"{tokens[0].partition('.')[0]}.forged",
+        token = {"none": None, "forged": f"{tokens[0].rpartition('.')[0]}.forged",
                  "garbage": garbage,
                  "revoked": self.revoked[-1] if self.revoked else "client-0.revoked",
                  "live": tokens[index % len(tokens)],
@@ -551,8 +800,10 @@ class _Fuzzer:
         metadata = session_metadata(token) if token else ()
         client_id = (token or "").rpartition(".")[0]
         payload = self.request(data, rpc, how, client_id)
-        before = snapshot(self.server)
         seen_errors = len(self.errors.records)
+        # what earlier accepted calls set off (a close, a relay's hand-in) is over first
+        self.target.settle(lambda: len(self.errors.records) > seen_errors)
+        before = self.target.snapshot()
         code, reply = _invoke(self.channel, rpc, payload, metadata)
         what = self.record(rpc, auth, code, reply, before, seen_errors)
         self.since_round.append((what, rpc, payload if code == "OK" else None))
@@ -566,7 +817,7 @@ class _Fuzzer:
                 ) -> bytes | list[bytes]:
         """Raw request bytes (a list of them for SubmitResult), made ``how``."""
         if rpc == "SubmitResult":
-            valid = valid_submission(self.server, client_id or "client-0")
+            valid = valid_submission(self.target, client_id or "client-0")
             if how == "random":
                 messages = data.draw(requests(rpc, self.names, [client_id]))
                 return [m.SerializeToString() for m in messages]
@@ -588,7 +839,7 @@ class _Fuzzer:
             else:
                 blobs[i] = data.draw(mutated(blobs[i]))
             return blobs
-        valid = {"Join": join_request(self.server, "mutant"),
+        valid = {"Join": join_request(self.target.server, "mutant"),
                  "Heartbeat": pb.HeartbeatRequest(round=0, tokens_per_second=1000.0),
                  "FetchSequences": pb.FetchSequencesRequest(ids=[0, 1, 2]),
                  "GetUpdates": pb.GetUpdatesRequest(since_round=0),
@@ -629,11 +880,7 @@ class _Fuzzer:
             report.accepted += 1
             return what
         report.rejected += 1
-        after = snapshot(self.server)
-        changed = [f"{k} ({_difference(before[k], after[k])})" for k in sorted(before)
-                   if before[k] != after[k]]
-        if changed:
-            report.state_changes.append(f"{what} changed {'; '.join(changed)}")
+        report.check_unchanged(what, before, self.target.snapshot())
         return what
 
 
@@ -665,7 +912,7 @@ def _shown(rpc: str, payload: bytes | list[bytes], limit: int = 200) -> str:
     return " ".join(shown)
 
 
-def _difference(before: str, after: str, context: int = 60) -> str:
+def difference(before: str, after: str, context: int = 60) -> str:
     """Where two snapshots part first: the text around it, before → after."""
     i = next((i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),
              min(len(before), len(after)))
@@ -731,75 +978,110 @@ def _with_field(message: Message, other: Message, path: str) -> Message:
     return out
 
 
-def fuzz(server: RunningServer, *, examples: int, seconds: float, seed: int = 0,
+def fuzz(target: Target, *, examples: int, seconds: float, seed: int = 0,
          round_every: int = ROUND_EVERY) -> FuzzReport:
-    """Up to ``examples`` cases, stopping after ``seconds``, with an honest round before the
-    first, after every ``round_every`` cases and after the last; the same cases for a seed.
-    The server's coordinator keeps the fuzzer's ``Clock``, which stands still."""
+    """Up to ``examples`` cases against ``target``, stopping after ``seconds``, with an honest
+    round before the first, after every ``round_every`` cases and after the last; the same
+    cases for a seed. The target keeps the fuzzer's clocks (``Target.freeze``)."""
     report = FuzzReport()
     stop_at = time.monotonic() + seconds
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS) as channel:
-        fuzzer = _Fuzzer(server, channel, report, round_every=round_every)
-        hook = threading.excepthook
-
-        def on_thread_error(args: threading.ExceptHookArgs) -> None:
-            report.crashes.append(f"thread {args.thread.name if args.thread else '?'}: "
-                                  f"{args.exc_type.__name__}: {args.exc_value}")
-            hook(args)
-
-        def cases_for(run_seed: int, count: int):
-            @settings(max_examples=count, deadline=None, database=None,
-                      phases=[Phase.generate], suppress_health_check=list(HealthCheck))
-            @hypothesis_seed(run_seed)
-            @given(st.data())
-            def cases(data: st.DataObject) -> None:
-                if fuzzer.stopped or time.monotonic() > stop_at:
-                    raise _Stop  # ends hypothesis's loop; returning would change the draws
-                fuzzer.step(data)
-            return cases
-
-        logging.getLogger().addHandler(fuzzer.errors)
-        threading.excepthook = on_thread_error
-        try:
+    with grpc.insecure_channel(f"127.0.0.1:{target.port}", options=GRPC_OPTIONS) as channel:
+        fuzzer = RpcFuzzer(target, channel, report, round_every=round_every)
+        with watching(report, fuzzer.errors):
             with fuzzer.serving():  # a fresh run serves honest members: no case is to blame
                 fuzzer.honest_round()
-            with contextlib.suppress(_Stop):
-                run_seed = seed
-                while report.tried < examples and not fuzzer.stopped:
-                    try:
-                        cases_for(run_seed, examples - report.tried)()
-                    except FlakyStrategyDefinition:
-                        # the draws depend on the live server (members, rounds), which
-                        # hypothesis's replay bookkeeping cannot know: go on with the next seed
-                        report.reseeded += 1
-                        run_seed += 1
-                        continue
-                    break
+            run_cases(fuzzer.step, report, examples=examples, stop_at=stop_at, seed=seed,
+                      stopped=lambda: fuzzer.stopped)
             if fuzzer.since_round and not fuzzer.stopped:
                 with fuzzer.serving():  # the cases after the last honest round
                     fuzzer.honest_round()
-        finally:
-            threading.excepthook = hook
-            logging.getLogger().removeHandler(fuzzer.errors)
+            fuzzer.leave()
     return report
+
+
+@contextlib.contextmanager
+def watching(report: FuzzReport, errors: ErrorLog) -> Iterator[None]:
+    """Errors logged meanwhile go to ``errors`` (uvicorn's among them: its logger keeps its
+    records from the root logger), exceptions that end a thread to ``report.crashes``."""
+    hook = threading.excepthook
+
+    def on_thread_error(args: threading.ExceptHookArgs) -> None:
+        report.crashes.append(f"thread {args.thread.name if args.thread else '?'}: "
+                              f"{args.exc_type.__name__}: {args.exc_value}")
+        hook(args)
+
+    loggers = [logging.getLogger(), logging.getLogger("uvicorn")]
+    for logger in loggers:
+        logger.addHandler(errors)
+    threading.excepthook = on_thread_error
+    try:
+        yield
+    finally:
+        threading.excepthook = hook
+        for logger in loggers:
+            logger.removeHandler(errors)
+
+
+def run_cases(step: Callable[[st.DataObject], None], report: FuzzReport, *, examples: int,
+              stop_at: float, seed: int, stopped: Callable[[], bool]) -> None:
+    """``step`` on up to ``examples`` cases (counted in ``report.tried``) that hypothesis draws
+    from ``seed``, until ``time.monotonic()`` passes ``stop_at`` or ``stopped()``."""
+    def cases_for(run_seed: int, count: int):
+        @settings(max_examples=count, deadline=None, database=None,
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+        @hypothesis_seed(run_seed)
+        @given(st.data())
+        def cases(data: st.DataObject) -> None:
+            if stopped() or time.monotonic() > stop_at:
+                raise _Stop  # ends hypothesis's loop; returning would change the draws
+            step(data)
+        return cases
+
+    with contextlib.suppress(_Stop):
+        run_seed = seed
+        while report.tried < examples and not stopped():
+            try:
+                cases_for(run_seed, examples - report.tried)()
+            except FlakyStrategyDefinition:
+                # the draws depend on the live server (members, rounds), which hypothesis's
+                # replay bookkeeping cannot know: go on with the next seed
+                report.reseeded += 1
+                run_seed += 1
+                continue
+            break
+
+
+def fuzzed(target: str, directory: Path, *, examples: int, seconds: float, seed: int,
+           round_every: int) -> FuzzReport:
+    """Fuzz ``target`` ("root", "relay" or "http") with a run in ``directory``."""
+    budget = {"examples": examples, "seconds": seconds, "seed": seed}
+    if target == "relay":
+        with fuzz_relay(directory) as relay:
+            return fuzz(relay, round_every=round_every, **budget)
+    with fuzz_server(directory) as server:
+        if target == "http":
+            from fuzz_http import fuzz_http  # it imports this module
+            return fuzz_http(server, **budget)
+        return fuzz(RootTarget(server), round_every=round_every, **budget)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=["root", "relay", "http"], default="root",
+                        help="the root's RPCs, a relay's in front of it, or the root's HTTP side")
     parser.add_argument("--examples", type=int, default=2000, help="most cases to try")
     parser.add_argument("--seconds", type=float, default=120.0, help="stop after this long")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same cases")
     parser.add_argument("--round-every", type=int, default=ROUND_EVERY,
-                        help="cases between the honest members' rounds")
+                        help="cases between the honest members' rounds (RPC targets)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="run directory to fuzz in (default: a temporary one)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    with (tempfile.TemporaryDirectory(prefix="fuzz-rpc-") as tmp,
-          fuzz_server(args.dir or Path(tmp)) as server):
+    with tempfile.TemporaryDirectory(prefix="fuzz-rpc-") as tmp:
         started = time.monotonic()
-        report = fuzz(server, examples=args.examples, seconds=args.seconds, seed=args.seed,
-                      round_every=args.round_every)
+        report = fuzzed(args.target, args.dir or Path(tmp), examples=args.examples,
+                        seconds=args.seconds, seed=args.seed, round_every=args.round_every)
         elapsed = time.monotonic() - started
     print(report.table())
     print(f"\n{report.tried} cases in {elapsed:.0f} s: {report.accepted} accepted, "

@@ -31,7 +31,7 @@ from matformer.protocol.channel import GRPC_OPTIONS, open_channel
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.submission import submission_messages
-from matformer.relay.cache import UpdateCache
+from matformer.relay.cache import FileCache, UpdateCache
 from matformer.relay.main import Access, RelaySettings, RunningRelay, main, parser
 from matformer.relay.relay import Relay, RelayError
 from matformer.relay.rounds import RelayMember
@@ -39,11 +39,18 @@ from matformer.relay.upstream import RootWork
 from matformer.server.api import clients_info
 from matformer.server.call_slots import CallLimits
 from matformer.server.config import RunConfig
-from matformer.server.errors import BadReport, RoleNotGranted, UpstreamError, WrongJoinToken
+from matformer.server.errors import (
+    BadCapabilities,
+    BadReport,
+    RoleNotGranted,
+    UpstreamError,
+    WrongJoinToken,
+)
 from matformer.server.gate import MAX_RELAYED, check_relayed, check_tier_losses
 from matformer.server.joins import credentials
 from matformer.server.keys import KeyFile
 from matformer.server.sections import FaultsSection
+from matformer.server.tiers import MAX_TOKENS_PER_SECOND
 
 ROUNDS = 3
 WAIT_S = 120.0  # generous: a busy two-core machine runs these
@@ -776,3 +783,60 @@ def test_a_relays_members_meet_the_roots_call_limits_and_join_rate(tmp_path):
             stop.set()
             channel.close()
             relay.stop("done")
+
+
+def test_members_of_one_name_behind_a_relay_keep_its_heartbeats_taken(tmp_path):
+    """Found by the fuzzer (tests/fuzz_rpc.py --target relay): two members joined a relay
+    under one name ("mutant"), the root refused each heartbeat of the relay's that listed
+    them (a name twice), and the relay's speed and members never reached the root again."""
+    with serving_config(config(tmp_path, min_clients=1)) as (server, _):
+        lines: list[str] = []
+        relay = relay_for(server, tmp_path, log=lines.append)
+        try:
+            for tier in (0, 1):
+                Member(f"127.0.0.1:{relay.port}", server, "twin", tier)
+            (listing,) = server.service.coordinator.membership.members.values()
+            give_up = time.monotonic() + 10.0  # the root's heartbeat_s is 0.5 here
+            while [m["name"] for m in listing.relayed] != ["twin"]:
+                assert time.monotonic() < give_up, lines
+                time.sleep(0.05)
+            time.sleep(1.0)  # two heartbeats more
+            assert not [line for line in lines if "heartbeat to the root failed" in line]
+        finally:
+            relay.stop("done")
+
+
+def test_a_relay_takes_and_reports_only_speeds_the_root_takes(tmp_path):
+    """Found by the fuzzer: a member's Heartbeat of 4.7e138 tokens/s was taken by the relay,
+    and the root refused the relay's own heartbeats from then on (its members' speed
+    together). The relay refuses that speed as the root does, and its members together
+    count at most the fastest speed the root takes."""
+    relay = Relay(ScriptedRoot(0.0), member_token="t", deadline_s=20.0, folder=tmp_path)
+    for name in ("m0", "m1"):
+        relay.members[name] = RelayMember(client_id=name, name=name, tier=0, last_seen=0.0,
+                                          tokens_per_second=MAX_TOKENS_PER_SECOND)
+    relay.clock = Clock(1.0)
+    with pytest.raises(BadCapabilities, match="tokens/s"):
+        relay.heartbeat("m0", tokens_per_second=4.6757255117284806e+138)
+    assert relay.members["m0"].tokens_per_second == MAX_TOKENS_PER_SECOND
+    assert relay.speed() == MAX_TOKENS_PER_SECOND
+
+
+class RefusingRoot:
+    """A root that serves no file."""
+
+    def download(self, path: str, dest: Path) -> str:
+        raise UpstreamError(grpc.StatusCode.NOT_FOUND, f"{path} is not served")
+
+
+def test_a_file_the_root_refuses_leaves_nothing_in_the_relays_cache(tmp_path):
+    """Found by the fuzzer: each path a member asked the relay for and the root refused left
+    a lock behind in the relay's file cache (one per path, as many as members ask for), and
+    one in a folder the cache has not (DownloadCheckpoint "round-9/matformer_manifest.json")
+    left that folder in the relay's copy of the checkpoints."""
+    cache = FileCache(RefusingRoot(), tmp_path / "checkpoints", MirrorFirst(None, print))
+    for path in ("", "round-9/matformer_manifest.json", "a/b/c"):
+        with pytest.raises(UpstreamError):
+            cache.path(path)
+    assert list(tmp_path.iterdir()) == []
+    assert cache._locks == {} and cache.fetched == 0

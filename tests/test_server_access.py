@@ -202,6 +202,22 @@ def test_exclude_needs_the_operator_token(secured):
                    context=context)[0] == 422
 
 
+def test_a_body_that_is_not_text_is_refused_not_failed(secured):
+    """Found by the fuzzer (tests/fuzz_rpc.py --target http): the operator's POST
+    /api/clients/{id}/exclude with a body of bytes that are not UTF-8 (b"\\xfa\\xd5q^", sent
+    as text/plain) was answered 500, and logged as an error: FastAPI's 422 could not show
+    that input."""
+    server, _, context = secured
+    refused = urllib.request.Request(
+        f"https://127.0.0.1:{server.http_port}/api/clients/nobody/exclude", data=b"\xfa\xd5q^",
+        method="POST", headers={"Authorization": f"Bearer {OPERATOR_TOKEN}",
+                                "Content-Type": "text/plain"})
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(refused, timeout=5, context=context)
+    assert answer.value.code == 422
+    assert json.loads(answer.value.read())["detail"][0]["input"] == "\ufffd\ufffdq^"
+
+
 @pytest.mark.parametrize("method", ["PUT", "DELETE", "POST"])
 def test_read_routes_refuse_writes(secured, method):
     server, _, context = secured
