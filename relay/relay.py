@@ -76,7 +76,7 @@ from matformer.server.gate import MAX_RELAYED, SubmissionGate
 from matformer.server.joins import JoinGate
 from matformer.server.limits import SubmissionLimits, clip_to_peers
 from matformer.server.member_api import Expected, JoinAsk, Joined, Waiting
-from matformer.server.pipeline import WINDOW
+from matformer.server.pipeline import WINDOW, trusted_speeds
 from matformer.server.rounds import RoundAssignment, deadline_after, pulled_in
 from matformer.server.sections import FaultsSection
 from matformer.server.tiers import (
@@ -301,7 +301,8 @@ class Relay:
             if member is None:
                 raise UnknownClient(f"{client_id} left this relay; call Join again.")
             member.last_seen = self.clock()
-            if tokens_per_second is not None and tokens_per_second != member.tokens_per_second:
+            if (tokens_per_second is not None and not member.measured_by_round
+                    and tokens_per_second != member.tokens_per_second):  # a claim, as at the root
                 member.tokens_per_second = tokens_per_second
                 self._speed_changed.set()
             return member
@@ -409,8 +410,11 @@ class Relay:
             self.part_of(client_id, header.round, header.assignment_id)  # still open
             part.results, part.loss, part.delivered_at = kept, header.loss, self.clock()
             member = self.members.get(client_id)
-            if member is not None and header.train_seconds > 0:  # the speed it showed
-                member.tokens_per_second = part.assignment.tokens / header.train_seconds
+            if member is not None:
+                member.missed = 0
+                if header.train_seconds > 0:  # the speed it showed
+                    member.tokens_per_second = part.assignment.tokens / header.train_seconds
+                    member.measured_by_round = True
             self._changed.notify_all()
 
     def rejected(self, client_id: str, error: Exception) -> str:
@@ -511,8 +515,8 @@ class Relay:
         if not live or (not self.started and len(live) < self.min_members):
             return False
         sequences = self.root.fetch(list(dict.fromkeys(work.sequence_ids)))
-        shares = assign(list(work.sequence_ids), [(m.client_id, m.tokens_per_second)
-                                                   for m in live], self._owed)
+        # the root's rule: a claimed speed counts up to a typical one until a part shows it
+        shares = assign(list(work.sequence_ids), trusted_speeds(live), self._owed)
         received = self.clock()
         with self._changed:  # the root's rule, and never past the root's own deadline
             deadline = deadline_after(received, [h.deadline for h in self.held],
@@ -563,6 +567,11 @@ class Relay:
         delivered = [p for p in held.parts.values() if p.results is not None]
         missed = [i for p in held.parts.values() if p.results is None
                   for i in p.assignment.sequence_ids]
+        with self._changed:
+            for client, part in held.parts.items():
+                member = self.members.get(client)
+                if member is not None and part.results is None:
+                    member.missed += 1
         if not delivered:
             self.log(f"round {held.work.round}: no member delivered; the root takes its "
                      "sequences back at its deadline")

@@ -17,8 +17,10 @@ class RelayMember:
     client_id: str
     name: str
     tier: int
-    tokens_per_second: float
+    tokens_per_second: float  # shown by a part it delivered, else its own claim
     last_seen: float
+    measured_by_round: bool = False  # tokens_per_second comes from a part it delivered
+    missed: int = 0  # held rounds in a row it delivered nothing in
 
 
 @dataclass(kw_only=True, slots=True)

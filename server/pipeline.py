@@ -24,7 +24,7 @@ import math
 import statistics
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from matformer.server.config import RunConfig
 from matformer.server.history import RunHistory
@@ -474,7 +474,16 @@ class RoundPipeline:
         self.history.event("retier", member, member.tier_reason)
 
 
-def trusted_speeds(members: Sequence[Member]) -> list[tuple[str, float]]:
+class Speeds(Protocol):
+    """What a member's share is sized by: a root's member, or a relay's."""
+
+    client_id: str
+    tokens_per_second: float
+    measured_by_round: bool  # the speed comes from a round it delivered
+    missed: int  # rounds in a row it delivered nothing in
+
+
+def trusted_speeds(members: Sequence[Speeds]) -> list[tuple[str, float]]:
     """The speed each member's share of a round is sized by. A speed the member has shown in
     a round it delivered counts as it is; a claimed one (a new member's, or one that missed
     its last round) counts up to a typical speed, so that claiming to be fast wins no more

@@ -580,11 +580,11 @@ class ScriptedRoot:
 
     client_id = "relay-0"
 
-    def __init__(self, deadline_in_seconds: float) -> None:
-        self.deadline_in_seconds = deadline_in_seconds
+    def __init__(self, deadline_in_seconds: float, ids: tuple[int, ...] = (1, 2)) -> None:
+        self.deadline_in_seconds, self.ids = deadline_in_seconds, ids
 
     def get_round(self, after: int | None = None) -> RootWork:
-        return RootWork(state="train", round=0, run_tokens=0, sequence_ids=(1, 2),
+        return RootWork(state="train", round=0, run_tokens=0, sequence_ids=self.ids,
                         assignment_id="0.x.relay-0", deadline_in_s=self.deadline_in_seconds)
 
     def fetch(self, ids) -> dict[int, torch.Tensor]:
@@ -607,6 +607,26 @@ def test_a_relay_hands_a_round_in_before_the_root_closes_it(tmp_path, root_left_
     (held,) = relay.held
     assert held.deadline == clock.now + due_in_s
     assert held.parts["m"].assignment.deadline == held.deadline
+
+
+def test_a_claimed_speed_behind_a_relay_wins_no_more_than_a_typical_share(tmp_path):
+    """The root's rule at the relay too: a member claiming 1e9 tokens/s beside two that
+    showed 100 in a part they delivered gets a third of the round, not all of it, until a
+    part of its own shows its speed."""
+    clock = Clock(1000.0)
+    relay = Relay(ScriptedRoot(100.0, ids=tuple(range(12))), member_token="t",
+                  deadline_s=20.0, folder=tmp_path, clock=clock)
+    relay.root_deadline_s = 30.0
+    for name, speed, shown in (("a", 100.0, True), ("b", 100.0, True), ("fast", 1e9, False)):
+        relay.members[name] = RelayMember(client_id=name, name=name, tier=0,
+                                          tokens_per_second=speed, last_seen=clock.now,
+                                          measured_by_round=shown)
+    relay.seen("a", tokens_per_second=1e9)  # a heartbeat's claim: a shown speed stands
+    assert relay.members["a"].tokens_per_second == 100.0
+    assert relay._take_round()
+    (held,) = relay.held
+    assert {c: len(p.assignment.sequence_ids) for c, p in held.parts.items()} == {
+        "a": 4, "b": 4, "fast": 4}
 
 
 class LoggedRoot:
