@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 MIN_RESULTS = 3  # results in a round before any is scored: a majority to agree with
 PAIRWISE_MAX = 8  # up to this many results, the majority is found from every pair
 # values a round's scores compare at most, all results together: more are sampled (a sign
-# flip shows at a few thousand values a member; 0.1-0.2 s of a 150M close of 6-24 s)
+# flip shows at a few thousand values a member; 0.19-0.87 s of a 150M close, 4-64 members)
 SCORED_VALUES = 2**19
 
 
