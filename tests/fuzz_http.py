@@ -327,6 +327,21 @@ class HttpFuzzer:
                           MUTATED_WAIT_S if kind == "mutated" else HTTP_TIMEOUT_S)
         self.record(kind, request, answer, before, seen_errors)
 
+    def served_once(self) -> int:
+        """Each checkpoint file and blob the run serves, asked for plainly once, as a member
+        or a cache would: the leak check sees real answers of the served folders whatever
+        the cases draw. How many requests that was."""
+        requests = [*(Request("/files/{path}", "GET", f"/files/{quote(path, safe=SAFE)}")
+                      for path in self.served.files),
+                    *(Request("/blobs/sha256/{digest}", "GET", f"/blobs/sha256/{digest}")
+                      for digest in dict.fromkeys(self.served.digests))]
+        for request in requests:
+            self.report.hows["served", "route"] += 1
+            before, seen_errors = snapshot(self.server), len(self.errors.records)
+            answer = exchange(self.port, request.raw(), request.method, HTTP_TIMEOUT_S)
+            self.record("route", request, answer, before, seen_errors)
+        return len(requests)
+
     def record(self, kind: str, request: Request, answer: Answer, before: dict[str, str],
                seen_errors: int) -> None:
         """Count the request and check what it did (see the module docstring)."""
@@ -377,7 +392,8 @@ def fuzz_http(server: RunningServer, *, examples: int, seconds: float, seed: int
               ) -> FuzzReport:
     """Up to ``examples`` cases against ``server``'s HTTP side, stopping after ``seconds``,
     with ``ROUNDS_BEFORE`` honest rounds before the first and one after the last; the same
-    cases for a seed. Canaries are planted in the run's folders first."""
+    cases for a seed. Canaries are planted in the run's folders first, and every served file
+    and blob is asked for once before the cases (``HttpFuzzer.served_once``)."""
     report = FuzzReport()
     stop_at = time.monotonic() + seconds
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS) as channel:
@@ -395,8 +411,9 @@ def fuzz_http(server: RunningServer, *, examples: int, seconds: float, seed: int
                 bystanders.append(members.stub.Join(join, timeout=CALL_TIMEOUT_S).client_id)
             plant_canaries(server)
             fuzzer = HttpFuzzer(server, report, members.errors, Served.of(server, bystanders))
-            run_cases(fuzzer.step, report, examples=examples, stop_at=stop_at, seed=seed,
-                      stopped=lambda: False)
+            served = fuzzer.served_once()
+            run_cases(fuzzer.step, report, examples=examples + served, stop_at=stop_at,
+                      seed=seed, stopped=lambda: False)
             with members.serving():  # the run still serves its members
                 members.honest_round()
             members.leave()
