@@ -30,8 +30,14 @@ process (server and simulated clients together).
 Each client count plays one untimed warm-up round, then ``--rounds`` timed ones; medians are
 shown. The benchmark keeps the clients' reported speeds (``membership.measured`` is a no-op:
 they submit one after another without training), so every client gets an equal share.
+The close and the apply are also counted in passes over the weights: ``1 pass ms`` is one
+float32 read and write of every element of the master (an in-place multiply of a copy),
+timed in the same run; ``close passes`` = close / one pass, ``apply passes`` = the tier-0
+client's apply (``apply_s``, the download left out) / one pass. Targets (issue 48): close
+passes <= 8, apply passes <= 6.
 ``--json OUT`` writes one object per N with ``clients``, ``close_ms``, ``score_ms``, ``bytes_up``,
-``bytes_down``, ``dense_bytes_up``, ``dense_bytes_down``, ``update_apply_s``,
+``bytes_down``, ``dense_bytes_up``, ``dense_bytes_down``, ``update_apply_s``, ``apply_s``,
+``one_pass_ms``, ``close_passes``, ``apply_passes``,
 ``heartbeat_p99_ms`` (and ``getround_p99_ms``, ``peak_rss_mib``). Targets (issue 16): up +
 down at least 100x below dense at every N, close at 64 clients at most 3x close at 1,
 heartbeat p99 at most 50 ms.
@@ -286,6 +292,8 @@ class Row:
     received: list[int]  # bytes of all submissions per round
     update_bytes: int  # GetUpdates of one round, as a tier-0 client downloads it
     update_s: float  # and the seconds that download and applying it took
+    apply_s: float  # ... of them applying it
+    one_pass_s: float  # one float32 read and write pass over the master, in the same run
     probes: dict[str, list[float]]  # RPC → seconds of each answer while a round closed
     up_bytes: int  # a tier-0 client's submission
     dense: int  # float32 bytes of a tier-0 client's weights
@@ -301,7 +309,11 @@ class Row:
                 "score_ms": self.close_s("score") * 1e3,
                 "bytes_up": self.up_bytes, "bytes_down": self.update_bytes,
                 "dense_bytes_up": self.dense, "dense_bytes_down": self.dense,
-                "update_apply_s": self.update_s, "heartbeat_p99_ms": self.p99_ms("Heartbeat"),
+                "update_apply_s": self.update_s, "apply_s": self.apply_s,
+                "one_pass_ms": self.one_pass_s * 1e3,
+                "close_passes": self.close_s() / self.one_pass_s,
+                "apply_passes": self.apply_s / self.one_pass_s,
+                "heartbeat_p99_ms": self.p99_ms("Heartbeat"),
                 "getround_p99_ms": self.p99_ms("GetRound"), "peak_rss_mib": self.rss_mib}
 
     def close_s(self, step: str = "close") -> float:
@@ -414,7 +426,9 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
             record = running.service.coordinator.state.rounds[-1]
             assert record["round"] == round_index
             received.append(record["bytes_sent"])
-        update_bytes, update_s = fetch_and_apply(stub, members[0], coordinator, round_index)
+        update_bytes, update_s, apply_s = fetch_and_apply(stub, members[0], coordinator,
+                                                          round_index)
+        one_pass = one_pass_s(coordinator.master)
         timed = timer.closes[1:]
         if any(c.clients != clients for c in timed):
             raise SystemExit(f"a round closed with {[c.clients for c in timed]} submissions, "
@@ -423,7 +437,8 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
                                             for r in coordinator.regions(tiers[0]).values())
         up = sum(m.ByteSize() for m in members[0].messages)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        return Row(clients, timed, walls, received, update_bytes, update_s, probes, up, dense,
+        return Row(clients, timed, walls, received, update_bytes, update_s, apply_s, one_pass,
+                   probes, up, dense,
                    rss)
     finally:
         close_module.close_round = close_round
@@ -433,9 +448,9 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
 
 
 def fetch_and_apply(stub: pb_grpc.CoordinatorStub, client: Client, coordinator: Coordinator,
-                    round_index: int) -> tuple[int, float]:
+                    round_index: int) -> tuple[int, float, float]:
     """A tier-0 client's download of one round's update and its application to a copy of
-    the weights it holds: (bytes, seconds)."""
+    the weights it holds: (bytes, seconds in all, seconds applying)."""
     regions = coordinator.regions(client.tier)
     weights = {name: coordinator.master[name][region_slices(region)].clone()
                for name, region in regions.items()}
@@ -443,8 +458,24 @@ def fetch_and_apply(stub: pb_grpc.CoordinatorStub, client: Client, coordinator: 
     messages = list(stub.GetUpdates(pb.GetUpdatesRequest(since_round=round_index),
                                     metadata=client.auth))
     (update,) = read_updates(messages, tier=client.tier)
+    applying = time.perf_counter()
     update.apply(weights, regions)
-    return sum(m.ByteSize() for m in messages), time.perf_counter() - start
+    end = time.perf_counter()
+    return sum(m.ByteSize() for m in messages), end - start, end - applying
+
+
+def one_pass_s(master: dict[str, torch.Tensor], repeats: int = 5) -> float:
+    """The median seconds of one pass over the master that reads and writes every float32
+    element once (an in-place multiply of a copy): the unit the close and the apply are
+    counted in (``close_passes``, ``apply_passes``)."""
+    copies = [tensor.float().clone() for tensor in master.values()]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for tensor in copies:
+            tensor.mul_(1.0)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def below_dense(f: dict[str, float]) -> float:
@@ -489,10 +520,13 @@ def main() -> None:
     figures = [r.figures() for r in rows]
     print()
     print_table(
-        ["clients", "up KiB", "down KiB", "dense KiB", "x below dense", "apply s", "rss MiB"],
+        ["clients", "up KiB", "down KiB", "dense KiB", "x below dense", "apply s", "rss MiB",
+         "1 pass ms", "close passes", "apply passes"],
         [[str(f["clients"]), f"{f['bytes_up'] / 2**10:,.1f}", f"{f['bytes_down'] / 2**10:,.1f}",
           f"{f['dense_bytes_up'] / 2**10:,.0f}", f"{below_dense(f):,.1f}",
-          f"{f['update_apply_s']:,.2f}", f"{f['peak_rss_mib']:,.0f}"] for f in figures],
+          f"{f['update_apply_s']:,.2f}", f"{f['peak_rss_mib']:,.0f}",
+          f"{f['one_pass_ms']:,.1f}", f"{f['close_passes']:,.0f}", f"{f['apply_passes']:,.0f}"]
+         for f in figures],
     )
     below = min(below_dense(f) for f in figures)
     worst_p99 = max(f["heartbeat_p99_ms"] for f in figures)

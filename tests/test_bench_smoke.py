@@ -82,8 +82,9 @@ EXPECTED = {
     "neuron_order": expect("activations/unordered", "settings", *per(("before", "after"), *(
         f"{run}.tier{t}" for run in ("unordered", "weights", "activations") for t in (0, 1, 2))),
         *per(("federated.unordered",), "tier0", "tier1", "tier2")),
-    "scale": expect("x below dense", "clients", "close_ms", "bytes_up", "bytes_down",
-                    "dense_bytes_up", "dense_bytes_down", "update_apply_s",
+    "scale": expect("x below dense", "clients", "close_ms", "score_ms", "bytes_up",
+                    "bytes_down", "dense_bytes_up", "dense_bytes_down", "update_apply_s",
+                    "apply_s", "one_pass_ms", "close_passes", "apply_passes",
                     "heartbeat_p99_ms"),
     "status_api": expect("page poll / metrics"),
     "tier_quality": expect("targets: joint tier 0 < 1 < 2", "joint", "tier0_sliced",
