@@ -208,11 +208,13 @@ class RoundClose:
             # cannot be written
             stores = (self.state, self.queue, self.membership, self.pipeline)
             before = [(store, store.snapshot()) for store in stores]
+            excluding = dict(self.excluding)  # the scores' verdicts, which _record adds to
             try:
                 self._commit(closing, master)
             except Exception as err:
                 for store, snapshot in before:
                     store.restore(snapshot)
+                self.excluding = excluding
                 self._undo_disk(closing)
                 self._failed(rnd, err)
             if master is not None:  # recorded and saved: now the run's tracker hears of it
