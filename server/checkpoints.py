@@ -25,6 +25,7 @@ from matformer.modeling.checkpoint import save_pretrained
 from matformer.modeling.checkpoint.export import export_tiers
 from matformer.modeling.checkpoint.files import read_weights
 from matformer.modeling.checkpoint.pretrained import load_state_into
+from matformer.modeling.compression import Broadcast
 from matformer.modeling.config import ModelConfig
 from matformer.modeling.mdat import Mdat
 from matformer.modeling.mdat.checkpoint_tokenizer import tokenizer_files
@@ -99,9 +100,11 @@ class CheckpointStore:
         load_state_into(model, read_weights(directory), directory)
         return {n: t.detach().clone() for n, t in canonical_state_dict(model).items()}
 
-    def read_carried(self, round_index: int) -> Carried | None:
-        """The outer state saved with the checkpoint; None for one written without it."""
-        return load_carried(self.path(round_index))
+    def read_carried(self, round_index: int, broadcast: Broadcast | None = None
+                     ) -> Carried | None:
+        """The outer state saved with the checkpoint, for a run whose broadcast is
+        ``broadcast``; None for one written without it."""
+        return load_carried(self.path(round_index), broadcast)
 
     def keep_only(self, keep: Collection[int], *, why: str, level: int = logging.INFO) -> None:
         """Remove every folder but those of the rounds in ``keep``, and every staging

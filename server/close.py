@@ -23,17 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-import torch
 from torch import Tensor
 
 from matformer.modeling.compression import RoundUpdate, SparseResult, UpdateConfig
+from matformer.modeling.compression.validation import all_finite
 from matformer.modeling.tracking import NoTracker, open_tracker
 from matformer.server.errors import RunDirectoryUnavailable
 from matformer.server.outer_state import carried_bytes
 from matformer.server.rounds import OpenRound, RoundAssignment
 from matformer.server.run_log import round_line
 from matformer.server.scores import ScoreJudge, agreement
-from matformer.server.update_steps import Carried
+from matformer.server.update_steps import ARITHMETIC, Carried
 
 if TYPE_CHECKING:
     from matformer.modeling.tracking import Tracker
@@ -267,9 +267,9 @@ class RoundClose:
             master, steps, carried = policy.close(closing.update.build(), self.master, by_name,
                                                   self.carried)
             fields = None if inputs is None else {
-                "inputs": inputs.result(), "outer": policy.record()}
+                "inputs": inputs.result(), "outer": {**policy.record(), "arithmetic": ARITHMETIC}}
         master = self.tied(master)
-        closing.broken = [n for n, t in master.items() if not bool(torch.isfinite(t).all())]
+        closing.broken = [n for n, t in master.items() if not all_finite(t)]
         if closing.broken:  # the limits on results make this unreachable; never serve it
             return None
         closing.carried = carried

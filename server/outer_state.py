@@ -17,7 +17,7 @@ inputs. Chunk ids and positions are stored at the narrowest integer dtype that h
 members uploaded.
 
     save_carried(folder, carried)            # into a checkpoint's staging folder
-    carried = load_carried(folder)           # None for a checkpoint written before this
+    carried = load_carried(folder, broadcast)  # None for a checkpoint written before this
     tensors, meta = results_record(by_name)  # a round's inputs, for the update log
     by_name = results_from(tensors, meta)
 """
@@ -29,13 +29,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from matformer.modeling.compression import ChunkGrid, SparseResult, index_dtype
+from matformer.modeling.compression import Broadcast, ChunkGrid, SparseResult, index_dtype
 from matformer.server.update_steps import Carried
 
 OUTER_STATE_NAME = "matformer_outer_state.safetensors"
+# 2: under a compressed broadcast the momentum is kept in its coefficients (1: in values)
+VERSION = "2"
 _KINDS = ("residual", "momentum")
 
 
@@ -44,12 +47,14 @@ def save_carried(folder: Path, carried: Carried) -> None:
     tensors = {f"{kind}/{name}": tensor.contiguous()
                for kind, by_name in _by_kind(carried).items() for name, tensor in by_name.items()}
     save_file(tensors, str(Path(folder) / OUTER_STATE_NAME),
-              metadata={"format": "matformer-outer-state", "version": "1"})
+              metadata={"format": "matformer-outer-state", "version": VERSION})
 
 
-def load_carried(folder: Path) -> Carried | None:
-    """The carried state saved with the checkpoint in ``folder``; None when it has none (a
-    checkpoint written before outer state was saved)."""
+def load_carried(folder: Path, broadcast: Broadcast | None = None) -> Carried | None:
+    """The carried state saved with the checkpoint in ``folder``, for a run whose broadcast
+    is ``broadcast``; None when it has none (a checkpoint written before outer state was
+    saved). A version 1 file holds the momentum as values: under a compressed broadcast it
+    is taken to the coefficients the close keeps it in now."""
     path = Path(folder) / OUTER_STATE_NAME
     if not path.is_file():
         return None
@@ -60,6 +65,11 @@ def load_carried(folder: Path) -> Carried | None:
             getattr(carried, kind)[name] = tensor
         else:  # a round policy's own state (server/policies/)
             carried.buffers.setdefault(kind, {})[name] = tensor
+    with safe_open(str(path), framework="pt") as opened:
+        version = (opened.metadata() or {}).get("version", "1")
+    if version == "1" and broadcast is not None:
+        carried.momentum = {name: broadcast.residual_of(values)
+                            for name, values in carried.momentum.items()}
     return carried
 
 

@@ -26,7 +26,7 @@ from matformer.server.errors import ResumeError
 from matformer.server.membership import Membership
 from matformer.server.policies import policy_from_record
 from matformer.server.state import RunState
-from matformer.server.update_steps import Carried
+from matformer.server.update_steps import ARITHMETIC, Carried
 from matformer.server.work import WorkQueue
 
 if TYPE_CHECKING:
@@ -191,19 +191,26 @@ def _replayed(c: Start) -> tuple[dict[str, Tensor], Carried]:
     except FileNotFoundError as err:
         raise ResumeError(f"state.json names checkpoint {err}, which is missing; "
                           "restore it, or start a new run directory.") from None
-    carried = c.checkpoints.read_carried(base)  # None: not known from here on
+    update = c.config.update.build(c.state.round, c.config.round.planned_rounds,
+                                   c.config.compression)
+    carried = c.checkpoints.read_carried(base, update.build().broadcast)  # None: not known
     lost = None if carried is not None else f"checkpoint round-{base} holds no outer state"
     entries = [c.log.read(r) for r in range(base, c.state.round)]
     for entry in entries:
         logged = None if carried is None else c.log.read_inputs(entry.round)
+        outer = {} if logged is None else dict(logged[1])
+        if logged is not None and entry.update.broadcast_topk \
+                and outer.pop("arithmetic", 1) != ARITHMETIC:
+            lost = f"round {entry.round} was closed by an earlier version's arithmetic"
+            logged = None
         if logged is None:
-            if carried is not None:
+            if carried is not None and lost is None:
                 lost = f"round {entry.round} was logged without the results it aggregated"
             master, carried = c.tied(entry.apply(master)), None
             continue
-        by_name, outer = logged
+        outer.pop("arithmetic", None)
         master, _, carried = policy_from_record(outer).close(entry.update.build(), master,
-                                                             by_name, carried)
+                                                             logged[0], carried)
         master = c.tied(master)
     if entries and c.tier_hashes(list(entries[-1].hashes), master) != entries[-1].hashes:
         raise ResumeError(f"replaying {c.dir / 'updates'} onto checkpoint round-{base} "

@@ -29,11 +29,20 @@ from matformer.modeling.compression import (
     SparseResult,
     Step,
     UpdateRule,
+    bounding_box,
     dense_step,
+    full_region,
     get_encoding,
+    region_slices,
 )
 from matformer.modeling.compression.encodings import ChunkTopK
 from matformer.server.aggregation import Aggregate, aggregate, coefficient_mean
+
+# The arithmetic of a compressed close, logged with each round's inputs (``"arithmetic"`` in
+# their record): a resume closes a logged round again only with the arithmetic that closed
+# it. 2: the momentum kept in coefficients, the residual fed back from the kept levels
+# (``Broadcast.encode_coefficients``); a round logged without it was closed by 1.
+ARITHMETIC = 2
 
 
 def update_step(rule: UpdateRule, aggregate: Aggregate, covered: Sequence[Region],
@@ -66,27 +75,34 @@ class Momentum:
     """The outer step's momentum, as ``torch.optim.SGD`` keeps it (dampening 0): per element
     ``buf ← μ·buf + agg``, and the direction is ``buf``, or ``agg + μ·buf`` with Nesterov
     (DiLoCo's outer optimizer: μ = 0.9, Nesterov). Only covered elements take part: an
-    element no result covered keeps its buffer and does not move."""
+    element no result covered keeps its buffer and does not move. Both are linear, so the
+    buffer may live in the broadcast's DCT coefficients as well as in values."""
 
     factor: float  # μ
     nesterov: bool = False
 
-    def direction(self, values: Tensor, covered: Tensor, buffer: Tensor | None
+    def direction(self, values: Tensor, covered: Tensor | None, buffer: Tensor | None
                   ) -> tuple[Tensor, Tensor]:
-        """(direction, new buffer) for an aggregate's ``values`` where ``covered``."""
+        """(direction, new buffer) for an aggregate's ``values`` where ``covered`` (a bool
+        that broadcasts against them; None: everywhere). Neither output shares memory with
+        an input, and ``buffer`` is not changed."""
         previous = torch.zeros_like(values, dtype=torch.float32) if buffer is None else buffer
-        buffer = torch.where(covered, previous * self.factor + values, previous)
-        direction = values + buffer * self.factor if self.nesterov else buffer
-        return torch.where(covered, direction, 0.0), buffer
+        moved = torch.mul(previous, self.factor).add_(values)  # SGD's μ·buf + agg
+        buffer = moved if covered is None else torch.where(covered, moved, previous)
+        direction = torch.mul(buffer, self.factor).add_(values) if self.nesterov \
+            else buffer.clone()
+        return (direction if covered is None else torch.where(covered, direction, 0.0)), buffer
 
 
 @dataclass(slots=True)
 class Carried:
     """What the coordinator carries from one round's steps to the next, per canonical name
     (float32): the broadcast's residual (what it left out, as the chunkwise DCT of its
-    values over whole chunks: ``Broadcast.residual_of``) and the outer momentum buffer
-    (universal shape). Replicas apply only steps and never need either; the coordinator
-    saves both with each checkpoint and rebuilds them on resume (``server/outer_state.py``)."""
+    values over whole chunks: ``Broadcast.residual_of``) and the outer momentum buffer (laid
+    out as the residual is under a compressed broadcast, so that a close never leaves the
+    coefficients; universal-shaped values under an exact one). Replicas apply only steps and
+    never need either; the coordinator saves both with each checkpoint and rebuilds them on
+    resume (``server/outer_state.py``)."""
 
     residual: dict[str, Tensor] = field(default_factory=dict)
     momentum: dict[str, Tensor] = field(default_factory=dict)
@@ -105,9 +121,10 @@ def close_round(rule: UpdateRule, master: Mapping[str, Tensor],
     round. Inputs are not changed.
 
     A compressed broadcast of DCT results whose regions lie on the chunk grid (the usual
-    case) never leaves the coefficients: the results are summed where they were sent and the
-    sum is what the broadcast compresses, so the only pass back to values is the step's exact
-    decode, which the master needs anyway."""
+    case) never leaves the coefficients: the results are summed where they were sent, the
+    momentum and the residual are added there, the broadcast keeps each chunk's largest,
+    and the only pass back to values is the step's exact decode, block by block as it moves
+    the master (``UpdateRule.apply``)."""
     master = dict(master)
     carried = carried or Carried()
     residual, buffers = dict(carried.residual), dict(carried.momentum)
@@ -115,23 +132,57 @@ def close_round(rule: UpdateRule, master: Mapping[str, Tensor],
     for name, results in by_name.items():
         covered = [r.region for r in results]
         broadcast = rule.broadcast
-        if broadcast is not None and not votes and momentum is None \
-                and _summable(results, broadcast, covered):
-            step, residual[name], decoded = broadcast.encode_coefficients(
-                coefficient_mean(results), results[0].shape, covered, residual.get(name))
+        if broadcast is not None and not votes and _summable(results, broadcast, covered):
+            shape = results[0].shape
+            pending = coefficient_mean(results)
+            if momentum is not None:
+                pending, buffers[name] = _through_momentum(
+                    momentum, broadcast, pending, shape, covered, buffers.get(name))
+            step, residual[name] = broadcast.encode_coefficients(
+                pending, shape, covered, residual.get(name))
+            master[name] = rule.apply(master[name], step)
         else:
             mean = aggregate(results, votes=votes)
             if momentum is not None:
-                values, buffers[name] = momentum.direction(mean.values, mean.covered,
-                                                           buffers.get(name))
+                buffer = buffers.get(name)
+                if broadcast is not None and buffer is not None:  # kept in coefficients
+                    buffer = broadcast.values_of(buffer, mean.values.shape)
+                values, buffer = momentum.direction(mean.values, mean.covered, buffer)
+                buffers[name] = buffer if broadcast is None else broadcast.residual_of(buffer)
                 mean = Aggregate(values=values, tokens=mean.tokens)
             step, left, decoded = broadcast_step(rule, mean, covered, residual.get(name))
             if left is not None:
                 residual[name] = left
-        master[name] = rule.apply(master[name], step, direction=decoded)
+            master[name] = rule.apply(master[name], step, direction=decoded)
         steps[name] = step
     return master, steps, Carried(residual=residual, momentum=buffers,
                                   buffers=dict(carried.buffers))
+
+
+def _through_momentum(momentum: Momentum, broadcast: Broadcast, summed: Tensor,
+                      shape: Sequence[int], covered: Sequence[Region], buffer: Tensor | None
+                      ) -> tuple[Tensor, Tensor]:
+    """``Momentum.direction`` in the broadcast's coefficients: ``summed`` over the box of
+    ``covered`` (on the grid), ``buffer`` over every chunk of ``shape``. Returns the
+    direction over the box and the new buffer; chunks no result covered keep theirs."""
+    grid = ChunkGrid.of(shape, broadcast.chunk)
+    box = bounding_box(covered)
+    spread, whole = Broadcast.spread(grid, box, covered, summed.device)
+    where = region_slices(box)
+    chunks = [n for pair in zip(grid.region_counts(box), grid.chunk, strict=True) for n in pair]
+    old = None if buffer is None else buffer[where]
+    if whole:
+        direction, new = momentum.direction(summed, None, old)
+    else:
+        direction, new = momentum.direction(
+            summed.view(chunks), spread, None if old is None else old.reshape(chunks))
+        direction, new = direction.view(summed.shape), new.view(summed.shape)
+    if box == full_region(grid.shape):
+        return direction, new
+    out = torch.zeros(grid.padded(full_region(grid.shape))) if buffer is None \
+        else buffer.clone()
+    out[where] = new
+    return direction, out
 
 
 def _summable(results: Sequence[SparseResult], broadcast: Broadcast,

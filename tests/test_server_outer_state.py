@@ -9,6 +9,8 @@ import json
 import logging
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from support.helpers import Clock, run_tables
 from support.rounds import caps, drive, same
 
@@ -20,6 +22,7 @@ from matformer.server.coordinator import Coordinator
 from matformer.server.ledger import TrainedLedger
 from matformer.server.outer_state import OUTER_STATE_NAME, load_carried
 from matformer.server.state import RunState
+from matformer.server.update_steps import ARITHMETIC
 
 ROUNDS = 6
 
@@ -128,3 +131,40 @@ def test_a_checkpoint_from_before_outer_state_resumes_from_zero_saying_so_once(
     resumed.advance()
     drive(resumed, clock, cid, 1)  # and it trains on
     assert resumed.state.round == 4
+
+
+def test_outer_state_of_the_first_close_arithmetic_resumes(tmp_path, mdat_path, caplog):
+    """A checkpoint holding the momentum as values (version 1) resumes with it taken to the
+    coefficients the close keeps it in now; a round logged by the first arithmetic is
+    applied from its steps, and the carried state starts again from zero, said once."""
+    clock = Clock()
+    config = outer_config(tmp_path / "run", mdat_path)
+    c = Coordinator(config, clock=clock)
+    cid = c.join(caps("a", tier=1))[0].client_id
+    drive(c, clock, cid, 2)
+    assert c.state.checkpoints == [0, 2] and c.state.round == 2
+    folder = c.dir / "checkpoints" / "round-2"
+    broadcast = config.update.build(2, config.round.planned_rounds,
+                                    config.compression).build().broadcast
+    saved = load_carried(folder, broadcast)
+    shapes = {name: tensor.shape for name, tensor in c.master.items()}
+    save_file({**{f"residual/{n}": t for n, t in saved.residual.items()},
+               **{f"momentum/{n}": broadcast.values_of(t, shapes[n]).contiguous()
+                  for n, t in saved.momentum.items()}},
+              str(folder / OUTER_STATE_NAME), metadata={"format": "matformer-outer-state",
+                                                        "version": "1"})
+    resumed = Coordinator(config, clock=clock)
+    assert same(resumed.carried.residual, c.carried.residual)
+    for name, momentum in resumed.carried.momentum.items():
+        torch.testing.assert_close(momentum, c.carried.momentum[name], atol=1e-5, rtol=1e-4)
+
+    drive(c, clock, cid, 1)  # round 2, logged with its inputs; as the first arithmetic had it:
+    entry = json.loads((c.dir / "updates" / "round-2.json").read_text())
+    assert entry["outer"].pop("arithmetic") == ARITHMETIC
+    (c.dir / "updates" / "round-2.json").write_text(json.dumps(entry))
+    with caplog.at_level(logging.WARNING, logger="matformer.server"):
+        again = Coordinator(config, clock=clock)
+    said = [r.getMessage() for r in caplog.records if "start again from zero" in r.getMessage()]
+    assert len(said) == 1 and "round 2 was closed by an earlier version's arithmetic" in said[0]
+    assert same(again.master, c.master)  # the weights, from the logged steps
+    assert again.carried.momentum == {} and again.carried.residual == {}

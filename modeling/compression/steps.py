@@ -22,7 +22,7 @@ and ``direction(region)``/``mask(region)`` are the same numbers whatever was cut
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -141,11 +141,24 @@ class CoefficientStep:
         return ChunkGrid(shape=self.shape, chunk=self.chunk)
 
     def direction(self, region: Region) -> Tensor:
-        """Region-shaped float32 direction: the kept coefficients' inverse DCT, exact, a few
-        rows of chunks at a time (``BLOCK_BYTES`` of float64 sums)."""
+        """Region-shaped float32 direction: the kept coefficients' inverse DCT, exact."""
         inside = intersect(self.box, region)
         if inside is None:
             return torch.zeros(region_shape(region), device=self.levels.device)
+        values = torch.empty(region_shape(inside), device=self.levels.device)
+        for rows, block in self.decoded(inside):
+            values[rows].copy_(block)
+        if inside == region:
+            return values
+        out = torch.zeros(region_shape(region), device=values.device)
+        out[within(inside, region)] = values
+        return out
+
+    def decoded(self, inside: Region) -> Iterator[tuple[slice, Tensor]]:
+        """The direction over ``inside`` (a box inside ``self.box``, starting on its chunk
+        grid), a few rows of chunks at a time (``BLOCK_BYTES`` of float64 sums): each
+        float32 block with the rows of ``inside`` it fills. A caller that only reads the
+        direction block by block (``UpdateRule.apply``) never holds it whole."""
         grid = self.grid
         ids = grid.chunk_ids(inside)
         positions, levels, scales = self.positions, self.levels, self.scales
@@ -157,15 +170,16 @@ class CoefficientStep:
             levels = levels.gather(1, order)
         last, bits = self.chunk[-1], exact_bits(self.chunk)
         counts, padded = grid.region_counts(inside), grid.padded(inside)
+        shape = region_shape(inside)
         rows = grid.flat_index(inside, ids.unsqueeze(1).to(positions.device), positions) // last
         order, starts = row_order(rows.reshape(-1), math.prod(padded) // last)
         columns, levels = (positions % last).reshape(-1)[order], levels.reshape(-1)[order]
         factor = scales.to(torch.float64) / 2.0 ** (bits * len(self.chunk))
-        values = torch.empty(padded, device=levels.device)  # float32
         per_row = math.prod(counts[1:])  # chunks in one row of chunks
         lines = self.chunk[0] * math.prod(padded[1:]) // last  # rows of ``starts`` in one
         marks = [*starts[::lines].tolist(), len(levels)]  # where each row of chunks begins
         height = max(1, BLOCK_BYTES // (8 * last * lines))
+        crop = tuple(slice(0, n) for n in shape[1:])
         for top in range(0, counts[0], height):
             bottom = min(counts[0], top + height)
             first = marks[top]
@@ -176,15 +190,13 @@ class CoefficientStep:
             block = (bottom - top, *counts[1:])
             pairs = [n for pair in zip(block, self.chunk, strict=True) for n in pair]
             # each chunk times its factor, rounded once in float64, then once to float32
-            scaled.view(pairs).mul_(factor[top * per_row:bottom * per_row].view(
-                [n for c in block for n in (c, 1)]))
-            values[top * self.chunk[0]:bottom * self.chunk[0]].copy_(scaled)
-        values = values[tuple(slice(0, n) for n in region_shape(inside))]
-        if inside == region:
-            return values
-        out = torch.zeros(region_shape(region), device=values.device)
-        out[within(inside, region)] = values
-        return out
+            # (the product is taken in float64 and cast as it is written)
+            values = torch.empty(scaled.shape, device=scaled.device)
+            torch.mul(scaled.view(pairs), factor[top * per_row:bottom * per_row].view(
+                [n for c in block for n in (c, 1)]), out=values.view(pairs))
+            first_row = top * self.chunk[0]
+            last_row = min(shape[0], bottom * self.chunk[0])
+            yield slice(first_row, last_row), values[(slice(0, last_row - first_row), *crop)]
 
     def covers(self, region: Region) -> bool:
         return _covers(self.covered, region)
@@ -296,13 +308,21 @@ class Broadcast:
 
     def encode_coefficients(self, coefficients: Tensor, shape: Sequence[int],
                             covered: Sequence[Region], residual: Tensor | None
-                            ) -> tuple[CoefficientStep, Tensor, Tensor]:
+                            ) -> tuple[CoefficientStep, Tensor]:
         """``encode`` of an aggregate given as its chunkwise DCT over the box of ``covered``
         (``chunkwise_dct`` of its values there; ``on_grid(shape, covered)`` must hold), as
-        the coordinator sums it from results. Everything stays in coefficients: the residual
-        is added to whole chunks, and what the step left out is the pending coefficients less
-        the DCT of what it decodes to (the exact decode's integer matrix is not quite the
-        DCT). ``coefficients`` is used as working memory."""
+        the coordinator sums it from results. Returns the step and the new residual; the
+        step is not decoded here (``UpdateRule.apply`` decodes it block by block as it
+        moves the weights). Everything stays in coefficients: the residual is added to
+        whole chunks, and what the step left out is the pending coefficients with each kept
+        one less what its level and scale carry, a write of k values per chunk.
+
+        That treats the exact decode as the inverse DCT it approximates: its integer
+        matrices are the DCT's rounded to ``exact_bits`` fraction bits (16 for a 64×64
+        chunk), so what a replica moves by differs from the kept coefficients' true inverse
+        by about 2^-17 of each coefficient, and that difference is not fed back (``encode``
+        feeds it back, at the cost of a forward DCT of the whole decode).
+        ``coefficients`` is used as working memory."""
         covered = tuple(sorted(set(covered)))
         grid, box = self._grid(shape, covered)
         if not self.on_grid(shape, covered):
@@ -313,30 +333,39 @@ class Broadcast:
         pending, old = coefficients, None if residual is None else residual[where]
         counts = grid.region_counts(box)
         chunks = [n for pair in zip(counts, grid.chunk, strict=True) for n in pair]
-        taken = torch.zeros(grid.size, dtype=torch.bool, device=pending.device)
-        for region in covered:
-            taken[grid.chunk_ids(region).to(pending.device)] = True
-        taken = taken[grid.chunk_ids(box).to(pending.device)]
-        spread = taken.view([n for count in counts for n in (count, 1)])  # per chunk
-        whole = bool(taken.all())
+        spread, whole = self.spread(grid, box, covered, pending.device)
         if old is not None and whole:
             pending.add_(old)
         elif old is not None:
             pending.view(chunks).add_(torch.where(spread, old.reshape(chunks), 0.0))
         step = self._step(pending, grid, box, covered)
-        decoded = step.direction(box)
-        height = grid.chunk[0] * max(1, BLOCK_BYTES // (4 * decoded[:grid.chunk[0]].numel()))
-        for top in range(0, len(decoded), height):  # what the step left out
-            pending[top:top + height].sub_(chunkwise_dct(decoded[top:top + height], grid.chunk))
+        ids = grid.chunk_ids(box).to(pending.device).unsqueeze(1)
+        kept = grid.flat_index(box, ids, step.positions).reshape(-1)
+        carried = step.levels.float() * step.scales.unsqueeze(1)  # what each kept one carries
+        pending.view(-1).index_add_(0, kept, carried.reshape(-1), alpha=-1)
         left = pending
         if not whole:  # chunks of the box that nothing covered keep the old residual
-            kept = torch.zeros_like(left) if old is None else old
-            left = torch.where(spread, left.view(chunks), kept.reshape(chunks)).view(left.shape)
+            kept_old = torch.zeros_like(left) if old is None else old
+            left = torch.where(spread, left.view(chunks), kept_old.reshape(chunks)).view(
+                left.shape)
         if box == full_region(grid.shape):
-            return step, left, decoded
+            return step, left
         out = self._residual(grid, residual, pending.device)
         out[where] = left
-        return step, out, decoded
+        return step, out
+
+    @staticmethod
+    def spread(grid: ChunkGrid, box: Region, covered: Sequence[Region],
+               device: torch.device) -> tuple[Tensor, bool]:
+        """Which chunks of ``box`` some region of ``covered`` holds (regions on the grid),
+        as a bool that broadcasts over the box's coefficients viewed chunk by chunk
+        (``(n0, c0, n1, c1, ...)``), and whether that is all of them."""
+        counts = grid.region_counts(box)
+        taken = torch.zeros(grid.size, dtype=torch.bool, device=device)
+        for region in covered:
+            taken[grid.chunk_ids(region).to(device)] = True
+        taken = taken[grid.chunk_ids(box).to(device)]
+        return taken.view([n for count in counts for n in (count, 1)]), bool(taken.all())
 
     def residual_of(self, values: Tensor) -> Tensor:
         """A universal-shaped residual of values as ``encode`` keeps it: the chunkwise DCT of

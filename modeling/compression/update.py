@@ -20,30 +20,42 @@ import torch
 from torch import Tensor
 
 from matformer.modeling.compression.grid import Region, full_region
-from matformer.modeling.compression.steps import Broadcast, Step, intersect, within
+from matformer.modeling.compression.steps import (
+    Broadcast,
+    CoefficientStep,
+    Step,
+    intersect,
+    within,
+)
 from matformer.modeling.errors import CompressionConfigError
 
-Rule = Callable[..., Tensor]  # (weight, values, covered | None, *, lr, weight_decay) → new
+# (weight, values, covered | None, *, lr, weight_decay, out=None) → the moved weight
+Rule = Callable[..., Tensor]
 
 
 def sgd(
     weight: Tensor, values: Tensor, covered: Tensor | None, *, lr: float,
-    weight_decay: float = 0.0,
+    weight_decay: float = 0.0, out: Tensor | None = None,
 ) -> Tensor:
-    """``weight`` moved by ``-lr·values`` where ``covered`` (None: everywhere); a new tensor
-    of weight's dtype."""
+    """``weight`` moved by ``-lr·values`` where ``covered`` (None: everywhere): a new tensor
+    of weight's dtype, or written into ``out`` (weight-shaped, not overlapping the inputs)
+    and returned; the same bits either way."""
     decayed = weight * (1.0 - lr * weight_decay) if weight_decay else weight  # × 1 is exact
     # add with alpha is the kernel torch.optim.SGD steps with: same numbers as standalone SGD
+    if out is not None and covered is None and out.dtype == weight.dtype \
+            and torch.result_type(decayed, values) == weight.dtype:
+        return torch.add(decayed, values, alpha=-lr, out=out)
     moved = torch.add(decayed, values, alpha=-lr)
-    return (moved if covered is None else torch.where(covered, moved, weight)).to(weight.dtype)
+    moved = (moved if covered is None else torch.where(covered, moved, weight)).to(weight.dtype)
+    return moved if out is None else out.copy_(moved)
 
 
 def sign(
     weight: Tensor, values: Tensor, covered: Tensor | None, *, lr: float,
-    weight_decay: float = 0.0,
+    weight_decay: float = 0.0, out: Tensor | None = None,
 ) -> Tensor:
     """``weight`` moved by ``-lr·sign(values)`` where ``covered``, with decoupled decay."""
-    return sgd(weight, torch.sign(values), covered, lr=lr, weight_decay=weight_decay)
+    return sgd(weight, torch.sign(values), covered, lr=lr, weight_decay=weight_decay, out=out)
 
 
 UPDATE_RULES: dict[str, Rule] = {"sgd": sgd, "sign": sign}
@@ -99,15 +111,32 @@ class UpdateRule:
         if inside is None:
             return weight.clone()
         device = weight.device
-        direction = step.direction(inside) if direction is None else direction
         covered = None if step.covers(inside) else step.mask(inside).to(device)
         where = within(inside, region)
+        if direction is None and isinstance(step, CoefficientStep):
+            return self._apply_blocks(weight, step, inside, where, covered)
+        direction = step.direction(inside) if direction is None else direction
         moved = self.rule(weight[where], direction.to(device), covered, lr=self.lr,
                           weight_decay=self.weight_decay)
         if inside == region:
             return moved
         out = weight.clone()
         out[where] = moved
+        return out
+
+    def _apply_blocks(self, weight: Tensor, step: CoefficientStep, inside: Region,
+                      where: tuple[slice, ...], covered: Tensor | None) -> Tensor:
+        """``apply`` of a compressed step, decoded a few rows of chunks at a time and each
+        block moved as soon as it is decoded: the weight is read and the result written
+        once, and the direction is never held whole. The rule is element by element, so
+        the bits are those of moving the whole tensor at once."""
+        moving = weight[where]
+        out = torch.empty_like(weight) if moving.shape == weight.shape else weight.clone()
+        target = out[where]
+        for rows, direction in step.decoded(inside):
+            self.rule(moving[rows], direction.to(weight.device),
+                      None if covered is None else covered[rows], lr=self.lr,
+                      weight_decay=self.weight_decay, out=target[rows])
         return out
 
 

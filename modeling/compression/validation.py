@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+from torch import Tensor
 
 from matformer.modeling.compression.encodings import get_encoding
 from matformer.modeling.compression.sparse import SparseResult
@@ -53,11 +54,17 @@ def _check(result: SparseResult) -> None:
     values = result.values
     if not values.dtype.is_floating_point:
         raise ResultShapeMismatch(f"{name}: values must be floating point, got {values.dtype}.")
-    if not torch.isfinite(values).all():
+    if not all_finite(values):
         raise NonFiniteValues(
             f"{name}: values hold NaN or infinity; the client's gradient diverged, so drop "
             "this result and have the client resynchronize."
         )
+
+
+def all_finite(tensor: Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite, in one read: the sum is finite
+    whenever every element is, unless it overflows, and then they are checked one by one."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def validate_group(results: Sequence[SparseResult]) -> list[ValidResult]:
