@@ -19,7 +19,6 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -117,7 +116,7 @@ def row_order(rows: Tensor, count: int) -> tuple[Tensor, Tensor]:
     """For levels at ``rows`` (1-D; the levels of one row adjacent, as each chunk's positions
     in order leave them), the order that puts them row by row and where each of the
     ``count`` rows begins in it: each row's run of levels moves, in one piece, to where the
-    rows before it end."""
+    rows before it end (a block of rows is then one slice of the levels)."""
     counts = torch.bincount(rows, minlength=count)
     starts = counts.cumsum(0) - counts
     index = torch.arange(len(rows), device=rows.device)
@@ -129,17 +128,46 @@ def row_order(rows: Tensor, count: int) -> tuple[Tensor, Tensor]:
     return order, starts
 
 
-def exact_sparse_idct(levels: Tensor, columns: Tensor, starts: Tensor, shape: Sequence[int],
-                      chunk: Sequence[int], bits: int) -> Tensor:
-    """``exact_idct`` of chunks given by their nonzero levels, laid out chunkwise: a float64
-    tensor of ``shape`` (whole chunks). The tensor is seen as rows of one chunk's last
-    dimension (``view(-1, chunk[-1])``); ``levels`` are in row order (``row_order``), row r's
-    from ``starts[r]`` on, each at column ``columns`` of its row. Along the last dimension a
-    row is the sum of its levels times their matrix rows (k per chunk instead of a dense
-    product); every partial sum is still a sum of the chunk's level × matrix products, so it
-    stays an integer below 2^53 and the bits are ``exact_idct``'s."""
-    matrix = integer_dct_matrix(chunk[-1], bits).to(levels.device)
-    along_last = F.embedding_bag(columns, matrix, starts, mode="sum",
-                                 per_sample_weights=levels.to(torch.float64))
-    matrices = [integer_dct_matrix(n, bits).T for n in chunk[:-1]]
-    return chunkwise(along_last.view(*shape), chunk, [*matrices, None])
+class SparseExactDecoder:
+    """``exact_idct`` of blocks of chunks given by their nonzero levels, one block after
+    another, into memory it keeps: a block is a tensor of whole chunks laid out chunkwise,
+    seen as rows of one chunk's last dimension (``view(-1, chunk[-1])``), and each level
+    lies at a row and a column of it. Along the last dimension a row is the sum of its
+    levels times their matrix rows (k per chunk instead of a dense product); every partial
+    sum is still a sum of the chunk's level × matrix products, so it stays an integer below
+    2^53 and the bits are ``exact_idct``'s in any order. A block's result is valid until the
+    next call: new pages for every block would cost more than the arithmetic."""
+
+    def __init__(self, chunk: Sequence[int], bits: int, device: torch.device) -> None:
+        self.chunk, self.bits, self.device = tuple(chunk), bits, device
+        self.matrices = [integer_dct_matrix(n, bits).to(device) for n in self.chunk]
+        self._memory: dict[str, Tensor] = {}
+
+    def __call__(self, levels: Tensor, columns: Tensor, rows: Tensor, shape: Sequence[int]
+                 ) -> Tensor:
+        """The float64 block of ``shape`` (integers · 2^(bits·ndim)) of ``levels`` at
+        ``rows`` and ``columns`` (each 1-D, one entry per level)."""
+        last = self.chunk[-1]
+        terms = self._take("terms", (len(levels), last))
+        torch.index_select(self.matrices[-1], 0, columns, out=terms)
+        terms.mul_(levels.to(torch.float64).unsqueeze(1))
+        along_last = self._take("rows", (math.prod(shape) // last, last)).zero_()
+        along_last.index_add_(0, rows, terms)
+        if len(self.chunk) == 1:
+            return along_last.view(*shape)
+        if len(self.chunk) == 2:
+            out = self._take("out", tuple(shape))
+            torch.matmul(self.matrices[0].T, along_last.view(-1, self.chunk[0], shape[1]),
+                         out=out.view(-1, self.chunk[0], shape[1]))
+            return out
+        return chunkwise(along_last.view(*shape), self.chunk,
+                         [*(m.T for m in self.matrices[:-1]), None])
+
+    def _take(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """A float64 tensor of ``shape`` in the memory kept under ``name``, grown as needed."""
+        numel = math.prod(shape)
+        kept = self._memory.get(name)
+        if kept is None or kept.numel() < numel:
+            kept = self._memory[name] = torch.empty(numel, dtype=torch.float64,
+                                                    device=self.device)
+        return kept[:numel].view(shape)

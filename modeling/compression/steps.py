@@ -30,10 +30,10 @@ from torch import Tensor
 
 from matformer.modeling.compression.dct import (
     LEVEL_MAX,
+    SparseExactDecoder,
     chunkwise_dct,
     chunkwise_idct,
     exact_bits,
-    exact_sparse_idct,
     row_order,
 )
 from matformer.modeling.compression.grid import (
@@ -157,8 +157,9 @@ class CoefficientStep:
     def decoded(self, inside: Region) -> Iterator[tuple[slice, Tensor]]:
         """The direction over ``inside`` (a box inside ``self.box``, starting on its chunk
         grid), a few rows of chunks at a time (``BLOCK_BYTES`` of float64 sums): each
-        float32 block with the rows of ``inside`` it fills. A caller that only reads the
-        direction block by block (``UpdateRule.apply``) never holds it whole."""
+        float32 block with the rows of ``inside`` it fills, valid until the next is asked
+        for (one block's memory serves them all). A caller that only reads the direction
+        block by block (``UpdateRule.apply``) never holds it whole."""
         grid = self.grid
         ids = grid.chunk_ids(inside)
         positions, levels, scales = self.positions, self.levels, self.scales
@@ -172,26 +173,30 @@ class CoefficientStep:
         counts, padded = grid.region_counts(inside), grid.padded(inside)
         shape = region_shape(inside)
         rows = grid.flat_index(inside, ids.unsqueeze(1).to(positions.device), positions) // last
-        order, starts = row_order(rows.reshape(-1), math.prod(padded) // last)
-        columns, levels = (positions % last).reshape(-1)[order], levels.reshape(-1)[order]
+        rows = rows.reshape(-1)
+        order, starts = row_order(rows, math.prod(padded) // last)
+        rows, columns = rows[order], (positions % last).reshape(-1)[order]
+        levels = levels.reshape(-1)[order]
         factor = scales.to(torch.float64) / 2.0 ** (bits * len(self.chunk))
         per_row = math.prod(counts[1:])  # chunks in one row of chunks
         lines = self.chunk[0] * math.prod(padded[1:]) // last  # rows of ``starts`` in one
         marks = [*starts[::lines].tolist(), len(levels)]  # where each row of chunks begins
-        height = max(1, BLOCK_BYTES // (8 * last * lines))
+        height = min(counts[0], max(1, BLOCK_BYTES // (8 * last * lines)))
         crop = tuple(slice(0, n) for n in shape[1:])
+        decode = SparseExactDecoder(self.chunk, bits, levels.device)
+        work = torch.empty((height * self.chunk[0], *padded[1:]), device=levels.device)
         for top in range(0, counts[0], height):
             bottom = min(counts[0], top + height)
-            first = marks[top]
-            scaled = exact_sparse_idct(  # integers · 2^(bits·ndim), chunkwise
-                levels[first:marks[bottom]], columns[first:marks[bottom]],
-                starts[top * lines:bottom * lines] - first,
-                ((bottom - top) * self.chunk[0], *padded[1:]), self.chunk, bits)
+            first, last_level = marks[top], marks[bottom]
+            size = (bottom - top) * self.chunk[0]
+            scaled = decode(  # integers · 2^(bits·ndim), chunkwise
+                levels[first:last_level], columns[first:last_level],
+                rows[first:last_level] - top * lines, (size, *padded[1:]))
             block = (bottom - top, *counts[1:])
             pairs = [n for pair in zip(block, self.chunk, strict=True) for n in pair]
             # each chunk times its factor, rounded once in float64, then once to float32
             # (the product is taken in float64 and cast as it is written)
-            values = torch.empty(scaled.shape, device=scaled.device)
+            values = work[:size]
             torch.mul(scaled.view(pairs), factor[top * per_row:bottom * per_row].view(
                 [n for c in block for n in (c, 1)]), out=values.view(pairs))
             first_row = top * self.chunk[0]
