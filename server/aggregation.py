@@ -170,18 +170,26 @@ def _coverage(results: Sequence[SparseResult], grid: ChunkGrid) -> tuple[Tensor,
 def _weighted_sum(results: Sequence[SparseResult], grid: ChunkGrid, region: Region,
                   tokens: Tensor, mixed: Tensor) -> Tensor:
     """Σ share · sent coefficients over the chunks no result covers in part, laid out
-    chunkwise over the chunks ``region`` touches (each result's chunks lie inside it)."""
+    chunkwise over the chunks ``region`` touches (each result's chunks lie inside it).
+    Added result by result, in their order, each with one ``index_add_``: where a chunk
+    lies is looked up, not computed, for each result."""
     device = results[0].values.device
     summed = torch.zeros(grid.padded(region), device=device)
+    ids = grid.chunk_ids(region).to(device)
+    starts = torch.zeros(grid.size, dtype=torch.int64, device=device)
+    starts[ids] = grid.chunk_starts(region, ids)
+    offsets = grid.offsets(region, device)
+    tokens, partly = tokens.to(device), bool(mixed.any())
     for result in results:
         chunks, indices, values = result.chunks.long(), result.indices.long(), result.values
-        keep = ~mixed[chunks]
-        if not bool(keep.all()):
-            chunks, indices, values = chunks[keep], indices[keep], values[keep]
-        weight = (result.tokens / tokens[chunks]).to(device)  # the share, per sent chunk
-        index = grid.flat_index(region, chunks.unsqueeze(1).to(device), indices.to(device))
-        summed.view(-1).index_add_(
-            0, index.reshape(-1), (values.float() * weight.unsqueeze(1)).reshape(-1))
+        if partly:
+            keep = ~mixed[chunks]
+            if not bool(keep.all()):
+                chunks, indices, values = chunks[keep], indices[keep], values[keep]
+        share = result.tokens / tokens[chunks]  # float32: 1 / tokens, times the result's
+        index = starts[chunks].unsqueeze(1) + offsets[indices]
+        summed.view(-1).index_add_(  # values times share in float32, as float() · share
+            0, index.view(-1), torch.mul(values, share.unsqueeze(1)).view(-1))
     return summed
 
 

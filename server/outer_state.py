@@ -13,8 +13,8 @@ the carried state of the run that was not interrupted.
 
 A run whose update carries nothing (no compressed broadcast, no outer momentum) logs no
 inputs. Chunk ids and positions are stored at the narrowest integer dtype that holds them
-(as on the wire), values at the dtype they arrived in: a round's inputs take about what its
-members uploaded.
+(as on the wire), values at the dtype they arrived in, every result's end to end in a few
+flat tensors: a round's inputs take about what its members uploaded.
 
     save_carried(folder, carried)            # into a checkpoint's staging folder
     carried = load_carried(folder, broadcast)  # None for a checkpoint written before this
@@ -24,6 +24,7 @@ members uploaded.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from matformer.modeling.compression import Broadcast, ChunkGrid, SparseResult, index_dtype
+from matformer.modeling.compression import Broadcast, SparseResult, index_dtype
 from matformer.server.update_steps import Carried
 
 OUTER_STATE_NAME = "matformer_outer_state.safetensors"
@@ -86,34 +87,53 @@ def _by_kind(carried: Carried) -> dict[str, dict[str, Tensor]]:
 
 def results_record(by_name: Mapping[str, Sequence[SparseResult]]
                    ) -> tuple[dict[str, Tensor], dict[str, list[dict[str, Any]]]]:
-    """A round's results as tensors (``<name>/<j>/chunks|indices|values``) and their fields
-    (by name, in aggregation order)."""
-    tensors, meta = {}, {}
-    for name, results in by_name.items():
-        meta[name] = []
-        for j, result in enumerate(results):
-            chunks, indices = result.chunks, result.indices
-            if result.chunk:
-                grid = ChunkGrid(shape=result.shape, chunk=result.chunk)
-                chunks = chunks.to(index_dtype(grid.size))
-                indices = indices.to(index_dtype(grid.chunk_numel))
-            for field, tensor in (("chunks", chunks), ("indices", indices),
-                                  ("values", result.values)):
-                tensors[f"{name}/{j}/{field}"] = tensor.contiguous()
-            meta[name].append({"shape": list(result.shape),
-                               "region": [list(r) for r in result.region],
-                               "encoding": result.encoding, "chunk": list(result.chunk),
-                               "tokens": result.tokens})
+    """A round's results as a few flat tensors, and their fields (by name, in aggregation
+    order): every result's chunk ids end to end in ``chunks``, its positions in
+    ``indices`` (each at the narrowest integer dtype that holds them all), its values in
+    ``values/<dtype>``; each of a result's three fields is ``[tensor, first element,
+    shape]``. A few tensors rather than three per result: a file of thousands of small
+    tensors costs more to write than its bytes."""
+    parts: dict[str, list[Tensor]] = {}
+    ends: dict[str, int] = {}
+
+    def place(key: str, tensor: Tensor) -> list[Any]:
+        at = ends.get(key, 0)
+        parts.setdefault(key, []).append(tensor.reshape(-1))
+        ends[key] = at + tensor.numel()
+        return [key, at, list(tensor.shape)]
+
+    meta = {name: [{
+        "shape": list(result.shape), "region": [list(r) for r in result.region],
+        "encoding": result.encoding, "chunk": list(result.chunk), "tokens": result.tokens,
+        "chunks": place("chunks", result.chunks.to(torch.int64)),
+        "indices": place("indices", result.indices.to(torch.int64)),
+        "values": place(f"values/{str(result.values.dtype).removeprefix('torch.')}",
+                        result.values)} for result in results]
+        for name, results in by_name.items()}
+    tensors = {}
+    for key, pieces in parts.items():
+        flat = torch.cat(pieces)
+        if not key.startswith("values/"):
+            flat = flat.to(index_dtype(int(flat.max()) + 1 if flat.numel() else 1))
+        tensors[key] = flat
     return tensors, meta
 
 
 def results_from(tensors: Mapping[str, Tensor], meta: Mapping[str, list[dict[str, Any]]]
                  ) -> dict[str, list[SparseResult]]:
-    """Inverse of ``results_record``."""
+    """Inverse of ``results_record``; also reads a record of the first layout (three
+    tensors per result, ``<name>/<j>/chunks|indices|values``)."""
+
+    def part(fields: Mapping[str, Any], field: str, name: str, j: int) -> Tensor:
+        if field not in fields:  # the first layout
+            return tensors[f"{name}/{j}/{field}"]
+        key, at, shape = fields[field]
+        return tensors[key][at:at + math.prod(shape)].view(shape)
+
     return {name: [SparseResult(
         name=name, shape=tuple(fields["shape"]),
         region=tuple(tuple(r) for r in fields["region"]), encoding=fields["encoding"],
-        chunk=tuple(fields["chunk"]), chunks=tensors[f"{name}/{j}/chunks"].to(torch.int64),
-        indices=tensors[f"{name}/{j}/indices"].to(torch.int64),
-        values=tensors[f"{name}/{j}/values"], tokens=fields["tokens"])
+        chunk=tuple(fields["chunk"]), chunks=part(fields, "chunks", name, j).to(torch.int64),
+        indices=part(fields, "indices", name, j).to(torch.int64),
+        values=part(fields, "values", name, j), tokens=fields["tokens"])
         for j, fields in enumerate(entries)] for name, entries in meta.items()}

@@ -47,26 +47,6 @@ PAIRWISE_MAX = 8  # up to this many results, the majority is found from every pa
 SCORED_VALUES = 2**19
 
 
-@dataclass(slots=True)
-class _Sums:
-    """One result's inner products, added up over its parameters."""
-
-    dot: float = 0.0  # <its values, its peers' sum>
-    own: float = 0.0  # |its values|²
-    peers: float = 0.0  # |its peers' sum|², over the coordinates it sent
-
-    def add(self, values: Tensor, peers: Tensor) -> None:
-        self.dot += float(torch.dot(values, peers))
-        self.own += float(torch.dot(values, values))
-        self.peers += float(torch.dot(peers, peers))
-
-    @property
-    def cosine(self) -> float | None:
-        if self.own <= 0 or self.peers <= 0:
-            return None
-        return max(-1.0, min(1.0, self.dot / math.sqrt(self.own * self.peers)))
-
-
 def agreement(results: Mapping[str, Sequence[SparseResult]]) -> dict[str, float]:
     """Client → the cosine between its results and the token-weighted sum of its peers'
     in the round's majority (each parameter compared where the client sent values, among
@@ -87,85 +67,135 @@ def agreement(results: Mapping[str, Sequence[SparseResult]]) -> dict[str, float]
         return {}
     sent = sum(r.values.numel() for rs in results.values() for r in rs)
     stride = max(1, -(-sent // SCORED_VALUES))
-    groups = _groups(results, stride, secrets.randbelow(stride))
-    ranks = (_support(groups, results) if len(results) <= PAIRWISE_MAX
-             else _cosines(groups, results, set(results)))
+    slot = {client: i for i, client in enumerate(results)}
+    groups = _groups(results, slot, stride, secrets.randbelow(stride))
+    ranks = (_support(groups, slot) if len(results) <= PAIRWISE_MAX
+             else _cosines(groups, slot, set(results)))
     majority = sorted(ranks, key=ranks.__getitem__, reverse=True)[:len(results) // 2 + 1]
-    return _cosines(groups, results, set(majority))
+    return _cosines(groups, slot, set(majority))
 
 
-Placed = tuple[int, list[tuple[str, Tensor, Tensor, int]]]  # size; client, at, values, tokens
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """One parameter's sampled values of one layout, every client's end to end."""
+
+    size: int  # the index space they lie in
+    at: Tensor  # int64: where each value lies in it
+    values: Tensor  # float32
+    tokens: Tensor  # float32: the tokens of the result each value came from
+    owner: Tensor  # int64: the slot of the client that sent it
 
 
-def _groups(results: Mapping[str, Sequence[SparseResult]], stride: int, offset: int
-            ) -> list[Placed]:
+def _groups(results: Mapping[str, Sequence[SparseResult]], slot: Mapping[str, int],
+            stride: int, offset: int) -> list[_Placed]:
     """The results of each parameter and layout that more than one client sent, their sample
     (the chunks, or elements, ``i`` with ``(i + offset) % stride == 0``) placed on one index
-    space, that of the parameter's sample (its chunks whole, for chunked results): each
-    result's sampled values (float32, flat) and where they lie in it. No sort: the sums are
-    taken by adding into that space."""
+    space, that of the parameter's sample (its chunks whole, for chunked results). No sort:
+    the sums are taken by adding into that space."""
     by_layout: dict[tuple[str, str, tuple[int, ...]], list[tuple[str, SparseResult]]] = {}
     for client, sent in results.items():
         for result in sent:
             by_layout.setdefault((result.name, result.encoding, result.chunk), []).append(
                 (client, result))
-    return [_placed(group, stride, offset) for group in by_layout.values() if len(group) > 1]
+    return [_placed(group, slot, stride, offset)
+            for group in by_layout.values() if len(group) > 1]
 
 
-def _placed(group: list[tuple[str, SparseResult]], stride: int, offset: int) -> Placed:
-    first, placed = group[0][1], []
+def _placed(group: list[tuple[str, SparseResult]], slot: Mapping[str, int], stride: int,
+            offset: int) -> _Placed:
+    """``group``'s sample, placed; chunked results of one k are taken all at once."""
+    first = group[0][1]
     if first.encoding == "dense":  # the universal shape's elements, each region's own
         size = (math.prod(first.shape) + offset) // stride + 1
         flat = torch.arange(math.prod(first.shape)).view(first.shape)
+        pieces = []
         for client, r in group:
             ids = flat[region_slices(r.region)].reshape(-1) + offset
             keep = ids % stride == 0
-            placed.append((client, ids[keep] // stride, r.values.float().reshape(-1)[keep],
-                           r.tokens))
-    else:  # the chunked coefficients: (chunk id, position in the chunk)
-        chunk = math.prod(first.chunk)
-        size = ((ChunkGrid(shape=first.shape, chunk=first.chunk).size + offset) // stride
-                + 1) * chunk
+            pieces.append((ids[keep] // stride, r.values.float().reshape(-1)[keep],
+                           r.tokens, slot[client]))
+        return _joined(size, pieces)
+    chunk = math.prod(first.chunk)  # the chunked coefficients: (chunk id, position)
+    size = (ChunkGrid(shape=first.shape, chunk=first.chunk).size + offset) // stride + 1
+    size *= chunk
+    if len({r.indices.shape[1] for _, r in group}) > 1:  # k differs: one result at a time
+        pieces = []
         for client, r in group:
             ids = r.chunks.long() + offset
             keep = ids % stride == 0
             at = (ids[keep] // stride).unsqueeze(1) * chunk + r.indices[keep].long()
-            placed.append((client, at.reshape(-1), r.values[keep].float().reshape(-1),
-                           r.tokens))
-    return size, placed
+            pieces.append((at.reshape(-1), r.values[keep].float().reshape(-1), r.tokens,
+                           slot[client]))
+        return _joined(size, pieces)
+    counts = torch.tensor([len(r.chunks) for _, r in group])
+    ids = torch.cat([r.chunks.long() for _, r in group]) + offset
+    keep = ids % stride == 0
+    at = (ids[keep] // stride).unsqueeze(1) * chunk \
+        + torch.cat([r.indices.long() for _, r in group])[keep]
+    k = at.shape[1]
+    values = torch.cat([r.values.float() for _, r in group])[keep].reshape(-1)
+    tokens = torch.tensor([float(r.tokens) for _, r in group]).repeat_interleave(counts)
+    owner = torch.tensor([slot[c] for c, _ in group]).repeat_interleave(counts)
+    return _Placed(size=size, at=at.reshape(-1), values=values,
+                   tokens=tokens[keep].repeat_interleave(k),
+                   owner=owner[keep].repeat_interleave(k))
 
 
-def _cosines(groups: list[Placed], results: Mapping[str, Sequence[SparseResult]],
-             counted: set[str]) -> dict[str, float]:
-    """Each client's cosine with the token-weighted sum of the ``counted`` clients' results
-    but its own, over the coordinates it sent."""
-    sums = {client: _Sums() for client in results}
-    for size, placed in groups:
-        total = torch.zeros(size, dtype=torch.float32)
-        for client, at, values, tokens in placed:
-            if client in counted:
-                total.index_add_(0, at, values * tokens)
-        for client, at, values, tokens in placed:
-            peers = total[at] - values * tokens if client in counted else total[at]
-            sums[client].add(values, peers)
-    return {client: score for client, s in sums.items() if (score := s.cosine) is not None}
+def _joined(size: int, pieces: list[tuple[Tensor, Tensor, int, int]]) -> _Placed:
+    """Pieces (at, values, tokens, slot), one per result, end to end."""
+    lengths = torch.tensor([len(at) for at, _, _, _ in pieces])
+    return _Placed(size=size, at=torch.cat([at for at, _, _, _ in pieces]),
+                   values=torch.cat([v for _, v, _, _ in pieces]),
+                   tokens=torch.tensor([float(t) for _, _, t, _ in pieces]).repeat_interleave(
+                       lengths),
+                   owner=torch.tensor([s for _, _, _, s in pieces]).repeat_interleave(lengths))
 
 
-def _support(groups: list[Placed], results: Mapping[str, Sequence[SparseResult]]
+def _cosines(groups: list[_Placed], slot: Mapping[str, int], counted: set[str]
              ) -> dict[str, float]:
+    """Each client's cosine with the token-weighted sum of the ``counted`` clients' results
+    but its own, over the coordinates it sent: per parameter one sum of the counted ones
+    (added in the clients' order), and each client's three inner products added up in
+    float64."""
+    dot, own, peer = (torch.zeros(len(slot), dtype=torch.float64) for _ in range(3))
+    chosen = torch.tensor([slot[client] for client in counted])
+    for g in groups:
+        weighted = g.values * g.tokens
+        inside = torch.isin(g.owner, chosen)
+        total = torch.zeros(g.size, dtype=torch.float32).index_add_(
+            0, g.at[inside], weighted[inside])
+        peers = total[g.at] - torch.where(inside, weighted, 0.0)  # but its own
+        dot.index_add_(0, g.owner, (g.values * peers).double())
+        own.index_add_(0, g.owner, (g.values * g.values).double())
+        peer.index_add_(0, g.owner, (peers * peers).double())
+    scores = {}
+    for client, i in slot.items():
+        if own[i] > 0 and peer[i] > 0:
+            cosine = float(dot[i]) / math.sqrt(float(own[i]) * float(peer[i]))
+            scores[client] = max(-1.0, min(1.0, cosine))
+    return scores
+
+
+def _support(groups: list[_Placed], slot: Mapping[str, int]) -> dict[str, float]:
     """Each client's cosines with every other client's results (each over all the values
     both sent), summed: high for one the others agree with."""
     dots: dict[tuple[str, str], float] = {}
-    norms = dict.fromkeys(results, 0.0)
-    for size, placed in groups:
-        for client, at, values, _ in placed:
+    norms = dict.fromkeys(slot, 0.0)
+    for g in groups:
+        sent = {client: g.owner == i for client, i in slot.items()}
+        for client in slot:
+            mine = sent[client]
+            if not bool(mine.any()):
+                continue
+            values = g.values[mine]
             norms[client] += float(torch.dot(values, values))
-            spread = torch.zeros(size, dtype=torch.float32).index_put_((at,), values)
-            for other, their_at, theirs, _ in placed:
-                if other > client:  # each pair once
+            spread = torch.zeros(g.size, dtype=torch.float32).index_put_((g.at[mine],), values)
+            for other in slot:
+                if other > client and bool(sent[other].any()):  # each pair once
                     pair = (client, other)
-                    dots[pair] = dots.get(pair, 0.0) + float(torch.dot(spread[their_at], theirs))
-    support = dict.fromkeys(results, 0.0)
+                    dots[pair] = dots.get(pair, 0.0) + float(
+                        torch.dot(spread[g.at[sent[other]]], g.values[sent[other]]))
+    support = dict.fromkeys(slot, 0.0)
     for (a, b), dot in dots.items():
         if norms[a] > 0 and norms[b] > 0:
             cosine = dot / math.sqrt(norms[a] * norms[b])

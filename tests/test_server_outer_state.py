@@ -20,7 +20,13 @@ from matformer.modeling.checkpoint.export import read_manifest
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
 from matformer.server.ledger import TrainedLedger
-from matformer.server.outer_state import OUTER_STATE_NAME, load_carried
+from matformer.modeling.compression import CompressionConfig, SparseResult
+from matformer.server.outer_state import (
+    OUTER_STATE_NAME,
+    load_carried,
+    results_from,
+    results_record,
+)
 from matformer.server.state import RunState
 from matformer.server.update_steps import ARITHMETIC
 
@@ -168,3 +174,33 @@ def test_outer_state_of_the_first_close_arithmetic_resumes(tmp_path, mdat_path, 
     assert len(said) == 1 and "round 2 was closed by an earlier version's arithmetic" in said[0]
     assert same(again.master, c.master)  # the weights, from the logged steps
     assert again.carried.momentum == {} and again.carried.residual == {}
+
+
+def test_a_rounds_inputs_round_trip_in_a_few_flat_tensors_and_the_first_layout_still_reads():
+    compressor = CompressionConfig(encoding="dct", chunk=16, topk=4).build()
+    gen = torch.Generator().manual_seed(0)
+    by_name = {
+        "w": [compressor.encode("w", torch.randn(32, 16, generator=gen), shape=(48, 16),
+                                region=((0, 32), (0, 16)), tokens=7),
+              compressor.encode("w", torch.randn(48, 16, generator=gen), shape=(48, 16),
+                                region=((0, 48), (0, 16)), tokens=9)],
+        "b": [SparseResult(name="b", shape=(5,), region=((0, 5),), encoding="dense",
+                           chunk=(), chunks=torch.zeros(0, dtype=torch.int64),
+                           indices=torch.zeros(0, dtype=torch.int64),
+                           values=torch.randn(5, dtype=torch.float64), tokens=3)]}
+    tensors, meta = results_record(by_name)
+    assert sorted(tensors) == ["chunks", "indices", "values/bfloat16", "values/float64"]
+    assert tensors["chunks"].dtype == torch.int8 and tensors["indices"].dtype == torch.int16
+    first = {f"{name}/{j}/{field}": getattr(r, field) for name, rs in by_name.items()
+             for j, r in enumerate(rs) for field in ("chunks", "indices", "values")}
+    first_meta = {name: [{k: v for k, v in fields.items()
+                          if k not in ("chunks", "indices", "values")} for fields in entries]
+                  for name, entries in meta.items()}
+    for read in (results_from(tensors, meta), results_from(first, first_meta)):
+        assert read.keys() == by_name.keys()
+        for name, results in by_name.items():
+            for ours, theirs in zip(read[name], results, strict=True):
+                assert (ours.shape, ours.region, ours.encoding, ours.chunk, ours.tokens) == (
+                    theirs.shape, theirs.region, theirs.encoding, theirs.chunk, theirs.tokens)
+                for field in ("chunks", "indices", "values"):
+                    assert torch.equal(getattr(ours, field), getattr(theirs, field))
