@@ -19,6 +19,7 @@ DTYPES: dict[str, torch.dtype] = {
     "uint16": torch.uint16, "uint8": torch.uint8, "bool": torch.bool,
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_ITEMSIZE = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -49,7 +50,7 @@ def decode_tensor(message: pb.Tensor, what: str = "tensor") -> torch.Tensor:
     shape = tuple(message.shape)
     if any(dim < 0 for dim in shape):
         raise ProtocolError(f"{what} has a negative dimension in its shape {list(shape)}.")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[message.dtype]
     expected = math.prod(shape) * itemsize
     if len(message.data) != expected:
         raise TensorSizeMismatch(

@@ -267,7 +267,10 @@ class Coordinator:
                   relayed: Sequence[tuple[str, int, float]] = ()) -> RoundAssignment | None:
         """Mark the client alive (and take its measured speed, if it reports one; a relay's
         list of its members, if it sends one); its oldest assignment not yet submitted, if
-        any."""
+        any. A beat changes only its member's record: with the close worker running it
+        leaves the run's steps (deadlines, expiry, opening rounds) to the worker's tick, so
+        that a thousand members beating every few seconds hold the lock for a moment each,
+        not for a pass over every member each."""
         if tokens_per_second is not None:
             check_speed(tokens_per_second, client_id)
         with self._lock:
@@ -278,7 +281,9 @@ class Coordinator:
                 member.relayed = check_relayed(relayed, member.relay, self.config.tiers.allowed)
                 member.relayed_tiers = sorted({*member.relayed_tiers,
                                                *(m["tier"] for m in member.relayed)})
-        self._advance()
+            if self.worker.running:
+                return self.pipeline.assignment_for(client_id)
+        self.advance()  # no close worker (a test, a tool): this call moves the run on
         return self.assignment_for(client_id)
 
     def leave(self, client_id: str, reason: str = "") -> None:

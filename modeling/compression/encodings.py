@@ -128,23 +128,25 @@ class ChunkTopK:
                 f"per chunk, got {indices.dtype} {tuple(indices.shape)}."
             )
         _check_values_shape(result, tuple(indices.shape))
-        if chunks.numel() and (chunks.min() < 0 or chunks.max() >= grid.size):
-            raise ChunkIdError(
-                f"{name}: chunk ids must lie in [0, {grid.size}) for shape {result.shape} and "
-                f"chunk {result.chunk}, got {int(chunks.min())}..{int(chunks.max())}."
-            )
-        if chunks.unique().numel() != chunks.numel():
-            raise ChunkIdError(f"{name}: a chunk id is repeated; send each chunk once.")
-        if (grid.locate(chunks, result.region) < 0).any():
-            raise ChunkIdError(
-                f"{name}: a chunk id lies outside region {result.region}; send only chunks "
-                "the region touches."
-            )
-        if indices.numel() and (indices.min() < 0 or indices.max() >= grid.chunk_numel):
-            raise ChunkIndexError(
-                f"{name}: positions inside a chunk must lie in [0, {grid.chunk_numel}) for "
-                f"chunk {result.chunk}, got {int(indices.min())}..{int(indices.max())}."
-            )
+        if chunks.numel():
+            low, high = (int(x) for x in torch.aminmax(chunks))
+            if low < 0 or high >= grid.size:
+                raise ChunkIdError(
+                    f"{name}: chunk ids must lie in [0, {grid.size}) for shape {result.shape} "
+                    f"and chunk {result.chunk}, got {low}..{high}.")
+            at = grid.locate(chunks, result.region)
+            if bool((at < 0).any()):
+                raise ChunkIdError(
+                    f"{name}: a chunk id lies outside region {result.region}; send only "
+                    "chunks the region touches.")
+            if int(torch.bincount(at).max()) > 1:
+                raise ChunkIdError(f"{name}: a chunk id is repeated; send each chunk once.")
+        if indices.numel():
+            low, high = (int(x) for x in torch.aminmax(indices))
+            if low < 0 or high >= grid.chunk_numel:
+                raise ChunkIndexError(
+                    f"{name}: positions inside a chunk must lie in [0, {grid.chunk_numel}) "
+                    f"for chunk {result.chunk}, got {low}..{high}.")
         ordered = indices.sort(dim=1).values
         if (ordered[:, 1:] == ordered[:, :-1]).any():
             raise ChunkIndexError(f"{name}: a position is repeated within a chunk; send it once.")

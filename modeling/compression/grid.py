@@ -60,12 +60,12 @@ class ChunkGrid:
     @property
     def counts(self) -> tuple[int, ...]:
         """Chunks along each dimension, partial edge chunks included."""
-        return tuple(-(-n // c) for n, c in zip(self.shape, self.chunk, strict=True))
+        return _counts(self.shape, self.chunk)
 
     @property
     def size(self) -> int:
         """Number of chunks in the whole grid."""
-        return math.prod(self.counts)
+        return math.prod(_counts(self.shape, self.chunk))
 
     @property
     def chunk_numel(self) -> int:
@@ -177,6 +177,12 @@ class ChunkGrid:
         grid = blocks.reshape(*counts, *self.chunk).permute(order)
         padded = grid.reshape([n * c for n, c in zip(counts, self.chunk, strict=True)])
         return padded[tuple(slice(0, size) for size in region_shape(region))]
+
+
+@functools.lru_cache(maxsize=4096)
+def _counts(shape: tuple[int, ...], chunk: tuple[int, ...]) -> tuple[int, ...]:
+    """``ChunkGrid.counts``, worked out once per grid (every result asks, many times)."""
+    return tuple(-(-n // c) for n, c in zip(shape, chunk, strict=True))
 
 
 def _strides(shape: Sequence[int]) -> list[int]:
