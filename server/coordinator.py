@@ -177,7 +177,8 @@ class Coordinator:
         """A GetRound: the member's oldest assignment not yet submitted (after ``after``),
         else when to ask again (sooner when work is expected sooner), or that the run is
         over. Counts as a heartbeat."""
-        self.heartbeat(client_id)
+        self._beat(client_id)
+        self._advance()  # asking for work may open the next round
         with self._lock:
             closed, tokens = self.state.round, self.state.tokens
         if self.phase == "finished":
@@ -271,6 +272,14 @@ class Coordinator:
         leaves the run's steps (deadlines, expiry, opening rounds) to the worker's tick, so
         that a thousand members beating every few seconds hold the lock for a moment each,
         not for a pass over every member each."""
+        self._beat(client_id, tokens_per_second, relayed)
+        if not self.worker.running:
+            self.advance()  # no close worker (a test, a tool): this call moves the run on
+        return self.assignment_for(client_id)
+
+    def _beat(self, client_id: str, tokens_per_second: float | None = None,
+              relayed: Sequence[tuple[str, int, float]] = ()) -> None:
+        """Mark the member alive, with what its beat reports; its own record alone."""
         if tokens_per_second is not None:
             check_speed(tokens_per_second, client_id)
         with self._lock:
@@ -281,10 +290,6 @@ class Coordinator:
                 member.relayed = check_relayed(relayed, member.relay, self.config.tiers.allowed)
                 member.relayed_tiers = sorted({*member.relayed_tiers,
                                                *(m["tier"] for m in member.relayed)})
-            if self.worker.running:
-                return self.pipeline.assignment_for(client_id)
-        self.advance()  # no close worker (a test, a tool): this call moves the run on
-        return self.assignment_for(client_id)
 
     def leave(self, client_id: str, reason: str = "") -> None:
         """Remove a member; its unsubmitted ids go back to the queue."""
