@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -139,6 +139,11 @@ class CoefficientStep:
     @property
     def grid(self) -> ChunkGrid:
         return ChunkGrid(shape=self.shape, chunk=self.chunk)
+
+    def to(self, device: torch.device | str) -> CoefficientStep:
+        """The step with its levels, positions and scales on ``device`` (decoded there)."""
+        return replace(self, positions=self.positions.to(device),
+                                   levels=self.levels.to(device), scales=self.scales.to(device))
 
     def direction(self, region: Region) -> Tensor:
         """Region-shaped float32 direction: the kept coefficients' inverse DCT, exact."""

@@ -129,7 +129,11 @@ class UpdateRule:
         """``apply`` of a compressed step, decoded a few rows of chunks at a time and each
         block moved as soon as it is decoded: the weight is read and the result written
         once, and the direction is never held whole. The rule is element by element, so
-        the bits are those of moving the whole tensor at once."""
+        the bits are those of moving the whole tensor at once. The step is decoded where
+        the weight lies (a member training on its GPU decodes there): its sums are integers
+        in float64, the same bits on any device."""
+        if step.levels.device != weight.device:
+            step = step.to(weight.device)
         moving = weight[where]
         out = torch.empty_like(weight) if moving.shape == weight.shape else weight.clone()
         target = out[where]
