@@ -17,10 +17,10 @@ from support.rounds import caps, drive, same
 import matformer.server.checkpoints as checkpoints_module
 import matformer.server.update_log as update_log_module
 from matformer.modeling.checkpoint.export import read_manifest
+from matformer.modeling.compression import CompressionConfig, SparseResult
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
 from matformer.server.ledger import TrainedLedger
-from matformer.modeling.compression import CompressionConfig, SparseResult
 from matformer.server.outer_state import (
     OUTER_STATE_NAME,
     load_carried,
@@ -128,12 +128,8 @@ def test_a_checkpoint_from_before_outer_state_resumes_from_zero_saying_so_once(
     entry = json.loads((c.dir / "updates" / "round-2.json").read_text())
     del entry["inputs"], entry["outer"]
     (c.dir / "updates" / "round-2.json").write_text(json.dumps(entry))
-    with caplog.at_level(logging.WARNING, logger="matformer.server"):
-        resumed = Coordinator(config, clock=clock)
-    said = [r.getMessage() for r in caplog.records if "start again from zero" in r.getMessage()]
-    assert len(said) == 1 and "checkpoint round-2 holds no outer state" in said[0]
-    assert same(resumed.master, c.master)  # the weights, from the logged steps
-    assert resumed.carried.momentum == {} and resumed.carried.residual == {}
+    resumed = resumed_from_zero(config, clock, caplog, c.master,
+                                "checkpoint round-2 holds no outer state")
     resumed.advance()
     drive(resumed, clock, cid, 1)  # and it trains on
     assert resumed.state.round == 4
@@ -168,12 +164,21 @@ def test_outer_state_of_the_first_close_arithmetic_resumes(tmp_path, mdat_path, 
     entry = json.loads((c.dir / "updates" / "round-2.json").read_text())
     assert entry["outer"].pop("arithmetic") == ARITHMETIC
     (c.dir / "updates" / "round-2.json").write_text(json.dumps(entry))
+    resumed_from_zero(config, clock, caplog, c.master,
+                      "round 2 was closed by an earlier version's arithmetic")
+
+
+def resumed_from_zero(config, clock, caplog, master, why) -> Coordinator:
+    """A coordinator resumed where the outer state cannot be rebuilt: it says ``why`` once,
+    holds ``master`` (from the logged steps) and carries nothing."""
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="matformer.server"):
-        again = Coordinator(config, clock=clock)
+        resumed = Coordinator(config, clock=clock)
     said = [r.getMessage() for r in caplog.records if "start again from zero" in r.getMessage()]
-    assert len(said) == 1 and "round 2 was closed by an earlier version's arithmetic" in said[0]
-    assert same(again.master, c.master)  # the weights, from the logged steps
-    assert again.carried.momentum == {} and again.carried.residual == {}
+    assert len(said) == 1 and why in said[0]
+    assert same(resumed.master, master)
+    assert resumed.carried.momentum == {} and resumed.carried.residual == {}
+    return resumed
 
 
 def test_a_rounds_inputs_round_trip_in_a_few_flat_tensors_and_the_first_layout_still_reads():

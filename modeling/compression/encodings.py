@@ -128,12 +128,11 @@ class ChunkTopK:
                 f"per chunk, got {indices.dtype} {tuple(indices.shape)}."
             )
         _check_values_shape(result, tuple(indices.shape))
+        if (seen := _outside(chunks, grid.size)) is not None:
+            raise ChunkIdError(
+                f"{name}: chunk ids must lie in [0, {grid.size}) for shape {result.shape} and "
+                f"chunk {result.chunk}, got {seen}.")
         if chunks.numel():
-            low, high = (int(x) for x in torch.aminmax(chunks))
-            if low < 0 or high >= grid.size:
-                raise ChunkIdError(
-                    f"{name}: chunk ids must lie in [0, {grid.size}) for shape {result.shape} "
-                    f"and chunk {result.chunk}, got {low}..{high}.")
             at = grid.locate(chunks, result.region)
             if bool((at < 0).any()):
                 raise ChunkIdError(
@@ -141,12 +140,10 @@ class ChunkTopK:
                     "chunks the region touches.")
             if int(torch.bincount(at).max()) > 1:
                 raise ChunkIdError(f"{name}: a chunk id is repeated; send each chunk once.")
-        if indices.numel():
-            low, high = (int(x) for x in torch.aminmax(indices))
-            if low < 0 or high >= grid.chunk_numel:
-                raise ChunkIndexError(
-                    f"{name}: positions inside a chunk must lie in [0, {grid.chunk_numel}) "
-                    f"for chunk {result.chunk}, got {low}..{high}.")
+        if (seen := _outside(indices, grid.chunk_numel)) is not None:
+            raise ChunkIndexError(
+                f"{name}: positions inside a chunk must lie in [0, {grid.chunk_numel}) for "
+                f"chunk {result.chunk}, got {seen}.")
         ordered = indices.sort(dim=1).values
         if (ordered[:, 1:] == ordered[:, :-1]).any():
             raise ChunkIndexError(f"{name}: a position is repeated within a chunk; send it once.")
@@ -187,3 +184,11 @@ def get_encoding(name: str) -> Encoding:
 def decode(result: SparseResult) -> Tensor:
     """The region-shaped float32 values of a result (not validated: see ``validate``)."""
     return get_encoding(result.encoding).decode(result)
+
+
+def _outside(ids: Tensor, bound: int) -> str | None:
+    """"low..high" of integer ``ids`` when some lie outside [0, ``bound``); one read."""
+    if not ids.numel():
+        return None
+    low, high = (int(x) for x in torch.aminmax(ids))
+    return f"{low}..{high}" if low < 0 or high >= bound else None
