@@ -475,7 +475,7 @@ class Coordinator:
             self.advance()
             return
         with self._lock:
-            self._step(detach=False, sweep=False)  # the worker's tick sweeps the silent
+            self._step(detach=False)
             if self.pipeline.ready(self.clock()) is not None:
                 self.worker.wake()
 
@@ -483,20 +483,16 @@ class Coordinator:
         """The close worker (``CloseWorker.run``): a server's thread of its own."""
         self.worker.run(stopping)
 
-    def _step(self, *, detach: bool, sweep: bool = True) -> Closing | None:
+    def _step(self, *, detach: bool) -> Closing | None:
         """(lock held) Expire sessions and move the rounds in flight on
-        (``RoundPipeline.step``); with ``detach``, the close of the round to close now.
-        ``sweep``: also the passes over every member (expired sessions, silent members),
-        which the close worker makes every tick and a member's call leaves to it."""
+        (``RoundPipeline.step``); with ``detach``, the close of the round to close now."""
         now = self.clock()
-        if sweep:
-            self.admissions.expire_sessions(now)
+        self.admissions.expire_sessions(now)
         rnd = None
         if not self.state.finished:
             rnd, ended = self.pipeline.step(now, committed=self.state.round,
                                             room=self.closer.room,
-                                            last=self.config.round.rounds, detach=detach,
-                                            sweep=sweep)
+                                            last=self.config.round.rounds, detach=detach)
             for client_id, why in (self.pipeline.take_exclusions()
                                    | self.closer.take_exclusions()).items():
                 if client_id in self.membership.members:

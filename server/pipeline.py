@@ -219,15 +219,13 @@ class RoundPipeline:
         return max(1, min(fits, cfg.tokens_per_round))
 
     def step(self, now: float, *, committed: int, room: Callable[[], bool],
-             last: int | None, detach: bool, sweep: bool = True
-             ) -> tuple[OpenRound | None, bool]:
+             last: int | None, detach: bool) -> tuple[OpenRound | None, bool]:
         """Open rounds while the window has room (the first after the ``committed`` ones and
-        the one closing; ``room()``: the disk can take a close), drop the silent (with
-        ``sweep``: a pass over every assigned member, which the close worker's tick makes
-        and a member's call need not) and the refused; with ``detach``, take the round to
-        close now out of collection. A round nobody delivered ends without a close, and the
-        rounds behind it too (their indices would skip it): their ids are requeued. The
-        round to close, and whether a round ended so (state.json should say it)."""
+        the one closing; ``room()``: the disk can take a close), drop the silent and the
+        refused; with ``detach``, take the round to close now out of collection. A round
+        nobody delivered ends without a close, and the rounds behind it too (their indices
+        would skip it): their ids are requeued. The round to close, and whether a round
+        ended so (state.json should say it)."""
         ended = False
         while True:
             if len(self.collecting) < self.window:
@@ -235,8 +233,7 @@ class RoundPipeline:
                                  last=last)
             if not self.collecting:
                 return None, ended
-            if sweep:
-                self.drop_silent(now)
+            self.drop_silent(now)
             self.drop_refused()
             rnd = self.ready(now)
             if rnd is None or not detach:
