@@ -66,7 +66,7 @@ class Replica:
                         f"the update of {name!r} has universal shape {list(step.shape)}, this "
                         f"replica's is {list(self.shapes[name])}; the server runs another "
                         "model: rejoin so the schema hashes are compared.")
-                parameter.copy_(rule.apply(parameter, step, self.regions[name]))
+                rule.apply(parameter, step, self.regions[name], out=parameter)  # in place
 
     def hash(self, tier: Tier | None = None) -> str:
         """``weight_hash`` of the replica at ``tier`` (default: all it holds), the digest the

@@ -259,3 +259,28 @@ def test_off_grid_results_and_votes_close_in_values(monkeypatch):
     master = {UP: torch.zeros(SHAPE), NORM: torch.zeros(NORM_SHAPE)}
     close_round(rule, master, {UP: _results(0, off_grid)[UP]})
     close_round(rule, master, _results(0), votes=True)
+
+
+@pytest.mark.parametrize("rule", ["sgd", "sign"])
+def test_a_replica_moving_its_weights_in_place_holds_the_same_bits(rule):
+    """``apply(..., out=weight)`` (a replica's parameter, moved where it lies) gives the bits
+    of the apply that returns a new tensor: a compressed step over part of a tier's region
+    and a dense one, a box the step covers in part, weight decay."""
+    config = UpdateConfig(rule=rule, lr=0.01, weight_decay=0.1, broadcast_topk=48, chunk=64)
+    results = _results(0)
+    _, steps, _ = close_round(config.build(), {UP: torch.zeros(SHAPE), NORM: torch.zeros(
+        NORM_SHAPE)}, results)
+    region = TIERS[1]
+    gen = torch.Generator().manual_seed(3)
+    compressed = steps[UP]
+    partial = CoefficientStep(  # covers only the first row of chunks of the box
+        shape=compressed.shape, covered=(((0, 64), (0, 128)),), box=compressed.box,
+        chunk=compressed.chunk, positions=compressed.positions, levels=compressed.levels,
+        scales=compressed.scales)
+    dense = update_steps.dense_step(torch.randn(SHAPE, generator=gen), [((0, 192), (0, 128))],
+                                    signs=False)
+    for step in (compressed, partial, dense):
+        weight = torch.randn(128, 128, generator=gen)
+        expected = config.build().apply(weight, step, region)
+        moved = config.build().apply(weight, step, region, out=weight)
+        assert moved is weight and torch.equal(weight, expected)

@@ -101,41 +101,51 @@ class UpdateRule:
     broadcast: Broadcast | None = None
 
     def apply(self, weight: Tensor, step: Step, region: Region | None = None, *,
-              direction: Tensor | None = None) -> Tensor:
+              direction: Tensor | None = None, out: Tensor | None = None) -> Tensor:
         """``weight`` (``region`` of the universal tensor; default: all of it) after
         ``step``: a new tensor of its dtype, equal to the same cut of the updated master.
         Only the part inside the step's box moves; ``direction``: ``step.direction`` of that
-        part (``intersect(step.box, region)``) when the caller has it already."""
+        part (``intersect(step.box, region)``) when the caller has it already.
+        ``out``: a tensor of the weight's shape and dtype to write the result into instead
+        (the weight itself: a replica moves its parameter in place, with no copy of it)."""
         region = full_region(step.shape) if region is None else region
         inside = intersect(step.box, region)
         if inside is None:
-            return weight.clone()
+            return weight.clone() if out is None else out.copy_(weight)
         device = weight.device
         covered = None if step.covers(inside) else step.mask(inside).to(device)
         where = within(inside, region)
         if direction is None and isinstance(step, CoefficientStep):
-            return self._apply_blocks(weight, step, inside, where, covered)
+            return self._apply_blocks(weight, step, inside, where, covered, out)
         direction = step.direction(inside) if direction is None else direction
         moved = self.rule(weight[where], direction.to(device), covered, lr=self.lr,
                           weight_decay=self.weight_decay)
         if inside == region:
-            return moved
-        out = weight.clone()
+            return moved if out is None else out.copy_(moved)
+        if out is None:
+            out = weight.clone()
+        elif out is not weight:
+            out.copy_(weight)
         out[where] = moved
         return out
 
     def _apply_blocks(self, weight: Tensor, step: CoefficientStep, inside: Region,
-                      where: tuple[slice, ...], covered: Tensor | None) -> Tensor:
+                      where: tuple[slice, ...], covered: Tensor | None,
+                      out: Tensor | None) -> Tensor:
         """``apply`` of a compressed step, decoded a few rows of chunks at a time and each
         block moved as soon as it is decoded: the weight is read and the result written
         once, and the direction is never held whole. The rule is element by element, so
-        the bits are those of moving the whole tensor at once. The step is decoded where
-        the weight lies (a member training on its GPU decodes there): its sums are integers
-        in float64, the same bits on any device."""
+        the bits are those of moving the whole tensor at once, and ``out`` may be the
+        weight itself. The step is decoded where the weight lies (a member training on its
+        GPU decodes there): its sums are integers in float64, the same bits on any
+        device."""
         if step.levels.device != weight.device:
             step = step.to(weight.device)
         moving = weight[where]
-        out = torch.empty_like(weight) if moving.shape == weight.shape else weight.clone()
+        if out is None:
+            out = torch.empty_like(weight) if moving.shape == weight.shape else weight.clone()
+        elif out is not weight and moving.shape != weight.shape:
+            out.copy_(weight)  # what the step does not touch
         target = out[where]
         for rows, direction in step.decoded(inside):
             self.rule(moving[rows], direction.to(weight.device),
