@@ -199,8 +199,8 @@ def _replayed(c: Start) -> tuple[dict[str, Tensor], Carried]:
     for entry in entries:
         logged = None if carried is None else c.log.read_inputs(entry.round)
         outer = {} if logged is None else dict(logged[1])
-        if logged is not None and entry.update.broadcast_topk \
-                and outer.pop("arithmetic", 1) != ARITHMETIC:
+        arithmetic = outer.pop("arithmetic", 1)  # a compressed close's (update_steps.py)
+        if logged is not None and entry.update.broadcast_topk and arithmetic != ARITHMETIC:
             lost = f"round {entry.round} was closed by an earlier version's arithmetic"
             logged = None
         if logged is None:
@@ -208,7 +208,6 @@ def _replayed(c: Start) -> tuple[dict[str, Tensor], Carried]:
                 lost = f"round {entry.round} was logged without the results it aggregated"
             master, carried = c.tied(entry.apply(master)), None
             continue
-        outer.pop("arithmetic", None)
         master, _, carried = policy_from_record(outer).close(entry.update.build(), master,
                                                              logged[0], carried)
         master = c.tied(master)
