@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from matformer.server.errors import RunDirectoryUnavailable
+from matformer.server.shards import pin
 from matformer.server.update_steps import Carried
 
 if TYPE_CHECKING:
@@ -54,7 +55,9 @@ class CheckpointWriter:
         carried after its round) from a thread of its own. Neither is changed in place
         afterwards: later closes make new tensors."""
         self.writing = round_index
-        self._thread = threading.Thread(target=self._write, args=(round_index, master, carried),
+        release = pin(master)  # a sharded master's shards keep it until it is written
+        self._thread = threading.Thread(target=self._write,
+                                        args=(round_index, master, carried, release),
                                         name=f"checkpoint-{round_index}", daemon=True)
         self._thread.start()
 
@@ -68,10 +71,12 @@ class CheckpointWriter:
         if failed is not None:
             raise failed
 
-    def _write(self, round_index: int, master: Mapping[str, Tensor], carried: Carried) -> None:
+    def _write(self, round_index: int, master: Mapping[str, Tensor], carried: Carried,
+               release: Callable[[], None]) -> None:
         try:
             self.checkpoints.write(round_index, master, carried)
         except OSError as err:
+            release()
             with self.lock:
                 why = f"{type(err).__name__}: {err.strerror or err}"
                 log.error("checkpoint round-%d could not be written: %s", round_index, why)
@@ -81,8 +86,10 @@ class CheckpointWriter:
                 self.keep_listed(why="a checkpoint that could not be written")
             return
         except BaseException as err:  # a crash (kill -9 in tests): flush re-raises it
+            release()
             self._failed = err
             return
+        release()
         with self.lock:
             self.writing = None
             state = self.state()

@@ -18,13 +18,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from matformer.modeling.atomic import fsync_path, fsync_tree
 from matformer.modeling.checkpoint import save_pretrained
 from matformer.modeling.checkpoint.export import export_tiers
-from matformer.modeling.checkpoint.files import read_weights
-from matformer.modeling.checkpoint.pretrained import load_state_into
+from matformer.modeling.checkpoint.files import read_weights, write_index
+from matformer.modeling.checkpoint.pretrained import load_state_into, save_model_files
 from matformer.modeling.compression import Broadcast
 from matformer.modeling.config import ModelConfig
 from matformer.modeling.mdat import Mdat
@@ -33,6 +34,7 @@ from matformer.modeling.models import build_model
 from matformer.modeling.naming import canonical_state_dict, load_canonical_state_dict
 from matformer.server.outer_state import load_carried, save_carried
 from matformer.server.sections.model import DataSection
+from matformer.server.shards import ShardedMaster
 from matformer.server.update_steps import Carried
 
 STAGING_PREFIX = ".staging-"  # a checkpoint being written: checkpoints/.staging-round-N/
@@ -73,16 +75,28 @@ class CheckpointStore:
         allowed tier (so a client of any tier downloads only its slice) and the outer state
         ``carried`` after its round (``outer_state.py``; no manifest lists it, so no client
         downloads it), appearing whole or not at all: all of it is written in
-        ``.staging-round-N/``, fsynced, then renamed into place."""
+        ``.staging-round-N/``, fsynced, then renamed into place. A sharded master's shards
+        write its weights and outer state, one file each (``server/shards.py``)."""
         target = self.path(round_index)
         staging = target.parent / f"{STAGING_PREFIX}{target.name}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        model = build_model(self.model_config)
-        load_canonical_state_dict(model, master)
-        save_pretrained(model, staging / target.name, files=self.files)
-        export_tiers(staging / target.name, self.sliced_tiers)
-        save_carried(staging / target.name, carried or Carried())
+        folder = staging / target.name
+        if isinstance(master, ShardedMaster):  # each shard writes its part, side by side
+            folder.mkdir()
+            with torch.device("meta"):
+                save_model_files(build_model(self.model_config), folder, self.files)
+            _, weight_map, total = master.group.write(master, folder)
+            write_index(folder, weight_map, total)
+        else:
+            model = build_model(self.model_config)
+            load_canonical_state_dict(model, master)
+            save_pretrained(model, folder, files=self.files)
+        export_tiers(folder, self.sliced_tiers)
+        if isinstance(master, ShardedMaster):
+            master.group.write_carried(master, folder)
+        else:
+            save_carried(folder, carried or Carried())
         fsync_tree(staging)
         if target.exists():  # left by a crash before state.json recorded this checkpoint
             shutil.rmtree(target)

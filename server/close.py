@@ -26,13 +26,12 @@ from typing import TYPE_CHECKING, NoReturn
 from torch import Tensor
 
 from matformer.modeling.compression import RoundUpdate, SparseResult, UpdateConfig
-from matformer.modeling.compression.validation import all_finite
 from matformer.modeling.tracking import NoTracker, open_tracker
 from matformer.server.errors import RunDirectoryUnavailable
-from matformer.server.outer_state import carried_bytes
 from matformer.server.rounds import OpenRound, RoundAssignment
 from matformer.server.run_log import round_line
 from matformer.server.scores import ScoreJudge, agreement
+from matformer.server.shards import ShardLost, close_master, settle, state_bytes
 from matformer.server.update_steps import ARITHMETIC, Carried
 
 if TYPE_CHECKING:
@@ -90,6 +89,7 @@ class Closing:
     logged: RoundUpdate | None = None  # what compute logged
     scores: dict[str, float] = field(default_factory=dict)  # client → its agreement
     carried: Carried = field(default_factory=Carried)  # residual and momentum after it
+    master: Mapping[str, Tensor] | None = None  # the new master, until committed or dropped
 
 
 class CloseWorker:
@@ -99,6 +99,7 @@ class CloseWorker:
     def __init__(self, advance: Callable[[], None]) -> None:
         self.advance = advance  # Coordinator.advance: closes what is ready, in this thread
         self.running = False
+        self.fatal: ShardLost | None = None  # why no round can close before a restart
         self._wake = threading.Event()
 
     def wake(self) -> None:
@@ -113,6 +114,9 @@ class CloseWorker:
                 self._wake.clear()
                 try:
                     self.advance()
+                except ShardLost as err:  # the server stops; a restart resumes the run
+                    self.fatal = err
+                    return
                 except Exception:  # a failing close must not stop the deadlines
                     log.exception("advancing the run failed; retrying in %.1f s", TICK_S)
         finally:
@@ -200,6 +204,7 @@ class RoundClose:
             master = self._compute(closing)
         except Exception as err:
             with self.lock:
+                self._drop(closing)
                 self._undo_disk(closing)
                 self.pipeline.reopen(rnd)
                 self._failed(rnd, err)
@@ -215,6 +220,7 @@ class RoundClose:
                 for store, snapshot in before:
                     store.restore(snapshot)
                 self.excluding = excluding
+                self._drop(closing)
                 self._undo_disk(closing)
                 self._failed(rnd, err)
             if master is not None:  # recorded and saved: now the run's tracker hears of it
@@ -226,11 +232,14 @@ class RoundClose:
                 closed = ClosedRound(round=closing.round, before=self.master, after=master,
                                      tiers={a.tier for a in closing.delivered.values()},
                                      update=closing.logged)
+                settle(master, commit=True)
                 self.master, self.carried = master, closing.carried
                 for hook in self.hooks:
                     hook(closed)
                 if closing.checkpoint and not closing.finishes:
                     self.writer.start(closing.round + 1, master, closing.carried)
+            else:
+                self._drop(closing)
             if closing.finishes:
                 self.pipeline.cancel("the run finished")
             self.writer.retire()
@@ -239,8 +248,8 @@ class RoundClose:
     def room(self) -> bool:
         """Whether the run directory has room for what closing a round writes (an update, a
         checkpoint with its slices, state.json); a round opens only then. Said once."""
-        need = (CLOSE_RESERVE * sum(t.numel() * t.element_size() for t in self.master.values())
-                + carried_bytes(self.carried))  # saved with the checkpoint
+        need = (CLOSE_RESERVE - 1) * state_bytes(self.master, Carried()) \
+            + state_bytes(self.master, self.carried)  # the carried state: with the checkpoint
         free = shutil.disk_usage(self.dir).free
         if free >= need:
             self.waiting_for_disk = False
@@ -264,12 +273,11 @@ class RoundClose:
             # (outer_state.py); written while the round is computed, logged with it
             inputs = beside.submit(self.log.write_inputs, closing.round, by_name) \
                 if policy.carries_state(closing.update.broadcast_topk) else None
-            master, steps, carried = policy.close(closing.update.build(), self.master, by_name,
-                                                  self.carried)
+            master, steps, carried, closing.broken = close_master(
+                policy, closing.update, self.master, by_name, self.carried, self.tied)
             fields = None if inputs is None else {
                 "inputs": inputs.result(), "outer": {**policy.record(), "arithmetic": ARITHMETIC}}
-        master = self.tied(master)
-        closing.broken = [n for n, t in master.items() if not all_finite(t)]
+        closing.master = master
         if closing.broken:  # the limits on results make this unreachable; never serve it
             return None
         closing.carried = carried
@@ -332,6 +340,13 @@ class RoundClose:
         raise RunDirectoryUnavailable(
             f"the coordinator cannot write its run directory ({why}); round {rnd.index} "
             "closes once it can. Retry shortly.") from err
+
+    def _drop(self, closing: Closing) -> None:
+        """A failed close's new master let go of (a sharded one's shards drop their part;
+        a lost shard has nothing left to drop)."""
+        if closing.master is not None:
+            settle(closing.master, commit=False)
+            closing.master = None
 
     def _undo_disk(self, closing: Closing) -> None:
         """(lock held) Remove what a failed close wrote: its logged update, ledger line and

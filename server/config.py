@@ -50,6 +50,7 @@ from matformer.server.sections import (
     OUTER_DEFAULTS,
     AuthSection,
     CheckpointSection,
+    CoordinatorSection,
     DataSection,
     FaultsSection,
     InnerSection,
@@ -83,6 +84,7 @@ class RunConfig:
     tls: TlsSection = field(default_factory=TlsSection)
     faults: FaultsSection = field(default_factory=FaultsSection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
+    coordinator: CoordinatorSection = field(default_factory=CoordinatorSection)
 
     def __post_init__(self) -> None:
         self.validate()

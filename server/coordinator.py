@@ -43,7 +43,6 @@ from matformer.modeling.compression import (
     RoundUpdate,
     SparseResult,
     region_shape,
-    tier_hashes,
     tier_regions,
     universal_shapes,
 )
@@ -75,6 +74,7 @@ from matformer.server.member_api import Expected, JoinAsk, Joined, Waiting
 from matformer.server.membership import Member
 from matformer.server.pipeline import RoundPipeline
 from matformer.server.rounds import OpenRound, RoundAssignment, Submission
+from matformer.server.shards import ShardGroup, hashes_of
 from matformer.server.state import RunState
 from matformer.server.tiers import Capabilities, TierAssignment, check_speed
 from matformer.server.update_log import UpdateLog
@@ -143,7 +143,13 @@ class Coordinator:
             clock=clock, save=lambda: self.save(), tied=self.tied,
             tier_hashes=lambda tiers, master: self.tier_hashes(tiers, master),
             hooks=self.round_closed)
-        self.closer.master, self.closer.carried = resume.master(start, saved, initial)
+        master, carried = resume.master(start, saved, initial)
+        self.shards: ShardGroup | None = None  # the close's other processes ([coordinator])
+        if config.coordinator.shards > 1:  # the root keeps none of the weights
+            self.shards = ShardGroup.start(self.shapes, config.coordinator.shards,
+                                           tied=self.model_config.tie_word_embeddings)
+            master, carried = self.shards.adopt(master, carried), Carried()
+        self.closer.master, self.closer.carried = master, carried
         # what the member API serves: the updates and checkpoints members catch up from,
         # the layouts results must have, the model's schema hash
         self.catch_up = CatchUp(self.log, self.checkpoints, self.regions, config.tiers.allowed,
@@ -515,9 +521,13 @@ class Coordinator:
 
     def close(self) -> None:
         """``flush``, then close the tracker: a server stopping calls this."""
-        self.flush()
-        with self._lock:
-            self.closer.close_tracker()
+        try:
+            self.flush()
+            with self._lock:
+                self.closer.close_tracker()
+        finally:
+            if self.shards is not None:
+                self.shards.stop()
 
     def snapshot(self, *, since_round: int | None = 0, events_after: int | None = -1
                  ) -> dict[str, Any]:
@@ -550,7 +560,7 @@ class Coordinator:
                     ) -> dict[int, str]:
         """Weight hash of the master (or ``master``) at each tier, as clients compare it."""
         master = self.master if master is None else master
-        return tier_hashes(master, {t: self.regions(t) for t in sorted(set(tiers))})
+        return hashes_of(master, {t: self.regions(t) for t in sorted(set(tiers))})
 
     # -- persistence --------------------------------------------------------------------
 
@@ -573,7 +583,8 @@ class Coordinator:
 
     def tied(self, master: dict[str, Tensor]) -> dict[str, Tensor]:
         """With tied embeddings the head is the embedding: clients update it under
-        ``model.embed_tokens.weight`` only, so the master's ``lm_head.weight`` follows it."""
+        ``model.embed_tokens.weight`` only, so the master's ``lm_head.weight`` follows it
+        (a sharded master's shards do this themselves)."""
         if self.model_config.tie_word_embeddings:
             master["lm_head.weight"] = master["model.embed_tokens.weight"]
         return master

@@ -248,8 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     end = RunEnd.of(server.coordinator, stay=config.server.stay_after_finish)
-    while not stop.wait(END_POLL_S) and not end.reached():
+    worker = server.coordinator.worker
+    while not stop.wait(END_POLL_S) and not end.reached() and worker.fatal is None:
         pass
+    if worker.fatal is not None:
+        print(f"matformer-server: {worker.fatal}", file=sys.stderr)
+        server.stop()
+        return 1
     if stop.is_set():
         log.info("stopping; %s", "the run is finished" if end.finished_at is not None else
                  f"the run resumes from {server.coordinator.dir}")

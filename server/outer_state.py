@@ -35,19 +35,26 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from matformer.modeling.compression import Broadcast, SparseResult, index_dtype
+from matformer.modeling.errors import CheckpointError
 from matformer.server.update_steps import Carried
 
-OUTER_STATE_NAME = "matformer_outer_state.safetensors"
+OUTER_STATE_STEM = "matformer_outer_state"
+OUTER_STATE_NAME = f"{OUTER_STATE_STEM}.safetensors"
 # 2: under a compressed broadcast the momentum is kept in its coefficients (1: in values)
 VERSION = "2"
 _KINDS = ("residual", "momentum")
 
 
-def save_carried(folder: Path, carried: Carried) -> None:
-    """``carried`` as ``folder/matformer_outer_state.safetensors`` (float32, by name)."""
+def save_carried(folder: Path, carried: Carried, *, part: tuple[int, int] | None = None
+                 ) -> None:
+    """``carried`` as ``folder/matformer_outer_state.safetensors`` (float32, by name); with
+    ``part`` (i, n), the part shard i of n holds, as ``matformer_outer_state-<i+1>-of-<n>``
+    (``server/shards.py``). ``load_carried`` reads either back whole."""
     tensors = {f"{kind}/{name}": tensor.contiguous()
                for kind, by_name in _by_kind(carried).items() for name, tensor in by_name.items()}
-    save_file(tensors, str(Path(folder) / OUTER_STATE_NAME),
+    name = OUTER_STATE_NAME if part is None else \
+        f"{OUTER_STATE_STEM}-{part[0] + 1:05d}-of-{part[1]:05d}.safetensors"
+    save_file(tensors, str(Path(folder) / name),
               metadata={"format": "matformer-outer-state", "version": VERSION})
 
 
@@ -56,22 +63,38 @@ def load_carried(folder: Path, broadcast: Broadcast | None = None) -> Carried | 
     is ``broadcast``; None when it has none (a checkpoint written before outer state was
     saved). A version 1 file holds the momentum as values: under a compressed broadcast it
     is taken to the coefficients the close keeps it in now."""
-    path = Path(folder) / OUTER_STATE_NAME
-    if not path.is_file():
+    paths = outer_state_files(Path(folder))
+    if not paths:
         return None
     carried = Carried()
-    for key, tensor in load_file(str(path)).items():
-        kind, _, name = key.partition("/")
-        if kind in _KINDS:
-            getattr(carried, kind)[name] = tensor
-        else:  # a round policy's own state (server/policies/)
-            carried.buffers.setdefault(kind, {})[name] = tensor
-    with safe_open(str(path), framework="pt") as opened:
+    for path in paths:
+        for key, tensor in load_file(str(path)).items():
+            kind, _, name = key.partition("/")
+            if kind in _KINDS:
+                getattr(carried, kind)[name] = tensor
+            else:  # a round policy's own state (server/policies/)
+                carried.buffers.setdefault(kind, {})[name] = tensor
+    with safe_open(str(paths[0]), framework="pt") as opened:
         version = (opened.metadata() or {}).get("version", "1")
     if version == "1" and broadcast is not None:
         carried.momentum = {name: broadcast.residual_of(values)
                             for name, values in carried.momentum.items()}
     return carried
+
+
+def outer_state_files(folder: Path) -> list[Path]:
+    """The outer state files of a checkpoint: one, or one per shard of the close that wrote
+    it (all of them, whatever the shard count that reads them)."""
+    whole = folder / OUTER_STATE_NAME
+    if whole.is_file():
+        return [whole]
+    parts = sorted(folder.glob(f"{OUTER_STATE_STEM}-*-of-*.safetensors"))
+    counts = {p.stem.rsplit("-of-", 1)[1] for p in parts}
+    if parts and (len(counts) != 1 or len(parts) != int(counts.pop())):
+        raise CheckpointError(
+            f"{folder} holds outer state parts {', '.join(p.name for p in parts)}, which do "
+            "not make one whole; restore the checkpoint's files, or resume from another one.")
+    return parts
 
 
 def carried_bytes(carried: Carried) -> int:

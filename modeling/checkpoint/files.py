@@ -47,13 +47,23 @@ def write_weights(
         size += tensor_bytes(tensor)
     files, weight_map = [], {}
     for number, shard in enumerate(shards, start=1):
-        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        file = part_file(number, len(shards))
         save_file(shard, directory / file, metadata={"format": "pt"})
         files.append(file)
         weight_map.update(dict.fromkeys(shard, file))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    write_json(directory / INDEX_NAME, index)
+    write_index(directory, weight_map, total)
     return [INDEX_NAME, *files]
+
+
+def part_file(number: int, count: int) -> str:
+    """The name of shard ``number`` (from 1) of ``count``, as Hugging Face names them."""
+    return f"model-{number:05d}-of-{count:05d}.safetensors"
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total: int) -> None:
+    """``model.safetensors.index.json``: which shard holds each tensor, and their bytes."""
+    write_json(directory / INDEX_NAME, {"metadata": {"total_size": total},
+                                        "weight_map": weight_map})
 
 
 def weight_files(directory: Path) -> list[str]:

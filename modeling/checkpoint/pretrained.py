@@ -64,14 +64,22 @@ def save_pretrained(
         state.pop(TIED_HEAD, None)  # stored once, as the embedding (as Hugging Face does)
     with merged_aside(directory, last=CONFIG_NAME) as staging:
         staging.mkdir()
-        code = None if is_llama_shaped(config) else pack_code(config, module_files(model),
-                                                               staging)
-        write_json(staging / CONFIG_NAME, to_config_dict(config, code))
+        save_model_files(model, staging, files)
         write_weights(state, staging, max_shard_bytes)
-        for name, content in (files or {}).items():
-            (staging / name).write_bytes(content)
         _retire_model(directory)
     return directory
+
+
+def save_model_files(model: nn.Module, directory: Path,
+                     files: Mapping[str, bytes] | None = None) -> None:
+    """What a model folder holds besides its weights: ``config.json``, the code of a model
+    that is not Llama-shaped, and ``files``. ``model`` may live on the meta device (a
+    folder whose weights its holders write themselves, as the shards of a close do)."""
+    config: ModelConfig = model.config
+    code = None if is_llama_shaped(config) else pack_code(config, module_files(model), directory)
+    write_json(directory / CONFIG_NAME, to_config_dict(config, code))
+    for name, content in (files or {}).items():
+        (directory / name).write_bytes(content)
 
 
 def _retire_model(directory: Path) -> None:

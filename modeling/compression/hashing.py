@@ -33,6 +33,19 @@ def weight_hash(state: Mapping[str, Tensor], regions: Mapping[str, Region] | Non
 def tier_hashes(state: Mapping[str, Tensor], regions: Mapping[int, Mapping[str, Region]]
                 ) -> dict[int, str]:
     """``weight_hash(state, regions[tier])`` for every tier, each region digested once."""
+    return combine_digests(layout_of(state), regions, region_digests(state, regions))
+
+
+def layout_of(state: Mapping[str, Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's dtype and shape, all a hash needs besides the digests of its regions."""
+    return {name: (str(t.dtype), tuple(t.shape)) for name, t in state.items()}
+
+
+def region_digests(state: Mapping[str, Tensor], regions: Mapping[int, Mapping[str, Region]]
+                   ) -> dict[tuple[str, Region], bytes]:
+    """The sha256 of every region of ``state`` that some tier in ``regions`` covers. The
+    digests of parts of a state, taken where each part is held (a shard of the close), are
+    combined by ``combine_digests`` into the hashes of the whole."""
     def digest(name: str) -> dict[Region, bytes]:
         tensor = state[name]
         return _digests(tensor, {r.get(name, full_region(tensor.shape)) for r in regions.values()})
@@ -40,15 +53,22 @@ def tier_hashes(state: Mapping[str, Tensor], regions: Mapping[int, Mapping[str, 
     # sha256 lets go of the GIL while it reads a buffer: tensors are digested side by side
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
         per_name = dict(zip(sorted(state), pool.map(digest, sorted(state)), strict=True))
-    digests = {(name, region): d for name, found in per_name.items()
-               for region, d in found.items()}
+    return {(name, region): d for name, found in per_name.items() for region, d in found.items()}
+
+
+def combine_digests(layout: Mapping[str, tuple[str, tuple[int, ...]]],
+                    regions: Mapping[int, Mapping[str, Region]],
+                    digests: Mapping[tuple[str, Region], bytes]) -> dict[int, str]:
+    """Each tier's hash of a state laid out as ``layout`` (name → dtype, shape) from the
+    digests of its regions."""
     hashes = {}
     for tier, cut in regions.items():
         digest = hashlib.sha256()
-        for name in sorted(state):
-            region = cut.get(name, full_region(state[name].shape))
+        for name in sorted(layout):
+            dtype, shape = layout[name]
+            region = cut.get(name, full_region(shape))
             digest.update(name.encode())
-            digest.update(str(state[name].dtype).encode() + str(region_shape(region)).encode())
+            digest.update(dtype.encode() + str(region_shape(region)).encode())
             digest.update(digests[name, region])
         hashes[tier] = digest.hexdigest()
     return hashes

@@ -2,7 +2,8 @@
 ``modeling.settings.setting`` (default, range or choices, help), in modules by what they
 configure:
 
-    run.py       [run], [checkpoint], [tracking]: the run's name and what it keeps
+    run.py       [run], [checkpoint], [tracking], [coordinator]: the run's name, what it
+                 keeps, where its close runs
     model.py     [model], [data], [tiers]: what is trained, on what, in which slices
     training.py  [round], [update], [inner]: rounds and steps
     access.py    [server], [auth], [tls]: where the servers listen and who may use them
@@ -20,7 +21,12 @@ See ``examples/run.toml`` for every key, its default and what it does.
 from matformer.server.sections.access import AuthSection, ServerSection, TlsSection
 from matformer.server.sections.faults import FaultsSection
 from matformer.server.sections.model import DataSection, ModelSection, TiersSection
-from matformer.server.sections.run import CheckpointSection, RunSection, TrackingSection
+from matformer.server.sections.run import (
+    CheckpointSection,
+    CoordinatorSection,
+    RunSection,
+    TrackingSection,
+)
 from matformer.server.sections.training import (
     OUTER_DEFAULTS,
     InnerSection,
@@ -32,6 +38,7 @@ __all__ = [
     "OUTER_DEFAULTS",
     "AuthSection",
     "CheckpointSection",
+    "CoordinatorSection",
     "DataSection",
     "FaultsSection",
     "InnerSection",

@@ -52,3 +52,14 @@ class TrackingSection:
         require(self.kind == "none" or importlib.util.find_spec(self.kind) is not None,
                 f"[tracking] kind {self.kind!r} needs the {self.kind} package (pip install "
                 f"{self.kind}); or kind = \"none\".")
+
+
+@dataclass(kw_only=True, slots=True)
+class CoordinatorSection:
+    """How the coordinator computes a round's close (server/shards.py)."""
+
+    shards: int = setting(1, low=1, high=64, help=(
+        "processes the close is sharded over (torch.distributed, Gloo): each owns a "
+        "contiguous part of the parameters, its master, momentum and residual, and closes it; "
+        "1 closes in the coordinator's process"))
+
