@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 from support.helpers import Clock, run_tables
+from support.models import tiny_config
 from support.rounds import caps, drive, same
 
 from matformer.modeling.compression import tier_regions, universal_shapes
@@ -28,7 +29,6 @@ from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
 from matformer.server.outer_state import load_carried
 from matformer.server.shards import EMBEDDING, FAULT_ENV, TIED_HEAD, ShardLost, partition
-from support.models import tiny_config
 
 ROUNDS = 6
 
@@ -141,6 +141,7 @@ def test_a_run_resumes_on_another_shard_count(tmp_path, mdat_path, one_process, 
         assert logged_hashes(resumed) == logged_hashes(one_process)
         assert same(dict(resumed.master.items()), one_process.master)
         weights, carried = final_checkpoint(resumed)
+        assert same(weights, final_checkpoint(one_process)[0])
         assert same(carried.momentum, one_process.carried.momentum)
         assert same(carried.residual, one_process.carried.residual)
     finally:
@@ -155,7 +156,7 @@ def test_a_shard_killed_mid_close_fails_the_round_and_the_run_resumes_exactly(
     first = run(config, 3, clock)
     cid = next(iter(first.membership.members))
     ledger = first.ledger.size()
-    with pytest.raises(ShardLost, match="exit code 17.*not committed.*Restart the server"):
+    with pytest.raises(ShardLost, match=r"exit code 17.*not committed.*Restart the server"):
         drive(first, clock, cid, 1)
     # nothing of round 3 was committed: not the counter, not the log, not the ledger
     assert first.state.round == 3 and first.ledger.size() == ledger
