@@ -45,6 +45,12 @@ heartbeat p99 at most 50 ms.
     python bench/scale.py                      # 4M parameters, 1, 4, 16, 64 clients (1 min)
     python bench/scale.py --shape 150m --clients 1,4,16,64 --json runs/scale.json
     python bench/scale.py --smoke              # 0.2M parameters, 1 and 2 clients: it runs
+    python bench/scale.py --shape 150m --clients 4 --shards 1,2   # the sharded close
+
+``--shards 1,2`` runs every client count with the close in one process and over 2 shard
+processes ([coordinator] shards, server/shards.py) and prints their close against each other
+and each process's resident memory (``shard_rss_mib``, ``shard_peak_rss_mib`` in the JSON;
+the coordinator's process first, which also holds the simulated clients).
 """
 
 from __future__ import annotations
@@ -103,7 +109,7 @@ PROBE_S = 0.005  # the prober's pause between calls while a round closes
 # timed inside close; "rest" is the remainder
 STEPS = ("aggregate + step", "score", "hash", "log + save")
 SMOKE = dict(vocab_size=260, hidden_size=64, layers=2, heads=4, kv_heads=2,
-             intermediate_size=256, clients="1,2", rounds=1, threads=1)
+             intermediate_size=256, clients="1,2", rounds=1, threads=1, shards="1,2")
 
 
 def parse_args() -> argparse.Namespace:
@@ -137,6 +143,8 @@ def parse_args() -> argparse.Namespace:
     run.add_argument("--sequences-per-client", type=int, default=4,
                      help="round token budget = clients x this x --seq-len")
     run.add_argument("--threads", type=int, default=None)
+    run.add_argument("--shards", default="1", help=(
+        "[coordinator] shards to measure, comma-separated: each client count is run at each"))
     run.add_argument("--json", type=Path, default=None, help="write the figures per N here")
     args = parse(parser, SMOKE)
     for key, value in SHAPES.get(args.shape, {}).items():
@@ -157,10 +165,12 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     )
 
 
-def run_config(args: argparse.Namespace, clients: int, folder: Path, mdat: Path) -> RunConfig:
+def run_config(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
+               shards: int = 1) -> RunConfig:
     """The run.toml tables of one client count, read as ``RunConfig.load`` reads the file."""
     tables: dict[str, Any] = {
-        "run": {"id": f"bench-{clients}", "dir": str(folder / f"run-{clients}")},
+        "run": {"id": f"bench-{clients}", "dir": str(folder / f"run-{clients}-{shards}")},
+        "coordinator": {"shards": shards},
         "model": {"inline": {k: v for k, v in model_config(args).to_dict().items()
                              if v is not None}},
         "data": {"path": str(mdat), "max_seq_len": args.seq_len},
@@ -298,6 +308,11 @@ class Row:
     up_bytes: int  # a tier-0 client's submission
     dense: int  # float32 bytes of a tier-0 client's weights
     rss_mib: float
+    shards: int = 1
+    # each shard process's resident memory after the timed rounds, and its peak (the
+    # coordinator's process first; it also holds the simulated clients)
+    shard_rss_mib: list[float] = field(default_factory=list)
+    shard_peak_rss_mib: list[float] = field(default_factory=list)
 
     def p99_ms(self, rpc: str) -> float:
         times = sorted(self.probes[rpc])
@@ -314,7 +329,9 @@ class Row:
                 "close_passes": self.close_s() / self.one_pass_s,
                 "apply_passes": self.apply_s / self.one_pass_s,
                 "heartbeat_p99_ms": self.p99_ms("Heartbeat"),
-                "getround_p99_ms": self.p99_ms("GetRound"), "peak_rss_mib": self.rss_mib}
+                "getround_p99_ms": self.p99_ms("GetRound"), "peak_rss_mib": self.rss_mib,
+                "shards": self.shards, "shard_rss_mib": self.shard_rss_mib,
+                "shard_peak_rss_mib": self.shard_peak_rss_mib}
 
     def close_s(self, step: str = "close") -> float:
         return statistics.median(c.steps.get(step, 0.0) for c in self.closes)
@@ -399,8 +416,8 @@ def probing(stub: pb_grpc.CoordinatorStub, auth: tuple, probes: dict[str, list[f
 
 
 def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
-            submissions: Submissions) -> Row:
-    config = run_config(args, clients, folder, mdat)
+            submissions: Submissions, shards: int = 1) -> Row:
+    config = run_config(args, clients, folder, mdat, shards)
     tiers = tiers_of(args)
     running = RunningServer.start(config, grpc_port=0, http_port=0)
     coordinator = running.service.coordinator
@@ -426,6 +443,9 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
             record = running.service.coordinator.state.rounds[-1]
             assert record["round"] == round_index
             received.append(record["bytes_sent"])
+        pids = [os.getpid(), *(p.pid for p in (coordinator.shards.processes
+                                                if coordinator.shards else []))]
+        memory = [process_memory_mib(pid) for pid in pids]  # before the reads below gather
         update_bytes, update_s, apply_s = fetch_and_apply(stub, members[0], coordinator,
                                                           round_index)
         one_pass = one_pass_s(coordinator.master)
@@ -438,8 +458,8 @@ def measure(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         up = sum(m.ByteSize() for m in members[0].messages)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         return Row(clients, timed, walls, received, update_bytes, update_s, apply_s, one_pass,
-                   probes, up, dense,
-                   rss)
+                   probes, up, dense, rss, shards, [now for now, _ in memory],
+                   [peak for _, peak in memory])
     finally:
         close_module.close_round = close_round
         round_close.agreement = agreement
@@ -462,6 +482,18 @@ def fetch_and_apply(stub: pb_grpc.CoordinatorStub, client: Client, coordinator: 
     update.apply(weights, regions)
     end = time.perf_counter()
     return sum(m.ByteSize() for m in messages), end - start, end - applying
+
+
+def process_memory_mib(pid: int) -> tuple[float, float]:
+    """(resident, peak resident) MiB of process ``pid``, from /proc (Linux)."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields[key] = value
+    def mib(key: str) -> float:
+        return int(fields[key].split()[0]) / 1024 if key in fields else NAN
+    return mib("VmRSS"), mib("VmHWM")
 
 
 def one_pass_s(master: dict[str, torch.Tensor], repeats: int = 5) -> float:
@@ -507,7 +539,8 @@ def main() -> None:
         for i in range(max(counts)):  # encode outside every timed region
             submissions.messages(i, tiers[i % len(tiers)])
         print(f"encoded {max(counts)} clients' results in {time.perf_counter() - start:.1f} s")
-        rows = [measure(args, n, folder, mdat, submissions) for n in counts]
+        rows = [measure(args, n, folder, mdat, submissions, shards)
+                for shards in [int(s) for s in args.shards.split(",")] for n in counts]
     print_table(
         ["clients", "close ms", "ms/client", "aggregate + step ms", "score ms", "hash ms",
          "log + save ms",
@@ -537,15 +570,31 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
         print(f"wrote {args.json}")
-    first, last = rows[0], rows[-1]
+    one = [r for r in rows if r.shards == 1] or rows
+    first, last = one[0], one[-1]
     growth = last.close_s() / first.close_s()
     print(f"close at {last.clients} clients / at {first.clients}: {growth:.2f} "
           f"(target <= 3 at 64 / 1: {'met' if growth <= 3 else 'not met'})")
     marginal = [f"{a.clients}->{b.clients}: "
                 f"{(b.close_s() - a.close_s()) * 1e3 / (b.clients - a.clients):,.2f}"
-                for a, b in itertools.pairwise(rows)]
+                for a, b in itertools.pairwise(one)]
     print(f"close ms per added client: {', '.join(marginal)} (flat or falling: linear)")
+    if len({r.shards for r in rows}) > 1:
+        print_shards(rows)
 
+
+def print_shards(rows: list[Row]) -> None:
+    """The sharded close against one process at each client count (issue 48: with 2 shards
+    on 2 cores the close at most 0.6x one shard's, each shard's memory about half)."""
+    base = {r.clients: r for r in rows if r.shards == 1}
+    print()
+    print_table(
+        ["shards", "clients", "close ms", "x 1 shard", "RSS MiB per process (now)",
+         "peak RSS MiB per process"],
+        [[str(r.shards), str(r.clients), f"{r.close_s() * 1e3:,.1f}",
+          f"{r.close_s() / base[r.clients].close_s():.2f}" if r.clients in base else "-",
+          " / ".join(f"{m:,.0f}" for m in r.shard_rss_mib),
+          " / ".join(f"{m:,.0f}" for m in r.shard_peak_rss_mib)] for r in rows])
 
 if __name__ == "__main__":
     main()

@@ -111,6 +111,8 @@ class TestnetSettings:
     overlap: bool = setting(False, help=(
         "overlapped rounds ([round] overlap): members train the next round while the last "
         "one closes"))
+    shards: int = setting(1, low=1, high=64, help=(
+        "processes the coordinator's close is sharded over ([coordinator] shards)"))
     relays: int = setting(0, low=0, help=(
         "relays between the coordinator and the clients (matformer relay), the clients "
         "spread over them: the root sees that many members and one partial sum from each "
@@ -178,6 +180,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str]]:
     overrides = [f"round.min_clients={members}"]
     if args.overlap:
         overrides.append("round.overlap=true")
+    if args.shards > 1:
+        overrides.append(f"coordinator.shards={args.shards}")
     if args.config is not None:
         if args.rounds is not None:
             overrides.append(f"round.rounds={args.rounds}")

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import ctypes
 import datetime
+import gc
 import logging
 import math
 import os
@@ -198,6 +199,7 @@ class ShardGroup:
         self._held: Counter[int] = Counter()  # versions a checkpoint being written reads
         self._lock = threading.Lock()
         self.lost: str | None = None  # why the group can no longer close, once it cannot
+        self.threads_before = torch.get_num_threads()  # this process's, given back at stop
 
     @classmethod
     def start(cls, shapes: Mapping[str, Sequence[int]], count: int, *, tied: bool,
@@ -208,7 +210,10 @@ class ShardGroup:
         parts = partition(shapes, count, tied=tied)
         store = dist.TCPStore("127.0.0.1", 0, count, is_master=True,
                               timeout=datetime.timedelta(seconds=START_S), wait_for_workers=False)
-        threads = threads or max(1, torch.get_num_threads() // count)
+        # the cores shared out: this process computes its part with its share too
+        threads, before = threads or max(1, torch.get_num_threads() // count), \
+            torch.get_num_threads()
+        torch.set_num_threads(threads)
         processes = [subprocess.Popen(
             [sys.executable, "-m", "matformer.server.shards", "--rank", str(rank),
              "--count", str(count), "--port", str(store.port), "--threads", str(threads)])
@@ -220,10 +225,13 @@ class ShardGroup:
         except BaseException:
             for process in processes:
                 process.kill()
+            torch.set_num_threads(before)
             raise
         log.info("closing rounds over %d shards (processes %s), %d torch threads each",
                  count, ", ".join(str(p.pid) for p in processes), threads)
-        return cls(parts, tied, processes)
+        group = cls(parts, tied, processes)
+        group.threads_before = before
+        return group
 
     @property
     def count(self) -> int:
@@ -244,9 +252,9 @@ class ShardGroup:
                 dist.broadcast_object_list([(op, common)], src=0)
                 if op == "stop":
                     return []
-                if op in SCATTERED:
+                if op in SCATTERED:  # the root's own arguments stay here, unpickled
                     received: list[Any] = [None]
-                    dist.scatter_object_list(received, own, src=0)
+                    dist.scatter_object_list(received, [None, *own[1:]], src=0)
                 try:
                     mine = ("ok", self.own.handle(op, common, own[0]))
                 except Exception as err:  # answered after the others have been heard
@@ -271,15 +279,20 @@ class ShardGroup:
                 "the round was not committed. Restart the server: the run resumes from its "
                 "last checkpoint and logged rounds.")
 
-    def adopt(self, master: Mapping[str, Tensor], carried: Carried) -> ShardedMaster:
-        """Hand each shard its part of ``master`` and ``carried``; the root keeps only its
-        own. Returns the view of the weights now committed."""
+    def adopt(self, master: dict[str, Tensor], carried: Carried) -> ShardedMaster:
+        """Hand each shard its part of ``master`` and ``carried``, which are emptied: the
+        root keeps only its own part. Returns the view of the weights now committed."""
         version = self._take_version()
         own = [{"master": {n: master[n] for n in part}, "carried": split_carried(carried, part)}
                for part in self.parts]
+        self.carried_bytes = carried_bytes(carried)
+        master.clear()
+        carried.residual, carried.momentum, carried.buffers = {}, {}, {}
         layouts = self._call("adopt", {"version": version, "tied": self.tied}, own)
         self.layout = {n: layout for part in layouts for n, layout in part.items()}
-        self.committed, self.carried_bytes = version, carried_bytes(carried)
+        del own
+        _release_freed()  # what the others' parts took here goes back to the system
+        self.committed = version
         return ShardedMaster(self, version)
 
     def close(self, master: ShardedMaster, policy: Any, update: UpdateConfig,
@@ -359,6 +372,14 @@ class ShardGroup:
                 process.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+        torch.set_num_threads(self.threads_before)
+
+
+def _release_freed() -> None:
+    """glibc keeps freed heap for reuse; hand it back (a master's worth, after the adopt)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _wait_ready(store: dist.TCPStore, processes: list[subprocess.Popen]) -> None:

@@ -85,7 +85,7 @@ EXPECTED = {
     "scale": expect("x below dense", "clients", "close_ms", "score_ms", "bytes_up",
                     "bytes_down", "dense_bytes_up", "dense_bytes_down", "update_apply_s",
                     "apply_s", "one_pass_ms", "close_passes", "apply_passes",
-                    "heartbeat_p99_ms"),
+                    "heartbeat_p99_ms", "shards", "shard_rss_mib", "x 1 shard"),
     "status_api": expect("page poll / metrics"),
     "tier_quality": expect("targets: joint tier 0 < 1 < 2", "joint", "tier0_sliced",
                            "independent", "initial", "tokens", "seconds", "config"),
