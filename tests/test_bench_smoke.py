@@ -82,10 +82,10 @@ EXPECTED = {
     "neuron_order": expect("activations/unordered", "settings", *per(("before", "after"), *(
         f"{run}.tier{t}" for run in ("unordered", "weights", "activations") for t in (0, 1, 2))),
         *per(("federated.unordered",), "tier0", "tier1", "tier2")),
-    "scale": expect("x below dense", "clients", "close_ms", "score_ms", "bytes_up",
+    "scale": expect("x 1 shard", "clients", "close_ms", "score_ms", "bytes_up",
                     "bytes_down", "dense_bytes_up", "dense_bytes_down", "update_apply_s",
                     "apply_s", "one_pass_ms", "close_passes", "apply_passes",
-                    "heartbeat_p99_ms", "shards", "shard_rss_mib", "x 1 shard"),
+                    "heartbeat_p99_ms", "shards", "shard_rss_mib", "shard_peak_rss_mib"),
     "status_api": expect("page poll / metrics"),
     "tier_quality": expect("targets: joint tier 0 < 1 < 2", "joint", "tier0_sliced",
                            "independent", "initial", "tokens", "seconds", "config"),
