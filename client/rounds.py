@@ -42,6 +42,14 @@ if TYPE_CHECKING:
     from matformer.client.federated import FederatedClient
 
 T = TypeVar("T")
+
+
+class Reassigned(Exception):  # a signal within the loop, not an error
+    """The round a client waits for needs its work first: ``work``, handed out anew."""
+
+    def __init__(self, work: Train) -> None:
+        super().__init__(f"round {work.round} handed out anew")
+        self.work = work
 UPDATE_WAIT_S = 20.0  # how long one GetUpdates may wait for a round to close
 
 
@@ -178,7 +186,14 @@ class OverlappedRounds:
             c.summary.tier = work.tier
             c.catch_up(reload=True)
             self.fetched.clear()
-        self._apply_through(work.round - 2)
+        try:
+            self._apply_through(work.round - 2)
+        except Reassigned as new:
+            c.log(f"round {new.work.round} was handed out anew (the coordinator restarted?): "
+                  f"training it before round {work.round}, whose assignment is dropped")
+            self._drop_held()
+            self._hold([new.work])
+            return
         if self.asked is None and work.round >= 1:  # what the next round trains on: the
             self._ask(work.round - 1)  # update of this one's predecessor, closing meanwhile
         if c.local_round is None:
@@ -213,13 +228,17 @@ class OverlappedRounds:
             # drop it and ask for the assignments as they are now.
             c.log(f"round {work.round} not accepted: {err.details}")
             self.taken.discard(work.assignment_id)  # if it is still this client's, again
-            self.held.clear()
-            for fetching in self.sequences.values():
-                fetching.cancel()
-            self.sequences.clear()
+            self._drop_held()
             return
         c.accepted(work, done, loss, submitted.sent, submitted.accepted, progress)
         self._hold(submitted.assignments)
+
+    def _drop_held(self) -> None:
+        """Forget the assignments held (another split's), and their sequences' fetches."""
+        self.held.clear()
+        for fetching in self.sequences.values():
+            fetching.cancel()
+        self.sequences.clear()
 
     def _waited(self, future: Future[T]) -> T:
         """``future``'s result; the time the loop waits for it counts as waiting."""
@@ -269,6 +288,16 @@ class OverlappedRounds:
 
         return advance
 
+    def _check_waited_for(self, round_index: int) -> None:
+        """Reassigned when the coordinator hands this client work in round
+        ``round_index`` or before: that round cannot close without it. The assignments
+        held from before are another split's (a restart reopens the rounds in flight and
+        hands their work out anew), so waiting for its update would wait for ever."""
+        work = self.client.connection.get_round()
+        if isinstance(work, Train) and work.round <= round_index \
+                and work.assignment_id not in self.taken:
+            raise Reassigned(work)
+
     def _ask(self, since: int) -> None:
         """Ask for the updates from round ``since`` on, held until that round closes."""
         c = self.client
@@ -277,7 +306,8 @@ class OverlappedRounds:
 
     def _apply_through(self, last: int) -> None:
         """Apply every update through round ``last`` (none beyond it): what was received
-        ahead, else asked for now, waiting for its close."""
+        ahead, else asked for now, waiting for its close. Reassigned when the round waited
+        for needs this client's work first (a restarted coordinator split it anew)."""
         c = self.client
         while c.applied <= last:
             if self.asked is not None and (self.asked.done() or c.applied not in self.fetched):
@@ -291,6 +321,8 @@ class OverlappedRounds:
                     c.catch_up(reload=True)
                     self.fetched.clear()
                     continue
+                if c.applied not in self.fetched:  # a whole wait, and the round is open
+                    self._check_waited_for(c.applied)
             if c.applied not in self.fetched:
                 self._ask(c.applied)
                 continue

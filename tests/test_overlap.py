@@ -16,6 +16,8 @@ from support.wire import header_of, join_request, joined, serving_config
 from test_federated import SEQ_LEN, client, held, same, start
 
 import matformer.server.policies.mean as close_module  # the default policy calls close_round
+from matformer.client.connection import Train
+from matformer.client.rounds import OverlappedRounds, Reassigned
 from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows
 from matformer.modeling.checkpoint import load_pretrained
 from matformer.modeling.mdat import build_default_mdat
@@ -183,3 +185,46 @@ def test_a_member_moved_to_another_tier_keeps_its_replica_in_step(tmp_path, mdat
     assert moved == [1]
     assert summary.finished and summary.rounds_trained >= 6
     assert summary.tier == 1 and summary.resynchronisations == 0
+
+
+class _Stalled:
+    """A member's side as its loop sees it after a coordinator restarted mid-round: round 3
+    was reopened and its work handed out anew, so the update of round 3 never comes until
+    this member trains it (each GetUpdates wait ends empty)."""
+
+    def __init__(self) -> None:
+        self.applied, self.tier, self.asks = 3, 0, 0
+        self.cost = type("Cost", (), {"wait_s": 0.0})()
+        self.log = lambda line: None
+        self.broadcast = self
+        self.connection = self
+
+    def updates(self, since: int, tier: int, *, wait_s: float) -> list:
+        self.asks += 1
+        return []
+
+    def get_round(self) -> Train:
+        return Train(round=3, tier=0, sequence_ids=(7, 8), assignment_id="3.new.client-0")
+
+
+def test_a_member_waiting_for_a_reopened_round_trains_it_instead_of_waiting_for_ever():
+    """With overlap a member waits for round r - 2's update before training round r. When a
+    restarted coordinator reopened that round and handed its work out anew, the round waits
+    for this member: the member learns so after one empty wait and trains the new work
+    (it once waited for ever: the testnet's chaos run with every member in that state)."""
+    stalled = _Stalled()
+    loop = OverlappedRounds(stalled)
+    loop.taken.add("5.old.client-0")
+    try:
+        with pytest.raises(Reassigned) as raised:
+            loop._apply_through(3)
+        assert raised.value.work.assignment_id == "3.new.client-0" and stalled.asks == 1
+        loop.taken.add("3.new.client-0")  # once it trains that work, it waits again
+        stalled.asks = 0
+        loop.asked = loop.downloads.submit(stalled.updates, 3, 0, wait_s=0.0)
+        stalled.updates = lambda *a, **k: (_ for _ in ()).throw(AssertionError("stop"))
+        with pytest.raises(AssertionError, match="stop"):
+            loop._apply_through(3)  # no reassignment: it asks again
+    finally:
+        for pool in (loop.uploads, loop.fetches, loop.downloads):
+            pool.shutdown()
