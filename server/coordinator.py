@@ -74,7 +74,7 @@ from matformer.server.member_api import Expected, JoinAsk, Joined, Waiting
 from matformer.server.membership import Member
 from matformer.server.pipeline import RoundPipeline
 from matformer.server.rounds import OpenRound, RoundAssignment, Submission
-from matformer.server.shards import ShardGroup, hashes_of
+from matformer.server.shards import ShardedMaster, ShardGroup, hashes_of
 from matformer.server.state import RunState
 from matformer.server.tiers import Capabilities, TierAssignment, check_speed
 from matformer.server.update_log import UpdateLog
@@ -122,33 +122,44 @@ class Coordinator:
         self.round_closed: list[Callable[[ClosedRound], None]] = []
         # joins, leaves and refusals reach state.json together, at most every SAVE_INTERVAL_S
         self._unsaved, self._saved_at = False, -math.inf
+        self.shards: ShardGroup | None = None  # the close's other processes ([coordinator])
+        if config.coordinator.shards > 1:  # the root keeps none of the weights
+            self.shards = ShardGroup.start(self.shapes, config.coordinator.shards,
+                                           tied=self.model_config.tie_word_embeddings)
+        try:
+            self._start(config, saved, order, initial)
+        except BaseException:
+            if self.shards is not None:
+                self.shards.stop()
+            raise
+
+    def _start(self, config: RunConfig, saved: RunState | None, order: Any,
+               initial: Mapping[str, Tensor] | None) -> None:
+        """The parts, from the saved run or a new one (``__init__``)."""
         start = resume.Start(  # state, queue, save and hashes looked up when used, not now
             config=config, model_config=self.model_config, reader=self.reader, log=self.log,
             ledger=self.ledger, checkpoints=self.checkpoints, writer=self.writer,
             history=self.history, policy=self.policy, tied=self.tied,
             tier_hashes=lambda tiers, master: self.tier_hashes(tiers, master),
             save=lambda: self.save(), current_state=lambda: self.state,
-            current_queue=lambda: self.queue)
+            current_queue=lambda: self.queue, shards=self.shards)
         self.state, self.membership, self.queue = resume.records(start, saved, order)
         self.pipeline = RoundPipeline(config, self.membership, self.history, self.queue,
                                       self._length)
         self.admissions = Admissions(  # save looked up when used, not now
-            self.membership, self.pipeline, self.history, config.faults, clock=clock,
+            self.membership, self.pipeline, self.history, config.faults, clock=self.clock,
             save=lambda: self.save(), mark_unsaved=self.mark_unsaved)
         self.closer = RoundClose(  # save and hashes looked up when used, not now
             config, self.policy, lock=self._lock, committed=self._committed,
             state=lambda: self.state, queue=self.queue, membership=self.membership,
             pipeline=self.pipeline, history=self.history, update_log=self.log,
             ledger=self.ledger, checkpoints=self.checkpoints, writer=self.writer,
-            clock=clock, save=lambda: self.save(), tied=self.tied,
+            clock=self.clock, save=lambda: self.save(), tied=self.tied,
             tier_hashes=lambda tiers, master: self.tier_hashes(tiers, master),
             hooks=self.round_closed)
         master, carried = resume.master(start, saved, initial)
-        self.shards: ShardGroup | None = None  # the close's other processes ([coordinator])
-        if config.coordinator.shards > 1:  # the root keeps none of the weights
-            self.shards = ShardGroup.start(self.shapes, config.coordinator.shards,
-                                           tied=self.model_config.tie_word_embeddings)
-            master, carried = self.shards.adopt(master, carried), Carried()
+        if self.shards is not None and not isinstance(master, ShardedMaster):  # a new run's
+            master, carried = self.shards.adopt(dict(master), carried), Carried()
         self.closer.master, self.closer.carried = master, carried
         # what the member API serves: the updates and checkpoints members catch up from,
         # the layouts results must have, the model's schema hash

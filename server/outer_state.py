@@ -25,13 +25,13 @@ flat tensors: a round's inputs take about what its members uploaded.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from matformer.modeling.compression import Broadcast, SparseResult, index_dtype
@@ -58,22 +58,28 @@ def save_carried(folder: Path, carried: Carried, *, part: tuple[int, int] | None
               metadata={"format": "matformer-outer-state", "version": VERSION})
 
 
-def load_carried(folder: Path, broadcast: Broadcast | None = None) -> Carried | None:
+def load_carried(folder: Path, broadcast: Broadcast | None = None,
+                 names: Collection[str] | None = None) -> Carried | None:
     """The carried state saved with the checkpoint in ``folder``, for a run whose broadcast
     is ``broadcast``; None when it has none (a checkpoint written before outer state was
-    saved). A version 1 file holds the momentum as values: under a compressed broadcast it
+    saved). ``names``: only theirs (a shard of the close reads its part so). A version 1
+    file holds the momentum as values: under a compressed broadcast it
     is taken to the coefficients the close keeps it in now."""
     paths = outer_state_files(Path(folder))
     if not paths:
         return None
     carried = Carried()
     for path in paths:
-        for key, tensor in load_file(str(path)).items():
-            kind, _, name = key.partition("/")
-            if kind in _KINDS:
-                getattr(carried, kind)[name] = tensor
-            else:  # a round policy's own state (server/policies/)
-                carried.buffers.setdefault(kind, {})[name] = tensor
+        with safe_open(str(path), framework="pt") as opened:
+            for key in opened.keys():  # noqa: SIM118  (a safetensors file is no mapping)
+                kind, _, name = key.partition("/")
+                if names is not None and name not in names:  # another shard's
+                    continue
+                tensor = opened.get_tensor(key)
+                if kind in _KINDS:
+                    getattr(carried, kind)[name] = tensor
+                else:  # a round policy's own state (server/policies/)
+                    carried.buffers.setdefault(kind, {})[name] = tensor
     with safe_open(str(paths[0]), framework="pt") as opened:
         version = (opened.metadata() or {}).get("version", "1")
     if version == "1" and broadcast is not None:

@@ -25,6 +25,7 @@ from matformer.modeling.training import target_tokens
 from matformer.server.errors import ResumeError
 from matformer.server.membership import Membership
 from matformer.server.policies import policy_from_record
+from matformer.server.shards import apply_round, close_master, settle
 from matformer.server.state import RunState
 from matformer.server.update_steps import ARITHMETIC, Carried
 from matformer.server.work import WorkQueue
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from matformer.server.history import RunHistory
     from matformer.server.ledger import TrainedLedger
     from matformer.server.policies import RoundPolicy
+    from matformer.server.shards import ShardGroup
     from matformer.server.update_log import UpdateLog
 
 # Names that atomic writes (modeling/atomic.py) give their temporary files and folders
@@ -65,6 +67,7 @@ class Start:
     tied: Callable[[dict[str, Tensor]], dict[str, Tensor]]
     tier_hashes: Callable[[list[int], Mapping[str, Tensor]], dict[int, str]]
     save: Callable[[], None]
+    shards: ShardGroup | None  # the close's shards, which read and replay their own parts
     current_state: Callable[[], RunState]
     current_queue: Callable[[], WorkQueue]
 
@@ -95,7 +98,7 @@ def records(c: Start, saved: RunState | None, order: RunOrder
 
 
 def master(c: Start, saved: RunState | None, initial: Mapping[str, Tensor] | None
-           ) -> tuple[dict[str, Tensor], Carried]:
+           ) -> tuple[Mapping[str, Tensor], Carried]:
     """The master and the carried outer state to go on from, once what a kill left
     half-written is cleared away: a new run's (its checkpoint round-0 written and listed),
     or the saved run's, replayed."""
@@ -179,21 +182,27 @@ def _initial(c: Start, initial: Mapping[str, Tensor] | None
     return c.tied({n: t.detach().clone() for n, t in initial.items()})
 
 
-def _replayed(c: Start) -> tuple[dict[str, Tensor], Carried]:
+def _replayed(c: Start) -> tuple[Mapping[str, Tensor], Carried]:
     """The master and carried state of the saved run: the latest checkpoint's, then the
     rounds logged since closed again from their logged inputs (``outer_state.py``), checked
     against the weight hashes the log recorded. A round logged without inputs (before they
     were logged) is applied from its steps, and the carried state begins at zero from there,
     said once; so does a checkpoint saved without outer state."""
     base = c.state.checkpoints[-1]
-    try:
-        master = c.checkpoints.read(base)
-    except FileNotFoundError as err:
-        raise ResumeError(f"state.json names checkpoint {err}, which is missing; "
-                          "restore it, or start a new run directory.") from None
+    folder = c.checkpoints.path(base)
+    if not folder.is_dir():
+        raise ResumeError(f"state.json names checkpoint {folder}, which is missing; "
+                          "restore it, or start a new run directory.")
     update = c.config.update.build(c.state.round, c.config.round.planned_rounds,
                                    c.config.compression)
-    carried = c.checkpoints.read_carried(base, update.build().broadcast)  # None: not known
+    broadcast = update.build().broadcast
+    carried: Carried | None  # None: not known
+    if c.shards is None:
+        master: Mapping[str, Tensor] = c.checkpoints.read(base)
+        carried = c.checkpoints.read_carried(base, broadcast)
+    else:  # each shard reads its own part
+        master, found = c.shards.load(folder, broadcast)
+        carried = Carried() if found else None
     lost = None if carried is not None else f"checkpoint round-{base} holds no outer state"
     entries = [c.log.read(r) for r in range(base, c.state.round)]
     for entry in entries:
@@ -206,11 +215,11 @@ def _replayed(c: Start) -> tuple[dict[str, Tensor], Carried]:
         if logged is None:
             if carried is not None and lost is None:
                 lost = f"round {entry.round} was logged without the results it aggregated"
-            master, carried = c.tied(entry.apply(master)), None
+            master, carried = apply_round(entry, master, c.tied), None
             continue
-        master, _, carried = policy_from_record(outer).close(entry.update.build(), master,
-                                                             logged[0], carried)
-        master = c.tied(master)
+        master, _, carried, _ = close_master(policy_from_record(outer), entry.update, master,
+                                             logged[0], carried, c.tied)
+        settle(master, commit=True)
     if entries and c.tier_hashes(list(entries[-1].hashes), master) != entries[-1].hashes:
         raise ResumeError(f"replaying {c.dir / 'updates'} onto checkpoint round-{base} "
                           "does not reproduce the logged weight hashes; the log or the "

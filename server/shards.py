@@ -52,12 +52,12 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor
 
-from matformer.modeling.checkpoint.files import part_file
-from matformer.modeling.compression import Region, SparseResult, Step, UpdateConfig
+from matformer.modeling.checkpoint.files import part_file, read_names
+from matformer.modeling.compression import Region, RoundUpdate, SparseResult, Step, UpdateConfig
 from matformer.modeling.compression.hashing import combine_digests, region_digests, tier_hashes
 from matformer.modeling.compression.validation import all_finite
 from matformer.modeling.errors import MatformerError
-from matformer.server.outer_state import carried_bytes, save_carried
+from matformer.server.outer_state import carried_bytes, load_carried, save_carried
 from matformer.server.update_steps import Carried
 
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
@@ -68,7 +68,8 @@ IDLE_TIMEOUT = datetime.timedelta(days=30)
 # test hook: "exit-in-close:K" makes a shard process exit during its K-th close (from 1),
 # after computing its part and before answering, as a machine lost mid-close would
 FAULT_ENV = "MATFORMER_SHARD_FAULT"
-SCATTERED = ("adopt", "close")  # the commands that hand each shard arguments of its own
+# the commands that hand each shard arguments of its own
+SCATTERED = ("adopt", "close", "load", "apply")
 
 log = logging.getLogger("matformer.server")
 
@@ -136,6 +137,31 @@ class ShardPart:
         self.names, self.tied = list(master), tied and EMBEDDING in master
         self.versions = {version: (master, carried)}
         return {n: (str(t.dtype), tuple(t.shape)) for n, t in master.items()}
+
+    def op_load(self, version: int, tied: bool, folder: str, broadcast: Any,
+                names: list[str]) -> tuple[dict[str, tuple[str, tuple[int, ...]]], bool]:
+        """This shard's part of the checkpoint in ``folder``, read alone: its layout, and
+        whether the checkpoint holds outer state."""
+        own = [n for n in names if not (tied and n == TIED_HEAD)]
+        master = {n: t.float() if t.dtype != torch.float32 else t
+                  for n, t in read_names(Path(folder), own).items()}
+        if tied and TIED_HEAD in names:
+            master[TIED_HEAD] = master[EMBEDDING]
+        carried = load_carried(Path(folder), broadcast, names=set(names))
+        layout = self.op_adopt(version, tied, master, carried or Carried())
+        return layout, carried is not None
+
+    def op_apply(self, base: int, version: int, update: UpdateConfig,
+                 steps: dict[str, Step]) -> None:
+        """A logged round applied from its steps alone: the carried state starts from zero
+        (a resume does this for a round logged without its inputs)."""
+        master = dict(self._version(base)[0])
+        rule = update.build()
+        for name, step in steps.items():
+            master[name] = rule.apply(master[name], step)
+        if self.tied and EMBEDDING in steps:
+            master[TIED_HEAD] = master[EMBEDDING]
+        self.versions[version] = (master, Carried())
 
     def op_close(self, base: int, version: int, update: UpdateConfig, policy: Any,
                  by_name: dict[str, list[SparseResult]]) -> tuple[dict[str, Step], list[str], int]:
@@ -294,6 +320,33 @@ class ShardGroup:
         _release_freed()  # what the others' parts took here goes back to the system
         self.committed = version
         return ShardedMaster(self, version)
+
+    def load(self, folder: Path, broadcast: Any) -> tuple[ShardedMaster, bool]:
+        """Each shard reads its part of the checkpoint in ``folder`` (written by any shard
+        count, or by one process): the view of those weights, committed, and whether the
+        checkpoint holds outer state."""
+        version = self._take_version()
+        answers = self._call("load", {"version": version, "tied": self.tied,
+                                      "folder": str(folder), "broadcast": broadcast},
+                             [{"names": part} for part in self.parts])
+        self.layout = {n: layout for part, _ in answers for n, layout in part.items()}
+        self.committed = version
+        self.carried_bytes = 0
+        return ShardedMaster(self, version), all(found for _, found in answers)
+
+    def apply(self, master: ShardedMaster, update: UpdateConfig, steps: Mapping[str, Step]
+              ) -> ShardedMaster:
+        """Each shard applies its parameters' ``steps`` to ``master``: the new view,
+        committed (its carried state starts from zero)."""
+        version = self._take_version()
+        own: list[dict[str, Any]] = [{"steps": {}} for _ in self.parts]
+        for name, step in steps.items():
+            own[self.owner[name]]["steps"][name] = step
+        self._call("apply", {"base": master.version, "version": version, "update": update}, own)
+        new = ShardedMaster(self, version)
+        self.settle(new, commit=True)
+        self.carried_bytes = 0
+        return new
 
     def close(self, master: ShardedMaster, policy: Any, update: UpdateConfig,
               by_name: Mapping[str, Sequence[SparseResult]]
@@ -456,6 +509,14 @@ def close_master(policy: Any, update: UpdateConfig, master: Mapping[str, Tensor]
     new, steps, carried = policy.close(update.build(), master, by_name, carried)
     new = tied(new)
     return new, steps, carried, [n for n, t in new.items() if not all_finite(t)]
+
+
+def apply_round(entry: RoundUpdate, master: Mapping[str, Tensor],
+                tied: Callable[[dict[str, Tensor]], dict[str, Tensor]]) -> Mapping[str, Tensor]:
+    """``master`` after a logged round's steps (here, or on its shards, committed there)."""
+    if isinstance(master, ShardedMaster):
+        return master.group.apply(master, entry.update, entry.steps)
+    return tied(entry.apply(master))
 
 
 def hashes_of(master: Mapping[str, Tensor], regions: Mapping[int, Mapping[str, Region]]

@@ -17,6 +17,7 @@ from support.helpers import Clock, run_tables
 from support.models import tiny_config
 from support.rounds import caps, drive, same
 
+from matformer.modeling.checkpoint.files import read_names, write_weights
 from matformer.modeling.compression import tier_regions, universal_shapes
 from matformer.modeling.compression.hashing import (
     combine_digests,
@@ -24,6 +25,8 @@ from matformer.modeling.compression.hashing import (
     region_digests,
     tier_hashes,
 )
+from matformer.modeling.errors import CheckpointError
+from matformer.server.checkpoints import CheckpointStore
 from matformer.server.close import CloseWorker
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
@@ -130,11 +133,16 @@ def test_two_shards_close_bit_for_bit_as_one_process(tmp_path, mdat_path, one_pr
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
-def test_a_run_resumes_on_another_shard_count(tmp_path, mdat_path, one_process, before, after):
+def test_a_run_resumes_on_another_shard_count(tmp_path, mdat_path, one_process, before, after,
+                                              monkeypatch):
     clock = Clock()
     first = run(sharded_config(tmp_path / "run", mdat_path, before), 3, clock)
     first.close()
+    if after > 1:  # each shard reads and replays its own part; the root reads no weights
+        monkeypatch.setattr(CheckpointStore, "read", refuse)
+        monkeypatch.setattr(CheckpointStore, "read_carried", refuse)
     resumed = Coordinator(sharded_config(tmp_path / "run", mdat_path, after), clock=clock)
+    monkeypatch.undo()
     try:
         assert resumed.state.round == 3 and resumed.state.checkpoints == [0, 2]
         run(resumed.config, ROUNDS - 3, clock, start=resumed)
@@ -146,6 +154,10 @@ def test_a_run_resumes_on_another_shard_count(tmp_path, mdat_path, one_process, 
         assert same(carried.residual, one_process.carried.residual)
     finally:
         resumed.close()
+
+
+def refuse(*_, **__):
+    raise AssertionError("the root read a whole checkpoint")
 
 
 def test_a_shard_killed_mid_close_fails_the_round_and_the_run_resumes_exactly(
@@ -187,3 +199,14 @@ def test_the_close_worker_stops_for_good_when_a_shard_is_lost():
     worker.wake()
     thread.join(timeout=30)
     assert not thread.is_alive() and str(worker.fatal) == "shard 1 left"
+
+
+def test_a_shard_reads_its_names_alone_from_one_file_or_from_shards(tmp_path):
+    state = {f"w{i}": torch.full((4, 4), float(i)) for i in range(6)}
+    for folder, shard_bytes in ((tmp_path / "one", None), (tmp_path / "sharded", 128)):
+        folder.mkdir()
+        write_weights(state, folder, shard_bytes)
+        assert same(read_names(folder, ["w1", "w4"]), {"w1": state["w1"], "w4": state["w4"]})
+        with pytest.raises(CheckpointError, match="holds no w9"):
+            read_names(folder, ["w1", "w9"])
+    assert len(list((tmp_path / "sharded").glob("model-*"))) == 3  # two tensors each

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -136,6 +137,33 @@ def read_weights(directory: Path, files: Sequence[str] | None = None) -> dict[st
             f"the shards of {directory} disagree with its index about {', '.join(lost)}; "
             "the checkpoint is corrupt, export it again."
         )
+    return state
+
+
+def read_names(directory: Path, names: Sequence[str]) -> dict[str, Tensor]:
+    """The tensors ``names`` of a checkpoint directory, single-file or sharded, reading no
+    others (a shard of a coordinator's close reads its part of a checkpoint so). A name the
+    checkpoint lacks is a CheckpointError."""
+    files = weight_files(directory)
+    if files[0] == INDEX_NAME:
+        weight_map = read_json(directory / INDEX_NAME)["weight_map"]
+    else:
+        weight_map = dict.fromkeys(names, WEIGHTS_NAME)
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(weight_map.get(name, ""), []).append(name)
+    if "" in by_file:
+        raise CheckpointError(f"{directory} holds no {', '.join(by_file[''][:5])}; the "
+                              "checkpoint is another model's, or corrupt.")
+    state = {}
+    for file, wanted in by_file.items():
+        with safe_open(str(directory / file), framework="pt") as opened:
+            missing = sorted(set(wanted) - set(opened.keys()))
+            if missing:
+                raise CheckpointError(f"{directory / file} holds no {', '.join(missing[:5])}; "
+                                      "the checkpoint is another model's, or corrupt.")
+            for name in wanted:
+                state[name] = opened.get_tensor(name)
     return state
 
 
