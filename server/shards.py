@@ -1,8 +1,10 @@
 """The close sharded over torch.distributed (``[coordinator] shards``; docs/architecture.md,
 "The sharded close").
 
-With ``shards = N`` the coordinator's process is shard 0 and starts N - 1 shard processes
-(``python -m matformer.server.shards``), which join it in one Gloo process group. Each shard
+With ``shards = N`` the coordinator starts N shard processes
+(``python -m matformer.server.shards``), which join it in one Gloo process group (the
+coordinator is rank 0 and holds no part: a close's wall time is its slowest shard's, not
+that of a shard that also answers members' calls). Each shard
 owns a contiguous part of the parameters, in the model's order and balanced by size: its
 part of the master, of the broadcast's residual, of the outer momentum and of the round
 policy's buffers. The root keeps membership, rounds and the wire. For a close it hands each
@@ -172,8 +174,7 @@ class ShardPart:
         broken = [n for n in by_name if not all_finite(new[n])]
         self.versions[version] = (new, carried)
         self.closes += 1
-        if self.index > 0:  # a shard process, never the root
-            _fault("exit-in-close", self.closes)
+        _fault("exit-in-close", self.closes)
         return steps, broken, carried_bytes(carried)
 
     def op_keep(self, versions: list[int]) -> None:
@@ -209,14 +210,13 @@ def _fault(kind: str, count: int) -> None:
 
 
 class ShardGroup:
-    """The root's side of the shards: their processes, the process group, its own part
-    (shard 0), and which version of the weights is committed. One command at a time: a
+    """The root's side of the shards: their processes, the process group (rank 0, which
+    holds no part), and which version of the weights is committed. One command at a time: a
     close, a checkpoint being written and a read of the master take turns."""
 
     def __init__(self, parts: list[list[str]], tied: bool,
                  processes: list[subprocess.Popen]) -> None:
         self.parts, self.tied, self.processes = parts, tied, processes
-        self.own = ShardPart(0, len(parts))
         self.owner = {name: i for i, part in enumerate(parts) for name in part}
         self.layout: dict[str, tuple[str, tuple[int, ...]]] = {}
         self.committed = 0  # the version the run's master is
@@ -225,39 +225,32 @@ class ShardGroup:
         self._held: Counter[int] = Counter()  # versions a checkpoint being written reads
         self._lock = threading.Lock()
         self.lost: str | None = None  # why the group can no longer close, once it cannot
-        self.threads_before = torch.get_num_threads()  # this process's, given back at stop
 
     @classmethod
     def start(cls, shapes: Mapping[str, Sequence[int]], count: int, *, tied: bool,
               threads: int | None = None) -> ShardGroup:
-        """Start ``count - 1`` shard processes on this machine and join them (this process
-        is shard 0). ``threads``: torch threads each shard process computes with (default:
-        this process's, shared out)."""
+        """Start ``count`` shard processes on this machine and join them; shard i is rank
+        i + 1 of the group, this process rank 0. ``threads``: torch threads each shard
+        process computes with (default: this process's, shared out)."""
         parts = partition(shapes, count, tied=tied)
-        store = dist.TCPStore("127.0.0.1", 0, count, is_master=True,
+        store = dist.TCPStore("127.0.0.1", 0, count + 1, is_master=True,
                               timeout=datetime.timedelta(seconds=START_S), wait_for_workers=False)
-        # the cores shared out: this process computes its part with its share too
-        threads, before = threads or max(1, torch.get_num_threads() // count), \
-            torch.get_num_threads()
-        torch.set_num_threads(threads)
+        threads = threads or max(1, torch.get_num_threads() // count)
         processes = [subprocess.Popen(
             [sys.executable, "-m", "matformer.server.shards", "--rank", str(rank),
              "--count", str(count), "--port", str(store.port), "--threads", str(threads)])
-            for rank in range(1, count)]
+            for rank in range(1, count + 1)]
         try:
             _wait_ready(store, processes)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=count,
+            dist.init_process_group("gloo", store=store, rank=0, world_size=count + 1,
                                     timeout=IDLE_TIMEOUT)
         except BaseException:
             for process in processes:
                 process.kill()
-            torch.set_num_threads(before)
             raise
         log.info("closing rounds over %d shards (processes %s), %d torch threads each",
                  count, ", ".join(str(p.pid) for p in processes), threads)
-        group = cls(parts, tied, processes)
-        group.threads_before = before
-        return group
+        return cls(parts, tied, processes)
 
     @property
     def count(self) -> int:
@@ -273,24 +266,20 @@ class ShardGroup:
             if self.lost is not None:
                 raise ShardLost(self.lost)
             own = own or [None] * self.count
-            mine: Any = None
             try:
                 dist.broadcast_object_list([(op, common)], src=0)
                 if op == "stop":
                     return []
-                if op in SCATTERED:  # the root's own arguments stay here, unpickled
+                if op in SCATTERED:
                     received: list[Any] = [None]
-                    dist.scatter_object_list(received, [None, *own[1:]], src=0)
-                try:
-                    mine = ("ok", self.own.handle(op, common, own[0]))
-                except Exception as err:  # answered after the others have been heard
-                    mine = ("error", err)
-                answers: list[Any] = [None] * self.count
-                dist.gather_object(mine, answers, dst=0)
+                    dist.scatter_object_list(received, [None, *own], src=0)
+                answers: list[Any] = [None] * (self.count + 1)
+                dist.gather_object(("ok", None), answers, dst=0)
             except RuntimeError as err:
                 self.lost = self._why_lost(op, err)
                 log.error("%s", self.lost)
                 raise ShardLost(self.lost) from err
+        answers = answers[1:]  # the root's own
         for status, value in answers:
             if status == "error":
                 raise value
@@ -425,7 +414,6 @@ class ShardGroup:
                 process.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
-        torch.set_num_threads(self.threads_before)
 
 
 def _release_freed() -> None:
@@ -558,12 +546,12 @@ def _die_with_parent() -> None:
 
 def serve(rank: int, count: int, port: int) -> None:
     """A shard process: join the root's group and run its commands until told to stop."""
-    store = dist.TCPStore("127.0.0.1", port, count, is_master=False,
+    store = dist.TCPStore("127.0.0.1", port, count + 1, is_master=False,
                           timeout=datetime.timedelta(seconds=START_S))
     store.set(f"ready/{rank}", "1")
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=count,
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=count + 1,
                             timeout=IDLE_TIMEOUT)
-    part = ShardPart(rank, count)
+    part = ShardPart(rank - 1, count)
     while True:
         received: list[Any] = [None]
         dist.broadcast_object_list(received, src=0)

@@ -1,5 +1,5 @@
 """The close sharded over torch.distributed (issue 48, item 4; server/shards.py): with
-``[coordinator] shards = 2`` the coordinator starts a second process, the two join one Gloo
+``[coordinator] shards = 2`` the coordinator starts two processes, which join it in one Gloo
 group, and each closes its half of the parameters. Under DiLoCo's outer Nesterov momentum
 and a compressed broadcast (the state a close carries), a sharded run is bit for bit the
 one-process run: weights, every round's hashes, the residual and the momentum; its
@@ -115,7 +115,7 @@ def test_parts_are_contiguous_balanced_and_a_tied_head_stays_with_its_embedding(
 def test_two_shards_close_bit_for_bit_as_one_process(tmp_path, mdat_path, one_process):
     sharded = run(sharded_config(tmp_path / "two", mdat_path, 2), ROUNDS, Clock())
     try:
-        assert sharded.shards is not None and len(sharded.shards.processes) == 1
+        assert sharded.shards is not None and len(sharded.shards.processes) == 2
         assert logged_hashes(sharded) == logged_hashes(one_process)
         assert same(dict(sharded.master.items()), one_process.master)
         # the shards wrote the checkpoint side by side; it reads back whole
@@ -129,7 +129,7 @@ def test_two_shards_close_bit_for_bit_as_one_process(tmp_path, mdat_path, one_pr
         assert same(carried.residual, reference_carried.residual)
     finally:
         sharded.close()
-    assert sharded.shards.processes[0].poll() == 0  # the shard process stopped cleanly
+    assert [p.poll() for p in sharded.shards.processes] == [0, 0]  # both stopped cleanly
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
@@ -163,7 +163,7 @@ def refuse(*_, **__):
 def test_a_shard_killed_mid_close_fails_the_round_and_the_run_resumes_exactly(
         tmp_path, mdat_path, one_process, monkeypatch):
     config = sharded_config(tmp_path / "run", mdat_path, 2)
-    monkeypatch.setenv(FAULT_ENV, "exit-in-close:4")  # the shard process's 4th close: round 3
+    monkeypatch.setenv(FAULT_ENV, "exit-in-close:4")  # each shard's 4th close: round 3
     clock = Clock()
     first = run(config, 3, clock)
     cid = next(iter(first.membership.members))
