@@ -12,6 +12,7 @@ folders.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 from collections.abc import Collection, Mapping, Sequence
@@ -88,11 +89,13 @@ class CheckpointStore:
                 save_model_files(build_model(self.model_config), folder, self.files)
             _, weight_map, total = master.group.write(master, folder)
             write_index(folder, weight_map, total)
+            export_tiers(folder, self.sliced_tiers, slice_writer=functools.partial(
+                master.group.write_slice, master))
         else:
             model = build_model(self.model_config)
             load_canonical_state_dict(model, master)
             save_pretrained(model, folder, files=self.files)
-        export_tiers(folder, self.sliced_tiers)
+            export_tiers(folder, self.sliced_tiers)
         if isinstance(master, ShardedMaster):
             master.group.write_carried(master, folder)
         else:

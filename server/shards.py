@@ -54,7 +54,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor
 
-from matformer.modeling.checkpoint.files import part_file, read_names
+from matformer.modeling.checkpoint.files import INDEX_NAME, part_file, read_names, write_index
+from matformer.modeling.checkpoint.slicing import slice_state
 from matformer.modeling.compression import Region, RoundUpdate, SparseResult, Step, UpdateConfig
 from matformer.modeling.compression.hashing import combine_digests, region_digests, tier_hashes
 from matformer.modeling.compression.validation import all_finite
@@ -190,6 +191,17 @@ class ShardPart:
         master = self._version(version)[0]
         state = {n: t.contiguous() for n, t in master.items()
                  if not (self.tied and n == TIED_HEAD)}
+        file = part_file(self.index + 1, self.count)
+        save_file(state, str(Path(folder) / file), metadata={"format": "pt"})
+        return file, list(state), sum(t.numel() * t.element_size() for t in state.values())
+
+    def op_write_slice(self, version: int, folder: str, widths: list[int]
+                       ) -> tuple[str, list[str], int]:
+        """This shard's part of a tier slice (FFN ``widths`` per layer) into ``folder``."""
+        master = self._version(version)[0]
+        state = {n: t.contiguous() for n, t in slice_state(
+            {n: t for n, t in master.items() if not (self.tied and n == TIED_HEAD)},
+            widths).items()}
         file = part_file(self.index + 1, self.count)
         save_file(state, str(Path(folder) / file), metadata={"format": "pt"})
         return file, list(state), sum(t.numel() * t.element_size() for t in state.values())
@@ -374,6 +386,16 @@ class ShardGroup:
         answers = self._call("write_weights", {"version": master.version, "folder": str(folder)})
         weight_map = {n: file for file, names, _ in answers for n in names}
         return [file for file, _, _ in answers], weight_map, sum(b for _, _, b in answers)
+
+    def write_slice(self, master: ShardedMaster, folder: Path, widths: list[int]
+                    ) -> list[str]:
+        """Each shard writes its part of a tier slice into ``folder``, the root the index:
+        the slice's weight files, index first (``export_tiers``' ``slice_writer``)."""
+        answers = self._call("write_slice", {"version": master.version, "folder": str(folder),
+                                             "widths": widths})
+        write_index(folder, {n: file for file, names, _ in answers for n in names},
+                    sum(b for _, _, b in answers))
+        return [INDEX_NAME, *(file for file, _, _ in answers)]
 
     def write_carried(self, master: ShardedMaster, folder: Path) -> None:
         self._call("write_carried", {"version": master.version, "folder": str(folder)})

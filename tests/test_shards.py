@@ -17,7 +17,9 @@ from support.helpers import Clock, run_tables
 from support.models import tiny_config
 from support.rounds import caps, drive, same
 
-from matformer.modeling.checkpoint.files import read_names, write_weights
+from matformer.modeling.checkpoint.export import read_manifest
+from matformer.modeling.checkpoint.files import read_names, read_weights, write_weights
+from matformer.modeling.checkpoint.manifest import sha256_of
 from matformer.modeling.compression import tier_regions, universal_shapes
 from matformer.modeling.compression.hashing import (
     combine_digests,
@@ -125,6 +127,16 @@ def test_two_shards_close_bit_for_bit_as_one_process(tmp_path, mdat_path, one_pr
         weights, carried = final_checkpoint(sharded)
         reference_weights, reference_carried = final_checkpoint(one_process)
         assert same(weights, reference_weights)
+        # the tier slices too, each shard writing its part: the same tensors, listed with
+        # their digests in the manifest a member checks its download against
+        reference = one_process.checkpoints.path(ROUNDS)
+        assert same(read_weights(folder / "tier1"), read_weights(reference / "tier1"))
+        manifest = read_manifest(folder)
+        listed = next(t.files for t in manifest.tiers if t.tier == 1)
+        assert listed == ["tier1/config.json", "tier1/model.safetensors.index.json",
+                          "tier1/model-00001-of-00002.safetensors",
+                          "tier1/model-00002-of-00002.safetensors"]
+        assert all(manifest.sha256[f] == sha256_of(folder / f) for f in listed)
         assert same(carried.momentum, one_process.carried.momentum)
         assert same(carried.residual, reference_carried.residual)
     finally:

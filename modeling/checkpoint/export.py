@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -96,10 +96,14 @@ def _in_checkpoint(source: Path, relative: Path) -> bool:
 
 
 def export_tiers(
-    source: str | Path, tiers: Sequence[int], mix_n_match: Sequence[Sequence[int]] = ()
+    source: str | Path, tiers: Sequence[int], mix_n_match: Sequence[Sequence[int]] = (),
+    *, slice_writer: Callable[[Path, list[int]], list[str]] | None = None,
 ) -> Manifest:
     """Write ``source/tier<t>/`` for every tier, ``source/mix-0-0-1-2/`` for every
-    Mix'n'Match list of per-layer tiers, and ``source/matformer_manifest.json``."""
+    Mix'n'Match list of per-layer tiers, and ``source/matformer_manifest.json``.
+    ``slice_writer(folder, widths)`` writes a slice's weights into ``folder`` and returns
+    their files (index first when sharded) in place of reading the source's weights here:
+    the shards of a coordinator's close write their parts of each slice so."""
     source = Path(source).resolve()
     config = read_config(source)
     if config.matformer_tier != 0:
@@ -119,8 +123,11 @@ def export_tiers(
         slices[tuple(layer_tiers)] = (layer_tiers, layer_widths(config, layer_tiers))
 
     weights = weight_files(source)
-    shard_size = shard_bytes(source)
-    state = read_weights(source)
+    if slice_writer is None:
+        shard_size, state = shard_bytes(source), read_weights(source)
+
+        def slice_writer(folder: Path, widths: list[int]) -> list[str]:
+            return write_weights(slice_state(state, widths), folder, shard_size)
     common, left_out = common_files(source)
     if left_out:
         log.warning("left out of the tier slices of %s (not tokenizer, generation config or "
@@ -148,7 +155,7 @@ def export_tiers(
                 tier_config, listed_modules(tier_config), staging)
             write_json(staging / CONFIG_NAME,
                        {**to_config_dict(tier_config, code), SOURCE_KEY: digest})
-            files = write_weights(slice_state(state, widths), staging, shard_size)
+            files = slice_writer(staging, list(widths))
             listed = [CONFIG_NAME, *files]
             relative = [f"{target.name}/{name}" for name in listed]
             manifest.tiers.append(TierEntry(tier=tier, intermediate_size=widths[0],
