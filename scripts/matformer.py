@@ -32,6 +32,8 @@ VERBS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "client": ("client.cli:main", (), "join a run as a member: matformer client train ..."),
     "relay": ("relay.main:main", (), "a relay: one member to the root, a coordinator near"
               " its members"),
+    "shard": ("server.shards:main", (), "one shard of a coordinator's close, on another "
+              "machine ([coordinator] shard_host)"),
     "keys": ("server.main:main", ("keys",), "the member keys of a run with [auth] mode keys"),
     "train": ("client.standalone:main", (), "train on this machine alone"),
     "eval": ("scripts.evaluate:main", (), "held-out loss and perplexity per tier"),

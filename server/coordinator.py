@@ -124,8 +124,11 @@ class Coordinator:
         self._unsaved, self._saved_at = False, -math.inf
         self.shards: ShardGroup | None = None  # the close's other processes ([coordinator])
         if config.coordinator.shards > 1:  # the root keeps none of the weights
-            self.shards = ShardGroup.start(self.shapes, config.coordinator.shards,
-                                           tied=self.model_config.tie_word_embeddings)
+            where = config.coordinator
+            self.shards = ShardGroup.start(self.shapes, where.shards,
+                                           tied=self.model_config.tie_word_embeddings,
+                                           host=where.shard_host, port=where.shard_port,
+                                           wait_s=where.shard_wait_s)
         try:
             self._start(config, saved, order, initial)
         except BaseException:

@@ -240,20 +240,28 @@ class ShardGroup:
 
     @classmethod
     def start(cls, shapes: Mapping[str, Sequence[int]], count: int, *, tied: bool,
-              threads: int | None = None) -> ShardGroup:
+              threads: int | None = None, host: str = "", port: int = 0,
+              wait_s: float = START_S) -> ShardGroup:
         """Start ``count`` shard processes on this machine and join them; shard i is rank
         i + 1 of the group, this process rank 0. ``threads``: torch threads each shard
-        process computes with (default: this process's, shared out)."""
+        process computes with (default: this process's, shared out). With ``host``, start
+        none: listen on ``host:port`` and wait up to ``wait_s`` for ``count`` shards started
+        elsewhere (``matformer shard``, on other machines sharing the run directory)."""
         parts = partition(shapes, count, tied=tied)
-        store = dist.TCPStore("127.0.0.1", 0, count + 1, is_master=True,
-                              timeout=datetime.timedelta(seconds=START_S), wait_for_workers=False)
+        store = dist.TCPStore(host or "127.0.0.1", port if host else 0, count + 1,
+                              is_master=True, timeout=datetime.timedelta(seconds=wait_s),
+                              wait_for_workers=False)
         threads = threads or max(1, torch.get_num_threads() // count)
-        processes = [subprocess.Popen(
+        processes = [] if host else [subprocess.Popen(
             [sys.executable, "-m", "matformer.server.shards", "--rank", str(rank),
              "--count", str(count), "--port", str(store.port), "--threads", str(threads)])
             for rank in range(1, count + 1)]
+        if host:
+            log.info("waiting up to %.0f s for %d shards to join at %s:%d: on each machine "
+                     "run matformer shard --coordinator %s:%d --rank R --count %d (R = 1..%d)",
+                     wait_s, count, host, store.port, host, store.port, count, count)
         try:
-            _wait_ready(store, processes)
+            _wait_ready(store, processes, count, wait_s)
             dist.init_process_group("gloo", store=store, rank=0, world_size=count + 1,
                                     timeout=IDLE_TIMEOUT)
         except BaseException:
@@ -445,19 +453,22 @@ def _release_freed() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def _wait_ready(store: dist.TCPStore, processes: list[subprocess.Popen]) -> None:
-    """Until every shard process has said it is ready in ``store``; a process that exits
-    first, or START_S without all of them, is an error that says which."""
-    keys = [f"ready/{rank}" for rank in range(1, len(processes) + 1)]
-    deadline = time.monotonic() + START_S
+def _wait_ready(store: dist.TCPStore, processes: list[subprocess.Popen], count: int,
+                wait_s: float) -> None:
+    """Until every shard has said it is ready in ``store``; a process of ours that exits
+    first, or ``wait_s`` without all of them, is an error that says which."""
+    keys = [f"ready/{rank}" for rank in range(1, count + 1)]
+    deadline = time.monotonic() + wait_s
     while not store.check(keys):
         for rank, process in enumerate(processes, start=1):
             if process.poll() is not None:
                 raise ShardLost(f"shard process {rank} exited with code {process.returncode} "
                                 "before joining the close; its error is above.")
         if time.monotonic() > deadline:
-            raise ShardLost(f"the shard processes did not join within {START_S:.0f} s; is the "
-                            "machine overloaded?")
+            missing = [k.split("/")[1] for k in keys if not store.check([k])]
+            raise ShardLost(f"shard(s) {', '.join(missing)} of {count} did not join within "
+                            f"{wait_s:.0f} s; start them (matformer shard), or is the machine "
+                            "overloaded?")
         time.sleep(0.05)
 
 
@@ -566,9 +577,9 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def serve(rank: int, count: int, port: int) -> None:
+def serve(rank: int, count: int, host: str, port: int) -> None:
     """A shard process: join the root's group and run its commands until told to stop."""
-    store = dist.TCPStore("127.0.0.1", port, count + 1, is_master=False,
+    store = dist.TCPStore(host, port, count + 1, is_master=False,
                           timeout=datetime.timedelta(seconds=START_S))
     store.set(f"ready/{rank}", "1")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=count + 1,
@@ -596,18 +607,43 @@ def serve(rank: int, count: int, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="matformer.server.shards",
-                                     description="a shard of a coordinator's close (started "
-                                                 "by the coordinator itself)")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--count", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--threads", type=int, default=1)
+    """``matformer shard``: one shard of a coordinator's close. The coordinator starts its
+    own on its machine; with ``[coordinator] shard_host`` it waits for them instead, started
+    by hand (or by a scheduler) on machines that share the run directory."""
+    parser = argparse.ArgumentParser(
+        prog="matformer shard", description="one shard of a coordinator's close "
+        "([coordinator] shards); the coordinator starts its own unless [coordinator] "
+        "shard_host asks it to wait for shards started elsewhere")
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                        help="[coordinator] shard_host and shard_port of the run")
+    parser.add_argument("--rank", type=int, required=True, help="this shard's number, 1..count")
+    parser.add_argument("--count", type=int, required=True, help="[coordinator] shards")
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: every core of this machine)")
     args = parser.parse_args(argv)
-    _die_with_parent()
+    host, port = "127.0.0.1", args.port
+    if args.coordinator is not None:
+        host, _, given = args.coordinator.rpartition(":")
+        if not host or not given.isdigit():
+            parser.error(f"--coordinator {args.coordinator!r}: give HOST:PORT, as [coordinator] "
+                         "shard_host and shard_port say")
+        port = int(given)
+    if port is None:
+        parser.error("--coordinator HOST:PORT is required")
+    if not 1 <= args.rank <= args.count:
+        parser.error(f"--rank {args.rank}: give 1..{args.count} (--count)")
+    if args.coordinator is None:  # started by the coordinator itself: it goes with it
+        _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
-    serve(args.rank, args.count, args.port)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        serve(args.rank, args.count, host, port)
+    except RuntimeError as err:  # the coordinator went, or never came
+        print(f"matformer shard {args.rank}: the coordinator at {host}:{port} is gone ({err}); "
+              "a restarted coordinator waits for the shards again", file=sys.stderr)
+        return 1
     return 0
 
 

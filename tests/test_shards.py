@@ -9,7 +9,11 @@ nothing committed, and the run resumes exactly after a restart."""
 from __future__ import annotations
 
 import math
+import socket
+import subprocess
+import sys
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +42,7 @@ from matformer.server.shards import EMBEDDING, FAULT_ENV, TIED_HEAD, ShardLost, 
 ROUNDS = 6
 
 
-def sharded_config(run_dir, mdat_path, shards: int) -> RunConfig:
+def sharded_config(run_dir, mdat_path, shards: int, **coordinator: Any) -> RunConfig:
     """Local steps (DiLoCo's outer SGD: momentum 0.9, Nesterov), a broadcast of 8 DCT
     coefficients per 16 × 16 chunk, checkpoints every 2 rounds, the close over ``shards``."""
     return RunConfig.from_dict(run_tables(
@@ -46,7 +50,7 @@ def sharded_config(run_dir, mdat_path, shards: int) -> RunConfig:
         round={"min_clients": 1, "deadline_s": 10.0, "tokens_per_round": 1024, "rounds": 20},
         checkpoint={"every_rounds": 2}, inner={"batch_tokens": 256},
         update={"broadcast_topk": 8}, compression={"encoding": "dense", "chunk": 16},
-        coordinator={"shards": shards}))
+        coordinator={"shards": shards, **coordinator}))
 
 
 def run(config: RunConfig, rounds: int, clock: Clock, *, start: Coordinator | None = None
@@ -222,3 +226,41 @@ def test_a_shard_reads_its_names_alone_from_one_file_or_from_shards(tmp_path):
         with pytest.raises(CheckpointError, match="holds no w9"):
             read_names(folder, ["w1", "w9"])
     assert len(list((tmp_path / "sharded").glob("model-*"))) == 3  # two tensors each
+
+
+def test_shards_started_elsewhere_join_the_coordinator_and_close_alike(tmp_path, mdat_path,
+                                                                      one_process):
+    """``[coordinator] shard_host``: the coordinator starts no shard; it waits for shards
+    started by hand (here two processes standing for two machines), which close the same
+    bits; a stopped coordinator sends them home."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    shards = [subprocess.Popen([sys.executable, "-m", "matformer.scripts.matformer", "shard",
+                                "--coordinator", f"127.0.0.1:{port}", "--rank", str(rank),
+                                "--count", "2", "--threads", "1"]) for rank in (1, 2)]
+    try:
+        config = sharded_config(tmp_path / "run", mdat_path, 2, shard_host="127.0.0.1",
+                                shard_port=port, shard_wait_s=120.0)
+        c = run(config, ROUNDS, Clock())
+        try:
+            assert c.shards is not None and c.shards.processes == []
+            assert logged_hashes(c) == logged_hashes(one_process)
+        finally:
+            c.close()
+        assert [p.wait(timeout=60) for p in shards] == [0, 0]
+    finally:
+        for p in shards:
+            p.kill()
+
+
+def test_a_coordinator_whose_shards_never_come_says_which_and_how_to_start_them(
+        tmp_path, mdat_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = sharded_config(tmp_path / "run", mdat_path, 2, shard_host="127.0.0.1",
+                            shard_port=port, shard_wait_s=1.0)
+    with pytest.raises(ShardLost, match=r"shard\(s\) 1, 2 of 2 did not join within 1 s; "
+                                        r"start them \(matformer shard\)"):
+        Coordinator(config, clock=Clock())

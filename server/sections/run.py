@@ -10,7 +10,7 @@ from pathlib import Path
 
 from matformer.modeling.settings import setting
 from matformer.modeling.tracking import TRACKERS
-from matformer.server.sections.checks import MAX_COUNT, require
+from matformer.server.sections.checks import MAX_COUNT, MAX_SECONDS, SECONDS, require
 
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -62,4 +62,12 @@ class CoordinatorSection:
         "processes the close is sharded over (torch.distributed, Gloo): each owns a "
         "contiguous part of the parameters, its master, momentum and residual, and closes it; "
         "1 closes in the coordinator's process"))
+    shard_host: str = setting("", help=(
+        "empty: the coordinator starts its shards on its own machine; an address: it listens "
+        "there and waits for shards started elsewhere (matformer shard --coordinator "
+        "HOST:PORT --rank R --count N, on machines sharing the run directory)"))
+    shard_port: int = setting(29400, low=1, high=65535, help=(
+        "with shard_host: the port the shards join at"))
+    shard_wait_s: float = setting(600.0, low=1, high=MAX_SECONDS, unit=SECONDS, help=(
+        "with shard_host: how long the coordinator waits for its shards to join"))
 
