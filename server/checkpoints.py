@@ -25,7 +25,7 @@ from torch import Tensor
 from matformer.modeling.atomic import fsync_path, fsync_tree
 from matformer.modeling.checkpoint import save_pretrained
 from matformer.modeling.checkpoint.export import export_tiers
-from matformer.modeling.checkpoint.files import read_weights, write_index
+from matformer.modeling.checkpoint.files import read_weights
 from matformer.modeling.checkpoint.pretrained import load_state_into, save_model_files
 from matformer.modeling.compression import Broadcast
 from matformer.modeling.config import ModelConfig
@@ -87,10 +87,9 @@ class CheckpointStore:
             folder.mkdir()
             with torch.device("meta"):
                 save_model_files(build_model(self.model_config), folder, self.files)
-            _, weight_map, total = master.group.write(master, folder)
-            write_index(folder, weight_map, total)
+            master.group.write(master, folder)
             export_tiers(folder, self.sliced_tiers, slice_writer=functools.partial(
-                master.group.write_slice, master))
+                master.group.write, master))
         else:
             model = build_model(self.model_config)
             load_canonical_state_dict(model, master)

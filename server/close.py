@@ -248,8 +248,8 @@ class RoundClose:
     def room(self) -> bool:
         """Whether the run directory has room for what closing a round writes (an update, a
         checkpoint with its slices, state.json); a round opens only then. Said once."""
-        need = (CLOSE_RESERVE - 1) * state_bytes(self.master, Carried()) \
-            + state_bytes(self.master, self.carried)  # the carried state: with the checkpoint
+        weights, carried = state_bytes(self.master, self.carried)
+        need = CLOSE_RESERVE * weights + carried  # the carried state: with the checkpoint
         free = shutil.disk_usage(self.dir).free
         if free >= need:
             self.waiting_for_disk = False

@@ -54,7 +54,13 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import Tensor
 
-from matformer.modeling.checkpoint.files import INDEX_NAME, part_file, read_names, write_index
+from matformer.modeling.checkpoint.files import (
+    INDEX_NAME,
+    part_file,
+    read_names,
+    tensor_bytes,
+    write_index,
+)
 from matformer.modeling.checkpoint.slicing import slice_state
 from matformer.modeling.compression import Region, RoundUpdate, SparseResult, Step, UpdateConfig
 from matformer.modeling.compression.hashing import combine_digests, region_digests, tier_hashes
@@ -114,13 +120,12 @@ def split_carried(carried: Carried, names: Sequence[str]) -> Carried:
 
 @dataclass(slots=True)
 class ShardPart:
-    """What one shard holds and does, the same code in the root and in a shard process: its
-    part of the weights and carried state, by version (the committed one, a close's pending
-    one, and any a checkpoint being written still reads)."""
+    """What one shard process holds and does: its part of the weights and carried state, by
+    version (the committed one, a close's pending one, and any a checkpoint being written
+    still reads)."""
 
     index: int
     count: int
-    names: list[str] = field(default_factory=list)
     tied: bool = False  # this part holds the embedding and the head that is it
     versions: dict[int, tuple[dict[str, Tensor], Carried]] = field(default_factory=dict)
     closes: int = 0  # closes computed (the fault hook counts them)
@@ -137,7 +142,7 @@ class ShardPart:
 
     def op_adopt(self, version: int, tied: bool, master: dict[str, Tensor], carried: Carried
                  ) -> dict[str, tuple[str, tuple[int, ...]]]:
-        self.names, self.tied = list(master), tied and EMBEDDING in master
+        self.tied = tied and EMBEDDING in master
         self.versions = {version: (master, carried)}
         return {n: (str(t.dtype), tuple(t.shape)) for n, t in master.items()}
 
@@ -185,26 +190,19 @@ class ShardPart:
                    ) -> dict[tuple[str, Region], bytes]:
         return region_digests(self._version(version)[0], regions)
 
-    def op_write_weights(self, version: int, folder: str) -> tuple[str, list[str], int]:
-        """This shard's weights as ``model-<i>-of-<n>.safetensors`` in ``folder`` (a tied
-        head is stored once, as its embedding)."""
-        master = self._version(version)[0]
-        state = {n: t.contiguous() for n, t in master.items()
+    def op_write_weights(self, version: int, folder: str, widths: list[int] | None = None
+                         ) -> tuple[str, list[str], int]:
+        """This shard's weights (cut to FFN ``widths`` per layer: its part of a tier slice)
+        as ``model-<i>-of-<n>.safetensors`` in ``folder``; a tied head is stored once, as its
+        embedding. Returns the file, the names in it and their bytes."""
+        state = {n: t for n, t in self._version(version)[0].items()
                  if not (self.tied and n == TIED_HEAD)}
+        if widths is not None:
+            state = slice_state(state, widths)
+        state = {n: t.contiguous() for n, t in state.items()}
         file = part_file(self.index + 1, self.count)
         save_file(state, str(Path(folder) / file), metadata={"format": "pt"})
-        return file, list(state), sum(t.numel() * t.element_size() for t in state.values())
-
-    def op_write_slice(self, version: int, folder: str, widths: list[int]
-                       ) -> tuple[str, list[str], int]:
-        """This shard's part of a tier slice (FFN ``widths`` per layer) into ``folder``."""
-        master = self._version(version)[0]
-        state = {n: t.contiguous() for n, t in slice_state(
-            {n: t for n, t in master.items() if not (self.tied and n == TIED_HEAD)},
-            widths).items()}
-        file = part_file(self.index + 1, self.count)
-        save_file(state, str(Path(folder) / file), metadata={"format": "pt"})
-        return file, list(state), sum(t.numel() * t.element_size() for t in state.values())
+        return file, list(state), sum(tensor_bytes(t) for t in state.values())
 
     def op_write_carried(self, version: int, folder: str) -> None:
         save_carried(Path(folder), self._version(version)[1], part=(self.index, self.count))
@@ -389,18 +387,13 @@ class ShardGroup:
             digests.update(part)
         return combine_digests(self.layout, regions, digests)
 
-    def write(self, master: ShardedMaster, folder: Path) -> tuple[list[str], dict[str, str], int]:
-        """Each shard writes its weights into ``folder``: (files, weight map, bytes)."""
-        answers = self._call("write_weights", {"version": master.version, "folder": str(folder)})
-        weight_map = {n: file for file, names, _ in answers for n in names}
-        return [file for file, _, _ in answers], weight_map, sum(b for _, _, b in answers)
-
-    def write_slice(self, master: ShardedMaster, folder: Path, widths: list[int]
-                    ) -> list[str]:
-        """Each shard writes its part of a tier slice into ``folder``, the root the index:
-        the slice's weight files, index first (``export_tiers``' ``slice_writer``)."""
-        answers = self._call("write_slice", {"version": master.version, "folder": str(folder),
-                                             "widths": widths})
+    def write(self, master: ShardedMaster, folder: Path, widths: list[int] | None = None
+              ) -> list[str]:
+        """Each shard writes its weights (cut to ``widths``: a tier slice, as
+        ``export_tiers``' ``slice_writer``) into ``folder``, the root their index: the
+        files, index first."""
+        answers = self._call("write_weights", {"version": master.version, "folder": str(folder),
+                                               "widths": widths})
         write_index(folder, {n: file for file, names, _ in answers for n in names},
                     sum(b for _, _, b in answers))
         return [INDEX_NAME, *(file for file, _, _ in answers)]
@@ -548,12 +541,11 @@ def hashes_of(master: Mapping[str, Tensor], regions: Mapping[int, Mapping[str, R
     return tier_hashes(master, regions)
 
 
-def state_bytes(master: Mapping[str, Tensor], carried: Carried) -> int:
-    """Bytes of the weights and the carried state (``carried`` is the shards' when
-    sharded)."""
+def state_bytes(master: Mapping[str, Tensor], carried: Carried) -> tuple[int, int]:
+    """Bytes of the weights, and of the carried state (the shards' when sharded)."""
     if isinstance(master, ShardedMaster):
-        return master.nbytes + master.group.carried_bytes
-    return sum(t.numel() * t.element_size() for t in master.values()) + carried_bytes(carried)
+        return master.nbytes, master.group.carried_bytes
+    return sum(tensor_bytes(t) for t in master.values()), carried_bytes(carried)
 
 
 def settle(master: Mapping[str, Tensor], *, commit: bool) -> None:
