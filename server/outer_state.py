@@ -115,30 +115,31 @@ def _by_kind(carried: Carried) -> dict[str, dict[str, Tensor]]:
 
 
 def results_record(by_name: Mapping[str, Sequence[SparseResult]]
-                   ) -> tuple[dict[str, Tensor], dict[str, list[dict[str, Any]]]]:
-    """A round's results as a few flat tensors, and their fields (by name, in aggregation
-    order): every result's chunk ids end to end in ``chunks``, its positions in
-    ``indices`` (each at the narrowest integer dtype that holds them all), its values in
-    ``values/<dtype>``; each of a result's three fields is ``[tensor, first element,
-    shape]``. A few tensors rather than three per result: a file of thousands of small
-    tensors costs more to write than its bytes."""
+                   ) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]]]:
+    """A round's results as a few flat tensors, and their fields. The tensors: every
+    result's chunk ids end to end in ``chunks``, its positions in ``indices`` (each at the
+    narrowest integer dtype that holds them all), its values in ``values/<dtype>``, in
+    aggregation order. The fields, by name: the parameter's ``shape`` and, per result in
+    that order, ``[region, tokens, encoding, chunk, chunks' shape, indices' shape, values'
+    shape, values' dtype]``; where a result's tensors start follows from the shapes before it. A few
+    tensors rather than three per result, and no offsets: a round of a thousand members
+    is a few million numbers, and its record costs about what copying them does."""
     parts: dict[str, list[Tensor]] = {}
-    ends: dict[str, int] = {}
 
-    def place(key: str, tensor: Tensor) -> list[Any]:
-        at = ends.get(key, 0)
+    def place(key: str, tensor: Tensor) -> list[int]:
         parts.setdefault(key, []).append(tensor.reshape(-1))
-        ends[key] = at + tensor.numel()
-        return [key, at, list(tensor.shape)]
+        return list(tensor.shape)
 
-    meta = {name: [{
-        "shape": list(result.shape), "region": [list(r) for r in result.region],
-        "encoding": result.encoding, "chunk": list(result.chunk), "tokens": result.tokens,
-        "chunks": place("chunks", result.chunks.to(torch.int64)),
-        "indices": place("indices", result.indices.to(torch.int64)),
-        "values": place(f"values/{str(result.values.dtype).removeprefix('torch.')}",
-                        result.values)} for result in results]
-        for name, results in by_name.items()}
+    meta = {}
+    for name, results in by_name.items():
+        rows = []
+        for result in results:
+            dtype = str(result.values.dtype).removeprefix("torch.")
+            rows.append([[list(r) for r in result.region], result.tokens, result.encoding,
+                         list(result.chunk), place("chunks", result.chunks),
+                         place("indices", result.indices),
+                         place(f"values/{dtype}", result.values), dtype])
+        meta[name] = {"shape": list(results[0].shape) if results else [], "results": rows}
     tensors = {}
     for key, pieces in parts.items():
         flat = torch.cat(pieces)
@@ -148,10 +149,17 @@ def results_record(by_name: Mapping[str, Sequence[SparseResult]]
     return tensors, meta
 
 
-def results_from(tensors: Mapping[str, Tensor], meta: Mapping[str, list[dict[str, Any]]]
+def results_from(tensors: Mapping[str, Tensor], meta: Mapping[str, Any]
                  ) -> dict[str, list[SparseResult]]:
-    """Inverse of ``results_record``; also reads a record of the first layout (three
-    tensors per result, ``<name>/<j>/chunks|indices|values``)."""
+    """Inverse of ``results_record``; also reads the records of the two layouts before
+    it: a dict of fields per result, with each tensor's offset (``[key, first, shape]``),
+    or three tensors per result (``<name>/<j>/chunks|indices|values``)."""
+    ends: dict[str, int] = {}
+
+    def take(key: str, shape: list[int]) -> Tensor:
+        at = ends.get(key, 0)
+        ends[key] = at + math.prod(shape)
+        return tensors[key][at:ends[key]].view(shape)
 
     def part(fields: Mapping[str, Any], field: str, name: str, j: int) -> Tensor:
         if field not in fields:  # the first layout
@@ -159,10 +167,24 @@ def results_from(tensors: Mapping[str, Tensor], meta: Mapping[str, list[dict[str
         key, at, shape = fields[field]
         return tensors[key][at:at + math.prod(shape)].view(shape)
 
-    return {name: [SparseResult(
-        name=name, shape=tuple(fields["shape"]),
-        region=tuple(tuple(r) for r in fields["region"]), encoding=fields["encoding"],
-        chunk=tuple(fields["chunk"]), chunks=part(fields, "chunks", name, j).to(torch.int64),
-        indices=part(fields, "indices", name, j).to(torch.int64),
-        values=part(fields, "values", name, j), tokens=fields["tokens"])
-        for j, fields in enumerate(entries)] for name, entries in meta.items()}
+    by_name: dict[str, list[SparseResult]] = {}
+    for name, entries in meta.items():
+        if isinstance(entries, Mapping):  # this layout
+            shape = tuple(entries["shape"])
+            by_name[name] = [SparseResult(
+                name=name, shape=shape, region=tuple(tuple(r) for r in region),
+                encoding=encoding, chunk=tuple(chunk),
+                chunks=take("chunks", chunks).to(torch.int64),
+                indices=take("indices", indices).to(torch.int64),
+                values=take(f"values/{dtype}", values), tokens=tokens)
+                for region, tokens, encoding, chunk, chunks, indices, values, dtype
+                in entries["results"]]
+            continue
+        by_name[name] = [SparseResult(
+            name=name, shape=tuple(fields["shape"]),
+            region=tuple(tuple(r) for r in fields["region"]), encoding=fields["encoding"],
+            chunk=tuple(fields["chunk"]), chunks=part(fields, "chunks", name, j).to(torch.int64),
+            indices=part(fields, "indices", name, j).to(torch.int64),
+            values=part(fields, "values", name, j), tokens=fields["tokens"])
+            for j, fields in enumerate(entries)]
+    return by_name

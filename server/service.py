@@ -212,7 +212,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         rounds = _call(context, lambda: self.coordinator.update_rounds(
             client_id, request.since_round, tier, min(request.wait_seconds, MAX_WAIT_S)))
         with self._stream(context, client_id) as watch:
-            context.set_compression(grpc.Compression.Gzip)  # ternary signs compress ~5x more
+            if self.coordinator.updates_compress():
+                context.set_compression(grpc.Compression.Gzip)
             for messages in rounds:
                 if request.headers_only:
                     yield from self._sent(watch, client_id, itertools.islice(messages, 1))

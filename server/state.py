@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,10 @@ class RunState:
 
     def save(self, run_dir: Path) -> None:
         """Write state.json (ValueError for a number that is not finite: never saved)."""
-        write_json_atomic(Path(run_dir) / STATE_NAME, asdict(self), mode=0o600)
+        # every field holds plain JSON data already: no deep copy (``asdict``'s was a
+        # third of a save at 64 members)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        write_json_atomic(Path(run_dir) / STATE_NAME, fields, mode=0o600, compact=True)
 
     @classmethod
     def load(cls, run_dir: Path) -> RunState | None:

@@ -87,7 +87,7 @@ class UpdateLog:
             "chunk": update.chunk, "hashes": {str(t): h for t, h in entry.hashes.items()},
             "coverage_tokens": entry.coverage_tokens, "steps": steps,
             **(inputs or {}),
-        })
+        }, compact=True)
 
     def read(self, round_index: int) -> RoundUpdate:
         tensors_path, json_path, _ = self._paths(round_index)

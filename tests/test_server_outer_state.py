@@ -181,7 +181,7 @@ def resumed_from_zero(config, clock, caplog, master, why) -> Coordinator:
     return resumed
 
 
-def test_a_rounds_inputs_round_trip_in_a_few_flat_tensors_and_the_first_layout_still_reads():
+def test_a_rounds_inputs_round_trip_in_a_few_flat_tensors_and_the_earlier_layouts_still_read():
     compressor = CompressionConfig(encoding="dct", chunk=16, topk=4).build()
     gen = torch.Generator().manual_seed(0)
     by_name = {
@@ -196,12 +196,30 @@ def test_a_rounds_inputs_round_trip_in_a_few_flat_tensors_and_the_first_layout_s
     tensors, meta = results_record(by_name)
     assert sorted(tensors) == ["chunks", "indices", "values/bfloat16", "values/float64"]
     assert tensors["chunks"].dtype == torch.int8 and tensors["indices"].dtype == torch.int16
+    assert set(meta) == {"w", "b"} and [len(meta[n]["results"]) for n in "wb"] == [2, 1]
+    # the layouts of runs logged before: fields per result (each tensor's offset in the
+    # flat ones), and three tensors per result
+    fields = {name: [{"shape": list(r.shape), "region": [list(x) for x in r.region],
+                      "encoding": r.encoding, "chunk": list(r.chunk), "tokens": r.tokens}
+                     for r in rs] for name, rs in by_name.items()}
+    second, ends = {}, {}
+    for name, rs in by_name.items():
+        for r, entry in zip(rs, fields[name], strict=True):
+            for field in ("chunks", "indices", "values"):
+                tensor = getattr(r, field)
+                key = field if field != "values" else f"values/{r.values.dtype}"
+                at = ends.get(key, 0)
+                second.setdefault(key, []).append(tensor.reshape(-1))
+                entry[field] = [key, at, list(tensor.shape)]
+                ends[key] = at + tensor.numel()
+    second = {key: torch.cat(parts) for key, parts in second.items()}
     first = {f"{name}/{j}/{field}": getattr(r, field) for name, rs in by_name.items()
              for j, r in enumerate(rs) for field in ("chunks", "indices", "values")}
-    first_meta = {name: [{k: v for k, v in fields.items()
-                          if k not in ("chunks", "indices", "values")} for fields in entries]
-                  for name, entries in meta.items()}
-    for read in (results_from(tensors, meta), results_from(first, first_meta)):
+    first_meta = {name: [{k: v for k, v in entry.items()
+                          if k not in ("chunks", "indices", "values")} for entry in entries]
+                  for name, entries in fields.items()}
+    for read in (results_from(tensors, meta), results_from(second, fields),
+                 results_from(first, first_meta)):
         assert read.keys() == by_name.keys()
         for name, results in by_name.items():
             for ours, theirs in zip(read[name], results, strict=True):
