@@ -96,6 +96,7 @@ from matformer.protocol.channel import GRPC_OPTIONS
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.sparse import encode_sparse_result
+from matformer.protocol.submission import result_batches
 from matformer.protocol.tensors import decode_tensor, encode_tensor
 from matformer.server.call_slots import CallLimits
 from matformer.server.config import RunConfig
@@ -216,25 +217,30 @@ class Member:
                                  loss=3.0, train_seconds=1.0, assignment_id=work.assignment_id)
         yield traffic.out(pb.SubmitMessage(header=header))
         for message in self.messages:
-            message.result.tokens = tokens  # in place: the tensors are not copied
+            for result in message.results.results:
+                result.tokens = tokens  # in place: the tensors are not copied
             yield traffic.out(message)
 
 
 def spread(messages: list[pb.SubmitMessage], shift: int) -> list[pb.SubmitMessage]:
     """A member's own results: the tier's, each chunk's positions moved by ``shift`` (mod the
-    chunk's size), so that members behind one relay send positions of their own, as real
-    members mostly do, and its partial sum grows with them as it would."""
+    chunk's size; still ascending, as a member sends them), so that members behind one relay
+    send positions of their own, as real members mostly do, and its partial sum grows with
+    them as it would."""
     own = []
     for message in messages:
-        result = pb.SparseResult()
-        result.CopyFrom(message.result)
-        if result.chunk:
-            size = ChunkGrid(shape=tuple(result.shape), chunk=tuple(result.chunk)).chunk_numel
-            positions = decode_tensor(result.indices)
-            result.indices.CopyFrom(encode_tensor(
-                ((positions.long() + shift) % size).to(positions.dtype)))
-        own.append(pb.SubmitMessage(result=result))
-    return own
+        for shared in message.results.results:
+            result = pb.SparseResult()
+            result.CopyFrom(shared)
+            if result.chunk:
+                size = ChunkGrid(shape=tuple(result.shape), chunk=tuple(result.chunk)).chunk_numel
+                positions = decode_tensor(result.indices)
+                moved, order = ((positions.long() + shift) % size).sort(dim=1)
+                values = decode_tensor(result.values)
+                result.indices.CopyFrom(encode_tensor(moved.to(positions.dtype)))
+                result.values.CopyFrom(encode_tensor(values.gather(1, order)))
+            own.append(result)
+    return list(result_batches(own))
 
 
 async def join(channel: grpc.aio.Channel, run_id: str, index: int, tier: int,
@@ -513,8 +519,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     submissions = Submissions(args)
     params = sum(torch.Size(s).numel() for s in submissions.shapes.values())
-    messages = {tier: [pb.SubmitMessage(result=encode_sparse_result(r))
-                       for r in submissions.results(tier, tier)] for tier in tiers_of(args)}
+    messages = {tier: list(result_batches(encode_sparse_result(r)
+                                          for r in submissions.results(tier, tier)))
+                for tier in tiers_of(args)}
     print(f"torch {torch.__version__} | {os.cpu_count()} cores | {args.shape}: {params:,} params "
           f"| {args.encoding} chunk {args.chunk} top {args.topk} {args.value_dtype} | heartbeat "
           f"every {args.heartbeat_s:g} s | {args.rounds} timed rounds | load average "

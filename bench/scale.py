@@ -94,6 +94,7 @@ from matformer.protocol.channel import GRPC_OPTIONS
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.sparse import encode_sparse_result
+from matformer.protocol.submission import result_batches
 from matformer.protocol.updates import read_updates
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
@@ -176,8 +177,10 @@ def run_config(args: argparse.Namespace, clients: int, folder: Path, mdat: Path,
         "data": {"path": str(mdat), "max_seq_len": args.seq_len},
         "tiers": {"allowed": tiers_of(args)},
         # One warm-up round, the timed ones, and one more so that no timed round ends the run
-        # (the last round always checkpoints).
+        # (the last round always checkpoints). Synchronous rounds: the clients here submit
+        # round r and then wait for its update.
         "round": {"min_clients": clients, "deadline_s": 3600.0, "rounds": args.rounds + 2,
+                  "overlap": False,
                   "tokens_per_round": clients * args.sequences_per_client * args.seq_len},
         "update": {"rule": args.rule, "lr": 1e-3, "schedule": "constant",
                    **({"momentum": args.momentum, "nesterov": True} if args.momentum else {}),
@@ -205,10 +208,10 @@ class Submissions:
         self._made: dict[tuple[int, int], list[pb.SubmitMessage]] = {}
 
     def messages(self, index: int, tier: int) -> list[pb.SubmitMessage]:
-        """One SubmitMessage per parameter: ``results``, encoded once."""
+        """The stream after the header, as a client sends it: ``results``, encoded once."""
         if (index, tier) not in self._made:
-            self._made[index, tier] = [pb.SubmitMessage(result=encode_sparse_result(result))
-                                       for result in self.results(index, tier)]
+            self._made[index, tier] = list(result_batches(
+                encode_sparse_result(result) for result in self.results(index, tier)))
         return self._made[index, tier]
 
     def results(self, index: int, tier: int) -> list[SparseResult]:
@@ -236,7 +239,8 @@ class Client:
                                  tokens=tokens, loss=3.0, assignment_id=assignment_id)
         yield pb.SubmitMessage(header=header)
         for message in self.messages:
-            message.result.tokens = tokens  # in place: the tensors are not copied
+            for result in message.results.results:
+                result.tokens = tokens  # in place: the tensors are not copied
             yield message
 
 

@@ -108,9 +108,9 @@ class TestnetSettings:
         "with --netns: once this round is open, set the last client's link down while it "
         "uploads, for --cut-s, then check that nothing was lost and the replicas agree"))
     cut_s: float = setting(30.0, low=0, help="how long --cut-link-at keeps the link down")
-    overlap: bool = setting(False, help=(
-        "overlapped rounds ([round] overlap): members train the next round while the last "
-        "one closes"))
+    overlap: bool | None = setting(None, help=(
+        "overlapped rounds ([round] overlap, on unless the run says otherwise): members "
+        "train the next round while the last one closes; --no-overlap: synchronous rounds"))
     shards: int = setting(1, low=1, high=64, help=(
         "processes the coordinator's close is sharded over ([coordinator] shards)"))
     relays: int = setting(0, low=0, help=(
@@ -178,8 +178,8 @@ def prepare_run(args: argparse.Namespace) -> tuple[Path, list[str]]:
     """The run.toml to start from and the overrides besides the ports."""
     members = args.relays or args.num_clients  # what the root counts: relays, or clients
     overrides = [f"round.min_clients={members}"]
-    if args.overlap:
-        overrides.append("round.overlap=true")
+    if args.overlap is not None:
+        overrides.append(f"round.overlap={str(args.overlap).lower()}")
     if args.shards > 1:
         overrides.append(f"coordinator.shards={args.shards}")
     if args.config is not None:

@@ -111,12 +111,15 @@ def encode_sparse_result(result: SparseResult) -> pb.SparseResult:
     )
 
 
-def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout) -> ValidResult:
+def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout, *,
+                         checked: bool = False) -> ValidResult:
     """Message → a ``ValidResult`` (validated here, once, for everything after); raises a
     ``ProtocolError`` subclass if the message does not have the run's ``layout`` (checked
-    before anything is decoded) or the result is inconsistent (ids, positions, NaN, tokens)."""
+    before anything is decoded, unless ``checked`` says it was) or the result is
+    inconsistent (ids, positions, NaN, tokens)."""
     what = f"sparse result {message.name!r}"
-    check_layout(message, layout)
+    if not checked:
+        check_layout(message, layout)
     result = SparseResult(
         name=message.name,
         shape=layout.shape,
@@ -132,6 +135,16 @@ def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout) -> Vali
         return validate(result)
     except CompressionError as err:
         raise MalformedSparseResult(f"{what} is inconsistent: {err}") from err
+
+
+def decode_sparse_results(messages: Sequence[pb.SparseResult],
+                          layouts: Sequence[ResultLayout]) -> list[ValidResult]:
+    """``decode_sparse_result`` of each message with its layout: every layout checked
+    before any tensor is decoded, so a batch with one wrong message decodes nothing."""
+    for message, layout in zip(messages, layouts, strict=True):
+        check_layout(message, layout)
+    return [decode_sparse_result(m, layout, checked=True)
+            for m, layout in zip(messages, layouts, strict=True)]
 
 
 def check_layout(message: pb.SparseResult, layout: ResultLayout) -> None:

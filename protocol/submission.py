@@ -1,5 +1,6 @@
-"""The ``SubmitResult`` stream: one ``SubmitHeader``, then one ``SparseResult`` per parameter,
-each in its own message.
+"""The ``SubmitResult`` stream: one ``SubmitHeader``, then the parameters' ``SparseResult``s
+in batches (``ResultBatch``, about ``BATCH_BYTES`` each; a stream of one result per message,
+as members sent before batches, reads the same).
 
     header, rest = read_submission(messages)   # check round, client and assignment first
     results = list(read_results(rest, result_layouts(compressor, shapes, regions)))
@@ -8,21 +9,35 @@ each in its own message.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import TypeVar
 
 from matformer.modeling.compression.grid import Region
 from matformer.modeling.compression.sparse import SparseResult
+from matformer.protocol.channel import batched
 from matformer.protocol.errors import LayoutMismatch, MalformedStream
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
-from matformer.protocol.sparse import ResultLayout, decode_sparse_result, encode_sparse_result
+from matformer.protocol.sparse import (
+    ResultLayout,
+    decode_sparse_results,
+    encode_sparse_result,
+)
+
+K = TypeVar("K", bound=Hashable)
 
 
 def submission_messages(header: pb.SubmitHeader,
                         results: Iterable[SparseResult]) -> Iterator[pb.SubmitMessage]:
-    """The client's request stream; results are encoded one at a time as gRPC sends them."""
+    """The client's request stream; results are encoded a batch at a time as gRPC sends
+    them."""
     yield pb.SubmitMessage(header=header)
-    for result in results:
-        yield pb.SubmitMessage(result=encode_sparse_result(result))
+    yield from result_batches(encode_sparse_result(result) for result in results)
+
+
+def result_batches(encoded: Iterable[pb.SparseResult]) -> Iterator[pb.SubmitMessage]:
+    """Encoded results as the stream's messages after the header, a batch each."""
+    for batch in batched(encoded, lambda message: message.ByteSize()):
+        yield pb.SubmitMessage(results=pb.ResultBatch(results=batch))
 
 
 def read_submission(messages: Iterable[pb.SubmitMessage]
@@ -39,22 +54,21 @@ def read_submission(messages: Iterable[pb.SubmitMessage]
 
 def read_results(messages: Iterator[pb.SubmitMessage],
                  layouts: Mapping[str, ResultLayout]) -> Iterator[SparseResult]:
-    """The results after the header, decoded lazily, each only once its parameter is one of
-    ``layouts`` not sent before and the message has that layout; so a stream holds at most one
-    result per parameter, none bigger than an honest one. Raises ``MalformedStream`` for a
-    second header or a parameter sent twice, ``ProtocolError`` for a bad result."""
-    seen: set[str] = set()
-    for message in messages:
-        if message.WhichOneof("item") != "result":
-            raise MalformedStream("a SubmitResult stream has one SubmitHeader, first.")
-        name = message.result.name
+    """The results after the header, decoded a message at a time, each only once its
+    parameter is one of ``layouts`` not sent before and it has that layout; so a stream
+    holds at most one result per parameter, none bigger than an honest one. Raises
+    ``MalformedStream`` for a second header or a parameter sent twice, ``ProtocolError``
+    for a bad result."""
+
+    def key(result: pb.SparseResult) -> str:
+        name = result.name
         if name not in layouts:
             raise LayoutMismatch(f"{name[:200]!r} is not a parameter of this run's model; "
                                  "send canonical names (modeling.naming).")
-        if name in seen:
-            raise MalformedStream(f"parameter {name!r} is submitted twice; send each once.")
-        seen.add(name)
-        yield decode_sparse_result(message.result, layouts[name])
+        return name
+
+    return _read(messages, layouts, key, lambda name: (
+        f"parameter {name!r} is submitted twice; send each once."))
 
 
 def read_partials(messages: Iterator[pb.SubmitMessage],
@@ -62,17 +76,39 @@ def read_partials(messages: Iterator[pb.SubmitMessage],
     """A relay's results after the header (``protocol.sparse.partial_layouts``): each decoded
     once its (parameter, region) is one of ``layouts`` not sent before, as ``read_results``
     decodes a member's."""
-    seen: set[tuple[str, Region]] = set()
+
+    def key(result: pb.SparseResult) -> tuple[str, Region]:
+        found = (result.name, tuple((r.start, r.stop) for r in result.region))
+        if found not in layouts:
+            raise LayoutMismatch(f"{found[0][:200]!r} region {list(found[1])[:8]} is no "
+                                 "tier's region of a parameter of this run's model; a relay "
+                                 "sends one partial per parameter and tier region.")
+        return found
+
+    return _read(messages, layouts, key, lambda found: (
+        f"parameter {found[0]!r} region {list(found[1])} is submitted twice; a relay sends "
+        "one partial per tier region."))
+
+
+def _read(messages: Iterator[pb.SubmitMessage], layouts: Mapping[K, ResultLayout],
+          key: Callable[[pb.SparseResult], K], twice: Callable[[K], str]
+          ) -> Iterator[SparseResult]:
+    """Each message's results, checked against their layouts (``key`` finds one, or raises)
+    and decoded together (``decode_sparse_results``)."""
+    seen: set[K] = set()
     for message in messages:
-        if message.WhichOneof("item") != "result":
+        item = message.WhichOneof("item")
+        if item == "result":
+            batch = [message.result]
+        elif item == "results":
+            batch = list(message.results.results)
+        else:
             raise MalformedStream("a SubmitResult stream has one SubmitHeader, first.")
-        key = (message.result.name, tuple((r.start, r.stop) for r in message.result.region))
-        if key not in layouts:
-            raise LayoutMismatch(f"{key[0][:200]!r} region {list(key[1])[:8]} is no tier's "
-                                 "region of a parameter of this run's model; a relay sends "
-                                 "one partial per parameter and tier region.")
-        if key in seen:
-            raise MalformedStream(f"parameter {key[0]!r} region {list(key[1])} is submitted "
-                                  "twice; a relay sends one partial per tier region.")
-        seen.add(key)
-        yield decode_sparse_result(message.result, layouts[key])
+        found = []
+        for result in batch:
+            k = key(result)
+            if k in seen:
+                raise MalformedStream(twice(k))
+            seen.add(k)
+            found.append(layouts[k])
+        yield from decode_sparse_results(batch, found)

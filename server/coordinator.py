@@ -242,13 +242,6 @@ class Coordinator:
     def max_submission_bytes(self) -> int:
         return self.config.faults.max_submission_bytes
 
-    def updates_compress(self) -> bool:
-        """Whether GetUpdates is worth gzip: a dense broadcast (the sign rule's int8 signs
-        shrink about 5x) is; a compressed one is not (its levels and packed positions shrink
-        by about 4%, for gzip's 50 MB/s on every member's copy: 0.1 s per member per round
-        at 162M)."""
-        return not self.config.update.broadcast(self.config.compression)
-
     def update_rounds(self, client_id: str, since_round: int, tier: int | None = None,
                       wait_s: float = 0.0) -> Iterator[list[Message]]:
         """``CatchUp.rounds`` at ``tier``, default the member's (a replica's lags a move by a

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -44,6 +46,7 @@ from matformer.protocol.records import decode_header, encode_checkpoint
 from matformer.protocol.settings import encode_settings
 from matformer.protocol.submission import read_partials, read_results, read_submission
 from matformer.protocol.tensors import encode_tensor
+from matformer.protocol.updates import carries_values
 from matformer.server.call_slots import CallLimits, CallSlots, Watch, end_call
 from matformer.server.errors import (
     BadResult,
@@ -63,6 +66,7 @@ from matformer.server.rounds import RoundAssignment
 from matformer.server.tiers import Capabilities
 
 MAX_WAIT_S = 30.0  # the longest GetUpdates holds a call waiting for a round to close
+DECODERS = min(4, os.cpu_count() or 1)  # submissions decoded at once (CoordinatorService)
 
 T = TypeVar("T")
 M = TypeVar("M", bound=Message)
@@ -78,6 +82,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # a member with work in the open round always has a stream of its own
         self.slots = CallSlots(limits, assigned=lambda client_id: bool(
             coordinator.pending(client_id)))
+        # Submissions are received by as many threads as arrive, but decoded and checked
+        # by at most DECODERS at a time: a thousand uploads decoding at once would each
+        # take the GIL in turn, and a heartbeat would wait behind all of them.
+        self._decoding = threading.BoundedSemaphore(DECODERS)
 
     # -- join and membership ------------------------------------------------------------
 
@@ -177,13 +185,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             watch.until(time.monotonic() + assigned.deadline - c.clock(), StaleRound(
                 f"round {assigned.round} reached its deadline while this submission was "
                 "still arriving; nothing of it was kept, wait for the next assignment."))
-            # each result checked against its layout (a relay's: for a tier region) as it
-            # is decoded, then all of them whole, before the run keeps any
-            read = read_partials if expected.partials else read_results
-            results = list(read(rest, expected.layouts))
+            received_messages = list(rest)  # the whole upload first, at the link's pace
             if not context.is_active():  # gRPC ends the stream at a message it cannot parse
                 raise MalformedStream("the SubmitResult stream broke off at a message that "
                                       "does not parse; nothing was kept, submit again.")
+            # each result checked against its layout (a relay's: for a tier region) as it
+            # is decoded, then all of them whole, before the run keeps any
+            read = read_partials if expected.partials else read_results
+            with self._decoding:
+                results = list(read(iter(received_messages), expected.layouts))
             c.submit_results(client_id, header, results, wire_bytes=received)
             return len(results)
 
@@ -212,9 +222,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         rounds = _call(context, lambda: self.coordinator.update_rounds(
             client_id, request.since_round, tier, min(request.wait_seconds, MAX_WAIT_S)))
         with self._stream(context, client_id) as watch:
-            if self.coordinator.updates_compress():
-                context.set_compression(grpc.Compression.Gzip)
-            for messages in rounds:
+            for i, messages in enumerate(rounds):
+                if i == 0 and not request.headers_only and carries_values(messages):
+                    context.set_compression(grpc.Compression.Gzip)
                 if request.headers_only:
                     yield from self._sent(watch, client_id, itertools.islice(messages, 1))
                 else:

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -35,7 +34,7 @@ def snapshot(config: RunConfig, state: RunState, membership: Membership, history
         "heartbeat_timeout_s": config.faults.heartbeat_timeout_s,
         "allowed_tiers": list(config.tiers.allowed),
         "checkpoints": list(state.checkpoints), "open_round": opened,
-        "members": [dataclasses.asdict(m) for m in membership.members.values()],
+        "members": [m.record() for m in membership.members.values()],
         "excluded": [{"client_id": client, "reason": why,
                       "name": membership.excluded_names.get(client, "")}
                      for client, why in membership.excluded.items()],

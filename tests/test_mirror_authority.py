@@ -110,7 +110,7 @@ def one_off_values(messages: list[pb.UpdateMessage],
                    round_0: pb.RoundUpdateHeader) -> list[pb.UpdateMessage]:
     """The round with its header intact and every value of its first step one higher: only
     applying it shows the damage."""
-    step = next(m.parameter for m in messages if m.HasField("parameter"))
+    step = next(m.parameters.parameters[0] for m in messages if m.HasField("parameters"))
     step.values.CopyFrom(encode_tensor(decode_tensor(step.values, "values") + 1))
     return messages
 

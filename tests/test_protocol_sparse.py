@@ -19,6 +19,7 @@ from matformer.protocol.errors import (
     MalformedSparseResult,
     MalformedStream,
 )
+from matformer.protocol.channel import BATCH_BYTES
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.sparse import ResultLayout, decode_sparse_result, encode_sparse_result
 from matformer.protocol.submission import read_results, read_submission, submission_messages
@@ -178,6 +179,51 @@ def test_submission_round_trip() -> None:
 def test_malformed_submissions_are_refused(messages: list, match: str) -> None:
     with pytest.raises(MalformedStream, match=match):
         list(read_results(read_submission(messages)[1], {UP: _layout(TOPK)}))
+
+
+def _dense(name: str, rows: int) -> SparseResult:
+    shape = (rows, 512)
+    return SparseResult(name=name, shape=shape, region=((0, rows), (0, 512)),
+                        encoding="dense", chunk=(), chunks=torch.zeros(0, dtype=torch.int64),
+                        indices=torch.zeros(0, 0, dtype=torch.int64),
+                        values=torch.randn(shape), tokens=512)
+
+
+def test_results_travel_in_batches_of_about_batch_bytes() -> None:
+    """A batch closes once it holds BATCH_BYTES (a result larger than that closes one
+    alone); the batches read as one result per message did."""
+    results = [_dense("a", 2), _dense("b", 2), _dense("big", 600), _dense("c", 2),
+               _dense("big2", 600), _dense("d", 2)]  # big: 1.2 MB of float32
+    assert 600 * 512 * 4 > BATCH_BYTES
+    layouts = {r.name: _layout(r) for r in results}
+    messages = list(submission_messages(_header(), results))
+    assert [[r.name for r in m.results.results] for m in messages[1:]] == [
+        ["a", "b", "big"], ["c", "big2"], ["d"]]
+    single = [messages[0], *(pb.SubmitMessage(result=encode_sparse_result(r)) for r in results)]
+    for stream in (messages, single):
+        received = list(read_results(read_submission(
+            [pb.SubmitMessage.FromString(m.SerializeToString()) for m in stream])[1], layouts))
+        for got, sent in zip(received, results, strict=True):
+            _assert_same(got, sent)
+
+
+def test_a_batch_is_refused_whole_before_any_result_in_it_is_decoded() -> None:
+    results = [dataclasses.replace(DENSE, name=f"p{i}") for i in range(3)]
+    layouts = {f"p{i}": _layout(DENSE) for i in range(3)}
+    batch = pb.ResultBatch(results=[encode_sparse_result(r) for r in results])
+    header = pb.SubmitMessage(header=_header())
+    wrong = pb.ResultBatch()
+    wrong.CopyFrom(batch)
+    wrong.results.append(pb.SparseResult(name="p9"))  # unknown: refused by name
+    with pytest.raises(LayoutMismatch, match="'p9' is not a parameter"):
+        next(read_results(read_submission([header, pb.SubmitMessage(results=wrong)])[1],
+                          layouts))
+    again = pb.ResultBatch(results=[encode_sparse_result(results[0])])  # p0 in two batches
+    stream = read_results(read_submission([
+        header, *(pb.SubmitMessage(results=b) for b in (batch, again))])[1], layouts)
+    assert [r.name for r in itertools.islice(stream, 3)] == ["p0", "p1", "p2"]
+    with pytest.raises(MalformedStream, match="'p0' is submitted twice"):
+        next(stream)
 
 
 def test_a_submission_holds_one_result_per_parameter_of_the_run() -> None:

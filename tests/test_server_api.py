@@ -4,6 +4,7 @@ with the numbers of what happened, valid against the run's own OpenAPI schema.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import urllib.error
@@ -27,6 +28,7 @@ from matformer.server.config import RunConfig
 from matformer.server.held_out_log import HeldOutLog
 from matformer.server.history import MAX_DEPARTED
 from matformer.server.main import RunningServer
+from matformer.server.membership import Member
 from matformer.server.state import RunState
 
 API = ("/api/run", "/api/clients", "/api/loss", "/api/held_out", "/api/rounds", "/api/events",
@@ -474,3 +476,19 @@ def test_held_out_figures_are_served_as_evaluations_append_them(run):
         assert response_errors(openapi, "/api/held_out", served) == []
     finally:
         path.unlink()  # the module's other tests see a run nobody evaluated
+
+
+def test_a_members_record_is_its_fields_as_plain_data_with_its_lists_copied():
+    """What the status API and state.json show of a member (read under the coordinator's
+    lock, so a shallow copy, not ``asdict``'s deep one): the same data, unchanged by what
+    the member's record takes after."""
+    member = Member(client_id="client-0", name="m0", device_kind="cpu", tier=1,
+                    tier_reason="asked", tokens_per_second=10.0, last_seen=2.0,
+                    scores=[0.5], relay=True, relayed=[{"name": "a", "tier": 1}],
+                    relayed_tiers=[1])
+    record = member.record()
+    assert record == dataclasses.asdict(member)
+    member.scores.append(0.25)
+    member.relayed_tiers.append(2)
+    assert record["scores"] == [0.5] and record["relayed_tiers"] == [1]
+    assert json.loads(json.dumps(record)) == record

@@ -5,6 +5,9 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -222,3 +225,50 @@ def test_main_refuses_a_model_smaller_than_its_datas_vocabulary(tmp_path, capsys
                            "(a vocabulary of 260), but the model's vocab_size is 200;")
     assert "\n" not in said
     assert not (tmp_path / "run" / "state.json").exists()
+
+
+def test_submissions_are_decoded_a_few_at_a_time_and_all_are_kept(tmp_path, monkeypatch):
+    """Six members upload at once; at most DECODERS of their submissions are decoded at a
+    time (the rest wait their turn, not the GIL's), and every one is accepted."""
+    import matformer.server.service as service_module
+
+    members = 6
+    config = RunConfig.load(served_run_toml(tmp_path, min_clients=members))
+    server = RunningServer.start(config, grpc_port=0, http_port=0)
+    decoding, most = [0], [0]
+    guard = threading.Lock()
+    read = service_module.read_results
+
+    def slow_read(messages, layouts):
+        with guard:
+            decoding[0] += 1
+            most[0] = max(most[0], decoding[0])
+        try:
+            time.sleep(0.2)  # long enough that uploads not held back would overlap here
+            yield from read(messages, layouts)
+        finally:
+            with guard:
+                decoding[0] -= 1
+
+    monkeypatch.setattr(service_module, "read_results", slow_read)
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
+    try:
+        stub, c = pb_grpc.CoordinatorStub(channel), server.service.coordinator
+        joined = [stub.Join(join_request(server, name=f"m{i}")) for i in range(members)]
+        uploads = []
+        for reply in joined:
+            auth = session_metadata(reply.session_token)
+            work = stub.GetRound(pb.GetRoundRequest(), metadata=auth)
+            assert work.state == pb.ROUND_STATE_TRAIN
+            header = pb.SubmitHeader(round=work.round, client_id=reply.client_id, loss=3.0,
+                                     assignment_id=work.assignment_id)
+            uploads.append((list(submission_messages(header, flat_results(
+                c, reply.client_id))), auth))
+        with ThreadPoolExecutor(members) as pool:
+            accepted = list(pool.map(lambda u: stub.SubmitResult(
+                iter(u[0]), metadata=u[1], timeout=60).accepted, uploads))
+        assert accepted == [len(c.shapes)] * members
+        assert 1 <= most[0] <= service_module.DECODERS < members
+    finally:
+        channel.close()
+        server.stop()

@@ -24,7 +24,13 @@ from matformer.modeling.compression.dct import LEVEL_MAX, dct_matrix, exact_bits
 from matformer.modeling.errors import CompressionConfigError
 from matformer.protocol.errors import MalformedStream
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
-from matformer.protocol.updates import decode_step, encode_step, read_updates, update_messages
+from matformer.protocol.updates import (
+    carries_values,
+    decode_step,
+    encode_step,
+    read_updates,
+    update_messages,
+)
 from matformer.server.aggregation import aggregate
 from matformer.server.update_log import UpdateLog
 from matformer.server.update_steps import Carried, close_round, update_step
@@ -216,9 +222,57 @@ def test_repeated_positions_and_bad_levels_are_refused():
         decode_step(forged)
 
 
+def _one_per_message(updates):
+    """The stream as coordinators sent it before batches: one parameter per message."""
+    for update in updates:
+        yield next(iter(update_messages([update])))  # its header
+        for name, step in update.steps.items():
+            yield pb.UpdateMessage(parameter=encode_step(name, step))
+
+
+def test_parameters_travel_in_batches_and_read_as_one_per_message_did():
+    update, _ = _update()
+    rounds = [update, dataclasses.replace(update, round=4)]
+    batched = list(update_messages(rounds))
+    assert [m.WhichOneof("item") for m in batched] == ["header", "parameters"] * 2
+    assert len(batched[1].parameters.parameters) == 2
+    for stream in (batched, list(_one_per_message(rounds))):
+        read = list(read_updates([pb.UpdateMessage.FromString(m.SerializeToString())
+                                  for m in stream]))
+        assert [u.round for u in read] == [3, 4]
+        for got in read:
+            assert got.steps.keys() == update.steps.keys()
+            for name, step in update.steps.items():
+                assert torch.equal(got.steps[name].direction(step.box),
+                                   step.direction(step.box))
+    # a batch may not carry more parameters than its header announces
+    header = pb.UpdateMessage()
+    header.CopyFrom(batched[0])
+    header.header.parameters = 1
+    with pytest.raises(MalformedStream, match="announces 1 parameters but carries 2"):
+        list(read_updates([header, batched[1]]))
+    # nor a parameter twice, within a batch or across two
+    twice = pb.UpdateMessage()
+    twice.CopyFrom(batched[1])
+    twice.parameters.parameters.append(batched[1].parameters.parameters[0])
+    header.header.parameters = 3
+    with pytest.raises(MalformedStream, match="twice"):
+        list(read_updates([header, twice]))
+
+
+def test_only_rounds_with_dense_steps_are_worth_gzip():
+    dense, _ = _update(topk=0)  # the sign rule's int8 signs: gzip shrinks them about 5x
+    compressed, _ = _update(topk=48)
+    assert all(isinstance(step, CoefficientStep) for step in compressed.steps.values())
+    assert carries_values(list(update_messages([dense])))
+    assert carries_values(list(_one_per_message([dense])))
+    assert not carries_values(list(update_messages([compressed])))
+    assert not carries_values(list(update_messages([compressed]))[:1])  # a header alone
+
+
 def test_update_streams_cut_short_or_out_of_order_are_refused():
     update, _ = _update()
-    messages = list(update_messages([update, dataclasses.replace(update, round=4)]))
+    messages = list(_one_per_message([update, dataclasses.replace(update, round=4)]))
     cases = {
         "moved on after 1": messages[:2] + messages[3:],  # round 3 loses a parameter
         "announced 2 parameter updates": messages[:2],  # the stream ends mid-round

@@ -313,12 +313,20 @@ class TierLoss(_message.Message):
     def __init__(self, tier: _Optional[int] = ..., tokens: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class SubmitMessage(_message.Message):
-    __slots__ = ("header", "result")
+    __slots__ = ("header", "result", "results")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
     header: SubmitHeader
     result: SparseResult
-    def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., result: _Optional[_Union[SparseResult, _Mapping]] = ...) -> None: ...
+    results: ResultBatch
+    def __init__(self, header: _Optional[_Union[SubmitHeader, _Mapping]] = ..., result: _Optional[_Union[SparseResult, _Mapping]] = ..., results: _Optional[_Union[ResultBatch, _Mapping]] = ...) -> None: ...
+
+class ResultBatch(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SparseResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[SparseResult, _Mapping]]] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
     __slots__ = ("accepted", "assignments")
@@ -391,12 +399,20 @@ class Coefficients(_message.Message):
     def __init__(self, chunk: _Optional[_Iterable[int]] = ..., positions: _Optional[bytes] = ..., levels: _Optional[_Union[Tensor, _Mapping]] = ..., scales: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class UpdateMessage(_message.Message):
-    __slots__ = ("header", "parameter")
+    __slots__ = ("header", "parameter", "parameters")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     header: RoundUpdateHeader
     parameter: ParameterUpdate
-    def __init__(self, header: _Optional[_Union[RoundUpdateHeader, _Mapping]] = ..., parameter: _Optional[_Union[ParameterUpdate, _Mapping]] = ...) -> None: ...
+    parameters: ParameterBatch
+    def __init__(self, header: _Optional[_Union[RoundUpdateHeader, _Mapping]] = ..., parameter: _Optional[_Union[ParameterUpdate, _Mapping]] = ..., parameters: _Optional[_Union[ParameterBatch, _Mapping]] = ...) -> None: ...
+
+class ParameterBatch(_message.Message):
+    __slots__ = ("parameters",)
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    parameters: _containers.RepeatedCompositeFieldContainer[ParameterUpdate]
+    def __init__(self, parameters: _Optional[_Iterable[_Union[ParameterUpdate, _Mapping]]] = ...) -> None: ...
 
 class GetCheckpointRequest(_message.Message):
     __slots__ = ()
