@@ -30,6 +30,7 @@ from matformer.modeling.compression import (
     index_dtype,
     region_shape,
     validate,
+    validate_all,
 )
 from matformer.modeling.errors import CompressionError
 from matformer.protocol.errors import LayoutMismatch, MalformedSparseResult
@@ -111,16 +112,39 @@ def encode_sparse_result(result: SparseResult) -> pb.SparseResult:
     )
 
 
-def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout, *,
-                         checked: bool = False) -> ValidResult:
+def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout) -> ValidResult:
     """Message → a ``ValidResult`` (validated here, once, for everything after); raises a
     ``ProtocolError`` subclass if the message does not have the run's ``layout`` (checked
-    before anything is decoded, unless ``checked`` says it was) or the result is
-    inconsistent (ids, positions, NaN, tokens)."""
-    what = f"sparse result {message.name!r}"
-    if not checked:
+    before anything is decoded) or the result is inconsistent (ids, positions, NaN,
+    tokens)."""
+    (result,) = decode_sparse_results([message], [layout])
+    return result
+
+
+def decode_sparse_results(messages: Sequence[pb.SparseResult],
+                          layouts: Sequence[ResultLayout]) -> list[ValidResult]:
+    """``decode_sparse_result`` of each message with its layout, checked together
+    (``validate_all``): every layout before any tensor is decoded, so a batch with one
+    wrong message decodes nothing, then the tensors in a few reads over all of them."""
+    for message, layout in zip(messages, layouts, strict=True):
         check_layout(message, layout)
-    result = SparseResult(
+    results = [_decoded(m, layout) for m, layout in zip(messages, layouts, strict=True)]
+    try:
+        return validate_all(results)
+    except CompressionError:
+        pass  # one of them is bad: validated one by one, the first bad one is named
+    for result in results:
+        try:
+            validate(result)
+        except CompressionError as err:
+            raise MalformedSparseResult(
+                f"sparse result {result.name!r} is inconsistent: {err}") from err
+    raise AssertionError("unreachable: validate_all failed on results that each validate")
+
+
+def _decoded(message: pb.SparseResult, layout: ResultLayout) -> SparseResult:
+    what = f"sparse result {message.name!r}"
+    return SparseResult(
         name=message.name,
         shape=layout.shape,
         region=layout.region,
@@ -131,20 +155,6 @@ def decode_sparse_result(message: pb.SparseResult, layout: ResultLayout, *,
         values=decode_tensor(message.values, f"{what}: values"),
         tokens=message.tokens,
     )
-    try:
-        return validate(result)
-    except CompressionError as err:
-        raise MalformedSparseResult(f"{what} is inconsistent: {err}") from err
-
-
-def decode_sparse_results(messages: Sequence[pb.SparseResult],
-                          layouts: Sequence[ResultLayout]) -> list[ValidResult]:
-    """``decode_sparse_result`` of each message with its layout: every layout checked
-    before any tensor is decoded, so a batch with one wrong message decodes nothing."""
-    for message, layout in zip(messages, layouts, strict=True):
-        check_layout(message, layout)
-    return [decode_sparse_result(m, layout, checked=True)
-            for m, layout in zip(messages, layouts, strict=True)]
 
 
 def check_layout(message: pb.SparseResult, layout: ResultLayout) -> None:

@@ -59,6 +59,29 @@ def read_results(messages: Iterator[pb.SubmitMessage],
     holds at most one result per parameter, none bigger than an honest one. Raises
     ``MalformedStream`` for a second header or a parameter sent twice, ``ProtocolError``
     for a bad result."""
+    for batch in screen_results(messages, layouts):
+        yield from decode_screened([batch])
+
+
+def read_partials(messages: Iterator[pb.SubmitMessage],
+                  layouts: Mapping[tuple[str, Region], ResultLayout]) -> Iterator[SparseResult]:
+    """A relay's results after the header (``protocol.sparse.partial_layouts``): each decoded
+    once its (parameter, region) is one of ``layouts`` not sent before, as ``read_results``
+    decodes a member's."""
+    for batch in screen_partials(messages, layouts):
+        yield from decode_screened([batch])
+
+
+Screened = tuple[list[pb.SparseResult], list[ResultLayout]]  # a message's results, layouts
+
+
+def screen_results(messages: Iterable[pb.SubmitMessage],
+                   layouts: Mapping[str, ResultLayout]) -> Iterator[Screened]:
+    """Each message's results with their layouts, as ``read_results`` takes them but not
+    yet decoded: what a server keeps while an upload arrives, refusing it at the first
+    result for a parameter the run lacks or sends twice (so it holds at most one message's
+    worth of results per parameter), to decode the whole upload after
+    (``decode_screened``)."""
 
     def key(result: pb.SparseResult) -> str:
         name = result.name
@@ -67,15 +90,13 @@ def read_results(messages: Iterator[pb.SubmitMessage],
                                  "send canonical names (modeling.naming).")
         return name
 
-    return _read(messages, layouts, key, lambda name: (
+    return _screen(messages, layouts, key, lambda name: (
         f"parameter {name!r} is submitted twice; send each once."))
 
 
-def read_partials(messages: Iterator[pb.SubmitMessage],
-                  layouts: Mapping[tuple[str, Region], ResultLayout]) -> Iterator[SparseResult]:
-    """A relay's results after the header (``protocol.sparse.partial_layouts``): each decoded
-    once its (parameter, region) is one of ``layouts`` not sent before, as ``read_results``
-    decodes a member's."""
+def screen_partials(messages: Iterable[pb.SubmitMessage],
+                    layouts: Mapping[tuple[str, Region], ResultLayout]) -> Iterator[Screened]:
+    """``screen_results`` for a relay's results (``read_partials``)."""
 
     def key(result: pb.SparseResult) -> tuple[str, Region]:
         found = (result.name, tuple((r.start, r.stop) for r in result.region))
@@ -85,16 +106,21 @@ def read_partials(messages: Iterator[pb.SubmitMessage],
                                  "sends one partial per parameter and tier region.")
         return found
 
-    return _read(messages, layouts, key, lambda found: (
+    return _screen(messages, layouts, key, lambda found: (
         f"parameter {found[0]!r} region {list(found[1])} is submitted twice; a relay sends "
         "one partial per tier region."))
 
 
-def _read(messages: Iterator[pb.SubmitMessage], layouts: Mapping[K, ResultLayout],
-          key: Callable[[pb.SparseResult], K], twice: Callable[[K], str]
-          ) -> Iterator[SparseResult]:
-    """Each message's results, checked against their layouts (``key`` finds one, or raises)
-    and decoded together (``decode_sparse_results``)."""
+def decode_screened(screened: Iterable[Screened]) -> list[SparseResult]:
+    """The screened messages' results, decoded and checked a message at a time
+    (``decode_sparse_results``)."""
+    return [result for batch, layouts in screened
+            for result in decode_sparse_results(batch, layouts)]
+
+
+def _screen(messages: Iterable[pb.SubmitMessage], layouts: Mapping[K, ResultLayout],
+            key: Callable[[pb.SparseResult], K], twice: Callable[[K], str]
+            ) -> Iterator[Screened]:
     seen: set[K] = set()
     for message in messages:
         item = message.WhichOneof("item")
@@ -111,4 +137,4 @@ def _read(messages: Iterator[pb.SubmitMessage], layouts: Mapping[K, ResultLayout
                 raise MalformedStream(twice(k))
             seen.add(k)
             found.append(layouts[k])
-        yield from decode_sparse_results(batch, found)
+        yield batch, found

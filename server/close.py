@@ -243,7 +243,8 @@ class RoundClose:
             if closing.finishes:
                 self.pipeline.cancel("the run finished")
             self.writer.retire()
-            self.committed.notify_all()
+            with self.committed:  # its own lock (Coordinator.wait_for_round)
+                self.committed.notify_all()
 
     def room(self) -> bool:
         """Whether the run directory has room for what closing a round writes (an update, a

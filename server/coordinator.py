@@ -101,8 +101,12 @@ class Coordinator:
         self.model_config = config.model.build()
         self.shapes = universal_shapes(self.model_config)
         self._regions: dict[int, dict[str, Region]] = {}
+        self._dense_bytes: dict[int, int] = {}  # per tier: dense_bytes
         self._lock = threading.RLock()
-        self._committed = threading.Condition(self._lock)  # notified after every close
+        self._traffic = threading.Lock()  # members' download counters (downloaded)
+        # notified after every close; a lock of its own, so that a thousand GetUpdates
+        # woken at once by a close queue there, not on the lock every heartbeat takes
+        self._committed = threading.Condition(threading.Lock())
         self.worker = CloseWorker(self.advance)  # closes rounds once run_closes runs
         self.history = RunHistory(lambda: self.state, clock)
         saved = RunState.load(self.dir)
@@ -395,10 +399,11 @@ class Coordinator:
         client_id = self.membership.sessions.client_of(token)
         if client_id is None:
             raise SessionInvalid("unknown, revoked or expired session token; call Join again.")
-        with self._lock:
-            if client_id in self.membership.excluded:
-                raise Excluded(f"{client_id} was excluded from the run: "
-                               f"{self.membership.excluded[client_id]}")
+        # without the lock: every call of every member asks, and one look into a dict sees
+        # it before or after an exclusion, either of which the lock would give too
+        reason = self.membership.excluded.get(client_id)
+        if reason is not None:
+            raise Excluded(f"{client_id} was excluded from the run: {reason}")
         return client_id
 
     def assignment_for(self, client_id: str, after: int | None = None
@@ -433,7 +438,7 @@ class Coordinator:
     def wait_for_round(self, round_index: int, timeout_s: float) -> None:
         """Until round ``round_index`` is committed, the run finished, or ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        with self._committed:
+        with self._committed:  # the close changes round and finished before it notifies
             while self.state.round <= round_index and not self.state.finished:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -553,16 +558,22 @@ class Coordinator:
 
     def downloaded(self, client_id: str, nbytes: int, *, rounds: int = 0) -> None:
         """Count what the service sent a member (``rounds``: round updates among it)."""
-        with self._lock:
-            member = self.membership.members.get(client_id)
-            if member is not None:
+        # counters of their own lock: every GetUpdates ends here, a thousand at once after
+        # a close, and the coordinator's lock is the one heartbeats wait for
+        member = self.membership.members.get(client_id)
+        if member is not None:
+            dense = rounds * self.dense_bytes(member.tier)
+            with self._traffic:
                 member.bytes_down += nbytes
-                member.dense_bytes_down += rounds * self.dense_bytes(member.tier)
+                member.dense_bytes_down += dense
 
     def dense_bytes(self, tier: int) -> int:
-        """float32 bytes of the weights a tier holds: a dense gradient's, or weights', size."""
-        return DENSE_BYTES_PER_VALUE * sum(math.prod(region_shape(r))
-                                           for r in self.regions(tier).values())
+        """float32 bytes of the weights a tier holds: a dense gradient's, or weights', size
+        (counted once per tier: every download and submission asks)."""
+        if tier not in self._dense_bytes:
+            self._dense_bytes[tier] = DENSE_BYTES_PER_VALUE * sum(
+                math.prod(region_shape(r)) for r in self.regions(tier).values())
+        return self._dense_bytes[tier]
 
     def regions(self, tier: int) -> dict[str, Region]:
         """Canonical name → the region of the universal tensor that ``tier`` covers."""

@@ -44,7 +44,12 @@ from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.protocol.records import decode_header, encode_checkpoint
 from matformer.protocol.settings import encode_settings
-from matformer.protocol.submission import read_partials, read_results, read_submission
+from matformer.protocol.submission import (
+    decode_screened,
+    read_submission,
+    screen_partials,
+    screen_results,
+)
 from matformer.protocol.tensors import encode_tensor
 from matformer.protocol.updates import carries_values
 from matformer.server.call_slots import CallLimits, CallSlots, Watch, end_call
@@ -185,15 +190,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             watch.until(time.monotonic() + assigned.deadline - c.clock(), StaleRound(
                 f"round {assigned.round} reached its deadline while this submission was "
                 "still arriving; nothing of it was kept, wait for the next assignment."))
-            received_messages = list(rest)  # the whole upload first, at the link's pace
+            # the whole upload first, at the link's pace, each result's parameter (a
+            # relay's: and tier region) screened as it arrives; then each result checked
+            # against its layout as it is decoded, and all of them whole, before the run
+            # keeps any
+            screen = screen_partials if expected.partials else screen_results
+            screened = list(screen(rest, expected.layouts))
             if not context.is_active():  # gRPC ends the stream at a message it cannot parse
                 raise MalformedStream("the SubmitResult stream broke off at a message that "
                                       "does not parse; nothing was kept, submit again.")
-            # each result checked against its layout (a relay's: for a tier region) as it
-            # is decoded, then all of them whole, before the run keeps any
-            read = read_partials if expected.partials else read_results
             with self._decoding:
-                results = list(read(iter(received_messages), expected.layouts))
+                results = decode_screened(screened)
             c.submit_results(client_id, header, results, wire_bytes=received)
             return len(results)
 

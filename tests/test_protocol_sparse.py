@@ -21,7 +21,12 @@ from matformer.protocol.errors import (
 )
 from matformer.protocol.channel import BATCH_BYTES
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
-from matformer.protocol.sparse import ResultLayout, decode_sparse_result, encode_sparse_result
+from matformer.protocol.sparse import (
+    ResultLayout,
+    decode_sparse_result,
+    decode_sparse_results,
+    encode_sparse_result,
+)
 from matformer.protocol.submission import read_results, read_submission, submission_messages
 from matformer.protocol.tensors import dtype_name, encode_tensor
 
@@ -125,6 +130,7 @@ INCONSISTENT = {
     "repeated chunk id": dict(chunks=torch.zeros_like(TOPK.chunks)),
     "chunk outside region": dict(chunks=TOPK.chunks + 6),  # rows [8, 16): tier 0 only
     "position past chunk": dict(indices=TOPK.indices + 16),
+    "repeated position": dict(indices=torch.zeros_like(TOPK.indices)),
 }
 
 
@@ -139,6 +145,29 @@ def test_inconsistent_results_are_refused(changes: dict) -> None:
     wire = _unchecked(dataclasses.replace(TOPK, **changes))
     with pytest.raises(MalformedSparseResult, match=f"result '{UP}' is inconsistent: "):
         decode_sparse_result(wire, _layout(TOPK))
+
+
+@pytest.mark.parametrize("changes", INCONSISTENT.values(), ids=INCONSISTENT.keys())
+def test_a_batch_checked_together_names_its_one_inconsistent_result(changes: dict) -> None:
+    """Results decoded together are checked in a few reads over all of them; when one is
+    bad, it is found and named as alone."""
+    good = [dataclasses.replace(TOPK, name=f"p{i}") for i in range(3)]
+    bad = dataclasses.replace(TOPK, **changes)
+    messages = [encode_sparse_result(good[0]), _unchecked(bad), encode_sparse_result(good[1])]
+    with pytest.raises(MalformedSparseResult, match=f"result '{UP}' is inconsistent: "):
+        decode_sparse_results(messages, [_layout(TOPK)] * 3)
+    decoded = decode_sparse_results([encode_sparse_result(r) for r in good],
+                                    [_layout(TOPK)] * 3)
+    for got, sent in zip(decoded, good, strict=True):
+        _assert_same(got, sent)
+
+
+def test_positions_in_any_order_are_taken_and_ascending_ones_are_what_members_send() -> None:
+    assert bool((TOPK.indices[:, 1:] > TOPK.indices[:, :-1]).all())  # as encoded
+    reversed_rows = dataclasses.replace(TOPK, indices=TOPK.indices.flip(1),
+                                        values=TOPK.values.flip(1))
+    got = decode_sparse_result(_unchecked(reversed_rows), _layout(TOPK))
+    assert torch.equal(got.indices, reversed_rows.indices)
 
 
 def test_wire_level_faults_are_refused() -> None:

@@ -237,20 +237,20 @@ def test_submissions_are_decoded_a_few_at_a_time_and_all_are_kept(tmp_path, monk
     server = RunningServer.start(config, grpc_port=0, http_port=0)
     decoding, most = [0], [0]
     guard = threading.Lock()
-    read = service_module.read_results
+    decode = service_module.decode_screened
 
-    def slow_read(messages, layouts):
+    def slow_decode(screened):
         with guard:
             decoding[0] += 1
             most[0] = max(most[0], decoding[0])
         try:
             time.sleep(0.2)  # long enough that uploads not held back would overlap here
-            yield from read(messages, layouts)
+            return decode(screened)
         finally:
             with guard:
                 decoding[0] -= 1
 
-    monkeypatch.setattr(service_module, "read_results", slow_read)
+    monkeypatch.setattr(service_module, "decode_screened", slow_decode)
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}", options=GRPC_OPTIONS)
     try:
         stub, c = pb_grpc.CoordinatorStub(channel), server.service.coordinator

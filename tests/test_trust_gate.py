@@ -188,9 +188,12 @@ def test_a_result_is_validated_once_from_the_wire_to_the_close(tmp_path, mdat_pa
     """The decoder validates what it reads (a ValidResult); the gate and the close's
     aggregation take it as it is. A result made in process is validated by the gate, once."""
     checked: list[str] = []
-    real = validation._check
+    real, batched = validation._check, validation._checked
     monkeypatch.setattr(validation, "_check",
                         lambda result: (checked.append(result.name), real(result))[1])
+    # results checked together (validate_all) are made valid here, after one check of all
+    monkeypatch.setattr(validation, "_checked",
+                        lambda result: (checked.append(result.name), batched(result))[1])
     clock = Clock()
     c = Coordinator(run_config(tmp_path / "run", mdat_path), clock=clock)
     cid = c.join(caps("alice", tier=1))[0].client_id

@@ -41,7 +41,12 @@ from matformer.modeling.compression.update import (
     sgd,
     sign,
 )
-from matformer.modeling.compression.validation import ValidResult, validate, validate_group
+from matformer.modeling.compression.validation import (
+    ValidResult,
+    validate,
+    validate_all,
+    validate_group,
+)
 from matformer.modeling.compression.wire import (
     DENSE_BYTES_PER_VALUE,
     index_dtype,
@@ -94,6 +99,7 @@ __all__ = [
     "universal_shapes",
     "unpack_bits",
     "validate",
+    "validate_all",
     "validate_group",
     "weight_hash",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -25,6 +25,7 @@ from matformer.modeling.compression.sparse import SparseResult
 from matformer.modeling.errors import (
     ChunkIdError,
     ChunkIndexError,
+    CompressionError,
     ResultShapeMismatch,
     UnknownEncoding,
     did_you_mean,
@@ -58,6 +59,10 @@ class Encoding(Protocol):
         are consistent with this encoding (``validate`` checks the rest)."""
         ...
 
+    def all_valid(self, results: Sequence[SparseResult]) -> bool:
+        """Whether ``check`` passes for every result (False: some ``check`` raises)."""
+        ...
+
 
 class Dense:
     """Values as they are (a copy); decoding returns them as float32 (float64 ones as they
@@ -81,6 +86,9 @@ class Dense:
                 f"{result.name}: a dense result has chunk () and empty chunks and indices."
             )
         _check_values_shape(result, region_shape(result.region))
+
+    def all_valid(self, results: Sequence[SparseResult]) -> bool:
+        return _each_valid(self.check, results)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,23 +123,7 @@ class ChunkTopK:
 
     def check(self, result: SparseResult) -> None:
         name, chunks, indices = result.name, result.chunks, result.indices
-        if len(result.chunk) != len(result.shape) or not all(
-            1 <= c <= n for c, n in zip(result.chunk, result.shape, strict=False)
-        ):
-            raise ResultShapeMismatch(
-                f"{name}: chunk {result.chunk} does not fit shape {result.shape}; give one size "
-                "per dimension, each between 1 and that dimension."
-            )
-        grid = ChunkGrid(shape=result.shape, chunk=result.chunk)
-        grid.check_region(result.region)
-        if not _is_integer(chunks) or chunks.ndim != 1:
-            raise ResultShapeMismatch(f"{name}: chunks must be a 1-D integer tensor.")
-        if not _is_integer(indices) or indices.ndim != 2 or len(indices) != len(chunks):
-            raise ResultShapeMismatch(
-                f"{name}: indices must be an integer tensor of shape ({len(chunks)}, k), one row "
-                f"per chunk, got {indices.dtype} {tuple(indices.shape)}."
-            )
-        _check_values_shape(result, tuple(indices.shape))
+        grid = self._layout(result)
         if (seen := _outside(chunks, grid.size)) is not None:
             raise ChunkIdError(
                 f"{name}: chunk ids must lie in [0, {grid.size}) for shape {result.shape} and "
@@ -155,6 +147,67 @@ class ChunkTopK:
             if (ordered[:, 1:] == ordered[:, :-1]).any():
                 raise ChunkIndexError(
                     f"{name}: a position is repeated within a chunk; send it once.")
+
+    def all_valid(self, results: Sequence[SparseResult]) -> bool:
+        """``check``'s reads done once over all of ``results`` where they take the common
+        form (every chunk of the region in order, ascending positions): a submission's
+        hundred parameters in a handful of reads, not five each. False as soon as one does
+        not pass; then ``check`` of each says which and why."""
+        try:
+            grids = [self._layout(result) for result in results]
+        except CompressionError:
+            return False
+        sent, expected, by_width = [], [], {}
+        for result, grid in zip(results, grids, strict=True):
+            ids = _region_ids(grid.shape, grid.chunk, result.region)
+            if len(result.chunks) != len(ids):
+                return False
+            sent.append(result.chunks.to(torch.int64))
+            expected.append(ids)
+            if result.indices.numel():
+                by_width.setdefault((grid.chunk_numel, result.indices.shape[1]), []).append(
+                    result.indices)
+        if sent and not torch.equal(torch.cat(sent), torch.cat(expected)):
+            return False
+        for (numel, k), group in by_width.items():
+            rows = torch.cat(group)
+            low, high = (int(x) for x in torch.aminmax(rows))
+            if low < 0 or high >= numel or (
+                    k > 1 and not bool((rows[:, 1:] > rows[:, :-1]).all())):
+                return False
+        return True
+
+    def _layout(self, result: SparseResult) -> ChunkGrid:
+        """The result's grid, once chunk, region, ids', positions' and values' shapes are
+        consistent with it (ResultShapeMismatch else); reads no tensor's values."""
+        name, chunks, indices = result.name, result.chunks, result.indices
+        if len(result.chunk) != len(result.shape) or not all(
+            1 <= c <= n for c, n in zip(result.chunk, result.shape, strict=False)
+        ):
+            raise ResultShapeMismatch(
+                f"{name}: chunk {result.chunk} does not fit shape {result.shape}; give one size "
+                "per dimension, each between 1 and that dimension."
+            )
+        grid = ChunkGrid(shape=result.shape, chunk=result.chunk)
+        grid.check_region(result.region)
+        if not _is_integer(chunks) or chunks.ndim != 1:
+            raise ResultShapeMismatch(f"{name}: chunks must be a 1-D integer tensor.")
+        if not _is_integer(indices) or indices.ndim != 2 or len(indices) != len(chunks):
+            raise ResultShapeMismatch(
+                f"{name}: indices must be an integer tensor of shape ({len(chunks)}, k), one row "
+                f"per chunk, got {indices.dtype} {tuple(indices.shape)}."
+            )
+        _check_values_shape(result, tuple(indices.shape))
+        return grid
+
+
+def _each_valid(check: Callable[[SparseResult], None], results: Sequence[SparseResult]) -> bool:
+    try:
+        for result in results:
+            check(result)
+    except CompressionError:
+        return False
+    return True
 
 
 def _every_chunk(grid: ChunkGrid, region: Region, chunks: Tensor) -> bool:

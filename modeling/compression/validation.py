@@ -17,9 +17,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from matformer.modeling.compression.encodings import get_encoding
+from matformer.modeling.compression.encodings import Encoding, get_encoding
 from matformer.modeling.compression.sparse import SparseResult
-from matformer.modeling.errors import BadTokenCount, NonFiniteValues, ResultShapeMismatch
+from matformer.modeling.errors import (
+    BadTokenCount,
+    CompressionError,
+    NonFiniteValues,
+    ResultShapeMismatch,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,17 +35,70 @@ class ValidResult(SparseResult):
         _check(self)
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(SparseResult))
+
+
 def validate(result: SparseResult) -> ValidResult:
     """``result`` as a ``ValidResult``; the matching CompressionError unless it decodes to
     what it claims. A ``ValidResult`` is returned as it is: it was checked when made."""
     if isinstance(result, ValidResult):
         return result
-    return ValidResult(**{f.name: getattr(result, f.name)
-                          for f in dataclasses.fields(SparseResult)})
+    return ValidResult(**{name: getattr(result, name) for name in _FIELDS})
+
+
+def validate_all(results: Sequence[SparseResult]) -> list[ValidResult]:
+    """``validate`` of each result, the same checks read once over all of them where they
+    can be (``Encoding.all_valid``, and one finite check per values dtype): a submission's
+    hundred results cost a few reads each, where one at a time they cost a few dozen small
+    ones. When anything fails, each result is validated on its own, which raises what
+    ``validate`` raises for the first bad one."""
+    if not _all_valid(results):
+        return [validate(result) for result in results]
+    return [result if isinstance(result, ValidResult) else _checked(result)
+            for result in results]
+
+
+def _all_valid(results: Sequence[SparseResult]) -> bool:
+    by_encoding: dict[str, list[SparseResult]] = {}
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for result in results:
+        try:
+            _check_fields(result)
+        except CompressionError:
+            return False
+        if not result.values.dtype.is_floating_point:
+            return False
+        by_encoding.setdefault(result.encoding, []).append(result)
+        by_dtype.setdefault(result.values.dtype, []).append(result.values.reshape(-1))
+    return (all(get_encoding(name).all_valid(group) for name, group in by_encoding.items())
+            and all(all_finite(torch.cat(values)) for values in by_dtype.values()))
+
+
+def _checked(result: SparseResult) -> ValidResult:
+    """``result`` as a ValidResult without checking it again (``validate_all`` just did)."""
+    made = object.__new__(ValidResult)
+    for name in _FIELDS:
+        object.__setattr__(made, name, getattr(result, name))
+    return made
 
 
 def _check(result: SparseResult) -> None:
     """Common fields here, the encoding's own layout in its ``check``."""
+    encoding = _check_fields(result)
+    encoding.check(result)
+    values = result.values
+    if not values.dtype.is_floating_point:
+        raise ResultShapeMismatch(f"{result.name}: values must be floating point, got "
+                                  f"{values.dtype}.")
+    if not all_finite(values):
+        raise NonFiniteValues(
+            f"{result.name}: values hold NaN or infinity; the client's gradient diverged, so "
+            "drop this result and have the client resynchronize."
+        )
+
+
+def _check_fields(result: SparseResult) -> Encoding:
+    """The result's encoding, once it is known and the tokens and shape are well formed."""
     encoding = get_encoding(result.encoding)  # raises UnknownEncoding
     name = result.name
     if isinstance(result.tokens, bool) or not isinstance(result.tokens, int) or result.tokens < 1:
@@ -50,15 +108,7 @@ def _check(result: SparseResult) -> None:
         )
     if any(not isinstance(n, int) or n < 1 for n in result.shape):
         raise ResultShapeMismatch(f"{name}: shape {result.shape} must be positive integers.")
-    encoding.check(result)
-    values = result.values
-    if not values.dtype.is_floating_point:
-        raise ResultShapeMismatch(f"{name}: values must be floating point, got {values.dtype}.")
-    if not all_finite(values):
-        raise NonFiniteValues(
-            f"{name}: values hold NaN or infinity; the client's gradient diverged, so drop "
-            "this result and have the client resynchronize."
-        )
+    return encoding
 
 
 def all_finite(tensor: Tensor) -> bool:
