@@ -171,8 +171,11 @@ def _weighted_sum(results: Sequence[SparseResult], grid: ChunkGrid, region: Regi
                   tokens: Tensor, mixed: Tensor) -> Tensor:
     """Σ share · sent coefficients over the chunks no result covers in part, laid out
     chunkwise over the chunks ``region`` touches (each result's chunks lie inside it).
-    Added result by result, in their order, each with one ``index_add_``: where a chunk
-    lies is looked up, not computed, for each result."""
+    Added in the results' order, a batch of results at a time (``SUM_BATCH`` values: a
+    hundred small results are one ``index_add_``, a large one is its own), which adds every
+    element in the same order as one result at a time, so the same bits: ``index_add_``
+    on a flat tensor adds in the index's order. Where a chunk lies is looked up, not
+    computed, for each result."""
     device = results[0].values.device
     summed = torch.zeros(grid.padded(region), device=device)
     ids = grid.chunk_ids(region).to(device)
@@ -180,17 +183,40 @@ def _weighted_sum(results: Sequence[SparseResult], grid: ChunkGrid, region: Regi
     starts[ids] = grid.chunk_starts(region, ids)
     offsets = grid.offsets(region, device)
     tokens, partly = tokens.to(device), bool(mixed.any())
-    for result in results:
-        chunks, indices, values = result.chunks.long(), result.indices.long(), result.values
-        if partly:
-            keep = ~mixed[chunks]
-            if not bool(keep.all()):
-                chunks, indices, values = chunks[keep], indices[keep], values[keep]
-        share = result.tokens / tokens[chunks]  # float32: 1 / tokens, times the result's
-        index = starts[chunks].unsqueeze(1) + offsets[indices]
-        summed.view(-1).index_add_(  # values times share in float32, as float() · share
-            0, index.view(-1), torch.mul(values, share.unsqueeze(1)).view(-1))
+    batch: list[SparseResult] = []
+    held = 0
+    for i, result in enumerate(results):
+        batch.append(result)
+        held += result.values.numel()
+        if held >= SUM_BATCH or i == len(results) - 1:
+            _add_batch(summed.view(-1), batch, starts, offsets, tokens,
+                       mixed if partly else None)
+            batch, held = [], 0
     return summed
+
+
+SUM_BATCH = 2**18  # values added by one index_add_ in _weighted_sum (above: one result each)
+
+
+def _add_batch(flat: Tensor, batch: Sequence[SparseResult], starts: Tensor, offsets: Tensor,
+               tokens: Tensor, mixed: Tensor | None) -> None:
+    """``flat`` += each result's values times its share (its tokens over the chunk's), as
+    float32, at the positions ``starts`` and ``offsets`` give; chunks ``mixed`` covers in
+    part are left out."""
+    one = len(batch) == 1
+    chunks = (batch[0].chunks if one else torch.cat([r.chunks for r in batch])).long()
+    indices = (batch[0].indices if one else torch.cat([r.indices for r in batch])).long()
+    values = batch[0].values if one else torch.cat([r.values for r in batch])
+    sent = torch.tensor([float(r.tokens) for r in batch], device=flat.device)
+    sent = sent.repeat_interleave(torch.tensor([len(r.chunks) for r in batch],
+                                               device=flat.device))
+    if mixed is not None:
+        keep = ~mixed[chunks]
+        if not bool(keep.all()):
+            chunks, indices, values, sent = chunks[keep], indices[keep], values[keep], sent[keep]
+    share = tokens[chunks].reciprocal() * sent  # float32, as result.tokens / tokens[chunks]
+    index = starts[chunks].unsqueeze(1) + offsets[indices]
+    flat.index_add_(0, index.view(-1), torch.mul(values, share.unsqueeze(1)).view(-1))
 
 
 def scatter(result: SparseResult) -> Aggregate:

@@ -120,6 +120,24 @@ def test_coefficient_domain_aggregation_equals_decode_then_aggregate(monkeypatch
     assert update.values.abs().max() > 0.1  # not trivially zero
 
 
+@pytest.mark.parametrize("widths", [(256, 128, 64), (256, 128, 80)])
+def test_results_summed_in_batches_give_the_bits_of_one_at_a_time(monkeypatch, widths):
+    """``_weighted_sum`` adds a batch of results with one ``index_add_``; the master a
+    resume replays must be the same bits whatever the batch, down to one result each."""
+    compressor = CompressionConfig(encoding="dct", chunk=32, topk=24,
+                                   value_dtype="bfloat16").build()
+    gen = torch.Generator().manual_seed(1)
+    results = [compressor.encode("down", torch.randn(96, width, generator=gen),
+                                 shape=(96, 256), region=((0, 96), (0, width)),
+                                 tokens=100 + 37 * i)
+               for i, width in enumerate(w for w in widths for _ in range(5))]
+    together = aggregate(results).values
+    monkeypatch.setattr(aggregation, "SUM_BATCH", 1)  # one result per index_add_
+    assert torch.equal(aggregate(results).values, together)
+    monkeypatch.setattr(aggregation, "SUM_BATCH", 3 * 24 * 9)  # a few results per batch
+    assert torch.equal(aggregate(results).values, together)
+
+
 def test_elements_nobody_covered_stay_zero_and_uncovered():
     tier1 = _dense([[1, 2], [3, 4]], ((0, 2), (0, 2)), tokens=1)
     tier2 = _dense([[5], [7]], ((0, 2), (0, 1)), tokens=3)
