@@ -171,10 +171,10 @@ def _weighted_sum(results: Sequence[SparseResult], grid: ChunkGrid, region: Regi
                   tokens: Tensor, mixed: Tensor) -> Tensor:
     """Σ share · sent coefficients over the chunks no result covers in part, laid out
     chunkwise over the chunks ``region`` touches (each result's chunks lie inside it).
-    Added in the results' order, a batch of results at a time (``SUM_BATCH`` values: a
-    hundred small results are one ``index_add_``, a large one is its own), which adds every
-    element in the same order as one result at a time, so the same bits: ``index_add_``
-    on a flat tensor adds in the index's order. Where a chunk lies is looked up, not
+    Added in the results' order, a batch of results at a time (``SUM_BATCH`` values, one k
+    per batch: a hundred small results are one ``index_add_``, a large one is its own),
+    which adds every element in the same order as one result at a time, so the same bits:
+    ``index_add_`` on a flat tensor adds in the index's order. Where a chunk lies is looked up, not
     computed, for each result."""
     device = results[0].values.device
     summed = torch.zeros(grid.padded(region), device=device)
@@ -185,13 +185,17 @@ def _weighted_sum(results: Sequence[SparseResult], grid: ChunkGrid, region: Regi
     tokens, partly = tokens.to(device), bool(mixed.any())
     batch: list[SparseResult] = []
     held = 0
-    for i, result in enumerate(results):
+    for result in results:
+        if batch and result.indices.shape[1] != batch[0].indices.shape[1]:  # k changes
+            _add_batch(summed.view(-1), batch, starts, offsets, tokens, mixed if partly else None)
+            batch, held = [], 0
         batch.append(result)
         held += result.values.numel()
-        if held >= SUM_BATCH or i == len(results) - 1:
-            _add_batch(summed.view(-1), batch, starts, offsets, tokens,
-                       mixed if partly else None)
+        if held >= SUM_BATCH:
+            _add_batch(summed.view(-1), batch, starts, offsets, tokens, mixed if partly else None)
             batch, held = [], 0
+    if batch:
+        _add_batch(summed.view(-1), batch, starts, offsets, tokens, mixed if partly else None)
     return summed
 
 

@@ -136,6 +136,15 @@ def test_results_summed_in_batches_give_the_bits_of_one_at_a_time(monkeypatch, w
     assert torch.equal(aggregate(results).values, together)
     monkeypatch.setattr(aggregation, "SUM_BATCH", 3 * 24 * 9)  # a few results per batch
     assert torch.equal(aggregate(results).values, together)
+    # results of another k (a relay's partial, a member of other settings) start a batch
+    fewer = CompressionConfig(encoding="dct", chunk=32, topk=12, value_dtype="bfloat16").build()
+    mixed_k = [*results[:4], fewer.encode("down", torch.randn(96, 256, generator=gen),
+                                          shape=(96, 256), region=((0, 96), (0, 256)),
+                                          tokens=77), *results[4:]]
+    monkeypatch.setattr(aggregation, "SUM_BATCH", 1)
+    one_at_a_time = aggregate(mixed_k).values
+    monkeypatch.setattr(aggregation, "SUM_BATCH", 2**18)
+    assert torch.equal(aggregate(mixed_k).values, one_at_a_time)
 
 
 def test_elements_nobody_covered_stay_zero_and_uncovered():
