@@ -14,12 +14,12 @@ from matformer.modeling.compression import (
     SparseResult,
     payload_bytes,
 )
+from matformer.protocol.channel import BATCH_BYTES
 from matformer.protocol.errors import (
     LayoutMismatch,
     MalformedSparseResult,
     MalformedStream,
 )
-from matformer.protocol.channel import BATCH_BYTES
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.sparse import (
     ResultLayout,
@@ -223,7 +223,7 @@ def test_results_travel_in_batches_of_about_batch_bytes() -> None:
     alone); the batches read as one result per message did."""
     results = [_dense("a", 2), _dense("b", 2), _dense("big", 600), _dense("c", 2),
                _dense("big2", 600), _dense("d", 2)]  # big: 1.2 MB of float32
-    assert 600 * 512 * 4 > BATCH_BYTES
+    assert BATCH_BYTES < 600 * 512 * 4
     layouts = {r.name: _layout(r) for r in results}
     messages = list(submission_messages(_header(), results))
     assert [[r.name for r in m.results.results] for m in messages[1:]] == [

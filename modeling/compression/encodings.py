@@ -10,7 +10,6 @@ Decoding needs nothing but the result: the chunk shape, region and encoding trav
 from __future__ import annotations
 
 import functools
-
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
