@@ -142,6 +142,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "the calls alone")
     parser.add_argument("--deadline-s", type=float, default=None,
                         help="[round] deadline_s (default: scale's, an hour)")
+    parser.add_argument("--beats", choices=("door", "in-process"), default="door",
+                        help="door: heartbeats answered by the coordinator's heartbeat "
+                             "process ([server] heartbeat_port = 0); in-process: by its "
+                             "gRPC server, with every other call")
     parser.add_argument("--json", type=Path, default=None, help="write the figures per count")
     parser.set_defaults(**FIXED)
     args = parse(parser, SMOKE, argv)
@@ -174,7 +178,9 @@ def many_config(args: argparse.Namespace, members: int, folder: Path, mdat: Path
         max_streams=min(1024, max(members, config.faults.max_streams)),
         stream_idle_s=600.0, request_idle_s=600.0)
     rounds = dataclasses.replace(config.round, rounds=WARMUP_ROUNDS + args.rounds + 1)
-    return dataclasses.replace(config, faults=faults, round=rounds)
+    server = dataclasses.replace(config.server,
+                                 heartbeat_port=0 if args.beats == "door" else None)
+    return dataclasses.replace(config, faults=faults, round=rounds, server=server)
 
 
 @dataclasses.dataclass(slots=True)
@@ -210,6 +216,13 @@ class Member:
     messages: list[pb.SubmitMessage]  # its tier's results, shared by the tier's members
     free_rider: bool = False  # takes work, never delivers
     train_s: float = 0.0  # how long its training of a round takes (simulated: a sleep)
+    beat_channel: grpc.aio.Channel | None = None  # to the heartbeat process, when there is one
+
+    @property
+    def beat_stub(self) -> pb_grpc.CoordinatorStub:
+        """Where its heartbeats go: JoinReply.heartbeat_port, else with every other call."""
+        return (self.stub if self.beat_channel is None
+                else pb_grpc.CoordinatorStub(self.beat_channel))
 
     def submission(self, work: pb.RoundAssignment, tokens: int, traffic: Traffic
                    ) -> Iterator[pb.SubmitMessage]:
@@ -265,7 +278,10 @@ async def join(channel: grpc.aio.Channel, run_id: str, index: int, tier: int,
     results = spread(messages[reply.tier], index * 977) if own else messages[reply.tier]
     member = Member(stub, reply.client_id, reply.tier, session_metadata(reply.session_token),
                     results)
-    traffic.back(await stub.Heartbeat(traffic.out(pb.HeartbeatRequest(
+    if reply.heartbeat_port:
+        member.beat_channel = grpc.aio.insecure_channel(f"127.0.0.1:{reply.heartbeat_port}",
+                                                        options=GRPC_OPTIONS)
+    traffic.back(await member.beat_stub.Heartbeat(traffic.out(pb.HeartbeatRequest(
         round=reply.round, tokens_per_second=1000.0)), metadata=member.auth))
     return member
 
@@ -274,12 +290,13 @@ async def heartbeats(member: Member, every_s: float, traffic: Traffic) -> None:
     """Beats every ``every_s`` from a random phase, on schedule: a slow answer delays no
     later beat's start."""
     start = time.monotonic() + random.uniform(0, every_s)
+    stub = member.beat_stub
     for k in range(10**9):
         await asyncio.sleep(max(0.0, start + k * every_s - time.monotonic()))
         sent = time.perf_counter()
         try:
-            traffic.back(await member.stub.Heartbeat(traffic.out(pb.HeartbeatRequest()),
-                                                     metadata=member.auth))
+            traffic.back(await stub.Heartbeat(traffic.out(pb.HeartbeatRequest()),
+                                              metadata=member.auth))
         except grpc.aio.AioRpcError as err:  # the next beat is on schedule anyway
             if member.free_rider and err.code() == grpc.StatusCode.PERMISSION_DENIED:
                 return  # excluded
@@ -356,9 +373,13 @@ async def collect(stream: AsyncIterator[T], traffic: Traffic) -> list[T]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of process ``pid``, every thread of it."""
+    """User + system CPU of process ``pid``, every thread of it, and of its children alive
+    now (the coordinator's heartbeat process, its close shards)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+                for c in (task / "children").read_text().split()}
+    return ((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            + sum(cpu_seconds(c) for c in children if Path(f"/proc/{c}").exists()))
 
 
 def status_field(pid: int, name: str) -> int:
@@ -430,6 +451,7 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
     server, pinned = start_pinned(config, args.threads)
     pid = server.process.pid
     traffic, tasks = Traffic(), []
+    joined: list[Member] = []
     relays: dict[int, Child] = {}
     channels: list[grpc.aio.Channel] = []
     tiers = tiers_of(args)
@@ -482,6 +504,7 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
         excluded = len(server.snapshot(since_round=None)["excluded"])
         return {
             "members": honest, "free_riders": riders, "excluded": excluded,
+            "beats": args.beats,
             "rounds": args.rounds,
             "rounds_per_min": 60 * args.rounds / wall,
             "close_ms": statistics.median(r["close_s"] for r in records) * 1e3,
@@ -506,7 +529,8 @@ async def measure(args: argparse.Namespace, members: int, folder: Path, mdat: Pa
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(channel.close() for channel in channels))
+        await asyncio.gather(*(channel.close() for channel in channels),
+                             *(m.beat_channel.close() for m in joined if m.beat_channel))
         for relay in relays.values():
             relay.stop()
         server.stop()

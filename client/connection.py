@@ -46,7 +46,7 @@ from matformer.client.heartbeat import Heartbeat
 from matformer.client.progress import Planned
 from matformer.modeling.compression import RoundUpdate, SparseResult
 from matformer.protocol.auth import session_metadata
-from matformer.protocol.channel import open_channel
+from matformer.protocol.channel import at_port, open_channel
 from matformer.protocol.files import receive_file
 from matformer.protocol.link import metered
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
@@ -176,6 +176,11 @@ class Connection:
         self.channel, self.meter = metered(self.channel, mbit_per_s=bandwidth_mbit)
         self.address = address
         self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.tls_ca = tls_ca
+        # where heartbeats go when the coordinator answers them in a process of their own
+        # (JoinReply.heartbeat_port); None: to ``stub``, with every other call
+        self.beat_stub: pb_grpc.CoordinatorStub | None = None
+        self._beat_channel: grpc.Channel | None = None
         self.latency_s = latency_s
         self.patience_s = patience_s
         self.log = log
@@ -195,7 +200,17 @@ class Connection:
         return bool(self.metadata)
 
     def close(self) -> None:
+        self._beat_at(0)
         self.channel.close()
+
+    def _beat_at(self, port: int) -> None:
+        """Send heartbeats to ``port`` of the coordinator's host (0: to its address)."""
+        if self._beat_channel is not None:
+            self._beat_channel.close()
+        self._beat_channel = self.beat_stub = None
+        if port:
+            self._beat_channel = open_channel(at_port(self.address, port), tls_ca=self.tls_ca)
+            self.beat_stub = pb_grpc.CoordinatorStub(self._beat_channel)
 
     # -- the RPCs -----------------------------------------------------------------------
 
@@ -216,6 +231,7 @@ class Connection:
         self.session_token = reply.session_token
         self.metadata = session_metadata(reply.session_token)
         self.heartbeat_s = reply.settings.heartbeat_seconds
+        self._beat_at(reply.heartbeat_port)
         checkpoint = (PublishedCheckpoint.from_proto(reply.checkpoint)
                       if reply.HasField("checkpoint") else None)
         return Membership(client_id=reply.client_id, tier=reply.tier,
@@ -231,9 +247,24 @@ class Connection:
         # a deadline of two beats: on a link gone half-open (no FIN, no RST) the call would
         # hang until the link returns, and the member would not notice the outage
         deadline_s = 2 * (self.heartbeat_s or HEARTBEAT_DEADLINE_S / 2)
-        self._call("Heartbeat", lambda: self.stub.Heartbeat(
-            request, metadata=self.metadata, timeout=deadline_s), patience_s=patience_s,
-            retried=(Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED))
+
+        def beat() -> pb.HeartbeatReply:
+            stub = self.beat_stub
+            if stub is not None:
+                try:
+                    return stub.Heartbeat(request, metadata=self.metadata, timeout=deadline_s)
+                except grpc.RpcError as err:
+                    if err.code() not in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
+                        raise
+                    # its own port is out of reach (a firewall, a proxy): the coordinator's
+                    # answers beats too, for as long as this session lasts
+                    self.log(f"the coordinator's heartbeat port does not answer "
+                             f"({err.details()}); heartbeats go to {self.address} instead")
+                    self.beat_stub = None
+            return self.stub.Heartbeat(request, metadata=self.metadata, timeout=deadline_s)
+
+        self._call("Heartbeat", beat, patience_s=patience_s,
+                   retried=(Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED))
 
     def keep_alive(self, round_index: Callable[[], int]) -> Heartbeat:
         """Heartbeats for ``round_index()`` while the ``with`` block runs (inside another

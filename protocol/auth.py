@@ -16,7 +16,7 @@ import hmac
 import secrets
 import threading
 from collections import namedtuple
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NoReturn
 
 import grpc
@@ -51,12 +51,18 @@ class SessionTokens:
         self._hashes = {client_id: stored if stored.startswith(TOKEN_HASH) else token_hash(stored)
                         for client_id, stored in (tokens or {}).items()}
         self._lock = threading.Lock()
+        # told of each change, (client id, its token's hash or None once revoked), before the
+        # call making it returns: how a copy elsewhere (server/heartbeats.py) keeps up
+        self.on_change: Callable[[str, str | None], None] | None = None
 
     def issue(self, client_id: str) -> str:
         """A new token for ``client_id``; any earlier one stops working."""
         token = f"{client_id}.{secrets.token_urlsafe(32)}"
+        hashed = token_hash(token)
         with self._lock:
-            self._hashes[client_id] = token_hash(token)
+            self._hashes[client_id] = hashed
+        if self.on_change is not None:
+            self.on_change(client_id, hashed)
         return token
 
     def client_of(self, token: str) -> str | None:
@@ -70,6 +76,22 @@ class SessionTokens:
     def revoke(self, client_id: str) -> None:
         with self._lock:
             self._hashes.pop(client_id, None)
+        if self.on_change is not None:
+            self.on_change(client_id, None)
+
+    def holds(self, client_id: str) -> bool:
+        """Whether ``client_id`` has a token now."""
+        with self._lock:
+            return client_id in self._hashes
+
+    def mirror(self, changes: Mapping[str, str | None]) -> None:
+        """Take another ``SessionTokens``' changes: client id → token hash, None: revoked."""
+        with self._lock:
+            for client_id, hashed in changes.items():
+                if hashed is None:
+                    self._hashes.pop(client_id, None)
+                else:
+                    self._hashes[client_id] = hashed
 
     def as_dict(self) -> dict[str, str]:
         """Client id → token hash: what ``SessionTokens(...)`` restores from."""

@@ -66,6 +66,15 @@ def open_channel(address: str, *, tls_ca: Path | None = None,
     return grpc.secure_channel(address, credentials, options=options)
 
 
+def at_port(address: str, port: int) -> str:
+    """``address`` ("host:port", "[v6]:port") with its port replaced by ``port``: another
+    server of the same host (the coordinator's heartbeat process)."""
+    host, colon, _ = address.rpartition(":")
+    if not colon:
+        raise ValueError(f"{address!r} has no port; give the address as host:port.")
+    return f"{host}:{port}"
+
+
 def listen(server: grpc.Server, address: str, *, cert: Path | None = None,
            key: Path | None = None) -> int:
     """Bind ``server`` to ``address``: TLS with the PEM certificate chain ``cert`` and its

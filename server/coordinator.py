@@ -57,14 +57,17 @@ from matformer.server.checkpoints import CheckpointRef, CheckpointStore
 from matformer.server.close import ClosedRound, CloseWorker, Closing, RoundClose
 from matformer.server.config import RunConfig
 from matformer.server.errors import (
+    BadCapabilities,
     BadReport,
     Excluded,
     MissedNotAssigned,
     RunDirectoryUnavailable,
     SessionInvalid,
+    UnknownClient,
     UpdatesPruned,
 )
 from matformer.server.gate import SubmissionGate, check_fetch, check_relayed, check_tier_losses
+from matformer.server.heartbeats import Beat
 from matformer.server.history import RunHistory
 from matformer.server.joins import Admissions, check_join, credentials
 from matformer.server.keys import KeyHolder
@@ -307,13 +310,34 @@ class Coordinator:
         if tokens_per_second is not None:
             check_speed(tokens_per_second, client_id)
         with self._lock:
-            member = self.membership.heartbeat(client_id, now=self.clock())
-            if tokens_per_second is not None:
-                self.membership.reported(client_id, tokens_per_second)
-            if relayed or member.relayed:
-                member.relayed = check_relayed(relayed, member.relay, self.config.tiers.allowed)
-                member.relayed_tiers = sorted({*member.relayed_tiers,
-                                               *(m["tier"] for m in member.relayed)})
+            self._beat_locked(client_id, tokens_per_second, relayed, self.clock())
+
+    def _beat_locked(self, client_id: str, tokens_per_second: float | None,
+                     relayed: Sequence[tuple[str, int, float]], now: float) -> None:
+        member = self.membership.heartbeat(client_id, now=now)
+        if tokens_per_second is not None:
+            self.membership.reported(client_id, tokens_per_second)
+        if relayed or member.relayed:
+            member.relayed = check_relayed(relayed, member.relay, self.config.tiers.allowed)
+            member.relayed_tiers = sorted({*member.relayed_tiers,
+                                           *(m["tier"] for m in member.relayed)})
+
+    def apply_beats(self, beats: Sequence[Beat]) -> None:
+        """Beats the heartbeat process answered (server/heartbeats.py), under one hold of the
+        lock, each dated when the door took it. A beat of a member that has gone, or whose
+        report the run refuses, is dropped (the latter with a warning)."""
+        with self._lock:
+            now, taken = self.clock(), time.monotonic()
+            for beat in beats:
+                try:
+                    if beat.tokens_per_second is not None:
+                        check_speed(beat.tokens_per_second, beat.client_id)
+                    self._beat_locked(beat.client_id, beat.tokens_per_second, beat.relayed,
+                                      now - max(0.0, taken - beat.at))
+                except UnknownClient:
+                    continue  # dropped since; its next call here tells it
+                except (BadCapabilities, BadReport) as err:
+                    log.warning("a heartbeat of %s was dropped: %s", beat.client_id, err)
 
     def leave(self, client_id: str, reason: str = "") -> None:
         """Remove a member; its unsubmitted ids go back to the queue."""

@@ -42,6 +42,7 @@ from matformer.server.call_slots import RequestGate
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
 from matformer.server.errors import PortUnavailable
+from matformer.server.heartbeats import HeartbeatDoor
 from matformer.server.http import build_app, http_options
 from matformer.server.keys import KeyFile
 from matformer.server.run_end import END_POLL_S, RunEnd
@@ -68,6 +69,7 @@ class RunningServer:
     http_port: int
     _threads: list[threading.Thread]
     _stopping: threading.Event
+    door: HeartbeatDoor | None = None  # [server] heartbeat_port: beats answered apart
 
     @classmethod
     def start(cls, config: RunConfig, *, grpc_port: int | None = None,
@@ -101,6 +103,17 @@ class RunningServer:
                 f"cannot listen on {host} (gRPC port {port}, HTTP port {http_address[1]}): "
                 f"{err}. Another process holds the port, or the address is not this "
                 "machine's; stop it or choose [server] grpc_port / http_port.") from None
+        door = None
+        if config.server.heartbeat_port is not None:
+            try:
+                door = HeartbeatDoor.start(coordinator, host=host,
+                                           port=config.server.heartbeat_port,
+                                           cert=tls.cert, key=tls.key)
+            except PortUnavailable:
+                sock.close()
+                grpc_server.stop(0)
+                raise
+            service.heartbeat_port = door.port
         grpc_server.start()
         http_server = uvicorn.Server(uvicorn.Config(
             build_app(coordinator), log_level="warning", **http_options(config.server),
@@ -115,10 +128,12 @@ class RunningServer:
             thread.start()
         server = cls(coordinator=coordinator, service=service, grpc_server=grpc_server,
                      http_server=http_server, host=host, grpc_port=bound_grpc,
-                     http_port=sock.getsockname()[1], _threads=threads, _stopping=stopping)
-        log.info("run %s: gRPC on %s:%d (%s), %s on %s:%d", config.run.id, host, bound_grpc,
+                     http_port=sock.getsockname()[1], _threads=threads, _stopping=stopping,
+                     door=door)
+        log.info("run %s: gRPC on %s:%d (%s), %s on %s:%d%s", config.run.id, host, bound_grpc,
                  "TLS" if tls.enabled else "plaintext", "HTTPS" if tls.enabled else "HTTP",
-                 host, server.http_port)
+                 host, server.http_port,
+                 "" if door is None else f", heartbeats on {host}:{door.port}")
         return server
 
     def wait_until_http_ready(self, timeout_s: float = 10.0) -> bool:
@@ -132,6 +147,8 @@ class RunningServer:
         self._stopping.set()
         self.http_server.should_exit = True
         self.grpc_server.stop(STOP_GRACE_S).wait()
+        if self.door is not None:
+            self.door.stop()
         for thread in self._threads:
             thread.join(timeout=STOP_GRACE_S + 3)
         try:

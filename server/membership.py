@@ -139,6 +139,7 @@ class Membership:
 
     def heartbeat(self, client_id: str, *, now: float) -> Member:
         member = self.get(client_id)
+        now = max(now, member.last_seen)  # a beat the heartbeat process dated earlier
         member.longest_silence_s = max(member.longest_silence_s, now - member.last_seen)
         member.last_seen = now
         return member

@@ -91,6 +91,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         # by at most DECODERS at a time: a thousand uploads decoding at once would each
         # take the GIL in turn, and a heartbeat would wait behind all of them.
         self._decoding = threading.BoundedSemaphore(DECODERS)
+        self.heartbeat_port = 0  # where a member sends its beats, when not here (Join tells)
 
     # -- join and membership ------------------------------------------------------------
 
@@ -110,7 +111,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                              settings=encode_settings(joined.settings),
                              schema_hash=joined.schema_hash,
                              rounds_planned=joined.rounds_planned,
-                             tokens_planned=joined.tokens_planned)
+                             tokens_planned=joined.tokens_planned,
+                             heartbeat_port=self.heartbeat_port)
         if joined.checkpoint is not None:
             reply.checkpoint.CopyFrom(encode_checkpoint(joined.checkpoint))
         return reply

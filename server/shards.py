@@ -38,7 +38,6 @@ import logging
 import math
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
@@ -67,6 +66,7 @@ from matformer.modeling.compression.hashing import combine_digests, region_diges
 from matformer.modeling.compression.validation import all_finite
 from matformer.modeling.errors import MatformerError
 from matformer.server.outer_state import carried_bytes, load_carried, save_carried
+from matformer.server.processes import die_with_parent
 from matformer.server.update_steps import Carried
 
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
@@ -563,12 +563,6 @@ def pin(master: Mapping[str, Tensor]) -> Callable[[], None]:
 
 # -- a shard process ----------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    """Linux: this process is killed when the root is (it would wait for commands forever)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def serve(rank: int, count: int, host: str, port: int) -> None:
     """A shard process: join the root's group and run its commands until told to stop."""
     store = dist.TCPStore(host, port, count + 1, is_master=False,
@@ -626,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.rank <= args.count:
         parser.error(f"--rank {args.rank}: give 1..{args.count} (--count)")
     if args.coordinator is None:  # started by the coordinator itself: it goes with it
-        _die_with_parent()
+        die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -33,6 +33,11 @@ class ServerSection:
     grpc_port: int = setting(7070, low=1, high=65535, help="the coordinator service (clients)")
     http_port: int = setting(7071, low=1, high=65535, help=(
         "status, dashboard, metrics and checkpoint files"))
+    # server/heartbeats.py: beats answered where the round's work does not run
+    heartbeat_port: int | None = setting(None, low=0, high=65535, help=(
+        "answer heartbeats in a process of their own on this port (0: any free one), so "
+        "that a thousand members' beats never wait behind the close or the uploads; unset: "
+        "on grpc_port with every other call"))
     # false exits once the members have left (server/run_end.py)
     stay_after_finish: bool = setting(False, help=(
         "once the run is finished, keep the dashboard and checkpoint files served until "
@@ -52,6 +57,10 @@ class ServerSection:
         require(self.grpc_port != self.http_port,
                 f"[server] grpc_port and http_port are both {self.grpc_port}; give each its own "
                 "port.")
+        require(self.heartbeat_port in (None, 0)
+                or self.heartbeat_port not in (self.grpc_port, self.http_port),
+                f"[server] heartbeat_port is {self.heartbeat_port}, a port another server "
+                "of the coordinator binds; give it its own port (or 0: any free one).")
 
 
 @dataclass(kw_only=True, slots=True)

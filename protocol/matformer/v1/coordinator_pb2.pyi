@@ -191,7 +191,7 @@ class InnerOptimizer(_message.Message):
     def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., schedule: _Optional[str] = ..., final_lr: _Optional[float] = ..., planned_rounds: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings", "schema_hash", "rounds_planned", "tokens_planned")
+    __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings", "schema_hash", "rounds_planned", "tokens_planned", "heartbeat_port")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class JoinReply(_message.Message):
     SCHEMA_HASH_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_PLANNED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PLANNED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_PORT_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     session_token: str
     tier: int
@@ -214,7 +215,8 @@ class JoinReply(_message.Message):
     schema_hash: str
     rounds_planned: int
     tokens_planned: int
-    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tier: _Optional[int] = ..., ffn_width: _Optional[int] = ..., tier_reason: _Optional[str] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., schema_hash: _Optional[str] = ..., rounds_planned: _Optional[int] = ..., tokens_planned: _Optional[int] = ...) -> None: ...
+    heartbeat_port: int
+    def __init__(self, client_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tier: _Optional[int] = ..., ffn_width: _Optional[int] = ..., tier_reason: _Optional[str] = ..., round: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointRef, _Mapping]] = ..., settings: _Optional[_Union[TrainingSettings, _Mapping]] = ..., schema_hash: _Optional[str] = ..., rounds_planned: _Optional[int] = ..., tokens_planned: _Optional[int] = ..., heartbeat_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("round", "tokens_per_second", "relayed")
