@@ -308,22 +308,28 @@ def test_members_at_a_hundredth_of_the_speed_finish_the_run(tmp_path):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["synchronous", "overlapped"])
 def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap):
+    """Synchronous rounds in one process; overlapped ones with the close over 2 shards and
+    heartbeats answered by their own process (both die with the killed server, and members
+    beat at the restarted one's port)."""
     build_default_mdat(tmp_path / "d.mdat", limit=10).close()  # small: the run passes it over
     faults = {"heartbeat_s": 0.5, "heartbeat_timeout_s": 3.0}
     # 30 short rounds: the server's kill (round 18 of this seed's plan) comes well after the
     # clients' and well before the end, however fast rounds run
     config = local_testnet_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=30,
-                                faults=faults)
+                                faults=faults,
+                                **({"server": {"heartbeat_port": 0}} if overlap else {}))
     seed = 3
     planned = chaos_plan(seed, rounds=30, clients=["member-0", "member-1"])
     assert [e.target for e in planned].count(SERVER) == 1 and planned[2].round == 18
     result = run_testnet(
         [sys.executable, "-m", "matformer.local_testnet.main", "--num-clients", "2",
          "--tiers", "0,1", "--config", str(config), "--chaos", str(seed),
-         *(["--overlap"] if overlap else [])],
+         *(["--overlap", "--shards", "2"] if overlap else [])],
         cwd=REPO, timeout=300)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
+    if overlap:
+        assert "heartbeats on 127.0.0.1:" in log and "over 2 shards" in log, log[-3000:]
     chaos = json.loads((tmp_path / "run" / "summary.json").read_text())["chaos"]
     assert chaos["passed"] and chaos["rounds"] == 30
     assert chaos["sequences_lost"] == 0 and chaos["sequences_duplicated"] == 0
