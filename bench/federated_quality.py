@@ -15,6 +15,8 @@ the same sequences of the stdlib-docstrings MDAT:
      The same tokens in ``--local-rounds`` rounds
   LB as L, all 3 clients at tier 0 (as B is to A); each trains tier 0 alone, as in every
      federated run here (``FederatedOptions.also_train`` empty), where P sums tiers 0, 1, 2
+  LT as LB, each client also training tiers 1 and 2 in every step (``--also-train 1 2``):
+     the losses P sums, so LT / P at tiers 1 and 2 compares like with like
   O  as L with overlapped rounds ([round] overlap): each round trains on the weights after
      the round before last, while that round closes; same sequences, same tokens
   AF as A with a fourth client at tier 0 that trains honestly and submits its results with
@@ -26,8 +28,9 @@ the same sequences of the stdlib-docstrings MDAT:
   D  standalone: AdamW (as ``matformer-train``), tiers 0, 1, 2 summed every step
   P  as D in steps of 3 × ``--batch-tokens``: what data-parallel training by 3 workers at
      L's inner batch computes, a third of D's steps. LB replaces it, so LB / P is the price
-     of local steps and compression over data parallelism (and of how L's inner steps
-     differ from P's: no gradient clipping, a constant lr after warmup); L / LB the price
+     of local steps and compression over data parallelism (L's inner steps clip at 1.0
+     under a cosine over the rounds, as P's over its steps; ``--inner-clip 0
+     --inner-schedule constant`` is the regime before issue 49); L / LB the price
      of heterogeneous tiers (L's FFN tail, trained by its tier-0 client alone, sees a third
      of the tokens, P's all of them); L / D adds the price of parallelism
 
@@ -121,6 +124,7 @@ class FederatedRun:
     overlap: bool = False  # [round] overlap: round r trains on the weights after r - 1 rounds
     flipped: bool = False  # one more client, at tier 0, submits its results sign-flipped
     scored: bool = True  # False: [faults] score_rounds = 0, scores exclude no one
+    also_train: tuple[int, ...] = ()  # each client's smaller tiers, trained in the same step
 
     @property
     def clients(self) -> tuple[int, ...]:
@@ -137,6 +141,8 @@ RUNS = {
     "O": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", local_steps=True,
                       overlap=True),
     "LB": FederatedRun(tiers=(0, 0, 0), encoding="dct", value_dtype="bfloat16", local_steps=True),
+    "LT": FederatedRun(tiers=(0, 0, 0), encoding="dct", value_dtype="bfloat16", local_steps=True,
+                       also_train=(1, 2)),
     "AF": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", flipped=True),
     "AU": FederatedRun(tiers=(0, 1, 2), encoding="dct", value_dtype="bfloat16", flipped=True,
                        scored=False),
@@ -209,8 +215,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--inner-lr", type=float, default=None,
                         help="L's AdamW lr (default: --adamw-lr)")
     parser.add_argument("--inner-schedule", choices=("cosine", "linear", "constant"),
-                        default="constant",
+                        default="cosine",
                         help="L's inner lr over the rounds (cosine, linear: to lr/10)")
+    parser.add_argument("--inner-clip", type=float, default=1.0,
+                        help="L's [inner] grad_clip: each inner step's gradient norm (0: "
+                             "none; 1.0 as P and matformer train)")
     # With ~3 inner steps per client and round, DiLoCo's outer Nesterov SGD (lr 0.7,
     # momentum 0.9, the run's defaults under [inner]) diverges here; plain averaging is best
     parser.add_argument("--outer-lr", type=float, default=1.0,
@@ -290,7 +299,7 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
         client_steps = rounds * tokens // args.batch_tokens // len(run.tiers)
         inner = {"batch_tokens": args.batch_tokens, "lr": inner_lr, "weight_decay": 0.01,
                  "warmup_steps": max(1, client_steps // 10), "schedule": args.inner_schedule,
-                 "final_lr": inner_lr / 10}
+                 "final_lr": inner_lr / 10, "grad_clip": args.inner_clip}
     else:
         update = {"rule": "sign", "lr": args.lr, "warmup_rounds": args.warmup_rounds,
                   "schedule": "cosine", "final_lr": args.lr / 10, "vote": args.vote}
@@ -354,7 +363,7 @@ def run_federated(name: str, run: FederatedRun, data: Path, held_out: set[int],
         options = [FederatedOptions(
             server=f"127.0.0.1:{server.grpc_port}", tier=tier, name=f"{name}{i}-t{tier}",
             join_token=TOKEN, state_dir=args.out / name / "clients" / str(i), data=data,
-            progress=False) for i, tier in enumerate(run.clients)]
+            progress=False, also_train=run.also_train) for i, tier in enumerate(run.clients)]
         # the attacker, if any, is the first client: at tier 0 it covers every weight; the
         # flipped one is the last
         clients = [_Attacking(o, args.attack_scale, log=lambda line: None)
@@ -527,6 +536,7 @@ def main() -> None:
                      else f"; excluded when round {after} closed"))
     for first, other in [("A", "B"), ("A", "C"), ("A", STANDALONE), ("A", "E"),
                          ("L", STANDALONE), ("L", DATA_PARALLEL), ("LB", DATA_PARALLEL),
+                         ("LT", DATA_PARALLEL),
                          ("L", "LB"), ("L", "A"), ("O", "L"), ("AF", "A"), ("AU", "A"), ("LF", "L"),
                          ("LU", "L")]:
         if first in outcomes and other in outcomes:

@@ -48,7 +48,12 @@ from matformer.modeling.optim import (
     constant_after_warmup,
     lr_factor,
 )
-from matformer.modeling.training import StepOptions, TierSchedule, tier_gradients
+from matformer.modeling.training import (
+    StepOptions,
+    TierSchedule,
+    clip_gradient,
+    tier_gradients,
+)
 from matformer.protocol.settings import InnerSettings
 
 
@@ -89,6 +94,7 @@ class LocalSteps:
     schedule: str = "constant"  # cosine | linear | constant, over the run's rounds
     final_lr: float = 0.0  # the inner lr at the last planned round (cosine, linear)
     planned_rounds: int = 1
+    grad_clip: float = 0.0  # each step's gradient norm clipped to this; 0: not clipped
 
     @classmethod
     def of(cls, inner: InnerSettings | None) -> LocalSteps | None:
@@ -100,7 +106,7 @@ class LocalSteps:
             betas=(inner.beta1, inner.beta2), eps=inner.eps, warmup_steps=inner.warmup_steps)
         return cls(optimizer=optimizer, batch_tokens=inner.batch_tokens,
                    schedule=inner.schedule, final_lr=inner.final_lr,
-                   planned_rounds=inner.planned_rounds)
+                   planned_rounds=inner.planned_rounds, grad_clip=inner.grad_clip)
 
     def lr_scale(self, round_index: int) -> float:
         """The factor on the inner lr during round ``round_index`` (0-based)."""
@@ -258,6 +264,8 @@ class LocalRound:
             losses = tier_gradients(self.runner, examples, self.schedule, step,
                                     rows=[[local[i] for i in row] for row in rows],
                                     positions=batch, options=self.options)
+            if self.steps.grad_clip > 0:
+                clip_gradient(self.replica.model, self.steps.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             weight = sum(len(example) for example in examples)

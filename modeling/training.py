@@ -204,12 +204,18 @@ def train_step_on_examples(
     given, receives ``grad_norm``: the gradient's norm before clipping."""
     losses = tier_gradients(runner, examples, schedule, step, rows=rows, options=options)
     if max_grad_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(runner.model.parameters(), max_grad_norm)
+        norm = clip_gradient(runner.model, max_grad_norm)
         if stats is not None:
-            stats["grad_norm"] = float(norm.full_tensor() if hasattr(norm, "full_tensor")
-                                       else norm)
+            stats["grad_norm"] = norm
     optimizer.step()
     return losses
+
+
+def clip_gradient(model: torch.nn.Module, max_norm: float) -> float:
+    """Scale ``model``'s gradient to a norm of at most ``max_norm`` (over every parameter
+    together, sharded ones too); its norm before."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
 @torch.no_grad()

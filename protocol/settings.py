@@ -33,6 +33,7 @@ class InnerSettings:
     schedule: str
     final_lr: float
     planned_rounds: int
+    grad_clip: float = 0.0  # each inner step's gradient norm at most this; 0: not clipped
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,8 @@ def encode_settings(s: RunSettings) -> pb.TrainingSettings:
         message.inner.CopyFrom(pb.InnerOptimizer(
             name=i.name, lr=i.lr, weight_decay=i.weight_decay, beta1=i.beta1, beta2=i.beta2,
             eps=i.eps, warmup_steps=i.warmup_steps, batch_tokens=i.batch_tokens,
-            schedule=i.schedule, final_lr=i.final_lr, planned_rounds=i.planned_rounds))
+            schedule=i.schedule, final_lr=i.final_lr, planned_rounds=i.planned_rounds,
+            grad_clip=i.grad_clip))
     return message
 
 
@@ -87,7 +89,8 @@ def decode_settings(m: pb.TrainingSettings) -> RunSettings:
                               beta1=i.beta1, beta2=i.beta2, eps=i.eps,
                               warmup_steps=i.warmup_steps, batch_tokens=i.batch_tokens,
                               schedule=i.schedule or "constant", final_lr=i.final_lr,
-                              planned_rounds=max(1, i.planned_rounds))
+                              planned_rounds=max(1, i.planned_rounds),
+                              grad_clip=max(0.0, i.grad_clip))
     return RunSettings(compression=compression, sequence_length=m.sequence_length,
                        data_strategy=m.data_strategy, data_view=m.data_view or None,
                        data_fingerprint=m.data_fingerprint, heartbeat_s=m.heartbeat_seconds,

@@ -178,7 +178,7 @@ class RunConfig:
                 beta1=inner.betas[0], beta2=inner.betas[1], eps=inner.eps,
                 warmup_steps=inner.warmup_steps, batch_tokens=inner.batch_tokens,
                 schedule=inner.schedule, final_lr=inner.final_lr_value,
-                planned_rounds=self.round.planned_rounds),
+                planned_rounds=self.round.planned_rounds, grad_clip=inner.grad_clip),
             overlap=self.round.overlap, peer_clip=self.faults.peer_clip,
             max_norm=self.faults.max_norm, norm_action=self.faults.norm_action,
             deadline_s=self.round.deadline_s)

@@ -199,6 +199,32 @@ def test_error_feedback_survives_a_restart(tmp_path):
         other_tier.feedback.load(tmp_path / "feedback.safetensors")
 
 
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_each_inner_step_takes_the_gradient_clipped_to_its_norm(clip):
+    """[inner] grad_clip: the optimizer steps on a gradient of norm at most the clip, as
+    standalone training's; 0 leaves it whole (this model's first gradients are far above
+    0.05)."""
+    steps = dataclasses.replace(STEPS, grad_clip=clip)
+    local = LocalRound(Replica(AutoregressiveModel(tiny_config())), DENSE.build(),
+                       TierSchedule(tiers=[0]), _limits(), steps=steps)
+    norms = []
+    take_step = local.optimizer.step
+
+    def step():
+        grads = [p.grad for p in local.replica.model.parameters() if p.grad is not None]
+        norms.append(float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in grads]))))
+        take_step()
+
+    local.optimizer.step = step
+    local.run(_sequences(1))
+    assert len(norms) >= 2
+    if clip:
+        assert max(norms) <= clip * (1 + 1e-5)
+    else:
+        assert min(norms) > 0.05
+
+
 def test_local_steps_keep_the_replica_and_save_the_inner_optimizer_with_the_feedback(tmp_path):
     """Local steps leave the replica's weights where they were, and their result is the
     weights' change; the inner optimizer's state is saved with the error feedback, and a

@@ -170,6 +170,9 @@ class InnerSection:
     schedule: str = setting("constant", choices=SCHEDULES, help="the decay after warmup")
     final_lr: float | None = setting(None, low=0, help=(
         "learning rate at the last planned round, at most lr; unset: lr / 10"))
+    grad_clip: float = setting(1.0, low=0, help=(
+        "clip each inner step's gradient norm to this, as matformer train does (0: no "
+        "clipping)"))
 
     def __post_init__(self) -> None:
         try:

@@ -165,7 +165,7 @@ class TrainingSettings(_message.Message):
     def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., overlap: _Optional[bool] = ..., peer_clip: _Optional[float] = ..., max_norm: _Optional[float] = ..., norm_action: _Optional[str] = ..., round_deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
-    __slots__ = ("name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "batch_tokens", "schedule", "final_lr", "planned_rounds")
+    __slots__ = ("name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "batch_tokens", "schedule", "final_lr", "planned_rounds", "grad_clip")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class InnerOptimizer(_message.Message):
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     FINAL_LR_FIELD_NUMBER: _ClassVar[int]
     PLANNED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_FIELD_NUMBER: _ClassVar[int]
     name: str
     lr: float
     weight_decay: float
@@ -188,7 +189,8 @@ class InnerOptimizer(_message.Message):
     schedule: str
     final_lr: float
     planned_rounds: int
-    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., schedule: _Optional[str] = ..., final_lr: _Optional[float] = ..., planned_rounds: _Optional[int] = ...) -> None: ...
+    grad_clip: float
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., schedule: _Optional[str] = ..., final_lr: _Optional[float] = ..., planned_rounds: _Optional[int] = ..., grad_clip: _Optional[float] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("client_id", "session_token", "tier", "ffn_width", "tier_reason", "round", "checkpoint", "settings", "schema_hash", "rounds_planned", "tokens_planned", "heartbeat_port")
