@@ -415,10 +415,13 @@ def run_federated(name: str, run: FederatedRun, data: Path, held_out: set[int],
 
 
 def initial_model(args: argparse.Namespace) -> tuple[torch.nn.Module, str]:
-    """The coordinator's round-0 weights, and how D's start was obtained."""
+    """The coordinator's round-0 weights, and how D's start was obtained: a federated run of
+    this invocation's round-0 checkpoint (one left in the output folder by an earlier
+    invocation may be of another seed)."""
     torch.manual_seed(args.seed)
     seeded = build_model(ModelConfig(**TINY, vocab_size=260))
-    for name in RUNS:
+    asked = {n.strip().upper() for n in args.runs.split(",")}
+    for name in (n for n in RUNS if n in asked):
         checkpoint = args.out / name / "checkpoints" / "round-0"
         if checkpoint.is_dir():
             start = load_pretrained(checkpoint)
