@@ -30,6 +30,7 @@ import torch
 from matformer.modeling import trust
 from matformer.modeling.checkpoint import load_pretrained
 from matformer.modeling.commands import command_parser
+from matformer.modeling.config import ModelConfig
 from matformer.modeling.devices import PRECISIONS, Precision, resolve_device
 from matformer.modeling.errors import MatformerError
 from matformer.modeling.matformer import Tier
@@ -45,6 +46,17 @@ DEFAULT_SEQ_LEN = 256
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = command_parser("matformer-eval", __doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a checkpoint folder (config.json, weights)")
+    parser.add_argument("--tiers", default="0", help="comma-separated tiers")
+    parser.add_argument("--mix-n-match", nargs="*", default=[], metavar="T0,T1,...",
+                        help="per-layer tier lists, each evaluated too")
+    add_data_options(parser)
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    return parser.parse_args(argv)
+
+
+def add_data_options(parser: argparse.ArgumentParser) -> None:
+    """What is evaluated and how: the container, its split, microbatches, device, precision
+    (``matformer slice`` takes them too)."""
     parser.add_argument("--data", type=Path, default=None,
                         help=f"MDAT container (default: the one the checkpoint's {RECORD_NAME} "
                              "names)")
@@ -59,17 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None,
                         help="of the shuffle (and of masks; default: the run's, else 0)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate at most N sequences")
-    parser.add_argument("--tiers", default="0", help="comma-separated tiers")
-    parser.add_argument("--mix-n-match", nargs="*", default=[], metavar="T0,T1,...",
-                        help="per-layer tier lists, each evaluated too")
     parser.add_argument("--max-eval-tokens-per-microbatch", type=int, default=8192)
     parser.add_argument("--max-examples-per-microbatch", type=int, default=None)
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps")
     add_threads_option(parser)
     trust.add_option(parser)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
-    return parser.parse_args(argv)
 
 
 def with_run_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -103,16 +110,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     model = load_pretrained(args.checkpoint, trust_remote_code=args.trust_remote_code).to(device)
     tiers = tiers_of(args)
-    with Mdat.open(args.data) as mdat:
-        if args.split == "held-out":
-            reader, order = RunOrder.open(mdat, args.strategy, args.seq_len, args.view,
-                                          args.seed, model.config)
-            ids = order.held_out
-        else:
-            reader = mdat.sequences(args.strategy, args.seq_len, args.view)
-            ids = with_targets(np.arange(len(reader)), reader.lengths(), model.config)
-        ids = ids[:args.limit]
-        examples = [torch.from_numpy(reader[int(i)].astype(np.int64)).to(device) for i in ids]
+    examples = evaluated_examples(args, model.config, device)
     losses = held_out_loss(
         model, examples, tiers, batch_tokens=args.max_eval_tokens_per_microbatch,
         max_examples=args.max_examples_per_microbatch,
@@ -124,6 +122,22 @@ def evaluate(args: argparse.Namespace) -> dict:
         "tiers": {label: {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}
                   for label, loss in losses.items()},
     }
+
+
+def evaluated_examples(args: argparse.Namespace, config: ModelConfig,
+                       device: torch.device) -> list[torch.Tensor]:
+    """The sequences ``args`` name (``with_run_defaults``' data, ``--split``, ``--limit``),
+    as int64 tensors on ``device``."""
+    with Mdat.open(args.data) as mdat:
+        if args.split == "held-out":
+            reader, order = RunOrder.open(mdat, args.strategy, args.seq_len, args.view,
+                                          args.seed, config)
+            ids = order.held_out
+        else:
+            reader = mdat.sequences(args.strategy, args.seq_len, args.view)
+            ids = with_targets(np.arange(len(reader)), reader.lengths(), config)
+        ids = ids[:args.limit]
+        return [torch.from_numpy(reader[int(i)].astype(np.int64)).to(device) for i in ids]
 
 
 def main(argv: list[str] | None = None) -> None:

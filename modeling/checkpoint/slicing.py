@@ -8,8 +8,9 @@ place that knows which canonical tensors hold FFN neurons and along which axis
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
@@ -40,3 +41,19 @@ def slice_state(state: dict[str, Tensor], widths: Sequence[int]) -> dict[str, Te
             tensor = tensor.narrow(axis, 0, widths[layer])
         sliced[name] = tensor
     return sliced
+
+
+def sliced_parameters(shapes: Mapping[str, Sequence[int]], widths: Sequence[int]
+                      ) -> tuple[int, int]:
+    """(all parameters, FFN parameters) of the slice whose layer ``i`` has FFN width
+    ``widths[i]``, counted from the universal canonical ``shapes`` without slicing anything."""
+    total = ffn = 0
+    for name, shape in shapes.items():
+        count = math.prod(shape)
+        found = neuron_axis(name)
+        if found is not None:
+            layer, axis = found
+            count = count // shape[axis] * widths[layer]
+            ffn += count
+        total += count
+    return total, ffn
