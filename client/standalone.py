@@ -181,7 +181,8 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     else:
         config = ModelConfig.from_json(args.config) if args.config else ModelConfig(**TINY)
     tiers = [int(t) for t in args.tiers.split(",")]
-    schedule = TierSchedule(tiers=tiers, mode=args.tier_mode, seed=args.seed)
+    schedule = TierSchedule(tiers=tiers, mode=args.tier_mode, seed=args.seed,
+                            mixes=args.tier_mixes)
     schedule.check(config)
     if args.seq_len > config.max_position_embeddings:
         raise ConfigError(f"--seq-len {args.seq_len} is longer than the model's "

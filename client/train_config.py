@@ -93,6 +93,9 @@ class TrainingSection:
     tiers: str = setting("0,1,2", help="comma-separated tiers to train (a list in TOML too)")
     tier_mode: str = setting("all", choices=("all", "sample"), help=(
         "all: every tier each step (summed losses); sample: one a step"))
+    tier_mixes: int = setting(0, low=0, help=(
+        "per-layer mixes of the tiers drawn each step besides them, widths never growing "
+        "with depth: Mix'n'Match slices trained too (matformer slice); 0: none"))
     seed: int = setting(0, low=0, help="of the shuffle, the epochs' orders, masks and tier draws")
     save_every: int = setting(0, low=0, help="write OUT/checkpoints/step-N every N steps (0: none)")
     keep_last: int = setting(2, low=1, help="how many of those checkpoints to keep")

@@ -47,6 +47,9 @@ class TierSchedule:
     weights: list[float] | None = None  # "all": loss weight per tier (default 1 each)
     probabilities: list[float] | None = None  # "sample": draw probability per tier (uniform)
     seed: int = 0  # makes the "sample" draws reproducible
+    # per-layer mixes of the integer tiers drawn each step besides them (widths never growing
+    # with depth), so that the model learns Mix'n'Match slices as well as uniform ones
+    mixes: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -63,19 +66,42 @@ class TierSchedule:
                 )
             if any(v < 0 for v in values) or sum(values) <= 0:
                 raise ConfigError(f"{name} must be non-negative and not all zero, got {values}.")
+        if self.mixes < 0:
+            raise ConfigError(f"mixes must be >= 0, got {self.mixes}.")
+        if self.mixes and len({t for t in self.tiers if isinstance(t, int)}) < 2:
+            raise ConfigError("drawing per-layer mixes needs two integer tiers or more to mix.")
 
     def check(self, config: Any) -> None:
         """Raise TierError if some tier cannot run on a model with ``config``."""
         for tier in self.tiers:
             layer_widths(config, tier)
 
-    def step_tiers(self, step: int) -> list[tuple[Tier, float]]:
-        """(tier, loss weight) pairs to train at ``step``."""
+    def step_tiers(self, step: int, layers: int = 0) -> list[tuple[Tier, float]]:
+        """(tier, loss weight) pairs to train at ``step`` (``layers``: the model's, the
+        length of a drawn mix)."""
+        draw = random.Random(f"{self.seed}:{step}")
         if self.mode == "all":
             weights = self.weights or [1.0] * len(self.tiers)
-            return [(t, w) for t, w in zip(self.tiers, weights, strict=True) if w > 0]
-        draw = random.Random(f"{self.seed}:{step}")
-        return [(draw.choices(self.tiers, weights=self.probabilities)[0], 1.0)]
+            chosen = [(t, w) for t, w in zip(self.tiers, weights, strict=True) if w > 0]
+        else:
+            chosen = [(draw.choices(self.tiers, weights=self.probabilities)[0], 1.0)]
+        return chosen + [(mix, 1.0) for mix in self.drawn_mixes(draw, layers)]
+
+    def drawn_mixes(self, draw: random.Random, layers: int) -> list[list[int]]:
+        """``mixes`` per-layer lists of the integer tiers, each sorted (no layer wider than
+        the one before), none uniform where there are two layers or more: those are trained
+        as tiers already."""
+        if not self.mixes:
+            return []
+        if layers < 1:
+            raise ConfigError("drawing per-layer mixes needs the model's layer count.")
+        tiers = sorted({t for t in self.tiers if isinstance(t, int)})
+        drawn: list[list[int]] = []
+        while len(drawn) < self.mixes:
+            mix = sorted(draw.choice(tiers) for _ in range(layers))
+            if len(set(mix)) > 1 or layers == 1:
+                drawn.append(mix)
+        return drawn
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,7 +154,7 @@ def tier_gradients(
     targets = prepared.targets
     if parallel is not None:
         targets = int(parallel.sum_(torch.tensor([targets], device=parallel.device)).item())
-    tiers = schedule.step_tiers(step)
+    tiers = schedule.step_tiers(step, runner.model.config.num_hidden_layers)
 
     def attempt(plan: list[list[int]]) -> dict[str, float]:
         return {

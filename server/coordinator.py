@@ -322,6 +322,11 @@ class Coordinator:
             member.relayed_tiers = sorted({*member.relayed_tiers,
                                            *(m["tier"] for m in member.relayed)})
 
+    def beat_news(self) -> tuple[int, dict[str, str]]:
+        """What the heartbeat process answers from: the rounds closed, and the excluded
+        members by id with why."""
+        return self.state.round, dict(self.membership.excluded)
+
     def apply_beats(self, beats: Sequence[Beat]) -> None:
         """Beats the heartbeat process answered (server/heartbeats.py), under one hold of the
         lock, each dated when the door took it. A beat of a member that has gone, or whose

@@ -6,9 +6,13 @@ the close, a thousand update streams starting at once. At 1,024 members that wai
 (bench/many_members.py), and a member whose beats go unanswered for long is dropped. So the
 coordinator can hand its heartbeats to a small process that does nothing else:
 
-    door = HeartbeatDoor.start(coordinator, host=host, port=0, cert=..., key=...)
+    door = HeartbeatDoor.start(sessions=..., news=..., apply=..., host=host, port=0)
     door.port              # members learn it from JoinReply.heartbeat_port
     door.stop()
+
+The coordinator's side is handed what it needs, not the coordinator: its session tokens,
+``news()`` (the rounds closed and the exclusions, ``Coordinator.beat_news``) and
+``apply(beats)`` (``Coordinator.apply_beats``).
 
 The door (``python -m matformer.server.heartbeats``, killed with the coordinator) answers
 ``Heartbeat`` on its own gRPC server and no other call. It holds a copy of what an answer
@@ -42,22 +46,19 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
 from matformer.protocol.auth import SessionTokens, presented_session
-from matformer.protocol.channel import listen
+from matformer.protocol.channel import COORDINATOR_SERVICE, listen
 from matformer.protocol.health import add_health
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
-from matformer.protocol.matformer.v1 import coordinator_pb2_grpc as pb_grpc
 from matformer.server.processes import die_with_parent
-
-if TYPE_CHECKING:
-    from matformer.server.coordinator import Coordinator
 
 FORWARD_S = 0.2  # the door hands its beats on this often
 SYNC_S = 0.2  # the coordinator sends its rounds closed and exclusions this often (on change)
@@ -84,13 +85,17 @@ class Beat(NamedTuple):
 # -- the coordinator's side ------------------------------------------------------------------
 
 
+News = Callable[[], tuple[int, dict[str, str]]]  # (rounds closed, excluded id → why)
+
+
 class HeartbeatDoor:
     """The door process and the coordinator's two threads talking to it: one sends what the
-    door must know, one applies the beats it hands on (``Coordinator.apply_beats``)."""
+    door must know (``news``), one hands on the beats it took (``apply``)."""
 
-    def __init__(self, coordinator: Coordinator, process: subprocess.Popen,
+    def __init__(self, sessions: SessionTokens, news: News,
+                 apply: Callable[[list[Beat]], None], process: subprocess.Popen,
                  conn: Connection, port: int) -> None:
-        self.coordinator = coordinator
+        self.sessions, self.news, self.apply = sessions, news, apply
         self.process = process
         self.port = port
         self._conn = conn
@@ -104,11 +109,12 @@ class HeartbeatDoor:
             thread.start()
 
     @classmethod
-    def start(cls, coordinator: Coordinator, *, host: str, port: int,
-              cert: Path | None = None, key: Path | None = None) -> HeartbeatDoor:
+    def start(cls, *, sessions: SessionTokens, news: News, apply: Callable[[list[Beat]], None],
+              host: str, port: int, cert: Path | None = None, key: Path | None = None
+              ) -> HeartbeatDoor:
         """Start the door on ``host``:``port`` (0: any free port), TLS with ``cert`` and
-        ``key`` when given, holding the coordinator's sessions as they are now. Raises
-        PortUnavailable when it cannot listen there."""
+        ``key`` when given, holding ``sessions`` as they are now and told of each change.
+        Raises PortUnavailable when it cannot listen there."""
         from matformer.server.errors import PortUnavailable
 
         ours, theirs = socket.socketpair()
@@ -119,7 +125,6 @@ class HeartbeatDoor:
         process = subprocess.Popen(argv, pass_fds=[theirs.fileno()])
         theirs.close()
         conn = Connection(ours.detach())
-        sessions = coordinator.membership.sessions
         try:
             if not conn.poll(START_S):
                 raise PortUnavailable(f"the heartbeat process did not start within {START_S:g} "
@@ -133,7 +138,7 @@ class HeartbeatDoor:
             raise PortUnavailable(
                 f"the heartbeat process cannot serve on {host}:{port}: {detail}. Another "
                 "process holds the port; choose [server] heartbeat_port (0: any free one).")
-        door = cls(coordinator, process, conn, detail)
+        door = cls(sessions, news, apply, process, conn, detail)
         # every token from now on reaches the door before its Join answers; those issued
         # before (a resumed run's) go first, the same way
         sessions.on_change = door._session_changed
@@ -141,7 +146,7 @@ class HeartbeatDoor:
         return door
 
     def stop(self) -> None:
-        self.coordinator.membership.sessions.on_change = None
+        self.sessions.on_change = None
         self._stopping.set()
         self.process.kill()
         self.process.wait()
@@ -165,9 +170,9 @@ class HeartbeatDoor:
 
     def _sync(self) -> None:
         """The rounds closed and the exclusions, sent whenever they changed."""
-        membership, sent = self.coordinator.membership, None
+        sent = None
         while not self._stopping.wait(SYNC_S):
-            now = (self.coordinator.closed_rounds(), dict(membership.excluded))
+            now = self.news()
             if now != sent:
                 self._send(("state", *now))
                 sent = now
@@ -179,7 +184,7 @@ class HeartbeatDoor:
             except (EOFError, OSError):
                 return
             if kind == "beats":  # plain tuples: the door's Beat is __main__'s
-                self.coordinator.apply_beats([Beat(*beat) for beat in beats])
+                self.apply([Beat(*beat) for beat in beats])
 
 
 # -- the door's side -------------------------------------------------------------------------
@@ -223,8 +228,9 @@ class DoorState:
             self.unknown_waiters.release()
 
 
-class DoorService(pb_grpc.CoordinatorServicer):
-    """``Heartbeat`` alone; every other call of the Coordinator service is UNIMPLEMENTED."""
+class DoorService:
+    """``Heartbeat`` of the Coordinator service, alone (``handler``): every other call of it
+    is UNIMPLEMENTED here. The member RPCs keep their one servicer (server/service.py)."""
 
     def __init__(self, state: DoorState) -> None:
         self.state = state
@@ -253,6 +259,12 @@ class DoorService(pb_grpc.CoordinatorServicer):
             self._pending[client_id] = Beat(client_id, time.monotonic(), speed, relayed)
         return pb.HeartbeatReply(round=self.state.rounds)
 
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(COORDINATOR_SERVICE, {
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(
+                self.Heartbeat, request_deserializer=pb.HeartbeatRequest.FromString,
+                response_serializer=pb.HeartbeatReply.SerializeToString)})
+
     def taken(self) -> list[Beat]:
         """The beats since the last call, the latest of each member."""
         with self._lock:
@@ -267,7 +279,7 @@ def serve(conn: Connection, host: str, port: int, cert: Path | None, key: Path |
     service = DoorService(state)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=WORKERS), options=(
         ("grpc.max_receive_message_length", MAX_BEAT_BYTES), ("grpc.so_reuseport", 0)))
-    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((service.handler(),))
     add_health(server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:

@@ -106,9 +106,10 @@ class RunningServer:
         door = None
         if config.server.heartbeat_port is not None:
             try:
-                door = HeartbeatDoor.start(coordinator, host=host,
-                                           port=config.server.heartbeat_port,
-                                           cert=tls.cert, key=tls.key)
+                door = HeartbeatDoor.start(
+                    sessions=sessions, news=coordinator.beat_news,
+                    apply=coordinator.apply_beats, host=host,
+                    port=config.server.heartbeat_port, cert=tls.cert, key=tls.key)
             except PortUnavailable:
                 sock.close()
                 grpc_server.stop(0)

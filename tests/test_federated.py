@@ -183,7 +183,7 @@ def test_one_token_sequences_are_left_out_of_the_run_and_its_audit(tmp_path):
 
 
 INNER = {"batch_tokens": 256, "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.1,
-         "warmup_steps": 3, "schedule": "cosine", "final_lr": 2e-4}
+         "warmup_steps": 3, "schedule": "cosine", "final_lr": 2e-4, "grad_clip": 0.5}
 OUTER = {"momentum": 0.9, "nesterov": True}  # with rule sgd, lr 0.7: DiLoCo's outer step
 
 
@@ -193,7 +193,8 @@ def test_local_adamw_steps_under_outer_sgd_lr_1_equal_standalone_adamw(tmp_path,
     """One client, dense float64 results, H local AdamW steps per round and an outer SGD
     step of lr 1 without momentum: the master is exactly where H standalone AdamW steps on
     the same batches take the weights, with the same lr at each step (warmup over the
-    client's steps, cosine over the run's 4 rounds). The inner optimizer's state survives a
+    client's steps, cosine over the run's 4 rounds), each step's gradient clipped alike.
+    The inner optimizer's state survives a
     client restart and rolls back with a refused submission, or the weights would differ."""
     server = start(tmp_path, mdat, encoding="dense", value_dtype="float64", rule="sgd", lr=1.0,
                    rounds=4, tokens_per_round=1024, inner=INNER)
@@ -243,7 +244,7 @@ def test_local_adamw_steps_under_outer_sgd_lr_1_equal_standalone_adamw(tmp_path,
             batch = [i for row in rows for i in row]
             position = {index: n for n, index in enumerate(batch)}
             train_step_on_examples(runner, adamw, [examples[i] for i in batch],
-                                   TierSchedule(tiers=[0]), r,
+                                   TierSchedule(tiers=[0]), r, INNER["grad_clip"],
                                    rows=[[position[i] for i in row] for row in rows])
             adamw.zero_grad()
             steps += 1

@@ -104,7 +104,7 @@ WEIGHTS = {
 }
 # the rest, each with its own observable effect below
 OTHERS = ("model.config", "model.init", "data.documents", "data.batching", "training.steps",
-          "training.epochs", "training.tiers", "training.tier_mode",
+          "training.epochs", "training.tiers", "training.tier_mode", "training.tier_mixes",
           "training.microbatch_tokens", "training.microbatch_examples",
           "training.save_every", "training.keep_last", "hardware.device", "hardware.compile",
           "hardware.fsdp", "hardware.threads", "logging.track", "logging.project",
@@ -177,6 +177,9 @@ def test_tiers_and_tier_mode_choose_what_each_step_trains(data, tmp_path):
     assert all(set(h["loss"]) == {"0", "2"} for h in both["metrics"]["history"])
     sample = run(data, tmp_path / "m", "training.tiers=[0, 1, 2]", 'training.tier_mode="sample"')
     assert all(len(h["loss"]) == 1 for h in sample["metrics"]["history"])
+    # two layers at tiers 0 and 2: the one mix that is not uniform, drawn every step
+    mixed = run(data, tmp_path / "x", "training.tiers=[0, 2]", "training.tier_mixes=1")
+    assert all(set(h["loss"]) == {"0", "2", "mix:0,2"} for h in mixed["metrics"]["history"])
 
 
 @pytest.mark.parametrize("key, value, check", [

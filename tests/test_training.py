@@ -63,10 +63,46 @@ def test_sampled_tiers_follow_probabilities_and_seed():
     assert draws != [other.step_tiers(step)[0][0] for step in range(3000)]
 
 
+def test_drawn_mixes_are_trained_beside_the_tiers_and_never_widen_with_depth():
+    """``mixes``: each step also trains that many per-layer lists of the integer tiers, sorted
+    (a deeper layer never wider), not uniform, the same for a step whatever the call; the
+    step's gradient is the sum over the tiers and the drawn mixes."""
+    schedule = TierSchedule(tiers=[0, 1, 2], mixes=2, seed=5)
+    steps = [schedule.step_tiers(step, 4) for step in range(400)]
+    assert steps == [schedule.step_tiers(step, 4) for step in range(400)]
+    drawn = [tier for step in steps for tier, _ in step[3:]]
+    assert all(len(step) == 5 and [t for t, _ in step[:3]] == [0, 1, 2] for step in steps)
+    assert all(mix == sorted(mix) and len(set(mix)) > 1 and set(mix) <= {0, 1, 2}
+               for mix in drawn)
+    assert len({tuple(mix) for mix in drawn}) == 15 - 3  # every mix of 4 layers, 3 tiers
+    sampled = TierSchedule(tiers=[0, 1], mode="sample", mixes=1)
+    assert all(len(sampled.step_tiers(step, 2)) == 2 for step in range(20))
+
+    torch.manual_seed(0)
+    model = AutoregressiveModel(tiny_config())
+    twin = AutoregressiveModel(tiny_config())
+    twin.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 90, (2, 12))
+    mixed = TierSchedule(tiers=[0, 2], mixes=1, seed=1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    runner = MicrobatchRunner(model, AdaptiveLimitsConfig(max_tokens=24).build())
+    train_step_on_examples(runner, sgd, list(ids), mixed, step=0)
+    (mix, _), = mixed.step_tiers(0, 2)[2:]
+    assert mix == [0, 2]  # two layers, tiers 0 and 2: the one mix that is not uniform
+    (twin.loss(ids, tier=0) + twin.loss(ids, tier=2) + twin.loss(ids, tier=mix)).backward()
+    with torch.no_grad():
+        for param in twin.parameters():
+            param -= 0.1 * param.grad
+    for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         (dict(mode="every"), "mode 'every'"),
+        (dict(tiers=[0, [0, 1]], mixes=1), "two integer tiers or more"),
+        (dict(tiers=[0, 1], mixes=-1), "mixes must be >= 0"),
         (dict(tiers=[0, 1], weights=[1.0]), "1 entries for 2 tiers"),
         (dict(tiers=[0, 1], mode="sample", probabilities=[0.0, 0.0]), "not all zero"),
         (dict(tiers=[]), "at least one tier"),
