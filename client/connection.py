@@ -46,7 +46,7 @@ from matformer.client.heartbeat import Heartbeat
 from matformer.client.progress import Planned
 from matformer.modeling.compression import RoundUpdate, SparseResult
 from matformer.protocol.auth import session_metadata
-from matformer.protocol.channel import at_port, open_channel
+from matformer.protocol.channel import CLIENT_OPTIONS, at_port, open_channel
 from matformer.protocol.files import receive_file
 from matformer.protocol.link import metered
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
@@ -61,6 +61,7 @@ RETRY_FIRST_S = 0.2  # first backoff; doubles per attempt up to RETRY_MAX_S, wit
 RETRY_MAX_S = 5.0
 HEARTBEAT_DEADLINE_S = 10.0  # a heartbeat call unanswered this long counts as unanswered
 LEAVE_S = 5.0  # a Leave's deadline, and how long it is retried: Ctrl-C never waits longer
+DOOR_RETRY_S = 60.0  # beats at the coordinator's port this long after its heartbeat port failed
 
 Code = grpc.StatusCode
 # What a status means, call by call: the coordinator's answers the client acts on. Any other
@@ -181,6 +182,7 @@ class Connection:
         # (JoinReply.heartbeat_port); None: to ``stub``, with every other call
         self.beat_stub: pb_grpc.CoordinatorStub | None = None
         self._beat_channel: grpc.Channel | None = None
+        self.door_again_at = 0.0  # after the door failed: beats go to ``stub`` until then
         self.latency_s = latency_s
         self.patience_s = patience_s
         self.log = log
@@ -208,8 +210,13 @@ class Connection:
         if self._beat_channel is not None:
             self._beat_channel.close()
         self._beat_channel = self.beat_stub = None
+        self.door_again_at, self._door_port = 0.0, port
         if port:
-            self._beat_channel = open_channel(at_port(self.address, port), tls_ca=self.tls_ca)
+            # a subchannel of its own: a shared one would keep the backoff of a door that
+            # failed, and a new channel to a door back on its port would be refused at once
+            self._beat_channel = open_channel(
+                at_port(self.address, port), tls_ca=self.tls_ca,
+                options=(*CLIENT_OPTIONS, ("grpc.use_local_subchannel_pool", 1)))
             self.beat_stub = pb_grpc.CoordinatorStub(self._beat_channel)
 
     # -- the RPCs -----------------------------------------------------------------------
@@ -249,18 +256,27 @@ class Connection:
         deadline_s = 2 * (self.heartbeat_s or HEARTBEAT_DEADLINE_S / 2)
 
         def beat() -> pb.HeartbeatReply:
+            if self.door_again_at and time.monotonic() >= self.door_again_at:
+                failed_at = self.door_again_at
+                self._beat_at(self._door_port)  # a new connection: the old one backs off
+                self.door_again_at = failed_at
             stub = self.beat_stub
-            if stub is not None:
+            if stub is not None and time.monotonic() >= self.door_again_at:
                 try:
-                    return stub.Heartbeat(request, metadata=self.metadata, timeout=deadline_s)
+                    reply = stub.Heartbeat(request, metadata=self.metadata, timeout=deadline_s)
                 except grpc.RpcError as err:
                     if err.code() not in (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED):
                         raise
-                    # its own port is out of reach (a firewall, a proxy): the coordinator's
-                    # answers beats too, for as long as this session lasts
-                    self.log(f"the coordinator's heartbeat port does not answer "
-                             f"({err.details()}); heartbeats go to {self.address} instead")
-                    self.beat_stub = None
+                    # its port is out of reach (a firewall; the coordinator restarting): the
+                    # coordinator's own answers beats too, and the door is tried again later
+                    if not self.door_again_at:
+                        self.log(f"the coordinator's heartbeat port does not answer "
+                                 f"({err.details()}); heartbeats go to {self.address} "
+                                 f"instead, and to that port again every {DOOR_RETRY_S:g} s")
+                    self.door_again_at = time.monotonic() + DOOR_RETRY_S
+                else:
+                    self.door_again_at = 0.0  # answered: the door is back
+                    return reply
             return self.stub.Heartbeat(request, metadata=self.metadata, timeout=deadline_s)
 
         self._call("Heartbeat", beat, patience_s=patience_s,
