@@ -93,7 +93,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=2048, help="BPE vocabulary")
     parser.add_argument("--tokens", type=int, default=1_000_000,
                         help="joint's and tier0_sliced's tokens; each independent model "
-                             "trains a third")
+                             "trains a third, or all of them under --independent-tokens all")
+    parser.add_argument("--independent-tokens", choices=["share", "all"], default="share",
+                        help="each independent model trains a third of --tokens (joint "
+                             "then costs what the three cost together) or all of them (the "
+                             "paper's baselines: as many tokens as the MatFormer model)")
+    parser.add_argument("--runs", default="joint,tier0_sliced,independent",
+                        help="which trainings, comma-separated")
     parser.add_argument("--batch-tokens", type=int, default=1024,
                         help="padded tokens per optimizer step")
     parser.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak lr")
@@ -197,7 +203,13 @@ def main() -> None:
         examples = sequences(reader, token_stream(order, lengths, args.tokens), CPU)
         held_out = sequences(reader, held_ids, CPU)
     # Each independent model trains the stream's first third, so joint's tokens are theirs
-    share = examples[:len(token_stream(order, lengths, args.tokens // len(TIERS)))]
+    # together, or (the paper's baselines) the whole stream
+    share = (examples if args.independent_tokens == "all" else
+             examples[:len(token_stream(order, lengths, args.tokens // len(TIERS)))])
+    runs = args.runs.split(",")
+    if unknown := set(runs) - {"joint", "tier0_sliced", "independent"}:
+        raise SystemExit(f"--runs: no training named {', '.join(sorted(unknown))}; pick from "
+                         "joint, tier0_sliced, independent")
     tokens = sum(map(len, examples))
     print(f"torch {torch.__version__} | cpu, {torch.get_num_threads()} threads | "
           f"{args.dir}: BPE {args.vocab_size}, {order.candidates:,} sequences of <= {SEQ_LEN} "
@@ -210,15 +222,18 @@ def main() -> None:
     joint = TierSchedule(tiers=TIERS, mode=args.joint_mode, seed=args.seed)
     results: dict[str, list[Result]] = {}
     for name, schedule in [("joint", joint), ("tier0_sliced", TierSchedule(tiers=[0]))]:
+        if name not in runs:
+            continue
         model = seeded_model(universal, args.seed)  # joint and tier0_sliced start alike
         results[name] = [run(model, examples, schedule, held_out, TIERS, args)]
         report(name, results[name][0])
-    results["independent"] = []
     for tier, width in zip(TIERS, widths, strict=True):
+        if "independent" not in runs:
+            break
         model = seeded_model(model_config(args, width), args.seed)
         outcome = run(model, share, TierSchedule(tiers=[0]), held_out, [0], args)
         outcome.losses = {tier_label(tier): outcome.losses["0"]}  # a plain model of its size
-        results["independent"].append(outcome)
+        results.setdefault("independent", []).append(outcome)
         report(f"independent tier {tier} (FFN {width})", outcome)
     summarize(results, initial, widths, joint, args)
     print(f"wall: {time.perf_counter() - started:,.0f} s")
@@ -243,18 +258,22 @@ def summarize(results: dict[str, list[Result]], initial: dict[str, float], width
             " + ".join(str(r.steps) for r in runs), *(f"{loss[name][t]:.4f}" for t in labels),
             f"{sum(r.seconds for r in runs):,.0f}"] for name, runs in results.items()],
     )
-    if args.joint_mode == "sample":
+    if args.joint_mode == "sample" and "joint" in results:
         drawn = [joint.step_tiers(s)[0][0] for s in range(results["joint"][0].steps)]
         print("joint: steps per tier " + ", ".join(f"{t}: {drawn.count(t)}" for t in TIERS))
     for first, other in [("joint", "independent"), ("joint", "tier0_sliced"),
                          ("tier0_sliced", "independent")]:
+        if first not in loss or other not in loss:
+            continue
         print(f"{first} / {other}: " + ", ".join(
             f"tier {t} {loss[first][t] / loss[other][t]:.3f}" for t in labels)
             + f" (< 1: {first} is better)")
-    ordered = all(loss["joint"][a] < loss["joint"][b] for a, b in itertools.pairwise(labels))
-    small = loss["joint"][labels[-1]] <= loss["independent"][labels[-1]]
-    print(f"targets: joint tier 0 < 1 < 2: {'met' if ordered else 'NOT met'}; joint tier "
-          f"{labels[-1]} <= independent tier {labels[-1]}: {'met' if small else 'NOT met'}")
+    if "joint" in loss and "independent" in loss:
+        ordered = all(loss["joint"][a] < loss["joint"][b]
+                      for a, b in itertools.pairwise(labels))
+        small = loss["joint"][labels[-1]] <= loss["independent"][labels[-1]]
+        print(f"targets: joint tier 0 < 1 < 2: {'met' if ordered else 'NOT met'}; joint tier "
+              f"{labels[-1]} <= independent tier {labels[-1]}: {'met' if small else 'NOT met'}")
     if args.json:
         tokens = {name: sum(r.tokens for r in runs) for name, runs in results.items()}
         seconds = {name: sum(r.seconds for r in runs) for name, runs in results.items()}
