@@ -204,6 +204,15 @@ class ScoredResult(Strict):
                                      "token-weighted sum, over the coordinates it sent")
 
 
+class LateResult(Strict):
+    client_id: str
+    name: str
+    round: int = Field(description="the round whose deadline it missed")
+    tokens: int
+    weight: float = Field(description="the share of its tokens the aggregate counted "
+                                      "([round] late_weight per round late)")
+
+
 class RoundRecord(Strict):
     round: int
     opened_at: float
@@ -224,6 +233,9 @@ class RoundRecord(Strict):
     scores: list[ScoredResult] = Field([], description=(
         "each scored result's agreement with its peers'; empty in a round of fewer than three "
         "results, and in records written before scores were kept"))
+    late: list[LateResult] = Field([], description=(
+        "results of earlier rounds that missed their deadline, folded into this one "
+        "([round] late_rounds)"))
 
 
 class Event(Strict):

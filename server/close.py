@@ -77,6 +77,7 @@ class Closing:
     rnd: OpenRound
     round: int
     delivered: dict[str, RoundAssignment]  # the submitters' assignments, in assignment order
+    late: list[RoundAssignment]  # earlier rounds' work whose late results it folds in
     by_name: dict[str, list[SparseResult]]  # canonical name → results, in that order
     update: UpdateConfig
     tiers: set[int]  # whose hashes the log records: every allowed tier and every trained one
@@ -179,17 +180,21 @@ class RoundClose:
         delivered = {client: a for client, a in rnd.assignments.items()
                      if client in rnd.submissions}
         by_name: dict[str, list[SparseResult]] = {}
-        for client in delivered:  # assignment order: aggregation order is deterministic
-            for result in rnd.submissions[client].results:
+        submissions = [rnd.submissions[client] for client in delivered]
+        for submission in [*submissions, *(f.submission for f in rnd.late)]:
+            # assignment order, then the late results': aggregation order is deterministic
+            for result in submission.results:
                 by_name.setdefault(result.name, []).append(result)
-        tokens_after = self.state.tokens + sum(a.tokens for a in delivered.values())
+        late = [f.assignment for f in rnd.late]
+        tokens_after = self.state.tokens + sum(a.tokens for a in [*delivered.values(), *late])
         stop = self.config.round
         finishes = (stop.rounds is not None and r + 1 >= stop.rounds) or (
             stop.tokens is not None and tokens_after >= stop.tokens)
         config = self.config
-        return Closing(rnd=rnd, round=r, delivered=delivered, by_name=by_name,
+        return Closing(rnd=rnd, round=r, delivered=delivered, late=late, by_name=by_name,
                        update=config.update.build(r, stop.planned_rounds, config.compression),
-                       tiers=set(config.tiers.allowed) | {a.tier for a in delivered.values()},
+                       tiers=set(config.tiers.allowed) | {
+                           a.tier for a in [*delivered.values(), *late]},
                        tokens_after=tokens_after, finishes=finishes,
                        checkpoint=finishes or (r + 1) % config.checkpoint.every_rounds == 0,
                        ledger_bytes=self.ledger.size(), started=self.clock())
@@ -230,7 +235,8 @@ class RoundClose:
             self.close_s = self.clock() - closing.started
             if master is not None:
                 closed = ClosedRound(round=closing.round, before=self.master, after=master,
-                                     tiers={a.tier for a in closing.delivered.values()},
+                                     tiers={a.tier for a in [*closing.delivered.values(),
+                                                             *closing.late]},
                                      update=closing.logged)
                 settle(master, commit=True)
                 self.master, self.carried = master, closing.carried
@@ -290,7 +296,8 @@ class RoundClose:
             hashes=self.tier_hashes(sorted(closing.tiers), master),
             coverage_tokens={n: sum(x.tokens for x in rs) for n, rs in by_name.items()})
         self.log.append(closing.logged, fields)
-        self.ledger.record(r, [i for a in closing.delivered.values() for i in a.sequence_ids])
+        self.ledger.record(r, [i for a in [*closing.delivered.values(), *closing.late]
+                               for i in a.sequence_ids])
         if closing.checkpoint:
             self.writer.wait()  # one write at a time; also before the last one
             if closing.finishes:  # the run's last weights are listed before it is finished

@@ -24,6 +24,7 @@ server, on the close worker (``run_closes``), so that no member's call ever wait
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -226,14 +227,16 @@ class Coordinator:
         return ((i, torch.from_numpy(self.reader[i].copy())) for i in ids)
 
     def expects(self, client_id: str, header: SubmitHeader) -> Expected:
-        """The assignment a submission's header names (``check_header``) and the layout of
+        """The assignment a submission's header names (``_header``) and the layout of
         each result it may hold: a relay's partials per tier region, a member's at its
         assignment's tier."""
         with self._lock:
             self.pipeline.attempted(client_id)  # late or not: it works
-        assigned = self.check_header(client_id, header.round, header.assignment_id)
-        with self._lock:
+            rnd, assigned = self._header(client_id, header.round, header.assignment_id)
             self.pipeline.arrives(client_id, assigned.assignment_id)
+        if rnd is None:  # a late result: it has until the next round's close to arrive
+            assigned = dataclasses.replace(
+                assigned, deadline=self.clock() + self.config.round.deadline_s)
         if self.membership.get(client_id).relay:
             return Expected(assigned, self.layouts.partials(), partials=True)
         return Expected(assigned, self.layouts.of(assigned.tier))
@@ -358,16 +361,15 @@ class Coordinator:
             self.admissions.exclude(client_id, reason)
         self._advance()
 
-    def check_header(self, client_id: str, round_index: int,
-                     assignment_id: str | None = None) -> RoundAssignment:
-        """The assignment a submission's header names, before any result is read."""
-        with self._lock:
-            return self._header(client_id, round_index, assignment_id)[1]
-
     def _header(self, client_id: str, round_index: int, assignment_id: str | None
-                ) -> tuple[OpenRound, RoundAssignment]:
-        return self.gate.header(self.pipeline.collecting, client_id, round_index,
-                                assignment_id, now=self.clock(), finished=self.state.finished)
+                ) -> tuple[OpenRound | None, RoundAssignment]:
+        """(lock held) The round and assignment a submission's header names; no round for
+        a late result (``RoundPipeline.late_work``)."""
+        now = self.clock()
+        return self.gate.header(
+            self.pipeline.collecting, client_id, round_index, assignment_id, now=now,
+            finished=self.state.finished,
+            late=lambda client, index, aid: self.pipeline.late_work(client, index, aid, now=now))
 
     def submit(self, client_id: str, round_index: int, results: Sequence[SparseResult], *,
                loss: float | None = None, train_seconds: float | None = None,
@@ -408,10 +410,16 @@ class Coordinator:
             rnd, assigned = self._header(client_id, round_index, assignment_id)
             if relay:
                 delivered = assigned.without(missed, self._length)
-            self.pipeline.keep(rnd, delivered if relay else assigned, Submission(
-                kept, loss, self.clock(), wire_bytes, losses),
-                train_seconds=train_seconds, dense_bytes=self.dense_bytes(assigned.tier),
-                missed=missed if relay else ())
+            submission = Submission(kept, loss, self.clock(), wire_bytes, losses)
+            dense = self.dense_bytes(assigned.tier)
+            if rnd is None:  # late: folded into the next round to close
+                self.pipeline.keep_late(assigned, delivered if relay else assigned, submission,
+                                        train_seconds=train_seconds, dense_bytes=dense,
+                                        missed=missed if relay else ())
+            else:
+                self.pipeline.keep(rnd, delivered if relay else assigned, submission,
+                                   train_seconds=train_seconds, dense_bytes=dense,
+                                   missed=missed if relay else ())
         self._advance()  # the last submission makes the round ready to close
 
     def rejected(self, client_id: str, error: Exception) -> str:

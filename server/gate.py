@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from matformer.modeling.compression import Region, SparseResult, ValidResult, validate
 from matformer.modeling.errors import CompressionError
@@ -47,6 +47,8 @@ from matformer.server.rounds import OpenRound, RoundAssignment
 from matformer.server.tiers import MAX_TOKENS_PER_SECOND
 
 MAX_LOSS = 1e4  # nats per token; a random model's loss is ln(vocab_size), about 10
+# client id, round, assignment id → the assignment a late result may still deliver, or None
+LateLookup = Callable[[str, int, str | None], RoundAssignment | None]
 
 
 class SubmissionGate:
@@ -55,14 +57,27 @@ class SubmissionGate:
         self.limits = limits
 
     def header(self, rounds: Sequence[OpenRound], client_id: str, round_index: int,
-               assignment_id: str | None = None, *, now: float, finished: bool = False
-               ) -> tuple[OpenRound, RoundAssignment]:
+               assignment_id: str | None = None, *, now: float, finished: bool = False,
+               late: LateLookup | None = None) -> tuple[OpenRound | None, RoundAssignment]:
         """The round being collected (of ``rounds``, and not past its deadline at ``now``)
         and the sender's assignment in it that a submission's header names; StaleRound,
-        NotInRound, StaleAssignment or AlreadySubmitted else."""
+        NotInRound, StaleAssignment or AlreadySubmitted else. Where the answer would be
+        StaleRound, ``late`` may still name the assignment a late result delivers: then no
+        round, and that assignment."""
         if finished:
             raise StaleRound(f"the run is finished; round {round_index}'s results are not "
                              "needed.")
+        try:
+            return self._header(rounds, client_id, round_index, assignment_id, now=now)
+        except StaleRound as refused:
+            held = None if late is None or isinstance(refused, StaleAssignment) else late(
+                client_id, round_index, assignment_id)
+            if held is None:
+                raise
+            return None, held
+
+    def _header(self, rounds: Sequence[OpenRound], client_id: str, round_index: int,
+                assignment_id: str | None, *, now: float) -> tuple[OpenRound, RoundAssignment]:
         rnd = next((r for r in rounds if r.index == round_index), None)
         if rnd is None:
             collected = ", ".join(str(r.index) for r in rounds) or "none"

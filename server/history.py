@@ -89,7 +89,7 @@ class RunHistory:
               scores: Mapping[str, float], *, close_s: float) -> None:
         """The completed round: duration, slowest client, how long its close took, bytes as
         sent against their dense float32 size, who was dropped, each scored result's
-        agreement with its peers' (server/scores.py)."""
+        agreement with its peers' (server/scores.py), the late results it folded in."""
         now = self._clock()
         took = {c: s.received_at - rnd.opened_at for c, s in rnd.submissions.items()}
         slowest = max(took, key=took.__getitem__)
@@ -98,17 +98,24 @@ class RunHistory:
         state.rounds.append({
             "round": rnd.index, "opened_at": rnd.opened_at, "closed_at": now,
             "duration_s": now - rnd.opened_at,
-            "tokens": sum(a.tokens for a in rnd.assignments.values()),
+            "tokens": sum(a.tokens for a in rnd.assignments.values())
+            + sum(f.assignment.tokens for f in rnd.late),
             "clients": len(rnd.assignments),
             "slowest_client_id": slowest, "slowest_name": names.get(slowest, slowest),
             "slowest_s": took[slowest], "close_s": close_s,
-            "bytes_sent": sum(s.wire_bytes for s in rnd.submissions.values()),
+            "bytes_sent": sum(s.wire_bytes for s in [*rnd.submissions.values(),
+                                                     *(f.submission for f in rnd.late)]),
             "bytes_dense": sum(DENSE_BYTES_PER_VALUE * math.prod(region_shape(r.region))
                                for results in by_name.values() for r in results),
             "dropped": [{"client_id": c, "name": names.get(c, c), "reason": why}
                         for c, why in rnd.dropped.items()],
             "scores": [{"client_id": c, "name": names.get(c, c), "score": score}
                        for c, score in scores.items()],
+            # results of earlier rounds folded in, each at its weight ([round] late_rounds)
+            "late": [{"client_id": f.assignment.client_id,
+                      "name": names.get(f.assignment.client_id, f.assignment.client_id),
+                      "round": f.assignment.round, "tokens": f.assignment.tokens,
+                      "weight": f.weight} for f in rnd.late],
         })
         del state.rounds[:-MAX_ROUND_RECORDS]
 

@@ -14,7 +14,8 @@ assignment when it finishes training one (the answer to its submission carries i
 rounds close one at a time, in order, while the younger ones go on.
 
 The member-side consequences of a round live here too: who missed it (its ids back to the
-queue, a smaller share, in the end a smaller tier) and who finished early (a larger tier).
+queue, or held for its late result under ``[round] late_rounds``; a smaller share, in the end
+a smaller tier) and who finished early (a larger tier).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 
 from matformer.server.config import RunConfig
 from matformer.server.history import RunHistory
+from matformer.server.late import LateWork
 from matformer.server.membership import Member, Membership
 from matformer.server.rounds import (
     OpenRound,
@@ -76,6 +78,8 @@ class RoundPipeline:
         self.attempts_at_miss: dict[str, int] = {}
         self.owed: dict[str, float] = {}  # client id → ids rounding left it short (assign)
         self.sized = False  # whether rounds are sized below tokens_per_round (round_tokens)
+        # results that missed their round's deadline, while a later round may fold them in
+        self.late = LateWork(config.round.late_rounds, config.round.late_weight)
 
     @property
     def window(self) -> int:
@@ -128,14 +132,54 @@ class RoundPipeline:
             rnd.assignments[client_id] = assigned
             self.queue.requeue(missed)
         rnd.submissions[client_id] = submission
+        self._delivered(assigned, submission, rnd.opened_at, train_seconds=train_seconds,
+                        dense_bytes=dense_bytes)
+
+    def late_work(self, client_id: str, round_index: int, assignment_id: str | None, *,
+                  now: float) -> RoundAssignment | None:
+        """With late results on, the member's assignment in round ``round_index`` that its
+        submission may still deliver late: held since the round closed without it, or still
+        pending in the round being closed or in a collected one past its deadline. None
+        otherwise (the gate's refusal stands)."""
+        if not self.late.on:
+            return None
+        held = self.late.find(client_id, round_index, assignment_id)
+        if held is not None:
+            return held
+        rounds = [self.closing] if self.closing is not None else []
+        for rnd in [*rounds, *(r for r in self.collecting if now >= r.deadline)]:
+            if rnd.index == round_index and client_id in rnd.pending():
+                assigned = rnd.assignments[client_id]
+                if assignment_id is None or assignment_id == assigned.assignment_id:
+                    return assigned if assigned.assignment_id not in self.late.kept else None
+        return None
+
+    def keep_late(self, assigned: RoundAssignment, delivered: RoundAssignment,
+                  submission: Submission, *, train_seconds: float | None, dense_bytes: int,
+                  missed: Sequence[int] = ()) -> None:
+        """A late result the gate passed, kept for the next round to close (``assigned``:
+        the work it answers; ``delivered``: what a relay delivered of it, ``missed`` the
+        rest, which goes back to the queue)."""
+        self.late.keep(delivered, submission, assignment_id=assigned.assignment_id)
+        self.attempted(assigned.client_id)  # it delivers: counted after its miss, if before
+        if missed:
+            self.queue.requeue(missed)
+        opened_at = assigned.deadline - self.config.round.deadline_s  # about: its round's
+        self._delivered(delivered, submission, opened_at, train_seconds=train_seconds,
+                        dense_bytes=dense_bytes)
+
+    def _delivered(self, assigned: RoundAssignment, submission: Submission, opened_at: float,
+                   *, train_seconds: float | None, dense_bytes: int) -> None:
+        """What a kept submission says of its member: bytes, compute time, speed."""
+        client_id = assigned.client_id
         member = self.membership.get(client_id)
         member.bytes_up += submission.wire_bytes
         member.dense_bytes_up += dense_bytes
         member.compute_s += train_seconds or 0.0
         member.last_round_compute_s = train_seconds or 0.0
-        measured = train_seconds if train_seconds else submission.received_at - rnd.opened_at
+        measured = train_seconds if train_seconds else submission.received_at - opened_at
         self.membership.measured(client_id, assigned.tokens, measured)
-        started = max(rnd.opened_at, member.last_delivered_at)  # overlapped: after the last
+        started = max(opened_at, member.last_delivered_at)  # overlapped: after the last
         if submission.received_at > started:
             member.delivered_per_second = assigned.tokens / (submission.received_at - started)
         member.last_delivered_at = submission.received_at
@@ -264,6 +308,14 @@ class RoundPipeline:
         round up for minutes."""
         self.collecting.remove(rnd)
         self.closing = rnd
+        folded, expired = self.late.take(rnd.index)
+        rnd.late.extend(folded)
+        self.late.requeue(expired, self.queue.requeue)
+        for assignment in expired:
+            self.history.event("drop", self.membership.members.get(
+                assignment.client_id, assignment.client_id),
+                f"its late result for round {assignment.round} did not come within "
+                f"[round] late_rounds ({self.late.rounds}); its sequences are trained again")
         behind = self.collecting[0] if self.collecting else None
         if behind is not None:
             deadline = pulled_in(behind.deadline, now, self.config.round.deadline_s)
@@ -272,19 +324,24 @@ class RoundPipeline:
                 behind.assignments = {c: dataclasses.replace(a, deadline=deadline)
                                       for c, a in behind.assignments.items()}
 
-    def snapshot(self) -> list[tuple[OpenRound, dict[str, RoundAssignment], dict[str, str]]]:
+    def snapshot(self) -> tuple[list[tuple[OpenRound, dict[str, RoundAssignment],
+                                           dict[str, str]]], Any]:
         """The round being closed and those being collected, each with its assignments and
-        drops as they are, to ``restore``: a close that cannot be saved gives them back."""
+        drops as they are, and the late work, to ``restore``: a close that cannot be saved
+        gives them back."""
         rounds = [self.closing] if self.closing is not None else []
-        return [(r, dict(r.assignments), dict(r.dropped)) for r in [*rounds, *self.collecting]]
+        return ([(r, dict(r.assignments), dict(r.dropped)) for r in [*rounds, *self.collecting]],
+                self.late.snapshot())
 
-    def restore(self, snapshot: list[tuple[OpenRound, dict[str, RoundAssignment],
-                                           dict[str, str]]]) -> None:
+    def restore(self, snapshot: tuple[list[tuple[OpenRound, dict[str, RoundAssignment],
+                                                 dict[str, str]]], Any]) -> None:
         """As ``snapshot`` found them, the round that was being closed collected again."""
-        for rnd, assignments, dropped in snapshot:
+        rounds, late = snapshot
+        for rnd, assignments, dropped in rounds:
             rnd.assignments, rnd.dropped = assignments, dropped
         self.closing = None
-        self.collecting = [r for r, _, _ in snapshot]
+        self.collecting = [r for r, _, _ in rounds]
+        self.late.restore(late)
 
     def reopen(self, rnd: OpenRound) -> None:
         """A close that failed: ``rnd`` is collected again (its results kept)."""
@@ -302,9 +359,12 @@ class RoundPipeline:
 
     def saved_queue(self) -> dict[str, Any]:
         """The queue as state.json keeps it: a round not yet committed is not in the saved
-        state, so its ids (of every round in flight, oldest first) wait at the front."""
-        held = [i for rnd in ([self.closing] if self.closing else []) + self.collecting
-                for a in rnd.assignments.values() for i in a.sequence_ids]
+        state, so its ids (the late work's, then every round in flight's, oldest first) wait
+        at the front."""
+        rounds = ([self.closing] if self.closing else []) + self.collecting
+        held = self.late.ids() + [i for rnd in rounds for a in rnd.assignments.values()
+                                  if a.assignment_id not in self.late.kept
+                                  for i in a.sequence_ids]
         return {"position": self.queue.position, "requeued": held + list(self.queue.requeued)}
 
     # -- members who fall behind --------------------------------------------------------
@@ -398,22 +458,32 @@ class RoundPipeline:
         self.attempts[client_id] = self.attempts.get(client_id, 0) + 1
 
     def drop_member(self, client_id: str, why: str) -> None:
-        """Hand a member's unsubmitted ids of every round being collected back to the queue."""
+        """Hand a member's unsubmitted ids of every round being collected back to the queue,
+        and those of its late work not delivered (in front: the oldest)."""
         for rnd in reversed(self.collecting):
             if client_id not in rnd.submissions:
                 dropped = rnd.assignments.pop(client_id, None)
                 if dropped is not None:
                     self.queue.requeue(dropped.sequence_ids)
                     rnd.dropped[client_id] = why
+        self.late.requeue(self.late.drop(client_id), self.queue.requeue)
 
     def settle(self, rnd: OpenRound) -> None:
         """The members' side of a round that ended: who missed it (their ids back to the
-        queue, a smaller share next time) and who was early."""
+        queue, or held for a late result; a smaller share next time) and who was early."""
+        deadline = self.config.round.deadline_s
         for client in rnd.pending():
-            self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
-            rnd.dropped[client] = f"missed the deadline ({self.config.round.deadline_s:g} s)"
-            self.missed(client, f"missed the round {rnd.index} deadline "
-                                f"({self.config.round.deadline_s:g} s)")
+            assignment = rnd.assignments.pop(client)
+            late = ""
+            if self.late.on:  # its result may still come: held, or already kept
+                if assignment.assignment_id not in self.late.kept:
+                    self.late.hold(assignment)
+                late = (f"; its result may still be folded into the next "
+                        f"{self.late.rounds} round(s)")
+            else:
+                self.queue.requeue(assignment.sequence_ids)
+            rnd.dropped[client] = f"missed the deadline ({deadline:g} s){late}"
+            self.missed(client, f"missed the round {rnd.index} deadline ({deadline:g} s){late}")
         self._pace(rnd)
 
     def missed(self, client_id: str, why: str) -> None:

@@ -73,6 +73,16 @@ class Submission:
     tier_losses: dict[int, tuple[float, int]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class Folded:
+    """A late result as the round it is folded into takes it (``server/late.py``)."""
+
+    assignment: RoundAssignment  # what it delivered (a relay's: less what its members missed)
+    submission: Submission  # its results, their tokens scaled by ``weight``
+    weight: float  # the share of its tokens the aggregate counts
+    into: int  # the round it is folded into
+
+
 @dataclass(slots=True)
 class OpenRound:
     index: int
@@ -83,6 +93,7 @@ class OpenRound:
     submissions: dict[str, Submission] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)  # client id → why it left the round
     names: dict[str, str] = field(default_factory=dict)  # client id → its name, at opening
+    late: list[Folded] = field(default_factory=list)  # earlier rounds' results folded in
 
     def complete(self) -> bool:
         return all(c in self.submissions for c in self.assignments)

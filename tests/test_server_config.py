@@ -124,7 +124,7 @@ def test_relative_paths_resolve_against_the_toml_folder(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("data", "pattern"), [
     (with_keys("round", deadline=5),
      r"\[round\] has no key 'deadline'; did you mean 'deadline_s'\? valid keys: min_clients, "
-     r"deadline_s, tokens_per_round, rounds, tokens, overlap\."),
+     r"deadline_s, tokens_per_round, rounds, tokens, overlap, late_rounds, late_weight\."),
     (minimal(roud={}), r"run\.toml has no key 'roud'; did you mean 'round'\?"),
     (minimal(model={"inline": {**MODEL, "hiden_size": 8}}),
      r"\[model\.inline\] has no key 'hiden_size'; did you mean 'hidden_size'\?"),

@@ -50,6 +50,13 @@ class RoundSection:
     # held-out loss (bench/README.md, "Overlapped rounds, measured").
     overlap: bool = setting(True, help=(
         "hand out round r+1's work before round r closes (false: synchronous rounds)"))
+    # A result that misses its round's deadline is folded into a later round instead of its
+    # sequences being trained again (docs/architecture.md, "Late results").
+    late_rounds: int = setting(0, low=0, high=MAX_COUNT, help=(
+        "rounds after its own a late result may still be folded into (0: a late result is "
+        "refused and its sequences are trained again)"))
+    late_weight: float = setting(1.0, low=0, above=True, high=1.0, help=(
+        "a late result's weight in the aggregate, per round late, as a share of its tokens"))
 
     def __post_init__(self) -> None:
         if self.rounds is None and self.tokens is None:

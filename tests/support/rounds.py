@@ -47,9 +47,11 @@ def committed(coordinator: Coordinator, rounds: int, timeout_s: float = 60.0) ->
         raise AssertionError(f"round {rounds - 1} did not close within {timeout_s:g} s")
 
 
-def results(coordinator, client_id, *, salt=0, names=None, tokens=None) -> list[SparseResult]:
-    """Dense results of one client at its tier, for every (or the named) parameter."""
-    assignment = assigned(coordinator, client_id)
+def results(coordinator, client_id, *, salt=0, names=None, tokens=None, assignment=None
+            ) -> list[SparseResult]:
+    """Dense results of one client at its tier, for every (or the named) parameter, of its
+    oldest assignment (or ``assignment``)."""
+    assignment = assignment or assigned(coordinator, client_id)
     regions = coordinator.regions(assignment.tier)
     out = []
     for name in names or sorted(coordinator.shapes):
