@@ -110,6 +110,9 @@ class FederatedSettings:
         "compute at this fraction of the machine's speed (each round's training is followed "
         "by a pause in proportion; simulates a slower machine, as local-testnet "
         "--client-speeds does)"))
+    busy_s: float = setting(0.0, low=0, help=(
+        "with --compute-speed: compute at that fraction only every other this many seconds, "
+        "at full speed between (a machine busy half the time; 0: always)"))
     max_rounds: int | None = setting(None, low=0, help=(
         "leave after training this many rounds (0: join, load the run's weights, leave)"))
     progress: bool | None = setting(None, help=(
@@ -141,7 +144,7 @@ def federated_options(args: argparse.Namespace) -> FederatedOptions:
         join_token=given.join_token, run_id=given.run_id, state_dir=given.state_dir,
         tls_ca=given.tls_ca, also_train=tuple(given.also_train),
         latency_ms=given.latency_ms, bandwidth_mbit=given.bandwidth_mbit,
-        compute_speed=given.compute_speed, max_rounds=given.max_rounds,
+        compute_speed=given.compute_speed, busy_s=given.busy_s, max_rounds=given.max_rounds,
         progress=given.progress)
     if given.name:
         options.name = given.name

@@ -98,8 +98,18 @@ class FederatedOptions:
     latency_ms: float = 0.0  # added before every call: local-testnet's simulated WAN
     bandwidth_mbit: float = 0.0  # each way, on every message (protocol/link.py); 0: none
     compute_speed: float = 1.0  # < 1: a slower machine (local-testnet's --client-speeds)
+    busy_s: float = 0.0  # > 0: at compute_speed only every other busy_s seconds (a busy machine)
     max_rounds: int | None = None  # leave after training this many rounds; None: until the end
     progress: bool | None = None  # a progress bar; None: when stderr is a terminal
+
+
+def speed_at(compute_speed: float, busy_s: float, elapsed_s: float) -> float:
+    """The fraction of its machine's speed a client computes at ``elapsed_s`` after its start:
+    ``compute_speed``, or with ``busy_s`` only in the busy half of each period (the first
+    ``busy_s`` seconds, then every other ``busy_s``), full speed in the other."""
+    if busy_s > 0 and elapsed_s // busy_s % 2 == 1:
+        return 1.0
+    return compute_speed
 
 
 class FederatedClient:
@@ -127,6 +137,7 @@ class FederatedClient:
         self.local_round: LocalRound | None = None
         self.sequences: SequenceSource | None = None
         self.cost = Cost()
+        self.started = time.monotonic()  # the clock ``busy_s`` counts its periods by
 
     @property
     def tier(self) -> int:
@@ -262,10 +273,13 @@ class FederatedClient:
     def compute(self, sequences: list[torch.Tensor], round_index: int,
                  advance: Advance | None = None) -> RoundWork:
         """A round's local work on every rank (``advance``: ``LocalRound.run``'s); with
-        ``compute_speed`` below 1, then a pause to take 1 / compute_speed times as long."""
+        ``compute_speed`` below 1, then a pause to take 1 / compute_speed times as long
+        (with ``busy_s``, only in the busy half of each period: the first ``busy_s`` seconds
+        from the client's start, every other ``busy_s`` seconds after)."""
         self.node.train(sequences, round_index)
         done = self.local_round.run(sequences, step=round_index, advance=advance)
-        speed = self.options.compute_speed
+        speed = speed_at(self.options.compute_speed, self.options.busy_s,
+                         time.monotonic() - self.started)
         if speed < 1:
             pause = done.seconds * (1 / speed - 1)
             time.sleep(pause)

@@ -98,6 +98,10 @@ class TestnetSettings:
     client_speeds: list[float] = setting([1.0], help=(
         "comma-separated fractions of this machine's speed the clients compute at, cycled "
         "over them (e.g. 1,0.5,0.25: a fast, a half and a quarter-speed member)"))
+    busy_s: float = setting(0.0, low=0, help=(
+        "the clients slowed by --client-speeds are slowed only every other this many seconds, "
+        "and compute at full speed between: machines busy half the time, whose speed the "
+        "coordinator cannot foresee (0: slowed throughout)"))
     netns: bool = setting(False, help=(
         "each process in a network namespace of its own, joined over veth pairs to one "
         "bridge: real links, real TCP (needs root and `ip netns`)"))
@@ -306,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         net = Testnet(TestnetPlan(
             config=config_path, overrides=overrides, grpc_port=grpc_port, http_port=http_port,
-            run_dir=run_dir, clients=clients, latency_ms=args.latency_ms,
+            run_dir=run_dir, clients=clients, latency_ms=args.latency_ms, busy_s=args.busy_s,
             bandwidth_mbit=args.bandwidth_mbit, device=args.device, threads=args.threads,
             events=events, tls_ca=config.tls.cert, tls_key=config.tls.key, env=env,
             relay_env=relay_env,

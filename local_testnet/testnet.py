@@ -124,6 +124,7 @@ class TestnetPlan:
     run_dir: Path
     clients: list[ClientSpec]
     latency_ms: float = 0.0
+    busy_s: float = 0.0  # the slowed clients' busy and idle periods (0: always slowed)
     bandwidth_mbit: float = 0.0  # each client's upload and download limit; 0: none
     device: str | None = None  # the clients' --device; None: their default
     threads: int = 1  # each client's --threads
@@ -294,6 +295,8 @@ class Testnet:
             "--state-dir", str(p.run_dir / "clients" / spec.name), "--no-progress")
         if spec.speed != 1:
             argv += ["--compute-speed", str(spec.speed)]
+            if p.busy_s:
+                argv += ["--busy-s", str(p.busy_s)]
         if p.latency_ms:
             argv += ["--latency-ms", str(p.latency_ms)]
         if p.bandwidth_mbit:

@@ -51,7 +51,7 @@ class LateWork:
     def keep(self, delivered: RoundAssignment, submission: Submission, *,
              assignment_id: str) -> None:
         """A late result that passed the gate, kept until the next round detaches."""
-        del self.held[assignment_id]
+        self.held.pop(assignment_id, None)  # not held: its round had not closed yet
         self.kept[assignment_id] = (delivered, submission)
 
     def take(self, closing: int) -> tuple[list[Folded], list[RoundAssignment]]:

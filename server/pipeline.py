@@ -484,6 +484,8 @@ class RoundPipeline:
                 self.queue.requeue(assignment.sequence_ids)
             rnd.dropped[client] = f"missed the deadline ({deadline:g} s){late}"
             self.missed(client, f"missed the round {rnd.index} deadline ({deadline:g} s){late}")
+            if assignment.assignment_id in self.late.kept:
+                self.attempted(client)  # its late result is in already: it works
         self._pace(rnd)
 
     def missed(self, client_id: str, why: str) -> None:

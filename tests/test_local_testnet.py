@@ -15,6 +15,7 @@ import torch
 from support.certs import self_signed
 from support.helpers import TESTNET_MODEL, local_testnet_toml, run_testnet
 
+from matformer.client.federated import speed_at
 from matformer.local_testnet import testnet as testnets  # its classes are not tests
 from matformer.local_testnet.chaos import SERVER, chaos_plan, check_run
 from matformer.local_testnet.default_run import write_default_run
@@ -182,6 +183,16 @@ def test_the_testnets_flags_read_as_declared():
     assert (args.tiers, args.client_speeds, args.eval, args.overlap) == ([0, 2], [1.0, 0.5],
                                                                          False, True)
     assert parse_args([]).tiers == [0, 1, 2] and parse_args([]).eval
+
+
+def test_a_busy_machine_is_slowed_every_other_period():
+    """--busy-s: the clients --client-speeds slows compute at their fraction in the first
+    period and every other one after, at full speed between (what late results are
+    measured with, bench/README.md "Late results")."""
+    assert parse_args(["--busy-s", "15"]).busy_s == 15.0 and parse_args([]).busy_s == 0.0
+    assert [speed_at(0.25, 15.0, t) for t in (0.0, 14.9, 15.0, 29.9, 30.0, 46.0)] == [
+        0.25, 0.25, 1.0, 1.0, 0.25, 1.0]
+    assert speed_at(0.25, 0.0, 1e6) == 0.25 and speed_at(1.0, 15.0, 0.0) == 1.0
 
 
 def test_a_second_testnet_in_a_running_ones_folder_is_refused(tmp_path, capsys):

@@ -159,3 +159,26 @@ def test_late_rounds_is_off_unless_set_and_the_weight_is_a_share():
     for bad in (1.5, 0.0):
         with pytest.raises(InvalidValue, match=r"\[round\] late_weight"):
             RunConfig.from_dict(checked_tables(round={"rounds": 10, "late_weight": bad}))
+
+
+def test_a_result_arriving_while_its_round_is_being_closed_is_folded_into_the_next(
+        tmp_path, mdat_path):
+    """Its round left collection for its close without it, and is not yet committed (so
+    nothing holds its work yet): the result is kept, and the round behind folds it in."""
+    clock = Clock()
+    c, a, b, _ = started(late_run(tmp_path, mdat_path), clock)
+    mine = c.assignment_for(b)
+    c.submit(a, 0, results(c, a), loss=1.0)
+    clock.now = mine.deadline + 0.1
+    with c._lock:
+        closing = c._step(detach=True)
+    assert closing is not None and c.pipeline.closing is closing.rnd
+    c.submit(b, 0, results(c, b, assignment=mine), loss=1.0)
+    c.closer.close(closing)
+    assert not c.pipeline.late.held and list(c.pipeline.late.kept) == [mine.assignment_id]
+    c.advance()  # round 1 opens
+    for x in list(c.pipeline.collecting[0].assignments):  # (b's halved share may be none)
+        c.submit(x, 1, results(c, x), loss=1.0)
+    assert c.state.round == 2 and [x["round"] for x in c.state.rounds[-1]["late"]] == [0]
+    check = audit(c.queue.order, RunState.load(c.dir).queue, TrainedLedger(c.dir).rounds())
+    assert check.exactly_once and check.trained == check.handed_out
