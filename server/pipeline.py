@@ -407,7 +407,8 @@ class RoundPipeline:
         missed its last round and has handed nothing in since, not even late (it takes work
         and may deliver nothing; each such round is one more miss, and [faults] max_misses
         in a row exclude it; one whose upload is arriving, over a slow link, is waited for).
-        Their ids go back to the queue."""
+        Their ids go back to the queue; with late results on, a missing member's wait for
+        its late result first (it may be slow rather than gone)."""
         if not self.collecting:
             return
         rnd = self.collecting[0]
@@ -421,7 +422,11 @@ class RoundPipeline:
         if refused | missing != set(pending):
             return
         for client in pending:
-            self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            assignment = rnd.assignments.pop(client)
+            if client in missing and self.late.on:  # it may still deliver, late
+                self.late.hold(assignment)
+            else:
+                self.queue.requeue(assignment.sequence_ids)
             if client in refused:
                 rnd.dropped[client] = "its submission was refused"
                 self.history.event("drop", self.membership.members.get(client, client),

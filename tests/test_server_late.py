@@ -182,3 +182,27 @@ def test_a_result_arriving_while_its_round_is_being_closed_is_folded_into_the_ne
     assert c.state.round == 2 and [x["round"] for x in c.state.rounds[-1]["late"]] == [0]
     check = audit(c.queue.order, RunState.load(c.dir).queue, TrainedLedger(c.dir).rounds())
     assert check.exactly_once and check.trained == check.handed_out
+
+
+def test_work_of_a_member_not_waited_for_is_held_for_its_late_result(tmp_path, mdat_path):
+    """Once the others are in, a round stops waiting for a member that missed its last round
+    (RoundPipeline.drop_refused); with late results on its work there waits for it too, since
+    a busy machine is slow rather than gone, and both late results are folded in."""
+    clock = Clock()
+    c, a, b, _ = started(late_run(tmp_path, mdat_path, late_rounds=3), clock)
+    first = miss_round_0(c, clock, a, b)
+    second = c.assignment_for(b)
+    assert second is not None and second.round == 1
+    c.submit(a, 1, results(c, a), loss=1.0)  # round 1 closes without b
+    assert c.state.round == 2 and set(c.pipeline.late.held) == {first.assignment_id,
+                                                                 second.assignment_id}
+    assert "was not waited for" in c.state.rounds[-1]["dropped"][0]["reason"]
+    for late in (first, second):
+        c.submit(b, late.round, results(c, b, assignment=late), loss=1.0,
+                 assignment_id=late.assignment_id)
+    for x in list(c.pipeline.collecting[0].assignments):
+        c.submit(x, 2, results(c, x), loss=1.0)
+    assert [(x["round"], x["weight"]) for x in c.state.rounds[-1]["late"]] == [(0, 1.0),
+                                                                               (1, 1.0)]
+    check = audit(c.queue.order, RunState.load(c.dir).queue, TrainedLedger(c.dir).rounds())
+    assert check.exactly_once and check.trained == check.handed_out
