@@ -32,6 +32,8 @@ from matformer.modeling.compression import (
     validate,
     validate_all,
 )
+from matformer.modeling.compression.quantize import code_range, codes_of, dequantize
+from matformer.modeling.compression.wire import pack_bits, unpack_bits
 from matformer.modeling.errors import CompressionError
 from matformer.protocol.errors import LayoutMismatch, MalformedSparseResult
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
@@ -52,6 +54,7 @@ class ResultLayout:
     chunk: tuple[int, ...]  # the run's chunk on this parameter's grid; () for dense
     topk: int  # values per chunk at most (topk, dct)
     value_dtype: str  # the values' dtype name (protocol.tensors.DTYPES)
+    value_bits: int = 0  # low-bit values: codes of this many bits, packed, and scales
 
     @property
     def max_chunks(self) -> int:
@@ -75,7 +78,8 @@ def result_layouts(compressor: Compressor, shapes: Mapping[str, tuple[int, ...]]
         shape=tuple(shape), region=tuple((start, stop) for start, stop in regions[name]),
         encoding=compressor.encoding_name,
         chunk=() if dense else ChunkGrid.of(shape, compressor.chunk).chunk,
-        topk=compressor.topk, value_dtype=dtype_name(values)) for name, shape in shapes.items()}
+        topk=compressor.topk, value_dtype=dtype_name(values),
+        value_bits=0 if dense else compressor.value_bits) for name, shape in shapes.items()}
 
 
 def partial_layouts(compressor: Compressor, shapes: Mapping[str, tuple[int, ...]],
@@ -87,18 +91,25 @@ def partial_layouts(compressor: Compressor, shapes: Mapping[str, tuple[int, ...]
     layouts: dict[tuple[str, Region], ResultLayout] = {}
     for regions in tier_regions.values():
         for name, layout in result_layouts(compressor, shapes, regions).items():
-            wide = dataclasses.replace(layout, value_dtype="float32",
+            wide = dataclasses.replace(layout, value_dtype="float32", value_bits=0,
                                        topk=math.prod(layout.chunk) if layout.chunk else 0)
             layouts[name, layout.region] = wide
     return layouts
 
 
 def encode_sparse_result(result: SparseResult) -> pb.SparseResult:
-    chunks, indices = result.chunks, result.indices
+    chunks, indices, values = result.chunks, result.indices, result.values
     if result.chunk:  # topk / dct: narrow ids and positions to what their bounds need
         grid = ChunkGrid(shape=result.shape, chunk=result.chunk)
         chunks = chunks.to(index_dtype(grid.size))
         indices = indices.to(index_dtype(grid.chunk_numel))
+    scales = None
+    if result.value_bits:  # the codes the values stand on, packed, and the scales
+        bits = result.value_bits
+        codes = codes_of(values.cpu(), result.scales.cpu(), bits).to(torch.int64)
+        packed = pack_bits(codes - code_range(bits)[0], bits)
+        values = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+        scales = encode_tensor(result.scales.float())
     return pb.SparseResult(
         name=result.name,
         shape=result.shape,
@@ -107,8 +118,9 @@ def encode_sparse_result(result: SparseResult) -> pb.SparseResult:
         chunk=result.chunk,
         chunks=encode_tensor(chunks),
         indices=encode_tensor(indices),
-        values=encode_tensor(result.values),
+        values=encode_tensor(values),
         tokens=result.tokens,
+        scales=scales,
     )
 
 
@@ -144,6 +156,16 @@ def decode_sparse_results(messages: Sequence[pb.SparseResult],
 
 def _decoded(message: pb.SparseResult, layout: ResultLayout) -> SparseResult:
     what = f"sparse result {message.name!r}"
+    indices = decode_tensor(message.indices, f"{what}: indices").to(torch.int64)
+    values = decode_tensor(message.values, f"{what}: values")
+    scales = None
+    if layout.value_bits:  # the float32 values the codes stand for, as the sender kept them
+        scales = decode_tensor(message.scales, f"{what}: scales")
+        if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+            raise MalformedSparseResult(f"{what}: scales must be finite and >= 0.")
+        bits = layout.value_bits
+        codes = unpack_bits(values.numpy().tobytes(), bits, indices.numel())
+        values = dequantize((codes + code_range(bits)[0]).reshape(indices.shape), scales)
     return SparseResult(
         name=message.name,
         shape=layout.shape,
@@ -151,9 +173,11 @@ def _decoded(message: pb.SparseResult, layout: ResultLayout) -> SparseResult:
         encoding=message.encoding,
         chunk=layout.chunk,
         chunks=decode_tensor(message.chunks, f"{what}: chunks").to(torch.int64),
-        indices=decode_tensor(message.indices, f"{what}: indices").to(torch.int64),
-        values=decode_tensor(message.values, f"{what}: values"),
+        indices=indices,
+        values=values,
         tokens=message.tokens,
+        value_bits=layout.value_bits,
+        scales=scales,
     )
 
 
@@ -181,12 +205,25 @@ def check_layout(message: pb.SparseResult, layout: ResultLayout) -> None:
     k = indices.shape[1] if len(indices.shape) == 2 and indices.shape[0] == n else -1
     fits = 0 <= n <= layout.max_chunks and 0 <= k <= layout.per_chunk
     expected = region_shape(layout.region) if not layout.chunk else (n, k)
-    if not fits or tuple(values.shape) != expected or values.dtype != layout.value_dtype:
+    dtype = layout.value_dtype
+    if layout.value_bits:  # the codes, packed, and a scale per chunk
+        expected, dtype = (-(-max(n, 0) * max(k, 0) * layout.value_bits // 8),), "uint8"
+        scales = message.scales
+        if not message.HasField("scales") or scales.dtype != "float32" or tuple(
+                scales.shape) != (n,):
+            raise LayoutMismatch(
+                f"{what} declares scales {scales.dtype[:20]} {list(scales.shape)}; the run's "
+                f"{layout.value_bits}-bit values need one float32 scale per chunk sent ({n}).")
+    elif message.HasField("scales"):
+        raise LayoutMismatch(f"{what} has scales, but the run's values are "
+                             f"{layout.value_dtype}, not low-bit codes.")
+    if not fits or tuple(values.shape) != expected or values.dtype != dtype:
         raise LayoutMismatch(
             f"{what} declares chunks {list(chunks.shape)}, indices {list(indices.shape)} and "
             f"{values.dtype[:20]} values {list(values.shape)}; the run takes at most "
-            f"{layout.max_chunks} chunks of at most {layout.per_chunk} {layout.value_dtype} "
-            "values for it. Send results encoded with the run's settings.")
+            f"{layout.max_chunks} chunks of at most {layout.per_chunk} "
+            f"{f'{layout.value_bits}-bit' if layout.value_bits else layout.value_dtype} values "
+            "for it. Send results encoded with the run's settings.")
 
 
 class ResultLayouts:

@@ -72,9 +72,11 @@ class SubmissionLimits:
             raise WrongEncoding(f"{name} is encoded as {result.encoding!r}, the run uses "
                                 f"{c.encoding_name!r}; take the settings from JoinReply.")
         want_dtype = c.momentum_dtype if c.encoding_name == "dense" else c.value_dtype
-        if result.values.dtype != want_dtype:
-            raise WrongEncoding(f"{name}: values are {result.values.dtype}, the run sends "
-                                f"{want_dtype}; take value_dtype from JoinReply.settings.")
+        if result.values.dtype != want_dtype or result.value_bits != c.value_bits:
+            sent = f"{result.value_bits}-bit codes" if result.value_bits else result.values.dtype
+            want = f"{c.value_bits}-bit codes" if c.value_bits else want_dtype
+            raise WrongEncoding(f"{name}: values are {sent}, the run sends {want}; take "
+                                "value_dtype from JoinReply.settings.")
         if c.encoding_name == "dense":
             return
         chunk = tuple(ChunkGrid.of(result.shape, c.chunk).chunk)

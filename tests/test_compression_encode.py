@@ -127,7 +127,9 @@ def test_error_feedback_with_decay_discounts_older_rounds():
         ({"topk": 0}, CompressionConfigError, "topk must be >= 1"),
         ({"decay": 1.5}, CompressionConfigError, "decay must lie in"),
         ({"lr": 0.0}, CompressionConfigError, r"lr must lie in \(0, 10.0\]"),
-        ({"value_dtype": "int8"}, CompressionConfigError, "value_dtype 'int8' is not one of"),
+        ({"value_dtype": "int3"}, CompressionConfigError, "value_dtype 'int3' is not one of"),
+        ({"encoding": "dense", "value_dtype": "int4"}, CompressionConfigError,
+         "value_dtype int4 quantizes each chunk's kept values, so it needs encoding topk"),
     ],
 )
 def test_bad_settings_are_named_errors(settings, error, message):

@@ -17,6 +17,7 @@ from torch import Tensor
 from matformer.modeling.compression.encodings import ENCODERS, Encoding, get_encoding
 from matformer.modeling.compression.feedback import ErrorFeedback
 from matformer.modeling.compression.grid import ChunkGrid, Region, region_shape
+from matformer.modeling.compression.quantize import QUANTIZED_BITS
 from matformer.modeling.compression.sparse import SparseResult
 from matformer.modeling.errors import CompressionConfigError, ResultShapeMismatch, SettingsError
 from matformer.modeling.settings import check_declared, setting
@@ -30,7 +31,10 @@ MAX_LR = 10.0  # a run's bound on a learning rate: a step of 10·sign(aggregate)
 # (float32 weights before minus after a client's local steps) travels without rounding, so
 # the coordinator's step lands on the client's float32 weights bit for bit.
 VALUE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "float64": torch.float64}
+                "float64": torch.float64,
+                # codes of 2, 4 or 8 bits and a float32 scale per chunk (topk, dct): the
+                # values stand on the scale's half-integer levels (compression/quantize.py)
+                **dict.fromkeys(QUANTIZED_BITS, torch.float32)}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,7 +49,9 @@ class CompressionConfig:
     topk: int = setting(32, low=1, help=(  # at most chunk²: __post_init__
         "values kept per chunk (topk, dct); at most chunk²"))
     value_dtype: str = setting("bfloat16", choices=VALUE_DTYPES, help=(
-        "dtype of the values sent (topk, dct); dense sends float32, or float64 when asked"))
+        "dtype of the values sent (topk, dct): bfloat16 | float16 | float32, or int2 | int4 "
+        "| int8 (codes of that many bits and a scale per chunk); dense sends float32, or "
+        "float64 when asked"))
     decay: float = setting(0.999, low=0, high=1, help=(
         "momentum decay β in m ← β·m + lr·g; 1 accumulates without decay"))
     lr: float = setting(1.0, low=0, above=True, high=MAX_LR, help=(
@@ -60,6 +66,10 @@ class CompressionConfig:
         if self.value_dtype == "float64" and self.encoding != "dense":
             raise CompressionConfigError(f"value_dtype float64 is for encoding dense (exact "
                                          f"results), not {self.encoding}.")
+        if self.value_dtype in QUANTIZED_BITS and self.encoding == "dense":
+            raise CompressionConfigError(f"value_dtype {self.value_dtype} quantizes each "
+                                         "chunk's kept values, so it needs encoding topk or "
+                                         "dct, not dense.")
         most = min(self.chunk ** 2, UINT32_MAX)
         if self.encoding != "dense" and self.topk > most:
             raise CompressionConfigError(f"topk must lie in [1, {most}] (chunk {self.chunk}²), "
@@ -69,7 +79,7 @@ class CompressionConfig:
         return Compressor(
             encoding_name=self.encoding, encoding=get_encoding(self.encoding), chunk=self.chunk,
             topk=self.topk, value_dtype=VALUE_DTYPES[self.value_dtype], decay=self.decay,
-            lr=self.lr,
+            lr=self.lr, value_bits=QUANTIZED_BITS.get(self.value_dtype, 0),
         )
 
 
@@ -82,6 +92,7 @@ class Compressor:
     value_dtype: torch.dtype
     decay: float
     lr: float
+    value_bits: int = 0  # codes of this many bits and a scale per chunk; 0: value_dtype
 
     def encode(
         self, name: str, values: Tensor, *, shape: Sequence[int], region: Region, tokens: int
@@ -95,12 +106,14 @@ class Compressor:
                 f"(shape {region_shape(region)}); pass the tier slice of the tensor."
             )
         encoded = self.encoding.encode(
-            values, grid, region, topk=self.topk, value_dtype=self.value_dtype
+            values, grid, region, topk=self.topk, value_dtype=self.value_dtype,
+            value_bits=self.value_bits,
         )
         return SparseResult(
             name=name, shape=grid.shape, region=region, encoding=self.encoding_name,
             chunk=encoded.chunk, chunks=encoded.chunks, indices=encoded.indices,
-            values=encoded.values, tokens=tokens,
+            values=encoded.values, tokens=tokens, value_bits=self.value_bits,
+            scales=encoded.scales,
         )
 
     @property

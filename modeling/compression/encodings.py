@@ -20,6 +20,7 @@ from torch import Tensor
 
 from matformer.modeling.compression.dct import chunkwise_dct, chunkwise_idct, stacked
 from matformer.modeling.compression.grid import ChunkGrid, Region, region_shape
+from matformer.modeling.compression.quantize import quantize
 from matformer.modeling.compression.sparse import SparseResult
 from matformer.modeling.errors import (
     ChunkIdError,
@@ -39,14 +40,16 @@ class Encoded(NamedTuple):
     chunks: Tensor
     indices: Tensor
     values: Tensor
+    scales: Tensor | None = None  # with value_bits: each chunk's scale (modeling.quantize)
 
 
 class Encoding(Protocol):
     def encode(
         self, values: Tensor, grid: ChunkGrid, region: Region, *, topk: int,
-        value_dtype: torch.dtype,
+        value_dtype: torch.dtype, value_bits: int = 0,
     ) -> Encoded:
-        """Encode region-shaped ``values``; ``topk`` values per chunk in ``value_dtype``."""
+        """Encode region-shaped ``values``; ``topk`` values per chunk in ``value_dtype``, or
+        (``value_bits``) as codes of that many bits and a scale per chunk."""
         ...
 
     def decode(self, result: SparseResult) -> Tensor:
@@ -69,7 +72,7 @@ class Dense:
 
     def encode(
         self, values: Tensor, grid: ChunkGrid, region: Region, *, topk: int,
-        value_dtype: torch.dtype,
+        value_dtype: torch.dtype, value_bits: int = 0,
     ) -> Encoded:
         empty = torch.empty((0,), dtype=torch.int64)
         return Encoded((), empty, empty.reshape(0, 0), values.detach().clone())
@@ -100,15 +103,18 @@ class ChunkTopK:
 
     def encode(
         self, values: Tensor, grid: ChunkGrid, region: Region, *, topk: int,
-        value_dtype: torch.dtype,
+        value_dtype: torch.dtype, value_bits: int = 0,
     ) -> Encoded:
         blocks = grid.blocks(values.detach().float(), region)  # (n, *chunk)
         flat = stacked(self.forward, blocks).reshape(len(blocks), -1)  # (n, chunk_numel)
         indices = flat.abs().topk(min(topk, flat.shape[1]), dim=1).indices  # (n, k)
         # ascending in each row: the receiver then sees them distinct in one read (``check``)
         indices = indices.sort(dim=1).values
-        kept = flat.gather(1, indices).to(value_dtype)
-        return Encoded(grid.chunk, grid.chunk_ids(region), indices, kept)
+        kept = flat.gather(1, indices)
+        if value_bits:  # the values the codes stand for, float32, and the scales
+            kept, scales = quantize(kept, value_bits)
+            return Encoded(grid.chunk, grid.chunk_ids(region), indices, kept, scales)
+        return Encoded(grid.chunk, grid.chunk_ids(region), indices, kept.to(value_dtype))
 
     def decode(self, result: SparseResult) -> Tensor:
         grid = ChunkGrid(shape=result.shape, chunk=result.chunk)

@@ -10,7 +10,8 @@ A region that ends inside a chunk (or a tensor whose size the chunk does not div
 partial edge chunk: ``indices`` still number positions of the full chunk shape, and positions
 outside the region are dropped on decoding (``grid.py``). ``values`` travel in the dtype the
 encoder chose (``CompressionConfig.value_dtype``, bfloat16 by default; dense: the momentum's
-own float32), so error feedback subtracts exactly what was sent. ``tokens`` must be >= 1.
+own float32), so error feedback subtracts exactly what was sent; low-bit values are kept as
+the float32 values their codes stand for, with a scale per chunk. ``tokens`` must be >= 1.
 """
 
 from __future__ import annotations
@@ -31,3 +32,8 @@ class SparseResult:
     indices: Tensor  # (n, k) int64 positions inside each chunk (row-major); empty for "dense"
     values: Tensor  # (n, k) values; for "dense" the region's values, shaped like the region
     tokens: int  # training tokens behind this result (the aggregation weight)
+    # low-bit values ([compression] value_dtype int2 / int4 / int8): ``values`` are the
+    # float32 values the codes stand for, with each chunk's (n,) float32 scale; the wire
+    # carries the codes (modeling/compression/quantize.py)
+    value_bits: int = 0
+    scales: Tensor | None = None

@@ -3,7 +3,8 @@
 In memory, chunk ids and positions are int64; on the wire each needs only the smallest
 signed integer type that holds its range: positions inside a 64 × 64 chunk (< 4096) fit in
 int16, inside a 64-long 1-D chunk in int8; chunk ids are bounded by the grid's chunk count.
-Values travel in their own dtype (bfloat16 by default for topk/dct, see ``compressor.py``).
+Values travel in their own dtype (bfloat16 by default for topk/dct, see ``compressor.py``), or
+as low-bit codes packed to their bits with a float32 scale per chunk (``quantize.py``).
 Fixed fields (name, shape, region, chunk, tokens) are a few dozen bytes and not counted.
 The broadcast's positions are packed to the bits they need (``pack_bits``): 12 for 4096.
 """
@@ -29,8 +30,11 @@ def index_dtype(bound: int) -> torch.dtype:
 
 
 def payload_bytes(result: SparseResult) -> int:
-    """Bytes of chunk ids, positions and values at their wire dtypes."""
+    """Bytes of chunk ids, positions and values at their wire dtypes (low-bit values: their
+    codes, packed, and a float32 scale per chunk)."""
     values = result.values.numel() * result.values.element_size()
+    if result.value_bits:
+        values = -(-result.values.numel() * result.value_bits // 8) + 4 * len(result.chunks)
     if not result.chunks.numel():  # dense (or no chunk sent): values only
         return values
     grid = ChunkGrid(shape=result.shape, chunk=result.chunk)

@@ -37,7 +37,7 @@ class Range(_message.Message):
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class SparseResult(_message.Message):
-    __slots__ = ("name", "shape", "region", "encoding", "chunk", "chunks", "indices", "values", "tokens")
+    __slots__ = ("name", "shape", "region", "encoding", "chunk", "chunks", "indices", "values", "tokens", "scales")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SparseResult(_message.Message):
     INDICES_FIELD_NUMBER: _ClassVar[int]
     VALUES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     region: _containers.RepeatedCompositeFieldContainer[Range]
@@ -56,7 +57,8 @@ class SparseResult(_message.Message):
     indices: Tensor
     values: Tensor
     tokens: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., region: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., encoding: _Optional[str] = ..., chunk: _Optional[_Iterable[int]] = ..., chunks: _Optional[_Union[Tensor, _Mapping]] = ..., indices: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[int] = ...) -> None: ...
+    scales: Tensor
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., region: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., encoding: _Optional[str] = ..., chunk: _Optional[_Iterable[int]] = ..., chunks: _Optional[_Union[Tensor, _Mapping]] = ..., indices: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., tokens: _Optional[int] = ..., scales: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Capabilities(_message.Message):
     __slots__ = ("device_kind", "device_name", "memory_bytes", "requested_tier", "tokens_per_second", "load_strategy", "microbatch_tokens")
