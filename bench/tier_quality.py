@@ -105,6 +105,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak lr")
     parser.add_argument("--joint-mode", choices=["sample", "all"], default="sample",
                         help="joint: one tier drawn per step, or all tiers' losses summed")
+    parser.add_argument("--joint-weights", type=lambda s: [float(w) for w in s.split(",")],
+                        default=None, help="with --joint-mode all: each tier's loss weight, "
+                                           "comma-separated (default 1 each)")
     parser.add_argument("--seed", type=int, default=0, help="shuffle, init and tier draws")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: every core the process may use)")
@@ -219,7 +222,8 @@ def main() -> None:
           f"{args.batch_tokens:,}, AdamW lr {args.lr} | joint: {args.joint_mode}", flush=True)
 
     initial = evaluate(seeded_model(universal, args.seed), held_out, TIERS)
-    joint = TierSchedule(tiers=TIERS, mode=args.joint_mode, seed=args.seed)
+    joint = TierSchedule(tiers=TIERS, mode=args.joint_mode, seed=args.seed,
+                         weights=args.joint_weights)
     results: dict[str, list[Result]] = {}
     for name, schedule in [("joint", joint), ("tier0_sliced", TierSchedule(tiers=[0]))]:
         if name not in runs:

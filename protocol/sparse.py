@@ -28,12 +28,13 @@ from matformer.modeling.compression import (
     SparseResult,
     ValidResult,
     index_dtype,
+    pack_bits,
     region_shape,
+    unpack_bits,
     validate,
     validate_all,
 )
 from matformer.modeling.compression.quantize import code_range, codes_of, dequantize
-from matformer.modeling.compression.wire import pack_bits, unpack_bits
 from matformer.modeling.errors import CompressionError
 from matformer.protocol.errors import LayoutMismatch, MalformedSparseResult
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from matformer.modeling.compression import (
     UPDATE_RULES,
@@ -32,6 +33,7 @@ from matformer.modeling.compression import (
     region_shape,
     unpack_bits,
 )
+from matformer.modeling.compression.steps import LEVEL_BITS
 from matformer.modeling.errors import CompressionError
 from matformer.protocol.channel import batched
 from matformer.protocol.errors import MalformedStream
@@ -138,8 +140,21 @@ def encode_step(name: str, step: Step) -> pb.ParameterUpdate:
         bits = position_bits(step.grid.chunk_numel)
         message.coefficients.CopyFrom(pb.Coefficients(
             chunk=step.chunk, positions=pack_bits(step.positions, bits),
-            levels=encode_tensor(step.levels), scales=encode_tensor(step.scales)))
+            scales=encode_tensor(step.scales), **_levels(step.levels)))
     return message
+
+
+def _levels(levels: Tensor) -> dict[str, object]:
+    """A step's levels as they travel: packed to the fewest bits of LEVEL_BITS that hold
+    them (a broadcast of [update] broadcast_bits 4 or 2), else as int8."""
+    most = int(levels.to(torch.int16).abs().max()) if levels.numel() else 0
+    bits = min((b for b in LEVEL_BITS if most <= (1 << (b - 1)) - 1), default=8)
+    if bits == 8:
+        return {"levels": encode_tensor(levels)}
+    offset = (1 << (bits - 1)) - 1
+    packed = pack_bits(levels.to(torch.int64) + offset, bits)
+    return {"levels": encode_tensor(torch.frombuffer(bytearray(packed), dtype=torch.uint8)),
+            "level_bits": bits, "per_chunk": levels.shape[1]}
 
 
 def decode_step(message: pb.ParameterUpdate) -> tuple[str, Step]:
@@ -186,6 +201,8 @@ def _coefficients(message: pb.Coefficients, shape: tuple[int, ...], covered: tup
     levels = decode_tensor(message.levels, f"{what}: levels")
     scales = decode_tensor(message.scales, f"{what}: scales")
     rows = len(grid.chunk_ids(box))
+    if message.level_bits:
+        levels = _unpacked(levels, message.level_bits, rows, message.per_chunk, grid, what)
     if levels.dtype != torch.int8 or levels.ndim != 2 or len(levels) != rows:
         raise MalformedStream(f"{what}: levels must be int8 of shape ({rows}, k), one row per "
                               f"chunk of its box, got {levels.dtype} {list(levels.shape)}.")
@@ -207,6 +224,27 @@ def _coefficients(message: pb.Coefficients, shape: tuple[int, ...], covered: tup
                               f"{grid.chunk_numel}.")
     return CoefficientStep(shape=shape, covered=covered, box=box, chunk=chunk,
                            positions=positions, levels=levels, scales=scales)
+
+
+def _unpacked(packed: Tensor, bits: int, rows: int, per_chunk: int, grid: ChunkGrid,
+              what: str) -> Tensor:
+    """Levels packed to ``bits`` bits → int8 (rows, per_chunk); MalformedStream for bits
+    the broadcast does not use, or bytes that do not hold rows × per_chunk levels."""
+    if bits not in LEVEL_BITS[1:] or not 1 <= per_chunk <= grid.chunk_numel:
+        raise MalformedStream(f"{what}: levels of {bits} bits, {per_chunk} per chunk; a "
+                              f"broadcast packs them to {' or '.join(map(str, LEVEL_BITS[1:]))}"
+                              f" bits, 1..{grid.chunk_numel} per chunk.")
+    if packed.dtype != torch.uint8 or packed.ndim != 1:
+        raise MalformedStream(f"{what}: packed levels must be uint8 bytes, got {packed.dtype} "
+                              f"{list(packed.shape)}.")
+    try:
+        codes = unpack_bits(packed.numpy().tobytes(), bits, rows * per_chunk)
+    except ValueError as err:
+        raise MalformedStream(f"{what}: levels: {err}") from None
+    offset = (1 << (bits - 1)) - 1
+    if bool((codes > 2 * offset).any()):
+        raise MalformedStream(f"{what}: a {bits}-bit level lies outside [-{offset}, {offset}].")
+    return (codes - offset).to(torch.int8).reshape(rows, per_chunk)
 
 
 def _ranges(region: Region) -> list[pb.Range]:

@@ -115,7 +115,7 @@ class RunConfig:
             )
         if self.update.broadcast(self.compression):
             broadcast = Broadcast(topk=self.update.broadcast(self.compression),
-                                  chunk=self.compression.chunk)
+                                  chunk=self.compression.chunk, bits=self.update.broadcast_bits)
             try:
                 for shape in universal_shapes(model).values():
                     broadcast.check(shape)

@@ -1,6 +1,7 @@
 """Low-bit values ([compression] value_dtype int2 / int4 / int8, issue 49): each chunk's kept
 values as codes of that many bits and a float32 scale; the error feedback keeps the rounding;
-the wire carries the codes packed and the receiver rebuilds the values bit for bit."""
+the wire carries the codes packed and the receiver rebuilds the values bit for bit. And the
+broadcast's levels of [update] broadcast_bits 4 or 2, packed on the wire."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ import dataclasses
 
 import pytest
 import torch
+from support.helpers import checked_tables
 
 from matformer.modeling.compression import CompressionConfig, payload_bytes
 from matformer.modeling.compression.encodings import decode
 from matformer.modeling.compression.quantize import QUANTIZED_BITS, code_range, codes_of, quantize
-from matformer.protocol.errors import LayoutMismatch, MalformedSparseResult
+from matformer.modeling.compression.steps import Broadcast
+from matformer.modeling.errors import CompressionConfigError
+from matformer.protocol.errors import LayoutMismatch, MalformedSparseResult, MalformedStream
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.protocol.sparse import decode_sparse_result, encode_sparse_result, result_layouts
 from matformer.protocol.tensors import encode_tensor
+from matformer.protocol.updates import decode_step, encode_step
+from matformer.server.config import RunConfig
+from matformer.server.errors import InvalidValue
 
 NAME = "model.layers.0.mlp.up_proj.weight"
 SHAPE = (200, 130)  # a partial edge chunk in both dimensions under chunk 64
@@ -116,3 +123,44 @@ def test_a_run_of_one_kind_of_values_refuses_the_other():
     relayed = dataclasses.replace(result, value_bits=0, scales=None)  # float32, no codes
     with pytest.raises(LayoutMismatch):
         decode_sparse_result(encode_sparse_result(relayed), layout_of(low))
+
+
+@pytest.mark.parametrize("bits, most", [(8, 127), (4, 7), (2, 1)])
+def test_broadcast_levels_of_fewer_bits_travel_packed_and_decode_the_same(bits, most):
+    values = torch.randn(200, 130, generator=torch.Generator().manual_seed(bits))
+    step, _, _ = Broadcast(topk=48, chunk=64, bits=bits).encode(values, [((0, 200), (0, 130))],
+                                                               None)
+    assert int(step.levels.abs().max()) == most
+    message = encode_step(NAME, step)
+    assert message.coefficients.level_bits == (0 if bits == 8 else bits)
+    _, back = decode_step(pb.ParameterUpdate.FromString(message.SerializeToString()))
+    assert torch.equal(back.levels, step.levels) and torch.equal(back.scales, step.scales)
+    assert torch.equal(back.direction(step.box), step.direction(step.box))
+    sizes = [encode_step(NAME, Broadcast(topk=48, chunk=64, bits=b).encode(
+        values, [((0, 200), (0, 130))], None)[0]).ByteSize() for b in (8, 4, 2)]
+    assert sizes[0] > sizes[1] > sizes[2]
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda c: setattr(c, "level_bits", 3), "levels of 3 bits"),
+    (lambda c: setattr(c, "per_chunk", 0), "0 per chunk"),
+    (lambda c: c.levels.CopyFrom(encode_tensor(torch.zeros(3, dtype=torch.uint8))), "levels:"),
+    (lambda c: c.levels.CopyFrom(encode_tensor(torch.full((c.levels.shape[0],), 255,
+                                                          dtype=torch.uint8))),
+     "outside \\[-1, 1\\]"),
+])
+def test_malformed_packed_levels_are_refused(change, match):
+    values = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    step, _, _ = Broadcast(topk=8, chunk=64, bits=2).encode(values, [((0, 64), (0, 64))], None)
+    message = encode_step(NAME, step)
+    change(message.coefficients)
+    with pytest.raises(MalformedStream, match=match):
+        decode_step(message)
+
+
+def test_broadcast_bits_are_one_of_those_the_wire_packs():
+    assert RunConfig.from_dict(checked_tables()).update.broadcast_bits == 8
+    with pytest.raises(InvalidValue, match=r"\[update\] broadcast_bits"):
+        RunConfig.from_dict(checked_tables(update={"broadcast_bits": 3}))
+    with pytest.raises(CompressionConfigError, match="broadcast levels take 8, 4, 2 bits"):
+        Broadcast(topk=8, chunk=64, bits=1)

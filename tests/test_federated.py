@@ -257,10 +257,12 @@ def test_local_adamw_steps_under_outer_sgd_lr_1_equal_standalone_adamw(tmp_path,
                                                       (True, "int2")])
 def test_heterogeneous_run_tail_moves_only_with_tier0_and_hashes_agree(tmp_path, mdat,
                                                                        local_steps, value_dtype):
-    """... also with 2-bit values: the codes travel, the coordinator decodes the values the
-    members kept, and every replica still holds the master's slice bit for bit."""
+    """... also with 2-bit values up and 2-bit levels down: the codes travel, the
+    coordinator decodes the values the members kept, and every replica still holds the
+    master's slice bit for bit."""
     # chunks of 16 rows: tier 2's 16 FFN rows are a chunk fewer than tier 1's 32
-    outer = dict(rule="sgd", lr=0.7, update=OUTER, inner=INNER) if local_steps else {}
+    low = {"broadcast_bits": 2} if value_dtype == "int2" else {}
+    outer = dict(rule="sgd", lr=0.7, update={**OUTER, **low}, inner=INNER) if local_steps else {}
     server = start(tmp_path, mdat, min_clients=2, rounds=5, tokens_per_round=1536, every=2,
                    chunk=16, value_dtype=value_dtype, **outer)
     coordinator = server.service.coordinator

@@ -29,7 +29,6 @@ import torch
 from torch import Tensor
 
 from matformer.modeling.compression.dct import (
-    LEVEL_MAX,
     SparseExactDecoder,
     chunkwise_dct,
     chunkwise_idct,
@@ -133,7 +132,7 @@ class CoefficientStep:
     box: Region  # starts on the chunk grid; rows are the chunks it touches
     chunk: tuple[int, ...]  # chunk shape on the universal grid
     positions: Tensor  # (n, k) int64 positions inside each chunk, rows in chunk_ids(box) order
-    levels: Tensor  # (n, k) int8 in [-LEVEL_MAX, LEVEL_MAX]
+    levels: Tensor  # (n, k) int8 in [-LEVEL_MAX, LEVEL_MAX] (or the broadcast's narrower bits)
     scales: Tensor  # (n,) float32: a coefficient is level · scale
 
     @property
@@ -249,19 +248,33 @@ def dense_step(values: Tensor, covered: Sequence[Region], *, signs: bool) -> Den
     return DenseStep(shape=tuple(values.shape), covered=covered, box=box, values=inside)
 
 
+# bits a broadcast level may take: int8 (LEVEL_MAX), 4 bits (±7), 2 bits (-1, 0, 1)
+LEVEL_BITS = (8, 4, 2)
+
+
 @dataclass(frozen=True, slots=True)
 class Broadcast:
     """How the coordinator compresses an aggregate for its broadcast: ``topk`` DCT
-    coefficients per chunk of ``chunk`` (clipped to smaller dimensions)."""
+    coefficients per chunk of ``chunk`` (clipped to smaller dimensions), as levels of
+    ``bits`` bits (integers in ``±(2**(bits-1) - 1)``) and a scale per chunk."""
 
     topk: int
     chunk: int
+    bits: int = 8
 
     def __post_init__(self) -> None:
         if self.topk < 1 or self.chunk < 1:
             raise CompressionConfigError(
                 f"a compressed broadcast needs topk >= 1 and chunk >= 1, got {self.topk} and "
                 f"{self.chunk}.")
+        if self.bits not in LEVEL_BITS:
+            raise CompressionConfigError(f"broadcast levels take {', '.join(map(str, LEVEL_BITS))}"
+                                         f" bits, not {self.bits}.")
+
+    @property
+    def level_max(self) -> int:
+        """The largest level's magnitude: 127, 7 or 1 (2 bits: -1, 0, 1)."""
+        return (1 << (self.bits - 1)) - 1
 
     def check(self, shape: Sequence[int]) -> None:
         """Raise CompressionConfigError if a parameter of ``shape`` cannot be decoded exactly
@@ -410,16 +423,17 @@ class Broadcast:
     def _step(self, pending: Tensor, grid: ChunkGrid, box: Region,
               covered: tuple[Region, ...]) -> CoefficientStep:
         """The step keeping the ``topk`` largest of each chunk's ``pending`` coefficients
-        (chunkwise over the box's chunks) as int8 levels and a scale."""
+        (chunkwise over the box's chunks) as int8 levels in ``±level_max`` and a scale."""
         positions, kept = _largest(pending, grid, box, min(self.topk, grid.chunk_numel))
         positions, order = positions.sort(dim=1)  # in order inside each chunk: the decode's
         kept = kept.gather(1, order)
-        scales = kept.abs().amax(dim=1) / LEVEL_MAX  # float32, 0 for an all-zero chunk
+        most = self.level_max
+        scales = kept.abs().amax(dim=1) / most  # float32, 0 for an all-zero chunk
         levels = torch.where(scales[:, None] > 0, kept / scales[:, None].clamp_min(1e-38), 0.0)
         return CoefficientStep(
             shape=grid.shape, covered=covered, box=box, chunk=grid.chunk,
             positions=positions, scales=scales,
-            levels=levels.round().clamp(-LEVEL_MAX, LEVEL_MAX).to(torch.int8))
+            levels=levels.round().clamp(-most, most).to(torch.int8))
 
 
 # Top-k per chunk in two passes: the largest magnitude of each run of this many elements

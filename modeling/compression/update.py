@@ -70,6 +70,7 @@ class UpdateConfig:
     # 0: the exact aggregate (float32, or int8 signs under ``sign``). Clients need neither.
     broadcast_topk: int = 0
     chunk: int = 64
+    broadcast_bits: int = 8  # each kept coefficient's level (Broadcast.bits)
 
     def __post_init__(self) -> None:
         if self.rule not in UPDATE_RULES:
@@ -85,8 +86,8 @@ class UpdateConfig:
                 f"broadcast_topk must be >= 0 (0: exact), got {self.broadcast_topk}.")
 
     def build(self) -> UpdateRule:
-        broadcast = Broadcast(topk=self.broadcast_topk, chunk=self.chunk) \
-            if self.broadcast_topk else None
+        broadcast = Broadcast(topk=self.broadcast_topk, chunk=self.chunk,
+                              bits=self.broadcast_bits) if self.broadcast_topk else None
         return UpdateRule(name=self.rule, rule=UPDATE_RULES[self.rule], lr=self.lr,
                           weight_decay=self.weight_decay, broadcast=broadcast)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from matformer.modeling.compression import UPDATE_RULES, CompressionConfig, UpdateConfig
 from matformer.modeling.compression.compressor import MAX_LR, UINT32_MAX
+from matformer.modeling.compression.steps import LEVEL_BITS
 from matformer.modeling.errors import MatformerError
 from matformer.modeling.optim import (
     OPTIMIZER_NAMES,
@@ -101,6 +102,9 @@ class UpdateSection:
     broadcast_topk: int | None = setting(None, low=0, high=UINT32_MAX, help=(
         "DCT coefficients per chunk clients download; 0: the exact aggregate; unset: "
         f"{DEFAULT_BROADCAST_TOPK}, or 0 for dense results"))
+    broadcast_bits: int = setting(8, low=min(LEVEL_BITS), high=max(LEVEL_BITS), help=(
+        "bits of each broadcast coefficient's level: 8 (int8), 4 (±7) or 2 (-1, 0, 1), with "
+        "a float32 scale per chunk; what a level rounds away is carried to the next round"))
 
     def __post_init__(self) -> None:
         require(self.vote == "mean" or self.rule == "sign",
@@ -118,6 +122,9 @@ class UpdateSection:
                 f"aggregate's signs), not {self.rule!r}.")
         require(not self.nesterov or self.momentum > 0,
                 "[update] nesterov needs a momentum > 0.")
+        require(self.broadcast_bits in LEVEL_BITS,
+                f"[update] broadcast_bits must be one of {', '.join(map(str, LEVEL_BITS))}, got "
+                f"{self.broadcast_bits}.")
 
     def broadcast(self, compression: CompressionConfig) -> int:
         """Coefficients per chunk in the broadcast (0: exact), the default resolved."""
@@ -146,7 +153,8 @@ class UpdateSection:
         ``compression``."""
         return UpdateConfig(rule=self.rule, lr=self.lr_at(round_index, planned_rounds),
                             weight_decay=self.weight_decay,
-                            broadcast_topk=self.broadcast(compression), chunk=compression.chunk)
+                            broadcast_topk=self.broadcast(compression), chunk=compression.chunk,
+                            broadcast_bits=self.broadcast_bits)
 
 
 # [update] when [inner] enables local steps and gives no rule: DiLoCo's outer optimizer

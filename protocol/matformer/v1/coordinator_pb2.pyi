@@ -393,16 +393,20 @@ class ParameterUpdate(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., covered: _Optional[_Iterable[_Union[Box, _Mapping]]] = ..., box: _Optional[_Iterable[_Union[Range, _Mapping]]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ..., coefficients: _Optional[_Union[Coefficients, _Mapping]] = ...) -> None: ...
 
 class Coefficients(_message.Message):
-    __slots__ = ("chunk", "positions", "levels", "scales")
+    __slots__ = ("chunk", "positions", "levels", "scales", "level_bits", "per_chunk")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     POSITIONS_FIELD_NUMBER: _ClassVar[int]
     LEVELS_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_BITS_FIELD_NUMBER: _ClassVar[int]
+    PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
     chunk: _containers.RepeatedScalarFieldContainer[int]
     positions: bytes
     levels: Tensor
     scales: Tensor
-    def __init__(self, chunk: _Optional[_Iterable[int]] = ..., positions: _Optional[bytes] = ..., levels: _Optional[_Union[Tensor, _Mapping]] = ..., scales: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    level_bits: int
+    per_chunk: int
+    def __init__(self, chunk: _Optional[_Iterable[int]] = ..., positions: _Optional[bytes] = ..., levels: _Optional[_Union[Tensor, _Mapping]] = ..., scales: _Optional[_Union[Tensor, _Mapping]] = ..., level_bits: _Optional[int] = ..., per_chunk: _Optional[int] = ...) -> None: ...
 
 class UpdateMessage(_message.Message):
     __slots__ = ("header", "parameter", "parameters")
