@@ -231,6 +231,8 @@ def parse_args() -> argparse.Namespace:
                         help="L's [compression] topk (default: DeMo's 32)")
     parser.add_argument("--local-broadcast-topk", type=int, default=None,
                         help="L's [update] broadcast_topk (default: 48)")
+    parser.add_argument("--local-broadcast-bits", type=int, default=None,
+                        help="L's [update] broadcast_bits (default: 8; 4, 2)")
     parser.add_argument("--local-value-dtype", default=None,
                         help="L's [compression] value_dtype (default: bfloat16; int2, int4, "
                              "int8: low-bit codes and a scale per chunk)")
@@ -297,6 +299,8 @@ def run_config(name: str, run: FederatedRun, data: Path, args: argparse.Namespac
             compression["topk"] = args.local_topk
         if args.local_value_dtype is not None:
             compression["value_dtype"] = args.local_value_dtype
+        if args.local_broadcast_bits is not None:
+            update["broadcast_bits"] = args.local_broadcast_bits
         if args.local_broadcast_topk is not None:
             update["broadcast_topk"] = args.local_broadcast_topk
         # D's schedule over the run: warmup for a tenth of a client's steps (about a third
