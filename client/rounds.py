@@ -199,7 +199,9 @@ class OverlappedRounds:
         if c.local_round is None:
             c.build_local_round()
         try:
-            fetched = self.sequences.pop(work.assignment_id)
+            fetched = self.sequences.pop(work.assignment_id, None)
+            if fetched is None:  # a refused upload dropped the fetches ahead (_drop_held)
+                fetched = self.fetches.submit(c.sequences.fetch, work.sequence_ids)
             sequences = [s.to(c.device) for s in self._waited(fetched)]
         except RoundOver as err:
             c.log(f"round {work.round} is over for this client: {err.details}")

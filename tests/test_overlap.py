@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from test_federated import SEQ_LEN, client, held, same, start
 
 import matformer.server.policies.mean as close_module  # the default policy calls close_round
 from matformer.client.connection import Train
+from matformer.client.errors import RoundOver
 from matformer.client.rounds import OverlappedRounds, Reassigned
 from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner, pack_rows
 from matformer.modeling.checkpoint import load_pretrained
@@ -225,6 +227,54 @@ def test_a_member_waiting_for_a_reopened_round_trains_it_instead_of_waiting_for_
         stalled.updates = lambda *a, **k: (_ for _ in ()).throw(AssertionError("stop"))
         with pytest.raises(AssertionError, match="stop"):
             loop._apply_through(3)  # no reassignment: it asks again
+    finally:
+        for pool in (loop.uploads, loop.fetches, loop.downloads):
+            pool.shutdown()
+
+
+class _Moved:
+    """A member's side as its loop sees it when the coordinator moved it to another tier
+    while its last upload was in flight, and that upload is refused (the run finished, or
+    its round closed): the refusal drops the fetches made ahead."""
+
+    def __init__(self) -> None:
+        self.applied, self.tier, self.reloads, self.fetched_now = 5, 0, 0, []
+        self.cost = type("Cost", (), {"wait_s": 0.0})()
+        self.summary = type("Summary", (), {"tier": 0})()
+        self.log = lambda line: self.lines.append(line)
+        self.lines: list[str] = []
+        self.sequences = self.broadcast = self.connection = self
+        self.device, self.update_bytes, self.local_round = "cpu", 0, object()
+
+    def updates(self, since: int, tier: int, *, wait_s: float) -> list:
+        return []
+
+    def catch_up(self, *, reload: bool = False) -> None:
+        self.reloads += 1
+        self.tier = self.summary.tier
+
+    def fetch(self, ids):
+        self.fetched_now.append(tuple(ids))
+        raise RoundOver("FetchSequences", "FAILED_PRECONDITION", "the run is finished")
+
+
+def test_a_refused_upload_during_a_tier_move_leaves_the_next_round_its_sequences():
+    """The loop settles the upload in flight before reloading at the new tier; a refusal
+    there drops the sequences fetched ahead, the next round's among them. It fetches them
+    again (here: the run is over, and says so) instead of failing on the missing fetch
+    (KeyError in the testnet's late-results runs, where uploads are refused at the end)."""
+    member = _Moved()
+    loop = OverlappedRounds(member)
+    refused = Future()
+    refused.set_exception(RoundOver("SubmitResult", "FAILED_PRECONDITION", "finished"))
+    before = Train(round=4, tier=0, sequence_ids=(1,), assignment_id="4.x.client-0")
+    work = Train(round=6, tier=1, sequence_ids=(7, 8), assignment_id="6.x.client-0")
+    loop.upload = (before, None, 0.0, refused)
+    loop.sequences[work.assignment_id] = loop.fetches.submit(lambda: [])
+    try:
+        loop._train(work, progress=None)
+        assert member.reloads == 1 and member.fetched_now == [(7, 8)]
+        assert any("round 6 is over for this client" in line for line in member.lines)
     finally:
         for pool in (loop.uploads, loop.fetches, loop.downloads):
             pool.shutdown()
