@@ -84,6 +84,7 @@ class UpdateLog:
         write_json_atomic(json_path, {
             "round": entry.round, "rule": update.rule, "lr": update.lr,
             "weight_decay": update.weight_decay, "broadcast_topk": update.broadcast_topk,
+            "broadcast_bits": update.broadcast_bits,
             "chunk": update.chunk, "hashes": {str(t): h for t, h in entry.hashes.items()},
             "coverage_tokens": entry.coverage_tokens, "steps": steps,
             **(inputs or {}),
@@ -97,7 +98,9 @@ class UpdateLog:
             round=meta["round"],
             update=UpdateConfig(rule=meta["rule"], lr=meta["lr"],
                                 weight_decay=meta["weight_decay"],
-                                broadcast_topk=meta["broadcast_topk"], chunk=meta["chunk"]),
+                                broadcast_topk=meta["broadcast_topk"], chunk=meta["chunk"],
+                                # a record from before broadcast_bits: int8 levels
+                                broadcast_bits=meta.get("broadcast_bits", 8)),
             steps={name: _step(name, fields, tensors) for name, fields in meta["steps"].items()},
             hashes={int(t): h for t, h in meta["hashes"].items()},
             coverage_tokens=meta["coverage_tokens"],

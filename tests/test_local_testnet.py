@@ -321,14 +321,17 @@ def test_members_at_a_hundredth_of_the_speed_finish_the_run(tmp_path):
 def test_chaos_kills_clients_and_the_server_and_loses_nothing(tmp_path, overlap):
     """Synchronous rounds in one process; overlapped ones with the close over 2 shards and
     heartbeats answered by their own process (both die with the killed server, and members
-    beat at the restarted one's port)."""
+    beat at the restarted one's port), 4-bit values up, 4-bit levels down and late results
+    folded in (issue 49: nothing lost or trained twice, replicas equal)."""
     build_default_mdat(tmp_path / "d.mdat", limit=10).close()  # small: the run passes it over
     faults = {"heartbeat_s": 0.5, "heartbeat_timeout_s": 3.0}
     # 30 short rounds: the server's kill (round 18 of this seed's plan) comes well after the
     # clients' and well before the end, however fast rounds run
+    low_bits = {"server": {"heartbeat_port": 0}, "compression": {"value_dtype": "int4"},
+                "update": {"rule": "sign", "lr": 0.005, "broadcast_bits": 4}}
     config = local_testnet_toml(tmp_path / "run.toml", deadline=20.0, tokens=1024, rounds=30,
-                                faults=faults,
-                                **({"server": {"heartbeat_port": 0}} if overlap else {}))
+                                faults=faults, late_rounds=2 if overlap else 0,
+                                **(low_bits if overlap else {}))
     seed = 3
     planned = chaos_plan(seed, rounds=30, clients=["member-0", "member-1"])
     assert [e.target for e in planned].count(SERVER) == 1 and planned[2].round == 18

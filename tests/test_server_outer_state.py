@@ -33,14 +33,15 @@ from matformer.server.update_steps import ARITHMETIC
 ROUNDS = 6
 
 
-def outer_config(run_dir, mdat_path) -> RunConfig:
+def outer_config(run_dir, mdat_path, broadcast_bits: int = 8) -> RunConfig:
     """Local steps (so [update] takes DiLoCo's outer SGD: lr 0.7, momentum 0.9, Nesterov)
     and a broadcast of 8 DCT coefficients per 16 × 16 chunk; checkpoints every 2 rounds."""
     return RunConfig.from_dict(run_tables(
         mdat_path, run={"id": "outer", "dir": str(run_dir)},
         round={"min_clients": 1, "deadline_s": 10.0, "tokens_per_round": 1024, "rounds": 20},
         checkpoint={"every_rounds": 2}, inner={"batch_tokens": 256},
-        update={"broadcast_topk": 8}, compression={"encoding": "dense", "chunk": 16}))
+        update={"broadcast_topk": 8, "broadcast_bits": broadcast_bits},
+        compression={"encoding": "dense", "chunk": 16}))
 
 
 class Crash(BaseException):
@@ -98,6 +99,29 @@ def test_a_kill_anywhere_resumes_weights_residual_and_momentum_bit_for_bit(
     assert same(resumed.master, reference.master)
     assert same(resumed.carried.residual, reference.carried.residual)
     assert same(resumed.carried.momentum, reference.carried.momentum)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_a_restart_resumes_a_broadcast_of_fewer_bits_bit_for_bit(tmp_path, mdat_path, bits):
+    """The update log records each round's broadcast_bits: a resume closes the logged
+    rounds again with the levels they were closed with (the chaos testnet once found the
+    replay at int8 levels not reproducing the logged hashes)."""
+    masters = []
+    for name, stop in (("straight", None), ("restarted", 3)):
+        clock = Clock()
+        config = outer_config(tmp_path / name, mdat_path, broadcast_bits=bits)
+        c = Coordinator(config, clock=clock)
+        cid = c.join(caps("a", tier=1))[0].client_id
+        drive(c, clock, cid, stop or 5)
+        if stop:
+            del c
+            c = Coordinator(config, clock=clock)
+            c.advance()
+            drive(c, clock, cid, 5 - c.state.round)
+        masters.append((c.master, c.carried.residual))
+    assert same(masters[0][0], masters[1][0]) and same(masters[0][1], masters[1][1])
+    record = json.loads((config.run.dir / "updates" / "round-4.json").read_text())
+    assert record["broadcast_bits"] == bits
 
 
 def test_the_outer_state_is_saved_with_each_checkpoint_and_served_to_no_one(straight):

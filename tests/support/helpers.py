@@ -94,7 +94,8 @@ def served_run_toml(folder: Path, min_clients: int = 2, **tables: Any) -> Path:
 
 
 def local_testnet_toml(path: Path, *, deadline: float = 60.0, tokens: int = 1024,
-                     rounds: int = 5, min_clients: int = 2, **tables: Any) -> Path:
+                     rounds: int = 5, min_clients: int = 2, late_rounds: int = 0,
+                     **tables: Any) -> Path:
     """A run.toml at ``path`` for local-testnet's processes, its data d.mdat beside it:
     rounds of ``min_clients`` clients (two), sign updates and DeMo's compression (the
     defaults); ``tables`` replace whole tables."""
@@ -104,7 +105,8 @@ def local_testnet_toml(path: Path, *, deadline: float = 60.0, tokens: int = 1024
         "data": {"path": "d.mdat", "max_seq_len": 128},
         "tiers": {"allowed": [0, 1]},
         "round": {"min_clients": min_clients, "deadline_s": deadline,
-                  "tokens_per_round": tokens, "rounds": rounds, "overlap": False},
+                  "tokens_per_round": tokens, "rounds": rounds, "overlap": False,
+                  "late_rounds": late_rounds},
         "update": {"rule": "sign", "lr": 0.005},
         "auth": {"join_token": "secret-token-for-tests"},
         **tables,
