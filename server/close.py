@@ -315,6 +315,7 @@ class RoundClose:
         if master is None:
             for client in list(rnd.assignments):
                 self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
+            self.pipeline.unfold(rnd)
             self.pipeline.cancel(f"round {r} was discarded")
             broken = closing.broken
             self.history.event(

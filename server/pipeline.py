@@ -355,16 +355,24 @@ class RoundPipeline:
             for client in reversed(list(rnd.assignments)):
                 self.queue.requeue(rnd.assignments.pop(client).sequence_ids)
                 rnd.dropped[client] = why
+            self.unfold(rnd)
         self.collecting.clear()
+
+    def unfold(self, rnd: OpenRound) -> None:
+        """A round that ends without its update: the late results folded into it are not
+        trained either, so their ids go back to the front of the queue."""
+        self.late.requeue([f.assignment for f in rnd.late], self.queue.requeue)
+        rnd.late.clear()
 
     def saved_queue(self) -> dict[str, Any]:
         """The queue as state.json keeps it: a round not yet committed is not in the saved
-        state, so its ids (the late work's, then every round in flight's, oldest first) wait
-        at the front."""
+        state, so its ids (the late results folded into them and the late work still held,
+        then every round in flight's, oldest first) wait at the front."""
         rounds = ([self.closing] if self.closing else []) + self.collecting
-        held = self.late.ids() + [i for rnd in rounds for a in rnd.assignments.values()
-                                  if a.assignment_id not in self.late.kept
-                                  for i in a.sequence_ids]
+        folded = [i for rnd in rounds for f in rnd.late for i in f.assignment.sequence_ids]
+        held = folded + self.late.ids() + [i for rnd in rounds for a in rnd.assignments.values()
+                                           if a.assignment_id not in self.late.kept
+                                           for i in a.sequence_ids]
         return {"position": self.queue.position, "requeued": held + list(self.queue.requeued)}
 
     # -- members who fall behind --------------------------------------------------------

@@ -5,6 +5,7 @@ sequences go back to the queue, as they went at the deadline before."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from support.helpers import Clock, checked_tables, run_config
@@ -206,3 +207,52 @@ def test_work_of_a_member_not_waited_for_is_held_for_its_late_result(tmp_path, m
                                                                                (1, 1.0)]
     check = audit(c.queue.order, RunState.load(c.dir).queue, TrainedLedger(c.dir).rounds())
     assert check.exactly_once and check.trained == check.handed_out
+
+
+def test_late_results_folded_into_a_round_being_closed_are_in_the_saved_queue(
+        tmp_path, mdat_path):
+    """state.json saved while a round that folds a late result is being closed (a periodic
+    save) lists that result's sequences at the queue's front: a crash before the round
+    commits trains them again rather than losing them."""
+    clock = Clock()
+    config = late_run(tmp_path, mdat_path)
+    c, a, b, _ = started(config, clock)
+    late = miss_round_0(c, clock, a, b)
+    c.submit(b, 0, results(c, b, assignment=late), loss=1.0)  # kept
+    rnd = c.pipeline.collecting[0]
+    assert rnd.index == 1 and b in rnd.assignments  # it works: round 1 waits for it
+    c.submit(a, 1, results(c, a), loss=1.0)
+    clock.now = rnd.deadline + 0.1
+    with c._lock:
+        closing = c._step(detach=True)
+        assert closing.rnd is rnd and [f.assignment.round for f in rnd.late] == [0]
+        c.save()  # as the periodic save would, mid-close
+    del c
+    resumed = Coordinator(config, clock=clock)
+    assert resumed.state.round == 1
+    assert resumed.queue.requeued[:len(late.sequence_ids)] == list(late.sequence_ids)
+
+
+def test_a_discarded_round_hands_the_late_results_it_folded_back(tmp_path, mdat_path,
+                                                                monkeypatch):
+    """A round whose update would not be finite is discarded: the late result folded into
+    it is not trained either, so its sequences go back to the queue, once."""
+    monkeypatch.setattr("matformer.server.limits.MAX_ABS_VALUE", math.inf)
+    clock = Clock()
+    config = late_run(tmp_path, mdat_path)
+    config = dataclasses.replace(  # no peer clipping: the member's values stand as sent
+        config, update=dataclasses.replace(config.update, lr=10.0),
+        faults=dataclasses.replace(config.faults, peer_clip=0.0))
+    c, a, b, _ = started(config, clock)
+    late = miss_round_0(c, clock, a, b)
+    c.submit(b, 0, results(c, b, assignment=late), loss=1.0)
+    huge = results(c, a)
+    huge[0].values.fill_(3e38)  # finite, but lr 10 times its share overflows float32
+    for x, sent in ((a, huge), (b, results(c, b))):
+        c.submit(x, 1, sent, loss=1.0)
+    assert "not finite" in events(c, "discard")[0]["detail"] and c.state.round == 1
+    handed = [i for r in c.pipeline.collecting for x in r.assignments.values()
+              for i in x.sequence_ids] + c.queue.requeued
+    assert sorted(set(late.sequence_ids) & set(handed)) == sorted(late.sequence_ids)
+    assert not set(late.sequence_ids) & {i for e in TrainedLedger(c.dir).rounds()
+                                         for i in e["ids"]}
