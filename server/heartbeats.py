@@ -16,8 +16,9 @@ The coordinator's side is handed what it needs, not the coordinator: its session
 
 The door (``python -m matformer.server.heartbeats``, killed with the coordinator) answers
 ``Heartbeat`` on its own gRPC server and no other call. It holds a copy of what an answer
-needs: the session tokens' hashes (each change sent to it before the Join or Leave making it
-returns, so a member never beats with a token its door has not heard of), the excluded
+needs: the session tokens' hashes (each change taken by it, acknowledged, before the Join or
+Leave making it returns, so a member never beats with a token its door has not heard of,
+and a token its Leave revoked is refused there at once), the excluded
 members and the rounds closed (sent every ``SYNC_S``). It answers at once and hands the beats
 on every ``FORWARD_S``, each with when it arrived; the coordinator applies a batch under one
 hold of its lock, dated when the door took each beat, not when the coordinator got to it.
@@ -41,6 +42,7 @@ import argparse
 import logging
 import math
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -61,6 +63,7 @@ from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 from matformer.server.processes import die_with_parent
 
 FORWARD_S = 0.2  # the door hands its beats on this often
+ACK_S = 5.0  # a Join or Leave waits at most this long for the door to take its session change
 SYNC_S = 0.2  # the coordinator sends its rounds closed and exclusions this often (on change)
 START_S = 60.0  # the door's start, imports included, on a loaded machine
 UNKNOWN_WAIT_S = 2.0  # a token of a client id the door has not heard of waits this long
@@ -89,8 +92,10 @@ News = Callable[[], tuple[int, dict[str, str]]]  # (rounds closed, excluded id â
 
 
 class HeartbeatDoor:
-    """The door process and the coordinator's two threads talking to it: one sends what the
-    door must know (``news``), one hands on the beats it took (``apply``)."""
+    """The door process and the coordinator's threads talking to it: one sends what the door
+    must know (``news``), one reads what it sends back (beats, and acknowledgements of
+    session changes), one hands the beats on (``apply``, which waits for the coordinator's
+    lock: the reader never does, so an acknowledgement is never stuck behind it)."""
 
     def __init__(self, sessions: SessionTokens, news: News,
                  apply: Callable[[list[Beat]], None], process: subprocess.Popen,
@@ -101,10 +106,16 @@ class HeartbeatDoor:
         self._conn = conn
         self._sending = threading.Lock()  # sends come from handler threads and the syncer
         self._stopping = threading.Event()
+        self._changes = 0  # session changes sent, numbered
+        self._acked = 0  # ... and the last one the door has taken
+        self._acks = threading.Condition()
+        self._beats: queue.SimpleQueue[list[Beat] | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._sync, name="matformer-door-sync",
                                           daemon=True),
-                         threading.Thread(target=self._take_beats, name="matformer-door-beats",
-                                          daemon=True)]
+                         threading.Thread(target=self._read, name="matformer-door-read",
+                                          daemon=True),
+                         threading.Thread(target=self._apply_beats,
+                                          name="matformer-door-beats", daemon=True)]
         for thread in self._threads:
             thread.start()
 
@@ -148,6 +159,9 @@ class HeartbeatDoor:
     def stop(self) -> None:
         self.sessions.on_change = None
         self._stopping.set()
+        self._beats.put(None)
+        with self._acks:
+            self._acks.notify_all()
         self.process.kill()
         self.process.wait()
         self._conn.close()
@@ -155,7 +169,19 @@ class HeartbeatDoor:
             thread.join(timeout=FORWARD_S + SYNC_S + 1)
 
     def _session_changed(self, client_id: str, hashed: str | None) -> None:
-        self._send(("sessions", {client_id: hashed}))
+        """Send one session change and wait until the door has taken it (at most ACK_S):
+        the Join or Leave making it answers after, so a revoked token is refused at the door
+        from the moment its Leave returns."""
+        with self._sending:
+            self._changes += 1
+            change = self._changes
+        self._send(("sessions", {client_id: hashed}, change))
+        with self._acks:
+            taken = self._acks.wait_for(
+                lambda: self._acked >= change or self._stopping.is_set(), timeout=ACK_S)
+        if not taken:
+            log.warning("the heartbeat process took %.0f s or more to take a session change "
+                        "of %s; beats there may see the change late", ACK_S, client_id)
 
     def _send(self, message: tuple[Any, ...]) -> None:
         with self._sending:
@@ -177,14 +203,25 @@ class HeartbeatDoor:
                 self._send(("state", *now))
                 sent = now
 
-    def _take_beats(self) -> None:
+    def _read(self) -> None:
+        """What the door sends: its beats (queued for ``_apply_beats``) and the number of
+        the last session change it took."""
         while not self._stopping.is_set():
             try:
-                kind, beats = self._conn.recv()
+                kind, body = self._conn.recv()
             except (EOFError, OSError):
+                self._beats.put(None)
                 return
             if kind == "beats":  # plain tuples: the door's Beat is __main__'s
-                self.apply([Beat(*beat) for beat in beats])
+                self._beats.put([Beat(*beat) for beat in body])
+            elif kind == "ack":
+                with self._acks:
+                    self._acked = max(self._acked, body)
+                    self._acks.notify_all()
+
+    def _apply_beats(self) -> None:
+        while (beats := self._beats.get()) is not None:
+            self.apply(beats)
 
 
 # -- the door's side -------------------------------------------------------------------------
@@ -291,12 +328,15 @@ def serve(conn: Connection, host: str, port: int, cert: Path | None, key: Path |
     conn.send(("ready", bound))
     stopping = threading.Event()
 
+    sending = threading.Lock()  # the forwarder's beats and the reader's acknowledgements
+
     def forward() -> None:
         while not stopping.wait(FORWARD_S):
             beats = service.taken()
             if beats:
                 try:
-                    conn.send(("beats", [tuple(beat) for beat in beats]))
+                    with sending:
+                        conn.send(("beats", [tuple(beat) for beat in beats]))
                 except (OSError, ValueError):
                     return
 
@@ -304,7 +344,11 @@ def serve(conn: Connection, host: str, port: int, cert: Path | None, key: Path |
     forwarder.start()
     try:
         while True:
-            state.take(conn.recv())
+            message = conn.recv()
+            state.take(message)
+            if message[0] == "sessions" and len(message) > 2:  # a numbered change: taken
+                with sending:
+                    conn.send(("ack", message[2]))
     except (EOFError, OSError):  # the coordinator stopped
         pass
     finally:
