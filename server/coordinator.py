@@ -411,15 +411,13 @@ class Coordinator:
             if relay:
                 delivered = assigned.without(missed, self._length)
             submission = Submission(kept, loss, self.clock(), wire_bytes, losses)
-            dense = self.dense_bytes(assigned.tier)
+            work, undelivered = (delivered, missed) if relay else (assigned, ())
+            how = dict(train_seconds=train_seconds, dense_bytes=self.dense_bytes(assigned.tier),
+                       missed=undelivered)
             if rnd is None:  # late: folded into the next round to close
-                self.pipeline.keep_late(assigned, delivered if relay else assigned, submission,
-                                        train_seconds=train_seconds, dense_bytes=dense,
-                                        missed=missed if relay else ())
+                self.pipeline.keep_late(assigned, work, submission, **how)
             else:
-                self.pipeline.keep(rnd, delivered if relay else assigned, submission,
-                                   train_seconds=train_seconds, dense_bytes=dense,
-                                   missed=missed if relay else ())
+                self.pipeline.keep(rnd, work, submission, **how)
         self._advance()  # the last submission makes the round ready to close
 
     def rejected(self, client_id: str, error: Exception) -> str:

@@ -2,9 +2,9 @@
 being trained again (docs/architecture.md, "Late results").
 
     late = LateWork(rounds=2, weight=1.0)
-    late.hold(assignment, now)          # a member missed round r: its ids wait here, not queued
+    late.hold(assignment)               # a member missed round r: its ids wait here, not queued
     late.find(client, r, assignment_id) # ... its submission for r comes in: the gate asks
-    late.keep(assignment, submission)   # ... and it is kept until the next round detaches
+    late.keep(delivered, submission, assignment_id=...)  # ... kept until a round detaches
     folded, expired = late.take(r + 1)  # round r + 1 detaches: what it folds in, ids to requeue
 
 A held assignment may still be delivered until ``rounds`` rounds after its own have been

@@ -32,18 +32,17 @@ def quantize(kept: Tensor, bits: int) -> tuple[Tensor, Tensor]:
     kept = kept.float()
     high = code_range(bits)[1]
     scales = kept.abs().amax(dim=1) / (high + 0.5) if kept.shape[1] else kept.new_zeros(len(kept))
-    codes = codes_of(kept, scales, bits, rounding=torch.floor)
+    codes = codes_of(kept, scales, bits)
     return dequantize(codes, scales), scales
 
 
-def codes_of(values: Tensor, scales: Tensor, bits: int, *, rounding=None) -> Tensor:
-    """The int8 codes of ``values`` (n, k) under ``scales`` (n,): ``floor(v / scale)`` for
-    values to quantize; for values that already stand on levels (the default rounding),
-    the level each stands on."""
+def codes_of(values: Tensor, scales: Tensor, bits: int) -> Tensor:
+    """The int8 codes of ``values`` (n, k) under ``scales`` (n,): ``floor(v / scale)``,
+    clamped; for values that already stand on levels, the level each stands on (v / scale
+    is then within rounding of q + 0.5)."""
     low, high = code_range(bits)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
-    ratio = values.float() / safe
-    codes = rounding(ratio) if rounding is not None else torch.round(ratio - 0.5)
+    codes = torch.floor(values.float() / safe)
     codes = torch.where(scales[:, None] > 0, codes, torch.zeros_like(codes))
     return codes.clamp(low, high).to(torch.int8)
 
