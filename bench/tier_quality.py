@@ -66,13 +66,15 @@ from matformer.modeling.training import (
     held_out_loss,
     train_step_on_examples,
 )
+from matformer.scripts.slice_mix import mixes
 
 TIERS = [0, 1, 2]
 CPU = torch.device("cpu")  # where this benchmark trains
 EVAL_BATCH_TOKENS = 8192  # padded tokens per evaluation microbatch
 SEQ_LEN = 256  # tokens per sequence at most; the strategy cuts documents every 128
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, mask_token_id=3)  # the BPE's
-SMOKE = dict(hidden_size=32, layers=1, vocab_size=300, tokens=6000, documents=100, threads=1)
+SMOKE = dict(hidden_size=32, layers=2, vocab_size=300, tokens=6000, documents=100, threads=1,
+             joint_mixes=1, slice_budget=0.6)
 
 
 @dataclass
@@ -108,6 +110,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--joint-weights", type=lambda s: [float(w) for w in s.split(",")],
                         default=None, help="with --joint-mode all: each tier's loss weight, "
                                            "comma-separated (default 1 each)")
+    parser.add_argument("--joint-mixes", type=int, default=0,
+                        help="joint: per-layer mixes drawn each step besides the tiers "
+                             "(TierSchedule(mixes=N), matformer train --tier-mixes N)")
+    parser.add_argument("--slice-budget", type=float, default=None,
+                        help="after joint: every Mix'n'Match slice within this share of the "
+                             "FFN measured, the best against the best uniform tier within it")
     parser.add_argument("--seed", type=int, default=0, help="shuffle, init and tier draws")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: every core the process may use)")
@@ -223,14 +231,17 @@ def main() -> None:
 
     initial = evaluate(seeded_model(universal, args.seed), held_out, TIERS)
     joint = TierSchedule(tiers=TIERS, mode=args.joint_mode, seed=args.seed,
-                         weights=args.joint_weights)
+                         weights=args.joint_weights, mixes=args.joint_mixes)
     results: dict[str, list[Result]] = {}
+    sliced: dict | None = None
     for name, schedule in [("joint", joint), ("tier0_sliced", TierSchedule(tiers=[0]))]:
         if name not in runs:
             continue
         model = seeded_model(universal, args.seed)  # joint and tier0_sliced start alike
         results[name] = [run(model, examples, schedule, held_out, TIERS, args)]
         report(name, results[name][0])
+        if name == "joint" and args.slice_budget is not None:
+            sliced = slice_search(model, held_out, args.slice_budget, args.layers)
     for tier, width in zip(TIERS, widths, strict=True):
         if "independent" not in runs:
             break
@@ -239,8 +250,33 @@ def main() -> None:
         outcome.losses = {tier_label(tier): outcome.losses["0"]}  # a plain model of its size
         results.setdefault("independent", []).append(outcome)
         report(f"independent tier {tier} (FFN {width})", outcome)
-    summarize(results, initial, widths, joint, args)
+    summarize(results, initial, widths, joint, args, sliced)
     print(f"wall: {time.perf_counter() - started:,.0f} s")
+
+
+def slice_search(model: torch.nn.Module, held_out: list[Tensor], budget: float, layers: int
+                 ) -> dict:
+    """Every mix of the tiers (``matformer slice``'s candidates) within ``budget`` of the FFN
+    neurons, measured on the held-out set: the best against the best uniform tier within it."""
+    def share(mix: tuple[int, ...]) -> float:
+        return sum(2.0 ** -t for t in mix) / len(mix)
+
+    fitting = [m for m in mixes(TIERS, layers) if share(m) <= budget + 1e-12]
+    losses = evaluate(model, held_out, [list(m) for m in fitting])
+    points = [{"layer_tiers": list(m), "share": share(m), "loss": losses[tier_label(list(m))]}
+              for m in fitting]
+    best = min(points, key=lambda p: p["loss"])
+    uniform = min((p for p in points if len(set(p["layer_tiers"])) == 1),
+                  key=lambda p: p["loss"])
+    print(f"slices within {budget:.0%} of the FFN, {len(points)} measured: best "
+          f"{','.join(map(str, best['layer_tiers']))} at {best['share']:.3f}, loss "
+          f"{best['loss']:.4f}; best uniform tier {uniform['layer_tiers'][0]} at "
+          f"{uniform['share']:.3f}, {uniform['loss']:.4f} ({best['loss'] / uniform['loss']:.4f})",
+          flush=True)
+    for point in sorted(points, key=lambda p: p["share"]):
+        print(f"  {','.join(map(str, point['layer_tiers'])):<12} {point['share']:.3f} "
+              f"{point['loss']:.4f}")
+    return {"budget": budget, "points": points, "best": best, "uniform": uniform}
 
 
 def report(name: str, result: Result) -> None:
@@ -249,7 +285,8 @@ def report(name: str, result: Result) -> None:
 
 
 def summarize(results: dict[str, list[Result]], initial: dict[str, float], widths: list[int],
-              joint: TierSchedule, args: argparse.Namespace) -> None:
+              joint: TierSchedule, args: argparse.Namespace, sliced: dict | None = None
+              ) -> None:
     labels = [tier_label(t) for t in TIERS]
     loss = {name: {t: v for r in runs for t, v in r.losses.items()}
             for name, runs in results.items()}
@@ -263,7 +300,8 @@ def summarize(results: dict[str, list[Result]], initial: dict[str, float], width
             f"{sum(r.seconds for r in runs):,.0f}"] for name, runs in results.items()],
     )
     if args.joint_mode == "sample" and "joint" in results:
-        drawn = [joint.step_tiers(s)[0][0] for s in range(results["joint"][0].steps)]
+        drawn = [joint.step_tiers(s, args.layers)[0][0]
+                 for s in range(results["joint"][0].steps)]
         print("joint: steps per tier " + ", ".join(f"{t}: {drawn.count(t)}" for t in TIERS))
     for first, other in [("joint", "independent"), ("joint", "tier0_sliced"),
                          ("tier0_sliced", "independent")]:
@@ -283,7 +321,8 @@ def summarize(results: dict[str, list[Result]], initial: dict[str, float], width
         seconds = {name: sum(r.seconds for r in runs) for name, runs in results.items()}
         config = {k: v for k, v in vars(args).items() if k not in ("json", "dir", "smoke")}
         args.json.write_text(json.dumps({**loss, "initial": initial, "tokens": tokens,
-                                         "seconds": seconds, "config": config}, indent=1) + "\n")
+                                         "seconds": seconds, "config": config,
+                                         "slice": sliced}, indent=1) + "\n")
         print(f"wrote {args.json}")
 
 

@@ -80,7 +80,8 @@ class FederatedSettings:
 
     server: str | None = setting(None, help="HOST:PORT of the coordinator's gRPC service")
     tier: int | None = setting(None, low=0, help=(
-        "smallest tier index (largest model) wanted; unset: any"))
+        "smallest tier index (largest model) wanted, or a Mix'n'Match slice's id (64 and up: "
+        "that slice or smaller); unset: any"))
     load_strategy: str = setting("auto", choices=STRATEGIES, help=(
         "auto: the tier slice if listed, else slice the universal checkpoint; sliced: the "
         "slice or fail; universal: always whole"))

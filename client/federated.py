@@ -65,7 +65,7 @@ from matformer.modeling.compression import (
 )
 from matformer.modeling.devices import compile_model, resolve_device
 from matformer.modeling.distributed import DataParallel
-from matformer.modeling.matformer import tier_label
+from matformer.modeling.matformer import Tier, tier_label
 
 JOIN_TOKEN_ENV = "MATFORMER_JOIN_TOKEN"
 NAME_PATIENCE_S = 90.0  # how long a Join waits for its name to be freed (ALREADY_EXISTS)
@@ -141,7 +141,14 @@ class FederatedClient:
 
     @property
     def tier(self) -> int:
+        """The tier id the coordinator assigned (an integer tier, or a Mix'n'Match slice's
+        id: ``[tiers] layer_mixes``)."""
         return self.summary.tier
+
+    @property
+    def named(self) -> Tier:
+        """What the tier id stands for: the integer tier, or one tier per layer."""
+        return self.member.settings.tier_ids().resolve(self.tier)
 
     # -- the run ------------------------------------------------------------------------
 
@@ -230,7 +237,7 @@ class FederatedClient:
         with self.connection.keep_alive(lambda: member.round if self.replica is None
                                         else self.applied):
             self._load(member.checkpoint or self.connection.latest_checkpoint())
-            probe = dict(tier=self.tier, sequence_length=member.settings.sequence_length,
+            probe = dict(tier=self.named, sequence_length=member.settings.sequence_length,
                          batch_tokens=o.microbatch_tokens, steps=2, precision=o.precision)
             speed = self.node.speed(
                 lambda: measure_tokens_per_second(self.replica.model, **probe), probe
@@ -256,7 +263,7 @@ class FederatedClient:
                 self.log(f"round {work.round} is over for this client: {err.details}")
                 return
             done = self.compute(sequences, work.round)
-            loss = done.losses[tier_label(self.tier)]
+            loss = done.losses[tier_label(self.named)]
             try:
                 accepted, sent, _ = self.connection.submit(
                     work, client_id=self.summary.client_id, tokens=done.tokens, loss=loss,
@@ -301,7 +308,7 @@ class FederatedClient:
 
     def _load(self, checkpoint: PublishedCheckpoint) -> None:
         self.replica = load_replica(
-            self.broadcast, checkpoint, self.tier, strategy=self.options.load_strategy,
+            self.broadcast, checkpoint, self.named, strategy=self.options.load_strategy,
             cache=self.state_dir / "checkpoints", mirror=self.mirror, device=self.device,
             schema_hash=self.member.schema_hash, log=self.log,
             trust_remote_code=self.options.trust_remote_code)
@@ -359,7 +366,7 @@ class FederatedClient:
                 self.applied = update.round + 1
                 self.cost.dense_down += self._dense_bytes()
                 published = update.hashes.get(self.tier)
-                if published and self.replica.hash(self.tier) != published:
+                if published and self.replica.hash(self.named) != published:
                     self.broadcast.disagreed(update.round)
                     return update.round
             return None
@@ -369,13 +376,15 @@ class FederatedClient:
 
     def _dense_bytes(self) -> int:
         """float32 bytes of the weights this client's tier holds: a dense gradient's size."""
-        regions = tier_regions(self.replica.shapes, self.replica.config, self.tier)
+        regions = tier_regions(self.replica.shapes, self.replica.config, self.named)
         return DENSE_BYTES_PER_VALUE * sum(math.prod(region_shape(r)) for r in regions.values())
 
     def build_local_round(self) -> None:
         o, settings = self.options, self.member.settings
+        ids = settings.tier_ids()
         setup = RoundSetup(
-            tiers=(self.tier, *sorted(t for t in set(o.also_train) if t > self.tier)),
+            tiers=(self.named, *(ids.resolve(t) for t in sorted(set(o.also_train))
+                                 if t != self.tier and ids.within(t, self.tier))),
             microbatch_tokens=o.microbatch_tokens, microbatch_examples=o.microbatch_examples,
             steps=LocalSteps.of(settings.inner), precision=o.precision,
             row_length=settings.sequence_length if o.batching == "packed" else None)
@@ -408,7 +417,7 @@ class FederatedClient:
     def _write_summary(self) -> None:
         """``summary.json`` in the state dir: what local-testnet's end-of-run check reads."""
         if self.summary is not None:
-            weights = self.replica.hash(self.tier) if self.replica is not None else ""
+            weights = self.replica.hash(self.named) if self.replica is not None else ""
             write_summary(self.summary, self.cost, self.connection, weights, self.state_dir)
 
     def leave(self, reason: str) -> None:

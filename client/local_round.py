@@ -119,7 +119,7 @@ class RoundSetup:
     """How a client's local rounds train, whatever its weights: what rank 0 of a
     data-parallel participant sends its followers so that every rank trains alike."""
 
-    tiers: tuple[int, ...]  # the client's tier first, then smaller ones trained alongside
+    tiers: tuple[Tier, ...]  # the client's tier first, then smaller ones trained alongside
     microbatch_tokens: int
     microbatch_examples: int = 64
     steps: LocalSteps | None = None

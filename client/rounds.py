@@ -59,7 +59,7 @@ def finished(c: FederatedClient, work: Finished, progress: Progress) -> None:
     progress.finished(work)
     c.catch_up()
     c.log(f"the run finished after round {work.round - 1}; the replica holds the weights "
-          f"after {c.applied} rounds, weight hash {c.replica.hash(c.tier)[:12]}")
+          f"after {c.applied} rounds, weight hash {c.replica.hash(c.named)[:12]}")
 
 
 class SynchronousRounds:
@@ -209,7 +209,7 @@ class OverlappedRounds:
         advance = self._advance(work) if c.node.world_size == 1 else None
         done = c.compute(sequences, work.round, advance)
         self._settle_upload(progress)  # one upload at a time, in round order
-        loss = done.losses[tier_label(c.tier)]
+        loss = done.losses[tier_label(c.named)]
         self.upload = (work, done, loss, self.uploads.submit(
             c.connection.submit, work, client_id=c.summary.client_id, tokens=done.tokens,
             loss=loss, train_seconds=done.seconds, results=done.results))

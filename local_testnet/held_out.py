@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from matformer.modeling.checkpoint import load_pretrained
+from matformer.modeling.matformer import NO_MIXES, TierIds
 from matformer.modeling.mdat import Mdat
 from matformer.modeling.training import held_out_loss
 from matformer.server.config import RunConfig
@@ -41,8 +42,10 @@ class HeldOut:
                                   * config.round.tokens_per_round)
             return cls(examples=[torch.from_numpy(reader[int(i)].astype(np.int64)) for i in ids])
 
-    def loss(self, checkpoint: Path, tiers: list[int]) -> dict[int, float]:
-        """Mean loss per target token of the universal checkpoint at each tier."""
-        losses = held_out_loss(load_pretrained(checkpoint), self.examples, tiers,
-                               batch_tokens=BATCH_TOKENS)
+    def loss(self, checkpoint: Path, tiers: list[int], tier_ids: TierIds = NO_MIXES
+             ) -> dict[int, float]:
+        """Mean loss per target token of the universal checkpoint at each tier (an id of
+        ``tier_ids``: a Mix'n'Match slice of the run is evaluated layer by layer)."""
+        losses = held_out_loss(load_pretrained(checkpoint), self.examples,
+                               [tier_ids.resolve(t) for t in tiers], batch_tokens=BATCH_TOKENS)
         return dict(zip(tiers, losses.values(), strict=True))

@@ -411,7 +411,7 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
         print(f"local-testnet: the run left {len(checkpoints)} checkpoints in {run_dir}; "
               "nothing to compare", file=sys.stderr)
         return 1
-    tiers = sorted(config.tiers.allowed)
+    tiers = sorted(config.tiers.ids())
     first, last = (run_dir / "checkpoints" / f"round-{r}"
                    for r in (checkpoints[0], checkpoints[-1]))
 
@@ -424,7 +424,7 @@ def report(config: RunConfig, status: dict, tiers_seen: dict[str, int], train_s:
             checkpoint = run_dir / "checkpoints" / f"round-{r}"  # said first: it takes a while
             say(f"[testnet] evaluating held-out loss of {checkpoint.name} at tiers "
                 f"{', '.join(map(str, tiers))} on {len(held.examples)} sequences…")
-            losses.update(held.loss(checkpoint, tiers))
+            losses.update(held.loss(checkpoint, tiers, config.tiers.tier_ids()))
             log.record(r, losses, sequences=len(held.examples))  # on the dashboard at once
     counts: dict[int, int] = {}
     for tier in tiers_seen.values():

@@ -9,6 +9,7 @@ Mix'n'Match gives one tier per layer; width may shrink with depth but never grow
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from matformer.modeling.errors import TierError
@@ -75,6 +76,56 @@ def tier_of_width(base: int, width: int) -> int:
 def tier_label(tier: Tier) -> str:
     """A stable name for a tier or Mix'n'Match list: "2", "mix:0,0,1,2"."""
     return str(tier) if isinstance(tier, int) else "mix:" + ",".join(map(str, tier))
+
+
+# A run names its tiers by integer ids, on the wire and in its logs: an id below FIRST_MIX_ID is
+# the integer tier itself, FIRST_MIX_ID + k the k-th Mix'n'Match slice the run declares.
+FIRST_MIX_ID = 64
+MAX_MIXES = 64  # slices one run declares at most
+
+
+@dataclass(frozen=True, slots=True)
+class TierIds:
+    """A run's tier ids and what each stands for (``[tiers] layer_mixes``)."""
+
+    mixes: tuple[tuple[int, ...], ...] = ()
+
+    def resolve(self, tier: int) -> Tier:
+        """The tier an id names: an integer tier, or one tier per layer."""
+        if tier < FIRST_MIX_ID:
+            return tier
+        k = tier - FIRST_MIX_ID
+        if k >= len(self.mixes):
+            raise TierError(
+                f"tier {tier} names Mix'n'Match slice {k} of the run, which declares "
+                f"{len(self.mixes)} ([tiers] layer_mixes); ids {FIRST_MIX_ID} and up name them "
+                "in order.")
+        return list(self.mixes[k])
+
+    def ids(self) -> list[int]:
+        """The ids of the run's Mix'n'Match slices."""
+        return [FIRST_MIX_ID + k for k in range(len(self.mixes))]
+
+    def label(self, tier: int) -> str:
+        """``tier_label`` of what the id names: "2", "mix:0,0,1,2"."""
+        return tier_label(self.resolve(tier))
+
+    def describe(self, tier: int) -> str:
+        """"tier 2", or "tier 64 (mix:0,0,1,2)" for a slice."""
+        return f"tier {tier}" if tier < FIRST_MIX_ID else f"tier {tier} ({self.label(tier)})"
+
+    def within(self, tier: int, larger: int) -> bool:
+        """Whether every layer of ``tier`` is as narrow as ``larger``'s or narrower (its
+        neurons are a part of ``larger``'s)."""
+        a, b = self.resolve(tier), self.resolve(larger)
+        if isinstance(a, int) and isinstance(b, int):
+            return a >= b
+        layers = len(b) if isinstance(a, int) else len(a)
+        a, b = ([t] * layers if isinstance(t, int) else t for t in (a, b))
+        return len(a) == len(b) and all(x >= y for x, y in zip(a, b, strict=True))
+
+
+NO_MIXES = TierIds()  # a run of integer tiers only
 
 
 def _deepest_tier(base: int) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from matformer.modeling.compression import CompressionConfig
+from matformer.modeling.matformer import TierIds
 from matformer.protocol.matformer.v1 import coordinator_pb2 as pb
 
 
@@ -55,6 +56,12 @@ class RunSettings:
     max_norm: float | None = None  # None: unbounded
     norm_action: str = "reject"
     deadline_s: float = 0.0  # [round] deadline_s; 0: not said (an older coordinator)
+    # the run's Mix'n'Match slices ([tiers] layer_mixes), tier FIRST_MIX_ID + k each
+    layer_mixes: tuple[tuple[int, ...], ...] = ()
+
+    def tier_ids(self) -> TierIds:
+        """What each of the run's tier ids stands for."""
+        return TierIds(self.layer_mixes)
 
 
 def encode_settings(s: RunSettings) -> pb.TrainingSettings:
@@ -65,7 +72,8 @@ def encode_settings(s: RunSettings) -> pb.TrainingSettings:
         data_fingerprint=s.data_fingerprint, data_strategy=s.data_strategy,
         data_view=s.data_view or "", heartbeat_seconds=s.heartbeat_s, overlap=s.overlap,
         peer_clip=s.peer_clip, max_norm=s.max_norm or 0.0, norm_action=s.norm_action,
-        round_deadline_seconds=s.deadline_s)
+        round_deadline_seconds=s.deadline_s,
+        layer_mixes=[pb.LayerTiers(tiers=layers) for layers in s.layer_mixes])
     if s.inner is not None:
         i = s.inner
         message.inner.CopyFrom(pb.InnerOptimizer(
@@ -96,4 +104,5 @@ def decode_settings(m: pb.TrainingSettings) -> RunSettings:
                        data_fingerprint=m.data_fingerprint, heartbeat_s=m.heartbeat_seconds,
                        inner=inner, overlap=m.overlap, peer_clip=m.peer_clip,
                        max_norm=m.max_norm or None, norm_action=m.norm_action or "reject",
-                       deadline_s=m.round_deadline_seconds)
+                       deadline_s=m.round_deadline_seconds,
+                       layer_mixes=tuple(tuple(mix.tiers) for mix in m.layer_mixes))

@@ -184,9 +184,10 @@ class Relay:
                              "with this Matformer).")
         config = universal_config(self._model_config(folder, config_file))
         shapes = universal_shapes(config)
-        tiers = sorted(e.tier for e in manifest.tiers if not e.is_mix)
-        self.policy = TierPolicy(config, allowed=tiers, pins={}, mix={})
-        self.regions = {t: tier_regions(shapes, config, t) for t in tiers}
+        ids = settings.tier_ids()  # the run's Mix'n'Match slices, by their ids
+        tiers = [*sorted(e.tier for e in manifest.tiers if not e.is_mix), *ids.ids()]
+        self.policy = TierPolicy(config, allowed=tiers, pins={}, mix={}, tier_ids=ids)
+        self.regions = {t: tier_regions(shapes, config, ids.resolve(t)) for t in tiers}
         self.layouts = ResultLayouts(settings.compression.build(), shapes,
                                      self.regions.__getitem__, tiers)
         # the root's own gate and limits ([faults] max_norm, norm_action) for each member,

@@ -252,6 +252,9 @@ def report(figures: dict, say: Callable[[str], None] = print) -> None:
             f"({(chosen['loss'] - best['loss']) / best['loss']:+.2%})")
     if figures["exported"]:
         say(f"wrote {figures['exported']} and the manifest beside it")
+    if len(set(chosen["layer_tiers"])) > 1:
+        say(f"a federated run trains it as a tier with run.toml's [tiers] layer_mixes = "
+            f"[{chosen['layer_tiers']}]: tier 64, a slice beside each of its checkpoints")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -96,7 +96,10 @@ class RunInfo(Strict):
     rounds_planned: int | None
     tokens_planned: int | None
     min_clients: int
-    allowed_tiers: list[int]
+    allowed_tiers: list[int] = Field(description="every tier a member may be given, the "
+                                                "Mix'n'Match slices' ids (64 and up) last")
+    layer_mixes: list[list[int]] = Field(default=[], description=(
+        "[tiers] layer_mixes: tier 64 + k trains layer_mixes[k], one tier per layer"))
     checkpoints: list[int] = Field(description="rounds with a checkpoint")
     last_loss: dict[str, LossPoint] = Field(description="tier → its loss in the last round "
                                                         "it trained: a finished run's final")
@@ -314,7 +317,8 @@ def run_info(snap: dict[str, Any]) -> RunInfo:
     return RunInfo(run_id=snap["run_id"], phase=snap["phase"], round=snap["round"],
                    tokens=snap["tokens"], rounds_planned=snap["rounds_planned"],
                    tokens_planned=snap["tokens_planned"], min_clients=snap["min_clients"],
-                   allowed_tiers=snap["allowed_tiers"], checkpoints=snap["checkpoints"],
+                   allowed_tiers=snap["allowed_tiers"], layer_mixes=snap["layer_mixes"],
+                   checkpoints=snap["checkpoints"],
                    last_loss={tier: LossPoint(round=int(r), loss=loss)
                               for tier, (r, loss) in sorted(snap["last_loss"].items(),
                                                             key=lambda kv: int(kv[0]))},

@@ -99,7 +99,7 @@ class BlobStore:
         self._lock = threading.Lock()
 
     def check_tier(self, tier: int) -> None:
-        allowed = self.coordinator.config.tiers.allowed
+        allowed = self.coordinator.config.tiers.ids()
         if tier not in allowed:
             raise NotARunTier(f"updates asked for at tier {tier}, which this run does not have "
                               f"(its tiers: {', '.join(map(str, allowed))}).")

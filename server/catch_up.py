@@ -21,6 +21,7 @@ from matformer.modeling.checkpoint.export import read_manifest
 from matformer.modeling.checkpoint.manifest import MANIFEST_NAME
 from matformer.modeling.compression import Region
 from matformer.modeling.errors import CheckpointError
+from matformer.modeling.matformer import NO_MIXES, TierIds, tier_label
 from matformer.protocol.records import ServedCheckpoint, ServedEntry
 from matformer.server.checkpoints import CheckpointRef, CheckpointStore
 from matformer.server.close import ClosedRound
@@ -34,13 +35,14 @@ class CatchUp:
     def __init__(self, log: UpdateLog, checkpoints: CheckpointStore,
                  regions: Callable[[int], dict[str, Region]], tiers: Sequence[int], *,
                  logged: Callable[[int], range], latest: Callable[[], CheckpointRef],
-                 wait: Callable[[int, float], None]) -> None:
+                 wait: Callable[[int, float], None], tier_ids: TierIds = NO_MIXES) -> None:
         """``logged(r)``: the committed rounds from ``r`` on (UpdatesPruned before the log's
         start); ``latest()``: the latest listed checkpoint; ``wait(r, s)``: until round ``r``
-        is committed, at most ``s`` seconds."""
+        is committed, at most ``s`` seconds; ``tier_ids``: what the run's tier ids stand for."""
         self.updates = UpdateCache(read=log.read, regions=regions)
         self.checkpoints, self.tiers = checkpoints, tiers
         self.logged, self.latest, self.wait = logged, latest, wait
+        self.tier_ids = tier_ids
 
     def closed(self, closed: ClosedRound) -> None:
         """A round the close just logged: served without reading it back."""
@@ -73,11 +75,12 @@ class CatchUp:
         """The latest universal checkpoint's manifest and its entry for ``tier``."""
         ref = self.latest()
         manifest = read_manifest(ref.path)
-        entry = manifest.entry(tier) if manifest is not None else None
+        named = self.tier_ids.resolve(tier)
+        entry = manifest.entry(named) if manifest is not None else None
         return ServedCheckpoint(
             round=ref.round, manifest_path=f"{ref.path.name}/{MANIFEST_NAME}",
             entry=None if entry is None else ServedEntry(
-                tier=str(entry.tier), intermediate_size=entry.intermediate_size or 0,
+                tier=tier_label(entry.tier), intermediate_size=entry.intermediate_size or 0,
                 files=tuple(entry.files)))
 
     def chunks(self, path: str) -> Iterator[Message]:

@@ -53,7 +53,8 @@ class CheckpointRef:
 
 class CheckpointStore:
     def __init__(self, root: Path, model_config: ModelConfig, tiers: Sequence[int],
-                 data: DataSection | None = None) -> None:
+                 data: DataSection | None = None,
+                 mixes: Sequence[Sequence[int]] = ()) -> None:
         self.root = Path(root)
         self.model_config = model_config
         self.files = {}  # written beside every checkpoint's weights: the data's tokenizer
@@ -62,6 +63,7 @@ class CheckpointStore:
                 self.files = tokenizer_files(mdat.path, mdat.strategy(data.strategy),
                                              max_length=model_config.max_position_embeddings)
         self.sliced_tiers = [t for t in tiers if t > 0]  # exported inside the universal
+        self.mixes = [list(layers) for layers in mixes]  # [tiers] layer_mixes, beside them
 
     def path(self, round_index: int) -> Path:
         """The universal checkpoint after ``round_index`` rounds."""
@@ -73,11 +75,12 @@ class CheckpointStore:
     def write(self, round_index: int, master: Mapping[str, Tensor],
               carried: Carried | None = None) -> None:
         """``master`` (canonical names) as a universal checkpoint plus the slices of every
-        allowed tier (so a client of any tier downloads only its slice) and the outer state
-        ``carried`` after its round (``outer_state.py``; no manifest lists it, so no client
-        downloads it), appearing whole or not at all: all of it is written in
-        ``.staging-round-N/``, fsynced, then renamed into place. A sharded master's shards
-        write its weights and outer state, one file each (``server/shards.py``)."""
+        allowed tier and Mix'n'Match slice (so a client of any tier downloads only its
+        slice) and the outer state ``carried`` after its round (``outer_state.py``; no
+        manifest lists it, so no client downloads it), appearing whole or not at all: all of
+        it is written in ``.staging-round-N/``, fsynced, then renamed into place. A sharded
+        master's shards write its weights and outer state, one file each
+        (``server/shards.py``)."""
         target = self.path(round_index)
         staging = target.parent / f"{STAGING_PREFIX}{target.name}"
         shutil.rmtree(staging, ignore_errors=True)
@@ -88,13 +91,13 @@ class CheckpointStore:
             with torch.device("meta"):
                 save_model_files(build_model(self.model_config), folder, self.files)
             master.group.write(master, folder)
-            export_tiers(folder, self.sliced_tiers, slice_writer=functools.partial(
-                master.group.write, master))
+            export_tiers(folder, self.sliced_tiers, self.mixes,
+                         slice_writer=functools.partial(master.group.write, master))
         else:
             model = build_model(self.model_config)
             load_canonical_state_dict(model, master)
             save_pretrained(model, folder, files=self.files)
-            export_tiers(folder, self.sliced_tiers)
+            export_tiers(folder, self.sliced_tiers, self.mixes)
         if isinstance(master, ShardedMaster):
             master.group.write_carried(master, folder)
         else:

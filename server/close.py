@@ -193,7 +193,7 @@ class RoundClose:
         config = self.config
         return Closing(rnd=rnd, round=r, delivered=delivered, late=late, by_name=by_name,
                        update=config.update.build(r, stop.planned_rounds, config.compression),
-                       tiers=set(config.tiers.allowed) | {
+                       tiers=set(config.tiers.ids()) | {
                            a.tier for a in [*delivered.values(), *late]},
                        tokens_after=tokens_after, finishes=finishes,
                        checkpoint=finishes or (r + 1) % config.checkpoint.every_rounds == 0,

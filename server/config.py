@@ -33,7 +33,7 @@ from typing import Any, get_type_hints
 from matformer.modeling.commands import apply_overrides
 from matformer.modeling.compression import ENCODERS, Broadcast, CompressionConfig, universal_shapes
 from matformer.modeling.errors import CompressionConfigError, TierError
-from matformer.modeling.matformer import tier_width
+from matformer.modeling.matformer import layer_widths, tier_width
 from matformer.modeling.settings import (
     check_declared,
     default_of,
@@ -102,6 +102,11 @@ class RunConfig:
                 tier_width(model, tier)
             except TierError as err:
                 raise InvalidValue(f"[tiers] allowed tier {tier}: {err}") from err
+        for k, layers in enumerate(self.tiers.layer_mixes):
+            try:
+                layer_widths(model, layers)
+            except TierError as err:
+                raise InvalidValue(f"[tiers] layer_mixes[{k}]: {err}") from err
         if self.data.max_seq_len > model.max_position_embeddings:
             raise InvalidValue(
                 f"[data] max_seq_len {self.data.max_seq_len} exceeds the model's "
@@ -181,7 +186,7 @@ class RunConfig:
                 planned_rounds=self.round.planned_rounds, grad_clip=inner.grad_clip),
             overlap=self.round.overlap, peer_clip=self.faults.peer_clip,
             max_norm=self.faults.max_norm, norm_action=self.faults.norm_action,
-            deadline_s=self.round.deadline_s)
+            deadline_s=self.round.deadline_s, layer_mixes=self.tiers.tier_ids().mixes)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data (TOML and JSON types) that ``from_dict`` reads back to an equal config."""

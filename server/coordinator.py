@@ -116,8 +116,10 @@ class Coordinator:
         saved = RunState.load(self.dir)
         self.reader, order = work_order(Mdat.open(config.data.path), config, saved)
         self.log = UpdateLog(self.dir / "updates")
+        self.tier_ids = config.tiers.tier_ids()
         self.checkpoints = CheckpointStore(self.dir / "checkpoints", self.model_config,
-                                           config.tiers.allowed, config.data)
+                                           config.tiers.allowed, config.data,
+                                           mixes=config.tiers.layer_mixes)
         self.ledger = TrainedLedger(self.dir)
         self.gate = SubmissionGate(self.shapes,
                                    SubmissionLimits(config.compression, config.faults))
@@ -174,12 +176,12 @@ class Coordinator:
         self.closer.master, self.closer.carried = master, carried
         # what the member API serves: the updates and checkpoints members catch up from,
         # the layouts results must have, the model's schema hash
-        self.catch_up = CatchUp(self.log, self.checkpoints, self.regions, config.tiers.allowed,
+        self.catch_up = CatchUp(self.log, self.checkpoints, self.regions, config.tiers.ids(),
                                 logged=self.logged_rounds, latest=self.latest_checkpoint,
-                                wait=self.wait_for_round)
+                                wait=self.wait_for_round, tier_ids=self.tier_ids)
         self.round_closed.append(self.catch_up.closed)
         self.layouts = ResultLayouts(config.compression.build(), self.shapes, self.regions,
-                                     config.tiers.allowed)
+                                     config.tiers.ids())
         self.schema_hash = canonical_schema_hash(self.model_config, self.shapes)
 
     # -- the member API (server/member_api.py): what the gRPC service asks ---------------
@@ -321,7 +323,7 @@ class Coordinator:
         if tokens_per_second is not None:
             self.membership.reported(client_id, tokens_per_second)
         if relayed or member.relayed:
-            member.relayed = check_relayed(relayed, member.relay, self.config.tiers.allowed)
+            member.relayed = check_relayed(relayed, member.relay, self.config.tiers.ids())
             member.relayed_tiers = sorted({*member.relayed_tiers,
                                            *(m["tier"] for m in member.relayed)})
 
@@ -393,7 +395,7 @@ class Coordinator:
         if relay:
             delivered = assigned.without(missed, self._length)
             kept = self.gate.partials(
-                assigned, [self.regions(t) for t in self.config.tiers.allowed], results,
+                assigned, [self.regions(t) for t in self.config.tiers.ids()], results,
                 tokens=delivered.tokens, loss=loss, train_seconds=train_seconds)
             # the tiers its members were at, as its heartbeats listed them
             losses = check_tier_losses(tier_losses, relayed_tiers, delivered.tokens)
@@ -613,7 +615,8 @@ class Coordinator:
     def regions(self, tier: int) -> dict[str, Region]:
         """Canonical name → the region of the universal tensor that ``tier`` covers."""
         if tier not in self._regions:
-            self._regions[tier] = tier_regions(self.shapes, self.model_config, tier)
+            self._regions[tier] = tier_regions(self.shapes, self.model_config,
+                                               self.tier_ids.resolve(tier))
         return self._regions[tier]
 
     def tier_hashes(self, tiers: Sequence[int], master: Mapping[str, Tensor] | None = None

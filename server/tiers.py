@@ -4,11 +4,12 @@ Rules, in order:
 
 1. A pin (``[tiers.pins]``, by client name) decides, whatever the client asked for; a pinned
    tier that does not fit the client's memory is refused (``PinnedTierDoesNotFit``).
-2. Otherwise the candidates are the allowed tiers no larger than the one the client asked
-   for: asking for tier ``t`` means "at most as big as tier ``t``", i.e. tier index ``>= t``.
+2. Otherwise the candidates are the run's tiers no larger than the one the client asked
+   for: asking for tier ``t`` means "at most as big as tier ``t``", i.e. tier index ``>= t``
+   (a Mix'n'Match slice, ``[tiers] layer_mixes``: ``>= t`` on every layer).
 3. Of the candidates, those whose estimated training memory (``server.memory``) at the
    client's microbatch token budget fits the memory it reports.
-4. Without a target mix: the largest model that fits (lowest tier index). With one
+4. Without a target mix: the largest model that fits (most parameters). With one
    (``[tiers.mix]``): the fitting tier whose share of the current members is furthest below
    its target (a tier the mix leaves out has target 0); ties go to the larger model.
 
@@ -24,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from matformer.modeling.config import ModelConfig
-from matformer.modeling.matformer import tier_width
+from matformer.modeling.matformer import FIRST_MIX_ID, MAX_MIXES, NO_MIXES, TierIds
 from matformer.server.errors import BadCapabilities, NoAllowedTier, NoTierFits, PinnedTierDoesNotFit
 from matformer.server.memory import TrainingMemory
 
@@ -55,9 +56,12 @@ class TierPolicy:
     """The run's tier rules over one model; built by ``TiersSection.build(model)``."""
 
     def __init__(self, model: ModelConfig, *, allowed: Sequence[int],
-                 pins: Mapping[str, int], mix: Mapping[int, float]) -> None:
-        self.memory = TrainingMemory(model)
-        self.allowed = sorted(allowed)
+                 pins: Mapping[str, int], mix: Mapping[int, float],
+                 tier_ids: TierIds = NO_MIXES) -> None:
+        self.memory = TrainingMemory(model, tier_ids)
+        self.ids = tier_ids
+        # largest first: a move is one place along this list
+        self.allowed = sorted(allowed, key=lambda t: (-self.memory.parameters(t), t))
         self.pins = dict(pins)
         self.mix = dict(mix)
 
@@ -74,7 +78,8 @@ class TierPolicy:
         moved = self.allowed[here]
         if step < 0:
             need = self.memory.training_bytes(moved, microbatch_tokens)
-            if moved < (requested_tier or 0) or (memory_bytes and need > memory_bytes):
+            if not self.ids.within(moved, requested_tier or 0) or (
+                    memory_bytes and need > memory_bytes):
                 return None
         return moved
 
@@ -102,7 +107,11 @@ class TierPolicy:
                                     f"{_size(need(tier))} of the {_size(have)} it reports")
 
         floor = client.requested_tier or 0
-        candidates = [t for t in self.allowed if t >= floor]
+        if floor >= FIRST_MIX_ID and floor not in self.allowed:
+            raise NoAllowedTier(
+                f"client {client.name!r} asked for tier {floor}, a Mix'n'Match slice this run "
+                f"does not have (its tiers: {sorted(self.allowed)}); ask for one of them.")
+        candidates = [t for t in self.allowed if self.ids.within(t, floor)]
         if not candidates:
             raise NoAllowedTier(
                 f"client {client.name!r} asked for tier {floor} or smaller, but this run allows "
@@ -129,7 +138,8 @@ class TierPolicy:
                  requested: int | None) -> str:
         if tier != candidates[0]:
             larger = candidates[candidates.index(tier) - 1]
-            return f"tier {larger} needs {_size(need(larger))}, the client reports {_size(have)}"
+            return (f"{self.ids.describe(larger)} needs {_size(need(larger))}, the client "
+                    f"reports {_size(have)}")
         bound = ("the tier the client asked for" if tier == requested
                  else "the largest allowed tier")
         return f"{bound}; needs {_size(need(tier))} of the {_size(have)} the client reports"
@@ -139,17 +149,22 @@ class TierPolicy:
             return sum(m == tier for m in members) / len(members) if members else 0.0
 
         # Rounded so that shares equal in decimal (1/3 vs 0.333...) tie; the larger model wins.
-        tier = max(fits, key=lambda t: (round(self.mix.get(t, 0.0) - share(t), 9), -t))
+        tier = max(fits, key=lambda t: (round(self.mix.get(t, 0.0) - share(t), 9),
+                                        -self.allowed.index(t)))
         held = (f"{share(tier):.0%} of the {len(members)} members have it" if members
                 else "no member has joined yet")
-        return tier, f"the target mix wants {self.mix.get(tier, 0.0):.0%} at tier {tier}; {held}"
+        return tier, (f"the target mix wants {self.mix.get(tier, 0.0):.0%} at "
+                      f"{self.ids.describe(tier)}; {held}")
 
     def _assignment(self, tier: int, estimated: int, why: str) -> TierAssignment:
-        return TierAssignment(tier=tier, ffn_width=tier_width(self.memory.config, tier),
+        return TierAssignment(tier=tier, ffn_width=max(self.memory.widths(tier)),
                               estimated_bytes=estimated, reason=f"{self._label(tier)}: {why}")
 
     def _label(self, tier: int) -> str:
-        return f"tier {tier} (FFN {tier_width(self.memory.config, tier)})"
+        widths = self.memory.widths(tier)
+        if len(set(widths)) == 1:
+            return f"tier {tier} (FFN {widths[0]})"
+        return f"tier {tier} ({self.ids.label(tier)}, FFN {'/'.join(map(str, widths))})"
 
 
 # A name and a device kind are shown on the dashboard, written to state.json and matched
@@ -199,9 +214,12 @@ def check_capabilities(client: Capabilities) -> None:
         raise BadCapabilities(f"client {client.name!r} reports a microbatch of "
                               f"{client.microbatch_tokens} tokens; it must lie in "
                               f"1..{MAX_MICROBATCH_TOKENS}.")
-    if client.requested_tier is not None and not 0 <= client.requested_tier <= MAX_TIER:
-        raise BadCapabilities(f"client {client.name!r} asked for tier {client.requested_tier}; "
-                              f"a tier is an integer in 0..{MAX_TIER}.")
+    asked = client.requested_tier
+    if asked is not None and not (0 <= asked <= MAX_TIER
+                                  or FIRST_MIX_ID <= asked < FIRST_MIX_ID + MAX_MIXES):
+        raise BadCapabilities(f"client {client.name!r} asked for tier {asked}; a tier is an "
+                              f"integer in 0..{MAX_TIER}, or a Mix'n'Match slice's id in "
+                              f"{FIRST_MIX_ID}..{FIRST_MIX_ID + MAX_MIXES - 1}.")
 
 
 def _size(n: int) -> str:

@@ -88,7 +88,7 @@ EXPECTED = {
                     "heartbeat_p99_ms", "shards", "shard_rss_mib", "shard_peak_rss_mib"),
     "status_api": expect("page poll / metrics"),
     "tier_quality": expect("targets: joint tier 0 < 1 < 2", "joint", "tier0_sliced",
-                           "independent", "initial", "tokens", "seconds", "config"),
+                           "independent", "initial", "tokens", "seconds", "config", "slice"),
     "tier_throughput": expect("speed vs t0", "settings", "device_peak_bytes",
                               *per(("tiers.0", "tiers.1", "tiers.2"), "ffn_width",
                                    "tokens_per_s", "step_peak_bytes", "mfu")),

@@ -50,12 +50,12 @@ def mdat(tmp_path_factory):
 def start(tmp_path, mdat, *, min_clients=1, rounds=3, encoding="dct", rule="sign", lr=0.01,
           tokens_per_round=1024, deadline_s=30.0, every=100, tiers=(0, 1, 2),
           strategy=DEFAULT_STRATEGY["strategy_name"], max_seq_len=SEQ_LEN, update=None,
-          inner=None, model=None, overlap=False, **compression):
+          inner=None, model=None, overlap=False, tier_keys=None, **compression):
     extra = {} if model is None else {"model": {"inline": model}}
     tables = run_tables(
         mdat, run={"id": "fed", "dir": "run"}, **extra,
         data={"path": str(mdat), "strategy": strategy, "max_seq_len": max_seq_len},
-        tiers={"allowed": list(tiers)},
+        tiers={"allowed": list(tiers), **(tier_keys or {})},
         round={"min_clients": min_clients, "deadline_s": deadline_s,
                "tokens_per_round": tokens_per_round, "rounds": rounds, "overlap": overlap},
         update={"rule": rule, "lr": lr, "schedule": "constant", **(update or {})},
@@ -301,6 +301,45 @@ def test_heterogeneous_run_tail_moves_only_with_tier0_and_hashes_agree(tmp_path,
                               for n in c.replica.regions})
     status = coordinator.state.loss
     assert set(status) == {"0", "1", "2"}
+
+
+def test_a_member_trains_a_mix_n_match_slice_as_its_tier(tmp_path, mdat):
+    """[tiers] layer_mixes: tier 64 is layer 0 at tier 1 and layer 1 at tier 2. The member
+    pinned to it loads the checkpoint's mix-1-2 slice (not the universal weights), trains it
+    with local steps, and its replica stays the master's slice of the mix bit for bit; the
+    neurons only tier 0 holds move only when tier 0 trains."""
+    server = start(tmp_path, mdat, min_clients=2, rounds=4, tokens_per_round=1536, every=2,
+                   chunk=16, value_dtype="int4", rule="sgd", lr=0.7, update=OUTER, inner=INNER,
+                   tier_keys={"layer_mixes": [[1, 2]], "pins": {"mixed": 64}})
+    coordinator = server.service.coordinator
+    rounds = []
+    coordinator.round_closed.append(
+        lambda closed: rounds.append((closed.tiers, closed.before, closed.after)))
+    try:
+        clients = [client(server, tmp_path, "mixed"), client(server, tmp_path, "big", tier=0)]
+        summaries = [r() for r in [in_thread(c.run) for c in clients]]
+        final = {n: t.clone() for n, t in coordinator.master.items()}
+        checkpoint = coordinator.checkpoints.path(coordinator.state.checkpoints[-1])
+    finally:
+        server.stop()
+
+    assert [s.tier for s in summaries] == [64, 0]
+    assert all(s.finished and s.resynchronisations == 0 for s in summaries)
+    mixed = clients[0]
+    assert mixed.replica.config.stored_tiers() == [1, 2]  # the slice, as exported
+    assert (checkpoint / "mix-1-2" / "config.json").is_file()
+    up1 = UP.replace("layers.0", "layers.1")
+    assert mixed.replica.regions[UP] == ((0, 32), (0, 32))
+    assert mixed.replica.regions[up1] == ((0, 16), (0, 32))
+    for c in clients:
+        assert same(held(c), {n: final[n][region_slices(c.replica.regions[n])]
+                              for n in c.replica.regions})
+    for tiers, before, after in rounds:
+        assert tiers >= {64}  # the pinned member trains every round
+        # layer 1's rows 16..32 belong to tier 0 and 1, not to the mix
+        assert (not torch.equal(before[up1][16:32], after[up1][16:32])) == (0 in tiers)
+        assert not torch.equal(before[UP][16:32], after[UP][16:32])  # layer 0: the mix's
+    assert "64" in coordinator.state.loss
 
 
 def test_leave_and_rejoin_ends_with_the_same_weights(tmp_path, mdat):

@@ -175,13 +175,17 @@ def relay_for(server, tmp_path, **kwargs) -> RunningRelay:
                               access=ACCESS, folder=tmp_path / "relay", **kwargs)
 
 
-def test_members_behind_a_relay_end_where_the_same_members_joined_directly_end(tmp_path):
-    with serving_config(config(tmp_path / "direct", min_clients=2)) as (server, _):
+@pytest.mark.parametrize("tiers", [(0, 1), (0, 64)])
+def test_members_behind_a_relay_end_where_the_same_members_joined_directly_end(tmp_path, tiers):
+    """... also a member that asks for a Mix'n'Match slice (tier 64: layer 0 at tier 1, layer
+    1 at tier 2): the relay sums its results over the slice's regions as the root would."""
+    keys = {} if tiers == (0, 1) else {"tiers": {"allowed": [0, 1, 2], "layer_mixes": [[1, 2]]}}
+    with serving_config(config(tmp_path / "direct", min_clients=2, **keys)) as (server, _):
         start = master(server, 0)
-        direct_members = run_members(f"127.0.0.1:{server.grpc_port}", server)
+        direct_members = run_members(f"127.0.0.1:{server.grpc_port}", server, tiers=tiers)
         direct = master(server)
         direct_loss = dict(server.service.coordinator.state.loss)
-    with serving_config(config(tmp_path / "relayed", min_clients=1)) as (server, _):
+    with serving_config(config(tmp_path / "relayed", min_clients=1, **keys)) as (server, _):
         relay = relay_for(server, tmp_path)
         root = server.service.coordinator
         listed, done = set(), threading.Event()
@@ -195,23 +199,24 @@ def test_members_behind_a_relay_end_where_the_same_members_joined_directly_end(t
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            relayed_members = run_members(f"127.0.0.1:{relay.port}", server)
+            relayed_members = run_members(f"127.0.0.1:{relay.port}", server, tiers=tiers)
             relayed = master(server)
             done.set()
             watcher.join()
             # the root files each member's loss under its tier, through the relay as directly
             assert root.state.loss == direct_loss
-            assert sorted(direct_loss) == ["0", "1"]
+            assert sorted(direct_loss) == sorted(map(str, tiers))
             (relay_member,) = root.membership.members.values()
             assert relay_member.relay and relay_member.name == "relay-a"
             # the root's page listed the members behind the relay, as its heartbeats report
-            assert sorted(listed) == [("m0", 0, True), ("m1", 1, True)]
+            assert sorted(listed) == [("m0", tiers[0], True), ("m1", tiers[1], True)]
         finally:
             done.set()
             relay.stop("done")
     # the same split: each member trained as many tokens each round either way
     for a, b in zip(direct_members, relayed_members, strict=True):
         assert len(a.tokens) == ROUNDS and a.tokens == b.tokens
+    assert [m.tier for m in direct_members] == [m.tier for m in relayed_members] == list(tiers)
     assert direct.keys() == relayed.keys() == start.keys()
     for name in direct:
         # summed in another order, with one more division: float32 rounding, no more

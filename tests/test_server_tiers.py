@@ -8,12 +8,18 @@ Activations per token: L·(8·C + 4·w) + 2·C + 2·V = 1672 + 8·w.
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
+from support.helpers import run_tables, write_run_toml
 
 from matformer.modeling.config import ModelConfig
+from matformer.modeling.mdat import build_default_mdat
+from matformer.server.config import RunConfig
 from matformer.server.errors import (
     BadCapabilities,
+    InvalidValue,
     NoAllowedTier,
     NoTierFits,
     PinnedTierDoesNotFit,
@@ -163,3 +169,60 @@ def test_errors_carry_grpc_codes():
     assert NoTierFits.code == grpc.StatusCode.FAILED_PRECONDITION
     assert BadCapabilities.code == grpc.StatusCode.INVALID_ARGUMENT
     assert issubclass(PinnedTierDoesNotFit, TierAssignmentError)
+
+
+# [tiers] layer_mixes: Mix'n'Match slices as tiers 64, 65, ... Layer 0 at tier 1 (w 128),
+# layer 1 at tier 2 (w 64): FFN parameters 192·128 + 192·64, activations per token
+# 2·8·64 + 4·(128 + 64) + 2·64 + 2·260 = 2440.
+MIXED = TiersSection(allowed=[0, 1, 2], layer_mixes=[[1, 2], [0, 2]])
+NEED_MIX = 16 * (66368 + 192 * 128 + 192 * 64) + 4 * TOKENS * 2440
+
+
+def test_a_mix_is_a_tier_estimated_layer_by_layer():
+    policy = MIXED.build(MODEL)
+    assert policy.memory.parameters(64) == 66368 + 192 * (128 + 64)
+    assert policy.memory.training_bytes(64, TOKENS) == NEED_MIX
+    # by size, largest first: 0, then mix [0, 2] (256 + 64), 1 (128 + 128), mix [1, 2], 2
+    assert policy.allowed == [0, 65, 1, 64, 2]
+    assert MIXED.ids() == [0, 1, 2, 64, 65]
+
+
+def test_a_mix_is_assigned_moved_and_pinned_as_a_tier():
+    policy = MIXED.build(MODEL)
+    fits = policy.assign(client(NEED_MIX, name="a"))  # tier 1 needs more, mix [1, 2] fits
+    assert (fits.tier, fits.ffn_width) == (64, 128)
+    assert fits.reason.startswith("tier 64 (mix:1,2, FFN 128/64): tier 1 needs 12.3 MiB")
+    # asking for tier 1 or smaller: mix [0, 2] is larger on layer 0, so not a candidate
+    assert policy.assign(client(GiB, requested=1)).tier == 1
+    assert policy.assign(client(GiB, requested=2)).tier == 2
+    assert policy.moved(name="a", tier=64, step=1, requested_tier=None, memory_bytes=0,
+                        microbatch_tokens=TOKENS) == 2
+    assert policy.moved(name="a", tier=1, step=1, requested_tier=None, memory_bytes=0,
+                        microbatch_tokens=TOKENS) == 64
+    assert policy.moved(name="a", tier=1, step=-1, requested_tier=1, memory_bytes=0,
+                        microbatch_tokens=TOKENS) is None  # mix [0, 2] is past the request
+    pinned = TiersSection(allowed=[0, 1, 2], layer_mixes=[[1, 2]], pins={"p": 64},
+                          mix={64: 0.5, 0: 0.5}).build(MODEL)
+    assert pinned.assign(client(GiB, name="p")).tier == 64
+    assert pinned.assign(client(GiB, name="q"), members=[0]).tier == 64  # the mix's share
+
+
+@pytest.mark.parametrize("mixes, pins, words", [
+    ([[1, 3]], {}, "uses a tier that is not in allowed [0, 1, 2]"),
+    ([[2, 1]], {}, "grows wider with depth"),
+    ([[1, 1]], {}, "is tier 1 on every layer; list that tier in allowed instead"),
+    ([[1, 2], [1, 2]], {}, "is listed twice"),
+    ([[1, 2]], {"p": 65}, "pins 'p' to tier 65, which is not one of the run's tiers [0, 1, 2, 64]"),
+])
+def test_bad_layer_mixes_are_refused_by_name(mixes, pins, words):
+    with pytest.raises(InvalidValue, match=re.escape(words)):
+        TiersSection(allowed=[0, 1, 2], layer_mixes=mixes, pins=pins)
+
+
+def test_a_mix_of_the_wrong_length_is_refused_with_the_model(tmp_path):
+    mdat = build_default_mdat(tmp_path / "d.mdat", limit=4)
+    mdat.close()
+    tables = run_tables(tmp_path / "d.mdat", tiers={"allowed": [0, 1], "layer_mixes": [[0, 1, 1]]})
+    with pytest.raises(InvalidValue, match=re.escape(
+            "[tiers] layer_mixes[0]: a Mix'n'Match tier list needs one tier per layer (2), got 3")):
+        RunConfig.load(write_run_toml(tmp_path / "run.toml", tables))

@@ -20,6 +20,7 @@ from matformer.modeling.checkpoint.remote_code import consented
 from matformer.modeling.compression import universal_shapes
 from matformer.modeling.config import ModelConfig
 from matformer.modeling.errors import MatformerError
+from matformer.modeling.matformer import FIRST_MIX_ID, MAX_MIXES, TierIds
 from matformer.modeling.mdat import DEFAULT_STRATEGY
 from matformer.modeling.settings import INT64, FolderOrRepo, reject_unknown, setting
 from matformer.server.errors import ConflictingKeys, InvalidValue, MissingFile, MissingKey
@@ -154,6 +155,9 @@ class DataSection:
 class TiersSection:
     allowed: list[int] = setting([0, 1, 2], help=(
         f"tiers clients may be given, 0..{MAX_TIER}; each must halve the FFN evenly"))
+    layer_mixes: list[list[int]] = setting([], help=(
+        "Mix'n'Match slices clients may be given as well, one allowed tier per layer, never "
+        f"wider with depth (what matformer slice chose); the k-th is tier {FIRST_MIX_ID}+k"))
     pins: dict[str, int] = setting({}, help="client name → tier, always")
     mix: dict[int, float] = setting({}, help=(
         "tier → target share of members, summing to 1; empty: none"))
@@ -164,19 +168,42 @@ class TiersSection:
                 and len(set(self.allowed)) == len(self.allowed),
                 f"[tiers] allowed must list distinct tiers in [0, {MAX_TIER}], got "
                 f"{self.allowed}.")
+        require(len(self.layer_mixes) <= MAX_MIXES, f"[tiers] layer_mixes lists "
+                f"{len(self.layer_mixes)} slices; at most {MAX_MIXES}.")
+        for k, layers in enumerate(self.layer_mixes):
+            where = f"[tiers] layer_mixes[{k}] {layers}"
+            require(all(t in self.allowed for t in layers),
+                    f"{where} uses a tier that is not in allowed {self.allowed}; a slice is "
+                    "made of the run's tiers.")
+            require(layers == sorted(layers), f"{where} grows wider with depth; a deeper layer "
+                    "must use the same tier or a higher one.")
+            require(len(set(layers)) > 1, f"{where} is tier {layers[0] if layers else '?'} on "
+                    "every layer; list that tier in allowed instead.")
+            require(layers not in self.layer_mixes[:k], f"{where} is listed twice.")
+        ids = self.ids()
         for name, tier in self.pins.items():
-            require(tier in self.allowed,
-                    f"[tiers.pins] pins {name!r} to tier {tier}, which is not in allowed "
-                    f"{self.allowed}; add it there or pin another tier.")
+            require(tier in ids,
+                    f"[tiers.pins] pins {name!r} to tier {tier}, which is not one of the run's "
+                    f"tiers {ids}; add it to allowed (or layer_mixes) or pin another tier.")
         if self.mix:
             for tier, share in self.mix.items():
-                require(tier in self.allowed,
-                        f"[tiers.mix] names tier {tier}, which is not in allowed {self.allowed}.")
+                require(tier in ids,
+                        f"[tiers.mix] names tier {tier}, which is not one of the run's tiers "
+                        f"{ids}.")
                 require(0.0 <= share <= 1.0,
                         f"[tiers.mix] share of tier {tier} must lie in [0, 1], got {share}.")
             total = sum(self.mix.values())
             require(abs(total - 1.0) <= _MIX_TOLERANCE,
                     f"[tiers.mix] shares sum to {total:g}; make them sum to 1.")
 
+    def tier_ids(self) -> TierIds:
+        """What each of the run's tier ids stands for."""
+        return TierIds(tuple(tuple(layers) for layers in self.layer_mixes))
+
+    def ids(self) -> list[int]:
+        """Every tier a member may be given: the allowed tiers, then the slices' ids."""
+        return [*self.allowed, *self.tier_ids().ids()]
+
     def build(self, model: ModelConfig) -> TierPolicy:
-        return TierPolicy(model, allowed=self.allowed, pins=self.pins, mix=self.mix)
+        return TierPolicy(model, allowed=self.ids(), pins=self.pins, mix=self.mix,
+                          tier_ids=self.tier_ids())

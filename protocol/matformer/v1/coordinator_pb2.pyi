@@ -129,7 +129,7 @@ class CheckpointRef(_message.Message):
     def __init__(self, round: _Optional[int] = ..., manifest_path: _Optional[str] = ..., entry: _Optional[_Union[TierEntry, _Mapping]] = ...) -> None: ...
 
 class TrainingSettings(_message.Message):
-    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "sequence_length", "data_fingerprint", "data_strategy", "data_view", "heartbeat_seconds", "inner", "overlap", "peer_clip", "max_norm", "norm_action", "round_deadline_seconds")
+    __slots__ = ("encoding", "chunk", "topk", "value_dtype", "decay", "compression_lr", "sequence_length", "data_fingerprint", "data_strategy", "data_view", "heartbeat_seconds", "inner", "overlap", "peer_clip", "max_norm", "norm_action", "round_deadline_seconds", "layer_mixes")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class TrainingSettings(_message.Message):
     MAX_NORM_FIELD_NUMBER: _ClassVar[int]
     NORM_ACTION_FIELD_NUMBER: _ClassVar[int]
     ROUND_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_MIXES_FIELD_NUMBER: _ClassVar[int]
     encoding: str
     chunk: int
     topk: int
@@ -164,7 +165,14 @@ class TrainingSettings(_message.Message):
     max_norm: float
     norm_action: str
     round_deadline_seconds: float
-    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., overlap: _Optional[bool] = ..., peer_clip: _Optional[float] = ..., max_norm: _Optional[float] = ..., norm_action: _Optional[str] = ..., round_deadline_seconds: _Optional[float] = ...) -> None: ...
+    layer_mixes: _containers.RepeatedCompositeFieldContainer[LayerTiers]
+    def __init__(self, encoding: _Optional[str] = ..., chunk: _Optional[int] = ..., topk: _Optional[int] = ..., value_dtype: _Optional[str] = ..., decay: _Optional[float] = ..., compression_lr: _Optional[float] = ..., sequence_length: _Optional[int] = ..., data_fingerprint: _Optional[str] = ..., data_strategy: _Optional[str] = ..., data_view: _Optional[str] = ..., heartbeat_seconds: _Optional[float] = ..., inner: _Optional[_Union[InnerOptimizer, _Mapping]] = ..., overlap: _Optional[bool] = ..., peer_clip: _Optional[float] = ..., max_norm: _Optional[float] = ..., norm_action: _Optional[str] = ..., round_deadline_seconds: _Optional[float] = ..., layer_mixes: _Optional[_Iterable[_Union[LayerTiers, _Mapping]]] = ...) -> None: ...
+
+class LayerTiers(_message.Message):
+    __slots__ = ("tiers",)
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tiers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InnerOptimizer(_message.Message):
     __slots__ = ("name", "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "batch_tokens", "schedule", "final_lr", "planned_rounds", "grad_clip")
