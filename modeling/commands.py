@@ -18,7 +18,7 @@ import torch
 import matformer
 from matformer.modeling.errors import InvalidValue, WrongType
 
-# the name a command runs under when ``matformer <verb>`` runs it (scripts/matformer.py):
+# the name a command runs under when ``matformer <verb>`` runs it (scripts/verbs.py):
 # its usage and errors then say "matformer train", not "matformer-train"
 invoked_as: str | None = None
 

@@ -99,7 +99,7 @@ def test_every_command_says_its_version(command, capsys):
 
 
 def test_one_command_runs_every_verb_under_its_own_name(tmp_path, capsys):
-    from matformer.scripts.matformer import VERBS, main, runner
+    from matformer.scripts.verbs import VERBS, main, runner
 
     assert all(callable(runner(verb)) for verb in VERBS)
     with pytest.raises(SystemExit) as exited:

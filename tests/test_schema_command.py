@@ -10,7 +10,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from matformer.modeling.mdat import DEFAULT_STRATEGY
-from matformer.scripts.matformer import main
+from matformer.scripts.verbs import main
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

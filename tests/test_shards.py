@@ -236,7 +236,7 @@ def test_shards_started_elsewhere_join_the_coordinator_and_close_alike(tmp_path,
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    shards = [subprocess.Popen([sys.executable, "-m", "matformer.scripts.matformer", "shard",
+    shards = [subprocess.Popen([sys.executable, "-m", "matformer.scripts.verbs", "shard",
                                 "--coordinator", f"127.0.0.1:{port}", "--rank", str(rank),
                                 "--count", "2", "--threads", "1"]) for rank in (1, 2)]
     try:
