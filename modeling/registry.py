@@ -8,7 +8,8 @@ An implementation is chosen per (category, variant) in this order:
 4. the available implementation with the highest priority.
 
 An implementation is available when every module in ``requires`` can be imported and its
-optional ``is_available()`` classmethod says yes. A chosen name that is not available falls
+optional ``is_available()`` (or ``_is_available()``, as the founding document spells it)
+says yes, called on the class with no arguments. A chosen name that is not available falls
 back to the next rule, and the fallback is reported once, in one line, through ``logging``.
 """
 
@@ -27,6 +28,8 @@ from typing import Any
 
 from matformer.modeling.config import ModelConfig
 from matformer.modeling.errors import RegistryError, did_you_mean
+
+AVAILABILITY_CHECKS = ("is_available", "_is_available")
 
 log = logging.getLogger("matformer.registry")
 
@@ -52,9 +55,16 @@ class Implementation:
         missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
         if missing:
             return f"requires {', '.join(missing)} (not installed)"
-        check = getattr(self.cls, "is_available", None)
-        if check is not None and not check():
-            return "its is_available() check failed on this machine"
+        for name in AVAILABILITY_CHECKS:
+            check = getattr(self.cls, name, None)
+            if check is None:
+                continue
+            try:
+                ok = check()
+            except Exception as err:  # a check that cannot run says no
+                return f"its {name}() check raised {type(err).__name__}: {err}"
+            if not ok:
+                return f"its {name}() check failed on this machine"
         return None
 
 
