@@ -92,6 +92,12 @@ class ModelConfig:
     mask_token_id: int | None = 259  # BERT-style objective only
     is_causal: bool = True  # causal attention mask (GPT) or bidirectional (BERT)
     masked_substitution_rate: float = 0.15  # fraction of tokens masked by BERTModel
+    # dropout while training (0: none, Llama's choice): on the attention probabilities, on
+    # each sublayer's output before it joins the residual stream (bias-dropout-add), and on
+    # the FFN's hidden activations
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    ffn_dropout: float = 0.0
     matformer_tier: int = 0  # tier this checkpoint was sliced at (0 = universal)
     matformer_base_intermediate_size: int | None = None  # universal FFN width; None = same
     # a Mix'n'Match slice: the tier each layer was sliced at (None: all at matformer_tier)
@@ -147,6 +153,10 @@ class ModelConfig:
                 )
         if not 0.0 <= self.masked_substitution_rate <= 1.0:
             raise ConfigError("masked_substitution_rate must lie in [0, 1].")
+        for name in ("attention_dropout", "hidden_dropout", "ffn_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} is a probability in [0, 1), got "
+                                  f"{getattr(self, name)!r}.")
         if self.matformer_tier < 0:
             raise ConfigError(f"matformer_tier must be >= 0, got {self.matformer_tier}.")
         if self.matformer_base_intermediate_size != self.intermediate_size << self.matformer_tier:

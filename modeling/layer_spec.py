@@ -40,14 +40,17 @@ def layer_spec(layer: LayerConfig, registry: Registry, ffn_width: int) -> Module
             kernel=ModuleSpec(registry.get("attention", "kernel", layer.attn_impl))
         ),
     )
+    residual = ModuleSpec(registry.get("residual", "bias_dropout_add"))
     return ModuleSpec(
         registry.get("block", layer.normalization_position),
         submodules=BlockSubmodules(
             input_layernorm=norm,
             self_attn=attention,
+            self_attn_bda=residual,
             post_attention_layernorm=norm,
             mlp=ModuleSpec(registry.get("mlp", layer.ffn_activation),
                            params={"intermediate_size": ffn_width}),
+            mlp_bda=residual,
             hooks=hooks,
         ),
     )

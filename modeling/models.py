@@ -39,7 +39,8 @@ class NakedTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_positions = build_module(spec.positional, config=config)
-        self.layers = nn.ModuleList(build_module(layer, config=config) for layer in spec.layers)
+        self.layers = nn.ModuleList(build_module(layer, config=config, layer_number=number)
+                                    for number, layer in enumerate(spec.layers, start=1))
         self.norm = build_module(spec.final_norm, config=config)
 
     def forward(
@@ -49,10 +50,15 @@ class NakedTransformer(nn.Module):
         position_ids: Tensor | None = None,
         tier: Tier | None = None,
         cache: KVCache | None = None,
+        *,
+        encoder_states: Tensor | None = None,
+        encoder_mask: Tensor | None = None,
     ) -> Tensor:
         """``inputs``: a tensor, with an optional (B, T) ``attention_mask`` (1 = real token),
         or a MaskedBatch / PackedBatch; ``tier`` picks the FFN widths; ``cache`` holds the
-        keys and values of earlier positions while generating (modeling/generation.py)."""
+        keys and values of earlier positions while generating (modeling/generation.py);
+        ``encoder_states`` (B, S, C) and ``encoder_mask`` (B, S), what blocks built with
+        cross-attention read."""
         tokens = layout(inputs, attention_mask, position_ids)
         widths = layer_widths(self.config, tier)
         hidden = self.input_embeddings(tokens.data)  # (B, T, C)
@@ -69,6 +75,8 @@ class NakedTransformer(nn.Module):
             causal=self.config.is_causal,
             segment_ids=tokens.segment_ids,
             cache=cache,
+            encoder_states=encoder_states,
+            encoder_mask=encoder_mask,
         )
         for layer, width in zip(self.layers, widths, strict=True):
             hidden = layer(hidden, context, width)

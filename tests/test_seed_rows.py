@@ -9,11 +9,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from support.models import tiny_config
+from torch import nn
 
-from matformer.modeling import AutoregressiveModel, Registry
+from matformer.modeling import AutoregressiveModel, LayerConfig, Registry, registry
+from matformer.modeling.attention import AttentionContext, AttentionSubmodules, CrossAttention
+from matformer.modeling.block import BiasDropoutAdd, TransformerBlock
 from matformer.modeling.checkpoint import save_pretrained
+from matformer.modeling.checkpoint.hf_config import from_config_dict, to_config_dict
+from matformer.modeling.errors import ConfigError
+from matformer.modeling.layer_spec import layer_spec
+from matformer.modeling.spec import ModuleSpec, build_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,3 +65,135 @@ def test_an_implementation_whose_underscore_check_says_no_is_not_selected(caplog
         assert reg.select("mlp", "swiglu", requested="raising").name == "plain"
     assert "its _is_available() check failed" in caplog.records[0].getMessage()
     assert "raised RuntimeError: no device" in caplog.records[1].getMessage()
+
+
+# --- dropout, bias-dropout-add, cross-attention, layer_number (seeds 000 and 002) ---------
+
+DROPOUTS = ("attention_dropout", "hidden_dropout", "ffn_dropout")
+
+
+def model_with(**fields) -> AutoregressiveModel:
+    torch.manual_seed(0)
+    return AutoregressiveModel(tiny_config(**fields))
+
+
+@pytest.mark.parametrize("name", DROPOUTS)
+def test_each_dropout_drops_while_training_and_never_in_eval(name):
+    plain, dropped = model_with(), model_with(**{name: 0.5})
+    ids = torch.arange(3, 19)[None]
+    with torch.no_grad():
+        assert torch.equal(plain.eval()(ids), dropped.eval()(ids))  # eval: the same bits
+        dropped.train()
+        torch.manual_seed(1)
+        first = dropped(ids)
+        torch.manual_seed(2)
+        assert not torch.allclose(first, dropped(ids))  # each pass draws its own mask
+        torch.manual_seed(1)
+        assert torch.equal(first, dropped(ids))  # and the seed decides it
+    if name == "attention_dropout":  # the reference kernel drops as SDPA does
+        registry.set_preferences({"attention": {"kernel": "torch"}})
+        reference = model_with(attention_dropout=0.5).train()
+        with torch.no_grad():
+            torch.manual_seed(1)
+            assert not torch.allclose(reference(ids), plain(ids))
+
+
+def test_dropout_is_read_from_the_config_and_checked():
+    config = tiny_config(attention_dropout=0.1, hidden_dropout=0.2, ffn_dropout=0.05)
+    back = from_config_dict(to_config_dict(config))
+    assert [getattr(back, n) for n in DROPOUTS] == [0.1, 0.2, 0.05]
+    llama = to_config_dict(tiny_config(attention_dropout=0.1))  # Llama has this one
+    assert llama["model_type"] == "llama" and llama["attention_dropout"] == 0.1
+    assert to_config_dict(tiny_config(hidden_dropout=0.1))["architectures"] == [
+        "MatformerForCausalLM"]  # Llama has no residual dropout: our own code runs it
+    with pytest.raises(ConfigError, match=r"ffn_dropout is a probability in \[0, 1\), got 1.0"):
+        tiny_config(ffn_dropout=1.0)
+
+
+class HalfAdd(nn.Module):
+    """A bias-dropout-add of a user's spec: residual + out / 2."""
+
+    def __init__(self, **_):
+        super().__init__()
+
+    def forward(self, out, residual):
+        return residual + out / 2
+
+
+def block_of(config, **submodules) -> TransformerBlock:
+    spec = layer_spec(config.default_layer, registry, config.intermediate_size)
+    for name, value in submodules.items():
+        setattr(spec.submodules, name, value)
+    torch.manual_seed(0)
+    return build_module(spec, config=config, layer_number=3)
+
+
+def context_of(model_config, hidden, **extra) -> AttentionContext:
+    positional = build_module(ModuleSpec(registry.get("positional", "rope")), config=model_config)
+    positions = torch.arange(hidden.shape[1])[None]
+    return AttentionContext(positional=positional,
+                            positional_state=positional.prepare(positions, hidden.dtype),
+                            causal=True, segment_ids=None, **extra)
+
+
+def test_a_spec_with_its_own_bias_dropout_add_submodules():
+    config = tiny_config()
+    plain, halved = block_of(config), block_of(config, self_attn_bda=HalfAdd, mlp_bda=HalfAdd)
+    assert isinstance(plain.self_attn_bda, BiasDropoutAdd)
+    x = torch.randn(2, 5, config.hidden_size)
+    context = context_of(config, x)
+    with torch.no_grad():
+        attn = plain.self_attn(plain.input_layernorm(x), context)
+        mid = x + attn / 2
+        want = mid + plain.mlp(plain.post_attention_layernorm(mid), config.intermediate_size) / 2
+        assert torch.allclose(halved(x, context, config.intermediate_size), want, atol=1e-6)
+
+
+def test_a_layer_spec_with_cross_attention_reads_the_encoder_states():
+    config = tiny_config()
+    norm = ModuleSpec(registry.get("norm", "rmsnorm"))
+    cross = ModuleSpec(CrossAttention, submodules=AttentionSubmodules())
+    block = block_of(config, pre_cross_attn_layernorm=norm, cross_attn=cross).eval()
+    plain = block_of(config).eval()  # the same seed: the same self-attention and MLP weights
+    names = {n for n, _ in block.named_parameters()}
+    assert {"encoder_attn.q_proj.weight", "encoder_attn_layer_norm.weight"} <= names
+    x, memory = torch.randn(2, 5, config.hidden_size), torch.randn(2, 7, config.hidden_size)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    context = context_of(config, x, encoder_states=memory, encoder_mask=mask)
+    with torch.no_grad():
+        a = block.encoder_attn
+        h = block.self_attn_bda(block.self_attn(block.input_layernorm(x), context), x)
+        q = a.q_proj(block.encoder_attn_layer_norm(h)).view(2, 5, 4, 8).transpose(1, 2)
+        k = a.k_proj(memory).view(2, 7, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+        v = a.v_proj(memory).view(2, 7, 2, 8).transpose(1, 2).repeat_interleave(2, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / 8 ** 0.5  # (B, H, T, S)
+        scores = scores.masked_fill(mask[:, None, None, :] == 0, float("-inf"))
+        h = h + a.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 5, -1))
+        want = h + block.mlp(block.post_attention_layernorm(h), config.intermediate_size)
+        got = block(x, context, config.intermediate_size)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, plain(x, context, config.intermediate_size))
+        memory[1, 4:] = 100.0  # padding of the encoder's states is never read
+        torch.testing.assert_close(block(x, context, config.intermediate_size), got)
+        with pytest.raises(ValueError, match="pass encoder_states"):
+            block(x, context_of(config, x), config.intermediate_size)
+
+
+@registry.register("hook", "depth_probe", "torch")
+class DepthProbe(nn.Module):
+    """A component that reads its layer number."""
+
+    def __init__(self, config, layer_number=None, **_):
+        super().__init__()
+        self.layer_number = layer_number
+
+    def forward(self, x):
+        return x * (1.0 + 0.0 * self.layer_number)
+
+
+def test_every_block_and_its_submodules_know_their_layer_number():
+    model = model_with(num_hidden_layers=3,
+                       default_layer=LayerConfig(hooks={"pre_output": "depth_probe"}))
+    assert [layer.layer_number for layer in model.model.layers] == [1, 2, 3]
+    assert [layer.hooks["pre_output"].layer_number for layer in model.model.layers] == [1, 2, 3]

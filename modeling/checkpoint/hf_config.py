@@ -30,7 +30,7 @@ NEURON_ORDER_KEY = "matformer_neuron_order"
 # below), and provenance: the slice's, which the loader reads, and a conversion's.
 _HF_ONLY = {
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "use_cache",
-    "pretraining_tp", "attention_dropout", "rms_norm_eps", "hidden_act", "attention_bias",
+    "pretraining_tp", "rms_norm_eps", "hidden_act", "attention_bias",
     "mlp_bias", "rope_scaling", "head_dim", "rope_parameters", "layer_types",
     "partial_rotary_factor", "auto_map", SOURCE_KEY, NEURON_ORDER_KEY,
 }
@@ -43,6 +43,7 @@ def is_llama_shaped(config: ModelConfig) -> bool:
     return (
         config.is_causal
         and config.matformer_layer_tiers is None  # Llama has one FFN width for all layers
+        and config.hidden_dropout == config.ffn_dropout == 0.0  # Llama's only dropout: attention
         and all(layer == LLAMA_LAYER for layer in config.layer_configs())
     )
 

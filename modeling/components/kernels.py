@@ -61,7 +61,10 @@ class AttentionKernel(nn.Module):
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
         segment_ids: Tensor | None = None, bias: Tensor | None = None,
+        dropout_p: float = 0.0,
     ) -> Tensor:
+        """``dropout_p``: of the attention probabilities (given only while training with
+        ``attention_dropout``; a kernel that cannot drop them hands the call to SDPA)."""
         raise NotImplementedError
 
 
@@ -70,7 +73,7 @@ class AttentionKernel(nn.Module):
 class TorchAttention(AttentionKernel):
     """The reference: every step written out, no fused kernel."""
 
-    def forward(self, q, k, v, *, causal, segment_ids=None, bias=None):
+    def forward(self, q, k, v, *, causal, segment_ids=None, bias=None, dropout_p=0.0):
         groups = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(groups, dim=1)  # (B, H, T, D)
         v = v.repeat_interleave(groups, dim=1)
@@ -79,7 +82,10 @@ class TorchAttention(AttentionKernel):
         mask = additive_mask(bias, allowed, scores.dtype)
         if mask is not None:
             scores = scores + mask
-        return scores.softmax(dim=-1) @ v
+        probs = scores.softmax(dim=-1)
+        if dropout_p:
+            probs = F.dropout(probs, dropout_p)
+        return probs @ v
 
 
 @registry.register("attention", "kernel", "sdpa", priority=20,
@@ -87,13 +93,15 @@ class TorchAttention(AttentionKernel):
 class SdpaAttention(AttentionKernel):
     """PyTorch's fused scaled_dot_product_attention; the default everywhere."""
 
-    def forward(self, q, k, v, *, causal, segment_ids=None, bias=None):
+    def forward(self, q, k, v, *, causal, segment_ids=None, bias=None, dropout_p=0.0):
         gqa = q.shape[1] != k.shape[1]
         if bias is None and segment_ids is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa,
+                                                  dropout_p=dropout_p)
         allowed = allowed_mask(causal, segment_ids, q.shape[2], q.device)
         mask = additive_mask(bias, allowed, q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa,
+                                              dropout_p=dropout_p)
 
 
 class DelegatingKernel(AttentionKernel):
@@ -128,10 +136,13 @@ class FlexAttention(DelegatingKernel):
             return False
         return True
 
-    def forward(self, q, k, v, *, causal, segment_ids=None, bias=None):
+    def forward(self, q, k, v, *, causal, segment_ids=None, bias=None, dropout_p=0.0):
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         args = dict(causal=causal, segment_ids=segment_ids, bias=bias)
+        if dropout_p:
+            return self.delegate("has no attention dropout", q, k, v, **args,
+                                 dropout_p=dropout_p)
         if not q.is_cuda:
             if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
                 return self.delegate("has no backward on CPU", q, k, v, **args)
@@ -179,8 +190,8 @@ class FlashAttention(DelegatingKernel):
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
 
-    def forward(self, q, k, v, *, causal, segment_ids=None, bias=None):
-        args = dict(causal=causal, segment_ids=segment_ids, bias=bias)
+    def forward(self, q, k, v, *, causal, segment_ids=None, bias=None, dropout_p=0.0):
+        args = dict(causal=causal, segment_ids=segment_ids, bias=bias, dropout_p=dropout_p)
         if bias is not None:
             return self.delegate("takes no additive bias", q, k, v, **args)
         if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
@@ -189,16 +200,16 @@ class FlashAttention(DelegatingKernel):
             from flash_attn import flash_attn_func
 
             out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                  causal=causal)  # (B, T, H, D) layout in and out
+                                  dropout_p=dropout_p, causal=causal)  # (B, T, H, D) in, out
             return out.transpose(1, 2)
         runs = segment_runs(segment_ids)
         if runs is None:
             return self.delegate("needs contiguous segments", q, k, v, **args)
-        return self._varlen(q, k, v, causal, *runs)
+        return self._varlen(q, k, v, causal, *runs, dropout_p=dropout_p)
 
     @staticmethod
     def _varlen(q: Tensor, k: Tensor, v: Tensor, causal: bool, starts: Tensor,
-                longest: int) -> Tensor:
+                longest: int, dropout_p: float = 0.0) -> Tensor:
         from flash_attn import flash_attn_varlen_func
 
         batch, heads, length, dim = q.shape
@@ -207,7 +218,7 @@ class FlashAttention(DelegatingKernel):
             return x.transpose(1, 2).reshape(batch * length, x.shape[1], dim)
 
         out = flash_attn_varlen_func(tokens(q), tokens(k), tokens(v), starts, starts,
-                                     longest, longest, causal=causal)
+                                     longest, longest, dropout_p=dropout_p, causal=causal)
         return out.reshape(batch, length, heads, dim).transpose(1, 2)
 
 

@@ -79,7 +79,8 @@ class LigerSwiGLU(LigerEntry, SwiGLU):
 
         gate = F.linear(x, prefix(self.gate_proj.weight, 0, width))  # (B, T, width)
         up = F.linear(x, prefix(self.up_proj.weight, 0, width))
-        return F.linear(liger_swiglu(gate, up), prefix(self.down_proj.weight, 1, width))
+        hidden = self.dropped(liger_swiglu(gate, up))
+        return F.linear(hidden, prefix(self.down_proj.weight, 1, width))
 
 
 @registry.register("loss", "cross_entropy", "liger", **LIGER,

@@ -21,16 +21,36 @@ def prefix(weight: Tensor, dim: int, width: int) -> Tensor:
     """The first ``width`` entries of ``weight`` along ``dim``, as a view.
 
     At full width the weight itself is used: a narrow view would cost a zero-fill and copy of
-    the gradient in backward for nothing.
+    the gradient in backward for nothing. A weight split by tensor parallelism (a DTensor)
+    is narrowed on each rank's own shard instead (modeling/tensor_parallel.py).
     """
-    return weight if width == weight.shape[dim] else weight.narrow(dim, 0, width)
+    if width == weight.shape[dim]:
+        return weight
+    if hasattr(weight, "device_mesh"):  # imported here: torch.distributed only when in use
+        from matformer.modeling.tensor_parallel import local_prefix
+
+        return local_prefix(weight, dim, width)
+    return weight.narrow(dim, 0, width)
 
 
-class GatedMLP(nn.Module):
+class FFNDropout(nn.Module):
+    """The FFN's dropout on its hidden activations (``ffn_dropout``), applied while training."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.ffn_dropout = getattr(config, "ffn_dropout", 0.0)
+
+    def dropped(self, hidden: Tensor) -> Tensor:
+        if self.training and self.ffn_dropout:
+            return F.dropout(hidden, self.ffn_dropout)
+        return hidden
+
+
+class GatedMLP(FFNDropout):
     """down(act(gate(x)) · up(x)); subclasses choose the activation."""
 
     def __init__(self, config: Any, intermediate_size: int | None = None, **_: Any) -> None:
-        super().__init__()
+        super().__init__(config)
         hidden, inner = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = linear(config, hidden, inner)
         self.up_proj = linear(config, hidden, inner)
@@ -42,7 +62,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor, width: int) -> Tensor:
         gate = F.linear(x, prefix(self.gate_proj.weight, 0, width))  # (B, T, width)
         up = F.linear(x, prefix(self.up_proj.weight, 0, width))
-        return F.linear(self.activation(gate) * up, prefix(self.down_proj.weight, 1, width))
+        hidden = self.dropped(self.activation(gate) * up)
+        return F.linear(hidden, prefix(self.down_proj.weight, 1, width))
 
 
 @registry.register("mlp", "swiglu", "torch")
@@ -58,15 +79,15 @@ class GeGLU(GatedMLP):
 
 
 @registry.register("mlp", "gelu", "torch")
-class GeluMLP(nn.Module):
+class GeluMLP(FFNDropout):
     """down(gelu(up(x))): the classic two-matrix FFN."""
 
     def __init__(self, config: Any, intermediate_size: int | None = None, **_: Any) -> None:
-        super().__init__()
+        super().__init__(config)
         inner = intermediate_size or config.intermediate_size
         self.up_proj = linear(config, config.hidden_size, inner)
         self.down_proj = linear(config, inner, config.hidden_size)
 
     def forward(self, x: Tensor, width: int) -> Tensor:
         hidden = F.gelu(F.linear(x, prefix(self.up_proj.weight, 0, width)))  # (B, T, width)
-        return F.linear(hidden, prefix(self.down_proj.weight, 1, width))
+        return F.linear(self.dropped(hidden), prefix(self.down_proj.weight, 1, width))

@@ -164,6 +164,10 @@ class WersaAttention(AttentionKernel, ComputedBuffers):
         if config is not None:
             head_dim = config.head_dim
             reject_score_bias(config)
+            if getattr(config, "attention_dropout", 0.0):
+                raise WersaUnsupported(
+                    "WERSA attention forms no attention probabilities to drop; set "
+                    "attention_dropout = 0 (hidden_dropout still applies) or use sdpa.")
         if head_dim is None:
             raise WersaUnsupported("WERSA attention needs the head size: pass the model "
                                    "config, or head_dim=.")
