@@ -150,6 +150,11 @@ class SliceMismatch(CheckpointError):
     """A slice folder holds another tier, or another model, than the one asked for."""
 
 
+class PublishError(MatformerError):
+    """A checked checkpoint could not be pushed to a Hugging Face hub repository: no token,
+    no such repository or branch, no write access, or the hub refused the commit."""
+
+
 class MdatError(MatformerError):
     """An MDAT dataset container is missing something, or cannot do what was asked."""
 

@@ -40,6 +40,7 @@ VERBS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "generate": ("scripts.generate:main", (), "text from a checkpoint, at a tier"),
     "mdat": ("scripts.mdat_cli:main", (), "build and inspect MDAT dataset containers"),
     "export": ("scripts.export_matformer_tiers:main", (), "a checkpoint's tier slices"),
+    "push": ("scripts.push:main", (), "publish a checkpoint, its slices and manifest to the hub"),
     "slice": ("scripts.slice_mix:main", (), "per-layer FFN widths chosen by held-out loss "
               "within a budget"),
     "convert": ("scripts.convert:main", (), "a dense model made nested (FFN neurons ordered)"),
