@@ -29,6 +29,10 @@ class ConfigError(MatformerError, ValueError):
     """A model or layer config is malformed (unknown key, impossible shape, bad value)."""
 
 
+class SpecialIdsMismatch(ConfigError):
+    """A pretrained model's bos/eos/pad/mask ids differ from those of the data's tokenizer."""
+
+
 class SettingsError(ConfigError):
     """A settings file (run.toml, train.toml, a strategy) or its flags cannot be used as
     written; `modeling.settings` raises the kinds below."""
@@ -78,6 +82,21 @@ class HookPositionError(ConfigError):
 class WersaUnsupported(MatformerError, ValueError):
     """WERSA attention was asked for something it does not compute (the message says what to
     use instead)."""
+
+
+class TensorParallelError(MatformerError, ValueError):
+    """Tensor parallelism cannot split this model as asked (the message says what to change)."""
+
+
+class UnevenSplit(TensorParallelError):
+    """Attention heads or FFN neurons (a layer's stored width, or a tier's) do not divide
+    evenly over the ranks."""
+
+
+class NotParallelizable(TensorParallelError):
+    """The model holds something tensor parallelism does not combine with: FSDP2 (or another
+    split already applied), a per-head score bias (ALiBi), an attention kernel with weights of
+    its own, or an FFN implementation it does not know."""
 
 
 class BatchError(MatformerError, ValueError):
