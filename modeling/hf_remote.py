@@ -12,8 +12,8 @@ wrapper holds the Matformer model's children as its own, so its tensor names are
 model's; where a component names a tensor otherwise than the canonical name the file
 holds, the canonical name is mapped to it while loading.
 
-This is the one module of the package that imports ``transformers``; only a checkpoint's
-code imports it.
+Only this module and ``hf_trainer.py`` (token-budget batches in transformers' Trainer)
+import ``transformers``; only a checkpoint's code imports this one.
 """
 
 from __future__ import annotations

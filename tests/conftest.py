@@ -52,3 +52,14 @@ def _clean_registry_state(monkeypatch):
     torch.manual_seed(0)
     yield
     registry.clear_preferences()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """On tiny models a second torch thread only waits for the first, and on a busy
+    machine that wait costs a hundred times the step (docs/hardware.md, "Threads"); a module
+    marks itself with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
