@@ -33,14 +33,26 @@ from matformer.client.step_progress import StepProgress
 from matformer.modeling import ModelConfig, build_model
 from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
 from matformer.modeling.checkpoint import save_pretrained
+from matformer.modeling.checkpoint.files import read_json
 from matformer.modeling.checkpoint.loader import load_for_tier
 from matformer.modeling.commands import command_parser
 from matformer.modeling.devices import Precision, compile_model, resolve_device
 from matformer.modeling.distributed import DataParallel
 from matformer.modeling.errors import ConfigError, MatformerError
-from matformer.modeling.mdat import Mdat, SequenceReader, build_default_mdat, default_data_path
+from matformer.modeling.mdat import (
+    Mdat,
+    SaettaReader,
+    SequenceReader,
+    build_default_mdat,
+    default_data_path,
+)
 from matformer.modeling.mdat.catalogue import CATALOGUE_NAME
-from matformer.modeling.mdat.checkpoint_tokenizer import special_ids, tokenizer_files
+from matformer.modeling.mdat.checkpoint_tokenizer import (
+    SPECIAL_ID_NAMES,
+    check_special_ids,
+    special_ids,
+    tokenizer_files,
+)
 from matformer.modeling.mdat.trained_on import TrainedOn
 from matformer.modeling.optim import OptimizerConfig
 from matformer.modeling.run_order import RunOrder
@@ -91,7 +103,17 @@ def open_data(args: argparse.Namespace) -> Mdat:
     return build_default_mdat(path, limit=args.documents)
 
 
-def sequences(reader: SequenceReader, ids: np.ndarray, device: torch.device
+def open_order(mdat: Mdat, args: argparse.Namespace, config: ModelConfig
+               ) -> tuple[SequenceReader | SaettaReader, RunOrder]:
+    """The run's sequences and their order: the view's, shuffled with the run's seed, or
+    (``--saetta``) the same ones from an export of them, whose ids are that order already."""
+    if args.saetta is None:
+        return RunOrder.open(mdat, args.strategy, args.seq_len, args.view, args.seed, config)
+    reader = mdat.saetta(args.saetta, args.strategy, args.seq_len, args.view, args.seed)
+    return reader, RunOrder.of(np.arange(len(reader)), reader.lengths(), config, args.seed)
+
+
+def sequences(reader: SequenceReader | SaettaReader, ids: np.ndarray, device: torch.device
               ) -> list[torch.Tensor]:
     return [torch.from_numpy(reader[int(i)].astype(np.int64)).to(device) for i in ids]
 
@@ -197,8 +219,7 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
     if parallel is not None and not leader:
         parallel.barrier()  # rank 0 builds the default container and the shuffle first
     with open_data(args) as mdat:
-        reader, order = RunOrder.open(mdat, args.strategy, args.seq_len, args.view, args.seed,
-                                      config)
+        reader, order = open_order(mdat, args, config)
         lengths = reader.lengths()
         if parallel is not None and leader:
             parallel.barrier()
@@ -207,8 +228,16 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         if fitted.vocab_size != config.vocab_size:
             say(f"matformer-train: the model's vocabulary is strategy {args.strategy!r}'s, "
                 f"{fitted.vocab_size:,} ids")
-        config = fitted if named else dataclasses.replace(
-            fitted, **special_ids(mdat.path, strategy))
+        # the ids the run named (a pretrained model's, a config's keys) must be the data's;
+        # the others are the data's
+        own = (SPECIAL_ID_NAMES if start is not None else
+               SPECIAL_ID_NAMES & set(fields if fields is not None else
+                                      read_json(args.config) if args.config else {}))
+        data_ids = special_ids(mdat.path, strategy)
+        check_special_ids({name: getattr(fitted, name) for name in own}, data_ids,
+                          f"{mdat.path} (strategy {args.strategy!r})")
+        config = dataclasses.replace(
+            fitted, **{name: index for name, index in data_ids.items() if name not in own})
         files = {**tokenizer_files(mdat.path, strategy,
                                    max_length=config.max_position_embeddings),
                  **TrainedOn(str(mdat.path.resolve()), args.strategy, args.view, args.seq_len,

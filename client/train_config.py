@@ -68,6 +68,9 @@ class DataSection:
     documents: int | None = setting(None, low=1, help="docstrings in the default container (all)")
     strategy: str = setting(DEFAULT_STRATEGY["strategy_name"], help="the container's strategy")
     view: str | None = setting(None, help="a view of the container (without it, all of it)")
+    saetta: Path | None = setting(None, help=(
+        "a saetta export of that view (matformer mdat export-saetta, with this run's strategy, "
+        "seq_len and seed): the same sequences in the same order, read front to back"))
     seq_len: int = setting(256, low=1, help="max_seq_len, a multiple of the strategy's chunk_size")
     batching: str = setting("packed", choices=("packed", "padded"), help=(
         "packed: sequences end to end in rows of seq_len tokens; padded: one sequence a row"))

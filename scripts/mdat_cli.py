@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 
 from matformer.modeling import trust
 from matformer.modeling.commands import DefaultsShown, command_parser
-from matformer.modeling.errors import MatformerError
+from matformer.modeling.errors import MatformerError, MdatCorrupt
 from matformer.modeling.mdat import (
     Mdat,
+    PretokProgress,
     SubmdatInfo,
     build_default_mdat,
     export_saetta,
@@ -24,6 +26,7 @@ from matformer.modeling.mdat.views import Quota
 from matformer.modeling.tokenizers import DEFAULT_SPECIAL_TOKENS, train_tokenizer
 
 Command = Callable[[argparse.Namespace], None]
+METADATA_SAMPLE = 100  # documents whose metadata fields `info` lists
 
 
 def _open(args: argparse.Namespace) -> Mdat:
@@ -41,6 +44,8 @@ def _add(args: argparse.Namespace) -> None:
     with _open(args) as mdat:
         if args.jsonl:
             info = mdat.add_jsonl(args.name, args.jsonl, text_field=args.text_field, **options)
+        elif args.json:
+            info = mdat.add_json(args.name, args.json, text_field=args.text_field, **options)
         elif args.parquet:
             info = mdat.add_parquet(args.name, args.parquet, text_field=args.text_field,
                                     **options)
@@ -68,6 +73,8 @@ def _info(args: argparse.Namespace) -> None:
             print(f"  {info.id:>3} {info.name}: {info.documents} documents, "
                   f"{info.raw_bytes:,} bytes of text, {info.stored_bytes:,} stored "
                   f"({info.compression}), {status}; skipped {_skipped(info)}")
+            if info.complete:
+                print(f"      metadata: {_metadata_fields(mdat, info.name)}")
         print("strategies:")
         for strategy in mdat.strategies():
             print(f"  {strategy.name}: {strategy.tokenizer_type} tokenizer (vocab "
@@ -75,9 +82,11 @@ def _info(args: argparse.Namespace) -> None:
                   f"{strategy.chunk_size}")
             names = {info.id: info.name for info in mdat.submdats()}
             for progress in mdat.pretok_status(strategy.name):
-                state = "complete" if progress.complete else "not complete"
-                print(f"    {names[progress.submdat_id]}: {state}, {progress.documents} "
-                      f"documents, {progress.tokens:,} tokens, {progress.chunks} chunks")
+                print(f"    {names[progress.submdat_id]}: {_progress(progress)}")
+            for view in mdat.views():
+                for progress in mdat.view_pretok_status(strategy.name, view.name):
+                    print(f"    {names[progress.submdat_id]} for view {view.name} (its own "
+                          f"files): {_progress(progress)}")
         print("views:")
         for view in mdat.views():
             print(f"  {view.name} (seed {view.seed}): {json.dumps(view.quotas)} → "
@@ -88,6 +97,21 @@ def _info(args: argparse.Namespace) -> None:
                   f"{shuffle.fingerprint}")
 
 
+def _metadata_fields(mdat: Mdat, submdat: str) -> str:
+    try:
+        with closing(mdat.submdat(submdat)) as documents:
+            fields = documents.metadata_fields(METADATA_SAMPLE)
+    except MdatCorrupt as err:  # info still lists the rest of a damaged container
+        return f"unreadable ({err})"
+    return f"{', '.join(fields) or 'none'} (fields of the first {METADATA_SAMPLE} documents)"
+
+
+def _progress(progress: PretokProgress) -> str:
+    state = "complete" if progress.complete else "not complete"
+    return (f"{state}, {progress.documents} documents, {progress.tokens:,} tokens, "
+            f"{progress.chunks} chunks")
+
+
 def _strategy(args: argparse.Namespace) -> None:
     with _open(args) as mdat:
         strategy = mdat.add_strategy(args.file)
@@ -96,10 +120,17 @@ def _strategy(args: argparse.Namespace) -> None:
 
 def _pretokenize(args: argparse.Namespace) -> None:
     with _open(args) as mdat:
-        status = mdat.pretokenize(args.strategy, submdats=args.submdat,
-                                  processes=args.processes, progress=True)
-        tokens = sum(progress.tokens for progress in status)
-    print(f"{args.strategy}: {tokens:,} tokens")
+        if args.view is None:
+            status = mdat.pretokenize(args.strategy, submdats=args.submdat,
+                                      processes=args.processes, progress=True)
+            print(f"{args.strategy}: {sum(progress.tokens for progress in status):,} tokens")
+            return
+        own = mdat.pretokenize_view(args.strategy, args.view, processes=args.processes,
+                                    progress=True)
+        names = {info.id: info.name for info in mdat.submdats()}
+    shown = ", ".join(f"{names[p.submdat_id]} {p.tokens:,} tokens" for p in own) or "nothing"
+    print(f"{args.strategy}, view {args.view}: its own files hold {shown}; it reads its other "
+          "submdats from their whole pretokenization")
 
 
 def _quota(text: str) -> tuple[str, Quota]:
@@ -177,20 +208,23 @@ def _parser() -> argparse.ArgumentParser:
 
     sub = command("create", _create, "create an empty container")
     sub.add_argument("--extended", action="store_true", help="allow 65,535 submdats, not 255")
-    sub = command("add", _add, "import a JSONL file, a folder of text files, Parquet files or "
-                  "a datasets dataset as a submdat")
+    sub = command("add", _add, "import a JSONL file, a JSON array, a folder of text files, "
+                  "Parquet files or a datasets dataset as a submdat")
     sub.add_argument("name", help="the new submdat's name")
     source = sub.add_mutually_exclusive_group(required=True)
     source.add_argument("--jsonl", type=Path, help="one JSON object per line")
+    source.add_argument("--json", type=Path, metavar="FILE",
+                        help="a JSON array of objects, one document per element")
     source.add_argument("--folder", type=Path, help="one document per text file")
     source.add_argument("--parquet", type=Path, nargs="+", metavar="FILE",
-                        help="Parquet files, one document per row (only the text column)")
+                        help="Parquet files, one document per row; the other columns are its "
+                        "metadata")
     source.add_argument("--hf-dataset", metavar="PATH_OR_ID",
                         help="a folder written by datasets' save_to_disk, or a hub dataset id "
                         "(org/name) in the huggingface_hub cache (HF_HUB_CACHE; never "
                         "downloaded)")
     sub.add_argument("--text-field", default="text",
-                     help="JSONL field or table column holding the text")
+                     help="JSON field or table column holding the text; the others are metadata")
     sub.add_argument("--pattern", default="**/*.txt", help="files of --folder to import")
     sub.add_argument("--split", help="--hf-dataset: the split (of a DatasetDict or hub id)")
     sub.add_argument("--hf-config", help="--hf-dataset: the hub dataset's config")
@@ -202,13 +236,18 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--skip-bad", action="store_true",
                      help="skip and count invalid, empty or non-UTF-8 records instead of "
                      "stopping")
-    command("info", _info, "list submdats, strategies, pretokenization, views and shuffles")
+    command("info", _info, "list submdats (and their metadata fields), strategies, "
+            "pretokenization, views and shuffles")
     sub = command("strategy", _strategy, "check and add a pretokenization strategy")
     sub.add_argument("file", type=Path, help="the strategy's JSON file")
-    sub = command("pretokenize", _pretokenize, "pretokenize submdats with a strategy (resumes)")
+    sub = command("pretokenize", _pretokenize, "pretokenize submdats, or only a view's "
+                  "documents, with a strategy (resumes)")
     sub.add_argument("strategy")
     sub.add_argument("--processes", type=int, default=1)
-    sub.add_argument("--submdat", action="append", help="only these submdats (repeatable)")
+    only = sub.add_mutually_exclusive_group()
+    only.add_argument("--submdat", action="append", help="only these submdats (repeatable)")
+    only.add_argument("--view", help="only the documents this view chooses, into its own files "
+                      "(submdats pretokenized whole already are read from there)")
     sub = command("view", _view, "create a named view from per-submdat quotas")
     sub.add_argument("name")
     sub.add_argument("quotas", nargs="+", type=_quota, metavar="SUBMDAT=QUOTA",

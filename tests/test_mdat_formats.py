@@ -86,16 +86,17 @@ def imported(path: Path, add) -> tuple:
 
 def test_parquet_and_datasets_imports_equal_the_jsonl_import(tmp_path) -> None:
     datasets = needs_datasets()
-    jsonl = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
-    # Two files, several row groups each; column "n" is never read, so never metadata.
+    jsonl = write_jsonl(tmp_path / "in.jsonl", [{"text": t, "n": i} for i, t in enumerate(TEXTS)])
+    # Two files, several row groups each; column "n" is each document's metadata in all three
     first = write_parquet(tmp_path / "a.parquet", TEXTS[:30], n=list(range(30)))
-    second = write_parquet(tmp_path / "b.parquet", TEXTS[30:], row_group_size=4)
+    second = write_parquet(tmp_path / "b.parquet", TEXTS[30:], row_group_size=4,
+                           n=list(range(30, 45)))
     assert (pq.ParquetFile(first).num_row_groups, pq.ParquetFile(second).num_row_groups) == (4, 4)
     datasets.Dataset.from_dict({"text": TEXTS, "n": list(range(45))}).save_to_disk(
         tmp_path / "saved")
 
     expected = imported(tmp_path / "jsonl", lambda m: m.add_jsonl("d", jsonl, batch_size=7))
-    assert expected[0]["documents"] == 45 and expected[1][1] == [{}] * 45
+    assert expected[0]["documents"] == 45 and expected[1][1] == [{"n": i} for i in range(45)]
     assert imported(tmp_path / "parquet",
                     lambda m: m.add_parquet("d", [first, second], batch_size=7)) == expected
     assert imported(tmp_path / "datasets",
@@ -122,7 +123,7 @@ def test_parquet_is_read_a_batch_of_the_text_column_at_a_time(tmp_path, monkeypa
     with Mdat.create(tmp_path / "c") as mdat:
         assert mdat.add_parquet("d", file).documents == 45
         assert mdat.submdat("d").text(44) == TEXTS[44]
-    assert asked == [{"batch_size": 5, "columns": ["text"]}]
+    assert asked == [{"batch_size": 5, "columns": ["text", "wide"]}]
 
 
 def fail_after_batches(monkeypatch, count: int) -> None:

@@ -4,6 +4,11 @@ One SQLite file, written only inside transactions. A row's counters are the comm
 progress of the step that owns it: readers trust them, and an interrupted step resumes from
 them. Rows are mirrored by small dataclasses whose field names are the column names. Any
 SQLite failure to read the file surfaces as `MdatCorrupt` naming it.
+
+The table ``view_pretok`` (the progress of views pretokenized on their own) came after format
+2 was fixed, so it is created by its first write, in any container: until then it reads as
+empty. Containers written before it stay readable, by this code and by the code that wrote
+them (which ignores the table).
 """
 
 from __future__ import annotations
@@ -48,6 +53,13 @@ CREATE TABLE shuffles (
     name TEXT PRIMARY KEY, view TEXT NOT NULL, strategy TEXT NOT NULL,
     max_seq_len INTEGER NOT NULL, seed INTEGER NOT NULL, sequences INTEGER NOT NULL,
     fingerprint TEXT NOT NULL, dataset TEXT NOT NULL);
+"""
+# The pretok rows of views' own files (each: a view's chosen documents of one submdat).
+_VIEW_PRETOK = """
+CREATE TABLE IF NOT EXISTS view_pretok (
+    view TEXT NOT NULL, strategy TEXT NOT NULL, submdat_id INTEGER NOT NULL,
+    complete INTEGER NOT NULL, documents INTEGER NOT NULL, tokens INTEGER NOT NULL,
+    chunks INTEGER NOT NULL, PRIMARY KEY (view, strategy, submdat_id));
 """
 
 
@@ -240,16 +252,37 @@ class Catalogue:
     def add_strategy(self, name: str, definition: dict[str, Any]) -> None:
         self._write(("INSERT INTO strategies VALUES (?, ?)", (name, json.dumps(definition))))
 
-    def pretok(self, strategy: str, submdat_id: int) -> PretokProgress:
-        rows = self._rows(
-            f"SELECT {_columns(PretokProgress)} FROM pretok WHERE strategy = ? AND submdat_id = ?",
-            (strategy, submdat_id),
-        )
+    def pretok(self, strategy: str, submdat_id: int, view: str | None = None) -> PretokProgress:
+        """The progress of a submdat's pretokenization, or (``view``) of the view's own."""
+        if view is None:
+            rows = self._rows(f"SELECT {_columns(PretokProgress)} FROM pretok "
+                              "WHERE strategy = ? AND submdat_id = ?", (strategy, submdat_id))
+        elif self._has_view_pretok():
+            rows = self._rows(f"SELECT {_columns(PretokProgress)} FROM view_pretok "
+                              "WHERE view = ? AND strategy = ? AND submdat_id = ?",
+                              (view, strategy, submdat_id))
+        else:
+            rows = []
         return _row(PretokProgress, rows[0]) if rows else PretokProgress(strategy, submdat_id)
 
-    def save_pretok(self, progress: PretokProgress) -> None:
-        self._write((f"INSERT OR REPLACE INTO pretok ({_columns(PretokProgress)}) "
-                     f"VALUES ({_placeholders(PretokProgress)})", astuple(progress)))
+    def save_pretok(self, progress: PretokProgress, view: str | None = None) -> None:
+        if view is None:
+            self._write((f"INSERT OR REPLACE INTO pretok ({_columns(PretokProgress)}) "
+                         f"VALUES ({_placeholders(PretokProgress)})", astuple(progress)))
+        else:
+            self._write((_VIEW_PRETOK, ()), (
+                f"INSERT OR REPLACE INTO view_pretok (view, {_columns(PretokProgress)}) "
+                f"VALUES (?, {_placeholders(PretokProgress)})", (view, *astuple(progress))))
+
+    def forget_view_pretok(self, view: str, strategy: str, submdat_id: int) -> None:
+        """Drop a view's own progress on one submdat (its files go after)."""
+        if self._has_view_pretok():
+            self._write(("DELETE FROM view_pretok WHERE view = ? AND strategy = ? AND "
+                         "submdat_id = ?", (view, strategy, submdat_id)))
+
+    def _has_view_pretok(self) -> bool:
+        return bool(self._rows("SELECT 1 FROM sqlite_master WHERE type = 'table' AND "
+                               "name = 'view_pretok'"))
 
     # Views and shuffles.
 
@@ -261,9 +294,11 @@ class Catalogue:
         self._write(("INSERT INTO views VALUES (?, ?)", (name, json.dumps(definition))))
 
     def remove_view(self, name: str) -> None:
-        """Forget a view and every shuffle of it, at once."""
+        """Forget a view, every shuffle of it and its own pretokenization, at once."""
+        own = [("DELETE FROM view_pretok WHERE view = ?", (name,))] \
+            if self._has_view_pretok() else []
         self._write(("DELETE FROM views WHERE name = ?", (name,)),
-                    ("DELETE FROM shuffles WHERE view = ?", (name,)))
+                    ("DELETE FROM shuffles WHERE view = ?", (name,)), *own)
 
     def shuffles(self) -> list[ShuffleInfo]:
         rows = self._rows(f"SELECT {_columns(ShuffleInfo)} FROM shuffles ORDER BY name")

@@ -24,11 +24,11 @@ from matformer.modeling.errors import (
     InvalidName,
     MdatExists,
     NameTaken,
-    PretokIncomplete,
     SourceNotFound,
     SubmdatIncomplete,
     SubmdatInUse,
     TokenizerChanged,
+    UnknownName,
 )
 from matformer.modeling.mdat.catalogue import (
     MAX_SUBMDATS,
@@ -39,23 +39,21 @@ from matformer.modeling.mdat.catalogue import (
     unknown,
 )
 from matformer.modeling.mdat.document_splitter import DocumentSplitter
-from matformer.modeling.mdat.fingerprints import describe, digest
+from matformer.modeling.mdat.fingerprints import Description, describe, digest
 from matformer.modeling.mdat.hf_datasets import hf_dataset_source
 from matformer.modeling.mdat.importer import import_records
+from matformer.modeling.mdat.json_arrays import json_array_records
 from matformer.modeling.mdat.npy_files import load_npy
-from matformer.modeling.mdat.pretok_files import (
-    TOKENIZER_FILE,
-    PretokArrays,
-    pretok_folder,
-    strategy_folder,
-)
-from matformer.modeling.mdat.pretokenize import pretokenize
+from matformer.modeling.mdat.pretok_files import TOKENIZER_FILE, pretok_folder, strategy_folder
+from matformer.modeling.mdat.pretokenize import PretokTarget, pretokenize
 from matformer.modeling.mdat.records import dict_records, folder_records, jsonl_records
+from matformer.modeling.mdat.saetta import SaettaReader
+from matformer.modeling.mdat.selection import Selected, ViewDocuments, select, view_targets
 from matformer.modeling.mdat.sequences import SequenceReader, chunks_per_sequence
 from matformer.modeling.mdat.shuffles import read_shuffle, shuffle_name, shuffle_path, write_shuffle
 from matformer.modeling.mdat.strategy import Strategy, check_name
 from matformer.modeling.mdat.submdat import Submdat
-from matformer.modeling.mdat.tables import parquet_source
+from matformer.modeling.mdat.tables import parquet_source, read_limit
 from matformer.modeling.mdat.views import (
     DEFAULT_VIEW,
     Quota,
@@ -67,8 +65,6 @@ from matformer.modeling.mdat.views import (
 from matformer.modeling.tokenizers.text import locate_tokenizer
 
 FOLDERS = ("datasets", "functions", "pretok", "shuffling", "views")
-# Per submdat of a view: its row, its complete pretokenization, its chosen documents (None: all).
-Selection = list[tuple[SubmdatInfo, PretokProgress, np.ndarray | None]]
 
 
 class Mdat:
@@ -151,6 +147,23 @@ class Mdat:
             compress=compress, skip_bad=skip_bad, batch_size=batch_size, progress=progress,
         )
 
+    def add_json(
+        self, name: str, file: str | os.PathLike[str], *, text_field: str = "text",
+        compress: bool = False, skip_bad: bool = False, batch_size: int = 1000,
+        progress: bool = False,
+    ) -> SubmdatInfo:
+        """Import a JSON file holding one array of objects, one document per element, read an
+        element at a time (`json_arrays`); options as in `add_records`."""
+        file = Path(file).resolve()
+        if not file.is_file():
+            raise SourceNotFound(f"JSON file {file} does not exist; check the path.")
+        return import_records(
+            self._catalogue, self.path / "datasets" / check_name("submdat", name),
+            json_array_records(file, text_field, read_limit()), name=name, source=str(file),
+            text_field=text_field, compress=compress, skip_bad=skip_bad, batch_size=batch_size,
+            progress=progress,
+        )
+
     def add_folder(
         self, name: str, folder: str | os.PathLike[str], *, pattern: str = "**/*.txt",
         compress: bool = False, skip_bad: bool = False, batch_size: int = 1000,
@@ -174,8 +187,10 @@ class Mdat:
     ) -> SubmdatInfo:
         """Import Parquet files in order, one document per row of column ``text_field``.
 
-        Only that column is read, a batch of rows at a time; other columns are not kept as
-        metadata. A null, non-text, empty or non-UTF-8 cell is a bad record (file and row
+        The row's other columns are its metadata, one field each, where they hold text,
+        numbers, booleans, nulls, dates or times (`tables.metadata_columns`; a warning names
+        those left out). Rows are read a bounded batch at a time. A null, non-text, empty or
+        non-UTF-8 text cell, or a non-UTF-8 metadata cell, is a bad record (file and row
         named); options as in `add_records`. Needs pyarrow (`FormatUnavailable`).
         """
         chosen = [files] if isinstance(files, str | os.PathLike) else list(files)
@@ -291,16 +306,58 @@ class Mdat:
                     processes: int = 1, batch_size: int = 256,
                     progress: bool = False) -> list[PretokProgress]:
         """Pretokenize complete submdats (default: all) with ``strategy``; resumes."""
-        chosen = self._complete_submdats(submdats)
-        pretokenize(self.path, self._catalogue, self.strategy(strategy), chosen,
-                    processes=processes, batch_size=batch_size, progress=progress,
+        chosen = self.strategy(strategy)
+        targets = [PretokTarget(info, pretok_folder(self.path, chosen.name, info.name))
+                   for info in self._complete_submdats(submdats)]
+        pretokenize(self.path, self._catalogue, chosen, targets, processes=processes,
+                    batch_size=batch_size, progress=progress,
                     trust_remote_code=self.trust_remote_code)
         return self.pretok_status(strategy)
+
+    def pretokenize_view(self, strategy: str, view: str, *, processes: int = 1,
+                         batch_size: int = 256, progress: bool = False) -> list[PretokProgress]:
+        """Pretokenize only the documents named ``view`` chooses, into the view's own files
+        (resumes), so that the view reads without its submdats pretokenized whole.
+
+        A submdat already pretokenized whole is skipped: the view reads it from there. Once
+        the view has its own files of a submdat, it reads them from then on, even after the
+        whole submdat is pretokenized too, so its sequence ids, fingerprint and shuffles never
+        change under it (`selection`). The default view is every document: it pretokenizes
+        every submdat whole. Returns `view_pretok_status`.
+        """
+        chosen = self.strategy(strategy)
+        if view == DEFAULT_VIEW:
+            self.pretokenize(strategy, processes=processes, batch_size=batch_size,
+                             progress=progress)
+            return []
+        stored = self._catalogue.views()
+        if view not in stored:
+            listing = ", ".join(sorted(stored)) or "none"
+            raise UnknownName(
+                f"unknown view {view!r}; the container has: {listing} (and {DEFAULT_VIEW!r}, "
+                f"every document). Create the view first (`matformer-mdat view {self.path} "
+                f"{view} SUBMDAT=QUOTA`, Mdat.create_view), or pretokenize whole submdats "
+                "(without --view)."
+            )
+        targets = view_targets(self.path, self._catalogue, chosen, view,
+                               self._view_documents(view))
+        pretokenize(self.path, self._catalogue, chosen, targets, processes=processes,
+                    batch_size=batch_size, progress=progress,
+                    trust_remote_code=self.trust_remote_code)
+        return self.view_pretok_status(strategy, view)
 
     def pretok_status(self, strategy: str) -> list[PretokProgress]:
         """The committed pretokenization progress of every submdat."""
         name = self.strategy(strategy).name
         return [self._catalogue.pretok(name, info.id) for info in self.submdats()]
+
+    def view_pretok_status(self, strategy: str, view: str) -> list[PretokProgress]:
+        """The progress of named ``view``'s own files, per submdat it pretokenized on its own
+        (in id order); the view reads its other submdats from their whole files."""
+        name = self.strategy(strategy).name
+        progress = [self._catalogue.pretok(name, info.id, view)
+                    for info, _ in self._view_documents(view)]
+        return [row for row in progress if row.documents or row.complete]
 
     def _complete_submdats(self, names: Iterable[str] | None) -> list[SubmdatInfo]:
         if names is None:
@@ -321,34 +378,36 @@ class Mdat:
         chosen, selection = self._selection(strategy, max_seq_len, view)
         return self._reader(chosen, selection, max_seq_len, view)
 
-    def _reader(self, strategy: Strategy, selection: Selection, max_seq_len: int,
+    def _reader(self, strategy: Strategy, selection: list[Selected], max_seq_len: int,
                 view: str | None) -> SequenceReader:
-        parts = [(info.name, PretokArrays.load(pretok_folder(self.path, strategy.name, info.name),
-                                               progress, strategy.vocab_size), documents)
-                 for info, progress, documents in selection]
-        return SequenceReader(parts, strategy, max_seq_len, view=view or DEFAULT_VIEW,
-                              fingerprint=digest(describe(strategy, max_seq_len, selection)))
+        return SequenceReader([selected.part(strategy) for selected in selection], strategy,
+                              max_seq_len, view=view or DEFAULT_VIEW,
+                              fingerprint=digest(_describe(strategy, max_seq_len, selection)))
 
     def fingerprint(self, strategy: str, max_seq_len: int, view: str | None = None) -> str:
         """A sha256 of everything the view's sequence ids depend on (`fingerprints`): two
         containers with equal fingerprints give every sequence id the same tokens."""
         chosen, selection = self._selection(strategy, max_seq_len, view)
-        return digest(describe(chosen, max_seq_len, selection))
+        return digest(_describe(chosen, max_seq_len, selection))
+
+    def saetta(self, folder: str | os.PathLike[str], strategy: str, max_seq_len: int,
+               view: str | None, seed: int) -> SaettaReader:
+        """A saetta export of this container's view, checked to hold what
+        ``load_shuffle(view, strategy, max_seq_len, seed)`` orders, in that order: its
+        ``reader[i]`` is ``sequences(...)[shuffle[i]]``, read sequentially. `SaettaError`
+        names what differs."""
+        reader = SaettaReader(folder)
+        reader.check_source(lambda: self.fingerprint(strategy, max_seq_len, view),
+                            strategy=strategy, view=view or DEFAULT_VIEW,
+                            max_seq_len=max_seq_len, seed=seed)
+        return reader
 
     def _selection(self, strategy: str, max_seq_len: int,
-                   view: str | None) -> tuple[Strategy, Selection]:
+                   view: str | None) -> tuple[Strategy, list[Selected]]:
         chosen = self.strategy(strategy)
         chunks_per_sequence(chosen, max_seq_len)
-        selection = []
-        for info, documents in self._view_documents(view):
-            progress = self._catalogue.pretok(chosen.name, info.id)
-            if not progress.complete:
-                raise PretokIncomplete(
-                    f"submdat {info.name!r} is not pretokenized with {chosen.name!r}; run "
-                    f"`matformer-mdat pretokenize {self.path} {chosen.name}` (it resumes)."
-                )
-            selection.append((info, progress, documents))
-        return chosen, selection
+        return chosen, select(self.path, self._catalogue, chosen, view or DEFAULT_VIEW,
+                              self._view_documents(view))
 
     # Views and shuffles.
 
@@ -387,7 +446,7 @@ class Mdat:
             shuffle_path(self.path, shuffle).unlink(missing_ok=True)
         shutil.rmtree(view_folder(self.path, name), ignore_errors=True)
 
-    def _view_documents(self, view: str | None) -> list[tuple[SubmdatInfo, np.ndarray | None]]:
+    def _view_documents(self, view: str | None) -> ViewDocuments:
         """(submdat, sorted chosen document indices or None for all) of a view, by submdat id."""
         if view in (None, DEFAULT_VIEW):
             return [(info, None) for info in self._complete_submdats(None)]
@@ -410,7 +469,7 @@ class Mdat:
         if name in {s.name for s in self.shuffles()}:
             return self.load_shuffle(view, strategy, max_seq_len, seed)
         chosen, selection = self._selection(strategy, max_seq_len, view)
-        dataset = describe(chosen, max_seq_len, selection)
+        dataset = _describe(chosen, max_seq_len, selection)
         count = len(self._reader(chosen, selection, max_seq_len, view))
         info = ShuffleInfo(name, view, chosen.name, max_seq_len, seed, count, digest(dataset),
                            json.dumps(dataset))
@@ -427,7 +486,13 @@ class Mdat:
         if name not in stored:
             raise unknown("shuffle", name, stored)
         chosen, selection = self._selection(strategy, max_seq_len, view)
-        return read_shuffle(self.path, stored[name], describe(chosen, max_seq_len, selection))
+        return read_shuffle(self.path, stored[name], _describe(chosen, max_seq_len, selection))
 
     def shuffles(self) -> list[ShuffleInfo]:
         return self._catalogue.shuffles()
+
+
+def _describe(strategy: Strategy, max_seq_len: int, selection: list[Selected]) -> Description:
+    """The fingerprint's description of what ``selection`` reads (`fingerprints.describe`)."""
+    return describe(strategy, max_seq_len,
+                    [(part.info, part.progress, part.documents) for part in selection])

@@ -1,7 +1,7 @@
 """A `datasets` source: a folder written by ``save_to_disk``, or a hub dataset id in the cache.
 
-A folder is read by `saved_datasets` (pyarrow alone, memory-mapped Arrow, a batch of the text
-column at a time). A hub id is looked up in the huggingface_hub cache only (``HF_HUB_CACHE``),
+A folder is read by `saved_datasets` (pyarrow alone, memory-mapped Arrow, a batch of rows at
+a time). A hub id is looked up in the huggingface_hub cache only (``HF_HUB_CACHE``),
 so it reads the same with ``HF_HUB_OFFLINE=1``: ``datasets.load_dataset`` does not read that
 cache offline, and a download started by an import could be the whole repository, every
 config and split. The snapshot's Parquet files of the chosen config and split, found by

@@ -163,13 +163,13 @@ def chunk_pages(stream: BinaryIO, start: int, length: int, where: str) -> ChunkP
     return ChunkPages(total, largest)
 
 
-def text_column_pages(file: Path, metadata: pq.FileMetaData, text_field: str) -> list[ChunkPages]:
-    """Per row group of ``file``, what the pages of its text column declare (by their own
-    headers: the footer's sizes are a claim that pyarrow never checks)."""
+def column_pages(file: Path, metadata: pq.FileMetaData, column: str) -> list[ChunkPages]:
+    """Per row group of ``file``, what the pages of its flat column ``column`` declare (by
+    their own headers: the footer's sizes are a claim that pyarrow never checks)."""
     leaves = [j for j in range(metadata.num_columns)
-              if metadata.schema.column(j).path == text_field]
+              if metadata.schema.column(j).path == column]
     if len(leaves) != 1:  # its Arrow schema, which pyarrow reports, says otherwise
-        raise UnreadableSource(f"{file} stores column {text_field!r} in {len(leaves)} Parquet "
+        raise UnreadableSource(f"{file} stores column {column!r} in {len(leaves)} Parquet "
                                "columns, not one; check the file.")
     (leaf,) = leaves
     chunks = []

@@ -1,4 +1,6 @@
-"""Pretokenized output on disk: ``pretok/<strategy>/<submdat>/``.
+"""Pretokenized output on disk: ``pretok/<strategy>/<submdat>/`` for a whole submdat, and
+``views/<view>/pretok/<strategy>/<submdat>/`` for a view pretokenized on its own, whose files
+hold only the view's chosen documents of the submdat, in index order.
 
 - ``tokens.npy``: every document's tokens, one after another (uint16, or uint32 for vocabularies
   above 65,536 ids).
@@ -26,6 +28,7 @@ import numpy as np
 from matformer.modeling.errors import MdatCorrupt
 from matformer.modeling.mdat.catalogue import PretokProgress
 from matformer.modeling.mdat.npy_files import AppendableNpy, load_npy, save_npy
+from matformer.modeling.mdat.views import view_folder
 
 TOKENS = "tokens.npy"
 CHUNK_STARTS = "chunk_starts.npy"
@@ -40,6 +43,10 @@ def strategy_folder(root: Path, strategy: str) -> Path:
 
 def pretok_folder(root: Path, strategy: str, submdat: str) -> Path:
     return strategy_folder(root, strategy) / submdat
+
+
+def view_pretok_folder(root: Path, view: str, strategy: str, submdat: str) -> Path:
+    return view_folder(root, view) / "pretok" / strategy / submdat
 
 
 @dataclass(frozen=True, slots=True)

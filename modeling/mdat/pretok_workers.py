@@ -29,7 +29,7 @@ from matformer.modeling.mdat.submdat import Submdat
 @dataclass(frozen=True, slots=True)
 class Batch:
     submdat: SubmdatInfo
-    start: int  # index of the first document
+    indices: list[int]  # each document's index in the submdat
     documents: list[dict[str, Any]]  # the wants_from_db fields of each document
 
 
@@ -41,21 +41,28 @@ class BatchResult:
 
 
 def read_batches(root: Path, strategy: Strategy, submdat: SubmdatInfo, start: int,
-                 batch_size: int) -> Iterator[Batch]:
-    """Documents ``start ..`` of ``submdat``, ``batch_size`` at a time, as the splitter wants."""
+                 batch_size: int, chosen: np.ndarray | None = None) -> Iterator[Batch]:
+    """The documents of ``submdat`` (``chosen``: only these sorted indices), from the
+    ``start``-th on, ``batch_size`` at a time, as the splitter wants them."""
     reader = Submdat(root / "datasets" / submdat.name, submdat)
+    total = submdat.documents if chosen is None else len(chosen)
     try:
-        for first in range(start, submdat.documents, batch_size):
-            stop = min(first + batch_size, submdat.documents)
+        for first in range(start, total, batch_size):
+            stop = min(first + batch_size, total)
+            if chosen is None:  # one cursor over a run of documents
+                indices, raws = list(range(first, stop)), reader.raw_range(first, stop)
+            else:
+                indices = chosen[first:stop].tolist()
+                raws = (reader.raw(index) for index in indices)
             documents = []
-            for index, raw in enumerate(reader.raw_range(first, stop), start=first):
+            for index, raw in zip(indices, raws, strict=True):
                 document: dict[str, Any] = {}
                 if "data" in strategy.wants_from_db:
                     document["data"] = raw.decode("utf-8") if strategy.wants_raw else raw
                 if "meta" in strategy.wants_from_db:
                     document["meta"] = reader.metadata(index)
                 documents.append(document)
-            yield Batch(submdat, first, documents)
+            yield Batch(submdat, indices, documents)
     finally:
         reader.close()
 
@@ -70,7 +77,7 @@ def build_splitter(root: Path, strategy: Strategy,
 
 def split_batch(splitter: DocumentSplitter, batch: Batch) -> BatchResult:
     tokens, chunks = [], []
-    for index, document in enumerate(batch.documents, start=batch.start):
+    for index, document in zip(batch.indices, batch.documents, strict=True):
         where = f"document {index} of submdat {batch.submdat.name!r}"
         doc_tokens, doc_chunks = splitter.split(document, where)
         tokens.append(doc_tokens)

@@ -1,10 +1,13 @@
 """Pretokenizing submdats with a strategy, resumable per submdat.
 
-Documents go through the splitter in batches (`pretok_workers`). After each batch the files
-are committed, then the catalogue's pretok row. A run skips complete submdats, continues a
-partial one after its last committed batch (bytes written past it are cut off), and rebuilds
-one whose files turn out shorter than the catalogue records. Only the submdat whose batches
-are arriving has its files open, so any number of submdats needs a handful of descriptors.
+What one run pretokenizes is a list of targets (`PretokTarget`): every document of a
+submdat, into ``pretok/``, or the documents a view chooses of it, into the view's own folder
+(`pretok_files`). Documents go through the splitter in batches (`pretok_workers`). After each
+batch the files are committed, then the target's pretok row in the catalogue. A run skips
+complete targets, continues a partial one after its last committed batch (bytes written past
+it are cut off), and rebuilds one whose files turn out shorter than the catalogue records.
+Only the target whose batches are arriving has its files open, so any number of submdats
+needs a handful of descriptors.
 """
 
 from __future__ import annotations
@@ -13,35 +16,49 @@ import logging
 import shutil
 import sys
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from matformer.modeling.errors import MdatCorrupt
 from matformer.modeling.mdat.catalogue import Catalogue, PretokProgress, SubmdatInfo
-from matformer.modeling.mdat.pretok_files import PretokArrays, PretokWriter, pretok_folder
+from matformer.modeling.mdat.pretok_files import PretokArrays, PretokWriter
 from matformer.modeling.mdat.pretok_workers import read_batches, split_batches
 from matformer.modeling.mdat.strategy import Strategy
 
 log = logging.getLogger("matformer.mdat")
 
 
-def _committed(root: Path, catalogue: Catalogue, strategy: Strategy,
-               info: SubmdatInfo) -> PretokProgress:
+@dataclass(frozen=True, slots=True)
+class PretokTarget:
+    """One submdat's documents to pretokenize: all of them (``view`` None), or the ones a view
+    chooses, into that view's own files, whose progress the catalogue keeps apart."""
+
+    submdat: SubmdatInfo
+    folder: Path  # where its files go
+    view: str | None = None
+    documents: np.ndarray | None = None  # (chosen,) sorted indices of the view's documents
+
+    @property
+    def count(self) -> int:
+        return self.submdat.documents if self.documents is None else len(self.documents)
+
+
+def _committed(catalogue: Catalogue, strategy: Strategy, target: PretokTarget) -> PretokProgress:
     """The progress to continue from, after checking its files; damaged ones start over."""
-    folder = pretok_folder(root, strategy.name, info.name)
-    progress = catalogue.pretok(strategy.name, info.id)
+    progress = catalogue.pretok(strategy.name, target.submdat.id, target.view)
     try:
         if progress.complete:
-            PretokArrays.load(folder, progress, strategy.vocab_size)
+            PretokArrays.load(target.folder, progress, strategy.vocab_size)
         else:
-            PretokWriter(folder, strategy.token_dtype, progress).close()
+            PretokWriter(target.folder, strategy.token_dtype, progress).close()
     except MdatCorrupt as err:
-        log.warning("matformer.mdat: rebuilding %s: %s", folder, err)
-        shutil.rmtree(folder, ignore_errors=True)
-        progress = PretokProgress(strategy.name, info.id)
-        catalogue.save_pretok(progress)
+        log.warning("matformer.mdat: rebuilding %s: %s", target.folder, err)
+        shutil.rmtree(target.folder, ignore_errors=True)
+        progress = PretokProgress(strategy.name, target.submdat.id)
+        catalogue.save_pretok(progress, target.view)
     return progress
 
 
@@ -49,53 +66,55 @@ def pretokenize(
     root: Path,
     catalogue: Catalogue,
     strategy: Strategy,
-    submdats: list[SubmdatInfo],
+    targets: list[PretokTarget],
     *,
     processes: int,
     batch_size: int,
     progress: bool,
     trust_remote_code: bool = False,
 ) -> None:
-    """Pretokenize every submdat of ``submdats`` (all complete imports) not done yet; the
+    """Pretokenize every target (of distinct complete submdats) not done yet; the
     container's ``functions/`` run only with ``trust_remote_code``."""
-    committed = {info.id: _committed(root, catalogue, strategy, info) for info in submdats}
-    todo = [info for info in submdats if not committed[info.id].complete]
-    pending = deque(todo)  # submdats not finished yet, in the order their batches come
+    committed = {t.submdat.id: _committed(catalogue, strategy, t) for t in targets}
+    todo = [target for target in targets if not committed[target.submdat.id].complete]
+    pending = deque(todo)  # targets not finished yet, in the order their batches come
     batches = (
         batch
-        for info in todo
-        for batch in read_batches(root, strategy, info, committed[info.id].documents,
-                                  batch_size)
+        for target in todo
+        for batch in read_batches(root, strategy, target.submdat,
+                                  committed[target.submdat.id].documents, batch_size,
+                                  target.documents)
     )
-    bar = tqdm(total=sum(info.documents for info in todo),
-               initial=sum(committed[info.id].documents for info in todo),
+    bar = tqdm(total=sum(target.count for target in todo),
+               initial=sum(committed[target.submdat.id].documents for target in todo),
                desc=f"pretokenize {strategy.name}", unit="doc", file=sys.stderr,
                disable=not progress)
     writer: PretokWriter | None = None  # of pending[0], once its first batch arrived
 
-    def open_writer(info: SubmdatInfo) -> PretokWriter:
-        folder = pretok_folder(root, strategy.name, info.name)
-        return PretokWriter(folder, strategy.token_dtype, committed[info.id])
+    def open_writer(target: PretokTarget) -> PretokWriter:
+        return PretokWriter(target.folder, strategy.token_dtype, committed[target.submdat.id])
 
     def finish_first() -> None:
         """Complete ``pending[0]``, whose batches have all been written."""
         nonlocal writer
-        info = pending.popleft()
+        target = pending.popleft()
         if writer is None:  # it had no batch left to write
-            writer = open_writer(info)
+            writer = open_writer(target)
         writer.finish()
         writer = None
-        catalogue.save_pretok(replace(catalogue.pretok(strategy.name, info.id), complete=True))
+        done = catalogue.pretok(strategy.name, target.submdat.id, target.view)
+        catalogue.save_pretok(replace(done, complete=True), target.view)
 
     try:
         for batch, result in split_batches(root, strategy, batches, processes,
                                           trust_remote_code):
-            while pending[0].id != batch.submdat.id:
+            while pending[0].submdat.id != batch.submdat.id:
                 finish_first()
             if writer is None:
-                writer = open_writer(batch.submdat)
+                writer = open_writer(pending[0])
             writer.write(result.tokens, result.chunks, result.doc_chunks)
-            catalogue.save_pretok(writer.progress(strategy.name, batch.submdat.id))
+            catalogue.save_pretok(writer.progress(strategy.name, batch.submdat.id),
+                                  pending[0].view)
             bar.update(len(batch.documents))
         while pending:
             finish_first()

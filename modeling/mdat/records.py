@@ -6,7 +6,7 @@ named), so the importer decides whether to raise or to skip and count. The seque
 yielded items is deterministic for a given input, and `record_bytes` gives each one a
 canonical encoding: an interrupted import hashes the records it consumed and checks, on
 resume, that the input given again starts with the same ones. Table sources (Parquet,
-`datasets`) live in `tables.py`, which needs pyarrow.
+`datasets`) live in `tables.py`, which needs pyarrow; JSON arrays in `json_arrays.py`.
 """
 
 from __future__ import annotations
@@ -57,11 +57,12 @@ def document_from_dict(value: Mapping[str, Any], text_field: str, where: str) ->
                                    if key != text_field})
 
 
-def cell_record(text: object, column: str, where: str) -> Record:
-    """The text column's cell of one table row, as a document without metadata.
+def cell_record(text: object, column: str, where: str,
+                metadata: Mapping[str, object] | None = None) -> Record:
+    """The text column's cell of one table row, with the row's other cells as its metadata.
 
-    Text cells come as bytes (a string column read as binary), so that invalid UTF-8 is named
-    here, per row, and not by the table reader for a whole batch.
+    Cells of text columns come as bytes (a string column read as binary), so that invalid
+    UTF-8 is named here, per row and column, and not by the table reader for a whole batch.
     """
     if text is None:
         return BadRecord(f"{where}: the text column {column!r} is null; {_SKIP_HINT}.")
@@ -70,7 +71,14 @@ def cell_record(text: object, column: str, where: str) -> Record:
             f"{where}: column {column!r} holds a {type(text).__name__}, not text; choose the "
             f"text column with text_field= (--text-field), {_SKIP_HINT}."
         )
-    return _document(text, where, {})
+    extra = {}
+    for key, value in (metadata or {}).items():
+        try:
+            extra[key] = value.decode("utf-8") if isinstance(value, bytes) else value
+        except UnicodeDecodeError as err:
+            return NotUtf8(f"{where}: column {key!r} is not valid UTF-8 ({err.reason}); fix the "
+                           f"input {_SKIP_HINT}.")
+    return _document(text, where, extra)
 
 
 def _document(text: str | bytes, where: str, extra: Mapping[str, Any]) -> Record:

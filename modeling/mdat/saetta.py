@@ -6,6 +6,11 @@ order given), ``offsets.npy`` (uint64, ``offsets[i]:offsets[i + 1]`` is sequence
 fingerprint the sequence ids refer to). Reading sequence ``i`` is one slice of a memory map,
 which is as fast as reading the same tokens from any flat array. The folder is built aside
 (`built_aside`), so it appears whole or not at all.
+
+Training reads one in place of the view it was exported from (``[data] saetta``): its order
+is the view's shuffle, so reading sequences ``0, 1, 2, ...`` is the run's first epoch, read
+front to back. `Mdat.saetta` opens one after checking, by its provenance, that it holds what
+the container's view would give (`SaettaReader.check_source`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from pathlib import Path
 
@@ -84,9 +89,42 @@ class SaettaReader:
                 "`matformer-mdat export-saetta`."
             ) from err
         self._count = count
+        self.folder = folder
 
     def __len__(self) -> int:
         return self._count
+
+    def lengths(self) -> np.ndarray:
+        """(len(self),) int64: every sequence's length, from the offsets alone."""
+        return np.diff(self._offsets).astype(np.int64)
+
+    def check_source(self, fingerprint: Callable[[], str], *, strategy: str, view: str,
+                     max_seq_len: int, seed: int) -> None:
+        """That this export holds view ``view``'s sequences of ``max_seq_len`` tokens at most,
+        pretokenized with ``strategy``, in the order of the shuffle of ``seed``; then that the
+        view's data have the same fingerprint now (``fingerprint()``, `Mdat.fingerprint`) as
+        when exported. `SaettaError` names what differs, and what to do."""
+        manifest = self.manifest
+        exported = {"strategy": manifest["strategy"].get("strategy_name"),
+                    "view": manifest["view"], "max_seq_len": manifest["max_seq_len"],
+                    "seed": manifest["seed"]}
+        asked = {"strategy": strategy, "view": view, "max_seq_len": max_seq_len, "seed": seed}
+        differ = [f"{key} {exported[key]!r} (asked: {value!r})" for key, value in asked.items()
+                  if exported[key] != value]
+        if differ:
+            raise SaettaError(
+                f"{self.folder} was exported with {', '.join(differ)}; read it with the "
+                "strategy, view, max_seq_len and shuffle seed it was exported with (training: "
+                "--strategy, --view, --seq-len, --seed), or export the view you asked for "
+                "(`matformer-mdat export-saetta`)."
+            )
+        now = fingerprint()
+        if now != manifest["fingerprint"]:
+            raise SaettaError(
+                f"{self.folder} holds view {view!r} as it was when exported (fingerprint "
+                f"{manifest['fingerprint']}), and its data changed since (fingerprint now "
+                f"{now}); export it again (`matformer-mdat export-saetta`)."
+            )
 
     def __getitem__(self, index: int) -> np.ndarray:
         if index < 0:

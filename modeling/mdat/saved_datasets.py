@@ -22,7 +22,14 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from matformer.modeling.errors import MdatError, SourceOutsideDataset, UnreadableSource
-from matformer.modeling.mdat.tables import TableSource, check_column, pyarrow_module, table_records
+from matformer.modeling.mdat.tables import (
+    TableSource,
+    check_column,
+    metadata_columns,
+    pyarrow_module,
+    table_records,
+    warn_left_out,
+)
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -66,27 +73,35 @@ class SavedDataset:
         return cls(files, split if isinstance(split, str) else None)
 
     def source(self, text_field: str, description: str, *, limit: int) -> TableSource:
-        """Every row of the dataset's text column, counted from 0 across its files (as
-        ``dataset[row]``); each file's schema and record batches are checked before any row
-        is read."""
+        """Every row of the dataset, counted from 0 across its files (as ``dataset[row]``):
+        its text column's cell, and the cells of the columns kept as metadata
+        (`tables.metadata_columns`); each file's schema and record batches are checked before
+        any row is read."""
         pyarrow = pyarrow_module("a dataset saved with save_to_disk")
+        columns, left_out = [], []
         for file in self.files:
-            _check_stream(pyarrow, file, text_field, description)
+            kept, left = metadata_columns(_check_stream(pyarrow, file, text_field, description),
+                                          text_field)
+            columns.append([text_field, *kept])
+            left_out.extend(left)
+        warn_left_out(description, left_out)
         declared = sum(file.stat().st_size for file in self.files)  # read as it is stored
         return TableSource(description, table_records(
-            self._batches(pyarrow, text_field), text_field, description, declared=declared,
+            self._batches(pyarrow, columns), text_field, description, declared=declared,
             limit=limit))
 
-    def _batches(self, pyarrow: ModuleType, text_field: str) -> Iterator[pa.RecordBatch]:
-        for file in self.files:
+    def _batches(self, pyarrow: ModuleType,
+                 columns: list[list[str]]) -> Iterator[pa.RecordBatch]:
+        """The record batches of each file, of its ``columns`` only."""
+        for file, names in zip(self.files, columns, strict=True):
             with pyarrow.memory_map(str(file)) as source:
                 try:
                     stream = pyarrow.ipc.open_stream(source)
-                    column = stream.schema.get_field_index(text_field)
+                    chosen = [stream.schema.get_field_index(name) for name in names]
                     for batch in stream:
-                        text = batch.select([column])
-                        text.validate(full=True)  # offsets in bounds: pyarrow trusts the file
-                        yield text
+                        read = batch.select(chosen)
+                        read.validate(full=True)  # offsets in bounds: pyarrow trusts the file
+                        yield read
                 except (OSError, pyarrow.ArrowException) as err:  # changed since checked
                     raise _unreadable(file, err) from err
 
@@ -137,19 +152,21 @@ def _member(folder: Path, name: object, listed_in: Path) -> Path:
     return path
 
 
-def _check_stream(pyarrow: ModuleType, file: Path, text_field: str, where: str) -> None:
-    """``file`` is a whole Arrow stream with the text column, and no batch is compressed."""
+def _check_stream(pyarrow: ModuleType, file: Path, text_field: str, where: str) -> pa.Schema:
+    """``file``'s schema, once it is known to be a whole Arrow stream with the text column
+    in which no batch is compressed."""
     try:
         with pyarrow.memory_map(str(file)) as source:
             messages = pyarrow.ipc.MessageReader.open_stream(source)
-            check_column(pyarrow.ipc.read_schema(messages.read_next_message()), text_field,
-                         where)
+            schema = pyarrow.ipc.read_schema(messages.read_next_message())
+            check_column(schema, text_field, where)
             for number, message in enumerate(iter(messages.read_next_message, None)):
                 if _compressed(message):
                     raise UnreadableSource(
                         f"{file} message {number + 1} is compressed, which save_to_disk never "
                         f"writes, and would decompress to any size it declares; {_AGAIN}."
                     )
+        return schema
     except StopIteration:
         raise UnreadableSource(f"{file} is empty, not an Arrow stream; {_AGAIN}.") from None
     except MdatError:

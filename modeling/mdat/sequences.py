@@ -10,7 +10,10 @@ order, within each document its sequences in order; ids count up from 0 across a
 (every document of a submdat) or from the selected documents' chunk counts (a view). The
 first ``reader[i]`` of a submdat builds its index of first sequence ids, one int64 per
 selected document; then each read is two binary searches and one slice of memory maps.
-``reader.lengths()`` gives every sequence's length at once from the same offsets.
+``reader.lengths()`` gives every sequence's length at once from the same offsets. A view
+pretokenized on its own reads arrays holding only its documents (`ReaderPart.numbers` maps
+them back to the submdat's), and gives the same ids and tokens as one read from the whole
+submdat's arrays.
 
 Sequences hold the document's tokens only, no special tokens: a consumer that wants an end
 of document marker appends ``reader.strategy.eos_token_id`` where
@@ -55,18 +58,30 @@ class SequenceLocation:
     ends_document: bool  # True for a document's last sequence
 
 
+@dataclass(frozen=True, slots=True)
+class ReaderPart:
+    """One submdat's share of a reader: pretokenized arrays, which of their documents it
+    reads, and what the submdat numbers the documents the arrays hold."""
+
+    submdat: str
+    arrays: PretokArrays
+    documents: np.ndarray | None = None  # (selected,) sorted positions in the arrays; None: all
+    numbers: np.ndarray | None = None  # (held,) each held document's index; None: its position
+
+
 class _Part:
     """The sequences of one submdat's selected documents."""
 
-    def __init__(self, submdat: str, arrays: PretokArrays, documents: np.ndarray | None,
-                 k: int) -> None:
-        self.submdat = submdat
+    def __init__(self, source: ReaderPart, k: int) -> None:
+        arrays = source.arrays
+        self.submdat = source.submdat
         self.tokens = np.asarray(arrays.tokens)  # plain ndarray view: faster slicing than memmap
         self.chunk_starts = np.asarray(arrays.chunk_starts)  # (chunks + 1,)
         self.doc_starts = np.asarray(arrays.doc_starts)  # (documents + 1,)
-        self.documents = documents  # (selected,) sorted document indices; None: all of them
+        self.documents = source.documents  # (selected,) sorted positions; None: all of them
+        self.numbers = source.numbers  # (held,) the submdat's index of each; None: the same
         self.k = k
-        if documents is None:
+        if self.documents is None:
             counts = np.flatnonzero(arrays.histogram)  # chunks per document that occur
             self.length = int(arrays.histogram[counts].astype(np.int64) @ ((counts + k - 1) // k))
         else:
@@ -112,14 +127,14 @@ class SequenceReader:
     ``view`` and ``fingerprint`` (`Mdat.fingerprint`) say which data the ids refer to.
     """
 
-    def __init__(self, parts: list[tuple[str, PretokArrays, np.ndarray | None]],
-                 strategy: Strategy, max_seq_len: int, *, view: str, fingerprint: str) -> None:
+    def __init__(self, parts: list[ReaderPart], strategy: Strategy, max_seq_len: int, *,
+                 view: str, fingerprint: str) -> None:
         self.strategy = strategy
         self.max_seq_len = max_seq_len
         self.view = view
         self.fingerprint = fingerprint
         k = chunks_per_sequence(strategy, max_seq_len)
-        self._parts = [_Part(name, arrays, docs, k) for name, arrays, docs in parts]
+        self._parts = [_Part(part, k) for part in parts]
         self._part_start = np.cumsum([0] + [part.length for part in self._parts]).tolist()
 
     def __len__(self) -> int:
@@ -145,7 +160,8 @@ class SequenceReader:
     def locate(self, index: int) -> SequenceLocation:
         part, (document, first, end, doc_end) = self._find(index)
         doc_first = int(part.doc_starts[document])
-        return SequenceLocation(part.submdat, document, first - doc_first, end - first,
+        number = document if part.numbers is None else int(part.numbers[document])
+        return SequenceLocation(part.submdat, number, first - doc_first, end - first,
                                 end == doc_end)
 
     def __iter__(self) -> Iterator[np.ndarray]:

@@ -141,6 +141,21 @@ class Submdat:
         except (lmdb.Error, ValueError) as err:
             raise damaged(self.folder / META_NAME, err) from err
 
+    def metadata_fields(self, documents: int = 100) -> list[str]:
+        """The fields of the metadata of the first ``documents`` documents, in the order they
+        first appear: what a listing shows without reading every document."""
+        end = document_key(min(documents, len(self)))
+        found: dict[str, None] = {}
+        try:
+            with self._meta.begin() as txn:
+                for key, value in txn.cursor():
+                    if key >= end:
+                        break
+                    found.update(dict.fromkeys(json.loads(value)))
+        except (lmdb.Error, ValueError) as err:
+            raise damaged(self.folder / META_NAME, err) from err
+        return list(found)
+
     def close(self) -> None:
         self._release()
 
