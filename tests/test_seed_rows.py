@@ -197,3 +197,31 @@ def test_every_block_and_its_submodules_know_their_layer_number():
                        default_layer=LayerConfig(hooks={"pre_output": "depth_probe"}))
     assert [layer.layer_number for layer in model.model.layers] == [1, 2, 3]
     assert [layer.hooks["pre_output"].layer_number for layer in model.model.layers] == [1, 2, 3]
+
+
+def test_a_pretrained_model_whose_special_ids_are_not_the_datas_is_refused(tmp_path, mdat_path,
+                                                                         capsys):
+    """The byte tokenizer's data marks documents with bos 257 and eos 258; a checkpoint that
+    says bos 1 and eos 2 would train on them as ordinary tokens."""
+    from matformer.client.standalone import main
+
+    torch.manual_seed(0)
+    save_pretrained(AutoregressiveModel(tiny_config(vocab_size=260, max_position_embeddings=128,
+                                                    mask_token_id=259)), tmp_path / "named")
+    common = ["--data", str(mdat_path), "--steps", "1", "--batch-tokens", "256", "--seq-len",
+              "128", "--tiers", "0", "--track", "none", "--no-eval"]
+    with pytest.raises(SystemExit) as exited:
+        main([*common, "--init", str(tmp_path / "named"), "--out", str(tmp_path / "refused")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "the model's special ids differ from those of" in err
+    assert "bos_token_id 1 (the data's: 257), eos_token_id 2 (the data's: 258)" in err
+    assert not (tmp_path / "refused" / "config.json").exists()
+    # a config naming some ids keeps those (they agree) and takes the data's for the rest
+    (tmp_path / "model.json").write_text(json.dumps(
+        {"vocab_size": 260, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+         "intermediate_size": 64, "max_position_embeddings": 128, "eos_token_id": 258}))
+    main([*common, "--config", str(tmp_path / "model.json"), "--out", str(tmp_path / "ok")])
+    trained = json.loads((tmp_path / "ok" / "config.json").read_text())
+    assert [trained[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")] == [
+        256, 257, 258]

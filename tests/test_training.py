@@ -422,7 +422,8 @@ def test_init_finetunes_a_hugging_face_llama_from_its_own_loss(tmp_path):
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=260, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-        tie_word_embeddings=False)).eval()
+        tie_word_embeddings=False, pad_token_id=256, bos_token_id=257,
+        eos_token_id=258)).eval()  # the byte tokenizer's ids, as the data's
     hf.save_pretrained(tmp_path / "hf")
     build_default_mdat(tmp_path / "docs.mdat", limit=80).close()
     argv = ["--init", str(tmp_path / "hf"), "--data", str(tmp_path / "docs.mdat"),
