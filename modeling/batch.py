@@ -10,44 +10,64 @@ leak into an example's result.
 
 ``unbatch`` turns a (B, T, ...) output back into one tensor per example, in input order, which
 is what the equivalence check in ``modeling.equivalence`` compares against a per-example loop.
+
+A MaskedBatch can also stand in for one example in code written for a single example at batch
+size one: torch functions, Tensor methods and operators run on it through
+``__torch_function__`` and the op table in ``modeling.batch_ops``, and return MaskedBatches
+whose masks say which results are real; ``examples()`` cuts such a result back into one tensor
+per example.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from matformer.modeling.batch_surface import TensorSurface
 from matformer.modeling.errors import BatchError
 
 
-def _check_examples(examples: Sequence[Tensor]) -> None:
+def _check_examples(examples: Sequence[Tensor], *, scalars: bool = False) -> None:
+    """Refuse an empty list or an empty example; ``scalars`` lets 0-d examples through."""
     if not examples:
         raise BatchError("a batch needs at least one example; got an empty list.")
     for index, example in enumerate(examples):
-        if example.dim() == 0 or example.shape[0] == 0:
+        if (example.dim() == 0 and not scalars) or example.numel() == 0:
             raise BatchError(
                 f"example {index} is empty (shape {tuple(example.shape)}); drop empty "
                 "documents before batching."
             )
 
 
-@dataclass(frozen=True, slots=True)
-class MaskedBatch:
+@dataclass(frozen=True, slots=True, eq=False)
+class MaskedBatch(TensorSurface):
     """Examples padded to a common size in their dynamic dimensions.
 
     ``dims`` has one flag per non-batch dimension of ``data``: True if examples may differ in
     size there (dynamic), False if they all share it (static). ``mask`` is (B, *sizes) with the
     full size in dynamic dimensions and 1 in static ones: True marks real data. The models read
     dimension 1 as the sequence, so for them ``dims`` starts with True and the rest is static.
+    What lies under a False of the mask is not required to be anything (ops may leave any value
+    there), so only real positions are compared with per-example runs. ``TensorSurface`` lets
+    example-level code treat it as a tensor.
     """
 
     data: Tensor
     mask: Tensor
     dims: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        if not self.data.dim() == self.mask.dim() == len(self.dims) + 1:
+            raise BatchError(f"a MaskedBatch needs data and mask of rank len(dims) + 1; got "
+                             f"data {tuple(self.data.shape)}, mask {tuple(self.mask.shape)}, "
+                             f"dims {self.dims}.")
+        if self.mask.dtype != torch.bool:
+            raise BatchError(f"the mask must be bool (True = real data), not {self.mask.dtype}.")
 
     @classmethod
     def from_list(
@@ -55,11 +75,16 @@ class MaskedBatch:
     ) -> MaskedBatch:
         """Pad ``examples`` (each without a batch dimension) on the right of dynamic dims.
 
-        ``dims`` defaults to: the first dimension dynamic, the others static.
+        ``dims`` defaults to: the first dimension dynamic, the others static. Examples written
+        at batch size one, (1, *sizes) with one flag per size (Matchbox's layout), are accepted
+        too; 0-d examples make a batch of one value per example (``dims == ()``).
         """
-        _check_examples(examples)
+        _check_examples(examples, scalars=True)
         rank = examples[0].dim()
-        dims = tuple(dims) if dims is not None else (True,) + (False,) * (rank - 1)
+        if dims is not None and len(dims) == rank - 1 and all(
+                e.dim() == rank and e.shape[0] == 1 for e in examples):
+            examples, rank = [e[0] for e in examples], rank - 1
+        dims = tuple(dims) if dims is not None else tuple(axis == 0 for axis in range(rank))
         if len(dims) != rank:
             raise BatchError(f"dims has {len(dims)} flags for examples of rank {rank}.")
         for index, example in enumerate(examples):
@@ -104,8 +129,32 @@ class MaskedBatch:
         """Per-example slices of a (B, T, ...) ``output`` aligned with this batch."""
         return [output[row, :length] for row, length in enumerate(self.lengths.tolist())]
 
-    def to(self, device: torch.device | str) -> MaskedBatch:
-        return MaskedBatch(self.data.to(device), self.mask.to(device), self.dims)
+    def examples(self) -> list[Tensor]:
+        """This batch's own data cut per example (without the batch dimension) to the extent
+        its mask marks: in each dynamic dimension, up to the last position holding any real
+        data."""
+        return [self.data[(row, *self._extent(row))] for row in range(self.data.shape[0])]
+
+    def example_masks(self) -> list[Tensor]:
+        """The mask cut as ``examples()`` cuts the data (1 in static dimensions)."""
+        return [self.mask[(row, *self._extent(row))] for row in range(self.mask.shape[0])]
+
+    def _extent(self, row: int) -> list[slice]:
+        mask = self.mask[row]
+        extent = []
+        for axis in range(mask.dim()):
+            if mask.shape[axis] == 1:
+                extent.append(slice(None))
+                continue
+            others = tuple(a for a in range(mask.dim()) if a != axis)
+            present = (mask.any(dim=others) if others else mask).nonzero()
+            extent.append(slice(0, int(present.max()) + 1 if len(present) else 0))
+        return extent
+
+    def to(self, *args: Any, **kwargs: Any) -> MaskedBatch:
+        """``Tensor.to`` for the data (device, dtype); the mask follows to the same device."""
+        data = self.data.to(*args, **kwargs)
+        return MaskedBatch(data, self.mask.to(data.device), self.dims)
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,6 +174,34 @@ class PublishError(MatformerError):
     no such repository or branch, no write access, or the hub refused the commit."""
 
 
+class BatchOpError(MatformerError):
+    """An operation cannot run on a MaskedBatch as asked."""
+
+
+class UnsupportedBatchOp(BatchOpError, NotImplementedError):
+    """The op (named in the message) has no masked implementation yet; computing it on the
+    padded data would silently mix padding into the result."""
+
+
+class BatchDimError(BatchOpError, ValueError):
+    """The op would act on dimension 0, the batch dimension, and so mix examples together."""
+
+
+class DynamicDimError(BatchOpError, ValueError):
+    """The op would count the padding of a dynamic dimension (one whose size differs per
+    example), or needs that size as a single number."""
+
+
+class BatchShapeError(BatchOpError, ValueError):
+    """Operands do not line up example by example (ranks differ, a plain tensor adds dimensions
+    in front of the batch dimension, a size does not divide)."""
+
+
+class BatchControlFlowError(BatchOpError, TypeError):
+    """Python control flow met a value that differs per example outside what ``@batch``
+    rewrites (a truth value of a whole batch, a ``return`` inside a per-example ``if``...)."""
+
+
 class MdatError(MatformerError):
     """An MDAT dataset container is missing something, or cannot do what was asked."""
 
