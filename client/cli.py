@@ -33,7 +33,7 @@ from matformer.modeling.threads import use_threads
 
 # the standalone flags a federated client reads too: FederatedOptions fields of the same name
 SHARED = ("data", "device", "precision", "batching", "compile", "microbatch_tokens",
-          "microbatch_examples", "threads")
+          "microbatch_examples", "pad_to_multiple_of", "threads")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -4,6 +4,7 @@ epoch, packed into rows or one sequence a row (``--batching``)."""
 from __future__ import annotations
 
 import argparse
+import threading
 
 import numpy as np
 
@@ -18,7 +19,8 @@ def plan(lengths: list[int], args: argparse.Namespace) -> list[list[list[int]]]:
     """Each step's rows (index lists into ``lengths``): packed, or one sequence a row."""
     if args.batching == "packed":
         return plan_packed(lengths, args.batch_tokens, args.seq_len)
-    return [[[i] for i in batch] for batch in plan_batches(lengths, args.batch_tokens)]
+    return [[[i] for i in batch] for batch in plan_batches(
+        lengths, args.batch_tokens, pad_to_multiple_of=getattr(args, "pad_to_multiple_of", 1))]
 
 
 class Epochs:
@@ -29,13 +31,16 @@ class Epochs:
     def __init__(self, order: RunOrder, lengths: np.ndarray, args: argparse.Namespace) -> None:
         self.order, self.lengths, self.args = order, lengths, args
         self._plans: list[list[list[list[int]]]] = []
+        # data workers (``StepBatches``) ask for steps from several threads: one plans at a time
+        self._planning = threading.Lock()
 
     def epoch(self, number: int) -> tuple[np.ndarray, list[list[list[int]]]]:
         """(sequence ids in the epoch's order, its steps' rows as positions in that order)."""
-        while len(self._plans) <= number:
-            ids = self.order.epoch(len(self._plans))
-            self._plans.append(plan(self.lengths[ids].tolist(), self.args))
-        return self.order.epoch(number), self._plans[number]
+        with self._planning:
+            while len(self._plans) <= number:
+                ids = self.order.epoch(len(self._plans))
+                self._plans.append(plan(self.lengths[ids].tolist(), self.args))
+            return self.order.epoch(number), self._plans[number]
 
     def steps(self) -> int:
         """The run's steps: ``--steps``, or ``--epochs`` whole epochs, or 200."""

@@ -94,6 +94,7 @@ class FederatedOptions:
     tls_ca: Path | None = None  # PEM certificate to trust; None: plaintext
     microbatch_tokens: int = 2048  # padded tokens per forward/backward pass (shrinks on OOM)
     microbatch_examples: int = 64  # rows per forward/backward pass (shrinks on OOM)
+    pad_to_multiple_of: int = 1  # each row padded to a multiple of this many tokens
     also_train: tuple[int, ...] = ()  # smaller nested tiers trained in the same step
     latency_ms: float = 0.0  # added before every call: local-testnet's simulated WAN
     bandwidth_mbit: float = 0.0  # each way, on every message (protocol/link.py); 0: none
@@ -386,6 +387,7 @@ class FederatedClient:
             tiers=(self.named, *(ids.resolve(t) for t in sorted(set(o.also_train))
                                  if t != self.tier and ids.within(t, self.tier))),
             microbatch_tokens=o.microbatch_tokens, microbatch_examples=o.microbatch_examples,
+            pad_to_multiple_of=o.pad_to_multiple_of,
             steps=LocalSteps.of(settings.inner), precision=o.precision,
             row_length=settings.sequence_length if o.batching == "packed" else None)
         self.node.setup(setup)

@@ -122,6 +122,7 @@ class RoundSetup:
     tiers: tuple[Tier, ...]  # the client's tier first, then smaller ones trained alongside
     microbatch_tokens: int
     microbatch_examples: int = 64
+    pad_to_multiple_of: int = 1  # each row padded to a multiple of this many tokens
     steps: LocalSteps | None = None
     precision: str = "fp32"
     row_length: int | None = None  # packed rows of this many tokens; None: padded
@@ -133,7 +134,9 @@ class RoundSetup:
         return LocalRound(
             replica, compressor, TierSchedule(tiers=list(self.tiers), mode="all"),
             AdaptiveLimitsConfig(max_tokens=self.microbatch_tokens,
-                                 max_examples=self.microbatch_examples).build(), self.steps,
+                                 max_examples=self.microbatch_examples,
+                                 pad_to_multiple_of=self.pad_to_multiple_of).build(),
+            self.steps,
             options=StepOptions(precision=Precision(self.precision, device),
                                 data_parallel=parallel, seed=self.seed),
             row_length=self.row_length)
@@ -252,7 +255,8 @@ class LocalRound:
                     parameter.copy_(base[name])
         lengths, budget = [len(s) for s in sequences], self.steps.batch_tokens
         if self.row_length is None:
-            plan = [[[i] for i in batch] for batch in plan_batches(lengths, budget)]
+            plan = [[[i] for i in batch] for batch in plan_batches(
+                lengths, budget, pad_to_multiple_of=self.runner.pad_to_multiple_of)]
         else:
             plan = plan_packed(lengths, budget, self.row_length)
         self.optimizer.scale_lr(self.steps.lr_scale(step))

@@ -17,6 +17,10 @@ A checkpoint records the settings that shape the training; resuming under others
 refused naming them, since the result would match neither run. An FSDP run's checkpoints
 hold the whole weights and optimizer state, gathered from the ranks' shards: they resume
 under any number of ranks, sharded or not.
+
+A step that does not fit in memory even one sequence a microbatch stops the run, which
+first saves what ``--save-every`` would have saved after the step before
+(``OutOfMemoryStop``): the steps done are kept for a resume where more memory is free.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from matformer.modeling.checkpoint.pretrained import load_state_into
 from matformer.modeling.checkpoint.training_state import load_training_state, save_training_state
 from matformer.modeling.devices import Precision
 from matformer.modeling.distributed import DataParallel, shard_optimizer_state
-from matformer.modeling.errors import CheckpointError
+from matformer.modeling.errors import BatchDoesNotFit, CheckpointError
 from matformer.modeling.optim import LocalOptimizer
 
 DEFAULT_OUT = Path("runs/standalone")
@@ -114,6 +118,24 @@ def save(out: Path, step: int, model: torch.nn.Module, optimizer: LocalOptimizer
     for old in sorted(_steps(folder(out)), key=_number)[:-keep_last]:
         shutil.rmtree(old)
     return target
+
+
+class OutOfMemoryStop(BatchDoesNotFit):
+    """Step ``step`` (0-based) of ``total`` ran out of memory at the smallest microbatch;
+    ``checkpoint``: the run as it was before it, saved, if this process could save it."""
+
+    def __init__(self, step: int, total: int, args: argparse.Namespace,
+                 checkpoint: Path | None) -> None:
+        saved = (f"the run as it was after step {step} is saved in {checkpoint}: go on from "
+                 "there with --resume where more memory is free (a larger device, or several "
+                 "ranks with --fsdp)" if checkpoint is not None else
+                 "no checkpoint was saved (rank 0 saves one; this is another rank)")
+        super().__init__(
+            f"step {step + 1}/{total} does not fit in memory even one sequence a microbatch; "
+            f"lower --seq-len (now {args.seq_len}), train fewer or smaller tiers (--tiers "
+            f"{args.tiers}) or a smaller model, or train in bf16 (--precision), each a new "
+            f"run; {saved}.")
+        self.checkpoint = checkpoint
 
 
 class Saved:

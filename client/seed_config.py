@@ -16,14 +16,14 @@
                                   B, --microbatch-tokens B x seq_len, --batch-tokens
                                   B x accumulate_grad_batches x seq_len
     data.data_root, mdat_strategy, mdat_view      --data, --strategy, --view
+    data.num_workers              --num-workers: threads reading the next steps ahead
     tokenizer.varlen_strategy     --batching: padding is padded, unpadding is packed
     tokenizer.type, pretrained_name   must be the data's: a strategy owns its tokenizer
     save_dir, wandb_run_name      --out SAVE_DIR/RUN_NAME (a run is named after its folder)
     wandb_project                 --project, and --track wandb where wandb is installed
 
 Paths are relative to the JSON's folder, as train.toml's are; a null is a key not given.
-``data.num_workers`` means nothing here (the data are read in the training process), so it
-is ignored with a warning; any other key is refused, all of them in one error.
+Any other key is refused, all of them in one error.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ SAME = {  # key (section.key) → the option it is
     "training.gradient_clip_val": "grad_clip", "training.max_epochs": "epochs",
     "training.save_every_n_steps": "save_every", "data.data_root": "data",
     "data.mdat_strategy": "strategy", "data.mdat_view": "view", "wandb_project": "project",
+    "data.num_workers": "num_workers",
 }
 DERIVED = ("training.scheduler", "training.lr_scheduling", "training.accumulate_grad_batches",
            "data.batch_size", "tokenizer.varlen_strategy", "tokenizer.type",
            "tokenizer.pretrained_name", "save_dir", "wandb_run_name")
-IGNORED = {"data.num_workers": "the data are read in the training process"}
 SCHEDULERS = {"custom": "cosine", "cosine": "cosine", "linear": "linear",
               "constant": "constant"}
 VARLEN = {"padding": "padded", "unpadding": "packed"}
@@ -158,7 +158,7 @@ def _choice(values: dict[str, Any], key: str, choices: dict[str, str]) -> str:
 
 
 def _check_keys(path: Path, data: dict[str, Any]) -> None:
-    """One error naming every key there is no mapping for; a warning for the ignored ones."""
+    """One error naming every key there is no mapping for."""
     for section in SECTIONS:
         if not isinstance(data.get(section) or {}, dict):
             raise ConfigError(f"{path}: {section} must be an object of keys.")
@@ -166,7 +166,7 @@ def _check_keys(path: Path, data: dict[str, Any]) -> None:
     layer = model.get("default_layer") or {}
     model_keys = [*(f.name for f in fields(ModelConfig)), *SEED_SPELLINGS]
     layer_keys = [f.name for f in fields(LayerConfig)]
-    run_keys = [*SAME, *DERIVED, *IGNORED]
+    run_keys = [*SAME, *DERIVED]
     unknown = [_named(f"model_config.{key}", key, model_keys)
                for key in model if key not in model_keys]
     if isinstance(layer, dict):
@@ -176,8 +176,6 @@ def _check_keys(path: Path, data: dict[str, Any]) -> None:
     if unknown:
         raise ConfigError(f"{path}: matformer-train cannot map {', '.join(unknown)}; remove "
                           "them, or write the run as a train.toml (examples/train.toml).")
-    for key in _run_values(data).keys() & IGNORED.keys():
-        log.warning("matformer-train: %s is ignored: %s", key, IGNORED[key])
 
 
 def _named(key: str, name: str, valid: list[str]) -> str:

@@ -28,17 +28,18 @@ import numpy as np
 import torch
 
 from matformer.client import run_checkpoints, train_config
+from matformer.client.batch_log import PlanRecorder, longest_line
 from matformer.client.epochs import Epochs
+from matformer.client.step_batches import StepBatches
 from matformer.client.step_progress import StepProgress
 from matformer.modeling import ModelConfig, build_model
 from matformer.modeling.batching import AdaptiveLimitsConfig, MicrobatchRunner
 from matformer.modeling.checkpoint import save_pretrained
-from matformer.modeling.checkpoint.files import read_json
 from matformer.modeling.checkpoint.loader import load_for_tier
 from matformer.modeling.commands import command_parser
 from matformer.modeling.devices import Precision, compile_model, resolve_device
 from matformer.modeling.distributed import DataParallel
-from matformer.modeling.errors import ConfigError, MatformerError
+from matformer.modeling.errors import BatchDoesNotFit, ConfigError, MatformerError
 from matformer.modeling.mdat import (
     Mdat,
     SaettaReader,
@@ -50,6 +51,7 @@ from matformer.modeling.mdat.catalogue import CATALOGUE_NAME
 from matformer.modeling.mdat.checkpoint_tokenizer import (
     SPECIAL_ID_NAMES,
     check_special_ids,
+    special_id_conflicts,
     special_ids,
     tokenizer_files,
 )
@@ -111,6 +113,9 @@ def open_order(mdat: Mdat, args: argparse.Namespace, config: ModelConfig
         return RunOrder.open(mdat, args.strategy, args.seq_len, args.view, args.seed, config)
     reader = mdat.saetta(args.saetta, args.strategy, args.seq_len, args.view, args.seed)
     return reader, RunOrder.of(np.arange(len(reader)), reader.lengths(), config, args.seed)
+
+
+CPU = torch.device("cpu")  # where the data workers read to
 
 
 def sequences(reader: SequenceReader | SaettaReader, ids: np.ndarray, device: torch.device
@@ -228,16 +233,19 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
         if fitted.vocab_size != config.vocab_size:
             say(f"matformer-train: the model's vocabulary is strategy {args.strategy!r}'s, "
                 f"{fitted.vocab_size:,} ids")
-        # the ids the run named (a pretrained model's, a config's keys) must be the data's;
-        # the others are the data's
-        own = (SPECIAL_ID_NAMES if start is not None else
-               SPECIAL_ID_NAMES & set(fields if fields is not None else
-                                      read_json(args.config) if args.config else {}))
-        data_ids = special_ids(mdat.path, strategy)
-        check_special_ids({name: getattr(fitted, name) for name in own}, data_ids,
-                          f"{mdat.path} (strategy {args.strategy!r})")
-        config = dataclasses.replace(
-            fitted, **{name: index for name, index in data_ids.items() if name not in own})
+        data_ids, where = special_ids(mdat.path, strategy), f"{mdat.path} ({args.strategy!r})"
+        if start is not None:  # its embeddings learned its own ids: they must be the data's
+            check_special_ids({name: getattr(fitted, name) for name in SPECIAL_ID_NAMES},
+                              data_ids, where)
+            config = fitted
+        else:  # a new model takes the data's ids; a config that named others hears of it
+            if named and (conflicts := special_id_conflicts(
+                    {name: getattr(fitted, name) for name in SPECIAL_ID_NAMES}, data_ids)):
+                say(f"matformer-train: training with the special ids of {where}'s tokenizer, "
+                    f"not the config's: {conflicts}")
+            config = dataclasses.replace(fitted, **{
+                name: index for name, index in data_ids.items()
+                if index is not None or not named})
         files = {**tokenizer_files(mdat.path, strategy,
                                    max_length=config.max_position_embeddings),
                  **TrainedOn(str(mdat.path.resolve()), args.strategy, args.view, args.seq_len,
@@ -251,8 +259,8 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                 f"fewer than {target_tokens(config)} tokens: they carry no target")
         epochs = Epochs(order, lengths, args)
         total = epochs.steps()
-        eval_examples = sequences(reader, order.evaluated(  # never trained
-            lengths, sequences=args.eval_sequences if args.eval else 0,
+        eval_examples = sequences(reader, order.evaluated(  # never trained; rank 0's
+            lengths, sequences=args.eval_sequences if args.eval and leader else 0,
             tokens=total * args.batch_tokens), device)
         world = parallel.world_size if parallel else 1
         say(f"matformer-train: {sum(p.numel() for p in model.parameters()):,} parameters on "
@@ -262,15 +270,20 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             f"training sequences of up to {args.seq_len} tokens, {len(epochs.epoch(0)[1])} "
             f"{args.batching} batches of <= {args.batch_tokens} tokens an epoch, {total} steps; "
             f"tiers {tiers} ({args.tier_mode})")
-        runner = MicrobatchRunner(model, AdaptiveLimitsConfig(
-            max_tokens=args.microbatch_tokens, max_examples=args.microbatch_examples).build())
+        runner = (PlanRecorder if args.debug else MicrobatchRunner)(model, AdaptiveLimitsConfig(
+            max_tokens=args.microbatch_tokens, max_examples=args.microbatch_examples,
+            pad_to_multiple_of=args.pad_to_multiple_of).build())
+        batches = StepBatches(epochs, lengths, lambda ids: sequences(reader, ids, CPU),
+                              workers=args.num_workers, parallel=parallel)
 
         def evaluate(whole: torch.nn.Module) -> dict[str, float]:
             if not eval_examples:  # --no-eval
                 return {}
             say(f"matformer-train: evaluating the held-out loss of tiers {tiers} on "
                 f"{len(eval_examples):,} sequences...")
-            return held_out_loss(whole, eval_examples, tiers, batch_tokens=args.batch_tokens,
+            return held_out_loss(whole, eval_examples, tiers,
+                                 batch_tokens=args.eval_microbatch_tokens or args.microbatch_tokens,
+                                 max_examples=args.microbatch_examples,
                                  precision=options.precision, seed=args.seed)
 
         saved = run_checkpoints.Saved(args.resume, args) if args.resume else None
@@ -312,16 +325,35 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
             config={k: str(v) for k, v in vars(args).items()})
         if args.resume is None:
             tracker.log(0, {f"held_out/tier_{t}": loss for t, loss in initial.items()})
+
+        def checkpoint(done: int) -> Path | None:
+            return run_checkpoints.save(args.out, done, model, optimizer, options.precision, {
+                "history": history, "tokens_seen": tokens_seen, "initial": initial,
+                "settings": run_checkpoints.settings(args)}, args.keep_last,
+                sharded=parallel if args.fsdp else None, files=files)
+
         started, before = time.perf_counter(), tokens_seen  # this process's rate
         progress = StepProgress(total, first, args.log_every, say,
                                 bar=leader and sys.stderr.isatty())
+        upcoming = batches.steps(first, total, device)  # read ahead by --num-workers threads
         for step in range(first, total):
-            ids, rows = epochs.step(step)
-            examples = sequences(reader, ids, device)
-            lr, stats = optimizer.lr, {}
-            losses = train_step_on_examples(
-                runner, optimizer, examples, schedule, step,
-                max_grad_norm=args.grad_clip or None, rows=rows, options=options, stats=stats)
+            ids, rows, examples = next(upcoming)
+            lr, stats, rng = optimizer.lr, {}, torch.get_rng_state()
+            try:
+                losses = train_step_on_examples(
+                    runner, optimizer, examples, schedule, step,
+                    max_grad_norm=args.grad_clip or None, rows=rows, options=options, stats=stats)
+            except BatchDoesNotFit as error:
+                if args.fsdp:  # a fixed plan: its error names --microbatch-tokens
+                    raise
+                torch.set_rng_state(rng)  # the run as the step found it, saved as it was
+                done = run_checkpoints.folder(args.out) / f"step-{step}"
+                saved = (done if done.is_dir() else checkpoint(step)) if leader else None
+                raise run_checkpoints.OutOfMemoryStop(step, total, args, saved) from error
+            if args.debug and not args.fsdp:  # --fsdp's plan is fixed, made outside the runner
+                say(f"matformer-train: {runner.plan_line(step + 1, total)}")
+            if args.log_longest_every and (step + 1) % args.log_longest_every == 0:
+                say(f"matformer-train: {longest_line(step + 1, total, lengths[ids])}")
             tokens_seen += sum(len(e) for e in examples) * len(losses)
             history.append({"step": step, "lr": lr, "loss": losses})
             rate = (tokens_seen - before) / (time.perf_counter() - started)
@@ -329,10 +361,8 @@ def _train(args: argparse.Namespace, device: torch.device, parallel: DataParalle
                                    "lr": lr, "tokens_per_second": rate, **stats})
             progress.update(step + 1, losses, lr, rate)
             if (leader or args.fsdp) and args.save_every and (step + 1) % args.save_every == 0:
-                run_checkpoints.save(args.out, step + 1, model, optimizer, options.precision, {
-                    "history": history, "tokens_seen": tokens_seen, "initial": initial,
-                    "settings": run_checkpoints.settings(args)}, args.keep_last,
-                    sharded=parallel if args.fsdp else None, files=files)
+                checkpoint(step + 1)
+        upcoming.close()
         progress.close()
         seconds = time.perf_counter() - started
         if args.fsdp:  # the whole weights, gathered from every rank's shards

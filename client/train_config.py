@@ -74,6 +74,9 @@ class DataSection:
     seq_len: int = setting(256, low=1, help="max_seq_len, a multiple of the strategy's chunk_size")
     batching: str = setting("packed", choices=("packed", "padded"), help=(
         "packed: sequences end to end in rows of seq_len tokens; padded: one sequence a row"))
+    num_workers: int = setting(0, low=0, help=(
+        "threads that read the next steps' sequences and rows while a step trains, "
+        "a few steps ahead (0: read in the training loop); the same batches either way"))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,6 +96,12 @@ class TrainingSection:
     batch_tokens: int = setting(1024, low=1, help="padded tokens per optimizer step")
     microbatch_tokens: int = setting(512, low=1, help="tokens a forward/backward (shrinks on OOM)")
     microbatch_examples: int = setting(64, low=1, help="rows a forward/backward (shrinks on OOM)")
+    pad_to_multiple_of: int = setting(1, low=1, high=4096, help=(
+        "pad each row to a multiple of this many tokens (8 or 64: shapes GPU tensor cores take "
+        "whole; budgets count the padding; 1: to the longest row only)"))
+    eval_microbatch_tokens: int | None = setting(None, low=1, help=(
+        "padded tokens a forward pass of the held-out evaluation, at most microbatch_tokens "
+        "(without it, microbatch_tokens)"))
     tiers: str = setting("0,1,2", help="comma-separated tiers to train (a list in TOML too)")
     tier_mode: str = setting("all", choices=("all", "sample"), help=(
         "all: every tier each step (summed losses); sample: one a step"))
@@ -107,6 +116,12 @@ class TrainingSection:
         if not TIERS.fullmatch(self.tiers):
             raise InvalidValue(f"[training] tiers must be tier numbers such as \"0,1,2\" or "
                                f"[0, 1, 2], got {self.tiers!r}.")
+        if (self.eval_microbatch_tokens or 0) > self.microbatch_tokens:
+            raise InvalidValue(
+                f"[training] eval_microbatch_tokens {self.eval_microbatch_tokens} is above "
+                f"microbatch_tokens {self.microbatch_tokens}: evaluation's microbatches are "
+                "never larger than training's; lower it, or leave it out to use "
+                "microbatch_tokens.")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -135,6 +150,11 @@ class LoggingSection:
         "trackio, wandb, or none"))
     project: str = setting("matformer", help="trackio's or W&B's project (the run: out's name)")
     log_every: int = setting(20, low=1, help="print the losses every this many steps")
+    log_longest_every: int = setting(0, low=0, help=(
+        "print the step's longest sequences' lengths every this many steps (0: never)"))
+    debug: bool = setting(False, help=(
+        "print each step's microbatch plan: rows and padded tokens per microbatch, and "
+        "retries after running out of memory"))
     eval: bool = setting(True, help=(
         "the held-out loss of every tier before and after training (--no-eval: neither)"))
     eval_sequences: int = setting(256, low=1, help=(

@@ -44,6 +44,15 @@ def _check_examples(examples: Sequence[Tensor], *, scalars: bool = False) -> Non
             )
 
 
+def padded_size(size: int, multiple: int) -> int:
+    """``size`` padded up to the next multiple of ``multiple`` (``pad_to_multiple_of``: 8 or
+    64 suit tensor cores; 1 pads nothing)."""
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise BatchError(f"pad_to_multiple_of must be a whole number >= 1 (1: pad to the "
+                         f"longest row only), got {multiple!r}.")
+    return -(-size // multiple) * multiple
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class MaskedBatch(TensorSurface):
     """Examples padded to a common size in their dynamic dimensions.
@@ -71,9 +80,12 @@ class MaskedBatch(TensorSurface):
 
     @classmethod
     def from_list(
-        cls, examples: Sequence[Tensor], dims: Sequence[bool] | None = None, pad_value: float = 0
+        cls, examples: Sequence[Tensor], dims: Sequence[bool] | None = None, pad_value: float = 0,
+        pad_to_multiple_of: int = 1,
     ) -> MaskedBatch:
-        """Pad ``examples`` (each without a batch dimension) on the right of dynamic dims.
+        """Pad ``examples`` (each without a batch dimension) on the right of dynamic dims, to
+        the longest example's size rounded up to ``pad_to_multiple_of`` (8 or 64: shapes
+        tensor cores take whole).
 
         ``dims`` defaults to: the first dimension dynamic, the others static. Examples written
         at batch size one, (1, *sizes) with one flag per size (Matchbox's layout), are accepted
@@ -97,6 +109,8 @@ class MaskedBatch(TensorSurface):
                         f"{axis}, others have {examples[0].shape[axis]}; mark it dynamic."
                     )
         sizes = [max(e.shape[axis] for e in examples) for axis in range(rank)]
+        sizes = [padded_size(size, pad_to_multiple_of) if dynamic else size
+                 for size, dynamic in zip(sizes, dims, strict=True)]
         data = examples[0].new_full((len(examples), *sizes), pad_value)
         mask_sizes = [size if dynamic else 1 for size, dynamic in zip(sizes, dims, strict=True)]
         mask = torch.zeros(len(examples), *mask_sizes, dtype=torch.bool, device=data.device)
@@ -199,19 +213,20 @@ class PackedBatch:
 
     @classmethod
     def from_rows(
-        cls, examples: Sequence[Tensor], rows: Sequence[Sequence[int]], pad_value: float = 0
+        cls, examples: Sequence[Tensor], rows: Sequence[Sequence[int]], pad_value: float = 0,
+        pad_to_multiple_of: int = 1,
     ) -> PackedBatch:
         """Lay ``examples`` out as ``rows`` says: each row lists indices into ``examples``,
         placed end to end in that order, and every example appears in exactly one row. Rows
         are padded on the right to the longest row (a planner that packed them well leaves
-        little padding)."""
+        little padding), rounded up to ``pad_to_multiple_of``."""
         _check_examples(examples)
         placed = sorted(i for row in rows for i in row)
         if placed != list(range(len(examples))) or not all(rows):
             raise BatchError(f"rows must place each of the {len(examples)} examples exactly "
                              f"once and none may be empty; got {[list(r) for r in rows]}.")
         longest = max(sum(examples[i].shape[0] for i in row) for row in rows)
-        return cls._place(examples, rows, longest, pad_value)
+        return cls._place(examples, rows, padded_size(longest, pad_to_multiple_of), pad_value)
 
     @classmethod
     def _place(cls, examples: Sequence[Tensor], rows: Sequence[Sequence[int]],

@@ -160,7 +160,8 @@ def tier_gradients(
         return {
             tier_label(tier): accumulate_gradients(
                 model, prepared, plan, rows=rows if packed else None, tier=tier,
-                weight=weight, targets=targets, precision=options.precision).loss
+                weight=weight, targets=targets, precision=options.precision,
+                pad_to_multiple_of=runner.pad_to_multiple_of).loss
             for tier, weight in tiers
         }
 
@@ -196,7 +197,8 @@ def _lockstep(runner: MicrobatchRunner, parallel: DataParallel, sizes: list[int]
     if sizes:
         limits = runner.limits.limits(max(sizes))
         plan = split_microbatches(sizes, max_tokens=limits.max_tokens,
-                                  max_examples=limits.max_examples)
+                                  max_examples=limits.max_examples,
+                                  pad_to_multiple_of=runner.pad_to_multiple_of)
     idle = parallel.most(len(plan)) - len(plan)
     try:
         losses = attempt(plan) if plan else {tier_label(t): 0.0 for t, _ in tiers}

@@ -16,12 +16,21 @@ from torch import nn
 
 from matformer.modeling import AutoregressiveModel, LayerConfig, Registry, registry
 from matformer.modeling.attention import AttentionContext, AttentionSubmodules, CrossAttention
+from matformer.modeling.batch import MaskedBatch, PackedBatch
+from matformer.modeling.batching import (
+    AdaptiveLimitsConfig,
+    MicrobatchRunner,
+    padded_tokens,
+    plan_batches,
+    split_microbatches,
+)
 from matformer.modeling.block import BiasDropoutAdd, TransformerBlock
 from matformer.modeling.checkpoint import save_pretrained
 from matformer.modeling.checkpoint.hf_config import from_config_dict, to_config_dict
-from matformer.modeling.errors import ConfigError
+from matformer.modeling.errors import BatchError, ConfigError, SequenceTooLong
 from matformer.modeling.layer_spec import layer_spec
 from matformer.modeling.spec import ModuleSpec, build_module
+from matformer.modeling.training import TierSchedule, tier_gradients
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,11 +226,53 @@ def test_a_pretrained_model_whose_special_ids_are_not_the_datas_is_refused(tmp_p
     assert "the model's special ids differ from those of" in err
     assert "bos_token_id 1 (the data's: 257), eos_token_id 2 (the data's: 258)" in err
     assert not (tmp_path / "refused" / "config.json").exists()
-    # a config naming some ids keeps those (they agree) and takes the data's for the rest
+    # a new model from a config takes the data's ids, and says so where the config differs
     (tmp_path / "model.json").write_text(json.dumps(
         {"vocab_size": 260, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
-         "intermediate_size": 64, "max_position_embeddings": 128, "eos_token_id": 258}))
+         "intermediate_size": 64, "max_position_embeddings": 128, "bos_token_id": 1}))
     main([*common, "--config", str(tmp_path / "model.json"), "--out", str(tmp_path / "ok")])
     trained = json.loads((tmp_path / "ok" / "config.json").read_text())
     assert [trained[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")] == [
         256, 257, 258]
+    assert "not the config's: bos_token_id 1 (the data's: 257)" in capsys.readouterr().out
+
+
+# --- pad_to_multiple_of (seed 004) --------------------------------------------------------
+
+def test_rows_are_padded_to_a_multiple_and_budgets_count_the_padding():
+    rows = [torch.arange(1, 1 + n) for n in (5, 17, 9)]
+    batch = MaskedBatch.from_list(rows, pad_to_multiple_of=8)
+    assert batch.data.shape == (3, 24) and batch.lengths.tolist() == [5, 17, 9]
+    packed = PackedBatch.from_rows(rows, [[0, 2], [1]], pad_to_multiple_of=64)
+    assert packed.data.shape == (2, 64) and int(packed.tokens.sum()) == 31
+    lengths = [5, 17, 9, 30, 2, 8, 64, 33]
+    for batch_rows in plan_batches(lengths, 128, pad_to_multiple_of=32):
+        assert len(batch_rows) * -(-max(lengths[i] for i in batch_rows) // 32) * 32 <= 128
+    for micro in split_microbatches(lengths, max_tokens=96, max_examples=8, pad_to_multiple_of=16):
+        assert padded_tokens([lengths[i] for i in micro], 16) <= 96
+    with pytest.raises(SequenceTooLong, match=r"70 tokens \(65 padded to a multiple of 10\)"):
+        plan_batches([65], 64 + 2, pad_to_multiple_of=10)
+    with pytest.raises(BatchError, match="pad_to_multiple_of must be a whole number >= 1"):
+        MaskedBatch.from_list(rows, pad_to_multiple_of=0)
+
+
+def test_a_step_padded_to_a_multiple_trains_as_one_padded_to_the_longest():
+    """The padding is masked out: the same loss and gradients, on tensors whose length is
+    the multiple."""
+    lengths = (23, 40, 11, 7)
+    examples = [torch.randint(3, 90, (n,), generator=torch.Generator().manual_seed(n))
+                for n in lengths]
+    schedule = TierSchedule(tiers=[0, 1], mode="all")
+    grads, seen = {}, []
+    for multiple in (1, 64):
+        model = model_with().train()
+        model.model.register_forward_pre_hook(
+            lambda module, args, multiple=multiple: seen.append((multiple, args[0].data.shape[1])))
+        runner = MicrobatchRunner(model, AdaptiveLimitsConfig(
+            max_tokens=128, max_examples=2, pad_to_multiple_of=multiple).build())
+        losses = tier_gradients(runner, examples, schedule, step=0)
+        grads[multiple] = (losses, {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert {width for multiple, width in seen if multiple == 64} == {64}
+    assert grads[1][0] == pytest.approx(grads[64][0], rel=1e-5)
+    for name, grad in grads[1][1].items():
+        torch.testing.assert_close(grads[64][1][name], grad, rtol=1e-4, atol=1e-6)

@@ -108,7 +108,12 @@ OTHERS = ("model.config", "model.init", "data.documents", "data.batching", "trai
           "training.microbatch_tokens", "training.microbatch_examples",
           "training.save_every", "training.keep_last", "hardware.device", "hardware.compile",
           "hardware.fsdp", "hardware.threads", "logging.track", "logging.project",
-          "logging.log_every", "logging.eval", "logging.eval_sequences", "logging.out")
+          "logging.log_every", "logging.eval", "logging.eval_sequences", "logging.out",
+          # their cases: tests/test_train_workers.py and tests/test_train_rows.py
+          "data.num_workers", "training.eval_microbatch_tokens", "logging.log_longest_every",
+          "logging.debug",
+          # tests/test_train_saetta.py, tests/test_seed_rows.py
+          "data.saetta", "training.pad_to_multiple_of")
 
 
 def test_every_key_has_a_case():
@@ -189,8 +194,9 @@ def test_tiers_and_tier_mode_choose_what_each_step_trains(data, tmp_path):
 def test_microbatch_limits_shape_every_pass(data, tmp_path, monkeypatch, key, value, check):
     plans = []
 
-    def recording(lengths, *, max_tokens, max_examples):
-        plan = split(lengths, max_tokens=max_tokens, max_examples=max_examples)
+    def recording(lengths, *, max_tokens, max_examples, pad_to_multiple_of=1):
+        plan = split(lengths, max_tokens=max_tokens, max_examples=max_examples,
+                     pad_to_multiple_of=pad_to_multiple_of)
         plans.append(plan)
         return plan
 

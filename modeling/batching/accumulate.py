@@ -79,6 +79,7 @@ def accumulate_gradients(
     pad_value: int = 0,
     targets: int | None = None,
     precision: Precision | None = None,
+    pad_to_multiple_of: int = 1,
 ) -> AccumulatedLoss:
     """Forward/backward each microbatch, adding ``weight`` × the batch's mean-loss gradient.
 
@@ -88,7 +89,8 @@ def accumulate_gradients(
     its examples end to end and ``microbatches`` index the rows. Either way they must use
     each exactly once. ``targets`` is the divisor of the mean when this is one share of a
     larger batch (data parallelism); by default the examples' own. ``precision`` runs the
-    forward passes under autocast and scales the loss (fp16).
+    forward passes under autocast and scales the loss (fp16). Each microbatch's rows are
+    padded up to a multiple of ``pad_to_multiple_of``.
 
     Gradients add to whatever ``.grad`` holds, so clear them first (as an optimizer step's
     ``zero_grad`` does). ``weight`` is a tier's loss weight, as ``TierSchedule.step_tiers``
@@ -110,7 +112,8 @@ def accumulate_gradients(
     sizes = [sum(len(examples.inputs[i]) for i in row) for row in rows]
     total = torch.zeros((), device=examples.inputs[0].device)
     for microbatch in microbatches:
-        batch, labels = _layout(examples, [rows[r] for r in microbatch], packed, pad_value)
+        batch, labels = _layout(examples, [rows[r] for r in microbatch], packed, pad_value,
+                                pad_to_multiple_of)
         with precision.autocast():
             loss = model.labelled_loss(batch, labels, tier=tier, reduction="sum")  # Σ, fp32
         (loss * scale).backward()
@@ -119,26 +122,31 @@ def accumulate_gradients(
         loss=total.item() / targets,
         targets=targets,
         tokens=sum(sizes),
-        padded_tokens=sum(padded_tokens([sizes[r] for r in mb]) for mb in microbatches),
+        padded_tokens=sum(padded_tokens([sizes[r] for r in mb], pad_to_multiple_of)
+                          for mb in microbatches),
         microbatches=len(microbatches),
     )
 
 
-def _layout(examples: TrainingExamples, rows: list[list[int]], packed: bool, pad_value: int
-            ) -> tuple[MaskedBatch | PackedBatch, Tensor]:
-    """One microbatch's batch and (B, T) labels: padded rows, or packed ones."""
+def _layout(examples: TrainingExamples, rows: list[list[int]], packed: bool, pad_value: int,
+            multiple: int = 1) -> tuple[MaskedBatch | PackedBatch, Tensor]:
+    """One microbatch's batch and (B, T) labels: padded rows, or packed ones, each row
+    padded up to a ``multiple``."""
     order = [i for row in rows for i in row]
     inputs = [examples.inputs[i] for i in order]
     labels = [examples.labels[i] for i in order]
     if not packed:
-        return (MaskedBatch.from_list(inputs, pad_value=pad_value),
-                MaskedBatch.from_list(labels, pad_value=IGNORE_INDEX).data)
+        return (MaskedBatch.from_list(inputs, pad_value=pad_value, pad_to_multiple_of=multiple),
+                MaskedBatch.from_list(labels, pad_value=IGNORE_INDEX,
+                                      pad_to_multiple_of=multiple).data)
     local, start = [], 0
     for row in rows:
         local.append(list(range(start, start + len(row))))
         start += len(row)
-    return (PackedBatch.from_rows(inputs, local, pad_value=pad_value),
-            PackedBatch.from_rows(labels, local, pad_value=IGNORE_INDEX).data)
+    return (PackedBatch.from_rows(inputs, local, pad_value=pad_value,
+                                  pad_to_multiple_of=multiple),
+            PackedBatch.from_rows(labels, local, pad_value=IGNORE_INDEX,
+                                  pad_to_multiple_of=multiple).data)
 
 
 def _draw_seed(seed: int, position: int) -> int:

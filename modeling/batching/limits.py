@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from matformer.modeling.batch import padded_size
 from matformer.modeling.errors import BatchDoesNotFit, ConfigError
 
 
@@ -43,6 +44,9 @@ class AdaptiveLimitsConfig:
     min_examples: int = 1  # rows shrink no further; then tokens shrink
     stable_steps: int = 100  # successes in a row before a regime's limits grow
     growth: float = 2.0  # factor the limits grow by, capped at the configured ones
+    # each microbatch's rows padded up to a multiple of this (8 or 64: tensor cores' shapes);
+    # its budget counts them so
+    pad_to_multiple_of: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_examples <= self.max_examples:
@@ -57,6 +61,9 @@ class AdaptiveLimitsConfig:
             )
         if self.growth <= 1:
             raise ConfigError(f"growth must be above 1 so limits recover, got {self.growth}.")
+        if padded_size(1, self.pad_to_multiple_of) > self.max_tokens:
+            raise ConfigError(f"pad_to_multiple_of {self.pad_to_multiple_of} exceeds the "
+                              f"microbatch budget of {self.max_tokens} tokens; lower it.")
 
     def build(self) -> AdaptiveLimits:
         return AdaptiveLimits(self)
@@ -125,8 +132,9 @@ class AdaptiveLimits:
             self._regimes[key] = _Regime(
                 MicrobatchLimits(max_examples=config.max_examples, max_tokens=config.max_tokens),
                 MicrobatchLimits(
-                    max_examples=config.min_examples,
-                    max_tokens=min(config.max_tokens, 2**key),  # one longest sequence
+                    max_examples=config.min_examples,  # one longest sequence, padded
+                    max_tokens=min(config.max_tokens,
+                                   padded_size(2**key, config.pad_to_multiple_of)),
                 ),
             )
         return self._regimes[key]

@@ -14,20 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from matformer.modeling.batch import padded_size
 from matformer.modeling.batching.cost import checked_lengths
 from matformer.modeling.errors import ConfigError
 
 
 def split_microbatches(
-    lengths: Sequence[int], *, max_tokens: int, max_examples: int
+    lengths: Sequence[int], *, max_tokens: int, max_examples: int, pad_to_multiple_of: int = 1
 ) -> list[list[int]]:
     """Positions into ``lengths`` of each microbatch, longest rows first.
 
     Every position appears exactly once; each microbatch has ≤ ``max_examples`` rows and
-    rows × longest ≤ ``max_tokens``. Raises SequenceTooLong if a row alone exceeds
-    ``max_tokens``.
+    rows × longest (padded up to ``pad_to_multiple_of``) ≤ ``max_tokens``. Raises
+    SequenceTooLong if a row alone exceeds ``max_tokens``.
     """
-    sizes = checked_lengths(lengths, max_tokens, "max_tokens")
+    sizes = checked_lengths(lengths, max_tokens, "max_tokens", pad_to_multiple_of)
     if max_examples < 1:
         raise ConfigError(f"max_examples must be at least 1, got {max_examples}.")
     microbatches: list[list[int]] = []
@@ -36,7 +37,8 @@ def split_microbatches(
             current = microbatches[-1]
             rows = len(current) + 1
             # Sorted longest first, so a microbatch's first row is its longest.
-            if rows <= max_examples and rows * sizes[current[0]] <= max_tokens:
+            longest = padded_size(sizes[current[0]], pad_to_multiple_of)
+            if rows <= max_examples and rows * longest <= max_tokens:
                 current.append(index)
                 continue
         microbatches.append([index])

@@ -23,28 +23,32 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from matformer.modeling.batch import padded_size
 from matformer.modeling.batching.cost import checked_lengths
 from matformer.modeling.errors import ConfigError
 
 
 def plan_batches(
-    lengths: Sequence[int], max_tokens: int, *, sort_window: int = 16
+    lengths: Sequence[int], max_tokens: int, *, sort_window: int = 16,
+    pad_to_multiple_of: int = 1,
 ) -> list[list[int]]:
     """Indices of each batch, each batch's rows × longest ≤ ``max_tokens``.
 
     ``lengths`` are sequence lengths in data order; ``sort_window`` is how many batches'
-    worth of tokens are sorted by length together (0: none, batches follow data order).
-    Raises SequenceTooLong if one sequence alone exceeds ``max_tokens``.
+    worth of tokens are sorted by length together (0: none, batches follow data order);
+    ``pad_to_multiple_of``: the longest row counts as padded up to that multiple, as the
+    batch will be. Raises SequenceTooLong if one sequence alone exceeds ``max_tokens``.
     """
-    sizes = checked_lengths(lengths, max_tokens, "max_tokens")
+    sizes = checked_lengths(lengths, max_tokens, "max_tokens", pad_to_multiple_of)
+    padded = [padded_size(size, pad_to_multiple_of) for size in sizes]  # what a row costs
     if sort_window < 0:
         raise ConfigError(f"sort_window must be 0 (off) or positive, got {sort_window}.")
     if not sort_window:
-        return _fill(range(len(sizes)), sizes, max_tokens)
+        return _fill(range(len(sizes)), padded, max_tokens)
     batches: list[list[int]] = []
     for run in window_runs(sizes, sort_window * max_tokens):
         order = sorted(run, key=lambda i: sizes[i], reverse=True)  # stable on ties
-        batches.extend(sorted(batch) for batch in _fill(order, sizes, max_tokens))
+        batches.extend(sorted(batch) for batch in _fill(order, padded, max_tokens))
     return batches
 
 

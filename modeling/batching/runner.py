@@ -37,6 +37,11 @@ class MicrobatchRunner:
         self.model = model
         self.limits = limits
 
+    @property
+    def pad_to_multiple_of(self) -> int:
+        """What every microbatch's rows are padded up to a multiple of (the limits' config)."""
+        return self.limits.config.pad_to_multiple_of
+
     def accumulate(
         self,
         examples: Sequence[Tensor],
@@ -49,7 +54,8 @@ class MicrobatchRunner:
         return self.run(
             [len(example) for example in examples],
             lambda plan: accumulate_gradients(
-                self.model, examples, plan, tier=tier, pad_value=pad_value, precision=precision
+                self.model, examples, plan, tier=tier, pad_value=pad_value, precision=precision,
+                pad_to_multiple_of=self.pad_to_multiple_of,
             ),
         )
 
@@ -66,7 +72,8 @@ class MicrobatchRunner:
         while True:
             limits = self.limits.limits(longest)
             plan = split_microbatches(
-                lengths, max_tokens=limits.max_tokens, max_examples=limits.max_examples
+                lengths, max_tokens=limits.max_tokens, max_examples=limits.max_examples,
+                pad_to_multiple_of=self.pad_to_multiple_of,
             )
             try:
                 result = attempt(plan)
@@ -83,7 +90,8 @@ class MicrobatchRunner:
                 self.limits.shrink(
                     longest,
                     rows=max(len(indices) for indices in plan),
-                    tokens=max(padded_tokens([lengths[i] for i in mb]) for mb in plan),
+                    tokens=max(padded_tokens([lengths[i] for i in mb], self.pad_to_multiple_of)
+                               for mb in plan),
                 )
             except BatchDoesNotFit as error:
                 raise error from oom

@@ -44,32 +44,38 @@ def special_ids(root: Path, strategy: Strategy) -> dict[str, int | None]:
     return ids
 
 
+def special_id_conflicts(named: Mapping[str, int | None], data: Mapping[str, int | None]
+                         ) -> str:
+    """The ids a model names (``named``) that the data's tokenizer (``data``:
+    ``special_ids``) sets otherwise, as "bos_token_id 1 (the data's: 257), ..."; "" if none."""
+    return ", ".join(f"{name} {named[name]} (the data's: {index})"
+                     for name, index in data.items()
+                     if index is not None and named.get(name) not in (None, index))
+
+
 def check_special_ids(named: Mapping[str, int | None], data: Mapping[str, int | None],
                       where: str) -> None:
-    """SpecialIdsMismatch when an id the run named for its model (``named``: a pretrained
-    model's own, or the keys a config gives) and the data's tokenizer (``data``:
-    ``special_ids``) are both set and differ: the model would read the data's markers as
-    other tokens, and mask or pad with ids the data means otherwise. ``where``: the data,
-    as the message names it."""
-    differ = {name: (named[name], index) for name, index in data.items()
-              if index is not None and named.get(name) not in (None, index)}
-    if differ:
-        listed = ", ".join(f"{name} {model} (the data's: {index})"
-                           for name, (model, index) in differ.items())
+    """SpecialIdsMismatch when a pretrained model's ids (``named``) and the data's tokenizer's
+    differ: its embeddings learned the markers at its own ids, so it would read the data's as
+    other tokens, and mask or pad with ids the data means otherwise. ``where``: the data, as
+    the message names it."""
+    if listed := special_id_conflicts(named, data):
         raise SpecialIdsMismatch(
             f"the model's special ids differ from those of {where}'s tokenizer: {listed}. "
             "Tokenize the data with the model's own tokenizer (a strategy of the tokenizer "
-            "the checkpoint ships), or set the model's ids to the data's in its config if "
-            "the two vocabularies are the same.")
+            "the checkpoint ships), or set the model's ids to the data's in its config.json "
+            "if the two vocabularies are the same.")
 
 
 def tokenizer_files(root: Path, strategy: Strategy, *, max_length: int) -> dict[str, bytes]:
     """``tokenizer.json`` and ``tokenizer_config.json`` for the strategy's tokenizer (none
-    for a tokenizer type of the container's own code)."""
+    for a tokenizer type of the container's own code), with its chat template if it has one."""
+    template = None
     if strategy.tokenizer_type == "bytes":
         data = byte_level_json()
     elif strategy.tokenizer_type == "huggingface":
         data = read_json(_file(root, strategy))
+        template = HuggingFaceTokenizer(_file(root, strategy)).chat_template
     else:
         return {}
     spelling = {token["id"]: token["content"] for token in data.get("added_tokens", [])}
@@ -78,6 +84,8 @@ def tokenizer_files(root: Path, strategy: Strategy, *, max_length: int) -> dict[
     for name, index in special_ids(root, strategy).items():
         if index in spelling:
             config[_SPECIAL_KEYS[name]] = spelling[index]
+    if template is not None:
+        config["chat_template"] = template
     return {TOKENIZER_FILE: json.dumps(data, ensure_ascii=False).encode(),
             "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
 
