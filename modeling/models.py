@@ -27,6 +27,7 @@ from matformer.modeling.errors import ConfigError
 from matformer.modeling.generation_cache import KVCache
 from matformer.modeling.layer_spec import ModelSpec, model_spec
 from matformer.modeling.matformer import Tier, layer_widths
+from matformer.modeling.prompt_marks import read_marks
 from matformer.modeling.spec import build_module
 
 
@@ -127,7 +128,9 @@ class TransformerWithLMHead(nn.Module):
                         ) -> tuple[Tensor, Tensor]:
         """(what the model reads, the label of each position) for one document ``ids`` (T,);
         IGNORE_INDEX where a position carries no loss. Training draws these per document
-        before batching, so padding, packing and microbatching never change them."""
+        before batching, so padding, packing and microbatching never change them. A prompt
+        token (``ids`` may carry prompt marks: modeling/prompt_marks.py) is read, never a
+        target."""
         raise NotImplementedError
 
     def labelled_loss(self, inputs: Batch, labels: Tensor, tier: Tier | None = None,
@@ -162,9 +165,11 @@ class AutoregressiveModel(TransformerWithLMHead):
 
     def example_targets(self, ids: Tensor, generator: torch.Generator | None = None
                         ) -> tuple[Tensor, Tensor]:
-        """The document as it is, each position labelled with the next token; the last
-        position predicts nothing."""
-        return ids, F.pad(ids[1:], (0, 1), value=IGNORE_INDEX)
+        """The document as it is, each position labelled with the next token unless that
+        is a prompt token; the last position predicts nothing."""
+        ids, trained = read_marks(ids)
+        labels = torch.where(trained[1:], ids[1:], IGNORE_INDEX)
+        return ids, F.pad(labels, (0, 1), value=IGNORE_INDEX)
 
     def num_targets(self, inputs: Tensor | Batch, attention_mask: Tensor | None = None) -> int:
         """How many positions of ``inputs`` carry a loss (the divisor of the mean)."""
@@ -204,13 +209,15 @@ class BERTModel(TransformerWithLMHead):
 
     def example_targets(self, ids: Tensor, generator: torch.Generator | None = None
                         ) -> tuple[Tensor, Tensor]:
-        """The document with tokens masked, labelled with the originals. A document the
-        draw leaves unmasked gets its most-likely-drawn token masked, so that every
-        document carries a target, as ``target_tokens`` promises."""
+        """The document with tokens masked, labelled with the originals; prompt tokens are
+        never masked. A document the draw leaves unmasked gets its most-likely-drawn token
+        that may be masked, so that every document carries a target, as ``target_tokens``
+        promises (one of prompt tokens alone carries none)."""
+        ids, trained = read_marks(ids)
         draw = torch.rand(ids.shape, generator=generator).to(ids.device)
-        masked = draw < self.config.masked_substitution_rate
-        if not bool(masked.any()):
-            masked[draw.argmin()] = True
+        masked = (draw < self.config.masked_substitution_rate) & trained
+        if not bool(masked.any()) and bool(trained.any()):
+            masked[draw.masked_fill(~trained, 2.0).argmin()] = True  # draws are < 1
         return self._masked(ids, masked)
 
     def _masked(self, ids: Tensor, masked: Tensor) -> tuple[Tensor, Tensor]:

@@ -4,7 +4,8 @@ one definition that standalone training (``client/epochs.py``), the coordinator'
 all take.
 
 - **Candidates.** The MDAT shuffle of the run's seed, less the sequences that carry no
-  target for the model (``with_targets``: a one-token document tail, for a causal model).
+  target for the model (``with_targets``: a one-token document tail, for a causal model;
+  a sequence of prompt alone, of instruction data).
 - **Held out.** The last 5% of the candidates (at least one). No run ever trains on them,
   however long it runs, so a held-out loss is always measured on unseen sequences.
 - **Epochs.** Epoch 0 takes the rest in the shuffle's order; each later epoch takes them in
@@ -49,10 +50,11 @@ class RunOrder:
 
     @classmethod
     def of(cls, shuffle: np.ndarray, lengths: np.ndarray, config: ModelConfig,
-           seed: int) -> RunOrder:
-        """The order of a run over ``shuffle`` (sequence ids, ``lengths[i]`` tokens each) for
-        a model of ``config``. BatchError when nothing is left to train on."""
-        ids = with_targets(np.asarray(shuffle), lengths, config)
+           seed: int, responses: np.ndarray | None = None) -> RunOrder:
+        """The order of a run over ``shuffle`` (sequence ids, ``lengths[i]`` tokens each;
+        ``responses``: of instruction data, see ``with_targets``) for a model of ``config``.
+        BatchError when nothing is left to train on."""
+        ids = with_targets(np.asarray(shuffle), lengths, config, responses)
         held = max(1, int(len(ids) * HELD_OUT_FRACTION))
         return cls(ids[:len(ids) - held], ids[len(ids) - held:], seed)
 
@@ -62,7 +64,7 @@ class RunOrder:
         """The run's sequences and its order, from the container it reads."""
         reader = mdat.sequences(strategy, seq_len, view)
         return reader, cls.of(mdat.shuffle(view, strategy, seq_len, seed), reader.lengths(),
-                              config, seed)
+                              config, seed, reader.response_lengths())
 
     @classmethod
     def fixed(cls, ids: Sequence[int] | np.ndarray) -> RunOrder:

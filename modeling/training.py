@@ -305,11 +305,21 @@ def target_tokens(config: ModelConfig) -> int:
     return 2 if config.is_causal else 1
 
 
-def with_targets(ids: np.ndarray, lengths: np.ndarray, config: ModelConfig) -> np.ndarray:
+def with_targets(ids: np.ndarray, lengths: np.ndarray, config: ModelConfig,
+                 responses: np.ndarray | None = None) -> np.ndarray:
     """The ``ids``, in their order, whose sequences carry a target for a model of ``config``
-    (``lengths[i]``: tokens of sequence ``i``). Raises BatchError if none does."""
+    (``lengths[i]``: tokens of sequence ``i``; of instruction data, ``responses[i]``: its
+    response tokens after the first, as ``SequenceReader.response_lengths`` gives them, so
+    that a sequence of prompt alone is left out too). Raises BatchError if none does."""
     needed = target_tokens(config)
-    kept = ids[lengths[ids] >= needed]
+    trainable = lengths[ids] >= needed
+    if responses is not None:
+        trainable &= responses[ids] > 0
+    kept = ids[trainable]
+    if not len(kept) and responses is not None:
+        raise BatchError(f"none of the {len(ids):,} sequences holds a response token after its "
+                         "first, so nothing can train; give conversations with responses, or "
+                         "a longer sequence length if long prompts fill them.")
     if not len(kept):
         raise BatchError(f"none of the {len(ids):,} sequences has the {needed} tokens a target "
                          "needs, so nothing can train; give data with longer documents.")

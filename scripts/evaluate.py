@@ -135,7 +135,8 @@ def evaluated_examples(args: argparse.Namespace, config: ModelConfig,
             ids = order.held_out
         else:
             reader = mdat.sequences(args.strategy, args.seq_len, args.view)
-            ids = with_targets(np.arange(len(reader)), reader.lengths(), config)
+            ids = with_targets(np.arange(len(reader)), reader.lengths(), config,
+                               reader.response_lengths())
         ids = ids[:args.limit]
         return [torch.from_numpy(reader[int(i)].astype(np.int64)).to(device) for i in ids]
 

@@ -44,6 +44,10 @@ def _add(args: argparse.Namespace) -> None:
     with _open(args) as mdat:
         if args.jsonl:
             info = mdat.add_jsonl(args.name, args.jsonl, text_field=args.text_field, **options)
+        elif args.pairs:
+            info = mdat.add_pairs(args.name, args.pairs, prompt_field=args.prompt_field,
+                                  response_field=args.response_field,
+                                  messages_field=args.messages_field, **options)
         elif args.json:
             info = mdat.add_json(args.name, args.json, text_field=args.text_field, **options)
         elif args.parquet:
@@ -213,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("name", help="the new submdat's name")
     source = sub.add_mutually_exclusive_group(required=True)
     source.add_argument("--jsonl", type=Path, help="one JSON object per line")
+    source.add_argument("--pairs", type=Path, metavar="FILE",
+                        help="instruction data: JSON Lines of prompt/response pairs or chat "
+                        "messages, one conversation per line (pretokenize it with splitter "
+                        "\"conversation\")")
     source.add_argument("--json", type=Path, metavar="FILE",
                         help="a JSON array of objects, one document per element")
     source.add_argument("--folder", type=Path, help="one document per text file")
@@ -225,6 +233,12 @@ def _parser() -> argparse.ArgumentParser:
                         "downloaded)")
     sub.add_argument("--text-field", default="text",
                      help="JSON field or table column holding the text; the others are metadata")
+    sub.add_argument("--prompt-field", default="prompt", help="--pairs: the prompt's field")
+    sub.add_argument("--response-field", default="response",
+                     help="--pairs: the response's field")
+    sub.add_argument("--messages-field", default="messages",
+                     help="--pairs: the field of a list of chat messages (used where a line "
+                     "has it)")
     sub.add_argument("--pattern", default="**/*.txt", help="files of --folder to import")
     sub.add_argument("--split", help="--hf-dataset: the split (of a DatasetDict or hub id)")
     sub.add_argument("--hf-config", help="--hf-dataset: the hub dataset's config")

@@ -38,6 +38,7 @@ from matformer.modeling.mdat.catalogue import (
     SubmdatInfo,
     unknown,
 )
+from matformer.modeling.mdat.conversations import PairFields
 from matformer.modeling.mdat.document_splitter import DocumentSplitter
 from matformer.modeling.mdat.fingerprints import Description, describe, digest
 from matformer.modeling.mdat.hf_datasets import hf_dataset_source
@@ -46,7 +47,12 @@ from matformer.modeling.mdat.json_arrays import json_array_records
 from matformer.modeling.mdat.npy_files import load_npy
 from matformer.modeling.mdat.pretok_files import TOKENIZER_FILE, pretok_folder, strategy_folder
 from matformer.modeling.mdat.pretokenize import PretokTarget, pretokenize
-from matformer.modeling.mdat.records import dict_records, folder_records, jsonl_records
+from matformer.modeling.mdat.records import (
+    dict_records,
+    folder_records,
+    jsonl_records,
+    text_documents,
+)
 from matformer.modeling.mdat.saetta import SaettaReader
 from matformer.modeling.mdat.selection import Selected, ViewDocuments, select, view_targets
 from matformer.modeling.mdat.sequences import SequenceReader, chunks_per_sequence
@@ -62,7 +68,7 @@ from matformer.modeling.mdat.views import (
     view_folder,
     write_view,
 )
-from matformer.modeling.tokenizers.text import locate_tokenizer
+from matformer.modeling.tokenizers.text import CHAT_TEMPLATE_FILES, locate_tokenizer
 
 FOLDERS = ("datasets", "functions", "pretok", "shuffling", "views")
 
@@ -128,7 +134,8 @@ class Mdat:
         """
         return import_records(
             self._catalogue, self.path / "datasets" / check_name("submdat", name),
-            dict_records(records, text_field), name=name, source=source, text_field=text_field,
+            dict_records(records, text_documents(text_field)), name=name, source=source,
+            text_field=text_field,
             compress=compress, skip_bad=skip_bad, batch_size=batch_size, progress=progress,
         )
 
@@ -143,8 +150,35 @@ class Mdat:
             raise SourceNotFound(f"JSON Lines file {file} does not exist; check the path.")
         return import_records(
             self._catalogue, self.path / "datasets" / check_name("submdat", name),
-            jsonl_records(file, text_field), name=name, source=str(file), text_field=text_field,
+            jsonl_records(file, text_documents(text_field)), name=name, source=str(file),
+            text_field=text_field,
             compress=compress, skip_bad=skip_bad, batch_size=batch_size, progress=progress,
+        )
+
+    def add_pairs(
+        self, name: str, source: str | os.PathLike[str] | Iterable[Mapping[str, Any]], *,
+        prompt_field: str = "prompt", response_field: str = "response",
+        messages_field: str = "messages", compress: bool = False, skip_bad: bool = False,
+        batch_size: int = 1000, progress: bool = False,
+    ) -> SubmdatInfo:
+        """Import instruction data: one conversation per line of a JSON Lines file ``source``
+        (or per dict of an iterable), its ``messages_field`` list of chat messages, else its
+        ``prompt_field`` and ``response_field`` (`conversations`). Pretokenize it with a
+        strategy of splitter ``conversation``, which applies the chat template and stores
+        which tokens are responses (`chat_templates`). Options as in `add_records`.
+        """
+        fields = PairFields(prompt_field, response_field, messages_field)
+        if isinstance(source, str | os.PathLike):
+            file = Path(source).resolve()
+            if not file.is_file():
+                raise SourceNotFound(f"JSON Lines file {file} does not exist; check the path.")
+            records, origin = jsonl_records(file, fields.record), str(file)
+        else:
+            records, origin = dict_records(source, fields.record), "python"
+        return import_records(
+            self._catalogue, self.path / "datasets" / check_name("submdat", name), records,
+            name=name, source=origin, text_field=fields.describe(), compress=compress,
+            skip_bad=skip_bad, batch_size=batch_size, progress=progress,
         )
 
     def add_json(
@@ -290,6 +324,10 @@ class Mdat:
             folder.mkdir(parents=True, exist_ok=True)
             with built_aside(folder / TOKENIZER_FILE) as building:
                 shutil.copyfile(tokenizer, building)
+            for name in CHAT_TEMPLATE_FILES:  # its chat template, where it has one
+                if (tokenizer.parent / name).is_file():
+                    with built_aside(folder / name) as building:
+                        shutil.copyfile(tokenizer.parent / name, building)
         self._catalogue.add_strategy(strategy.name, resolved.to_dict())
         return resolved
 

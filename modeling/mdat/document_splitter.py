@@ -6,8 +6,9 @@ ones from ``.py`` files in the container's ``functions/`` folder, loaded when a 
 built, and only with the user's consent: `modeling.trust`). Whatever a splitter returns is
 checked before it is stored, so a buggy custom splitter fails on the document that exposed
 it instead of corrupting sequences later: the keys must be exactly the strategy's
-``returns``. Only ``tokens`` and ``chunks`` are stored;
-any other key ``returns`` lists is checked to be present, then dropped.
+``returns``. Only ``tokens``, ``chunks`` and, where ``returns`` lists it, ``loss_mask`` (one 0
+or 1 per token: instruction data, `modeling.mdat.chat_templates`) are stored; any other key
+``returns`` lists is checked to be present, then dropped.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from matformer.modeling.errors import (
     UnknownSplitter,
 )
 from matformer.modeling.mdat import builtin_splitters as _builtin  # noqa: F401  (registers built-ins)
-from matformer.modeling.mdat.strategy import Strategy
+from matformer.modeling.mdat import chat_templates as _chat  # noqa: F401  (registers "conversation")
+from matformer.modeling.mdat.strategy import LOSS_MASK, Strategy
 from matformer.modeling.registry import registry
 from matformer.modeling.tokenizers import build_text_tokenizer
 from matformer.modeling.trust import refusal
+
+Split = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # tokens, chunks, loss mask or None
 
 
 class DocumentSplitter:
@@ -82,8 +86,9 @@ class DocumentSplitter:
                 )
         return resolved
 
-    def split(self, document: dict[str, Any], where: str) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids (n,) and chunk lengths (c,) of ``document``; ``where`` names it in errors."""
+    def split(self, document: dict[str, Any], where: str) -> Split:
+        """Token ids (n,), chunk lengths (c,) and, for a strategy of instruction data, the
+        loss mask (n,) of ``document``; ``where`` names it in errors."""
         s = self.strategy
         try:
             result = self._splitter(document, **(s.splitter_arguments or {}))
@@ -101,8 +106,8 @@ class DocumentSplitter:
         return arrays
 
 
-def _result_arrays(strategy: Strategy, result: Any) -> tuple[np.ndarray, np.ndarray] | str:
-    """A splitter's (tokens, chunks) as arrays, or what is wrong with its result."""
+def _result_arrays(strategy: Strategy, result: Any) -> Split | str:
+    """A splitter's (tokens, chunks, loss mask) as arrays, or what is wrong with its result."""
     if not isinstance(result, dict):
         return f"it returned a {type(result).__name__}, not a dict with {list(strategy.returns)}"
     missing = [key for key in strategy.returns if key not in result]
@@ -125,7 +130,12 @@ def _result_arrays(strategy: Strategy, result: Any) -> tuple[np.ndarray, np.ndar
         return f"a chunk length is outside 1..{strategy.chunk_size}"
     if chunks.sum() != len(tokens):
         return f"chunk lengths sum to {chunks.sum()}, not to the {len(tokens)} tokens"
-    return tokens, chunks
+    if not strategy.loss_masked:
+        return tokens, chunks, None
+    loss_mask = np.asarray(result[LOSS_MASK])
+    if loss_mask.shape != tokens.shape or not np.isin(loss_mask, (0, 1)).all():
+        return f"{LOSS_MASK} must hold one 0 or 1 per token ({len(tokens)})"
+    return tokens, chunks, loss_mask.astype(np.uint8)
 
 
 def _file_sha256(path: Path) -> str:

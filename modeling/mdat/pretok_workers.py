@@ -38,6 +38,7 @@ class BatchResult:
     tokens: np.ndarray  # (tokens,) every document's tokens, concatenated
     chunks: np.ndarray  # (chunks,) chunk lengths
     doc_chunks: np.ndarray  # (documents,) chunks per document
+    loss_mask: np.ndarray | None = None  # (tokens,) uint8, instruction data only
 
 
 def read_batches(root: Path, strategy: Strategy, submdat: SubmdatInfo, start: int,
@@ -76,16 +77,18 @@ def build_splitter(root: Path, strategy: Strategy,
 
 
 def split_batch(splitter: DocumentSplitter, batch: Batch) -> BatchResult:
-    tokens, chunks = [], []
+    tokens, chunks, masks = [], [], []
     for index, document in zip(batch.indices, batch.documents, strict=True):
         where = f"document {index} of submdat {batch.submdat.name!r}"
-        doc_tokens, doc_chunks = splitter.split(document, where)
+        doc_tokens, doc_chunks, doc_mask = splitter.split(document, where)
         tokens.append(doc_tokens)
         chunks.append(doc_chunks)
+        masks.append(doc_mask)
     return BatchResult(
         np.concatenate(tokens).astype(splitter.strategy.token_dtype),
         np.concatenate(chunks).astype(np.uint32),
         np.array([len(c) for c in chunks], dtype=np.uint32),
+        np.concatenate(masks) if splitter.strategy.loss_masked else None,
     )
 
 

@@ -51,9 +51,11 @@ def _committed(catalogue: Catalogue, strategy: Strategy, target: PretokTarget) -
     progress = catalogue.pretok(strategy.name, target.submdat.id, target.view)
     try:
         if progress.complete:
-            PretokArrays.load(target.folder, progress, strategy.vocab_size)
+            PretokArrays.load(target.folder, progress, strategy.vocab_size,
+                              masked=strategy.loss_masked)
         else:
-            PretokWriter(target.folder, strategy.token_dtype, progress).close()
+            PretokWriter(target.folder, strategy.token_dtype, progress,
+                         masked=strategy.loss_masked).close()
     except MdatCorrupt as err:
         log.warning("matformer.mdat: rebuilding %s: %s", target.folder, err)
         shutil.rmtree(target.folder, ignore_errors=True)
@@ -92,7 +94,8 @@ def pretokenize(
     writer: PretokWriter | None = None  # of pending[0], once its first batch arrived
 
     def open_writer(target: PretokTarget) -> PretokWriter:
-        return PretokWriter(target.folder, strategy.token_dtype, committed[target.submdat.id])
+        return PretokWriter(target.folder, strategy.token_dtype, committed[target.submdat.id],
+                            masked=strategy.loss_masked)
 
     def finish_first() -> None:
         """Complete ``pending[0]``, whose batches have all been written."""
@@ -112,7 +115,7 @@ def pretokenize(
                 finish_first()
             if writer is None:
                 writer = open_writer(pending[0])
-            writer.write(result.tokens, result.chunks, result.doc_chunks)
+            writer.write(result.tokens, result.chunks, result.doc_chunks, result.loss_mask)
             catalogue.save_pretok(writer.progress(strategy.name, batch.submdat.id),
                                   pending[0].view)
             bar.update(len(batch.documents))

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from matformer.modeling.errors import BadRecord, EmptyDocument, NotUtf8
 
-_SKIP_HINT = "or pass skip_bad=True (--skip-bad) to skip and count such records"
+SKIP_HINT = "or pass skip_bad=True (--skip-bad) to skip and count such records"
 _LENGTH = struct.Struct("<Q")  # how long the field after it is
 
 
@@ -33,6 +33,9 @@ class Document:
 
 
 Record = Document | BadRecord | NotUtf8 | EmptyDocument
+# Makes the record of one JSON object or dict, given where it is (for its errors): a text
+# field and metadata (`text_documents`), or a conversation (`modeling.mdat.conversations`).
+ToRecord = Callable[[Mapping[str, Any], str], Record]
 
 
 def record_bytes(record: Record) -> bytes:
@@ -51,10 +54,15 @@ def document_from_dict(value: Mapping[str, Any], text_field: str, where: str) ->
         return BadRecord(
             f"{where}: no text field {text_field!r} holding a string (fields: "
             f"{', '.join(map(str, value)) or 'none'}); choose the field with text_field= "
-            f"(--text-field), {_SKIP_HINT}."
+            f"(--text-field), {SKIP_HINT}."
         )
-    return _document(text, where, {key: field for key, field in value.items()
-                                   if key != text_field})
+    return checked_document(text, where, {key: field for key, field in value.items()
+                                          if key != text_field})
+
+
+def text_documents(text_field: str) -> ToRecord:
+    """Records of objects whose ``text_field`` is the text (`document_from_dict`)."""
+    return lambda value, where: document_from_dict(value, text_field, where)
 
 
 def cell_record(text: object, column: str, where: str,
@@ -65,11 +73,11 @@ def cell_record(text: object, column: str, where: str,
     UTF-8 is named here, per row and column, and not by the table reader for a whole batch.
     """
     if text is None:
-        return BadRecord(f"{where}: the text column {column!r} is null; {_SKIP_HINT}.")
+        return BadRecord(f"{where}: the text column {column!r} is null; {SKIP_HINT}.")
     if not isinstance(text, str | bytes):
         return BadRecord(
             f"{where}: column {column!r} holds a {type(text).__name__}, not text; choose the "
-            f"text column with text_field= (--text-field), {_SKIP_HINT}."
+            f"text column with text_field= (--text-field), {SKIP_HINT}."
         )
     extra = {}
     for key, value in (metadata or {}).items():
@@ -77,11 +85,11 @@ def cell_record(text: object, column: str, where: str,
             extra[key] = value.decode("utf-8") if isinstance(value, bytes) else value
         except UnicodeDecodeError as err:
             return NotUtf8(f"{where}: column {key!r} is not valid UTF-8 ({err.reason}); fix the "
-                           f"input {_SKIP_HINT}.")
-    return _document(text, where, extra)
+                           f"input {SKIP_HINT}.")
+    return checked_document(text, where, extra)
 
 
-def _document(text: str | bytes, where: str, extra: Mapping[str, Any]) -> Record:
+def checked_document(text: str | bytes, where: str, extra: Mapping[str, Any]) -> Record:
     """``text`` checked (UTF-8, not blank) and ``extra`` as JSON metadata (None if empty)."""
     try:
         raw = text.encode("utf-8") if isinstance(text, str) else text
@@ -89,28 +97,28 @@ def _document(text: str | bytes, where: str, extra: Mapping[str, Any]) -> Record
             raw.decode("utf-8")
     except UnicodeError as err:
         return NotUtf8(
-            f"{where}: text is not valid UTF-8 ({err.reason}); fix the input {_SKIP_HINT}."
+            f"{where}: text is not valid UTF-8 ({err.reason}); fix the input {SKIP_HINT}."
         )
     if not raw.strip():  # a document without tokens would make no sequence
         return EmptyDocument(f"{where}: the text is empty or only whitespace; remove the "
-                             f"record {_SKIP_HINT}.")
+                             f"record {SKIP_HINT}.")
     try:
         metadata = json.dumps(extra, ensure_ascii=False).encode("utf-8") if extra else None
     except (TypeError, ValueError, UnicodeError) as err:
-        return BadRecord(f"{where}: metadata cannot be stored as JSON ({err}); {_SKIP_HINT}.")
+        return BadRecord(f"{where}: metadata cannot be stored as JSON ({err}); {SKIP_HINT}.")
     return Document(raw, metadata)
 
 
-def dict_records(records: Iterable[Mapping[str, Any]], text_field: str) -> Iterator[Record]:
+def dict_records(records: Iterable[Mapping[str, Any]], to_record: ToRecord) -> Iterator[Record]:
     for number, value in enumerate(records):
         where = f"record {number}"
         if not isinstance(value, Mapping):
-            yield BadRecord(f"{where} is a {type(value).__name__}, not a dict; {_SKIP_HINT}.")
+            yield BadRecord(f"{where} is a {type(value).__name__}, not a dict; {SKIP_HINT}.")
             continue
-        yield document_from_dict(value, text_field, where)
+        yield to_record(value, where)
 
 
-def jsonl_records(file: Path, text_field: str) -> Iterator[Record]:
+def jsonl_records(file: Path, to_record: ToRecord) -> Iterator[Record]:
     """One record per non-blank line of a JSON Lines file (blank lines are not records)."""
     with open(file, "rb") as lines:
         for number, line in enumerate(lines, start=1):
@@ -122,17 +130,17 @@ def jsonl_records(file: Path, text_field: str) -> Iterator[Record]:
             except UnicodeDecodeError as err:
                 yield NotUtf8(
                     f"{where}: line is not valid UTF-8 ({err.reason} at byte {err.start}); "
-                    f"fix the file {_SKIP_HINT}."
+                    f"fix the file {SKIP_HINT}."
                 )
                 continue
             except json.JSONDecodeError as err:
-                yield BadRecord(f"{where}: not JSON ({err.msg}); fix the line {_SKIP_HINT}.")
+                yield BadRecord(f"{where}: not JSON ({err.msg}); fix the line {SKIP_HINT}.")
                 continue
             if not isinstance(value, dict):
                 kind = type(value).__name__
-                yield BadRecord(f"{where}: a JSON {kind}, not an object; {_SKIP_HINT}.")
+                yield BadRecord(f"{where}: a JSON {kind}, not an object; {SKIP_HINT}.")
                 continue
-            yield document_from_dict(value, text_field, where)
+            yield to_record(value, where)
 
 
 def folder_records(folder: Path, pattern: str) -> Iterator[Record]:

@@ -54,7 +54,7 @@ def export_saetta(
         raise SaettaError(f"{out} exists already; remove it or export to another path.")
     with built_aside(out) as building:
         building.mkdir(parents=True)
-        tokens = AppendableNpy(building / TOKENS, sequences.strategy.token_dtype)
+        tokens = AppendableNpy(building / TOKENS, sequences.token_dtype)  # marks kept
         offsets = np.zeros(len(order) + 1, dtype=np.uint64)
         with closing(tokens):
             for position, index in enumerate(tqdm(order, desc="export saetta", unit="seq",

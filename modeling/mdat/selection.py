@@ -48,7 +48,8 @@ class Selected:
 
     def part(self, strategy: Strategy) -> ReaderPart:
         """The reader's share of this submdat, its arrays loaded and checked."""
-        arrays = PretokArrays.load(self.folder, self.progress, strategy.vocab_size)
+        arrays = PretokArrays.load(self.folder, self.progress, strategy.vocab_size,
+                                   masked=strategy.loss_masked)
         if self.own:
             return ReaderPart(self.info.name, arrays, numbers=self.documents)
         return ReaderPart(self.info.name, arrays, documents=self.documents)

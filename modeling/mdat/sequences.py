@@ -18,6 +18,9 @@ submdat's arrays.
 Sequences hold the document's tokens only, no special tokens: a consumer that wants an end
 of document marker appends ``reader.strategy.eos_token_id`` where
 ``reader.locate(i).ends_document`` (and ``bos_token_id`` where ``first_chunk == 0``).
+Instruction data is the exception: its chat template puts in the markers it wants. Its
+sequences carry prompt marks (`modeling.prompt_marks`), read from the stored loss mask: a
+prompt token ``t`` is ``~t`` in ``reader[i]``, whose dtype is then signed (``token_dtype``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 from matformer.modeling.errors import SequenceLengthError
 from matformer.modeling.mdat.pretok_files import PretokArrays
 from matformer.modeling.mdat.strategy import Strategy
+from matformer.modeling.prompt_marks import mark_prompt, marked_dtype
 
 
 def chunks_per_sequence(strategy: Strategy, max_seq_len: int) -> int:
@@ -78,6 +82,8 @@ class _Part:
         self.tokens = np.asarray(arrays.tokens)  # plain ndarray view: faster slicing than memmap
         self.chunk_starts = np.asarray(arrays.chunk_starts)  # (chunks + 1,)
         self.doc_starts = np.asarray(arrays.doc_starts)  # (documents + 1,)
+        # (tokens,) 1 on response tokens; None: not instruction data
+        self.loss_mask = None if arrays.loss_mask is None else np.asarray(arrays.loss_mask)
         self.documents = source.documents  # (selected,) sorted positions; None: all of them
         self.numbers = source.numbers  # (held,) the submdat's index of each; None: the same
         self.k = k
@@ -103,6 +109,18 @@ class _Part:
 
     def lengths(self) -> np.ndarray:
         """(sequences,) int64 tokens of each local sequence, in id order."""
+        first, end = self._token_ranges()
+        return end - first
+
+    def response_lengths(self) -> np.ndarray:
+        """(sequences,) int64 response tokens of each local sequence after its first (the
+        targets a causal model finds in it); the part must have a loss mask."""
+        first, end = self._token_ranges()
+        responses = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])
+        return responses[end] - responses[np.minimum(first + 1, end)]
+
+    def _token_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sequences,) the first and the end token index of each local sequence."""
         counts = self._sequences_per_document()  # (selected,)
         chosen = slice(None) if self.documents is None else self.documents
         doc_first, doc_end = self.doc_starts[:-1][chosen], self.doc_starts[1:][chosen]
@@ -110,7 +128,7 @@ class _Part:
         shift = np.repeat(doc_first - self.sequence_start[:-1] * self.k, counts)
         first = np.arange(len(shift), dtype=np.int64) * self.k + shift  # (sequences,)
         end = np.minimum(first + self.k, np.repeat(doc_end, counts))
-        return self.chunk_starts[end] - self.chunk_starts[first]
+        return self.chunk_starts[first], self.chunk_starts[end]
 
     def chunk_range(self, local: int) -> tuple[int, int, int, int]:
         """(document, first chunk, end chunk, document's end chunk) of local sequence ``local``."""
@@ -148,9 +166,28 @@ class SequenceReader:
         part = self._parts[p]
         return part, part.chunk_range(index - self._part_start[p])
 
+    @property
+    def token_dtype(self) -> np.dtype:
+        """The dtype of ``reader[i]``: the strategy's, or a signed one that holds prompt
+        marks (instruction data)."""
+        dtype = self.strategy.token_dtype
+        return marked_dtype(dtype) if self.strategy.loss_masked else dtype
+
     def __getitem__(self, index: int) -> np.ndarray:
         part, (_, first, end, _) = self._find(index)
-        return part.tokens[part.chunk_starts[first]:part.chunk_starts[end]]  # (<= max_seq_len,)
+        start, stop = part.chunk_starts[first], part.chunk_starts[end]
+        if part.loss_mask is None:
+            return part.tokens[start:stop]  # (<= max_seq_len,)
+        return mark_prompt(part.tokens[start:stop], part.loss_mask[start:stop])
+
+    def response_lengths(self) -> np.ndarray | None:
+        """(len(self),) int64: the response tokens of each sequence after its first, which
+        is what a causal model's loss falls on (a masked model's may also fall on the first);
+        None when the sequences are not instruction data (every token a target)."""
+        if not self.strategy.loss_masked:
+            return None
+        return np.concatenate([np.zeros(0, np.int64),
+                               *(part.response_lengths() for part in self._parts)])
 
     def lengths(self) -> np.ndarray:
         """(len(self),) int64: ``len(self[i])`` for every id ``i``, computed from the offsets

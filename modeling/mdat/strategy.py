@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 DOCUMENT_FIELDS = ("data", "meta")  # what a splitter may ask for in wants_from_db
 DATABASES = ("tokens", "chunks")  # what pretokenization stores, and sequences are built from
+# What a splitter of instruction data returns besides: 1 where a token is a response token
+# (a loss target), 0 where it is prompt. Pretokenization stores it when ``returns`` lists it.
+LOSS_MASK = "loss_mask"
 
 
 def check_name(kind: str, name: object) -> str:
@@ -69,14 +72,20 @@ class Strategy:
         f"document fields the splitter receives, of {', '.join(DOCUMENT_FIELDS)}"))
     wants_raw: bool = setting(True, help="true: \"data\" is the text; false: its UTF-8 bytes")
     returns: tuple[str, ...] = setting(DATABASES, help="the keys of the splitter's result")
-    # Always ("tokens", "chunks"), the only results pretokenize stores; the field stays so
-    # that strategy JSON files of the MDAT design load unchanged, and is checked to be that.
+    # Always ("tokens", "chunks"), the results pretokenize stores of every strategy (and
+    # LOSS_MASK where ``returns`` lists it); the field stays so that strategy JSON files of
+    # the MDAT design load unchanged, and is checked to be that.
     required_databases: tuple[str, ...] = setting(DATABASES, help=(
         f"always {', '.join(DATABASES)}: what pretokenization stores"))
 
     @property
     def name(self) -> str:
         return self.strategy_name
+
+    @property
+    def loss_masked(self) -> bool:
+        """Whether its splitter says which tokens are responses (instruction data)."""
+        return LOSS_MASK in self.returns
 
     @property
     def token_dtype(self) -> np.dtype:

@@ -9,6 +9,7 @@ container's ``functions/`` folder.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,12 +66,22 @@ SPECIAL_TOKEN_NAMES = {
 }
 
 
+# Files beside a tokenizer.json that give its chat template, as transformers names them (the
+# second wins); a strategy keeps a copy of them with its tokenizer.json.
+CHAT_TEMPLATE_FILES = ("tokenizer_config.json", "chat_template.jinja")
+# tokenizer_config.json's special tokens, which a chat template reads by these names
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                    "cls_token", "mask_token")
+
+
 @registry.register("mdat_tokenizer", "huggingface", "default", requires=["tokenizers"])
 class HuggingFaceTokenizer:
     """A ``tokenizers`` ``tokenizer.json`` read from a local file; special tokens not added.
 
     Its bos, eos and mask ids are those of the file's special tokens named as in
-    `SPECIAL_TOKEN_NAMES`, or None.
+    `SPECIAL_TOKEN_NAMES`, or None. Its ``chat_template`` (or None) and the spellings of the
+    special tokens that template reads (``template_tokens``) come from the
+    `CHAT_TEMPLATE_FILES` beside the file, where there are any.
     """
 
     def __init__(self, tokenizer_file: Path | None = None) -> None:
@@ -97,6 +108,7 @@ class HuggingFaceTokenizer:
         self.bos_token_id: int | None = found["bos_token_id"]
         self.eos_token_id: int | None = found["eos_token_id"]
         self.mask_token_id: int | None = found["mask_token_id"]
+        self.chat_template, self.template_tokens = _chat_template(Path(tokenizer_file).parent)
 
     def encode(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         encoding = self._tokenizer.encode(text, add_special_tokens=False)
@@ -105,6 +117,30 @@ class HuggingFaceTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _chat_template(folder: Path) -> tuple[str | None, dict[str, str]]:
+    """(the chat template, the special tokens' spellings by name) the `CHAT_TEMPLATE_FILES`
+    in ``folder`` give; (None, {}) where there are none."""
+    config_file, template_file = (folder / name for name in CHAT_TEMPLATE_FILES)
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8")) \
+            if config_file.is_file() else {}
+    except ValueError as err:
+        raise StrategyError(f"{config_file} is not JSON ({err}); fix or remove it.") from err
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: transformers uses "default"
+        template = next((t.get("template") for t in template if t.get("name") == "default"),
+                        None)
+    if template_file.is_file():
+        template = template_file.read_text(encoding="utf-8")
+    spellings = {}
+    for name in _TEMPLATE_TOKENS:
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            spellings[name] = token
+    return template if isinstance(template, str) else None, spellings
 
 
 def locate_tokenizer(name: str, revision: str | None = None) -> tuple[Path, str]:
