@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.helpers import train_data
 
 from matformer.client import standalone
 from matformer.client.standalone import main, parse_args
@@ -18,18 +19,11 @@ from matformer.client.train_config import apply
 from matformer.modeling import training
 from matformer.modeling.batching import runner
 from matformer.modeling.errors import InvalidValue
-from matformer.modeling.mdat import build_default_mdat
-
-MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 512}
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("rows")
-    build_default_mdat(folder / "docs.mdat", limit=40).close()
-    (folder / "model.json").write_text(json.dumps(MODEL))
-    return folder
+    return train_data(tmp_path_factory.mktemp("rows"))
 
 
 def argv(data: Path, out: Path, *extra: str) -> list[str]:

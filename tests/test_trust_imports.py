@@ -113,8 +113,8 @@ def test_a_page_past_the_limit_is_refused_before_decoding_and_the_limit_can_be_r
     asked = spy_reads(monkeypatch)
     monkeypatch.setenv(READ_LIMIT_ENV, "2")
     with Mdat.create(tmp_path / "c") as mdat:
-        with pytest.raises(ImportTooLarge, match=rf"{file} row group 0 has a page of 3.0 MiB of "
-                                                 r"text in column 'text', more than the read "
+        with pytest.raises(ImportTooLarge, match=rf"{file} row group 0 has a page of 3.0 MiB "
+                                                 r"in column 'text', more than the read "
                                                  r"limit of 2.0 MiB"):
             mdat.add_parquet("d", file)
         assert asked == [] and mdat.submdats() == []  # refused before a row was decoded

@@ -41,6 +41,20 @@ class Clock:
         return self.now
 
 
+# a small model `matformer train` tests train (as --config model.json) on 40 documents
+TRAIN_MODEL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 128,
+               "max_position_embeddings": 512}
+
+
+def train_data(folder: Path) -> Path:
+    """``folder`` with ``docs.mdat`` (the default corpus's first 40 documents) and
+    ``model.json`` (TRAIN_MODEL) in it."""
+    build_default_mdat(folder / "docs.mdat", limit=40).close()
+    (folder / "model.json").write_text(json.dumps(TRAIN_MODEL))
+    return folder
+
+
 def checked_tables(**tables: Any) -> dict[str, Any]:
     """The smallest valid run.toml as data, for a config that is checked and never run (no
     file is read); ``tables`` replace whole tables (``auth="none"`` too)."""
