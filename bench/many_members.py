@@ -374,12 +374,27 @@ async def collect(stream: AsyncIterator[T], traffic: Traffic) -> list[T]:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of process ``pid``, every thread of it, and of its children alive
-    now (the coordinator's heartbeat process, its close shards)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    children = {int(c) for task in Path(f"/proc/{pid}/task").iterdir()
-                for c in (task / "children").read_text().split()}
+    now (the coordinator's heartbeat process, its close shards). A thread or child that ends
+    while it is read counts nothing (its /proc entries are gone)."""
+    stat = proc_text(Path(f"/proc/{pid}/stat"))
+    if not stat:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        tasks = []
+    children = {int(c) for task in tasks for c in proc_text(task / "children").split()}
     return ((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-            + sum(cpu_seconds(c) for c in children if Path(f"/proc/{c}").exists()))
+            + sum(cpu_seconds(c) for c in children))
+
+
+def proc_text(path: Path) -> str:
+    """A /proc file's text, or "" once the thread or process it describes has ended."""
+    try:
+        return path.read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 def status_field(pid: int, name: str) -> int:
