@@ -22,6 +22,11 @@ from typing import Any
 import numpy as np
 
 from matformer.modeling.mdat import Mdat, SequenceReader
+from matformer.modeling.mdat.checkpoint_tokenizer import (
+    SPECIAL_ID_NAMES,
+    check_special_ids,
+    special_ids,
+)
 from matformer.modeling.run_order import RunOrder
 from matformer.modeling.training import with_targets
 from matformer.server.config import RunConfig
@@ -32,7 +37,8 @@ from matformer.server.state import RunState
 def work_order(mdat: Mdat, config: RunConfig, state: RunState | None = None
                ) -> tuple[SequenceReader, RunOrder]:
     """The run's sequences (its [data]) and its order. BatchError if no sequence carries a
-    target; ConfigError if the strategy gives ids the model has no embedding for.
+    target; ConfigError if the strategy gives ids the model has no embedding for, or
+    (SpecialIdsMismatch) if a pretrained model's special ids are not the data's.
 
     ``state`` (the saved run, if any) keeps a run's order what it was, since its queue
     positions count in it: a run saved before orders held out a tail (its state has no
@@ -41,7 +47,12 @@ def work_order(mdat: Mdat, config: RunConfig, state: RunState | None = None
     shuffle).
     """
     data, model = config.data, config.model.build()
-    mdat.strategy(data.strategy).fit_vocabulary(model, named=True)
+    strategy = mdat.strategy(data.strategy)
+    strategy.fit_vocabulary(model, named=True)
+    if config.model.checkpoint is not None:  # its embeddings learned its own special ids
+        check_special_ids({name: getattr(model, name) for name in SPECIAL_ID_NAMES},
+                          special_ids(mdat.path, strategy),
+                          f"[data] {mdat.path} ({data.strategy!r})")
     if state is None or state.held_out is not None:
         return RunOrder.open(mdat, data.strategy, data.max_seq_len, data.view, data.seed, model)
     reader = mdat.sequences(data.strategy, data.max_seq_len, data.view)

@@ -12,21 +12,27 @@ import transformers
 from support.helpers import Clock, run_tables
 from support.rounds import caps, drive
 
+from matformer.modeling.errors import SpecialIdsMismatch
 from matformer.server.config import RunConfig
 from matformer.server.coordinator import Coordinator
 from matformer.server.errors import ServerConfigError
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def saved_llama(folder, **ids):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=260, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
-        tie_word_embeddings=False))
-    folder = tmp_path_factory.mktemp("llama")
+        tie_word_embeddings=False, **ids))
     model.save_pretrained(folder)
     return model, folder
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    # the byte tokenizer's ids, as the run's data have them
+    return saved_llama(tmp_path_factory.mktemp("llama"), pad_token_id=256, bos_token_id=257,
+                       eos_token_id=258)
 
 
 def hub_cache(cache, repo, folder):
@@ -66,3 +72,12 @@ def test_a_hub_id_the_cache_lacks_is_named(tmp_path, mdat_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     with pytest.raises(ServerConfigError, match="huggingface-cli download org/absent"):
         run(tmp_path, mdat_path, "org/absent")
+
+
+def test_a_checkpoint_whose_special_ids_are_not_the_datas_is_refused(tmp_path, mdat_path):
+    """transformers' Llama defaults (bos 1, eos 2) against the byte data's (257, 258): the
+    run would train the model's embeddings of those markers on ordinary bytes."""
+    _, folder = saved_llama(tmp_path / "llama")
+    with pytest.raises(SpecialIdsMismatch, match=r"bos_token_id 1 \(the data's: 257\), "
+                                                 r"eos_token_id 2 \(the data's: 258\)"):
+        run(tmp_path, mdat_path, str(folder))

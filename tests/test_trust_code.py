@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.helpers import run_tables, write_run_toml
-from support.models import tiny_config
+from support.models import BYTE_IDS, tiny_config
 
 from matformer.client.checkpoints import CheckpointFiles
 from matformer.client.connection import Connection
@@ -95,10 +95,10 @@ def planted_checkpoint(folder: Path, marker: Path, *, listed: object = "planted.
     """A checkpoint whose model has a hook only the planted module registers. Its weights
     are a plain model's (the hook has none); its config.json lists ``listed``."""
     marker.mkdir(exist_ok=True)
-    save_pretrained(build_model(tiny_config(vocab_size=260, max_position_embeddings=128)),
-                    folder)
+    save_pretrained(build_model(tiny_config(vocab_size=260, max_position_embeddings=128,
+                                            **BYTE_IDS)), folder)
     name = fresh_name()
-    config = tiny_config(vocab_size=260, max_position_embeddings=128,
+    config = tiny_config(vocab_size=260, max_position_embeddings=128, **BYTE_IDS,
                          default_layer={"hooks": {"post_mlp": name}})
     listed = [listed] if isinstance(listed, str) else listed
     (folder / CONFIG_NAME).write_text(json.dumps(

@@ -17,6 +17,10 @@ from matformer.modeling.mdat import Mdat
 TAILS_STRATEGY = "fixed8"  # what ``mdat_with_one_token_tails`` pretokenizes: bytes, chunks of 8
 
 
+# the byte tokenizer's special ids: a checkpoint a run starts from on byte data names these
+BYTE_IDS = dict(pad_token_id=256, bos_token_id=257, eos_token_id=258, mask_token_id=259)
+
+
 def tiny_config(**overrides) -> ModelConfig:
     """A 2-layer Llama-shaped model small enough for exhaustive tests."""
     fields = dict(
