@@ -48,9 +48,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             raise ConfigError(
                 f"pad_to_multiple_of must be at least 1 (or None), got {pad_to_multiple_of}."
             )
-        multiple = pad_to_multiple_of or 1
-        widths = [-(-int(n) // multiple) * multiple for n in lengths]  # as the collator pads
-        self.batches = plan_batches(widths, max_tokens, sort_window=sort_window)
+        self.batches = plan_batches(lengths, max_tokens, sort_window=sort_window,
+                                    pad_to_multiple_of=pad_to_multiple_of or 1)
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0

@@ -176,7 +176,5 @@ def _ids(feature: Mapping[str, Any]) -> Tensor:
 def _padded(rows: Sequence[Tensor], value: int, multiple: int | None) -> tuple[Tensor, Tensor]:
     """(B, T) ``rows`` padded on the right with ``value`` to the longest row, rounded up to
     ``multiple``; and the (B, T) attention mask, 1 on real tokens."""
-    batch = MaskedBatch.from_list(rows, pad_value=value)
-    extra = -batch.data.shape[1] % multiple if multiple else 0
-    return (F.pad(batch.data, (0, extra), value=value),
-            F.pad(batch.tokens.long(), (0, extra)))
+    batch = MaskedBatch.from_list(rows, pad_value=value, pad_to_multiple_of=multiple or 1)
+    return batch.data, batch.tokens.long()
